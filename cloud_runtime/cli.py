@@ -1,0 +1,79 @@
+"""`hat-cloud serve`: load the target model and serve devices over ZeroMQ."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from cloud_runtime.config import CloudConfig
+
+READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hat-cloud", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the target model to devices")
+    d = CloudConfig.__dataclass_fields__
+    s.add_argument("--model", required=True, help="registry name (see `hat-models list`), HF directory or .gguf file")
+    s.add_argument("--bind", default=d["bind"].default, help="ZeroMQ endpoint to bind (default %(default)s)")
+    s.add_argument("--session-timeout", type=float, default=d["session_timeout_s"].default, help="seconds")
+    s.add_argument("--max-sessions", type=int, default=d["max_sessions"].default)
+    s.add_argument("--max-draft-len", type=int, default=d["max_draft_len"].default)
+    s.add_argument("--max-context", type=int, default=d["max_context"].default)
+    s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
+    s.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = CloudConfig(
+            model=args.model,
+            bind=args.bind,
+            session_timeout_s=args.session_timeout,
+            max_sessions=args.max_sessions,
+            max_draft_len=args.max_draft_len,
+            max_context=args.max_context,
+            threads=args.threads,
+        )
+    except ValueError as exc:
+        print(f"hat-cloud: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+def serve(config: CloudConfig) -> int:
+    import torch
+
+    from cloud_runtime.server import CloudServer
+    from hat_split.lm import CausalLM
+    from hat_split.loading import load_model, vocab_fingerprint
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        loaded = load_model(config.model)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"hat-cloud: cannot load model {config.model!r}: {exc}", file=sys.stderr)
+        return 2
+    name = loaded.spec.name if loaded.spec is not None else str(config.model)
+    server = CloudServer(config, CausalLM(loaded.model), name, vocab_fingerprint(loaded.tokenizer))
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        with server:
+            print(f"{READY_LINE} endpoint={server.endpoint} model={name} load_s={loaded.load_seconds:.1f}", flush=True)
+            server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # e.g. address in use
+        print(f"hat-cloud: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The cloud server's one typed configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hat_split.protocol import DEFAULT_MAX_MESSAGE_BYTES
+
+
+@dataclass(frozen=True)
+class CloudConfig:
+    model: str  # registry short name, HF directory or .gguf path of the target (large) model
+    bind: str = "tcp://127.0.0.1:5555"  # ZeroMQ endpoint the ROUTER socket binds
+    session_timeout_s: float = 120.0  # a session silent this long is dropped and its KV cache freed
+    max_sessions: int = 64  # concurrent sessions; more are refused with an Error("busy")
+    max_draft_len: int = 16  # longest draft accepted in one Verify (bounds verify latency and memory)
+    max_context: int = 8192  # prompt + generated tokens per session (bounds KV memory)
+    max_generate: int = 256  # tokens one Generate request may ask for
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused unread
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default (all cores)
+    poll_ms: int = 200  # how often the loop wakes to expire idle sessions when no message arrives
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("CloudConfig.model must name a model")
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}")
+        for name in ("session_timeout_s",):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("max_sessions", "max_draft_len", "max_context", "max_generate", "max_message_bytes", "poll_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0")

@@ -1,0 +1,242 @@
+"""The cloud's ZeroMQ ROUTER server: one loop, many devices, one session per device request.
+
+Every request is decoded and validated before any compute (hat_split.protocol); anything wrong is answered with an
+`Error` naming the problem and the loop carries on with the next message. Sessions keep the target's KV cache
+between rounds and are dropped after `session_timeout_s` of silence, freeing their memory.
+
+Flow control is request/response: a device has at most one request in flight, so the ROUTER never queues more than
+one reply per device. ROUTER_MANDATORY makes a reply to a vanished device fail loudly (it is then dropped) rather
+than silently.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import zmq
+
+from cloud_runtime.config import CloudConfig
+from cloud_runtime.session import TargetSession
+from hat_split import protocol as P
+from hat_split.dist_codec import decode_dist
+from hat_split.lm import CausalLM
+from hat_split.sampling import SamplingParams
+
+log = logging.getLogger("hatspec.cloud")
+
+TOKEN_PROTOCOLS = ("sd", "hlm", "llm")  # protocols this server verifies with the full target model
+SOFTWARE = "hatspec-cloud/0.1"
+
+
+@dataclass
+class ServerStats:
+    requests: int = 0
+    errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    sessions_opened: int = 0
+    sessions_expired: int = 0
+    errors_by_code: Dict[str, int] = field(default_factory=dict)
+
+
+class CloudServer:
+    """Serves token-protocol sessions for many devices over one ROUTER socket."""
+
+    def __init__(self, config: CloudConfig, lm: CausalLM, model_name: str, vocab_fingerprint: str):
+        self.config = config
+        self.lm = lm
+        self.model_name = model_name
+        self.vocab_fingerprint = vocab_fingerprint
+        self.limits = P.Limits(lm.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
+        self.sessions: Dict[Tuple[bytes, int], TargetSession] = {}
+        self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
+        self.stats = ServerStats()
+        self._ctx = zmq.Context.instance()
+        self._sock: Optional[zmq.Socket] = None
+        self._running = False
+        self._handlers: Dict[type, Callable[[bytes, Any], P.Message]] = {
+            P.Hello: self._hello,
+            P.OpenSession: self._open,
+            P.Verify: self._verify,
+            P.Generate: self._generate,
+            P.CloseSession: self._close,
+        }
+
+    # -- lifetime -------------------------------------------------------------------------------------------------
+    def __enter__(self) -> "CloudServer":
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        # ZeroMQ drops a peer whose single frame exceeds this; the application check answers smaller excess.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        sock.bind(self.config.bind)
+        self._sock = sock
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self.sessions.clear()
+
+    @property
+    def endpoint(self) -> str:
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def stop(self) -> None:
+        self._running = False
+
+    def serve_forever(self, until: Optional[Callable[[], bool]] = None) -> None:
+        """Serve until stop() is called or `until()` returns True (checked every poll_ms)."""
+        self._running = True
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        last_sweep = time.monotonic()
+        while self._running and not (until and until()):
+            if poller.poll(self.config.poll_ms):
+                self.handle_one(self._sock.recv_multipart(copy=False))
+            now = time.monotonic()
+            if now - last_sweep >= 1.0:
+                self.expire_idle(now)
+                last_sweep = now
+
+    # -- one message ----------------------------------------------------------------------------------------------
+    def handle_one(self, raw: List[Any]) -> None:
+        frames = [f.buffer if hasattr(f, "buffer") else f for f in raw]
+        identity, body = P.split_envelope(frames)
+        self.stats.requests += 1
+        self.stats.bytes_in += P.frame_bytes(body)
+        msg: Any = None
+        try:
+            msg = P.decode(body, self.config.max_message_bytes)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise P.ProtocolError("unexpected", f"{type(msg).__name__} is not a request the cloud accepts")
+            if type(msg) is not P.Hello and identity not in self.peers:
+                raise P.ProtocolError("no_handshake", "send Hello before any other request")
+            self.peers[identity] = time.monotonic()
+            reply = handler(identity, msg)
+        except P.ProtocolError as exc:
+            reply = self._error(exc.code, exc.message, msg)
+        except Exception as exc:  # a bug or a compute failure must not take the server down
+            log.exception("internal error while serving %s", type(msg).__name__)
+            reply = self._error("internal", f"{type(exc).__name__}: {exc}", msg)
+        out = P.encode(reply)
+        self.stats.bytes_out += P.frame_bytes(out)
+        try:
+            self._sock.send_multipart([identity, *out], copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the device went away before its answer
+            log.warning("dropping reply to vanished peer %r: %s", identity, exc)
+
+    def _error(self, code: str, message: str, msg: Any) -> P.Error:
+        self.stats.errors += 1
+        self.stats.errors_by_code[code] = self.stats.errors_by_code.get(code, 0) + 1
+        log.info("error %s: %s", code, message)
+        return P.Error(code, message, getattr(msg, "session_id", None), getattr(msg, "step", None))
+
+    def expire_idle(self, now: float) -> None:
+        limit = self.config.session_timeout_s
+        for key in [k for k, s in self.sessions.items() if now - s.last_active > limit]:
+            log.info("session %s of %r idle for over %.0f s: freed", key[1], key[0], limit)
+            del self.sessions[key]
+            self.stats.sessions_expired += 1
+        for peer in [p for p, t in self.peers.items() if now - t > limit]:
+            if not any(k[0] == peer for k in self.sessions):
+                del self.peers[peer]
+
+    # -- handlers ---------------------------------------------------------------------------------------------------
+    def _hello(self, identity: bytes, msg: P.Hello) -> P.Message:
+        if msg.vocab_fingerprint and msg.vocab_fingerprint != self.vocab_fingerprint:
+            raise P.ProtocolError(
+                "vocab_mismatch",
+                f"device model {msg.model!r} has vocabulary {msg.vocab_fingerprint[:12]}, cloud model "
+                f"{self.model_name!r} has {self.vocab_fingerprint[:12]}: they cannot generate together",
+            )
+        self.peers[identity] = time.monotonic()
+        return P.Welcome(
+            protocol_version=P.PROTOCOL_VERSION,
+            model=self.model_name,
+            vocab_size=self.lm.vocab_size,
+            vocab_fingerprint=self.vocab_fingerprint,
+            session_timeout_s=self.config.session_timeout_s,
+            max_draft_len=self.config.max_draft_len,
+            max_context=self.config.max_context,
+            protocols=list(TOKEN_PROTOCOLS),
+            software=SOFTWARE,
+        )
+
+    def _open(self, identity: bytes, msg: P.OpenSession) -> P.Message:
+        if msg.protocol not in TOKEN_PROTOCOLS:
+            raise P.ProtocolError("invalid", f"protocol {msg.protocol!r} is not served here; known: {TOKEN_PROTOCOLS}")
+        prompt = P.check_tokens(msg.prompt, "prompt", self.limits.vocab_size, 1, self.limits.max_context)
+        try:
+            params = SamplingParams(msg.sampling.temperature, msg.sampling.top_k, msg.sampling.top_p)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"sampling: {exc}") from None
+        key = (identity, msg.session_id)
+        if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
+            raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+        session = TargetSession(self.lm, msg.session_id, msg.protocol, params, msg.seed, prompt.tolist())
+        self.sessions[key] = session  # reopening an id replaces the old session
+        self.stats.sessions_opened += 1
+        session.prefill()
+        return P.SessionOpened(msg.session_id, len(session.tokens), session.compute_s)
+
+    def _session(self, identity: bytes, msg: Any) -> TargetSession:
+        session = self.sessions.get((identity, msg.session_id))
+        if session is None:
+            raise P.ProtocolError("no_session", f"no open session {msg.session_id} (expired or never opened)")
+        if msg.step != session.step + 1:
+            raise P.ProtocolError("desync", f"step {msg.step} out of order: the cloud expects {session.step + 1}")
+        if msg.position != len(session.tokens):
+            raise P.ProtocolError(
+                "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens"
+            )
+        session.last_active = time.monotonic()
+        return session
+
+    def _verify(self, identity: bytes, msg: P.Verify) -> P.Message:
+        session = self._session(identity, msg)
+        lim = self.limits
+        new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
+        draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1, lim.max_draft_len)
+        L = draft.shape[0]
+        if len(session.tokens) + new.shape[0] + L + 1 > lim.max_context:
+            raise P.ProtocolError("context", f"session would exceed max_context={lim.max_context} tokens")
+        try:
+            q = decode_dist(msg.dist, L, lim.vocab_size)  # [L, vocab]
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"dist: {exc}") from None
+        if np.any(q[np.arange(L), draft] <= 0):
+            raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent with it")
+        compute0 = session.compute_s
+        n, token = session.verify(new.tolist(), draft.tolist(), q)
+        session.step = msg.step
+        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), session.compute_s - compute0)
+
+    def _generate(self, identity: bytes, msg: P.Generate) -> P.Message:
+        session = self._session(identity, msg)
+        lim = self.limits
+        new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
+        if msg.n > lim.max_generate:
+            raise P.ProtocolError("invalid", f"n={msg.n} exceeds max_generate={lim.max_generate}")
+        if len(session.tokens) + new.shape[0] + msg.n > lim.max_context:
+            raise P.ProtocolError("context", f"session would exceed max_context={lim.max_context} tokens")
+        compute0 = session.compute_s
+        tokens = session.generate(new.tolist(), msg.n)
+        session.step = msg.step
+        return P.Generated(
+            msg.session_id, msg.step, np.asarray(tokens, np.int32), len(session.tokens), session.compute_s - compute0
+        )
+
+    def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
+        session = self.sessions.pop((identity, msg.session_id), None)
+        if session is None:
+            raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
+        return P.Closed(msg.session_id, session.step, session.compute_s)

@@ -1,0 +1,107 @@
+"""`hat-edge generate`: generate on the device together with the cloud, streaming accepted text."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from edge_runtime.config import PROTOCOLS, EdgeConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hat-edge", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    d = EdgeConfig.__dataclass_fields__
+    g.add_argument("prompt", nargs="*", help="prompt text (or use --prompts-file)")
+    g.add_argument("--prompts-file", help="a JSON list of prompt strings, or a text file with one prompt per line")
+    g.add_argument("--model", required=True, help="draft model: registry name, HF directory or .gguf file")
+    g.add_argument("--server", default=d["server"].default, help="cloud endpoint (default %(default)s)")
+    g.add_argument("--protocol", default="sd",
+                   help=f"one of {', '.join(PROTOCOLS)}; several separated by commas run one after another")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--draft-len", type=int, default=d["draft_len"].default, help="γ for sd")
+    g.add_argument("--dist-dtype", default=d["dist_dtype"].default, choices=["float16", "float32"])
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"].default)
+    g.add_argument("--retries", type=int, default=d["connect_retries"].default)
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
+    g.add_argument("--quiet", action="store_true", help="do not stream text")
+    return ap
+
+
+def _load_prompts(args) -> list:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            raw = f.read()
+        try:
+            loaded = json.loads(raw)
+        except json.JSONDecodeError:
+            loaded = [line for line in raw.splitlines() if line.strip()]
+        if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
+            raise ValueError(f"{args.prompts_file}: expected a JSON list of strings or one prompt per line")
+        prompts += loaded
+    if not prompts:
+        raise ValueError("no prompt given")
+    return prompts
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from hat_split.sampling import SamplingParams
+
+    try:
+        protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
+        unknown = [p for p in protocols if p not in PROTOCOLS]
+        if unknown or not protocols:
+            raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(PROTOCOLS)}")
+        config = EdgeConfig(model=args.model, server=args.server, draft_len=args.draft_len,
+                            dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
+                            connect_retries=args.retries, threads=args.threads)
+        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
+        prompts = _load_prompts(args)
+    except (ValueError, OSError) as exc:
+        print(f"hat-edge: {exc}", file=sys.stderr)
+        return 2
+    from edge_runtime.client import CloudError, CloudUnavailable
+    from edge_runtime.runtime import EdgeRuntime
+
+    text_out = sys.stderr if args.json == "-" else sys.stdout
+    results = []
+    try:
+        with EdgeRuntime(config) as rt:
+            for protocol in protocols:
+                for i, prompt in enumerate(prompts):
+                    if not args.quiet:
+                        print(f"\n=== [{protocol}] prompt {i + 1}/{len(prompts)} ===", file=text_out, flush=True)
+                    on_text = None if args.quiet else (lambda t: print(t, end="", file=text_out, flush=True))
+                    res = rt.generate(prompt, protocol, params, args.max_new_tokens, args.seed, args.chat, on_text)
+                    s = res.summary()
+                    print(f"\n--- {res.n} tokens, {s['tokens_per_s']:.2f} tok/s, ttft {s['ttft_s']:.2f} s, "
+                          f"accepted/round {s['accepted_per_round']:.2f}, up {s['up_bytes_per_token']:.0f} B/tok, "
+                          f"down {s['down_bytes_per_token']:.0f} B/tok, rt/tok {s['round_trips_per_token']:.2f}",
+                          file=text_out, flush=True)
+                    results.append({"prompt_index": i, **res.to_json()})
+    except (CloudUnavailable, CloudError) as exc:
+        print(f"hat-edge: {exc}", file=sys.stderr)
+        return 3
+    if args.json:
+        doc = json.dumps({"model": args.model, "server": args.server, "results": results}, indent=1)
+        if args.json == "-":
+            print(doc)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The device's ZeroMQ DEALER client: handshake with bounded retries, one request in flight, byte counters.
+
+Bytes are counted from the frames actually sent and received (hat_split.protocol.frame_bytes), so every bytes-per-token
+figure in hatspec is measured, not computed from a formula.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+
+from hat_split import protocol as P
+
+
+class CloudUnavailable(RuntimeError):
+    """The cloud did not answer within the configured attempts or timeout."""
+
+
+class CloudError(RuntimeError):
+    """The cloud answered with an Error message."""
+
+    def __init__(self, error: P.Error):
+        super().__init__(f"cloud refused ({error.code}): {error.message}")
+        self.error = error
+
+
+@dataclass
+class LinkCounters:
+    up_bytes: int = 0  # request frames sent
+    down_bytes: int = 0  # reply frames received
+    round_trips: int = 0
+
+    def snapshot(self) -> "LinkCounters":
+        return LinkCounters(self.up_bytes, self.down_bytes, self.round_trips)
+
+    def since(self, earlier: "LinkCounters") -> "LinkCounters":
+        return LinkCounters(
+            self.up_bytes - earlier.up_bytes, self.down_bytes - earlier.down_bytes, self.round_trips - earlier.round_trips
+        )
+
+
+class CloudClient:
+    """Context manager: connects, says Hello (retrying with backoff), then `request()` one message at a time."""
+
+    def __init__(self, server: str, hello: P.Hello, connect_timeout_s: float = 5.0, retries: int = 3,
+                 backoff_s: float = 0.5, request_timeout_s: float = 120.0):
+        self.server = server
+        self.hello = hello
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.request_timeout_s = request_timeout_s
+        self.counters = LinkCounters()
+        self.welcome: Optional[P.Welcome] = None
+        self._ctx = zmq.Context.instance()
+        self._sock: Optional[zmq.Socket] = None
+
+    def __enter__(self) -> "CloudClient":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _open_socket(self) -> None:
+        self.close()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{self.hello.device_id}-{uuid.uuid4().hex[:8]}".encode())
+        sock.connect(self.server)
+        self._sock = sock
+
+    def connect(self) -> P.Welcome:
+        """Handshake; raises CloudUnavailable after `retries` silent attempts, CloudError if refused."""
+        delay = self.backoff_s
+        for attempt in range(1, self.retries + 1):
+            self._open_socket()
+            try:
+                reply = self._roundtrip(self.hello, self.connect_timeout_s)
+            except CloudUnavailable:
+                if attempt == self.retries:
+                    break
+                time.sleep(delay)
+                delay *= 2
+                continue
+            if isinstance(reply, P.Error):
+                self.close()
+                raise CloudError(reply)
+            if not isinstance(reply, P.Welcome):
+                self.close()
+                raise CloudError(P.Error("unexpected", f"expected Welcome, got {type(reply).__name__}"))
+            if reply.protocol_version != P.PROTOCOL_VERSION:
+                raise CloudError(P.Error("version", f"cloud speaks v{reply.protocol_version}"))
+            self.welcome = reply
+            return reply
+        self.close()
+        raise CloudUnavailable(
+            f"no answer from the cloud at {self.server} after {self.retries} attempts "
+            f"({self.connect_timeout_s:.1f} s each): is `hat-cloud serve` running and reachable?"
+        )
+
+    def request(self, msg: P.Message) -> P.Message:
+        """Send one request and return its reply; CloudError for an Error reply, CloudUnavailable on timeout."""
+        self.send(msg)
+        return self.receive()
+
+    def send(self, msg: P.Message) -> None:
+        """First half of `request`: lets the device compute while the cloud works on the request."""
+        if self._sock is None:
+            raise CloudUnavailable("not connected: use the client as a context manager or call connect()")
+        frames = P.encode(msg)
+        self._sock.send_multipart(frames, copy=False)
+        self.counters.up_bytes += P.frame_bytes(frames)
+
+    def receive(self) -> P.Message:
+        """Second half of `request`."""
+        reply = self._receive(self.request_timeout_s)
+        if isinstance(reply, P.Error):
+            raise CloudError(reply)
+        return reply
+
+    def _roundtrip(self, msg: P.Message, timeout_s: float) -> P.Message:
+        self.send(msg)
+        return self._receive(timeout_s)
+
+    def _receive(self, timeout_s: float) -> P.Message:
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise CloudUnavailable(f"the cloud at {self.server} did not answer within {timeout_s:.1f} s")
+        reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]
+        self.counters.down_bytes += P.frame_bytes(reply)
+        self.counters.round_trips += 1
+        return P.decode(reply)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None

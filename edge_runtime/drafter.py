@@ -1,0 +1,67 @@
+"""The device's draft model with its own KV cache, kept in step with the committed sequence.
+
+Drafting feeds whatever committed tokens the cache lacks, then one token per draft step; after the cloud's verdict the
+cache is cropped to the accepted prefix (rejected drafts are forgotten, accepted ones are kept and never recomputed).
+Each draft token is sampled from the wire-rounded distribution that is sent with it (hat_split.dist_codec), so the
+cloud verifies against exactly the distribution the device sampled from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import numpy as np
+
+from hat_split import dist_codec
+from hat_split.lm import CausalLM, KVState
+from hat_split.sampling import SamplingParams, sample, warp
+
+
+@dataclass
+class Drafter:
+    lm: CausalLM
+    params: SamplingParams
+    wire_dtype: str = "float16"
+    tokens: List[int] = field(default_factory=list)  # committed sequence (prompt + generated)
+    kv: KVState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kv = self.lm.new_state()
+
+    def start(self, prompt: List[int]) -> None:
+        """New request: forget the old cache and cache the prompt except its last token."""
+        self.kv = self.lm.new_state()
+        self.tokens = list(prompt)
+        if len(prompt) > 1:
+            self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
+
+    def _next_probs(self, extra: List[int]) -> np.ndarray:
+        """Distribution `# [1, vocab]` of the position after tokens + extra (feeds what the cache lacks)."""
+        feed = (self.tokens + extra)[self.kv.length:]
+        return warp(self.lm.forward(self.kv, feed, n_logits=1), self.params)
+
+    def draft(self, n: int, rng: np.random.Generator) -> Tuple[List[int], np.ndarray]:
+        """Sample n draft tokens; returns them and their wire values `# [n, vocab]` (wire_dtype)."""
+        drafts: List[int] = []
+        rows = []
+        for _ in range(n):
+            values = dist_codec.quantize(self._next_probs(drafts), self.wire_dtype)  # [1, vocab]
+            q_hat = dist_codec.dequantize(values)  # [1, vocab]: exactly what the cloud will decode
+            drafts.append(int(sample(q_hat, rng.random(1))[0]))
+            rows.append(values)
+        return drafts, np.concatenate(rows, axis=0)
+
+    def sample_local(self, rng: np.random.Generator) -> int:
+        """One token from the draft model alone (protocol `slm`); the caller commits it."""
+        return int(sample(self._next_probs([]), rng.random(1))[0])
+
+    def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> None:
+        """Append committed tokens, of which the first n_accepted_drafts are this round's accepted drafts.
+
+        Cached positions past the old sequence are valid only for accepted drafts; the rest (rejected drafts) go.
+        """
+        if not 0 <= n_accepted_drafts <= len(tokens):
+            raise ValueError(f"n_accepted_drafts={n_accepted_drafts} outside 0..{len(tokens)}")
+        keep = len(self.tokens) + n_accepted_drafts
+        self.tokens.extend(tokens)
+        self.lm.crop(self.kv, min(self.kv.length, keep))

@@ -1,0 +1,231 @@
+"""One request on the device, for every protocol: the shared round loop and its measured result.
+
+A protocol is a function `round(gen) -> committed tokens` that performs one round (draft + verify, a cloud-only chunk,
+a local step...) and commits what it produced through `gen.commit`. `run()` opens the cloud session, calls the
+protocol's round until the request is done, and fills a `GenerationResult` with what was measured: wall time, time to
+first token, accepted drafts per round, and link bytes counted from the real frames. Later protocols (uhlm, cuhlm, qs,
+hat...) register a round function here; nothing else changes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from edge_runtime.client import CloudClient, LinkCounters
+from edge_runtime.config import EdgeConfig
+from edge_runtime.drafter import Drafter
+from hat_split import dist_codec
+from hat_split import protocol as P
+from hat_split.rng import session_rng
+from hat_split.sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    protocol: str
+    prompt_tokens: int
+    tokens: List[int]  # generated token ids (EOS included when produced)
+    text: str
+    total_s: float  # request start (session open included) to last token
+    ttft_s: float  # request start to first generated token
+    rounds: int  # draft/verify or generate rounds
+    drafted: int  # draft tokens sent for verification
+    accepted: int  # of those, accepted by the cloud
+    up_bytes: int  # request frames sent for this request (session open and close included)
+    down_bytes: int
+    round_trips: int
+    cloud_compute_s: float  # model time the cloud reported
+    finish_reason: str  # "eos" | "length"
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def summary(self) -> Dict[str, float]:
+        n = max(self.n, 1)
+        decode_s = self.total_s - self.ttft_s
+        return {
+            "tokens": self.n,
+            "tokens_per_s": self.n / self.total_s if self.total_s > 0 else 0.0,
+            "decode_tokens_per_s": (self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
+            "ttft_s": self.ttft_s,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "accepted_per_round": self.accepted / self.rounds if self.rounds and self.drafted else float("nan"),
+            "tokens_per_round": self.n / self.rounds if self.rounds else float("nan"),
+            "up_bytes_per_token": self.up_bytes / n,
+            "down_bytes_per_token": self.down_bytes / n,
+            "round_trips_per_token": self.round_trips / n,
+        }
+
+    def to_json(self) -> dict:
+        return {**asdict(self), **self.summary()}
+
+
+@dataclass
+class Generation:
+    """State of one request while it runs; protocol round functions read and commit through it."""
+
+    config: EdgeConfig
+    drafter: Drafter
+    client: Optional[CloudClient]
+    protocol: str
+    params: SamplingParams
+    max_new_tokens: int
+    eos_ids: frozenset
+    seed: int  # one seed per request: the device and the cloud derive independent streams from it
+    session_id: int
+    on_tokens: Callable[[List[int]], None] = lambda tokens: None
+    generated: List[int] = field(default_factory=list)
+    step: int = 0
+    cloud_position: int = 0  # committed tokens the cloud holds
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    cloud_compute_s: float = 0.0
+    first_token_at: Optional[float] = None
+    finish_reason: str = ""
+    rng: np.random.Generator = field(init=False)  # the device's stream: draft sampling, local sampling
+
+    def __post_init__(self) -> None:
+        self.rng = session_rng(self.seed, "device")
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> List[int]:
+        """Commit tokens (truncated at EOS or the length limit); returns what was committed."""
+        out: List[int] = []
+        for t in tokens[: self.remaining]:
+            out.append(t)
+            if t in self.eos_ids:
+                self.finish_reason = "eos"
+                break
+        self.drafter.commit(out, min(n_accepted_drafts, len(out)))
+        self.generated.extend(out)
+        if not self.finish_reason and self.remaining <= 0:
+            self.finish_reason = "length"
+        if out:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.on_tokens(out)
+        return out
+
+    def request(self, msg: P.Message) -> P.Message:
+        self.step += 1
+        return self.client.request(msg)
+
+
+# -- protocols -------------------------------------------------------------------------------------------------------
+def _verify_round(gen: Generation, draft_len: int, dist_format: str) -> None:
+    """Draft `draft_len` tokens, send them with their distributions, commit the cloud's verdict."""
+    n = max(1, min(draft_len, gen.remaining - 1))
+    drafts, values = gen.drafter.draft(n, gen.rng)  # values: [n, vocab] wire dtype
+    msg = P.Verify(
+        session_id=gen.session_id,
+        step=gen.step + 1,
+        position=gen.cloud_position,
+        new_tokens=np.zeros(0, np.int32),  # the cloud committed everything we have (it produced the last token)
+        draft=np.asarray(drafts, np.int32),
+        dist=dist_codec.pack(values, dist_format),
+    )
+    verdict = gen.request(msg)
+    if not isinstance(verdict, P.Verdict) or verdict.n_accepted > n:
+        raise RuntimeError(f"unexpected answer to Verify: {verdict!r}")
+    gen.rounds += 1
+    gen.drafted += n
+    gen.accepted += verdict.n_accepted
+    gen.cloud_compute_s += verdict.compute_s
+    gen.cloud_position = verdict.position
+    gen.commit(drafts[: verdict.n_accepted] + [verdict.token], verdict.n_accepted)
+
+
+def round_sd(gen: Generation) -> None:
+    _verify_round(gen, gen.config.draft_len, gen.config.dist_format)
+
+
+def round_hlm(gen: Generation) -> None:
+    """U-HLM §II baseline: one draft token and its full (dense) distribution every round."""
+    _verify_round(gen, 1, "dense")
+
+
+def round_llm(gen: Generation) -> None:
+    """Cloud only: the target decodes a chunk of tokens on its own."""
+    reply = gen.request(
+        P.Generate(gen.session_id, gen.step + 1, gen.cloud_position, np.zeros(0, np.int32),
+                   min(gen.config.llm_chunk, gen.remaining))
+    )
+    if not isinstance(reply, P.Generated):
+        raise RuntimeError(f"unexpected answer to Generate: {reply!r}")
+    gen.rounds += 1
+    gen.cloud_compute_s += reply.compute_s
+    gen.cloud_position = reply.position
+    gen.commit([int(t) for t in reply.tokens])
+
+
+def round_slm(gen: Generation) -> None:
+    """Device only: the draft model generates on its own, nothing crosses the link."""
+    gen.rounds += 1
+    gen.commit([gen.drafter.sample_local(gen.rng)])
+
+
+ROUNDS: Dict[str, Callable[[Generation], None]] = {
+    "sd": round_sd,
+    "hlm": round_hlm,
+    "llm": round_llm,
+    "slm": round_slm,
+}
+LOCAL_PROTOCOLS = ("slm",)  # need no cloud
+
+
+def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
+    """Run one request to completion with gen.protocol's round function."""
+    if gen.protocol not in ROUNDS:
+        raise ValueError(f"unknown protocol {gen.protocol!r}; known: {sorted(ROUNDS)}")
+    if gen.max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    round_fn = ROUNDS[gen.protocol]
+    remote = gen.protocol not in LOCAL_PROTOCOLS
+    before = gen.client.counters.snapshot() if remote else LinkCounters()
+    t0 = time.perf_counter()
+    if remote:
+        sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
+        gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed))
+    gen.drafter.start(prompt)  # overlaps with the cloud's prefill on real hardware
+    if remote:
+        opened = gen.client.receive()
+        if not isinstance(opened, P.SessionOpened):
+            raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
+        gen.cloud_position = opened.position
+        gen.cloud_compute_s += opened.compute_s
+    while not gen.done:
+        round_fn(gen)
+    t1 = time.perf_counter()
+    if remote:
+        gen.client.request(P.CloseSession(gen.session_id))
+    link = gen.client.counters.since(before) if remote else LinkCounters()
+    return GenerationResult(
+        protocol=gen.protocol,
+        prompt_tokens=len(prompt),
+        tokens=list(gen.generated),
+        text=decode_text(gen.generated),
+        total_s=t1 - t0,
+        ttft_s=(gen.first_token_at or t1) - t0,
+        rounds=gen.rounds,
+        drafted=gen.drafted,
+        accepted=gen.accepted,
+        up_bytes=link.up_bytes,
+        down_bytes=link.down_bytes,
+        round_trips=link.round_trips,
+        cloud_compute_s=gen.cloud_compute_s,
+        finish_reason=gen.finish_reason,
+    )

@@ -1,0 +1,113 @@
+"""The device runtime: the draft model loaded once, a cloud connection opened when a protocol needs one."""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from typing import Callable, List, Optional, Union
+
+from edge_runtime.client import CloudClient
+from edge_runtime.config import EdgeConfig
+from edge_runtime.drafter import Drafter
+from edge_runtime.generation import LOCAL_PROTOCOLS, ROUNDS, Generation, GenerationResult, run
+from hat_split import protocol as P
+from hat_split.lm import CausalLM
+from hat_split.sampling import SamplingParams
+
+
+class TextStream:
+    """Turns a growing token list into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]):
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.tokens: List[int] = []
+        self.emitted = ""
+
+    def __call__(self, new_tokens: List[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return
+        if text.startswith(self.emitted):
+            delta = text[len(self.emitted):]
+        else:  # decoding is not always prefix-stable (merged spaces): emit the rest honestly
+            delta = text[len(os.path.commonprefix([text, self.emitted])):]
+        self.emitted = text
+        if delta:
+            self.on_text(delta)
+
+
+class EdgeRuntime:
+    """Context manager owning the draft model and, lazily, the cloud client."""
+
+    def __init__(self, config: EdgeConfig, loaded=None):
+        from hat_split.loading import load_model, vocab_fingerprint
+
+        self.config = config
+        if config.threads:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        self.loaded = loaded if loaded is not None else load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.lm = CausalLM(self.loaded.model)
+        self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
+        self.fingerprint = vocab_fingerprint(self.tokenizer)
+        self.client: Optional[CloudClient] = None
+        self._session_ids = itertools.count(1)
+        gen_cfg = getattr(self.loaded.model, "generation_config", None)
+        eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def __enter__(self) -> "EdgeRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def connect(self) -> P.Welcome:
+        if self.client is None:
+            c = self.config
+            hello = P.Hello(c.device_id, self.model_name, self.lm.vocab_size, self.fingerprint, "hatspec-edge/0.1")
+            client = CloudClient(c.server, hello, c.connect_timeout_s, c.connect_retries, c.backoff_s,
+                                 c.request_timeout_s)
+            client.connect()
+            self.client = client
+        return self.client.welcome
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def generate(self, prompt: Union[str, List[int]], protocol: str = "sd", params: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 128, seed: Optional[int] = None, chat: bool = False,
+                 on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+        if protocol not in ROUNDS:
+            raise ValueError(f"unknown protocol {protocol!r}; known: {sorted(ROUNDS)}")
+        ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        if protocol not in LOCAL_PROTOCOLS:
+            self.connect()
+        stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
+        gen = Generation(
+            config=self.config,
+            drafter=Drafter(self.lm, params, self.config.dist_dtype),
+            client=self.client,
+            protocol=protocol,
+            params=params,
+            max_new_tokens=max_new_tokens,
+            eos_ids=self.eos_ids,
+            seed=seed if seed is not None else random.SystemRandom().randrange(2**62),
+            session_id=next(self._session_ids),
+            on_tokens=stream,
+        )
+        return run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))

@@ -1,0 +1,88 @@
+"""Draft distributions on the wire: dense or CSR-sparse, float16 or float32 — and exact by construction.
+
+The device rounds each draft distribution to the wire dtype (`quantize`), samples its draft token from the
+renormalised rounded values (`dequantize`), and ships exactly those values (`pack`); the cloud unpacks and applies the
+same `dequantize`. Whatever the wire format rounds away (float16 mantissa bits, probabilities below float16's smallest
+subnormal ≈ 6e-8) is rounded away before sampling on both sides, so speculative verification stays exact (the
+"quantize, then sample" principle of QS-SD, §III). Sparse packing drops only exact zeros, so it is lossless; it pays
+off whenever top-k / top-p or temperature 0 leave few non-zero entries (greedy rows are one-hot).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hat_split.protocol import DistPayload
+
+WIRE_DTYPES = ("float16", "float32")
+
+
+def quantize(q: np.ndarray, dtype: str = "float16") -> np.ndarray:
+    """q `# [L, vocab]` probabilities → the values that go on the wire `# [L, vocab]` in `dtype`."""
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype must be one of {WIRE_DTYPES}, not {dtype!r}")
+    if q.ndim != 2:
+        raise ValueError(f"draft distributions must be [L, vocab], got shape {q.shape}")
+    return q.astype(dtype)
+
+
+def dequantize(values: np.ndarray) -> np.ndarray:
+    """Wire values `# [L, vocab]` → float64 distributions `# [L, vocab]`, rows renormalised to sum to 1."""
+    q = values.astype(np.float64)
+    if not np.all(np.isfinite(q)) or np.any(q < 0):
+        raise ValueError("distributions must be finite and non-negative")
+    sums = q.sum(axis=1, keepdims=True)  # [L, 1]
+    if np.any(sums <= 0):
+        raise ValueError("every distribution needs positive mass")
+    q /= sums
+    return q
+
+
+def pack(values: np.ndarray, format: str = "auto") -> DistPayload:
+    """Wire values `# [L, vocab]` → payload; `format` is "dense", "sparse" or "auto" (the smaller of the two)."""
+    if format == "auto":
+        itemsize = values.dtype.itemsize
+        sparse_bytes = np.count_nonzero(values) * (4 + itemsize) + 8 * (values.shape[0] + 1)
+        format = "sparse" if sparse_bytes < values.size * itemsize else "dense"
+    if format == "dense":
+        return DistPayload("dense", values)
+    if format != "sparse":
+        raise ValueError(f"format must be 'dense', 'sparse' or 'auto', not {format!r}")
+    rows, cols = np.nonzero(values)  # row-major: ascending columns within each row
+    indptr = np.zeros(values.shape[0] + 1, dtype=np.int64)  # [L + 1]
+    np.cumsum(np.bincount(rows, minlength=values.shape[0]), out=indptr[1:])
+    return DistPayload("sparse", values[rows, cols], cols.astype(np.int32), indptr)
+
+
+def unpack(payload: DistPayload, n_rows: int, vocab_size: int) -> np.ndarray:
+    """Payload → wire values `# [n_rows, vocab_size]`; ValueError on anything a correct `pack` cannot produce."""
+    values = payload.values
+    if not isinstance(values, np.ndarray) or values.dtype.name not in WIRE_DTYPES:
+        raise ValueError(f"distribution values must be one of {WIRE_DTYPES}")
+    if payload.format == "dense":
+        if values.shape != (n_rows, vocab_size):
+            raise ValueError(f"dense distributions have shape {values.shape}, expected {(n_rows, vocab_size)}")
+        return values
+    if payload.format != "sparse":
+        raise ValueError(f"unknown distribution format {payload.format!r}")
+    indices, indptr = payload.indices, payload.indptr
+    if not (isinstance(indices, np.ndarray) and indices.dtype == np.int32 and indices.ndim == 1):
+        raise ValueError("sparse distributions need 1-D int32 indices")
+    if not (isinstance(indptr, np.ndarray) and indptr.dtype == np.int64 and indptr.shape == (n_rows + 1,)):
+        raise ValueError(f"sparse distributions need int64 indptr of length {n_rows + 1}")
+    if values.ndim != 1 or values.shape != indices.shape:
+        raise ValueError("sparse values and indices must be 1-D and of equal length")
+    if indptr[0] != 0 or indptr[-1] != values.shape[0] or np.any(np.diff(indptr) < 0):
+        raise ValueError("sparse indptr must rise from 0 to the number of values")
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= vocab_size):
+        raise ValueError(f"sparse indices outside [0, {vocab_size})")
+    rows = np.repeat(np.arange(n_rows), np.diff(indptr))  # [nnz]
+    if indices.size > 1 and np.any((np.diff(indices) <= 0) & (rows[1:] == rows[:-1])):
+        raise ValueError("sparse indices must be strictly ascending within a row")
+    dense = np.zeros((n_rows, vocab_size), dtype=values.dtype)
+    dense[rows, indices] = values
+    return dense
+
+
+def decode_dist(payload: DistPayload, n_rows: int, vocab_size: int) -> np.ndarray:
+    """What the cloud verifies against: float64 `# [n_rows, vocab_size]`, identical to the device's sampling rows."""
+    return dequantize(unpack(payload, n_rows, vocab_size))

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random models for plumbing, the real packaged pair loaded once per session."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+TINY_VOCAB = 512
+
+
+def tiny_model(seed: int, layers: int = 2):
+    """A randomly initialised float32 Qwen2 (plumbing only: its outputs mean nothing)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """(draft, target) CausalLMs sharing the tiny vocabulary."""
+    from hat_split.lm import CausalLM
+
+    return CausalLM(tiny_model(1, layers=1)), CausalLM(tiny_model(2, layers=2))
+
+
+@pytest.fixture
+def tiny_server(tiny_pair):
+    """A CloudServer over the tiny target, serving from a thread on a free loopback port."""
+    from cloud_runtime.config import CloudConfig
+    from cloud_runtime.server import CloudServer
+
+    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024, max_message_bytes=1 << 20)
+    stop = threading.Event()
+    with CloudServer(cfg, tiny_pair[1], "tiny-target", "tiny-vocab") as server:
+        thread = threading.Thread(target=server.serve_forever, kwargs={"until": stop.is_set}, daemon=True)
+        thread.start()
+        yield server
+        stop.set()
+        thread.join(timeout=10)
+
+
+def real_models_available() -> bool:
+    from hat_split.registry import is_installed
+
+    return all(is_installed(n) for n in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"))
+
+
+requires_real_pair = pytest.mark.skipif(
+    os.environ.get("HATSPEC_SKIP_REAL") == "1" or not real_models_available(),
+    reason="the real Qwen pair is not installed (run `hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b`)",
+)

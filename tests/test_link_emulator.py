@@ -1,0 +1,337 @@
+"""Link emulator on loopback: rate, delay, jitter ordering, cuts, control channel, ZeroMQ through the relay."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from profiles.link_emulator import LinkEmulator, send_control
+from profiles.links import LINK_PROFILES, LinkProfile, get_link_profile
+
+TIMEOUT_S = 10.0  # s: every blocking socket call in these tests; a failure, never a hang
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tcp_server(handle, sock: socket.socket | None = None):
+    """A loopback TCP server running handle(conn) on a thread per connection; yields (host, port)."""
+    srv = sock or socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.1)
+    stop, threads = threading.Event(), []
+
+    def serve(conn):
+        with conn, contextlib.suppress(OSError):
+            handle(conn)
+
+    def accept_loop():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.settimeout(TIMEOUT_S)
+            threads.append(threading.Thread(target=serve, args=(conn,), daemon=True))
+            threads[-1].start()
+
+    acceptor = threading.Thread(target=accept_loop, daemon=True)
+    acceptor.start()
+    try:
+        yield srv.getsockname()[:2]
+    finally:
+        stop.set()
+        acceptor.join(TIMEOUT_S)
+        srv.close()
+        for t in threads:
+            t.join(TIMEOUT_S)
+
+
+def echo(conn: socket.socket) -> None:
+    while data := conn.recv(65536):
+        conn.sendall(data)
+
+
+def connect(address: tuple[str, int]) -> socket.socket:
+    sock = socket.create_connection(address, timeout=TIMEOUT_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data = sock.recv(n - len(buf))
+        if not data:
+            raise ConnectionError(f"EOF after {len(buf)} of {n} bytes")
+        buf += data
+    return bytes(buf)
+
+
+def ping_rtts(address: tuple[str, int], count: int) -> list[float]:
+    with connect(address) as sock:
+        rtts = []
+        for i in range(count):
+            t0 = time.monotonic()
+            sock.sendall(b"ping%04d" % i)
+            assert recv_exactly(sock, 8) == b"ping%04d" % i
+            rtts.append(time.monotonic() - t0)
+        return rtts
+
+
+def dropped(sock: socket.socket) -> bool:
+    """True if the peer closed or reset the connection."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+# -- profiles -------------------------------------------------------------------------------------------------------
+
+def test_profiles_validate_and_lookup():
+    assert {"loopback", "wifi-near", "wifi-mid", "wifi-far", "lte", "nb-iot", "satellite"} <= set(LINK_PROFILES)
+    assert get_link_profile("wifi-near").up_rate_bps == 10e6
+    assert get_link_profile("nb-iot").up_rate_bps == 350e3 / 8
+    with pytest.raises(ValueError, match="known: loopback, wifi-near"):
+        get_link_profile("wifi-moon")
+    for bad in (dict(up_rate_bps=0), dict(down_rate_bps=-1.0), dict(up_rate_bps=float("nan")),
+                dict(delay_s=-0.001), dict(delay_s=0.01, jitter_s=0.02), dict(delay_s=float("inf"))):
+        with pytest.raises(ValueError, match="link profile 'x'"):
+            LinkProfile("x", **bad)
+    assert LinkProfile("x", up_rate_bps=float("inf")).rate("up") == float("inf")
+
+
+# -- (a) rate, both directions at once, each at its own rate -------------------------------------------------------
+
+def test_rate_each_direction_independently():
+    up_rate, down_rate, size = 2e6, 4e6, 2_500_000  # bytes/s, bytes/s, bytes each way
+    payload_up, payload_down = os.urandom(size), os.urandom(size)
+    arrivals = {"up": [], "down": []}  # (monotonic s, bytes) per recv at the receiver
+
+    def receive(sock, key):
+        got = bytearray()
+        while data := sock.recv(65536):
+            arrivals[key].append((time.monotonic(), len(data)))
+            got += data
+            if len(got) == size:
+                break
+        return bytes(got)
+
+    def send(sock, payload):
+        sock.sendall(payload)
+
+    server_got = {}
+
+    def server(conn):
+        sender = threading.Thread(target=send, args=(conn, payload_down))
+        sender.start()
+        server_got["up"] = receive(conn, "up")
+        sender.join(TIMEOUT_S)
+
+    profile = LinkProfile("rate-test", up_rate, down_rate, 0.005, 0.0)
+    with tcp_server(server) as addr, LinkEmulator(profile, addr) as link, \
+            connect(("127.0.0.1", link.port)) as sock:
+        sender = threading.Thread(target=send, args=(sock, payload_up))
+        sender.start()
+        assert receive(sock, "down") == payload_down
+        sender.join(TIMEOUT_S)
+        deadline = time.monotonic() + TIMEOUT_S
+        while "up" not in server_got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server_got["up"] == payload_up
+    for key, rate in (("up", up_rate), ("down", down_rate)):
+        (t_first, n_first), (t_last, _) = arrivals[key][0], arrivals[key][-1]
+        measured = (size - n_first) / (t_last - t_first)
+        print(f"{key}: configured {rate / 1e6:.2f} MB/s, measured {measured / 1e6:.3f} MB/s")
+        assert abs(measured - rate) / rate < 0.10
+
+
+# -- (b) delay ------------------------------------------------------------------------------------------------------
+
+def test_one_way_delay():
+    delay = 0.020
+    with tcp_server(echo) as addr:
+        baseline = statistics.median(ping_rtts(addr, 20))
+        with LinkEmulator(LinkProfile("delay-test", delay_s=delay), addr) as link:
+            relayed = statistics.median(ping_rtts(("127.0.0.1", link.port), 20))
+    one_way = (relayed - baseline) / 2
+    print(f"one-way delay: configured {delay * 1e3:.1f} ms, measured {one_way * 1e3:.2f} ms "
+          f"(baseline RTT {baseline * 1e3:.3f} ms)")
+    assert abs(one_way - delay) < 0.002
+
+
+def test_set_profile_at_run_time():
+    with tcp_server(echo) as addr, LinkEmulator("loopback", addr) as link:
+        fast = max(ping_rtts(("127.0.0.1", link.port), 3))
+        link.set_profile(LinkProfile("slow", delay_s=0.030))
+        slow = min(ping_rtts(("127.0.0.1", link.port), 3))
+        with pytest.raises(ValueError, match="unknown link profile"):
+            link.set_profile("nope")
+        assert link.stats()["profile"] == "slow"
+    assert fast < 0.010 and slow >= 0.060
+
+
+# -- (c) jitter keeps order and bytes -------------------------------------------------------------------------------
+
+def test_jitter_keeps_order_and_content():
+    rng = random.Random(0)
+    pieces = [rng.randbytes(rng.randint(1, 4000)) for _ in range(200)]
+    expected = b"".join(pieces)
+    profile = LinkProfile("jitter-test", delay_s=0.010, jitter_s=0.010)
+    with tcp_server(echo) as addr, LinkEmulator(profile, addr, seed=1) as link:
+        rtts = ping_rtts(("127.0.0.1", link.port), 15)
+        with connect(("127.0.0.1", link.port)) as sock:
+            def send():
+                for piece in pieces:
+                    sock.sendall(piece)
+                    time.sleep(0.0005)  # separate reads, so many chunks with independent jitter
+            sender = threading.Thread(target=send)
+            sender.start()
+            got = recv_exactly(sock, len(expected))
+            sender.join(TIMEOUT_S)
+        chunks = link.stats()["up"]["chunks"]
+    print(f"jitter: RTTs {min(rtts) * 1e3:.1f}..{max(rtts) * 1e3:.1f} ms, {chunks} chunks up")
+    assert got == expected
+    assert chunks > 50
+    assert max(rtts) - min(rtts) > 0.005  # the jitter is there...
+    assert all(0.0 < rtt < 0.045 for rtt in rtts)  # ...and bounded by 2 * (delay + jitter) plus slack
+
+
+# -- (d) cuts -------------------------------------------------------------------------------------------------------
+
+def test_stall_holds_data_until_restore():
+    payload = os.urandom(200_000)
+    with tcp_server(echo) as addr, LinkEmulator("loopback", addr) as link, \
+            connect(("127.0.0.1", link.port)) as sock:
+        sock.sendall(b"before")
+        assert recv_exactly(sock, 6) == b"before"
+        link.cut("stall")
+        sock.sendall(payload)
+        sock.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            sock.recv(1)
+        assert link.stats()["up"]["bytes"] == 6 and link.stats()["cut"] == "stall"
+        link.restore()
+        sock.settimeout(TIMEOUT_S)
+        assert recv_exactly(sock, len(payload)) == payload
+
+
+def test_reset_drops_connections_until_restore():
+    with tcp_server(echo) as addr, LinkEmulator("loopback", addr) as link:
+        with connect(("127.0.0.1", link.port)) as sock:
+            sock.sendall(b"hello")
+            assert recv_exactly(sock, 5) == b"hello"
+            link.cut("reset")
+            assert dropped(sock)
+        with connect(("127.0.0.1", link.port)) as sock:  # the kernel accepts; the relay resets at once
+            assert dropped(sock)
+        stats = link.stats()
+        assert stats["connections"]["refused"] == 1 and stats["connections"]["active"] == 0
+        link.restore()
+        assert len(ping_rtts(("127.0.0.1", link.port), 3)) == 3
+
+
+def test_unreachable_upstream_then_serves_again():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused
+    with LinkEmulator("loopback", srv.getsockname()[:2]) as link:
+        with connect(("127.0.0.1", link.port)) as sock:
+            assert dropped(sock)
+        assert link.stats()["connections"]["upstream_errors"] == 1
+        srv.listen()
+        with tcp_server(echo, sock=srv):
+            assert len(ping_rtts(("127.0.0.1", link.port), 2)) == 2
+
+
+def test_listen_conflict_and_close_idempotent():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(OSError, match="could not listen"):
+            LinkEmulator("loopback", ("127.0.0.1", 9), listen=taken.getsockname()[:2])
+    link = LinkEmulator("loopback", ("127.0.0.1", 9))
+    link.close()
+    link.close()
+    assert not link._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        link.stats()
+
+
+# -- (e) control channel, from another process ---------------------------------------------------------------------
+
+def hat_link(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profiles.link_cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_control_channel():
+    with tcp_server(echo) as addr, \
+            LinkEmulator("loopback", addr, control=("127.0.0.1", 0)) as link:
+        control = f"{link.control_address[0]}:{link.control_address[1]}"
+        done = hat_link("cut", "stall", "--control", control)
+        assert done.returncode == 0, done.stderr
+        assert link.stats()["cut"] == "stall"
+        done = hat_link("stats", "--control", control)
+        assert done.returncode == 0 and json.loads(done.stdout)["cut"] == "stall"
+        assert send_control(link.control_address, "restore") == {"ok": True}
+        assert send_control(link.control_address, "profile lte") == {"ok": True}
+        assert link.profile.name == "lte" and link.stats()["cut"] is None
+        with pytest.raises(RuntimeError, match="known: loopback"):
+            send_control(link.control_address, "profile nope")
+        with pytest.raises(RuntimeError, match="unknown command"):
+            send_control(link.control_address, "explode now")
+        assert send_control(link.control_address, "cut reset") == {"ok": True}
+        assert link.stats()["cut"] == "reset"
+    assert "wifi-near" in hat_link("--list").stdout
+
+
+# -- (f) ZeroMQ DEALER / ROUTER through the relay -------------------------------------------------------------------
+
+def test_zmq_dealer_router_through_relay_and_reconnect_after_reset():
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (router, dealer):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        with LinkEmulator("wifi-near", ("127.0.0.1", port)) as link:
+            dealer.connect(link.address)
+
+            def round_trip(i: int) -> float:
+                body = os.urandom(100_000)
+                t0 = time.monotonic()
+                dealer.send_multipart([b"%d" % i, body])
+                ident, tag, got = router.recv_multipart()
+                assert (tag, got) == (b"%d" % i, body)
+                router.send_multipart([ident, tag, got[::-1]])
+                assert dealer.recv_multipart() == [tag, body[::-1]]
+                return time.monotonic() - t0
+
+            rtts = [round_trip(i) for i in range(5)]
+            link.cut("reset")
+            time.sleep(0.2)
+            link.restore()
+            rtts.append(round_trip(99))  # the DEALER reconnected by itself
+            assert link.stats()["connections"]["accepted"] >= 2
+        # 100 kB at 10 MB/s up and 15 MB/s down, plus 2 x 2 ms: at least 20 ms a round trip
+        print(f"zmq through wifi-near: RTTs {[round(r * 1e3, 1) for r in rtts]} ms")
+        assert all(r > 0.015 for r in rtts)
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()

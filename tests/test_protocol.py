@@ -1,0 +1,208 @@
+"""Wire protocol: every message round-trips; bad frames are refused with an Error while the server keeps serving."""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from hat_split import dist_codec
+from hat_split import protocol as P
+
+ARR = np.arange(5, dtype=np.int32)
+DIST = dist_codec.pack(np.eye(2, 8, dtype=np.float16), "sparse")
+EXAMPLES = [
+    P.Hello("dev", "draft", 8, "fp", "sw"),
+    P.Welcome(1, "target", 8, "fp", 60.0, 16, 1024, ["sd", "hlm"], "sw"),
+    P.OpenSession(3, "sd", ARR, P.Sampling(0.7, 20, 0.9), 42),
+    P.SessionOpened(3, 5, 0.25),
+    P.Verify(3, 1, 5, np.zeros(0, np.int32), np.array([0, 1], np.int32), DIST),
+    P.Verify(3, 2, 7, ARR, np.array([1], np.int32), P.DistPayload("dense", np.full((1, 8), 0.125, np.float32))),
+    P.Verdict(3, 1, 2, 7, 8, 0.1),
+    P.Generate(3, 3, 8, ARR, 4),
+    P.Generated(3, 3, ARR, 12, 0.5),
+    P.CloseSession(3),
+    P.Closed(3, 3, 1.5),
+    P.Error("desync", "boom", 3, 2),
+]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, msgspec.Struct):
+        return type(a) is type(b) and all(_same(getattr(a, f), getattr(b, f)) for f in a.__struct_fields__)
+    return a == b
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    frames = P.encode(msg)
+    assert frames[0][:4] == P.MAGIC + bytes([P.PROTOCOL_VERSION])
+    decoded = P.decode([bytes(f) for f in frames])
+    assert _same(msg, decoded)
+
+
+def test_tensors_travel_as_raw_frames_not_in_the_header():
+    big = np.arange(10000, dtype=np.int32)
+    frames = P.encode(P.OpenSession(1, "sd", big))
+    assert len(frames) == 2 and len(frames[1]) == big.nbytes and len(frames[0]) < 200
+    decoded = P.decode(frames)
+    assert np.shares_memory(decoded.prompt, np.frombuffer(frames[1], np.int32)) or decoded.prompt.base is not None
+
+
+def test_unknown_fields_from_a_newer_peer_are_ignored():
+    header = msgspec.msgpack.encode({"type": "CloseSession", "session_id": 4, "added_in_v9": [1, 2]})
+    msg = P.decode([P.MAGIC + bytes([P.PROTOCOL_VERSION]) + header])
+    assert msg == P.CloseSession(4)
+
+
+def _frames(msg):
+    return [bytes(f) for f in P.encode(msg)]
+
+
+BAD = {
+    "empty": ([], "malformed"),
+    "no_magic": ([b"XXXX" + b"\x80"], "malformed"),
+    "wrong_version": ([P.MAGIC + bytes([P.PROTOCOL_VERSION + 1]) + _frames(P.CloseSession(1))[0][4:]], "version"),
+    "garbage_header": ([P.MAGIC + bytes([P.PROTOCOL_VERSION]) + b"\xc1\xff\x00"], "malformed"),
+    "unknown_type": ([P.MAGIC + bytes([P.PROTOCOL_VERSION]) + msgspec.msgpack.encode({"type": "Nope"})], "malformed"),
+    "negative_id": ([P.MAGIC + bytes([P.PROTOCOL_VERSION]) +
+                     msgspec.msgpack.encode({"type": "CloseSession", "session_id": -1})], "malformed"),
+    "truncated_tensor": (_frames(P.OpenSession(1, "sd", ARR))[:1] + [bytes(_frames(P.OpenSession(1, "sd", ARR))[1][:7])],
+                         "malformed"),
+    "missing_tensor_frame": (_frames(P.OpenSession(1, "sd", ARR))[:1], "malformed"),
+    "oversized": (_frames(P.OpenSession(1, "sd", np.zeros(1 << 19, np.int32))), "oversized"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_frames_raise_protocol_error(name):
+    frames, code = BAD[name]
+    with pytest.raises(P.ProtocolError) as err:
+        P.decode(frames, max_bytes=1 << 20)
+    assert err.value.code == code and err.value.message
+
+
+def test_disallowed_dtype_is_refused():
+    header = msgspec.msgpack.encode({"type": "OpenSession", "session_id": 1, "protocol": "sd",
+                                     "prompt": {"dtype": "object", "shape": [1], "frame": 1}})
+    with pytest.raises(P.ProtocolError, match="not allowed"):
+        P.decode([P.MAGIC + bytes([P.PROTOCOL_VERSION]) + header, b"\x00" * 8])
+
+
+def test_dist_codec_round_trip_and_validation():
+    rng = np.random.default_rng(0)
+    q = rng.dirichlet(np.full(50, 0.05), size=3)
+    values = dist_codec.quantize(q, "float16")
+    for fmt in ("dense", "sparse"):
+        payload = P.decode(P.encode(P.Verify(1, 1, 0, ARR, ARR[:3], dist_codec.pack(values, fmt)))).dist
+        assert np.array_equal(dist_codec.decode_dist(payload, 3, 50), dist_codec.dequantize(values))
+    bad = P.DistPayload("sparse", np.ones(2, np.float16), np.array([3, 1], np.int32), np.array([0, 2], np.int64))
+    with pytest.raises(ValueError, match="ascending"):
+        dist_codec.decode_dist(bad, 1, 50)
+    with pytest.raises(ValueError, match="shape"):
+        dist_codec.decode_dist(P.DistPayload("dense", np.ones((2, 49), np.float16)), 2, 50)
+    with pytest.raises(ValueError, match="positive mass"):
+        dist_codec.decode_dist(P.DistPayload("dense", np.zeros((1, 50), np.float16)), 1, 50)
+
+
+# -- the server under bad input -------------------------------------------------------------------------------------
+def _raw_socket(server):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    return sock
+
+
+def _ask(sock, frames, timeout_ms=5000):
+    sock.send_multipart(frames)
+    assert sock.poll(timeout_ms), "the server did not answer"
+    return P.decode(sock.recv_multipart())
+
+
+def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, tiny_pair):
+    from edge_runtime.client import CloudClient
+    from edge_runtime.config import EdgeConfig
+    from edge_runtime.drafter import Drafter
+    from edge_runtime.generation import Generation, run
+    from hat_split.sampling import SamplingParams
+
+    bad = _raw_socket(tiny_server)
+    hello = P.Hello("bad", "tiny", 512, "tiny-vocab")
+    # requests before the handshake are refused
+    reply = _ask(bad, _frames(P.CloseSession(1)))
+    assert isinstance(reply, P.Error) and reply.code == "no_handshake"
+    assert isinstance(_ask(bad, _frames(hello)), P.Welcome)
+    good = CloudClient(tiny_server.endpoint, P.Hello("good", "tiny", 512, "tiny-vocab"))
+    with good:
+        cfg = EdgeConfig(model="tiny", draft_len=3)
+        gen = Generation(cfg, Drafter(tiny_pair[0], SamplingParams(0.0)), good, "sd", SamplingParams(0.0), 12,
+                         frozenset(), 7, 1)
+        # interleave: every bad frame is answered, the good client's session goes on between them
+        for name in sorted(BAD):
+            frames, code = BAD[name]
+            if not frames:
+                frames = [b""]  # an empty body behind the identity
+                code = "malformed"
+            reply = _ask(bad, frames)
+            assert isinstance(reply, P.Error) and reply.code in (code, "malformed", "oversized"), (name, reply)
+        semantic = [
+            (P.OpenSession(1, "nope", ARR), "invalid"),
+            (P.OpenSession(1, "sd", np.array([600], np.int32)), "invalid"),
+            (P.OpenSession(1, "sd", ARR, P.Sampling(-1.0)), "invalid"),
+            (P.Verify(99, 1, 0, ARR[:0], ARR[:1], DIST), "no_session"),
+        ]
+        for msg, code in semantic:
+            reply = _ask(bad, _frames(msg))
+            assert isinstance(reply, P.Error) and reply.code == code, (msg, reply)
+        assert isinstance(_ask(bad, _frames(P.OpenSession(5, "sd", ARR))), P.SessionOpened)
+        one_hot = dist_codec.pack(np.eye(1, 512, 0, dtype=np.float16), "sparse")
+        for msg, code in [
+            (P.Verify(5, 1, 3, ARR[:0], ARR[:1], one_hot), "desync"),  # wrong position
+            (P.Verify(5, 2, 5, ARR[:0], ARR[:1], one_hot), "desync"),  # skipped step
+            (P.Verify(5, 1, 5, ARR[:0], ARR[1:2], one_hot), "invalid"),  # draft has zero probability
+            (P.Verify(5, 1, 5, ARR[:0], np.zeros(17, np.int32), one_hot), "invalid"),  # too long
+            (P.Generate(5, 1, 5, ARR[:0], 100000), "invalid"),
+        ]:
+            reply = _ask(bad, _frames(msg))
+            assert isinstance(reply, P.Error) and reply.code == code, (msg, reply)
+        result = run(gen, [1, 2, 3, 4], lambda toks: "")
+    assert result.n == 12 and result.round_trips >= 3
+    assert tiny_server.stats.errors >= len(BAD) + len(semantic) + 5
+    bad.close()
+
+
+def test_vocab_mismatch_is_refused_at_handshake(tiny_server):
+    from edge_runtime.client import CloudClient, CloudError
+
+    with pytest.raises(CloudError, match="vocab"):
+        with CloudClient(tiny_server.endpoint, P.Hello("d", "other", 512, "another-vocab")):
+            pass
+
+
+def test_unreachable_server_fails_fast_with_a_clear_error():
+    import time
+
+    from edge_runtime.client import CloudClient, CloudUnavailable
+
+    t0 = time.monotonic()
+    with pytest.raises(CloudUnavailable, match="after 2 attempts"):
+        with CloudClient("tcp://127.0.0.1:9", P.Hello("d", "m", 1, ""), connect_timeout_s=0.3, retries=2,
+                         backoff_s=0.1):
+            pass
+    assert time.monotonic() - t0 < 5
+
+
+def test_idle_sessions_are_freed(tiny_server):
+    import time
+
+    sock = _raw_socket(tiny_server)
+    assert isinstance(_ask(sock, _frames(P.Hello("idle", "tiny", 512, "tiny-vocab"))), P.Welcome)
+    assert isinstance(_ask(sock, _frames(P.OpenSession(1, "sd", ARR))), P.SessionOpened)
+    assert len(tiny_server.sessions) == 1
+    tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
+    assert len(tiny_server.sessions) == 0
+    reply = _ask(sock, _frames(P.Verify(1, 1, 5, ARR[:0], ARR[:1], DIST)))
+    assert isinstance(reply, P.Error) and reply.code in ("no_session", "no_handshake")
+    sock.close()
