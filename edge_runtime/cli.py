@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     d = EdgeConfig.__dataclass_fields__
     g.add_argument("prompt", nargs="*", help="prompt text (or use --prompts-file)")
-    g.add_argument("--prompts-file", help="a JSON list of prompt strings, or a text file with one prompt per line")
+    g.add_argument("--prompts-file", help='a JSON list of prompts (strings or {"text": ..., "chat": bool}), or a '
+                   "text file with one prompt per line")
     g.add_argument("--model", required=True, help="draft model: registry name, HF directory or .gguf file")
     g.add_argument("--server", default=d["server"].default, help="cloud endpoint (default %(default)s)")
     g.add_argument("--protocol", default="sd",
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_prompts(args) -> list:
-    prompts = list(args.prompt)
+    """[(text, chat)] from the positional prompts and --prompts-file."""
+    prompts = [(p, args.chat) for p in args.prompt]
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
             raw = f.read()
@@ -44,9 +46,15 @@ def _load_prompts(args) -> list:
             loaded = json.loads(raw)
         except json.JSONDecodeError:
             loaded = [line for line in raw.splitlines() if line.strip()]
-        if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
-            raise ValueError(f"{args.prompts_file}: expected a JSON list of strings or one prompt per line")
-        prompts += loaded
+        if not isinstance(loaded, list):
+            raise ValueError(f"{args.prompts_file}: expected a JSON list or one prompt per line")
+        for item in loaded:
+            if isinstance(item, str):
+                prompts.append((item, args.chat))
+            elif isinstance(item, dict) and isinstance(item.get("text"), str):
+                prompts.append((item["text"], bool(item.get("chat", args.chat))))
+            else:
+                raise ValueError(f"{args.prompts_file}: each prompt must be a string or an object with a 'text'")
     if not prompts:
         raise ValueError("no prompt given")
     return prompts
@@ -79,11 +87,11 @@ def main(argv=None) -> int:
     try:
         with EdgeRuntime(config) as rt:
             for protocol in protocols:
-                for i, prompt in enumerate(prompts):
+                for i, (prompt, chat) in enumerate(prompts):
                     if not args.quiet:
                         print(f"\n=== [{protocol}] prompt {i + 1}/{len(prompts)} ===", file=text_out, flush=True)
                     on_text = None if args.quiet else (lambda t: print(t, end="", file=text_out, flush=True))
-                    res = rt.generate(prompt, protocol, params, args.max_new_tokens, args.seed, args.chat, on_text)
+                    res = rt.generate(prompt, protocol, params, args.max_new_tokens, args.seed, chat, on_text)
                     s = res.summary()
                     print(f"\n--- {res.n} tokens, {s['tokens_per_s']:.2f} tok/s, ttft {s['ttft_s']:.2f} s, "
                           f"accepted/round {s['accepted_per_round']:.2f}, up {s['up_bytes_per_token']:.0f} B/tok, "

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from hat_split.registry import (
-    HF_META, MODELS, ModelSpec, cache_is_valid, get_model_spec, gguf_path, hf_cache_path, source_signature,
+    HF_META, MODELS, ModelSpec, cache_is_valid, get_model_spec, gguf_cache_path, gguf_path, hf_cache_path,
+    is_installed, part_paths, source_signature,
 )
 
 CACHE_FORMAT = 1  # bump when the layout of a converted cache dir changes; older dirs are then re-converted
@@ -74,12 +75,29 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> _Resolved:
         return _Resolved(path.name, None, path, None, None)
     if path.is_file() and path.suffix == ".gguf":
         path = path.resolve()
+        known_name = _registry_name_of(path)
+        if known_name is not None:  # a registry model's own GGUF: share its cache dir, don't convert twice
+            return _Resolved(known_name, get_model_spec(known_name), None, path, hf_cache_path(known_name))
         key = f"{path.stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:10]}"  # distinct per absolute path
         return _Resolved(path.stem, None, None, path, hf_cache_path(key))
     known = ", ".join(sorted(MODELS))
     raise FileNotFoundError(
         f"{text!r} is neither a known model ({known}), nor a Hugging Face directory with config.json, nor a .gguf file"
     )
+
+
+def _registry_name_of(path: Path) -> str | None:
+    """The registry model whose GGUF file `path` is, if any."""
+    for name, spec in MODELS.items():
+        if path.name != spec.gguf_filename:
+            continue
+        if spec.assemble == "single-file":
+            candidates = part_paths(name) if is_installed(name) else []
+        else:
+            candidates = [gguf_cache_path(name)]
+        if any(c.exists() and c.resolve() == path for c in candidates):
+            return name
+    return None
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -169,9 +187,18 @@ def _load_hf(path: Path, dtype: Any, device: Any, tokenizer_only: bool) -> tuple
 
 
 def _load_gguf_tokenizer(gguf: Path) -> Any:
+    """The GGUF's tokenizer, round-tripped through save_pretrained so it equals what the cache gives later.
+
+    Loaded straight from GGUF metadata, transformers 5.x builds the Qwen2 tokenizer without the NFC normalizer that
+    upstream Qwen (and the same tokenizer reloaded from its saved tokenizer.json) has: 'cafe\u0301' tokenizes
+    differently. The round trip (~1 s) makes first and later loads tokenize identically.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with tempfile.TemporaryDirectory(prefix="hatspec-tok-") as tmp:
+        tok.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def _load_gguf_model(gguf: Path) -> Any:
@@ -234,7 +261,9 @@ def _write_cache(model: Any, tok: Any, cache: Path, meta: dict[str, Any]) -> Non
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "vocab_fingerprint": vocab_fingerprint(tok)}
         (tmp / HF_META).write_text(json.dumps(meta, indent=1) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, and some writers 0600 files: the cache is shared read-only
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         old = None
         if cache.exists():  # a stale conversion: move it aside, swap in the new one, then delete it
             old = cache.with_name(f".{cache.name}.old-{os.getpid()}")

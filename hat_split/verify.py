@@ -76,7 +76,7 @@ def _check_dists(d: np.ndarray, used: np.ndarray, name: str, atol: float) -> Non
         used = used.any(axis=0, keepdims=True)
     if not used.any():
         return
-    sub = d[used]  # [n_used, V]
+    sub = d.reshape(-1, d.shape[-1]) if used.all() else d[used]  # [n_used, V]; no copy in the common case
     lo = sub.min(axis=-1)
     if np.isnan(lo).any():
         raise ValueError(f"{name} contains NaN")
@@ -141,7 +141,9 @@ def speculative_verify(
     if V < 1:
         raise ValueError("vocabulary size V must be >= 1")
     if q.shape[0] not in (1, B) or q.shape[1] != L or q.shape[2] != V:
-        raise ValueError(f"q must have shape [B={B} or 1, L={L}, V={V}] (draft_tokens {x.shape}, p {p.shape}), got {q.shape}")
+        raise ValueError(
+            f"q must have shape [B={B} or 1, L={L}, V={V}] (draft_tokens {x.shape}, p {p.shape}), got {q.shape}"
+        )
     if p.shape[0] not in (1, B) or p.shape[1] != L + 1:
         raise ValueError(f"p must have shape [B={B} or 1, L+1={L + 1}, V] (draft_tokens {x.shape}), got {p.shape}")
     accept_u = _check_uniforms(accept_u, (B, L), "accept_u")
@@ -173,7 +175,9 @@ def speculative_verify(
     qx = np.take_along_axis(qb, xs[:, :, None], axis=2)[:, :, 0].astype(np.float64)  # [B, L] q_l(x_l)
     px = np.take_along_axis(pb[:, :L], xs[:, :, None], axis=2)[:, :, 0].astype(np.float64)  # [B, L] p_l(x_l)
     if (valid & (qx <= 0)).any():
-        raise ValueError("a draft token has probability 0 under its own q: q must be the distribution it was sampled from")
+        raise ValueError(
+            "a draft token has probability 0 under its own q: q must be the distribution it was sampled from"
+        )
 
     accepted = (accept_u * qx < px) & valid  # [B, L]
     n_acc = np.cumprod(accepted, axis=1).sum(axis=1).astype(np.int64)  # [B] length of the accepted prefix
@@ -206,7 +210,10 @@ def verify_rng(
     """`speculative_verify` with uniforms from `rng`, drawn in this fixed order (part of seeded determinism):
     first `accept_u = rng.random((B, L))`, then `resample_u = rng.random(B)`. The full (B, L) block is drawn even
     for ragged rows, so the generator advances by B * (L + 1) doubles whatever is accepted."""
-    B, L = np.shape(draft_tokens)
+    shape = np.shape(draft_tokens)
+    if len(shape) != 2:
+        raise ValueError(f"draft_tokens must have shape [B, L], got {shape}")
+    B, L = shape
     accept_u = rng.random((B, L))
     resample_u = rng.random(B)
     return speculative_verify(draft_tokens, q, p, accept_u, resample_u, draft_lens, sum_atol=sum_atol)

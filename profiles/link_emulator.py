@@ -5,13 +5,14 @@ instead of the server, and the relay forwards to the server (``upstream``).
 
 Model, per direction (up = client -> upstream, down = upstream -> client); a direction's rate is shared by every
 connection through the relay, as one physical link would be:
-1. serialization: a chunk of n bytes occupies the direction for n / rate seconds, back to back with the chunk before;
+1. serialization: a chunk of n bytes occupies the direction for n / rate seconds, from when it is read or when the
+   chunk before it is done, whichever is later (back to back while there is a backlog);
 2. propagation: the chunk arrives delay + U(-jitter, +jitter) seconds after its serialization ends;
 3. in order: per connection, delivery time = max(previous delivery time, computed time); TCP never reorders.
-Chunks are at most CHUNK_BYTES so shaping is smooth. Times are absolute (loop.time() is time.monotonic()), so timer
-lateness does not accumulate. Back-pressure: a direction of a connection stops reading once MAX_IN_FLIGHT_CHUNKS are
-serialized but not yet delivered, and reads no faster than its rate; the sender's TCP window then fills, as behind
-a real bottleneck.
+Chunks are at most CHUNK_BYTES so shaping is smooth. A chunk's times are computed when it is read, in absolute loop
+time (time.monotonic()), so timer lateness never accumulates. Back-pressure: a direction stops reading while more
+than MAX_QUEUE_S of link time is queued, and a connection holds at most MAX_IN_FLIGHT_CHUNKS per direction read but
+not delivered; the sender's TCP window then fills, as behind a real bottleneck.
 
 Cut modes:
 - "stall": nothing enters or leaves the link; data is held and delivered after restore() (an outage TCP rides out).
@@ -37,9 +38,11 @@ from profiles.links import LinkProfile, get_link_profile
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 1024     # bytes read per step: 8 ms on a 2 MB/s link, small enough for smooth shaping
-MAX_IN_FLIGHT_CHUNKS = 256  # per direction and connection, serialized but not delivered: <= 4 MiB buffered
-TIMER_SLACK_S = 0.002       # s: a chunk read this soon after its direction went idle is sent back to back, so timer
-                            # wake-up lateness (~1 ms with epoll) does not eat into the rate; a 2 ms token bucket
+MAX_IN_FLIGHT_CHUNKS = 256  # per direction and connection, read but not delivered: <= 4 MiB buffered
+MAX_QUEUE_S = 0.05          # s of link time read ahead of the link, like a router's transmit queue: chunks queue
+                            # back to back, so timer lateness under this costs no throughput; past it, stop reading
+TIMER_LATE_MAX_S = 0.002    # s: cap on one timer-lateness sample (a loop stalled by GC must not skew the mean)
+TIMER_LATE_GAIN = 0.1       # weight of a new sample in the running mean of timer lateness
 COMMAND_TIMEOUT_S = 5.0     # s: how long a caller waits for the relay thread to start or to run a command
 CUT_MODES = ("stall", "reset")
 
@@ -53,7 +56,7 @@ class _Direction:
     chunks: int = 0          # delivered
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity, kept in a set
 class _Connection:
     writers: list                              # client writer, then upstream writer once connected
     tasks: list = field(default_factory=list)  # the two pump tasks
@@ -62,11 +65,18 @@ class _Connection:
         for task in self.tasks:
             task.cancel()
         for writer in self.writers:
-            _reset(writer) if reset else writer.close()
+            if reset:
+                _reset(writer)
+            else:
+                writer.close()
 
 
 class LinkEmulator:
-    """A TCP relay on 127.0.0.1 imposing a LinkProfile; starts on construction, stops on close() or leaving `with`."""
+    """A TCP relay imposing a LinkProfile on everything between its clients and `upstream`.
+
+    Starts listening on construction (`port`, `address`; port 0 picks a free one) and stops on close() or on leaving
+    `with`. `control`, if given, is a TCP address for line commands from other processes (see _command).
+    """
 
     def __init__(self, profile: LinkProfile | str, upstream: tuple[str, int],
                  listen: tuple[str, int] = ("127.0.0.1", 0), control: tuple[str, int] | None = None,
@@ -81,6 +91,8 @@ class LinkEmulator:
         self._control_writers: set[asyncio.StreamWriter] = set()
         self._counts = {"accepted": 0, "refused": 0, "upstream_errors": 0}
         self._cut: str | None = None
+        self._timer_late_s = 0.0  # s, running mean of how late asyncio timers fire; see _sleep_until
+        self._timer_samples = 0   # wake-ups measured so far: the first ones get a plain mean, so it converges fast
         self._closed = False
         self._error: BaseException | None = None
         self.host: str | None = None
@@ -176,10 +188,10 @@ class LinkEmulator:
         self._link_up.set()
         servers = []
         try:
-            servers.append(await asyncio.start_server(self._serve_client, *self._listen))
+            servers.append(await asyncio.start_server(_ending_quietly(self._serve_client), *self._listen))
             self.host, self.port = servers[0].sockets[0].getsockname()[:2]
             if self._control is not None:
-                servers.append(await asyncio.start_server(self._serve_control, *self._control))
+                servers.append(await asyncio.start_server(_ending_quietly(self._serve_control), *self._control))
                 self.control_address = tuple(servers[1].sockets[0].getsockname()[:2])
             self._ready.set()
             await self._stop.wait()
@@ -202,6 +214,8 @@ class LinkEmulator:
         clean = False
         try:
             await self._link_up.wait()  # a stalled link completes no handshake
+            if writer.is_closing():     # reset while it waited
+                return
             try:
                 up_reader, up_writer = await asyncio.wait_for(
                     asyncio.open_connection(*self.upstream), self._connect_timeout_s)
@@ -230,27 +244,23 @@ class LinkEmulator:
         try:
             last = 0.0  # arrival time of the previous chunk of this connection
             while True:
+                await self._sleep_until(d.busy_until - MAX_QUEUE_S)  # back-pressure: a bounded transmit queue
                 data = await reader.read(CHUNK_BYTES)
                 await self._link_up.wait()
                 now, p = loop.time(), self.profile
-                rate = p.rate(d.name)
-                back_to_back = rate != float("inf") and d.busy_until >= now - TIMER_SLACK_S
-                start = d.busy_until if back_to_back else now
-                end = d.busy_until = start + len(data) / rate
-                last = max(last, end + p.delay_s + self._rng.uniform(-p.jitter_s, p.jitter_s))
+                d.busy_until = max(now, d.busy_until) + len(data) / p.rate(d.name)
+                last = max(last, d.busy_until + p.delay_s + self._rng.uniform(-p.jitter_s, p.jitter_s))
                 await queue.put((last, data))
                 if not data:
                     break
-                await _sleep_until(loop, end)
             await deliverer
         finally:
             deliverer.cancel()
 
     async def _deliver(self, queue: asyncio.Queue, writer: asyncio.StreamWriter, d: _Direction) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             arrival, data = await queue.get()
-            await _sleep_until(loop, arrival)
+            await self._sleep_until(arrival)
             await self._link_up.wait()
             if not data:
                 if writer.can_write_eof():
@@ -260,6 +270,16 @@ class LinkEmulator:
             d.bytes += len(data)
             d.chunks += 1
             await writer.drain()
+
+    async def _sleep_until(self, when: float) -> None:
+        """Sleep until loop time `when`, aiming early by the running mean of timer lateness (epoll rounds timeouts up
+        to whole ms and VM timers add more), so wake-ups are on time on average instead of always ~1 ms late."""
+        aim = when - self._timer_late_s
+        if aim > self._loop.time():
+            await asyncio.sleep(aim - self._loop.time())
+            late = min(max(self._loop.time() - aim, 0.0), TIMER_LATE_MAX_S)
+            self._timer_samples += 1
+            self._timer_late_s += max(TIMER_LATE_GAIN, 1 / self._timer_samples) * (late - self._timer_late_s)
 
     async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One JSON line per command line: {"ok": true, ...} or {"ok": false, "error": "..."}."""
@@ -279,6 +299,7 @@ class LinkEmulator:
             writer.close()
 
     def _command(self, line: str) -> dict:
+        """Run one control line (`cut [stall|reset]`, `restore`, `profile NAME`, `stats`); fields for the reply."""
         words = line.split()
         if words == ["stats"]:
             return {"stats": self._stats_now()}
@@ -309,9 +330,13 @@ def send_control(address: tuple[str, int], command: str, timeout_s: float = COMM
     return reply
 
 
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    if when > loop.time():
-        await asyncio.sleep(when - loop.time())
+def _ending_quietly(serve):
+    """A start_server callback that ends normally when cancelled at shutdown (Python 3.11's start_server calls
+    task.exception() on it, which raises for a cancelled task)."""
+    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve(reader, writer)
+    return run
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

@@ -1,0 +1,77 @@
+"""Start `hat-cloud serve` as a real separate process and wait until it is ready (used by demo, bench, tests)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+from cloud_runtime.cli import READY_LINE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CloudProcess:
+    """Context manager: a cloud server process on 127.0.0.1:<port>; `endpoint` once ready."""
+
+    def __init__(self, model: str, port: Optional[int] = None, extra_args: List[str] = (), ready_timeout_s: float = 900.0,
+                 threads: int = 0, log_path: Optional[str] = None):
+        self.model = model
+        self.port = port or free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "cloud_runtime.cli", "serve", "--model", model, "--bind", self.endpoint,
+                     "--threads", str(threads), *extra_args]
+        self.ready_timeout_s = ready_timeout_s
+        self.log_path = log_path
+        self.ready_info = ""
+        self.proc: Optional[subprocess.Popen] = None
+        self._stderr: List[str] = []
+
+    def __enter__(self) -> "CloudProcess":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        ready = threading.Event()
+
+        def watch_stdout():
+            for line in self.proc.stdout:
+                if line.startswith(READY_LINE):
+                    self.ready_info = line.strip()
+                    ready.set()
+
+        threading.Thread(target=watch_stdout, daemon=True).start()
+        while not ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                tail = "".join(self._stderr[-20:])
+                raise RuntimeError(f"the cloud process did not become ready (exit {self.proc.returncode}):\n{tail}")
+        return self
+
+    def _drain_stderr(self) -> None:
+        log = open(self.log_path, "a", encoding="utf-8") if self.log_path else None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-200]
+            if log:
+                log.write(line)
+                log.flush()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

