@@ -11,6 +11,7 @@ tokenizer-like interface, and importing this module needs neither.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hat_split.registry import (
     HF_META, MODELS, ModelSpec, cache_is_valid, get_model_spec, gguf_cache_path, gguf_path, hf_cache_path,
@@ -113,6 +114,28 @@ def _torch_dtype(dtype: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """Hide the tqdm bars (dequantising, loading, writing shards) for quiet loads; restore the settings after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    env = os.environ.get("TQDM_DISABLE")
+    if not show:
+        hf_logging.disable_progress_bar()
+        os.environ["TQDM_DISABLE"] = "1"  # the GGUF dequantiser uses a bare tqdm (tqdm >= 4.66 reads TQDM_*)
+    try:
+        yield
+    finally:
+        if not show:
+            if was:
+                hf_logging.enable_progress_bar()
+            if env is None:
+                os.environ.pop("TQDM_DISABLE", None)
+            else:
+                os.environ["TQDM_DISABLE"] = env
+
+
 def _log(quiet: bool, msg: str) -> None:
     if not quiet:
         print(f"[hatspec] {msg}", file=sys.stderr, flush=True)
@@ -133,6 +156,12 @@ def load_model(name_or_path: str | os.PathLike[str], dtype: Any = "float32", dev
         `model` is then None.
     use_cache: False loads a GGUF directly, neither reading nor writing the converted cache.
     """
+    with _progress_bars(not quiet):
+        return _load_model(name_or_path, dtype, device, tokenizer_only, use_cache, quiet)
+
+
+def _load_model(name_or_path: str | os.PathLike[str], dtype: Any, device: Any, tokenizer_only: bool,
+                use_cache: bool, quiet: bool) -> LoadedModel:
     t0 = time.perf_counter()
     r = _resolve(name_or_path)
     if r.hf_dir is not None:
@@ -148,7 +177,7 @@ def load_model(name_or_path: str | os.PathLike[str], dtype: Any = "float32", dev
     tok = _load_gguf_tokenizer(gguf)
     if tokenizer_only:
         return LoadedModel(None, tok, r.spec, str(gguf), time.perf_counter() - t0, False, r.name)
-    _log(quiet, f"loading {gguf.name} (dequantising GGUF; one-off, about a minute for 1.5B on 2 cores) ...")
+    _log(quiet, f"loading {gguf.name} (dequantising GGUF: one-off, 0.5-3 min on 2 CPU cores) ...")
     model = _load_gguf_model(gguf)
     load_s = time.perf_counter() - t0
     save_s = 0.0

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -126,25 +127,30 @@ def test_profiles_validate_and_lookup():
     assert LinkProfile("x", up_rate_bps=float("inf")).rate("up") == float("inf")
 
 
-# -- accuracy: a user-space relay is only as punctual as the scheduler, so on a busy CPU take the best of a few tries
+# -- accuracy: a user-space relay is only as punctual as the scheduler ----------------------------------------------
 
 ATTEMPTS = 3
 
 
-def best_of(measure, error):
-    """Run measure() up to ATTEMPTS times; the first result with error(result) == 0, else the last one."""
+def best_of(measure, within, what: str):
+    """The first of ATTEMPTS results of measure() that is within tolerance. If none is, fail, except on a saturated
+    CPU (1-minute load average above the core count), where the timers cannot be punctual: skip, saying so. Gross
+    errors fail in any case: measure() asserts a loose bound itself."""
     for _ in range(ATTEMPTS):
         result = measure()
-        print(result)
-        if not error(result):
-            break
-    return result
+        print(f"{what}: {result}")
+        if within(result):
+            return result
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        pytest.skip(f"{what} {result} out of tolerance on a saturated CPU (load {load:.1f} on {cores} cores)")
+    pytest.fail(f"{what} {result} out of tolerance (load {load:.1f} on {cores} cores)")
 
 
 # -- (a) rate, both directions at once, each at its own rate -------------------------------------------------------
 
-def transfer_both_ways(port: int, size: int, upstream_got: dict) -> dict:
-    """Send `size` random bytes each way at once through the relay; bytes/s seen by each receiver, first to last byte."""
+def transfer_both_ways(profile: LinkProfile, size: int) -> dict:
+    """Send `size` random bytes each way at once through a relay; bytes/s seen by each receiver, first to last byte."""
     payload = {"up": os.urandom(size), "down": os.urandom(size)}
     arrivals = {"up": [], "down": []}  # (monotonic s, bytes) per recv at the receiver
     got = {}
@@ -156,15 +162,17 @@ def transfer_both_ways(port: int, size: int, upstream_got: dict) -> dict:
             buf += data
         got[direction] = bytes(buf)
 
-    upstream_got["server"] = lambda conn: (threading.Thread(target=conn.sendall, args=(payload["down"],)).start(),
-                                           receive(conn, "up"))
-    with connect(("127.0.0.1", port)) as sock:
-        sender = threading.Thread(target=sock.sendall, args=(payload["up"],))
+    def send_and_receive(sock, send, receive_as):
+        sender = threading.Thread(target=sock.sendall, args=(payload[send],))
         sender.start()
-        receive(sock, "down")
+        receive(sock, receive_as)
         sender.join(TIMEOUT_S)
+
+    with tcp_server(lambda conn: send_and_receive(conn, "down", "up")) as addr, LinkEmulator(profile, addr) as link:
+        with connect(("127.0.0.1", link.port)) as sock:
+            send_and_receive(sock, "up", "down")
         deadline = time.monotonic() + TIMEOUT_S
-        while "up" not in got and time.monotonic() < deadline:
+        while "up" not in got and time.monotonic() < deadline:  # the server's receive may finish last
             time.sleep(0.01)
     assert got == payload
     rates = {}
@@ -176,14 +184,19 @@ def transfer_both_ways(port: int, size: int, upstream_got: dict) -> dict:
 
 def test_rate_each_direction_independently():
     configured = {"up": 2e6, "down": 4e6}  # bytes/s
-    handlers = {}
-    with tcp_server(lambda conn: handlers["server"](conn)) as addr, \
-            LinkEmulator(LinkProfile("rate-test", configured["up"], configured["down"], 0.005), addr) as link:
-        measured = best_of(lambda: transfer_both_ways(link.port, 2_500_000, handlers),
-                           lambda m: any(abs(m[d] - configured[d]) / configured[d] >= 0.10 for d in m))
+    profile = LinkProfile("rate-test", configured["up"], configured["down"], delay_s=0.005)
+
+    def rate_error(measured: dict) -> float:
+        return max(abs(measured[d] - configured[d]) / configured[d] for d in configured)
+
+    def measure() -> dict:
+        measured = transfer_both_ways(profile, 2_500_000)
+        assert rate_error(measured) < 0.25, measured
+        return measured
+
+    measured = best_of(measure, lambda m: rate_error(m) < 0.10, "rates (bytes/s)")
     for d in ("up", "down"):
         print(f"{d}: configured {configured[d] / 1e6:.2f} MB/s, measured {measured[d] / 1e6:.3f} MB/s")
-        assert abs(measured[d] - configured[d]) / configured[d] < 0.10
 
 
 # -- (b) delay ------------------------------------------------------------------------------------------------------
@@ -194,12 +207,13 @@ def test_one_way_delay():
     def one_way(port: int) -> float:
         baseline = statistics.median(ping_rtts(addr, 20))
         relayed = statistics.median(ping_rtts(("127.0.0.1", port), 20))
-        return (relayed - baseline) / 2
+        one_way = (relayed - baseline) / 2
+        assert abs(one_way - delay) < 0.010, one_way
+        return one_way
 
     with tcp_server(echo) as addr, LinkEmulator(LinkProfile("delay-test", delay_s=delay), addr) as link:
-        measured = best_of(lambda: one_way(link.port), lambda m: abs(m - delay) >= 0.002)
+        measured = best_of(lambda: one_way(link.port), lambda m: abs(m - delay) < 0.002, "one-way delay (s)")
     print(f"one-way delay: configured {delay * 1e3:.1f} ms, measured {measured * 1e3:.2f} ms")
-    assert abs(measured - delay) < 0.002
 
 
 def test_set_profile_at_run_time():
@@ -272,14 +286,14 @@ def test_reset_drops_connections_until_restore():
 
 
 def test_unreachable_upstream_then_serves_again():
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused
-    with LinkEmulator("loopback", srv.getsockname()[:2]) as link:
-        assert refused(("127.0.0.1", link.port))
-        assert link.stats()["connections"]["upstream_errors"] == 1
-        srv.listen()
-        with tcp_server(echo, sock=srv):
-            assert len(ping_rtts(("127.0.0.1", link.port), 2)) == 2
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused
+        with LinkEmulator("loopback", srv.getsockname()[:2]) as link:
+            assert refused(("127.0.0.1", link.port))
+            assert link.stats()["connections"]["upstream_errors"] == 1
+            srv.listen()
+            with tcp_server(echo, sock=srv):
+                assert len(ping_rtts(("127.0.0.1", link.port), 2)) == 2
 
 
 def test_listen_conflict_and_close_idempotent():
@@ -359,3 +373,24 @@ def test_zmq_dealer_router_through_relay_and_reconnect_after_reset():
         dealer.close()
         router.close()
         ctx.term()
+
+
+def test_cli_runs_relay_until_interrupted():
+    with tcp_server(echo) as (host, port):
+        proc = subprocess.Popen([sys.executable, "-m", "profiles.link_cli", "--profile", "wifi-far", "--listen",
+                                 "127.0.0.1:0", "--upstream", f"{host}:{port}", "--stats-interval", "0.2"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        killer = threading.Timer(3 * TIMEOUT_S, proc.kill)  # unblocks the readline()s below if it hangs
+        killer.start()
+        try:
+            banner = proc.stdout.readline()  # "hat-link wifi-far: tcp://127.0.0.1:PORT -> ..."
+            relay_port = int(banner.split("tcp://127.0.0.1:")[1].split()[0])
+            assert len(ping_rtts(("127.0.0.1", relay_port), 3)) == 3
+            stats_line = proc.stdout.readline()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(TIMEOUT_S) == 0
+        finally:
+            killer.cancel()
+            proc.kill()
+            proc.communicate(timeout=TIMEOUT_S)
+    assert "[wifi-far]" in stats_line and "connections" in stats_line
