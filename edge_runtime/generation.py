@@ -48,7 +48,7 @@ class GenerationResult:
         n = max(self.n, 1)
         decode_s = self.total_s - self.ttft_s
         return {
-            "tokens": self.n,
+            "n_tokens": self.n,
             "tokens_per_s": self.n / self.total_s if self.total_s > 0 else 0.0,
             "decode_tokens_per_s": (self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
             "ttft_s": self.ttft_s,
