@@ -61,7 +61,9 @@ def serve(config: CloudConfig) -> int:
         print(f"hat-cloud: cannot load model {config.model!r}: {exc}", file=sys.stderr)
         return 2
     name = loaded.spec.name if loaded.spec is not None else str(config.model)
-    server = CloudServer(config, CausalLM(loaded.model), name, vocab_fingerprint(loaded.tokenizer))
+    lm = CausalLM(loaded.model)
+    lm.warm_up()  # so the first device's TTFT is not the disk's
+    server = CloudServer(config, lm, name, vocab_fingerprint(loaded.tokenizer))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         with server:

@@ -52,6 +52,7 @@ class EdgeRuntime:
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.lm = CausalLM(self.loaded.model)
+        self.lm.warm_up()
         self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.client: Optional[CloudClient] = None

@@ -38,6 +38,10 @@ class CausalLM:
     def __post_init__(self) -> None:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
 
+    def warm_up(self) -> None:
+        """One throwaway forward: pages in memory-mapped weights and first-call allocations before timing starts."""
+        self.forward(self.new_state(), [0, 0], n_logits=1)
+
     def new_state(self) -> KVState:
         return KVState()
 
