@@ -177,8 +177,7 @@ def test_vocab_mismatch_is_refused_at_handshake(tiny_server):
     from edge_runtime.client import CloudClient, CloudError
 
     with pytest.raises(CloudError, match="vocab"):
-        with CloudClient(tiny_server.endpoint, P.Hello("d", "other", 512, "another-vocab")):
-            pass
+        CloudClient(tiny_server.endpoint, P.Hello("d", "other", 512, "another-vocab")).connect()
 
 
 def test_unreachable_server_fails_fast_with_a_clear_error():
@@ -188,9 +187,8 @@ def test_unreachable_server_fails_fast_with_a_clear_error():
 
     t0 = time.monotonic()
     with pytest.raises(CloudUnavailable, match="after 2 attempts"):
-        with CloudClient("tcp://127.0.0.1:9", P.Hello("d", "m", 1, ""), connect_timeout_s=0.3, retries=2,
-                         backoff_s=0.1):
-            pass
+        CloudClient("tcp://127.0.0.1:9", P.Hello("d", "m", 1, ""), connect_timeout_s=0.3, retries=2,
+                    backoff_s=0.1).connect()
     assert time.monotonic() - t0 < 5
 
 
