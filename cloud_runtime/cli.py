@@ -7,6 +7,7 @@ import signal
 import sys
 
 from cloud_runtime.config import CloudConfig
+from hat_split.registry import MODEL_DTYPES
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
 
@@ -23,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-draft-len", type=int, default=d["max_draft_len"].default)
     s.add_argument("--max-context", type=int, default=d["max_context"].default)
     s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
+    s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
+                   help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
     s.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
             max_draft_len=args.max_draft_len,
             max_context=args.max_context,
             threads=args.threads,
+            dtype=args.dtype,
         )
     except ValueError as exc:
         print(f"hat-cloud: {exc}", file=sys.stderr)
@@ -56,7 +60,7 @@ def serve(config: CloudConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, dtype=config.dtype)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         print(f"hat-cloud: cannot load model {config.model!r}: {exc}", file=sys.stderr)
         return 2
@@ -67,7 +71,7 @@ def serve(config: CloudConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         with server:
-            print(f"{READY_LINE} endpoint={server.endpoint} model={name} load_s={loaded.load_seconds:.1f}", flush=True)
+            print(f"{READY_LINE} endpoint={server.endpoint} model={name} dtype={str(loaded.model.dtype).removeprefix('torch.')} load_s={loaded.load_seconds:.1f}", flush=True)
             server.serve_forever()
     except KeyboardInterrupt:
         pass

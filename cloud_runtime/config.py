@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hat_split.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from hat_split.registry import MODEL_DTYPES
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class CloudConfig:
     max_generate: int = 256  # tokens one Generate request may ask for
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused unread
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default (all cores)
+    dtype: str = "auto"  # model dtype; "auto": bfloat16 where matmuls have it in hardware (hat_split.loading.resolve_dtype)
     poll_ms: int = 200  # how often the loop wakes to expire idle sessions when no message arrives
 
     def __post_init__(self) -> None:
@@ -32,3 +34,5 @@ class CloudConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")

@@ -27,7 +27,7 @@ from hat_split.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.cloud")
 
-TOKEN_PROTOCOLS = ("sd", "hlm", "llm")  # protocols this server verifies with the full target model
+TOKEN_PROTOCOLS = ("sd", "hlm", "llm", "uhlm", "randhlm", "cuhlm")  # protocols this server verifies with the full target model
 SOFTWARE = "hatspec-cloud/0.1"
 
 
@@ -236,7 +236,18 @@ class CloudServer:
         )
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
-        session = self.sessions.pop((identity, msg.session_id), None)
+        session = self.sessions.get((identity, msg.session_id))
         if session is None:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
-        return P.Closed(msg.session_id, session.step, session.compute_s)
+        if msg.new_tokens is not None:  # the device's last skipped tokens: append (no compute) before the digest
+            new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size)
+            if msg.position != len(session.tokens):
+                raise P.ProtocolError(
+                    "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens")
+            session.tokens.extend(new.tolist())
+        length = len(session.tokens) if msg.length is None else msg.length
+        if length > len(session.tokens):
+            raise P.ProtocolError("desync", f"device holds {length} tokens, the cloud only {len(session.tokens)}")
+        del self.sessions[(identity, msg.session_id)]
+        return P.Closed(msg.session_id, session.step, session.compute_s, len(session.tokens),
+                        P.sequence_digest(session.tokens[:length]))

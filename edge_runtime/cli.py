@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from edge_runtime.config import PROTOCOLS, EdgeConfig
+from edge_runtime.config import PROTOCOLS, EdgeConfig, UncertaintyConfig
+from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"].default)
     g.add_argument("--retries", type=int, default=d["connect_retries"].default)
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    g.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES, help="draft model dtype")
+    g.add_argument("--weight-quant", default=d["weight_quant"].default, choices=WEIGHT_QUANTS,
+                   help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
+    g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,
+                   help="η: end a draft after a token whose draft probability is below η (0: always --draft-len)")
+    u = g.add_argument_group("uhlm / randhlm / cuhlm (U-HLM, CU-HLM)")
+    ud = UncertaintyConfig.__dataclass_fields__
+    u.add_argument("--u-threshold", type=float, default=ud["u_threshold"].default,
+                   help="skip the upload when uncertainty u <= this (-1: never skip)")
+    u.add_argument("--perturb-samples", type=int, default=ud["samples"].default, help="M temperatures")
+    u.add_argument("--theta-max", type=float, default=ud["theta_max"].default, help="temperatures ~ U[0, θmax]")
+    u.add_argument("--skip-prob", type=float, default=ud["random_skip_prob"].default, help="randhlm skip probability")
+    u.add_argument("--beta-line", type=float, nargs=2, metavar=("A", "B"),
+                   default=(ud["beta_a"].default, ud["beta_b"].default), help="rejection model β = A·u + B")
+    u.add_argument("--k-mode", choices=["online", "offline"], default=ud["k_mode"].default)
+    u.add_argument("--k-offline", type=int, default=ud["k_offline"].default, help="cuhlm offline k*")
+    u.add_argument("--k-theta", type=float, default=ud["k_theta"].default, help="tolerance θ for k")
+    u.add_argument("--prob-bits", type=int, default=ud["prob_bits"].default, help="bits per uploaded probability")
+    u.add_argument("--exact", action="store_true", help="cuhlm: sample the draft from the distribution it sends")
     g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
     return ap
@@ -69,9 +89,14 @@ def main(argv=None) -> int:
         unknown = [p for p in protocols if p not in PROTOCOLS]
         if unknown or not protocols:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(PROTOCOLS)}")
+        unc = UncertaintyConfig(u_threshold=args.u_threshold, samples=args.perturb_samples, theta_max=args.theta_max,
+                                random_skip_prob=args.skip_prob, beta_a=args.beta_line[0], beta_b=args.beta_line[1],
+                                k_mode=args.k_mode, k_offline=args.k_offline, k_theta=args.k_theta,
+                                prob_bits=args.prob_bits, exact=args.exact)
         config = EdgeConfig(model=args.model, server=args.server, draft_len=args.draft_len,
                             dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
-                            connect_retries=args.retries, threads=args.threads)
+                            connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
+                            weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

@@ -4,8 +4,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hat_split.dist_codec import WIRE_DTYPES
+from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 
-PROTOCOLS = ("sd", "hlm", "llm", "slm")  # implemented in edge_runtime.protocols
+PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm")  # implemented in edge_runtime.protocols
+
+
+@dataclass(frozen=True)
+class UncertaintyConfig:
+    """U-HLM / CU-HLM settings (papers 001 and 000); defaults are the papers' unless calibrated."""
+
+    u_threshold: float = 0.5  # skip the upload when u <= this (U-HLM eq. 8); < 0 never skips
+    samples: int = 20  # M perturbed temperatures
+    theta_max: float = 2.0  # temperatures ~ U[0, θmax]
+    random_skip_prob: float = 0.5  # randhlm: skip with this probability
+    beta_a: float = 0.82  # rejection model β = a·u + b (U-HLM eq. 5; the paper's fit until hat-calibrate runs)
+    beta_b: float = -0.06
+    k_mode: str = "online"  # cuhlm: "online" (eq. 24, per token) or "offline" (fixed k, eq. 21)
+    k_offline: int = 30  # cuhlm offline k* (paper: 30 for θ = 0.1)
+    k_theta: float = 0.1  # tolerance θ on the resampling distortion
+    k_max: int = 8192  # cap on online k
+    softplus_eta: float = 10.0  # η of the softplus in eq. 22-23
+    prob_bits: int = 8  # b_prob: bits per uploaded probability
+    exact: bool = False  # cuhlm: sample the draft from the reconstruction it sends, so verification is unbiased
+
+    def __post_init__(self) -> None:
+        if not -1.0 <= self.u_threshold <= 1.0:
+            raise ValueError(f"u_threshold must be in [-1, 1], got {self.u_threshold}")
+        if self.samples < 1 or not self.theta_max > 0:
+            raise ValueError("samples must be >= 1 and theta_max > 0")
+        if not 0.0 <= self.random_skip_prob <= 1.0:
+            raise ValueError(f"random_skip_prob must be in [0, 1], got {self.random_skip_prob}")
+        if self.k_mode not in ("online", "offline"):
+            raise ValueError(f"k_mode must be online or offline, got {self.k_mode!r}")
+        if self.k_offline < 1 or self.k_max < 1 or not self.k_theta > 0 or not self.softplus_eta > 0:
+            raise ValueError("k_offline and k_max must be >= 1, k_theta and softplus_eta > 0")
+        if not 1 <= self.prob_bits <= 24:
+            raise ValueError(f"prob_bits must be in 1..24, got {self.prob_bits}")
 
 
 @dataclass(frozen=True)
@@ -13,7 +47,8 @@ class EdgeConfig:
     model: str  # registry short name, HF directory or .gguf path of the draft (small) model
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
     device_id: str = "edge-0"  # shown in the cloud's logs
-    draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1)
+    draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
+    draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
     dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values
     dist_format: str = "auto"  # "dense" | "sparse" | "auto" (smaller of the two); `hlm` always sends dense
     llm_chunk: int = 8  # tokens per Generate round for `llm` (trades streaming granularity for round trips)
@@ -22,6 +57,9 @@ class EdgeConfig:
     backoff_s: float = 0.5  # first retry delay, doubled per attempt
     request_timeout_s: float = 120.0  # one verify/generate round trip (a slow CPU target needs seconds)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
+    uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
+    weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -36,6 +74,12 @@ class EdgeConfig:
             raise ValueError(f"dist_format must be dense, sparse or auto, got {self.dist_format!r}")
         if self.llm_chunk < 1 or self.connect_retries < 1 or self.threads < 0:
             raise ValueError("llm_chunk and connect_retries must be >= 1, threads >= 0")
+        if not 0.0 <= self.draft_stop_prob < 1.0:
+            raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         for name in ("connect_timeout_s", "backoff_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

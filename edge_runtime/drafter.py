@@ -14,7 +14,7 @@ import numpy as np
 
 from hat_split import dist_codec
 from hat_split.lm import CausalLM, KVState
-from hat_split.sampling import SamplingParams, sample, warp
+from hat_split.sampling import SamplingParams, sample, softmax_prob, warp
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Drafter:
     wire_dtype: str = "float16"
     tokens: List[int] = field(default_factory=list)  # committed sequence (prompt + generated)
     kv: KVState = field(init=False)
+    last_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last draft() call
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -35,25 +36,36 @@ class Drafter:
         if len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
-    def _next_probs(self, extra: List[int]) -> np.ndarray:
-        """Distribution `# [1, vocab]` of the position after tokens + extra (feeds what the cache lacks)."""
+    def _next_logits(self, extra: List[int]) -> np.ndarray:
+        """Logits `# [1, vocab]` of the position after tokens + extra (feeds what the cache lacks)."""
         feed = (self.tokens + extra)[self.kv.length:]
-        return warp(self.lm.forward(self.kv, feed, n_logits=1), self.params)
+        return self.lm.forward(self.kv, feed, n_logits=1)
 
-    def draft(self, n: int, rng: np.random.Generator) -> Tuple[List[int], np.ndarray]:
-        """Sample n draft tokens; returns them and their wire values `# [n, vocab]` (wire_dtype)."""
+    def draft(self, n: int, rng: np.random.Generator, stop_below: float = 0.0) -> Tuple[List[int], np.ndarray]:
+        """Sample up to n draft tokens; returns them and their wire values `# [len, vocab]` (wire_dtype).
+
+        stop_below = η > 0 ends the draft after the first token whose confidence (plain softmax probability under the
+        draft, `softmax_prob`) is below η — HAT eq. 5; that token is still sent. The stopping rule reads only the
+        device's own distributions, so verification stays exact.
+        """
         drafts: List[int] = []
-        rows = []
+        rows, raw = [], []
         for _ in range(n):
-            values = dist_codec.quantize(self._next_probs(drafts), self.wire_dtype)  # [1, vocab]
+            logits = self._next_logits(drafts)  # [1, vocab]
+            raw.append(logits)
+            values = dist_codec.quantize(warp(logits, self.params), self.wire_dtype)  # [1, vocab]
             q_hat = dist_codec.dequantize(values)  # [1, vocab]: exactly what the cloud will decode
-            drafts.append(int(sample(q_hat, rng.random(1))[0]))
+            token = int(sample(q_hat, rng.random(1))[0])
+            drafts.append(token)
             rows.append(values)
+            if stop_below > 0 and softmax_prob(logits, np.array([token]))[0] < stop_below:
+                break
+        self.last_logits = np.concatenate(raw, axis=0)  # [len, vocab]: for uncertainty measures (edge_runtime.uhlm)
         return drafts, np.concatenate(rows, axis=0)
 
     def sample_local(self, rng: np.random.Generator) -> int:
         """One token from the draft model alone (protocol `slm`); the caller commits it."""
-        return int(sample(self._next_probs([]), rng.random(1))[0])
+        return int(sample(warp(self._next_logits([]), self.params), rng.random(1))[0])
 
     def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> None:
         """Append committed tokens, of which the first n_accepted_drafts are this round's accepted drafts.

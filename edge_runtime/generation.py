@@ -34,11 +34,15 @@ class GenerationResult:
     rounds: int  # draft/verify or generate rounds
     drafted: int  # draft tokens sent for verification
     accepted: int  # of those, accepted by the cloud
+    rejected: int  # rounds that ended in a rejected draft (the others accepted all their drafts)
     up_bytes: int  # request frames sent for this request (session open and close included)
     down_bytes: int
     round_trips: int
     cloud_compute_s: float  # model time the cloud reported
+    device_compute_s: float  # the draft model's forward time on the device (prompt included)
     finish_reason: str  # "eos" | "length"
+    skipped: int = 0  # tokens committed on the device without an upload (uhlm, randhlm, cuhlm)
+    upload_ks: List[int] = field(default_factory=list)  # cuhlm: tokens kept per upload
 
     @property
     def n(self) -> int:
@@ -53,6 +57,7 @@ class GenerationResult:
             "decode_tokens_per_s": (self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
             "ttft_s": self.ttft_s,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "alpha": self.accepted / (self.accepted + self.rejected) if self.drafted else float("nan"),
             "accepted_per_round": self.accepted / self.rounds if self.rounds and self.drafted else float("nan"),
             "tokens_per_round": self.n / self.rounds if self.rounds else float("nan"),
             "up_bytes_per_token": self.up_bytes / n,
@@ -84,13 +89,21 @@ class Generation:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0
     cloud_compute_s: float = 0.0
     first_token_at: Optional[float] = None
     finish_reason: str = ""
+    pending: List[int] = field(default_factory=list)  # committed here, not yet sent to the cloud (skipped uploads)
+    skipped: int = 0  # tokens committed without an upload (uhlm, randhlm, cuhlm)
+    upload_ks: List[int] = field(default_factory=list)  # cuhlm: tokens kept per upload
     rng: np.random.Generator = field(init=False)  # the device's stream: draft sampling, local sampling
+    uncertainty_rng: np.random.Generator = field(init=False)  # temperature perturbation (its own stream)
+    skip_rng: np.random.Generator = field(init=False)  # randhlm's coin
 
     def __post_init__(self) -> None:
         self.rng = session_rng(self.seed, "device")
+        self.uncertainty_rng = session_rng(self.seed, "uncertainty")
+        self.skip_rng = session_rng(self.seed, "skip")
 
     @property
     def remaining(self) -> int:
@@ -124,17 +137,16 @@ class Generation:
 
 
 # -- protocols -------------------------------------------------------------------------------------------------------
-def _verify_round(gen: Generation, draft_len: int, dist_format: str) -> None:
-    """Draft `draft_len` tokens, send them with their distributions, commit the cloud's verdict."""
-    n = max(1, min(draft_len, gen.remaining - 1))
-    drafts, values = gen.drafter.draft(n, gen.rng)  # values: [n, vocab] wire dtype
+def send_verify(gen: Generation, drafts: List[int], payload: P.DistPayload, new_tokens: List[int] = ()) -> P.Verdict:
+    """Send drafts with their distributions (after `new_tokens` the cloud has not seen); commit the verdict."""
+    n = len(drafts)
     msg = P.Verify(
         session_id=gen.session_id,
         step=gen.step + 1,
         position=gen.cloud_position,
-        new_tokens=np.zeros(0, np.int32),  # the cloud committed everything we have (it produced the last token)
+        new_tokens=np.asarray(new_tokens, np.int32),
         draft=np.asarray(drafts, np.int32),
-        dist=dist_codec.pack(values, dist_format),
+        dist=payload,
     )
     verdict = gen.request(msg)
     if not isinstance(verdict, P.Verdict) or verdict.n_accepted > n:
@@ -142,13 +154,21 @@ def _verify_round(gen: Generation, draft_len: int, dist_format: str) -> None:
     gen.rounds += 1
     gen.drafted += n
     gen.accepted += verdict.n_accepted
+    gen.rejected += verdict.n_accepted < n
     gen.cloud_compute_s += verdict.compute_s
     gen.cloud_position = verdict.position
     gen.commit(drafts[: verdict.n_accepted] + [verdict.token], verdict.n_accepted)
+    return verdict
+
+
+def _verify_round(gen: Generation, draft_len: int, dist_format: str, stop_below: float = 0.0) -> None:
+    """Draft up to `draft_len` tokens, send them with their distributions, commit the cloud's verdict."""
+    drafts, values = gen.drafter.draft(max(1, min(draft_len, gen.remaining - 1)), gen.rng, stop_below)
+    send_verify(gen, drafts, dist_codec.pack(values, dist_format))  # values: [n, vocab] wire dtype
 
 
 def round_sd(gen: Generation) -> None:
-    _verify_round(gen, gen.config.draft_len, gen.config.dist_format)
+    _verify_round(gen, gen.config.draft_len, gen.config.dist_format, gen.config.draft_stop_prob)
 
 
 def round_hlm(gen: Generation) -> None:
@@ -176,17 +196,23 @@ def round_slm(gen: Generation) -> None:
     gen.commit([gen.drafter.sample_local(gen.rng)])
 
 
-ROUNDS: Dict[str, Callable[[Generation], None]] = {
-    "sd": round_sd,
-    "hlm": round_hlm,
-    "llm": round_llm,
-    "slm": round_slm,
-}
-LOCAL_PROTOCOLS = ("slm",)  # need no cloud
+def _close(gen: Generation, prompt: List[int]) -> None:
+    """Close the session, handing over tokens the cloud has not seen (skipped ones); check both sequences agree."""
+    pending = list(gen.pending)
+    mine = list(prompt) + gen.generated
+    msg = P.CloseSession(gen.session_id, gen.cloud_position if pending else None,
+                         np.asarray(pending, np.int32) if pending else None, len(mine))
+    closed = gen.client.request(msg)
+    if not isinstance(closed, P.Closed):
+        raise RuntimeError(f"unexpected answer to CloseSession: {closed!r}")
+    if closed.n_tokens < len(mine) or closed.digest != P.sequence_digest(mine):
+        raise RuntimeError(f"device and cloud sequences diverged: device {len(mine)} tokens, cloud {closed.n_tokens}")
 
 
 def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
     """Run one request to completion with gen.protocol's round function."""
+    from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS
+
     if gen.protocol not in ROUNDS:
         raise ValueError(f"unknown protocol {gen.protocol!r}; known: {sorted(ROUNDS)}")
     if gen.max_new_tokens < 1:
@@ -211,7 +237,7 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         round_fn(gen)
     t1 = time.perf_counter()
     if remote:
-        gen.client.request(P.CloseSession(gen.session_id))
+        _close(gen, prompt)
     link = gen.client.counters.since(before) if remote else LinkCounters()
     return GenerationResult(
         protocol=gen.protocol,
@@ -223,9 +249,13 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         rounds=gen.rounds,
         drafted=gen.drafted,
         accepted=gen.accepted,
+        rejected=gen.rejected,
         up_bytes=link.up_bytes,
         down_bytes=link.down_bytes,
         round_trips=link.round_trips,
         cloud_compute_s=gen.cloud_compute_s,
+        device_compute_s=gen.drafter.kv.forward_s,
         finish_reason=gen.finish_reason,
+        skipped=gen.skipped,
+        upload_ks=list(gen.upload_ks),
     )

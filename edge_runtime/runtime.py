@@ -9,7 +9,8 @@ from typing import Callable, List, Optional, Union
 from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
-from edge_runtime.generation import LOCAL_PROTOCOLS, ROUNDS, Generation, GenerationResult, run
+from edge_runtime.generation import Generation, GenerationResult, run
+from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS
 from hat_split import protocol as P
 from hat_split.lm import CausalLM
 from hat_split.sampling import SamplingParams
@@ -42,14 +43,19 @@ class EdgeRuntime:
     """Context manager owning the draft model and, lazily, the cloud client."""
 
     def __init__(self, config: EdgeConfig, loaded=None):
-        from hat_split.loading import load_model, vocab_fingerprint
+        from hat_split.loading import load_model, quantize_weights, vocab_fingerprint
 
         self.config = config
         if config.threads:
             import torch
 
             torch.set_num_threads(config.threads)
-        self.loaded = loaded if loaded is not None else load_model(config.model)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=config.dtype)
+            quantize_weights(loaded.model, config.weight_quant)
+        elif config.weight_quant != "none":
+            raise ValueError("weight_quant applies when the runtime loads the model; quantize a pre-loaded one first")
+        self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         self.lm = CausalLM(self.loaded.model)
         self.lm.warm_up()

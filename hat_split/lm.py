@@ -36,7 +36,8 @@ class CausalLM:
     vocab_size: int = field(init=False)  # size of the logits' last dim (may exceed the tokenizer's vocab)
 
     def __post_init__(self) -> None:
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        weight = self.model.get_output_embeddings().weight
+        self.vocab_size = int((weight() if callable(weight) else weight).shape[0])  # callable: a quantized head
 
     def warm_up(self) -> None:
         """One throwaway forward: pages in memory-mapped weights and first-call allocations before timing starts."""

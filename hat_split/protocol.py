@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, List, Optional, Sequence, Tuple, Union
 
+import zlib
+
 import msgspec
 import numpy as np
 
@@ -74,12 +76,13 @@ class Sampling(msgspec.Struct, frozen=True):
 
 
 class DistPayload(msgspec.Struct, frozen=True):
-    """Draft distributions of L positions, dense or CSR-sparse (see hat_split.dist_codec)."""
+    """Draft distributions of L positions: dense, CSR-sparse or top-k bit-packed (see hat_split.dist_codec)."""
 
-    format: str  # "dense" | "sparse"
-    values: Any  # dense: [L, vocab] float16/32; sparse: [nnz] float16/32
-    indices: Any = None  # sparse only: [nnz] int32 token ids, ascending within each row
-    indptr: Any = None  # sparse only: [L + 1] int64 row offsets into values/indices
+    format: str  # "dense" | "sparse" | "topk"
+    values: Any  # dense: [L, vocab] float16/32; sparse: [nnz] float16/32; topk: uint8 bytes of packed levels
+    indices: Any = None  # sparse: [nnz] int32 token ids, ascending per row; topk: uint8 bytes of packed ids
+    indptr: Any = None  # sparse and topk: [L + 1] int64 row offsets (topk: kept tokens per row, cumulated)
+    bits: int = 0  # topk only: bits per probability level (hat_split.topk_codec)
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -152,12 +155,18 @@ class Generated(msgspec.Struct, tag=True):
 
 class CloseSession(msgspec.Struct, tag=True):
     session_id: NonNeg
+    position: Optional[NonNeg] = None  # with new_tokens: the device's view before them, checked like a request's
+    new_tokens: Any = None  # [m] int32 tokens committed on the device that the cloud has not seen (skipped ones)
+    length: Optional[NonNeg] = None  # the device's final sequence length: the digest covers that prefix (the cloud
+    # may hold one more token, a bonus the device cut at EOS or the length limit)
 
 
 class Closed(msgspec.Struct, tag=True):
     session_id: NonNeg
     steps: NonNeg
     compute_s: float
+    n_tokens: NonNeg = 0  # committed sequence length (prompt + generated) the cloud ended with
+    digest: NonNeg = 0  # sequence_digest of its first CloseSession.length tokens (all if no length was given)
 
 
 class Error(msgspec.Struct, tag=True):
@@ -278,6 +287,11 @@ class Limits:
     max_draft_len: int = 16  # drafts longer than this are refused (bounds verify memory and latency)
     max_context: int = 32768  # prompt + generated tokens per session
     max_generate: int = 256  # tokens one Generate may ask for
+
+
+def sequence_digest(tokens: Sequence[int]) -> int:
+    """CRC-32 of a token sequence (int32 little-endian): device and cloud compare sequences without sending them."""
+    return zlib.crc32(np.asarray(tokens, dtype="<i4").tobytes())
 
 
 def check_tokens(arr: Any, name: str, vocab_size: int, min_len: int = 0, max_len: int = 1 << 30) -> np.ndarray:

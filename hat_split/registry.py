@@ -32,6 +32,8 @@ ASSEMBLE_KINDS = ("concat-parts", "single-file", "gemma-assemble")
 CACHE_ENV = "HATSPEC_CACHE"  # environment variable overriding the cache root
 GGUF_MAGIC = b"GGUF"  # first four bytes of every GGUF file
 COPY_BLOCK = 16 * 1024 * 1024  # bytes per read/write when concatenating parts (16 MiB: big enough, small RAM)
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what load_model casts to; "auto": loading.resolve_dtype
+WEIGHT_QUANTS = ("none", "int8")  # load_model(weight_quant=...): "int8" = dynamic int8 linear layers (CPU)
 HF_META = "hatspec.json"  # marker written last into a converted HF cache dir; its presence means "complete"
 
 

@@ -11,11 +11,11 @@ from typing import Optional
 
 import numpy as np
 
-ROLES = {"device": 0, "cloud": 1}
+ROLES = {"device": 0, "cloud": 1, "uncertainty": 2, "skip": 3}  # the last two: device-side U-HLM draws
 
 
 def session_rng(seed: Optional[int], role: str) -> np.random.Generator:
-    """Generator for `role` ("device" or "cloud") of a request seeded with `seed` (None: fresh entropy)."""
+    """Generator for `role` (one of ROLES) of a request seeded with `seed` (None: fresh entropy)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
     if seed is None:

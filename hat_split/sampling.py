@@ -194,6 +194,22 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return e.reshape(shape)
 
 
+def softmax_prob(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Plain softmax probability (temperature 1, no truncation) of `tokens # [rows]` under `logits # [rows, V]`.
+
+    The drafting confidence of HAT eq. 5: it does not depend on the sampling parameters (under greedy decoding the
+    warped distribution is one-hot, so it would carry no information). Returns float64 `# [rows]`.
+    """
+    a, mx = _as_logits(logits)
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.shape[0] != a.shape[0]:
+        raise ValueError(f"{tokens.shape[0]} tokens for {a.shape[0]} rows of logits")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= a.shape[1]):
+        raise ValueError(f"tokens outside [0, {a.shape[1]})")
+    norm = np.exp(a - mx).sum(axis=-1, dtype=np.float64)  # [rows]
+    return np.exp(a[np.arange(a.shape[0]), tokens].astype(np.float64) - mx[:, 0]) / norm
+
+
 def _nucleus_candidates(e: np.ndarray, total: np.ndarray, top_p: float) -> np.ndarray | None:
     """Indices `# [rows, m]` (unordered) of the m largest weights of each row, m large enough that they hold >= top_p
     of every row's mass; None if that takes the whole vocabulary.

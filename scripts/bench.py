@@ -5,20 +5,22 @@ Same prompts (token ids fixed once), greedy decoding, side by side:
      in a child process that exits before the hatspec phase, so the machine's memory holds one set of models at a time;
   2. hatspec `sd` and `hlm` (and `llm`, `slm` for reference): a real `hat-cloud serve` process and the edge runtime in
      this process, over loopback TCP.
-Reports tokens/s, the measured acceptance rate α (accepted / drafted), draft length γ, the cost ratio c (draft time per
+Reports tokens/s, the measured acceptance rate α (accepted / examined draft positions: accepted + rounds that ended in
+a rejection; accepted / drafted is reported too), mean draft length γ, the cost ratio c (draft time per
 token / target time per token, both measured alone), the ideal speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) and the
 efficiency = measured speedup / ideal. Writes JSON (and prints a table).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default="qwen2.5-coder-1.5b")
     s.add_argument("--prompts", type=int, default=6, help="real prompts, half HumanEval half ShareGPT")
     s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--draft-len", type=int, default=4, help="γ for hatspec sd")
+    s.add_argument("--draft-len", default="4",
+                   help="sd variants run one after another, separated by commas: γ (fixed) or γ@η (at most γ drafts, "
+                        "ending after a token with draft probability < η), e.g. 3,4,8@0.5")
+    s.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="the draft's weights (edge and HF)")
+    s.add_argument("--target-dtype", default="auto", help="dtype of the target everywhere (cloud and HF runs)")
+    s.add_argument("--draft-dtype", default="float32", help="dtype of the draft everywhere (edge and HF runs)")
     s.add_argument("--protocols", default="sd,hlm,llm,slm")
     s.add_argument("--out", default="runs/bench_speculative.json")
     s.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
@@ -38,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--target")
     h.add_argument("--ids")
     h.add_argument("--max-new-tokens", type=int)
+    h.add_argument("--target-dtype")
+    h.add_argument("--draft-dtype")
+    h.add_argument("--weight-quant")
     h.add_argument("--out")
     return ap
 
@@ -55,12 +65,13 @@ def _hf_generate(model, ids: List[int], n: int, eos, **kw):
 
 def hf_phase(args) -> int:
     """Child process: HF baselines. Writes per-prompt tokens and times."""
-    from hat_split.loading import load_model
+    from hat_split.loading import load_model, quantize_weights
 
     with open(args.ids, encoding="utf-8") as f:
         prompts = json.load(f)
-    target = load_model(args.target)
-    draft = load_model(args.draft)
+    target = load_model(args.target, dtype=args.target_dtype)
+    draft = load_model(args.draft, dtype=args.draft_dtype)
+    quantize_weights(draft.model, args.weight_quant)
     eos = target.model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     res: Dict[str, list] = {"target": [], "draft": [], "hf_assisted": []}
@@ -87,9 +98,13 @@ def speculative(args) -> int:
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.loading import load_tokenizer
     from hat_split.sampling import SamplingParams
-    from hat_split.verify import ideal_speedup
     from profiles.prompts import demo_prompts
 
+    try:
+        variants = parse_variants(args.draft_len)
+    except ValueError as exc:
+        print(f"hat-bench: --draft-len: {exc}", file=sys.stderr)
+        return 2
     prompts = demo_prompts(args.prompts)
     tok = load_tokenizer(args.draft)
     ids = []
@@ -100,8 +115,12 @@ def speculative(args) -> int:
             ids.append(list(tok(text, add_special_tokens=False)["input_ids"]))
         else:
             ids.append(list(tok(p.text)["input_ids"]))
-    report: dict = {"draft": args.draft, "target": args.target, "max_new_tokens": args.max_new_tokens,
-                    "draft_len": args.draft_len, "prompts": [p.to_json() for p in prompts], "runs": {}}
+    from hat_split.loading import resolve_dtype
+
+    args.target_dtype, args.draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
+    report: dict = {"draft": args.draft, "target": args.target, "target_dtype": args.target_dtype,
+                    "draft_dtype": args.draft_dtype, "max_new_tokens": args.max_new_tokens,
+                    "weight_quant": args.weight_quant, "sd_variants": variants, "prompts": [p.to_json() for p in prompts], "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf:
             ids_path, hf_out = os.path.join(tmp, "ids.json"), os.path.join(tmp, "hf.json")
@@ -110,26 +129,71 @@ def speculative(args) -> int:
             print("hat-bench: Hugging Face baselines (child process) ...", flush=True)
             rc = subprocess.call([sys.executable, "-m", "scripts.bench", "_hf-phase", "--draft", args.draft,
                                   "--target", args.target, "--ids", ids_path, "--max-new-tokens",
-                                  str(args.max_new_tokens), "--out", hf_out])
+                                  str(args.max_new_tokens), "--out", hf_out, "--target-dtype", args.target_dtype,
+                                  "--draft-dtype", args.draft_dtype, "--weight-quant", args.weight_quant])
             if rc:
                 print(f"hat-bench: HF phase failed (exit {rc})", file=sys.stderr)
                 return rc
             with open(hf_out, encoding="utf-8") as f:
                 report["runs"].update({f"hf_{k}": v for k, v in json.load(f).items()})
         print("hat-bench: hatspec over loopback ...", flush=True)
-        with CloudProcess(args.target) as cloud:
-            cfg = EdgeConfig(model=args.draft, server=cloud.endpoint, draft_len=args.draft_len)
+        with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
+            cfg = EdgeConfig(model=args.draft, server=cloud.endpoint, dtype=args.draft_dtype,
+                             weight_quant=args.weight_quant)
             with EdgeRuntime(cfg) as rt:
                 rt.generate(ids[0], "sd", SamplingParams(0.0), 2)  # warm-up both processes
                 for protocol in [p for p in args.protocols.split(",") if p]:
-                    rows = []
-                    for i, x in enumerate(ids):
-                        r = rt.generate(x, protocol, SamplingParams(0.0), args.max_new_tokens, seed=0)
-                        rows.append(r.to_json())
-                        print(f"  hatspec {protocol:4s} prompt {i + 1}/{len(ids)}: {r.n} tokens in {r.total_s:.1f} s,"
-                              f" accepted/round {r.summary()['accepted_per_round']:.2f}", flush=True)
-                    report["runs"][f"hatspec_{protocol}"] = rows
-    runs = report["runs"]
+                    for variant in (variants if protocol == "sd" else [None]):
+                        name = f"hatspec_{protocol}" + (f"_{variant_name(*variant)}" if variant else "")
+                        if variant:
+                            rt.config = dataclasses.replace(rt.config, draft_len=variant[0], draft_stop_prob=variant[1])
+                        rows = []
+                        for i, x in enumerate(ids):
+                            r = rt.generate(x, protocol, SamplingParams(0.0), args.max_new_tokens, seed=0)
+                            rows.append(r.to_json())
+                            print(f"  {name:14s} prompt {i + 1}/{len(ids)}: {r.n} tokens in {r.total_s:.1f} s,"
+                                  f" accepted/round {r.summary()['accepted_per_round']:.2f}", flush=True)
+                        report["runs"][name] = rows
+    summary = summarise(report["runs"], variants)
+    report["summary"] = summary
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    print(f"hat-bench: report saved to {args.out}")
+    return 0
+
+
+def parse_variants(text: str) -> List[Tuple[int, float]]:
+    """"3,4,8@0.5" → [(3, 0.0), (4, 0.0), (8, 0.5)]: (γ, η) per sd run."""
+    out = []
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        gamma, _, eta = item.partition("@")
+        try:
+            v = (int(gamma), float(eta) if eta else 0.0)
+        except ValueError:
+            raise ValueError(f"{item!r} is not γ or γ@η (e.g. 4 or 8@0.5)") from None
+        if v[0] < 1 or not 0.0 <= v[1] < 1.0:
+            raise ValueError(f"{item!r}: γ must be >= 1 and η in [0, 1)")
+        out.append(v)
+    if not out:
+        raise ValueError("give at least one γ")
+    return out
+
+
+def variant_name(gamma: int, eta: float) -> str:
+    return f"g{gamma}" + (f"_eta{eta:g}" if eta else "")
+
+
+def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]]) -> dict:
+    """tokens/s per run; α, γ, c, ideal speedup, efficiency and greedy identity per speculative run.
+
+    For a γ@η run the draft length varies; its ideal speedup uses the mean draft length per round as γ.
+    """
+    from hat_split.verify import ideal_speedup
+
     rates = {name: _rate(rows) for name, rows in runs.items()}
     base = "hf_target" if "hf_target" in runs else "hatspec_llm"
     summary: dict = {"tokens_per_s": rates, "baseline": base}
@@ -140,33 +204,33 @@ def speculative(args) -> int:
     else:
         c = None
     summary["c"] = c
-    for proto, gamma in (("sd", args.draft_len), ("hlm", 1)):
-        rows = runs.get(f"hatspec_{proto}")
+    for name, (gamma, eta) in [(f"hatspec_sd_{variant_name(*v)}", v) for v in variants] + [("hatspec_hlm", (1, 0))]:
+        rows = runs.get(name)
         if not rows:
             continue
         drafted = sum(r["drafted"] for r in rows)
         accepted = sum(r["accepted"] for r in rows)
-        alpha = accepted / drafted if drafted else 0.0
-        speedup = rates[f"hatspec_{proto}"] / rates[base]
-        ideal = ideal_speedup(alpha, gamma, c) if c is not None else None
-        entry = {"alpha": alpha, "gamma": gamma, "speedup": speedup, "ideal_speedup": ideal,
-                 "efficiency": speedup / ideal if ideal else None,
-                 "accepted_per_round": accepted / sum(r["rounds"] for r in rows)}
+        rejected = sum(r["rejected"] for r in rows)
+        rounds = sum(r["rounds"] for r in rows)
+        alpha = accepted / (accepted + rejected) if drafted else 0.0  # per examined position (Leviathan's α)
+        speedup = rates[name] / rates[base]
+        # closed form: fixed γ, i.i.d. acceptance; not defined for confidence-stopped (γ@η) drafts
+        ideal = ideal_speedup(alpha, gamma, c) if c is not None and not eta else None
+        # what this run's own rounds would give with zero overhead: tokens per round / (drafts per round · c + 1)
+        realized = (accepted + rounds) / rounds / (drafted / rounds * c + 1) if c is not None else None
+        entry = {"alpha": alpha, "acceptance_rate": accepted / drafted if drafted else 0.0, "gamma": gamma, "eta": eta,
+                 "mean_drafts_per_round": drafted / rounds, "accepted_per_round": accepted / rounds,
+                 "speedup": speedup, "ideal_speedup": ideal, "efficiency": speedup / ideal if ideal else None,
+                 "overhead_free_speedup": realized, "efficiency_vs_overhead_free": speedup / realized if realized else None}
         if "hf_target" in runs:
             same = [r["tokens"] == h["tokens"] for r, h in zip(rows, runs["hf_target"])]
             entry["identical_to_target_greedy"] = f"{sum(same)}/{len(same)}"
-        summary[proto] = entry
+        if "hf_hf_assisted" in runs:
+            entry["vs_hf_assisted"] = rates[name] / rates["hf_hf_assisted"]
+        summary[name] = entry
     if "hf_hf_assisted" in runs:
         summary["hf_assisted_speedup"] = rates["hf_hf_assisted"] / rates[base]
-        if "hatspec_sd" in rates:
-            summary["sd_vs_hf_assisted"] = rates["hatspec_sd"] / rates["hf_hf_assisted"]
-    report["summary"] = summary
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(json.dumps(summary, indent=1))
-    print(f"hat-bench: report saved to {args.out}")
-    return 0
+    return summary
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ N_TOKENS = 16
 def cloud():
     from cloud_runtime.process import CloudProcess
 
-    with CloudProcess(TARGET) as proc:
+    with CloudProcess(TARGET, extra_args=["--dtype", "float32"]) as proc:  # bf16 rounding differs by chunk shape
         yield proc
 
 
@@ -44,7 +44,7 @@ def greedy_runs(cloud, tmp_path_factory):
     from profiles.prompts import humaneval_prompts, sharegpt_prompts
 
     prompts = [p.to_json() for p in humaneval_prompts(1, offset=10) + sharegpt_prompts(1, offset=3)]
-    results, stdout = _edge(tmp_path_factory.mktemp("greedy"), cloud, prompts, "--protocol", "llm,sd,hlm",
+    results, stdout = _edge(tmp_path_factory.mktemp("greedy"), cloud, prompts, "--protocol", "llm,sd,hlm,uhlm,cuhlm",
                             "--max-new-tokens", str(N_TOKENS), "--temperature", "0", "--draft-len", "4")
     by = {}
     for r in results:
@@ -73,6 +73,17 @@ def test_real_pair_accepts_drafts_and_counts_bytes(greedy_runs):
     for r in sd:  # greedy drafts are one-hot: tiny uplink
         assert r["up_bytes"] / len(r["tokens"]) < 500
     assert "===" in stdout and "tok/s" in stdout  # text was streamed
+
+
+def test_uncertainty_protocols_skip_on_real_pair(greedy_runs):
+    """uhlm / cuhlm finished with the cloud's sequence equal to the device's (checked at close) and skipped uploads."""
+    by, _ = greedy_runs
+    for proto in ("uhlm", "cuhlm"):
+        rows = list(by[proto].values())
+        assert all(len(r["tokens"]) == N_TOKENS or r["finish_reason"] == "eos" for r in rows)
+        assert sum(r["skipped"] for r in rows) > 0  # the coder draft is confident on much of the text
+    hlm_up = sum(r["up_bytes"] for r in by["hlm"].values())
+    assert sum(r["up_bytes"] for r in by["cuhlm"].values()) < 0.05 * hlm_up
 
 
 def test_sampled_sd_runs_on_real_pair(cloud, tmp_path):

@@ -14,9 +14,10 @@ from hat_split.sampling import SamplingParams
 PROMPT = [5, 17, 99, 3, 250, 7]
 
 
-def _run(server, draft_lm, protocol, params, n=24, seed=0, draft_len=4):
+def _run(server, draft_lm, protocol, params, n=24, seed=0, draft_len=4, stop=0.0):
     with CloudClient(server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = Generation(EdgeConfig(model="tiny", draft_len=draft_len, llm_chunk=5), Drafter(draft_lm, params),
+        config = EdgeConfig(model="tiny", draft_len=draft_len, llm_chunk=5, draft_stop_prob=stop)
+        gen = Generation(config, Drafter(draft_lm, params),
                          client, protocol, params, n, frozenset(), seed, 1)
         return run(gen, PROMPT, lambda toks: ""), gen
 
@@ -35,6 +36,16 @@ def test_greedy_hybrid_equals_target_greedy(tiny_server, tiny_pair, protocol, dr
     assert result.finish_reason == "length"
     # the device's draft cache never holds a rejected position
     assert gen.drafter.kv.length <= len(gen.drafter.tokens)
+
+
+def test_confidence_stop_shortens_drafts_and_stays_exact(tiny_server, tiny_pair):
+    """η close to 1 ends every draft after its first token (a random model is never that sure); η = 0 never does."""
+    draft, target = tiny_pair
+    short, _ = _run(tiny_server, draft, "sd", SamplingParams(0.0), draft_len=6, stop=0.99)
+    full, _ = _run(tiny_server, draft, "sd", SamplingParams(0.0), draft_len=6)
+    assert short.tokens == full.tokens == _hf_greedy(target, 24)
+    assert short.drafted == short.rounds  # one draft per round
+    assert full.drafted > full.rounds
 
 
 def test_slm_is_the_draft_model_alone(tiny_pair):

@@ -107,6 +107,21 @@ def test_dist_codec_round_trip_and_validation():
         dist_codec.decode_dist(P.DistPayload("dense", np.zeros((1, 50), np.float16)), 1, 50)
 
 
+def test_float16_wire_rounding_is_the_same_with_and_without_torch():
+    """Both casts are round-to-nearest-even from float32: the wire values never depend on what the process loaded."""
+    import torch  # noqa: F401  (makes dist_codec take its torch path)
+
+    rng = np.random.default_rng(1)
+    q = np.concatenate([rng.dirichlet(np.full(4000, 0.01), size=4),  # mostly tiny entries: subnormals, underflow
+                        rng.dirichlet(np.ones(4000), size=2),
+                        np.full((1, 4000), 1 / 4000)])  # [7, 4000]
+    q[0, :8] = [6e-8, 2.9e-8, 3.0e-8, 5.96e-8, 6.1e-5, 6.09e-5, 0.5 + 2 ** -12, 0.5 + 3 * 2 ** -12]  # ties, edges
+    fast = dist_codec.quantize(q, "float16")
+    slow = q.astype(np.float32).astype(np.float16)
+    assert fast.dtype == np.float16 and np.array_equal(fast.view(np.uint16), slow.view(np.uint16))
+    assert np.array_equal(dist_codec.quantize(q, "float32"), q.astype(np.float32))
+
+
 # -- the server under bad input -------------------------------------------------------------------------------------
 def _raw_socket(server):
     sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from hat_split.sampling import SamplingParams, sample, sample_rng, warp
+from hat_split.sampling import SamplingParams, sample, sample_rng, softmax_prob, warp
 from hat_split.verify import (
     VerifyResult,
     acceptance_rate,
@@ -647,3 +647,17 @@ def test_speed_full_vocab() -> None:
     for name, ms in timings.items():
         print(f"{name}: {ms:.2f} ms")
     assert max(timings.values()) < 200.0, timings
+
+
+def test_softmax_prob_matches_a_direct_softmax_and_checks_its_input():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 300)).astype(np.float32) * 5
+    tokens = np.array([0, 7, 299, 150])
+    expected = np.exp(logits.astype(np.float64))
+    expected = (expected / expected.sum(axis=1, keepdims=True))[np.arange(4), tokens]
+    assert np.allclose(softmax_prob(logits, tokens), expected, rtol=1e-12)
+    assert softmax_prob(np.array([[0.0, -np.inf]]), np.array([1]))[0] == 0.0
+    with pytest.raises(ValueError, match="outside"):
+        softmax_prob(logits, np.array([0, 1, 2, 300]))
+    with pytest.raises(ValueError, match="rows"):
+        softmax_prob(logits, np.array([0]))
