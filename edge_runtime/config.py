@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from hat_split.dist_codec import WIRE_DTYPES
 from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
+from hat_split.uncertainty import PerturbationConfig
 
 PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm")  # implemented in edge_runtime.protocols
 
@@ -30,8 +31,7 @@ class UncertaintyConfig:
     def __post_init__(self) -> None:
         if not -1.0 <= self.u_threshold <= 1.0:
             raise ValueError(f"u_threshold must be in [-1, 1], got {self.u_threshold}")
-        if self.samples < 1 or not self.theta_max > 0:
-            raise ValueError("samples must be >= 1 and theta_max > 0")
+        self.perturbation  # validates samples and theta_max
         if not 0.0 <= self.random_skip_prob <= 1.0:
             raise ValueError(f"random_skip_prob must be in [0, 1], got {self.random_skip_prob}")
         if self.k_mode not in ("online", "offline"):
@@ -40,6 +40,10 @@ class UncertaintyConfig:
             raise ValueError("k_offline and k_max must be >= 1, k_theta and softplus_eta > 0")
         if not 1 <= self.prob_bits <= 24:
             raise ValueError(f"prob_bits must be in 1..24, got {self.prob_bits}")
+
+    @property
+    def perturbation(self) -> PerturbationConfig:
+        return PerturbationConfig(self.samples, self.theta_max)
 
 
 @dataclass(frozen=True)

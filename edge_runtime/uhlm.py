@@ -21,16 +21,17 @@ import numpy as np
 from edge_runtime.generation import Generation, send_verify
 from hat_split import dist_codec, topk_codec
 from hat_split.sampling import sample
-from hat_split.uncertainty import PerturbationConfig, perturbation_uncertainty
+from hat_split.uncertainty import perturbation_uncertainty
 from hat_split.vocab_size_policy import online_k
 
 
-def _draft_one(gen: Generation) -> tuple[int, np.ndarray, float]:
-    """The next draft token, its wire values `# [1, vocab]` and its uncertainty u."""
+def _draft_one(gen: Generation, measure: bool = True) -> tuple[int, np.ndarray, float]:
+    """The next draft token, its wire values `# [1, vocab]` and its uncertainty u (NaN when not measured)."""
     drafts, values = gen.drafter.draft(1, gen.rng)
-    cfg = gen.config.uncertainty
-    u = perturbation_uncertainty(gen.drafter.last_logits, np.asarray(drafts), PerturbationConfig(cfg.samples,
-                                 cfg.theta_max), gen.uncertainty_rng)
+    if not measure:
+        return drafts[0], values, float("nan")
+    u = perturbation_uncertainty(gen.drafter.last_logits, np.asarray(drafts), gen.config.uncertainty.perturbation,
+                                 gen.uncertainty_rng)
     return drafts[0], values, float(u[0])
 
 
@@ -53,7 +54,7 @@ def round_uhlm(gen: Generation) -> None:
 
 
 def round_randhlm(gen: Generation) -> None:
-    token, values, _ = _draft_one(gen)  # u is drawn but unused: the device streams stay aligned with uhlm
+    token, values, _ = _draft_one(gen, measure=False)  # u has its own stream: not drawing it changes no token
     if gen.skip_rng.random() < gen.config.uncertainty.random_skip_prob:
         _skip(gen, token)
     else:

@@ -71,9 +71,9 @@ def perturbation_uncertainty(logits: np.ndarray, tokens: np.ndarray, config: Per
 
     Consumes 2·B·M uniforms from `rng` (temperatures, then match draws), whatever the logits.
     """
-    B = np.asarray(logits).shape[0] if np.ndim(logits) == 2 else -1
-    thetas = rng.uniform(0.0, config.theta_max, size=(max(B, 0), config.n_samples))  # [B, M]
-    draws = rng.random((max(B, 0), config.n_samples))  # [B, M]
+    B = np.shape(logits)[0] if np.ndim(logits) == 2 else 0  # other shapes are refused by match_probabilities
+    thetas = rng.uniform(0.0, config.theta_max, size=(B, config.n_samples))  # [B, M]
+    draws = rng.random((B, config.n_samples))  # [B, M]
     match = draws < match_probabilities(logits, tokens, thetas)  # [B, M]
     return 1.0 - match.mean(axis=1)
 
