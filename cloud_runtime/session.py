@@ -31,6 +31,7 @@ class TargetSession:
     step: int = 0  # last request step served
     last_active: float = field(default_factory=time.monotonic)
     compute_s: float = 0.0
+    last_p: Optional[np.ndarray] = None  # target distributions `# [L + 1, vocab]` of the last verify (hat-calibrate)
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -51,7 +52,7 @@ class TargetSession:
         self.tokens.extend(new_tokens)
         L = len(draft)
         logits = self._timed(lambda: self._feed_pending(draft, L + 1))  # [L + 1, vocab]
-        p = warp(logits, self.params)  # [L + 1, vocab]
+        p = self.last_p = warp(logits, self.params)  # [L + 1, vocab]
         result = verify_rng(np.asarray([draft]), q[None], p[None], self.rng)
         n = int(result.n_accepted[0])
         token = int(result.tokens[0, n])

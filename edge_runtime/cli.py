@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from edge_runtime.config import PROTOCOLS, EdgeConfig, UncertaintyConfig
+from edge_runtime.config import OVERLAP_MODES, PROTOCOLS, EdgeConfig, UncertaintyConfig
+from hat_split.calibration import THRESHOLD_RULES
 from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 
 
@@ -37,20 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
     g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,
                    help="η: end a draft after a token whose draft probability is below η (0: always --draft-len)")
-    u = g.add_argument_group("uhlm / randhlm / cuhlm (U-HLM, CU-HLM)")
+    g.add_argument("--overlap-prefill", default=d["overlap_prefill"].default, choices=OVERLAP_MODES,
+                   help="run the draft's prompt prefill while the cloud prefills (auto: unless the server is local)")
+    u = g.add_argument_group("uhlm / randhlm / cuhlm (U-HLM, CU-HLM); unset flags come from --calibration, "
+                             "else the papers' values")
     ud = UncertaintyConfig.__dataclass_fields__
-    u.add_argument("--u-threshold", type=float, default=ud["u_threshold"].default,
-                   help="skip the upload when uncertainty u <= this (-1: never skip)")
-    u.add_argument("--perturb-samples", type=int, default=ud["samples"].default, help="M temperatures")
-    u.add_argument("--theta-max", type=float, default=ud["theta_max"].default, help="temperatures ~ U[0, θmax]")
-    u.add_argument("--skip-prob", type=float, default=ud["random_skip_prob"].default, help="randhlm skip probability")
+    u.add_argument("--calibration", metavar="PATH", help="a hat-calibrate file: rejection line, threshold, k*, M, θmax")
+    u.add_argument("--threshold-rule", choices=THRESHOLD_RULES, default="risk-prone",
+                   help="which calibrated threshold --calibration sets (default %(default)s, U-HLM Theorem 1)")
+    u.add_argument("--u-threshold", type=float, help=f"skip the upload when uncertainty u <= this (-1: never skip; "
+                                                     f"default {ud['u_threshold'].default})")
+    u.add_argument("--perturb-samples", type=int, help=f"M temperatures (default {ud['samples'].default})")
+    u.add_argument("--theta-max", type=float, help=f"temperatures ~ U[0, θmax] (default {ud['theta_max'].default})")
+    u.add_argument("--skip-prob", type=float, help=f"randhlm skip probability (default {ud['random_skip_prob'].default})")
     u.add_argument("--beta-line", type=float, nargs=2, metavar=("A", "B"),
-                   default=(ud["beta_a"].default, ud["beta_b"].default), help="rejection model β = A·u + B")
-    u.add_argument("--k-mode", choices=["online", "offline"], default=ud["k_mode"].default)
-    u.add_argument("--k-offline", type=int, default=ud["k_offline"].default, help="cuhlm offline k*")
-    u.add_argument("--k-theta", type=float, default=ud["k_theta"].default, help="tolerance θ for k")
-    u.add_argument("--prob-bits", type=int, default=ud["prob_bits"].default, help="bits per uploaded probability")
-    u.add_argument("--exact", action="store_true", help="cuhlm: sample the draft from the distribution it sends")
+                   help=f"rejection model β = A·u + B (default {ud['beta_a'].default} {ud['beta_b'].default})")
+    u.add_argument("--k-mode", choices=["online", "offline"], help=f"default {ud['k_mode'].default}")
+    u.add_argument("--k-offline", type=int, help=f"cuhlm offline k* (default {ud['k_offline'].default})")
+    u.add_argument("--k-theta", type=float, help=f"tolerance θ for k (default {ud['k_theta'].default})")
+    u.add_argument("--prob-bits", type=int, help=f"bits per uploaded probability (default {ud['prob_bits'].default})")
+    u.add_argument("--exact", action="store_true", default=None,
+                   help="cuhlm: sample the draft from the distribution it sends")
     g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
     return ap
@@ -80,6 +89,21 @@ def _load_prompts(args) -> list:
     return prompts
 
 
+def _uncertainty_config(args) -> UncertaintyConfig:
+    """Papers' defaults, then the calibration file, then explicit flags."""
+    base = UncertaintyConfig()
+    if args.calibration:
+        from hat_split.calibration import load
+
+        base = base.calibrated(load(args.calibration), args.threshold_rule)
+    flags = {"u_threshold": args.u_threshold, "samples": args.perturb_samples, "theta_max": args.theta_max,
+             "random_skip_prob": args.skip_prob, "k_mode": args.k_mode, "k_offline": args.k_offline,
+             "k_theta": args.k_theta, "prob_bits": args.prob_bits, "exact": args.exact}
+    if args.beta_line is not None:
+        flags.update(beta_a=args.beta_line[0], beta_b=args.beta_line[1])
+    return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from hat_split.sampling import SamplingParams
@@ -89,14 +113,12 @@ def main(argv=None) -> int:
         unknown = [p for p in protocols if p not in PROTOCOLS]
         if unknown or not protocols:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(PROTOCOLS)}")
-        unc = UncertaintyConfig(u_threshold=args.u_threshold, samples=args.perturb_samples, theta_max=args.theta_max,
-                                random_skip_prob=args.skip_prob, beta_a=args.beta_line[0], beta_b=args.beta_line[1],
-                                k_mode=args.k_mode, k_offline=args.k_offline, k_theta=args.k_theta,
-                                prob_bits=args.prob_bits, exact=args.exact)
+        unc = _uncertainty_config(args)
         config = EdgeConfig(model=args.model, server=args.server, draft_len=args.draft_len,
                             dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
                             connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
-                            weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc)
+                            weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc,
+                            overlap_prefill=args.overlap_prefill)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

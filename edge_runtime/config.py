@@ -1,12 +1,16 @@
 """The device's one typed configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
+
+from hat_split.calibration import Calibration
 from hat_split.dist_codec import WIRE_DTYPES
 from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.uncertainty import PerturbationConfig
 
+OVERLAP_MODES = ("auto", "on", "off")
 PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm")  # implemented in edge_runtime.protocols
 
 
@@ -45,6 +49,12 @@ class UncertaintyConfig:
     def perturbation(self) -> PerturbationConfig:
         return PerturbationConfig(self.samples, self.theta_max)
 
+    def calibrated(self, cal: Calibration, rule: str = "risk-prone") -> "UncertaintyConfig":
+        """These settings with a hat-calibrate result: its line, threshold, k*, θ and the M, θmax it measured u with."""
+        return replace(self, u_threshold=float(np.clip(cal.threshold(rule), -1.0, 1.0)), beta_a=cal.fit.a,
+                       beta_b=cal.fit.b, k_offline=cal.k_star, k_theta=cal.k_theta, samples=cal.perturb_samples,
+                       theta_max=cal.theta_max)
+
 
 @dataclass(frozen=True)
 class EdgeConfig:
@@ -64,6 +74,14 @@ class EdgeConfig:
     dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
     uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
+    overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
+    # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
+
+    @property
+    def overlaps_prefill(self) -> bool:
+        if self.overlap_prefill != "auto":
+            return self.overlap_prefill == "on"
+        return not server_is_local(self.server)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -84,6 +102,16 @@ class EdgeConfig:
             raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.overlap_prefill not in OVERLAP_MODES:
+            raise ValueError(f"overlap_prefill must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_prefill!r}")
         for name in ("connect_timeout_s", "backoff_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+
+
+def server_is_local(endpoint: str) -> bool:
+    """True when a ZeroMQ endpoint is on this machine (ipc, inproc, loopback or localhost TCP)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

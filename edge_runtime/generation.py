@@ -43,6 +43,10 @@ class GenerationResult:
     finish_reason: str  # "eos" | "length"
     skipped: int = 0  # tokens committed on the device without an upload (uhlm, randhlm, cuhlm)
     upload_ks: List[int] = field(default_factory=list)  # cuhlm: tokens kept per upload
+    round_up_bytes: List[int] = field(default_factory=list)  # bytes of each round's request frame (channel models)
+    device_prefill_s: float = 0.0  # of device_compute_s: the prompt
+    cloud_prefill_s: float = 0.0  # of cloud_compute_s: the prompt
+    skip_log: List[List[float]] = field(default_factory=list)  # [index in tokens, draft probability] per skipped token
 
     @property
     def n(self) -> int:
@@ -96,6 +100,8 @@ class Generation:
     pending: List[int] = field(default_factory=list)  # committed here, not yet sent to the cloud (skipped uploads)
     skipped: int = 0  # tokens committed without an upload (uhlm, randhlm, cuhlm)
     upload_ks: List[int] = field(default_factory=list)  # cuhlm: tokens kept per upload
+    round_up_bytes: List[int] = field(default_factory=list)
+    skip_log: List[List[float]] = field(default_factory=list)
     rng: np.random.Generator = field(init=False)  # the device's stream: draft sampling, local sampling
     uncertainty_rng: np.random.Generator = field(init=False)  # temperature perturbation (its own stream)
     skip_rng: np.random.Generator = field(init=False)  # randhlm's coin
@@ -133,7 +139,10 @@ class Generation:
 
     def request(self, msg: P.Message) -> P.Message:
         self.step += 1
-        return self.client.request(msg)
+        before = self.client.counters.up_bytes
+        reply = self.client.request(msg)
+        self.round_up_bytes.append(self.client.counters.up_bytes - before)
+        return reply
 
 
 # -- protocols -------------------------------------------------------------------------------------------------------
@@ -163,6 +172,7 @@ def send_verify(gen: Generation, drafts: List[int], payload: P.DistPayload, new_
 
 def _verify_round(gen: Generation, draft_len: int, dist_format: str, stop_below: float = 0.0) -> None:
     """Draft up to `draft_len` tokens, send them with their distributions, commit the cloud's verdict."""
+    draft_len = min(draft_len, gen.client.welcome.max_draft_len)  # the cloud's limit, stated in its Welcome
     drafts, values = gen.drafter.draft(max(1, min(draft_len, gen.remaining - 1)), gen.rng, stop_below)
     send_verify(gen, drafts, dist_codec.pack(values, dist_format))  # values: [n, vocab] wire dtype
 
@@ -221,18 +231,25 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         raise ValueError("the prompt is empty")
     round_fn = ROUNDS[gen.protocol]
     remote = gen.protocol not in LOCAL_PROTOCOLS
+    cloud_prefill_s = 0.0
     before = gen.client.counters.snapshot() if remote else LinkCounters()
     t0 = time.perf_counter()
     if remote:
         sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
         gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed))
-    gen.drafter.start(prompt)  # overlaps with the cloud's prefill on real hardware
+    overlap = not remote or gen.config.overlaps_prefill
+    if overlap:
+        gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
     if remote:
         opened = gen.client.receive()
         if not isinstance(opened, P.SessionOpened):
             raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
         gen.cloud_position = opened.position
         gen.cloud_compute_s += opened.compute_s
+        cloud_prefill_s = opened.compute_s
+    if not overlap:
+        gen.drafter.start(prompt)  # same host: two concurrent prefills would oversubscribe the cores
+    device_prefill_s = gen.drafter.kv.forward_s
     while not gen.done:
         round_fn(gen)
     t1 = time.perf_counter()
@@ -258,4 +275,8 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         finish_reason=gen.finish_reason,
         skipped=gen.skipped,
         upload_ks=list(gen.upload_ks),
+        round_up_bytes=list(gen.round_up_bytes),
+        device_prefill_s=device_prefill_s,
+        cloud_prefill_s=cloud_prefill_s,
+        skip_log=[list(x) for x in gen.skip_log],
     )

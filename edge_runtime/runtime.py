@@ -90,11 +90,9 @@ class EdgeRuntime:
         return self.client.welcome
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
-        if chat:
-            messages = [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return list(self.tokenizer(prompt)["input_ids"])
+        from profiles.prompts import encode
+
+        return encode(self.tokenizer, prompt, chat)
 
     def generate(self, prompt: Union[str, List[int]], protocol: str = "sd", params: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, seed: Optional[int] = None, chat: bool = False,

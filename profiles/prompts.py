@@ -17,6 +17,7 @@ class Prompt:
     text: str
     chat: bool  # True: wrap in the model's chat template
     source: str  # dataset and item id, for reports
+    reference: str = ""  # the dataset's reference answer (accuracy metrics), when it has one
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -45,7 +46,7 @@ def humaneval_prompts(n: int, offset: int = 0) -> List[Prompt]:
             if len(out) == n:
                 break
             item = json.loads(line)
-            out.append(Prompt(item["prompt"], False, f"humaneval/{item['task_id']}"))
+            out.append(Prompt(item["prompt"], False, f"humaneval/{item['task_id']}", item["canonical_solution"]))
     return out
 
 
@@ -81,16 +82,50 @@ def sharegpt_prompts(n: int, offset: int = 0, min_chars: int = 20, max_chars: in
         text = turns[0].get("value", "").strip()
         if not min_chars <= len(text) <= max_chars or not text.isascii():
             continue
+        answer = turns[1].get("value", "").strip() if len(turns) > 1 and turns[1].get("from") == "gpt" else ""
         seen += 1
         if seen <= offset:
             continue
-        out.append(Prompt(text, True, f"sharegpt/{item.get('id', seen)}"))
+        out.append(Prompt(text, True, f"sharegpt/{item.get('id', seen)}", answer))
         if len(out) == n:
             break
     return out
+
+
+def encode(tokenizer, text: str, chat: bool) -> List[int]:
+    """Token ids of a prompt: raw text, or one user turn through the tokenizer's chat template."""
+    if chat:
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
 
 
 def demo_prompts(n: int = 4) -> List[Prompt]:
     """A small mixed set: half HumanEval, half ShareGPT."""
     k = (n + 1) // 2
     return humaneval_prompts(k) + sharegpt_prompts(n - k)
+
+
+# Evaluation and calibration draw from disjoint ranges of the same datasets: calibration never sees an evaluation item.
+HUMANEVAL_SPLIT = 82  # HumanEval items [0, 82) evaluate, [82, 164) calibrate
+SHAREGPT_SPLIT = 2000  # usable ShareGPT conversations [0, 2000) evaluate, from 2000 on calibrate
+
+
+def _mixed(n: int, he_offset: int, he_limit: int, sg_offset: int, sg_limit: int) -> List[Prompt]:
+    if n < 1:
+        raise ValueError("ask for at least one prompt")
+    k = (n + 1) // 2
+    if k > he_limit or n - k > sg_limit:
+        raise ValueError(f"at most {2 * min(he_limit, sg_limit)} prompts in this split")
+    return humaneval_prompts(k, he_offset) + sharegpt_prompts(n - k, sg_offset)
+
+
+def evaluation_prompts(n: int) -> List[Prompt]:
+    """n prompts with reference answers (HumanEval canonical solutions, ShareGPT replies) from the evaluation split."""
+    return _mixed(n, 0, HUMANEVAL_SPLIT, 0, SHAREGPT_SPLIT)
+
+
+def calibration_prompts(n: int) -> List[Prompt]:
+    """n prompts from the calibration split, disjoint from `evaluation_prompts` and `demo_prompts`."""
+    return _mixed(n, HUMANEVAL_SPLIT, 164 - HUMANEVAL_SPLIT, SHAREGPT_SPLIT, 10**6)

