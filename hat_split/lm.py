@@ -36,8 +36,9 @@ class CausalLM:
     vocab_size: int = field(init=False)  # size of the logits' last dim (may exceed the tokenizer's vocab)
 
     def __post_init__(self) -> None:
-        weight = self.model.get_output_embeddings().weight
-        self.vocab_size = int((weight() if callable(weight) else weight).shape[0])  # callable: a quantized head
+        from hat_split.loading import output_size
+
+        self.vocab_size = output_size(self.model)
 
     def warm_up(self) -> None:
         """One throwaway forward: pages in memory-mapped weights and first-call allocations before timing starts."""

@@ -417,8 +417,14 @@ def _describe(x: Any) -> tuple[str, Any, int | None]:
     name = getattr(x, "name", "") or str(getattr(x, "source", "") or type(x).__name__)
     n = getattr(x, "n_logits", None)
     if n is None and getattr(x, "model", None) is not None:
-        n = int(x.model.get_output_embeddings().weight.shape[0])
+        n = output_size(x.model)
     return name, tok, n
+
+
+def output_size(model: Any) -> int:
+    """Rows of the model's output layer (its logits), also for a weight-quantized head (weight is then a method)."""
+    weight = model.get_output_embeddings().weight
+    return int((weight() if callable(weight) else weight).shape[0])
 
 
 def check_pair(draft: Any, target: Any) -> str:
