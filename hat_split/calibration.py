@@ -24,7 +24,7 @@ import numpy as np
 from hat_split.vocab_size_policy import tail_l1
 
 FORMAT = "hatspec-calibration/1"
-THRESHOLD_RULES = ("risk-prone", "risk-averse")
+THRESHOLD_RULES = ("risk-prone", "risk-averse", "risk-budget")
 
 
 def rejection_probability(x_d: np.ndarray, y_d: np.ndarray) -> np.ndarray:
@@ -130,6 +130,21 @@ def risk(u: np.ndarray, beta: np.ndarray, fit: LineFit, lo: float, hi: float, bi
             "risk_bound": math.sqrt(max(line_sq, 0.0)) * math.sqrt(f_sq)}
 
 
+def threshold_for_risk(u: np.ndarray, beta: np.ndarray, budget: float) -> float:
+    """The largest u_th whose skipped tokens (u <= u_th) carry a measured rejection risk Σβ / N <= budget; −1 if none.
+
+    A threshold rule beside Theorem 1's: it bounds the expected extra rejections per token directly on the records.
+    """
+    u = np.asarray(u, dtype=np.float64).reshape(-1)
+    beta = np.asarray(beta, dtype=np.float64).reshape(-1)
+    if u.size == 0 or budget < 0:
+        raise ValueError("need records and a budget >= 0")
+    values, inverse = np.unique(u, return_inverse=True)  # ascending distinct u
+    risk_at = np.cumsum(np.bincount(inverse, weights=beta, minlength=values.size)) / u.size  # skip all u <= value
+    ok = np.flatnonzero(risk_at <= budget)
+    return float(values[ok[-1]]) if ok.size else -1.0
+
+
 @dataclass
 class Calibration:
     """What `hat-calibrate` measured; saved as JSON and loaded by the edge (`hat-edge --calibration`)."""
@@ -150,12 +165,15 @@ class Calibration:
     perturb_samples: int
     theta_max: float
     extra: Dict[str, float] = field(default_factory=dict)
+    risk_budget: float = 0.0  # measured rejection risk per token allowed by the "risk-budget" rule
+    u_risk_budget: float = -1.0  # its threshold (threshold_for_risk)
     format: str = FORMAT
 
     def threshold(self, rule: str) -> float:
         if rule not in THRESHOLD_RULES:
             raise ValueError(f"threshold rule must be one of {', '.join(THRESHOLD_RULES)}, got {rule!r}")
-        return self.u_risk_prone if rule == "risk-prone" else self.u_risk_averse
+        return {"risk-prone": self.u_risk_prone, "risk-averse": self.u_risk_averse,
+                "risk-budget": self.u_risk_budget}[rule]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -177,7 +195,7 @@ class Calibration:
 
 
 def calibrate(u: np.ndarray, x_d: np.ndarray, y_d: np.ndarray, k_acc: Optional[OfflineKAccumulator], k_theta: float,
-              **meta) -> Calibration:
+              risk_budget: float = 0.02, **meta) -> Calibration:
     """Fit the rejection model and derive thresholds, risk and k* from per-token records `# [N]`."""
     u = np.asarray(u, dtype=np.float64).reshape(-1)
     x_d = np.asarray(x_d, dtype=np.float64).reshape(-1)
@@ -192,7 +210,8 @@ def calibrate(u: np.ndarray, x_d: np.ndarray, y_d: np.ndarray, k_acc: Optional[O
     r = risk(u, beta, fit, lo, hi)
     k_star = k_acc.k_star(k_theta) if k_acc is not None else 1
     return Calibration(n_tokens=int(u.size), fit=fit, delta=delta, u_risk_averse=float(lo), u_risk_prone=float(hi),
-                       k_theta=k_theta, k_star=k_star, **r, **meta)
+                       k_theta=k_theta, k_star=k_star, risk_budget=risk_budget,
+                       u_risk_budget=threshold_for_risk(u, beta, risk_budget), **r, **meta)
 
 
 def save(path: str, cal: Calibration) -> None:

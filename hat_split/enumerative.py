@@ -75,22 +75,30 @@ _JUMP = 16  # gaps longer than this are crossed with a float estimate instead of
 
 
 def rank_composition(counts: Sequence[int]) -> int:
-    """Rank of a lattice point (non-negative counts) among all with the same K and ℓ = Σ counts."""
-    bars, total = [], 0
-    for i, b in enumerate(counts[:-1]):
-        if b < 0:
-            raise ValueError("lattice counts must be >= 0")
-        total += int(b)
-        bars.append(total + i)
-    if len(counts) and counts[-1] < 0:
-        raise ValueError("lattice counts must be >= 0")
-    return rank_subset(bars)
+    """Rank of a lattice point (non-negative counts) among all with the same K and ℓ = Σ counts.
+
+    The point is ranked by its bar positions (a (K−1)-subset of ℓ+K−1 slots) or, when ℓ < K − 1, by its star
+    positions (the complementary ℓ-subset): both are bijections onto [0, C(ℓ+K−1, K−1)), and the smaller one costs
+    O(min(ℓ, K)) big-integer steps — a full-vocabulary point with a small ℓ ranks as fast as a sparse one.
+    """
+    b = np.asarray(counts, dtype=np.int64).reshape(-1)
+    if b.size < 1 or (b < 0).any():
+        raise ValueError("a lattice point needs K >= 1 non-negative counts")
+    k, ell = b.size, int(b.sum())
+    before = np.cumsum(b) - b  # balls in earlier parts
+    if ell < k - 1:  # stars: the j-th ball of part i sits at slot before_i + i + j
+        stars = np.repeat(before + np.arange(k), b) + (np.arange(ell) - np.repeat(before, b))
+        return rank_subset(stars.tolist())
+    return rank_subset((np.cumsum(b)[:-1] + np.arange(k - 1)).tolist())  # bar i after part i
 
 
 def unrank_composition(rank: int, k: int, ell: int) -> np.ndarray:
     """Counts `# [k]` of the lattice point with this rank (inverse of rank_composition)."""
     if k < 1 or ell < 0:
         raise ValueError("need K >= 1 and ℓ >= 0")
+    if ell < k - 1:
+        stars = np.asarray(unrank_subset(rank, ell + k - 1, ell), dtype=np.int64)
+        return np.bincount(stars - np.arange(ell), minlength=k).astype(np.int64)  # part of a star = slot − stars before
     bars = unrank_subset(rank, ell + k - 1, k - 1)
     edges = [-1] + bars + [ell + k - 1]
     return np.array([edges[i + 1] - edges[i] - 1 for i in range(k)], dtype=np.int64)

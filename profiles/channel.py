@@ -2,9 +2,10 @@
 
 Pure numpy. The channel gain |h|² (mean 1) stays constant within one round and is drawn afresh per round. An upload of
 B bits in round t takes τ(t) = B / (W log2(1 + SNR·|h(t)|²)) seconds (eq. 5); a round costs τ_SLM on the device, plus
-τ(t) + τ_LLM when it uploads (eq. 6). Token throughput over a sequence is the mean of the per-round throughput
-(tokens of the round / its latency), as the paper extends eq. 6; the mean of latencies would be dominated by deep fades
-(under Rayleigh fading E[1/rate] is unbounded).
+τ(t) + τ_LLM when it uploads (eq. 6). Throughput over a sequence is given two ways: tokens / total expected latency (what a
+wall clock sees; under Rayleigh fading E[1/rate] grows without bound as the draws reach deeper fades, so it is a Monte
+Carlo mean over a fixed number of draws) and the papers' mean of the per-round throughput (each round's tokens / its
+latency), which assumes one token per round.
 
 `mean_rate` gives the ergodic rate E[W log2(1 + SNR·|h|²)] that the link emulator can impose, so the simulated and the
 really transported runs can be set side by side at the same average SNR.
@@ -66,11 +67,12 @@ def uplink_times(bits: np.ndarray, channel: Channel, rng: np.random.Generator) -
 
 
 def token_throughput(n_tokens: int, upload_bits: Sequence[float], tau_slm: float, tau_llm: float, channel: Channel,
-                     rng: np.random.Generator, draws: int = 64) -> float:
-    """Mean per-round throughput (tokens/s) of a one-token-per-round HLM sequence (eq. 6).
+                     rng: np.random.Generator, draws: int = 64, per_round: bool = True) -> float:
+    """Throughput (tokens/s) of an HLM sequence of n_tokens device tokens, len(upload_bits) of them uploaded.
 
-    n_tokens rounds, of which len(upload_bits) uploaded (payload bits each) and the rest were skipped. Each upload's
-    fading is averaged over `draws` independent gains.
+    per_round=True: the mean of the per-round throughput of eq. 6 (the papers' figure; each skipped token counts as a
+    round of 1/τ_SLM). per_round=False: tokens / total expected latency — what a wall clock measures, used to set the
+    model beside runs over the link emulator. Each upload's fading is averaged over `draws` independent gains.
     """
     bits = np.asarray(upload_bits, dtype=np.float64).reshape(-1)
     if n_tokens < 1 or bits.size > n_tokens:
@@ -78,6 +80,8 @@ def token_throughput(n_tokens: int, upload_bits: Sequence[float], tau_slm: float
     if tau_slm < 0 or tau_llm < 0 or draws < 1:
         raise ValueError("compute times must be >= 0 and draws >= 1")
     tau = uplink_times(np.repeat(bits, draws), channel, rng).reshape(bits.size, draws)  # [uploads, draws]
+    if not per_round:
+        return float(n_tokens / (n_tokens * tau_slm + bits.size * tau_llm + tau.mean(axis=1).sum()))
     upload_tp = (1.0 / (tau_slm + tau + tau_llm)).mean(axis=1)  # [uploads]
     skipped = n_tokens - bits.size
     skip_tp = 1.0 / tau_slm if tau_slm > 0 else math.inf

@@ -15,6 +15,7 @@ average SNR under Rayleigh and Rician fading from the real per-round payload bit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -49,7 +50,8 @@ def add_parser(sub) -> None:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {', '.join(VARIANTS)}")
     s.add_argument("--calibration", help="a hat-calibrate file (else the papers' line, threshold 0.5 and k* 30)")
-    s.add_argument("--threshold-rule", default="risk-prone", choices=["risk-prone", "risk-averse"])
+    s.add_argument("--threshold-rule", default="risk-prone", choices=["risk-prone", "risk-averse", "risk-budget"])
+    s.add_argument("--u-threshold", type=float, help="skip threshold; overrides the calibrated one")
     s.add_argument("--snr-db", default="-20,-15,-10,-5,0,5,10", help="average SNRs for the channel model")
     s.add_argument("--bandwidth-mhz", type=float, default=10.0, help="uplink bandwidth W")
     s.add_argument("--rician-k-db", type=float, default=10.0)
@@ -187,9 +189,10 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
             "k_max": int(max(ks)) if ks else None,
             "up_bytes_per_token": total(rows, "up_bytes") / n,
             "payload_vs_hlm": total(rows, "up_bytes") / n / hlm_bpt if hlm_bpt else None,
-            "throughput_vs_snr": {},
+            "throughput_vs_snr": {},  # tokens / total expected latency (a wall clock's view)
+            "throughput_vs_snr_per_round": {},  # the papers' mean of per-round eq. 6 throughput
         }
-        for fading in ("rayleigh", "rician"):
+        for fading, per_round in itertools.product(("rayleigh", "rician"), (False, True)):
             curve = []
             for snr in snrs:
                 if protocol == "llm":
@@ -202,9 +205,10 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
                 tps = []
                 for r in rows:
                     bits = [8 * b for b in r["round_up_bytes"]]
-                    tps.append(token_throughput(r["n_tokens"], bits, tau_slm, tau_llm, ch, rng))
+                    tps.append(token_throughput(r["n_tokens"], bits, tau_slm, tau_llm, ch, rng, per_round=per_round))
                 curve.append(float(np.mean(tps)))
-            e["throughput_vs_snr"][fading] = dict(zip([f"{s:g}" for s in snrs], curve))
+            key = "throughput_vs_snr_per_round" if per_round else "throughput_vs_snr"
+            e[key][fading] = dict(zip([f"{s:g}" for s in snrs], curve))
         summary["variants"][name] = e
     return summary
 
@@ -224,10 +228,11 @@ def emulated_summary(args, emulated: dict, tau_slm: float, tau_llm: float) -> di
             n = sum(r["n_tokens"] for r in rows)
             decode_s = sum(r["total_s"] - r["ttft_s"] for r in rows)
             predicted = float(np.mean([token_throughput(r["n_tokens"], [8 * b for b in r["round_up_bytes"]], tau_slm,
-                                                        tau_llm, flat, rng, draws=1) for r in rows]))
-            rows_out[name] = {"measured_tokens_per_s": n / sum(r["total_s"] for r in rows),
+                                                        tau_llm, flat, rng, draws=1, per_round=False)
+                                      for r in rows]))
+            rows_out[name] = {"measured_tokens_per_s": n / sum(r["total_s"] for r in rows),  # prompt included
                               "measured_decode_tokens_per_s": (n - len(rows)) / decode_s if decode_s > 0 else None,
-                              "model_tokens_per_s_at_this_rate": predicted,
+                              "model_decode_tokens_per_s_at_this_rate": predicted,  # n / Σ latency
                               "up_bytes_per_token": sum(r["up_bytes"] for r in rows) / n}
         out[snr] = {"up_rate_bytes_per_s": block["up_rate_bytes_per_s"], "variants": rows_out}
     return out
@@ -249,7 +254,7 @@ def plot(path: str, summary: dict) -> str:
         ax.set_title(f"{fading} fading" + (" (K = 10 dB)" if fading == "rician" else ""))
         ax.set_xlabel("average SNR (dB)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("token throughput (tokens/s, eq. 6)")
+    axes[0].set_ylabel("token throughput (tokens / total latency, eq. 5-6)")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -292,6 +297,8 @@ def run(args) -> int:
             from hat_split.calibration import load
 
             base_unc = base_unc.calibrated(load(args.calibration), args.threshold_rule)
+        if args.u_threshold is not None:
+            base_unc = dataclasses.replace(base_unc, u_threshold=args.u_threshold)
         if args.prompts < 1 or args.max_new_tokens < 1 or not args.temperature >= 0:
             raise ValueError("--prompts and --max-new-tokens must be >= 1, --temperature >= 0")
         prompts = evaluation_prompts(args.prompts)

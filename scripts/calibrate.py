@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--perturb-samples", type=int, default=20, help="M temperatures")
     ap.add_argument("--theta-max", type=float, default=2.0, help="temperatures ~ U[0, θmax]")
     ap.add_argument("--k-theta", type=float, default=0.1, help="tolerance θ of the offline k* (CU-HLM eq. 21)")
+    ap.add_argument("--risk-budget", type=float, default=0.02,
+                    help="the risk-budget rule: largest threshold whose skipped tokens add <= this rejection per token")
     ap.add_argument("--k-max", type=int, default=8192, help="largest k considered for k*")
     ap.add_argument("--weight-quant", default="int8", choices=["none", "int8"], help="the draft's weights")
     ap.add_argument("--target-dtype", default="auto")
@@ -41,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
-    if args.prompts < 3 or args.max_new_tokens < 1 or args.draft_len < 1 or args.k_max < 1:
-        raise ValueError("--prompts must be >= 3, --max-new-tokens, --draft-len and --k-max >= 1")
+    if args.prompts < 3 or args.max_new_tokens < 1 or args.draft_len < 1 or args.k_max < 1 or args.risk_budget < 0:
+        raise ValueError("--prompts must be >= 3, --max-new-tokens, --draft-len and --k-max >= 1, --risk-budget >= 0")
     if not args.temperature > 0:
         raise ValueError("--temperature must be > 0: rejection probabilities are about sampled drafts")
 
@@ -124,7 +126,8 @@ def plot(path: str, u: np.ndarray, beta: np.ndarray, cal) -> str:
     grid = np.linspace(0, 1, 50)
     ax.plot(grid, np.clip(cal.fit.a * grid + cal.fit.b, 0, 1), "r-",
             label=f"β = {cal.fit.a:.3f}·u + {cal.fit.b:.3f} (R² {cal.fit.r2:.2f})")
-    for x, name in ((cal.u_risk_averse, "risk-averse"), (cal.u_risk_prone, "risk-prone")):
+    for x, name in ((cal.u_risk_averse, "risk-averse"), (cal.u_risk_prone, "risk-prone"),
+                    (cal.u_risk_budget, f"risk {cal.risk_budget:g}")):
         ax.axvline(x, ls="--", c="gray")
         ax.text(x, 0.95, name, rotation=90, va="top", fontsize=8)
     ax.set_xlabel("uncertainty u")
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
         print(f"hat-calibrate: {exc}", file=sys.stderr)
         return 2
     try:
-        cal = C.calibrate(u, x_d, y_d, acc, args.k_theta, draft=args.draft, target=args.target,
+        cal = C.calibrate(u, x_d, y_d, acc, args.k_theta, args.risk_budget, draft=args.draft, target=args.target,
                           temperature=args.temperature, perturb_samples=args.perturb_samples,
                           theta_max=args.theta_max, extra={"seconds": seconds, "k_tokens": acc.count})
     except ValueError as exc:
@@ -171,7 +174,8 @@ def main(argv=None) -> int:
     print(json.dumps(cal.to_json(), indent=1))
     print(f"hat-calibrate: {cal.n_tokens} tokens in {seconds:.0f} s; β = {cal.fit.a:.3f}·u + {cal.fit.b:.3f} "
           f"(MSE {cal.fit.mse:.4f}, R² {cal.fit.r2:.3f}, corr {cal.fit.corr:.3f}); Δ = {cal.delta:.3f}; "
-          f"u_th risk-averse {cal.u_risk_averse:.3f}, risk-prone {cal.u_risk_prone:.3f}; "
+          f"u_th risk-averse {cal.u_risk_averse:.3f}, risk-prone {cal.u_risk_prone:.3f}, "
+          f"risk-budget {cal.u_risk_budget:.3f} (R <= {cal.risk_budget}); "
           f"R measured {cal.risk_measured:.2e}, model {cal.risk_model:.2e} <= bound {cal.risk_bound:.2e}; "
           f"k* = {cal.k_star} at θ = {cal.k_theta}")
     print(f"hat-calibrate: saved {args.out}, {base}.npz" + (f", {base}.png" if not note else f" ({note})"))

@@ -120,3 +120,17 @@ def test_recording_on_a_tiny_pair_matches_the_models(tiny_pair):
     p = warp(target.forward(target.new_state(), prompts[0], 1), params)[0]
     token = int(np.flatnonzero(np.isclose(q, x_d[0], rtol=1e-3) & np.isclose(p, y_d[0], rtol=1e-3, atol=1e-9))[0])
     assert q[token] == pytest.approx(x_d[0], rel=1e-3) and p[token] == pytest.approx(y_d[0], rel=1e-3, abs=1e-9)
+
+
+def test_risk_budget_threshold_bounds_the_measured_risk():
+    u = np.array([0.1, 0.1, 0.2, 0.4, 0.6, 0.9])
+    beta = np.array([0.0, 0.06, 0.0, 0.06, 0.3, 0.9])
+    assert C.threshold_for_risk(u, beta, 0.0) == -1.0  # the two u = 0.1 tokens go together: 0.06 / 6 > 0
+    assert C.threshold_for_risk(u, beta, 0.01) == pytest.approx(0.2)  # 0.06 / 6 = 0.01
+    assert C.threshold_for_risk(u, beta, 0.02) == pytest.approx(0.4)
+    assert C.threshold_for_risk(u, beta, 1.0) == pytest.approx(0.9)
+    u, x_d, y_d = _records()
+    cal = C.calibrate(u, x_d, y_d, None, 0.1, 0.01, draft="d", target="t", temperature=1.0, perturb_samples=20,
+                      theta_max=2.0)
+    beta = C.rejection_probability(x_d, y_d)
+    assert np.sum(beta[u <= cal.threshold("risk-budget")]) / u.size <= 0.01

@@ -52,3 +52,9 @@ def test_calibration_and_evaluation_prompts_are_disjoint():
     assert not {p.source for p in ev} & {p.source for p in cal}
     assert all(p.reference for p in ev)
     assert {int(p.source.split("/")[-1]) for p in cal if p.source.startswith("humaneval")} >= {HUMANEVAL_SPLIT}
+
+
+def test_sequence_throughput_is_tokens_over_total_latency():
+    ch = Channel("none", 0.0, 1e6)
+    tp = token_throughput(4, [1e6, 1e6], 0.1, 0.4, ch, np.random.default_rng(0), per_round=False)
+    assert tp == pytest.approx(4 / (4 * 0.1 + 2 * (1.0 + 0.4)))
