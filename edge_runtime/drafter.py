@@ -25,6 +25,7 @@ class Drafter:
     tokens: List[int] = field(default_factory=list)  # committed sequence (prompt + generated)
     kv: KVState = field(init=False)
     last_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last draft() call
+    last_q: List[np.ndarray] = field(init=False, default_factory=list)  # per draft: `# [vocab]` it was sampled from
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -49,12 +50,13 @@ class Drafter:
         device's own distributions, so verification stays exact.
         """
         drafts: List[int] = []
-        rows, raw = [], []
+        rows, raw, self.last_q = [], [], []
         for _ in range(n):
             logits = self._next_logits(drafts)  # [1, vocab]
             raw.append(logits)
             values = dist_codec.quantize(warp(logits, self.params), self.wire_dtype)  # [1, vocab]
             q_hat = dist_codec.dequantize(values)  # [1, vocab]: exactly what the cloud will decode
+            self.last_q.append(q_hat[0])
             token = int(sample(q_hat, rng.random(1))[0])
             drafts.append(token)
             rows.append(values)

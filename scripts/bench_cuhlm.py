@@ -91,7 +91,7 @@ def _generate_all(rt, variants, ids, params, max_new, seed, base_unc, label) -> 
     return runs
 
 
-def run_models(args, variants, prompts, ids, base_unc) -> dict:
+def run_models(args, variants, ids, base_unc) -> dict:
     """Phases 1 and 2: the loopback runs and the emulated-link runs."""
     from cloud_runtime.process import CloudProcess
     from edge_runtime.config import EdgeConfig
@@ -313,7 +313,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     print(f"hat-bench cuhlm: {len(prompts)} prompts, variants {', '.join(variants)}; u_th = {base_unc.u_threshold:.3f}, "
           f"β = {base_unc.beta_a:.3f}·u + {base_unc.beta_b:.3f}, k* = {base_unc.k_offline}", flush=True)
-    models = run_models(args, variants, prompts, ids, base_unc)
+    models = run_models(args, variants, ids, base_unc)
     runs = models["loopback"]
     print("hat-bench cuhlm: scoring skipped tokens with the target ...", flush=True)
     tsr = true_skip_probs(args, ids, runs)

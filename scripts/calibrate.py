@@ -77,7 +77,6 @@ def record_pair(d_lm, t_lm, prompts, params, pert, max_new_tokens, draft_len, k_
     """Records of every examined draft token over `prompts` (token id lists): u, x_d, y_d `# [N]` and the k* sums."""
     from cloud_runtime.session import TargetSession
     from edge_runtime.drafter import Drafter
-    from hat_split import dist_codec
     from hat_split.calibration import OfflineKAccumulator
     from hat_split.rng import session_rng
     from hat_split.uncertainty import perturbation_uncertainty
@@ -92,14 +91,14 @@ def record_pair(d_lm, t_lm, prompts, params, pert, max_new_tokens, draft_len, k_
         drafter.start(ids)
         n_out = 0
         while n_out < max_new_tokens:
-            drafts, values = drafter.draft(max(1, min(draft_len, max_new_tokens - n_out - 1)), rng)
-            q = dist_codec.dequantize(values)  # [L, vocab]: what the drafts were sampled from
+            drafts, _ = drafter.draft(max(1, min(draft_len, max_new_tokens - n_out - 1)), rng)
+            q = drafter.last_q  # per draft `# [vocab]`: what it was sampled from
             u = perturbation_uncertainty(drafter.last_logits, np.asarray(drafts), pert, u_rng)  # [L]
-            n, token = session.verify([], drafts, q)
+            n, token = session.verify([], drafts, np.stack(q))
             p = session.last_p  # [L + 1, vocab]
             for j in range(min(n + 1, len(drafts))):  # accepted drafts and the first rejected one
                 us.append(float(u[j]))
-                xs.append(float(q[j, drafts[j]]))
+                xs.append(float(q[j][drafts[j]]))
                 ys.append(float(p[j, drafts[j]]))
                 acc.add(q[j], p[j])
             committed = drafts[:n] + [token]
