@@ -27,7 +27,7 @@ from hat_split.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.cloud")
 
-TOKEN_PROTOCOLS = ("sd", "hlm", "llm", "uhlm", "randhlm", "cuhlm")  # protocols this server verifies with the full target model
+TOKEN_PROTOCOLS = ("sd", "hlm", "llm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq")  # verified by the full target
 SOFTWARE = "hatspec-cloud/0.1"
 
 
@@ -57,6 +57,8 @@ class CloudServer:
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
         self._running = False
+        self._received_at = 0.0  # perf_counter() when the request being handled was taken off the socket
+        self._request_bytes = 0  # its size
         self._handlers: Dict[type, Callable[[bytes, Any], P.Message]] = {
             P.Hello: self._hello,
             P.OpenSession: self._open,
@@ -110,8 +112,10 @@ class CloudServer:
     def handle_one(self, raw: List[Any]) -> None:
         frames = [f.buffer if hasattr(f, "buffer") else f for f in raw]
         identity, body = P.split_envelope(frames)
+        self._received_at = time.perf_counter()
+        self._request_bytes = P.frame_bytes(body)
         self.stats.requests += 1
-        self.stats.bytes_in += P.frame_bytes(body)
+        self.stats.bytes_in += self._request_bytes
         msg: Any = None
         try:
             msg = P.decode(body, self.config.max_message_bytes)
@@ -133,6 +137,9 @@ class CloudServer:
             self._sock.send_multipart([identity, *out], copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the device went away before its answer
             log.warning("dropping reply to vanished peer %r: %s", identity, exc)
+        session = self.sessions.get((identity, getattr(msg, "session_id", None)))
+        if session is not None:
+            session.replied_at = time.perf_counter()
 
     def _error(self, code: str, message: str, msg: Any) -> P.Error:
         self.stats.errors += 1
@@ -183,6 +190,7 @@ class CloudServer:
         if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
         session = TargetSession(self.lm, msg.session_id, msg.protocol, params, msg.seed, prompt.tolist())
+        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         self.sessions[key] = session  # reopening an id replaces the old session
         self.stats.sessions_opened += 1
         session.prefill()
@@ -215,10 +223,25 @@ class CloudServer:
             raise P.ProtocolError("invalid", f"dist: {exc}") from None
         if np.any(q[np.arange(L), draft] <= 0):
             raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent with it")
+        uplink_bps = self._uplink_bps(session, msg.idle_s)
         compute0 = session.compute_s
         n, token = session.verify(new.tolist(), draft.tolist(), q)
         session.step = msg.step
-        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), session.compute_s - compute0)
+        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), session.compute_s - compute0,
+                         uplink_bps)
+
+    def _uplink_bps(self, session: TargetSession, idle_s: float) -> float:
+        """The uplink rate this request saw: its bits over the time it spent on the link.
+
+        Time on the link = (arrival − the previous reply's departure) − the device's idle time in between − the
+        device's tiny-message round trip (propagation both ways and the reply's own transfer). Exact for one device on
+        an otherwise idle server; a request that queued behind other devices' compute reads as a slower link.
+        Returns 0 where it cannot be measured (no baseline, or a transfer shorter than the clock's resolution).
+        """
+        if not session.replied_at or not session.link_rtt_s or not 0 <= idle_s < 1e6:
+            return 0.0
+        on_link = self._received_at - session.replied_at - idle_s - session.link_rtt_s
+        return 8.0 * self._request_bytes / on_link if on_link > 1e-4 else 0.0
 
     def _generate(self, identity: bytes, msg: P.Generate) -> P.Message:
         session = self._session(identity, msg)

@@ -32,6 +32,8 @@ class TargetSession:
     last_active: float = field(default_factory=time.monotonic)
     compute_s: float = 0.0
     last_p: Optional[np.ndarray] = None  # target distributions `# [L + 1, vocab]` of the last verify (hat-calibrate)
+    link_rtt_s: float = 0.0  # the device's tiny-message round trip (OpenSession): baseline of the uplink estimate
+    replied_at: float = 0.0  # perf_counter() when the last reply to this session left
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()

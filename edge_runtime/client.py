@@ -55,6 +55,8 @@ class CloudClient:
         self.request_timeout_s = request_timeout_s
         self.counters = LinkCounters()
         self.welcome: Optional[P.Welcome] = None
+        self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
+        self.last_reply_at = 0.0  # perf_counter() when the last reply arrived
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
 
@@ -95,6 +97,9 @@ class CloudClient:
             if reply.protocol_version != P.PROTOCOL_VERSION:
                 raise CloudError(P.Error("version", f"cloud speaks v{reply.protocol_version}"))
             self.welcome = reply
+            t0 = time.perf_counter()  # the first Hello also paid for TCP and ZeroMQ's greeting: probe once more
+            if isinstance(self._roundtrip(self.hello, self.connect_timeout_s), P.Welcome):
+                self.base_rtt_s = time.perf_counter() - t0
             return reply
         self.close()
         raise CloudUnavailable(
@@ -130,6 +135,7 @@ class CloudClient:
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise CloudUnavailable(f"the cloud at {self.server} did not answer within {timeout_s:.1f} s")
         reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]
+        self.last_reply_at = time.perf_counter()
         self.counters.down_bytes += P.frame_bytes(reply)
         self.counters.round_trips += 1
         return P.decode(reply)

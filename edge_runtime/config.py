@@ -11,7 +11,7 @@ from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.uncertainty import PerturbationConfig
 
 OVERLAP_MODES = ("auto", "on", "off")
-PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm")  # implemented in edge_runtime.protocols
+PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq")  # edge_runtime.protocols
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,37 @@ class UncertaintyConfig:
 
 
 @dataclass(frozen=True)
+class QSConfig:
+    """QS-SD / SQS-SD settings (papers 003 and 002); defaults are the papers' where they give one."""
+
+    ell: int = 100  # lattice resolution ℓ (SQS §4: 100); the dqn policy picks its own
+    k: int = 16  # ksqs: top-K support size
+    alpha: float = 0.0005  # csqs: target dropped mass α (SQS §4)
+    eta: float = 0.001  # csqs: learning rate η of the threshold (SQS §4)
+    beta: float = 0.01  # csqs: initial threshold β_1
+    budget_bits: int = 0  # B > 0: each round drafts the longest L whose rows fit in B bits (SQS §4: 5000)
+    policy: str = "static"  # "static" (draft_len, ell) | "heuristic" (QS-SD §V) | "dqn" (hat-train-policy)
+    policy_file: str = ""  # dqn: the trained network
+
+    def __post_init__(self) -> None:
+        from edge_runtime.policy import POLICIES
+        from hat_split.dist_codec import MAX_ELL, MAX_SPARSE_K
+
+        if not 1 <= self.ell <= MAX_ELL:
+            raise ValueError(f"ell must be in 1..{MAX_ELL}, got {self.ell}")
+        if not 1 <= self.k <= MAX_SPARSE_K:
+            raise ValueError(f"k must be in 1..{MAX_SPARSE_K}, got {self.k}")
+        if not 0 < self.alpha < 1 or not self.eta > 0 or not 0 <= self.beta <= 1:
+            raise ValueError("csqs needs 0 < alpha < 1, eta > 0 and 0 <= beta <= 1")
+        if self.budget_bits < 0:
+            raise ValueError("budget_bits must be >= 0 (0: fixed draft length)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy == "dqn" and not self.policy_file:
+            raise ValueError("the dqn policy needs policy_file (a hat-train-policy output)")
+
+
+@dataclass(frozen=True)
 class EdgeConfig:
     model: str  # registry short name, HF directory or .gguf path of the draft (small) model
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
@@ -73,6 +104,7 @@ class EdgeConfig:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
     uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
+    qs: QSConfig = QSConfig()  # qs / ksqs / csqs / sq
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
     overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
     # the server is on this host (loopback / ipc), where the two processes would fight over the same cores

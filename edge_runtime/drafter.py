@@ -2,8 +2,9 @@
 
 Drafting feeds whatever committed tokens the cache lacks, then one token per draft step; after the cloud's verdict the
 cache is cropped to the accepted prefix (rejected drafts are forgotten, accepted ones are kept and never recomputed).
-Each draft token is sampled from the wire-rounded distribution that is sent with it (hat_split.dist_codec), so the
-cloud verifies against exactly the distribution the device sampled from.
+Each draft token is sampled from the quantized distribution that is sent with it (a wire: float16 values,
+hat_split.dist_codec, or a lattice point, hat_split.sqs), so the cloud verifies against exactly the distribution the
+device sampled from.
 """
 from __future__ import annotations
 
@@ -42,28 +43,39 @@ class Drafter:
         feed = (self.tokens + extra)[self.kv.length:]
         return self.lm.forward(self.kv, feed, n_logits=1)
 
-    def draft(self, n: int, rng: np.random.Generator, stop_below: float = 0.0) -> Tuple[List[int], np.ndarray]:
-        """Sample up to n draft tokens; returns them and their wire values `# [len, vocab]` (wire_dtype).
+    def draft(self, n: int, rng: np.random.Generator, stop_below: float = 0.0, wire=None,
+              budget_bits: int = 0) -> Tuple[List[int], list]:
+        """Sample up to n draft tokens; returns them and their wire rows (one per draft, for `wire.pack`).
 
+        wire: how a distribution is quantized, sampled and sent — dist_codec.FloatWire (default, this drafter's
+        wire_dtype) or sqs.LatticeWire (qs / ksqs / csqs / sq). The token is drawn from what the row says (except
+        for the lossy `sq`), so the cloud verifies against the distribution the device sampled from.
         stop_below = η > 0 ends the draft after the first token whose confidence (plain softmax probability under the
-        draft, `softmax_prob`) is below η — HAT eq. 5; that token is still sent. The stopping rule reads only the
-        device's own distributions, so verification stays exact.
+        draft, `softmax_prob`) is below η — HAT eq. 5; that token is still sent.
+        budget_bits = B > 0 keeps the longest draft whose rows fit in B bits (SQS §4; at least one draft).
+        Both stopping rules read only the device's own distributions, so verification stays exact.
         """
+        wire = wire or dist_codec.FloatWire(self.wire_dtype)
         drafts: List[int] = []
         rows, raw, self.last_q = [], [], []
+        used_bits = 0
         for _ in range(n):
             logits = self._next_logits(drafts)  # [1, vocab]
+            q = warp(logits, self.params)[0]  # [vocab]
+            row = wire.quantize(q)
+            if budget_bits:
+                used_bits += wire.bits(row)
+                if drafts and used_bits > budget_bits:
+                    break
+            token, row, drawn_from = wire.sample(row, q, float(rng.random()))
             raw.append(logits)
-            values = dist_codec.quantize(warp(logits, self.params), self.wire_dtype)  # [1, vocab]
-            q_hat = dist_codec.dequantize(values)  # [1, vocab]: exactly what the cloud will decode
-            self.last_q.append(q_hat[0])
-            token = int(sample(q_hat, rng.random(1))[0])
+            self.last_q.append(drawn_from)
             drafts.append(token)
-            rows.append(values)
+            rows.append(row)
             if stop_below > 0 and softmax_prob(logits, np.array([token]))[0] < stop_below:
                 break
         self.last_logits = np.concatenate(raw, axis=0)  # [len, vocab]: for uncertainty measures (edge_runtime.uhlm)
-        return drafts, np.concatenate(rows, axis=0)
+        return drafts, rows
 
     def sample_local(self, rng: np.random.Generator) -> int:
         """One token from the draft model alone (protocol `slm`); the caller commits it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class GenerationResult:
     device_prefill_s: float = 0.0  # of device_compute_s: the prompt
     cloud_prefill_s: float = 0.0  # of cloud_compute_s: the prompt
     skip_log: List[List[float]] = field(default_factory=list)  # [index in tokens, draft probability] per skipped token
+    round_log: List[dict] = field(default_factory=list)  # qs, ksqs, csqs, sq: one entry per round (edge_runtime.qs)
 
     @property
     def n(self) -> int:
@@ -102,6 +103,9 @@ class Generation:
     upload_ks: List[int] = field(default_factory=list)  # cuhlm: tokens kept per upload
     round_up_bytes: List[int] = field(default_factory=list)
     skip_log: List[List[float]] = field(default_factory=list)
+    round_log: List[dict] = field(default_factory=list)  # qs family: per round L, ℓ, bits, accepted, uplink rate
+    uplink_bps: float = 0.0  # the cloud's latest measurement (0: none yet)
+    protocol_state: Any = None  # a protocol's own state across rounds (qs: wire, threshold, policy)
     rng: np.random.Generator = field(init=False)  # the device's stream: draft sampling, local sampling
     uncertainty_rng: np.random.Generator = field(init=False)  # temperature perturbation (its own stream)
     skip_rng: np.random.Generator = field(init=False)  # randhlm's coin
@@ -156,6 +160,7 @@ def send_verify(gen: Generation, drafts: List[int], payload: P.DistPayload, new_
         new_tokens=np.asarray(new_tokens, np.int32),
         draft=np.asarray(drafts, np.int32),
         dist=payload,
+        idle_s=max(0.0, time.perf_counter() - gen.client.last_reply_at),
     )
     verdict = gen.request(msg)
     if not isinstance(verdict, P.Verdict) or verdict.n_accepted > n:
@@ -166,15 +171,22 @@ def send_verify(gen: Generation, drafts: List[int], payload: P.DistPayload, new_
     gen.rejected += verdict.n_accepted < n
     gen.cloud_compute_s += verdict.compute_s
     gen.cloud_position = verdict.position
+    if verdict.uplink_bps > 0:
+        gen.uplink_bps = verdict.uplink_bps
     gen.commit(drafts[: verdict.n_accepted] + [verdict.token], verdict.n_accepted)
     return verdict
 
 
 def _verify_round(gen: Generation, draft_len: int, dist_format: str, stop_below: float = 0.0) -> None:
     """Draft up to `draft_len` tokens, send them with their distributions, commit the cloud's verdict."""
-    draft_len = min(draft_len, gen.client.welcome.max_draft_len)  # the cloud's limit, stated in its Welcome
-    drafts, values = gen.drafter.draft(max(1, min(draft_len, gen.remaining - 1)), gen.rng, stop_below)
-    send_verify(gen, drafts, dist_codec.pack(values, dist_format))  # values: [n, vocab] wire dtype
+    wire = dist_codec.FloatWire(gen.drafter.wire_dtype, dist_format)
+    drafts, rows = gen.drafter.draft(cap_draft_len(gen, draft_len), gen.rng, stop_below, wire)
+    send_verify(gen, drafts, wire.pack(rows))
+
+
+def cap_draft_len(gen: Generation, draft_len: int) -> int:
+    """At most the cloud's limit (stated in its Welcome), and no draft past the last token the request needs."""
+    return max(1, min(draft_len, gen.client.welcome.max_draft_len, gen.remaining - 1))
 
 
 def round_sd(gen: Generation) -> None:
@@ -236,7 +248,8 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     t0 = time.perf_counter()
     if remote:
         sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
-        gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed))
+        gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed,
+                                      gen.client.base_rtt_s))
     overlap = not remote or gen.config.overlaps_prefill
     if overlap:
         gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
@@ -279,4 +292,5 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         device_prefill_s=device_prefill_s,
         cloud_prefill_s=cloud_prefill_s,
         skip_log=[list(x) for x in gen.skip_log],
+        round_log=list(gen.round_log),
     )

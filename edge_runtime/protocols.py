@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from edge_runtime.generation import Generation, round_hlm, round_llm, round_sd, round_slm
+from edge_runtime.qs import round_qs
 from edge_runtime.uhlm import round_cuhlm, round_randhlm, round_uhlm
 
 ROUNDS: Dict[str, Callable[[Generation], None]] = {
@@ -14,5 +15,9 @@ ROUNDS: Dict[str, Callable[[Generation], None]] = {
     "uhlm": round_uhlm,
     "randhlm": round_randhlm,
     "cuhlm": round_cuhlm,
+    "qs": round_qs,  # QS-SD: the whole vocabulary on the lattice
+    "ksqs": round_qs,  # K-SQS: top-K support
+    "csqs": round_qs,  # C-SQS: conformal threshold support
+    "sq": round_qs,  # sample, then quantize: the lossy prior art (biased; for comparison)
 }
 LOCAL_PROTOCOLS = ("slm",)  # need no cloud

@@ -27,7 +27,8 @@ from hat_split.vocab_size_policy import online_k
 
 def _draft_one(gen: Generation, measure: bool = True) -> tuple[int, np.ndarray, float]:
     """The next draft token, its wire values `# [1, vocab]` and its uncertainty u (NaN when not measured)."""
-    drafts, values = gen.drafter.draft(1, gen.rng)
+    drafts, rows = gen.drafter.draft(1, gen.rng)
+    values = rows[0]  # [1, vocab] float16 wire values
     if not measure:
         return drafts[0], values, float("nan")
     u = perturbation_uncertainty(gen.drafter.last_logits, np.asarray(drafts), gen.config.uncertainty.perturbation,

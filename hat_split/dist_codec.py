@@ -10,13 +10,17 @@ off whenever top-k / top-p or temperature 0 leave few non-zero entries (greedy r
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
-from hat_split import topk_codec
+from hat_split import enumerative, topk_codec
 from hat_split.protocol import DistPayload
+from hat_split.sampling import sample
 
 WIRE_DTYPES = ("float16", "float32")
+MAX_ELL = 4096  # largest lattice resolution on the wire: decoding a row costs O(min(ℓ, K)) big-integer steps
+MAX_SPARSE_K = 4096  # largest lattice support short of the whole vocabulary (a larger one costs more bits anyway)
 
 
 def quantize(q: np.ndarray, dtype: str = "float16") -> np.ndarray:
@@ -123,9 +127,74 @@ def decode_topk(payload: DistPayload, n_rows: int, vocab_size: int) -> list:
                              n_rows, vocab_size)
 
 
+def pack_lattice(rows: list, vocab_size: int, ell: int, k: int) -> DistPayload:
+    """Lattice rows (anything with `.support` and `.counts`, e.g. hat_split.sqs.LatticeRow) → a "lattice" payload:
+    one enumerative bit stream (hat_split.enumerative.encode_sparse per row); k = 0 writes each row's K."""
+    writer = enumerative.BitWriter()
+    for row in rows:
+        if k and row.support.size != k:
+            raise ValueError(f"a row has {row.support.size} support tokens, the payload states K = {k}")
+        enumerative.encode_sparse(row.support, row.counts, vocab_size, ell, writer, k_varies=not k)
+    return DistPayload("lattice", np.frombuffer(writer.to_bytes(), np.uint8), bits=writer.n_bits, ell=ell, k=k)
+
+
+def decode_lattice(payload: DistPayload, n_rows: int, vocab_size: int) -> list:
+    """Payload → [(support `# [K]`, counts `# [K]`)] per row; ValueError on anything pack_lattice cannot produce."""
+    values, ell, k = payload.values, payload.ell, payload.k
+    if not (isinstance(values, np.ndarray) and values.dtype == np.uint8 and values.ndim == 1):
+        raise ValueError("lattice values must be 1-D uint8 bytes")
+    if not 1 <= ell <= MAX_ELL:
+        raise ValueError(f"lattice resolution ℓ={ell} outside 1..{MAX_ELL}")
+    if not (k == 0 or 1 <= k <= MAX_SPARSE_K or k == vocab_size):
+        raise ValueError(f"lattice support K={k} is neither 0 (per row), 1..{MAX_SPARSE_K} nor the vocabulary size")
+    if not 0 <= payload.bits <= 8 * values.size or values.size != (payload.bits + 7) // 8:
+        raise ValueError(f"{payload.bits} bits announced in {values.size} bytes")
+    reader = enumerative.BitReader(values.tobytes(), payload.bits)
+    rows = []
+    for _ in range(n_rows):
+        if not k:  # peek K before decoding, so an oversized support is refused before any work
+            row_k = reader.read(enumerative.field_bits(vocab_size)) + 1
+            if not (row_k <= MAX_SPARSE_K or row_k == vocab_size):
+                raise ValueError(f"a lattice row states K={row_k}: neither 1..{MAX_SPARSE_K} nor the vocabulary")
+        rows.append(enumerative.decode_sparse(reader, vocab_size, ell, k or row_k))
+    if reader.left:
+        raise ValueError(f"{reader.left} bits left after {n_rows} lattice rows")
+    return rows
+
+
 def decode_dist(payload: DistPayload, n_rows: int, vocab_size: int) -> np.ndarray:
     """What the cloud verifies against: float64 `# [n_rows, vocab_size]`, identical to the device's sampling rows
-    (for "topk": the eq. 15 reconstructions, `topk_codec.reconstruct`)."""
+    (for "topk": the eq. 15 reconstructions, `topk_codec.reconstruct`; for "lattice": counts / ℓ)."""
     if payload.format == "topk":
         return np.stack([topk_codec.reconstruct(r, vocab_size) for r in decode_topk(payload, n_rows, vocab_size)])
+    if payload.format == "lattice":
+        out = np.zeros((n_rows, vocab_size), dtype=np.float64)
+        for i, (support, counts) in enumerate(decode_lattice(payload, n_rows, vocab_size)):
+            out[i, support] = counts / payload.ell
+        return out
     return dequantize(unpack(payload, n_rows, vocab_size))
+
+
+@dataclass
+class FloatWire:
+    """The device's side of the float wire (`sd`, `hlm`, `uhlm`...): round q to `dtype`, sample from the rounded
+    values, send them dense or sparse. Same interface as hat_split.sqs.LatticeWire, so the drafter takes either."""
+
+    dtype: str = "float16"
+    format: str = "auto"
+
+    def quantize(self, q: np.ndarray) -> np.ndarray:
+        return quantize(np.asarray(q).reshape(1, -1), self.dtype)  # [1, vocab] wire values
+
+    def bits(self, values: np.ndarray) -> int:
+        return 8 * values.nbytes
+
+    def sample(self, values: np.ndarray, q: np.ndarray, u: float) -> tuple:
+        q_hat = dequantize(values)[0]  # [vocab]: exactly what the cloud will decode
+        return int(sample(q_hat[None], np.array([u]))[0]), values, q_hat
+
+    def pack(self, rows: list) -> DistPayload:
+        return pack(np.concatenate(rows, axis=0), self.format)
+
+    def settle(self, n_accepted: int, n_drafted: int) -> None:
+        """Nothing to roll back."""

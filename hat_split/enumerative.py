@@ -85,9 +85,11 @@ def rank_composition(counts: Sequence[int]) -> int:
     if b.size < 1 or (b < 0).any():
         raise ValueError("a lattice point needs K >= 1 non-negative counts")
     k, ell = b.size, int(b.sum())
-    before = np.cumsum(b) - b  # balls in earlier parts
-    if ell < k - 1:  # stars: the j-th ball of part i sits at slot before_i + i + j
-        stars = np.repeat(before + np.arange(k), b) + (np.arange(ell) - np.repeat(before, b))
+    if ell < k - 1:  # stars: the j-th ball of part i sits at slot before_i + i + j (only non-empty parts matter)
+        parts = np.flatnonzero(b)
+        n = b[parts]
+        before = np.cumsum(n) - n  # balls in earlier parts
+        stars = np.repeat(before + parts, n) + (np.arange(ell) - np.repeat(before, n))
         return rank_subset(stars.tolist())
     return rank_subset((np.cumsum(b)[:-1] + np.arange(k - 1)).tolist())  # bar i after part i
 

@@ -78,11 +78,13 @@ class Sampling(msgspec.Struct, frozen=True):
 class DistPayload(msgspec.Struct, frozen=True):
     """Draft distributions of L positions: dense, CSR-sparse or top-k bit-packed (see hat_split.dist_codec)."""
 
-    format: str  # "dense" | "sparse" | "topk"
-    values: Any  # dense: [L, vocab] float16/32; sparse: [nnz] float16/32; topk: uint8 bytes of packed levels
+    format: str  # "dense" | "sparse" | "topk" | "lattice"
+    values: Any  # dense: [L, vocab] float16/32; sparse: [nnz] float16/32; topk, lattice: uint8 bytes of packed bits
     indices: Any = None  # sparse: [nnz] int32 token ids, ascending per row; topk: uint8 bytes of packed ids
     indptr: Any = None  # sparse and topk: [L + 1] int64 row offsets (topk: kept tokens per row, cumulated)
-    bits: int = 0  # topk only: bits per probability level (hat_split.topk_codec)
+    bits: int = 0  # topk: bits per probability level (hat_split.topk_codec); lattice: bits in the stream
+    ell: int = 0  # lattice: resolution ℓ of every row (hat_split.sqs)
+    k: int = 0  # lattice: support size of every row (V: the whole vocabulary); 0: each row states its own
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -111,6 +113,7 @@ class OpenSession(msgspec.Struct, tag=True):
     prompt: Any  # [n] int32 token ids
     sampling: Sampling = Sampling()
     seed: Optional[int] = None
+    link_rtt_s: float = 0.0  # the device's measured round trip of a tiny message: the cloud's uplink-rate baseline
 
 
 class SessionOpened(msgspec.Struct, tag=True):
@@ -126,6 +129,7 @@ class Verify(msgspec.Struct, tag=True):
     new_tokens: Any  # [m] int32 tokens committed on the device since the last message (m may be 0)
     draft: Any  # [L] int32 draft tokens, L >= 1
     dist: DistPayload  # the L distributions the drafts were sampled from
+    idle_s: float = 0.0  # device time between its previous reply arriving and this request leaving (rate estimate)
 
 
 class Verdict(msgspec.Struct, tag=True):
@@ -135,6 +139,7 @@ class Verdict(msgspec.Struct, tag=True):
     token: NonNeg  # resampled token at the first rejection, or the bonus token if all were accepted
     position: NonNeg  # committed length after this step
     compute_s: float
+    uplink_bps: float = 0.0  # the uplink rate the cloud measured on this request (0: not measurable)
 
 
 class Generate(msgspec.Struct, tag=True):
