@@ -29,6 +29,7 @@ log = logging.getLogger("hatspec.cloud")
 
 TOKEN_PROTOCOLS = ("sd", "hlm", "llm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq")  # verified by the full target
 SOFTWARE = "hatspec-cloud/0.1"
+RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
 
 
 @dataclass
@@ -236,12 +237,13 @@ class CloudServer:
         Time on the link = (arrival − the previous reply's departure) − the device's idle time in between − the
         device's tiny-message round trip (propagation both ways and the reply's own transfer). Exact for one device on
         an otherwise idle server; a request that queued behind other devices' compute reads as a slower link.
-        Returns 0 where it cannot be measured (no baseline, or a transfer shorter than the clock's resolution).
+        A transfer quicker than RATE_RESOLUTION_S is counted as taking that long: the answer is then a lower bound
+        (such a link is fast enough for any payload here). Returns 0 without a baseline (no link_rtt_s from the device).
         """
         if not session.replied_at or not session.link_rtt_s or not 0 <= idle_s < 1e6:
             return 0.0
         on_link = self._received_at - session.replied_at - idle_s - session.link_rtt_s
-        return 8.0 * self._request_bytes / on_link if on_link > 1e-4 else 0.0
+        return 8.0 * self._request_bytes / max(on_link, RATE_RESOLUTION_S)
 
     def _generate(self, identity: bytes, msg: P.Generate) -> P.Message:
         session = self._session(identity, msg)

@@ -6,7 +6,8 @@ import dataclasses
 import json
 import sys
 
-from edge_runtime.config import OVERLAP_MODES, PROTOCOLS, EdgeConfig, UncertaintyConfig
+from edge_runtime.config import OVERLAP_MODES, PROTOCOLS, EdgeConfig, QSConfig, UncertaintyConfig
+from edge_runtime.policy import POLICIES
 from hat_split.calibration import THRESHOLD_RULES
 from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 
@@ -60,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--prob-bits", type=int, help=f"bits per uploaded probability (default {ud['prob_bits'].default})")
     u.add_argument("--exact", action="store_true", default=None,
                    help="cuhlm: sample the draft from the distribution it sends")
+    q = g.add_argument_group("qs / ksqs / csqs / sq (QS-SD, SQS-SD)")
+    qd = QSConfig.__dataclass_fields__
+    q.add_argument("--ell", type=int, default=qd["ell"].default, help="lattice resolution ℓ (default %(default)s)")
+    q.add_argument("--k", type=int, default=qd["k"].default, help="ksqs support size K (default %(default)s)")
+    q.add_argument("--alpha", type=float, default=qd["alpha"].default, help="csqs target dropped mass α")
+    q.add_argument("--eta", type=float, default=qd["eta"].default, help="csqs threshold learning rate η")
+    q.add_argument("--beta", type=float, default=qd["beta"].default, help="csqs initial threshold β1")
+    q.add_argument("--budget-bits", type=int, default=0,
+                   help="B > 0: draft the longest L whose distributions fit in B bits per round (SQS: 5000)")
+    q.add_argument("--policy", choices=POLICIES, default="static",
+                   help="(L, ℓ) per round: static (--draft-len, --ell), heuristic (QS-SD §V) or dqn")
+    q.add_argument("--policy-file", default="", help="dqn: a hat-train-policy network (.npz)")
     g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
     return ap
@@ -114,10 +127,12 @@ def main(argv=None) -> int:
         if unknown or not protocols:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(PROTOCOLS)}")
         unc = _uncertainty_config(args)
+        qs = QSConfig(args.ell, args.k, args.alpha, args.eta, args.beta, args.budget_bits, args.policy,
+                      args.policy_file)
         config = EdgeConfig(model=args.model, server=args.server, draft_len=args.draft_len,
                             dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
                             connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
-                            weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc,
+                            weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
                             overlap_prefill=args.overlap_prefill)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
