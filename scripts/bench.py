@@ -24,6 +24,8 @@ from typing import Dict, List, Tuple
 
 from scripts.bench_cuhlm import add_parser as add_cuhlm_parser
 from scripts.bench_cuhlm import run as run_cuhlm
+from scripts.bench_qs import add_parser as add_qs_parser
+from scripts.bench_qs import run as run_qs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="runs/bench_speculative.json")
     s.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
     add_cuhlm_parser(sub)
+    add_qs_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -236,6 +239,12 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
+    if args.command == "qs":
+        try:
+            return run_qs(args)
+        except ValueError as exc:
+            print(f"hat-bench qs: {exc}", file=sys.stderr)
+            return 2
     return speculative(args)
 
 
