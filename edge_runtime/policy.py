@@ -18,6 +18,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from hat_split.dist_codec import MAX_ELL
+
 POLICIES = ("static", "heuristic", "dqn")
 N_FEATURES = 4
 DEFAULT_RATE_BPS = 1e6  # what a policy assumes before the cloud has measured the uplink
@@ -102,8 +104,9 @@ class QNetwork:
         if (not self.weights or any(w.ndim != 2 or w.shape[0] != d for w, d in zip(self.weights, dims))
                 or any(b.shape != (w.shape[1],) for w, b in zip(self.weights, self.biases))):
             raise ValueError("policy network layers do not chain from the state features to the actions")
-        if self.actions.ndim != 2 or self.actions.shape != (dims[-1], 2) or (self.actions < 1).any():
-            raise ValueError("policy actions must be one (L >= 1, ℓ >= 1) pair per network output")
+        if (self.actions.ndim != 2 or self.actions.shape != (dims[-1], 2) or (self.actions < 1).any()
+                or (self.actions[:, 1] > MAX_ELL).any()):
+            raise ValueError(f"policy actions must be one (L >= 1, 1 <= ℓ <= {MAX_ELL}) pair per network output")
         if self.feat_mean.shape != (N_FEATURES,) or self.feat_std.shape != (N_FEATURES,) or (self.feat_std <= 0).any():
             raise ValueError("policy feature scaling must be N_FEATURES means and positive deviations")
 

@@ -53,7 +53,7 @@ def unrank_subset(rank: int, n: int, k: int) -> List[int]:
         if binom > rank and rank > 0:
             guess = int(math.exp((math.log(rank) + math.lgamma(j + 1)) / j) + (j - 1) / 2) + 2
             if guess < c - _JUMP:
-                c = max(guess, j - 1)
+                c = max(guess, j)  # rank > 0: the element is at least j, and C(j, j) = 1 keeps the steps exact
                 binom = math.comb(c, j)
                 while binom <= rank:  # the estimate fell short: step up, C(c+1, j) = C(c, j)·(c+1)/(c+1−j)
                     up = binom * (c + 1) // (c + 1 - j)

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-len", type=int, default=max(DEFAULT_LENGTHS), help="L_max drafted per recorded round")
     r.add_argument("--ells", default=",".join(map(str, DEFAULT_ELLS)), help="resolutions of the action set")
     r.add_argument("--weight-quant", default="int8", choices=["none", "int8"])
+    r.add_argument("--target-dtype", default="auto", help="the target's dtype (auto: bfloat16 where the CPU has it)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="runs/policy_traces.npz")
     t = sub.add_parser("train", help="train the double DQN on recorded traces")
@@ -131,7 +132,7 @@ def load_traces(path: str):
 
 def cmd_record(args) -> int:
     from hat_split.lm import CausalLM
-    from hat_split.loading import check_pair, load_model, quantize_weights
+    from hat_split.loading import check_pair, load_model, quantize_weights, resolve_dtype
     from hat_split.sampling import SamplingParams
     from profiles.prompts import calibration_prompts, encode
 
@@ -139,7 +140,7 @@ def cmd_record(args) -> int:
     prompts = calibration_prompts(args.prompts)
     draft = load_model(args.draft)
     quantize_weights(draft.model, args.weight_quant)
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=resolve_dtype(args.target_dtype))
     check_pair(draft, target)
     eos = getattr(target.model.generation_config, "eos_token_id", None)
     eos = {eos} if isinstance(eos, int) else set(eos or [])

@@ -95,3 +95,17 @@ def test_bit_counts_are_the_papers_formulas():
         E.BitReader(b"\x00", 8).read(9)
     with pytest.raises(ValueError, match="not a"):
         E.unrank_subset(math.comb(10, 3), 10, 3)
+
+
+@pytest.mark.parametrize("ell", [4, 64, 100, 256])
+def test_concentrated_points_on_the_full_vocabulary_round_trip(ell):
+    """A peaked draft (low temperature) puts almost all of ℓ on one early token: the smallest ranks, where the
+    decoder's jump estimate lands below the element (a regression found by hat-bench qs)."""
+    vocab = 151_936
+    for pos, other in ((0, 1), (1, None), (2, None), (5, vocab - 1), (vocab - 1, 0)):
+        b = np.zeros(vocab, np.int64)
+        b[pos] = ell
+        if other is not None:
+            b[pos] -= 1
+            b[other] += 1
+        np.testing.assert_array_equal(enumerative.unrank_composition(enumerative.rank_composition(b), vocab, ell), b)

@@ -76,7 +76,7 @@ def test_bad_policy_files_are_refused(tmp_path, trained_policy):
         QNetwork.load(tmp_path / "junk.npz")
     net = QNetwork.load(trained_policy)
     net.actions = net.actions[:-1]
-    with pytest.raises(ValueError, match="one .L >= 1"):
+    with pytest.raises(ValueError, match="one .L >= 1, 1 <= ℓ"):
         net.check()
     with pytest.raises(ValueError, match="needs a file"):
         make_policy("dqn", 4, 100, 16)
