@@ -72,7 +72,10 @@ class MarkovLink(threading.Thread):
         while not self.stop.wait(self.step_s):
             if self.rng.random() < self.p:
                 self.state = 1 - self.state
-                self._apply()
+                try:
+                    self._apply()
+                except RuntimeError:  # the emulator closed under us (the run ended or failed)
+                    return
 
 
 def _regimes(text: str) -> Dict[str, tuple]:
