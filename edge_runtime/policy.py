@@ -48,7 +48,7 @@ class StaticPolicy:
         return self.draft_len, self.ell
 
     def observe(self, drafted: int, accepted: int) -> None:
-        pass
+        """A static policy learns nothing from a verdict."""
 
 
 class HeuristicPolicy(StaticPolicy):

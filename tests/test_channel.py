@@ -52,6 +52,7 @@ def test_calibration_and_evaluation_prompts_are_disjoint():
     assert not {p.source for p in ev} & {p.source for p in cal}
     assert all(p.reference for p in ev)
     assert {int(p.source.split("/")[-1]) for p in cal if p.source.startswith("humaneval")} >= {HUMANEVAL_SPLIT}
+    assert len(calibration_prompts(1)) == 1 and len(evaluation_prompts(1)) == 1  # none from the empty half
 
 
 def test_sequence_throughput_is_tokens_over_total_latency():
