@@ -20,14 +20,19 @@ import zmq
 
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.session import TargetSession
+from cloud_runtime.split_session import MiddleSession
 from hat_split import protocol as P
+from hat_split.chunking import DelayModel, chunk_size
 from hat_split.dist_codec import decode_dist
+from hat_split.hidden_codec import HIDDEN_FORMATS, decode_hidden, encode_hidden
 from hat_split.lm import CausalLM
+from hat_split.partition import Stack, check_family, model_fingerprint
 from hat_split.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.cloud")
 
 TOKEN_PROTOCOLS = ("sd", "hlm", "llm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq")  # verified by the full target
+SPLIT_PROTOCOLS = ("hat", "ushape")  # the cloud runs middle layers over hidden states (HAT)
 SOFTWARE = "hatspec-cloud/0.1"
 RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
 
@@ -52,7 +57,9 @@ class CloudServer:
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
         self.limits = P.Limits(lm.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
-        self.sessions: Dict[Tuple[bytes, int], TargetSession] = {}
+        self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TargetSession or MiddleSession
+        self.load = DelayModel()  # HAT state monitoring of the middle part's steps (eq. 1-2)
+        self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
         self.stats = ServerStats()
         self._ctx = zmq.Context.instance()
@@ -66,6 +73,8 @@ class CloudServer:
             P.Verify: self._verify,
             P.Generate: self._generate,
             P.CloseSession: self._close,
+            P.OpenSplit: self._open_split,
+            P.Hidden: self._hidden,
         }
 
     # -- lifetime -------------------------------------------------------------------------------------------------
@@ -175,7 +184,7 @@ class CloudServer:
             session_timeout_s=self.config.session_timeout_s,
             max_draft_len=self.config.max_draft_len,
             max_context=self.config.max_context,
-            protocols=list(TOKEN_PROTOCOLS),
+            protocols=list(TOKEN_PROTOCOLS + SPLIT_PROTOCOLS),
             software=SOFTWARE,
         )
 
@@ -197,13 +206,20 @@ class CloudServer:
         session.prefill()
         return P.SessionOpened(msg.session_id, len(session.tokens), session.compute_s)
 
-    def _session(self, identity: bytes, msg: Any) -> TargetSession:
+    def _session(self, identity: bytes, msg: Any, kind: type = TargetSession) -> Any:
         session = self.sessions.get((identity, msg.session_id))
         if session is None:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id} (expired or never opened)")
+        if not isinstance(session, kind):
+            raise P.ProtocolError("invalid", f"session {msg.session_id} speaks {session.protocol!r}: "
+                                  f"{type(msg).__name__} does not belong to it")
         if msg.step != session.step + 1:
             raise P.ProtocolError("desync", f"step {msg.step} out of order: the cloud expects {session.step + 1}")
-        if msg.position != len(session.tokens):
+        if kind is MiddleSession:
+            if msg.position > session.position:
+                raise P.ProtocolError("desync", f"device assumes position {msg.position}, the cloud holds "
+                                      f"{session.position} positions")
+        elif msg.position != len(session.tokens):
             raise P.ProtocolError(
                 "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens"
             )
@@ -264,6 +280,9 @@ class CloudServer:
         session = self.sessions.get((identity, msg.session_id))
         if session is None:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
+        if isinstance(session, MiddleSession):  # no tokens to digest: report the positions held
+            del self.sessions[(identity, msg.session_id)]
+            return P.Closed(msg.session_id, session.step, session.compute_s, session.position, 0)
         if msg.new_tokens is not None:  # the device's last skipped tokens: append (no compute) before the digest
             new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size)
             if msg.position != len(session.tokens):
@@ -276,3 +295,64 @@ class CloudServer:
         del self.sessions[(identity, msg.session_id)]
         return P.Closed(msg.session_id, session.step, session.compute_s, len(session.tokens),
                         P.sequence_digest(session.tokens[:length]))
+
+    # -- split protocols (HAT) ------------------------------------------------------------------------------------
+    def _open_split(self, identity: bytes, msg: P.OpenSplit) -> P.Message:
+        if msg.protocol not in SPLIT_PROTOCOLS:
+            raise P.ProtocolError("invalid", f"OpenSplit is for {SPLIT_PROTOCOLS}, not {msg.protocol!r}")
+        model = self.lm.model
+        try:
+            check_family(model)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", str(exc)) from None
+        if not self._fingerprint:
+            self._fingerprint = model_fingerprint(model)
+        if msg.fingerprint != self._fingerprint:
+            raise P.ProtocolError("model_mismatch", f"the device's parts come from another model (fingerprint "
+                                  f"{msg.fingerprint[:12]}) than the cloud's {self.model_name!r} "
+                                  f"({self._fingerprint[:12]})")
+        n = model.config.num_hidden_layers
+        if not 1 <= msg.start < msg.stop <= n:
+            raise P.ProtocolError("invalid", f"middle layers [{msg.start}, {msg.stop}) must satisfy 1 <= start < stop "
+                                  f"<= {n}: the device keeps at least one layer (embeddings alone reveal the tokens)")
+        if msg.hidden_format not in HIDDEN_FORMATS:
+            raise P.ProtocolError("invalid", f"hidden_format must be one of {HIDDEN_FORMATS}")
+        key = (identity, msg.session_id)
+        if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
+            raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+        session = MiddleSession(Stack(model, msg.start, msg.stop), msg.session_id, msg.protocol, msg.hidden_format)
+        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self.sessions[key] = session
+        self.stats.sessions_opened += 1
+        hidden = int(model.config.hidden_size)
+        chunk = 0
+        if self.load.known and msg.device.up_bps > 0 and msg.prompt_tokens > 0:
+            bytes_per_position = hidden * (2 if msg.hidden_format != "float32" else 4)
+            chunk = chunk_size(self.load, bytes_per_position, msg.device.up_bps, 1, msg.prompt_tokens)
+        return P.SplitOpened(msg.session_id, hidden, chunk, self._cloud_state())
+
+    def _hidden(self, identity: bytes, msg: P.Hidden) -> P.Message:
+        session = self._session(identity, msg, MiddleSession)
+        states = msg.states.values
+        if not isinstance(states, np.ndarray) or states.ndim != 2 or states.shape[0] < 1:
+            raise P.ProtocolError("invalid", "states must hold [n >= 1, hidden] values")
+        n, hidden = states.shape[0], int(self.lm.model.config.hidden_size)
+        try:
+            x = decode_hidden(msg.states, n, hidden)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"states: {exc}") from None
+        if msg.want > n:
+            raise P.ProtocolError("invalid", f"want={msg.want} exceeds the {n} states sent")
+        if msg.position + n > self.limits.max_context:
+            raise P.ProtocolError("context", f"session would exceed max_context={self.limits.max_context} positions")
+        uplink_bps = self._uplink_bps(session, msg.idle_s)
+        compute0 = session.compute_s
+        deep = session.run(msg.position, x, msg.want)
+        step_s = session.compute_s - compute0
+        self.load.observe(n, step_s)
+        session.step = msg.step
+        out = encode_hidden(deep, session.hidden_format) if msg.want else None
+        return P.Deep(msg.session_id, msg.step, session.position, out, step_s, uplink_bps, self._cloud_state())
+
+    def _cloud_state(self) -> P.CloudState:
+        return P.CloudState(self.load.mu or 0.0, self.load.g_mu(), 1)

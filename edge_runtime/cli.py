@@ -6,7 +6,10 @@ import dataclasses
 import json
 import sys
 
-from edge_runtime.config import OVERLAP_MODES, PROTOCOLS, EdgeConfig, QSConfig, UncertaintyConfig
+from edge_runtime.config import (
+    CHUNKING_MODES, OVERLAP_MODES, PROTOCOLS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
+)
+from hat_split.hidden_codec import HIDDEN_FORMATS
 from edge_runtime.policy import POLICIES
 from hat_split.calibration import THRESHOLD_RULES
 from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
@@ -73,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--policy", choices=POLICIES, default="static",
                    help="(L, ℓ) per round: static (--draft-len, --ell), heuristic (QS-SD §V) or dqn")
     q.add_argument("--policy-file", default="", help="dqn: a hat-train-policy network (.npz)")
+    h = g.add_argument_group("ushape / hat (HAT: the model is cut; --model is the large model, the cloud runs its middle)")
+    hd = SplitConfig.__dataclass_fields__
+    h.add_argument("--m", type=int, default=hd["m"].default, help="layers of the device's input part (default %(default)s)")
+    h.add_argument("--tail", type=int, default=0, help="last layers kept on the device with the head")
+    h.add_argument("--adapter", default="", help="hat: a hat-distill adapter directory")
+    h.add_argument("--hidden-format", default=hd["hidden_format"].default, choices=HIDDEN_FORMATS)
+    h.add_argument("--hat-eta", type=float, default=hd["eta"].default, help="drafting threshold η (eq. 5)")
+    h.add_argument("--max-draft", type=int, default=hd["max_draft"].default)
+    h.add_argument("--chunking", default=hd["chunking"].default, choices=CHUNKING_MODES,
+                   help="prompt chunking: auto = the cloud's eq. 3 chunk size, off = one chunk")
+    h.add_argument("--chunk-tokens", type=int, default=0, help="fixed prompt chunk size (overrides --chunking)")
+    h.add_argument("--no-parallel-draft", action="store_true", help="hat: no drafting while the cloud verifies")
+    h.add_argument("--pd-topk", type=int, default=hd["pd_topk"].default, help="candidates of parallel drafting")
+    h.add_argument("--up-bps", type=float, default=0.0, help="initial uplink estimate, bit/s (a link profile's)")
+    h.add_argument("--down-bps", type=float, default=0.0, help="initial downlink estimate, bit/s")
     g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
     return ap
@@ -117,6 +135,13 @@ def _uncertainty_config(args) -> UncertaintyConfig:
     return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
+def _split_config(args) -> SplitConfig:
+    return SplitConfig(m=args.m, tail=args.tail, adapter=args.adapter, hidden_format=args.hidden_format,
+                       eta=args.hat_eta, max_draft=args.max_draft, chunking=args.chunking,
+                       chunk_tokens=args.chunk_tokens, parallel_draft=not args.no_parallel_draft,
+                       pd_topk=args.pd_topk, up_bps=args.up_bps, down_bps=args.down_bps)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from hat_split.sampling import SamplingParams
@@ -133,7 +158,7 @@ def main(argv=None) -> int:
                             dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
                             connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
                             weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
-                            overlap_prefill=args.overlap_prefill)
+                            overlap_prefill=args.overlap_prefill, split=_split_config(args))
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
@@ -163,6 +188,9 @@ def main(argv=None) -> int:
     except (CloudUnavailable, CloudError) as exc:
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 3
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hat-edge: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         doc = json.dumps({"model": args.model, "server": args.server, "results": results}, indent=1)
         if args.json == "-":

@@ -11,7 +11,9 @@ from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.uncertainty import PerturbationConfig
 
 OVERLAP_MODES = ("auto", "on", "off")
-PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq")  # edge_runtime.protocols
+PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq", "ushape",
+             "hat")  # edge_runtime.protocols
+CHUNKING_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,40 @@ class QSConfig:
 
 
 @dataclass(frozen=True)
+class SplitConfig:
+    """HAT / U-shape settings (paper 004); defaults are the paper's where it gives one."""
+
+    m: int = 2  # layers of the device's input part (HAT: 2 of 32); the model is the runtime's `model`
+    tail: int = 0  # last layers kept on the device with the head
+    adapter: str = ""  # hat-distill artifact directory (protocol hat needs one)
+    hidden_format: str = "float16"  # hidden states on the wire: float16 | float32 | int8 (hat_split.hidden_codec)
+    eta: float = 0.6  # drafting threshold η (eq. 5)
+    max_draft: int = 8  # longest draft per round
+    chunking: str = "auto"  # prompt chunking: "auto" (the cloud's eq. 3 answer) | "off" (one chunk)
+    chunk_tokens: int = 0  # > 0: a fixed chunk size instead
+    parallel_draft: bool = True  # §3.5: draft continuations of the top-k alternatives while the cloud verifies
+    pd_topk: int = 3  # k of parallel drafting
+    up_bps: float = 0.0  # initial β_up guess (a link profile's), bit/s; replaced by the cloud's measurements
+    down_bps: float = 0.0  # initial β_down guess, bit/s; replaced by the device's own measurements
+
+    def __post_init__(self) -> None:
+        from hat_split.hidden_codec import HIDDEN_FORMATS
+
+        if self.m < 1 or self.tail < 0:
+            raise ValueError("m must be >= 1 (embeddings alone reveal the tokens) and tail >= 0")
+        if self.hidden_format not in HIDDEN_FORMATS:
+            raise ValueError(f"hidden_format must be one of {', '.join(HIDDEN_FORMATS)}, got {self.hidden_format!r}")
+        if not 0.0 <= self.eta < 1.0:
+            raise ValueError(f"eta must be in [0, 1), got {self.eta}")
+        if not 1 <= self.max_draft <= 64:
+            raise ValueError(f"max_draft must be in 1..64, got {self.max_draft}")
+        if self.chunking not in CHUNKING_MODES:
+            raise ValueError(f"chunking must be one of {', '.join(CHUNKING_MODES)}, got {self.chunking!r}")
+        if self.chunk_tokens < 0 or self.pd_topk < 0 or self.up_bps < 0 or self.down_bps < 0:
+            raise ValueError("chunk_tokens, pd_topk, up_bps and down_bps must be >= 0")
+
+
+@dataclass(frozen=True)
 class EdgeConfig:
     model: str  # registry short name, HF directory or .gguf path of the draft (small) model
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
@@ -105,6 +141,7 @@ class EdgeConfig:
     dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
     uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
     qs: QSConfig = QSConfig()  # qs / ksqs / csqs / sq
+    split: SplitConfig = SplitConfig()  # ushape / hat
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
     overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
     # the server is on this host (loopback / ipc), where the two processes would fight over the same cores

@@ -31,6 +31,11 @@ class Drafter:
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
 
+    @property
+    def compute_s(self) -> float:
+        """Draft-model time of this request so far (prompt included)."""
+        return self.kv.forward_s
+
     def start(self, prompt: List[int]) -> None:
         """New request: forget the old cache and cache the prompt except its last token."""
         self.kv = self.lm.new_state()

@@ -48,6 +48,9 @@ class GenerationResult:
     cloud_prefill_s: float = 0.0  # of cloud_compute_s: the prompt
     skip_log: List[List[float]] = field(default_factory=list)  # [index in tokens, draft probability] per skipped token
     round_log: List[dict] = field(default_factory=list)  # qs, ksqs, csqs, sq: one entry per round (edge_runtime.qs)
+    prefill_chunks: int = 0  # hat / ushape: prompt chunks uploaded
+    pd_steps: int = 0  # hat: draft steps spent on parallel-drafting candidates
+    pd_hits: int = 0  # hat: rounds that started from a parallel-drafted continuation
 
     @property
     def n(self) -> int:
@@ -105,7 +108,10 @@ class Generation:
     skip_log: List[List[float]] = field(default_factory=list)
     round_log: List[dict] = field(default_factory=list)  # qs family: per round L, ℓ, bits, accepted, uplink rate
     uplink_bps: float = 0.0  # the cloud's latest measurement (0: none yet)
-    protocol_state: Any = None  # a protocol's own state across rounds (qs: wire, threshold, policy)
+    protocol_state: Any = None  # a protocol's own state across rounds (qs: wire, threshold, policy; hat: link)
+    prefill_chunks: int = 0
+    pd_steps: int = 0
+    pd_hits: int = 0
     rng: np.random.Generator = field(init=False)  # the device's stream: draft sampling, local sampling
     uncertainty_rng: np.random.Generator = field(init=False)  # temperature perturbation (its own stream)
     skip_rng: np.random.Generator = field(init=False)  # randhlm's coin
@@ -233,7 +239,7 @@ def _close(gen: Generation, prompt: List[int]) -> None:
 
 def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
     """Run one request to completion with gen.protocol's round function."""
-    from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS
+    from edge_runtime.protocols import CLOSERS, LOCAL_PROTOCOLS, OPENERS, ROUNDS
 
     if gen.protocol not in ROUNDS:
         raise ValueError(f"unknown protocol {gen.protocol!r}; known: {sorted(ROUNDS)}")
@@ -246,28 +252,17 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     cloud_prefill_s = 0.0
     before = gen.client.counters.snapshot() if remote else LinkCounters()
     t0 = time.perf_counter()
-    if remote:
-        sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
-        gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed,
-                                      gen.client.base_rtt_s))
-    overlap = not remote or gen.config.overlaps_prefill
-    if overlap:
-        gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
-    if remote:
-        opened = gen.client.receive()
-        if not isinstance(opened, P.SessionOpened):
-            raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
-        gen.cloud_position = opened.position
-        gen.cloud_compute_s += opened.compute_s
-        cloud_prefill_s = opened.compute_s
-    if not overlap:
-        gen.drafter.start(prompt)  # same host: two concurrent prefills would oversubscribe the cores
-    device_prefill_s = gen.drafter.kv.forward_s
+    if gen.protocol in OPENERS:  # split protocols: their own session and chunked prefill (edge_runtime.hat)
+        OPENERS[gen.protocol](gen, prompt)
+        cloud_prefill_s = gen.cloud_compute_s
+    else:
+        cloud_prefill_s = _open_tokens(gen, prompt, remote)
+    device_prefill_s = gen.drafter.compute_s
     while not gen.done:
         round_fn(gen)
     t1 = time.perf_counter()
     if remote:
-        _close(gen, prompt)
+        CLOSERS.get(gen.protocol, _close)(gen, prompt)
     link = gen.client.counters.since(before) if remote else LinkCounters()
     return GenerationResult(
         protocol=gen.protocol,
@@ -284,7 +279,7 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         down_bytes=link.down_bytes,
         round_trips=link.round_trips,
         cloud_compute_s=gen.cloud_compute_s,
-        device_compute_s=gen.drafter.kv.forward_s,
+        device_compute_s=gen.drafter.compute_s,
         finish_reason=gen.finish_reason,
         skipped=gen.skipped,
         upload_ks=list(gen.upload_ks),
@@ -293,4 +288,30 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         cloud_prefill_s=cloud_prefill_s,
         skip_log=[list(x) for x in gen.skip_log],
         round_log=list(gen.round_log),
+        prefill_chunks=gen.prefill_chunks,
+        pd_steps=gen.pd_steps,
+        pd_hits=gen.pd_hits,
     )
+
+
+def _open_tokens(gen: Generation, prompt: List[int], remote: bool) -> float:
+    """Token protocols: the prompt goes to the cloud in OpenSession; the device prefills its draft meanwhile (or
+    after, on a shared host). Returns the cloud's prefill compute seconds."""
+    cloud_prefill_s = 0.0
+    if remote:
+        sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
+        gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed,
+                                      gen.client.base_rtt_s))
+    overlap = not remote or gen.config.overlaps_prefill
+    if overlap:
+        gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
+    if remote:
+        opened = gen.client.receive()
+        if not isinstance(opened, P.SessionOpened):
+            raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
+        gen.cloud_position = opened.position
+        gen.cloud_compute_s += opened.compute_s
+        cloud_prefill_s = opened.compute_s
+    if not overlap:
+        gen.drafter.start(prompt)  # same host: two concurrent prefills would oversubscribe the cores
+    return cloud_prefill_s

@@ -10,7 +10,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, GenerationResult, run
-from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS
+from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS, SPLIT_PROTOCOLS
 from hat_split import protocol as P
 from hat_split.lm import CausalLM
 from hat_split.sampling import SamplingParams
@@ -62,6 +62,8 @@ class EdgeRuntime:
         self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.client: Optional[CloudClient] = None
+        self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
+        self._adapter = None
         self._session_ids = itertools.count(1)
         gen_cfg = getattr(self.loaded.model, "generation_config", None)
         eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
@@ -103,16 +105,33 @@ class EdgeRuntime:
         if protocol not in LOCAL_PROTOCOLS:
             self.connect()
         stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
+        seed = seed if seed is not None else random.SystemRandom().randrange(2**62)
         gen = Generation(
             config=self.config,
-            drafter=Drafter(self.lm, params, self.config.dist_dtype),
+            drafter=self._split_drafter(protocol, params, seed) if protocol in SPLIT_PROTOCOLS
+            else Drafter(self.lm, params, self.config.dist_dtype),
             client=self.client,
             protocol=protocol,
             params=params,
             max_new_tokens=max_new_tokens,
             eos_ids=self.eos_ids,
-            seed=seed if seed is not None else random.SystemRandom().randrange(2**62),
+            seed=seed,
             session_id=next(self._session_ids),
             on_tokens=stream,
         )
         return run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
+
+    def _split_drafter(self, protocol: str, params: SamplingParams, seed: int):
+        """The device's parts of this runtime's model (and Λ for `hat`), built once."""
+        from edge_runtime.split_drafter import SplitDrafter
+        from hat_split.adapter import load_adapter
+        from hat_split.partition import SplitModel
+
+        c = self.config.split
+        if self._split is None:
+            self._split = SplitModel(self.loaded.model, c.m, c.tail)
+        if protocol == "hat" and self._adapter is None:
+            if not c.adapter:
+                raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with hat-distill)")
+            self._adapter = load_adapter(c.adapter, self._split)
+        return SplitDrafter(self._split, self._adapter if protocol == "hat" else None, params, seed)

@@ -24,6 +24,17 @@ Conversation (one device, token protocols):
     CloseSession   ───────────►
                    ◄─────────── Closed
 
+Split protocols (`hat`, `ushape`; HAT paper 004): no token, text or distribution ever crosses the link. The device
+opens with `OpenSplit` (the model fingerprint and the layer range the cloud should run, its own link and drafting
+state), then sends shallow hidden states in `Hidden` messages (prompt chunks, possibly several in flight, or a
+round's drafts) and gets deep hidden states back in `Deep`; `position` is where the new states start, so the cloud
+crops its cache there first (rejected drafts). `CloseSession` ends it as for token protocols.
+
+    OpenSplit      ───────────►                   (fingerprint, layers [start, stop), hidden format, device state)
+                   ◄─────────── SplitOpened       (hidden size, the chunk size of HAT eq. 3)
+    Hidden         ───────────►                   (position, n shallow states, how many deep states to return)
+                   ◄─────────── Deep              (the last `want` deep states, compute time, the cloud's load)
+
 Send changes, not state: after `OpenSession`, a message carries only what the other side does not have yet (new
 tokens, drafts and their distributions) and the position it applies at; the position lets the receiver detect a
 desynchronised peer instead of silently diverging.
@@ -42,7 +53,7 @@ PROTOCOL_VERSION = 1  # bump on any incompatible change; the handshake refuses m
 MAGIC = b"HSP"
 PREAMBLE_LEN = len(MAGIC) + 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: 100 dense fp32 distributions over a 152k vocabulary fit
-ALLOWED_DTYPES = ("int32", "int64", "float16", "float32", "float64", "uint8")
+ALLOWED_DTYPES = ("int32", "int64", "float16", "float32", "float64", "uint8", "int8")
 MAX_TENSOR_DIMS = 4
 
 
@@ -85,6 +96,33 @@ class DistPayload(msgspec.Struct, frozen=True):
     bits: int = 0  # topk: bits per probability level (hat_split.topk_codec); lattice: bits in the stream
     ell: int = 0  # lattice: resolution ℓ of every row (hat_split.sqs)
     k: int = 0  # lattice: support size of every row (V: the whole vocabulary); 0: each row states its own
+
+
+class HiddenPayload(msgspec.Struct, frozen=True):
+    """Hidden states of n positions (see hat_split.hidden_codec)."""
+
+    format: str  # "float16" | "float32" | "int8"
+    values: Any  # [n, hidden] in that dtype
+    scales: Any = None  # int8: [n] float32 per-row scale
+    outlier_idx: Any = None  # int8: [n, k] int32 positions of the values sent exactly
+    outliers: Any = None  # int8: [n, k] float16 those values
+
+
+class DeviceState(msgspec.Struct, frozen=True):
+    """What the device measures about itself (HAT §3.2): moving averages, 0 where not known yet."""
+
+    up_bps: float = 0.0  # uplink bandwidth β_up, bits per second
+    down_bps: float = 0.0  # downlink bandwidth β_down
+    draft_s: float = 0.0  # drafting delay γ: seconds per draft token
+    power_mode: str = ""  # the device's power mode (profiles), for the cloud's logs and planning
+
+
+class CloudState(msgspec.Struct, frozen=True):
+    """The cloud's load as HAT's state monitoring sees it (§3.2, eq. 1-2)."""
+
+    batch_tokens: float = 0.0  # μ: moving average of tokens per model step
+    step_s: float = 0.0  # g(μ): predicted compute delay of a step of μ tokens
+    pipeline: int = 1  # P: pipeline stages of the middle part
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -174,6 +212,45 @@ class Closed(msgspec.Struct, tag=True):
     digest: NonNeg = 0  # sequence_digest of its first CloseSession.length tokens (all if no length was given)
 
 
+class OpenSplit(msgspec.Struct, tag=True):
+    session_id: NonNeg
+    protocol: str  # "hat" | "ushape"
+    fingerprint: str  # hat_split.partition.model_fingerprint of the device's model: the cloud must hold the same
+    start: NonNeg  # first middle layer (the device's input part has layers [0, start))
+    stop: NonNeg  # end of the middle part (the device's output part holds layers [stop, n))
+    hidden_format: str = "float16"  # the format of the deep states the device wants back (hat_split.hidden_codec)
+    prompt_tokens: NonNeg = 0  # the prompt's length (a size, not its content), for the chunk size of eq. 3
+    link_rtt_s: float = 0.0
+    device: DeviceState = DeviceState()
+
+
+class SplitOpened(msgspec.Struct, tag=True):
+    session_id: NonNeg
+    hidden_size: NonNeg
+    chunk_size: NonNeg  # prompt chunk size from HAT eq. 3 (0: the cloud has no estimate; the device decides)
+    cloud: CloudState = CloudState()
+
+
+class Hidden(msgspec.Struct, tag=True):
+    session_id: NonNeg
+    step: NonNeg
+    position: NonNeg  # the cloud keeps this many positions of its cache, then appends `states`
+    states: HiddenPayload  # [n, hidden] shallow states
+    want: NonNeg  # deep states to return: the last `want` of the n (0 for a prompt chunk that is not the last)
+    idle_s: float = 0.0
+    device: Optional[DeviceState] = None  # updated measurements, when the device has new ones
+
+
+class Deep(msgspec.Struct, tag=True):
+    session_id: NonNeg
+    step: NonNeg
+    position: NonNeg  # positions the cloud holds after this step
+    states: Optional[HiddenPayload]  # [want, hidden] deep states (None when want was 0)
+    compute_s: float
+    uplink_bps: float = 0.0
+    cloud: CloudState = CloudState()
+
+
 class Error(msgspec.Struct, tag=True):
     code: str  # "version" | "malformed" | "oversized" | "invalid" | "no_session" | "desync" | "busy" | "internal" | ...
     message: str
@@ -182,7 +259,8 @@ class Error(msgspec.Struct, tag=True):
 
 
 Message = Union[
-    Hello, Welcome, OpenSession, SessionOpened, Verify, Verdict, Generate, Generated, CloseSession, Closed, Error
+    Hello, Welcome, OpenSession, SessionOpened, Verify, Verdict, Generate, Generated, CloseSession, Closed,
+    OpenSplit, SplitOpened, Hidden, Deep, Error
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -207,7 +285,7 @@ def _with_tensor_refs(msg: Any, buffers: List[Any]) -> Any:
             arr = np.ascontiguousarray(value)
             buffers.append(memoryview(arr).cast("B") if arr.size else b"")
             updates[name] = Tensor(arr.dtype.name, list(arr.shape), len(buffers))
-        elif isinstance(value, DistPayload):
+        elif isinstance(value, (DistPayload, HiddenPayload)):
             updates[name] = _with_tensor_refs(value, buffers)
     return msgspec.structs.replace(msg, **updates) if updates else msg
 
@@ -243,7 +321,7 @@ def _resolve(msg: Any, frames: Sequence[Any], used: set) -> Any:
         value = getattr(msg, name)
         if isinstance(value, dict) and "frame" in value:
             updates[name] = _tensor_from_frame(value, frames, used, name)
-        elif isinstance(value, DistPayload):
+        elif isinstance(value, (DistPayload, HiddenPayload)):
             updates[name] = _resolve(value, frames, used)
     return msgspec.structs.replace(msg, **updates) if updates else msg
 

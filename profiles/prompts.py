@@ -96,6 +96,68 @@ def sharegpt_prompts(n: int, offset: int = 0, min_chars: int = 20, max_chars: in
     return out
 
 
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def sharegpt_conversations(n: int, offset: int = 0, min_turns: int = 2) -> List[List[dict]]:
+    """n whole conversations (chat messages, user first, alternating), from the `offset`-th usable one on.
+
+    Usable: at least min_turns turns, every turn from a human or the assistant with non-empty ASCII text. The same
+    `offset` numbering as `sharegpt_prompts` is not implied: this counts conversations, that counts first turns.
+    """
+    if n <= 0:
+        return []
+    out: List[List[dict]] = []
+    seen = 0
+    for item in _sharegpt_items():
+        turns = item.get("conversations") or []
+        msgs = [{"role": ROLES.get(t.get("from")), "content": (t.get("value") or "").strip()} for t in turns]
+        if len(msgs) < min_turns or any(m["role"] is None or not m["content"] or not m["content"].isascii()
+                                        for m in msgs):
+            continue
+        if any(m["role"] != ("user", "assistant")[i % 2] for i, m in enumerate(msgs)):
+            continue
+        seen += 1
+        if seen <= offset:
+            continue
+        out.append(msgs)
+        if len(out) == n:
+            break
+    return out
+
+
+def encode_chat(tokenizer, messages: List[dict], add_generation_prompt: bool = False) -> List[int]:
+    """Token ids of a whole conversation through the tokenizer's chat template."""
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
+
+
+def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offset: int = 0) -> List[List[int]]:
+    """n prompts of min_tokens..max_tokens tokens: a conversation's history up to a user turn, templated, ready for
+    the assistant's next reply (HAT's long-prompt workload). From the evaluation range of conversations."""
+    out: List[List[int]] = []
+    skip = offset
+    while len(out) < n:
+        batch = sharegpt_conversations(4 * n, skip)
+        if not batch:
+            break
+        skip += len(batch)
+        for conv in batch:
+            best = None
+            for end in range(1, len(conv) + 1, 2):  # histories ending with a user turn
+                ids = encode_chat(tokenizer, conv[:end], add_generation_prompt=True)
+                if len(ids) > max_tokens:
+                    break
+                best = ids
+            if best is not None and len(best) >= min_tokens:
+                out.append(best)
+                if len(out) == n:
+                    break
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} ShareGPT conversations give prompts of {min_tokens}..{max_tokens} tokens")
+    return out
+
+
 def encode(tokenizer, text: str, chat: bool) -> List[int]:
     """Token ids of a prompt: raw text, or one user turn through the tokenizer's chat template."""
     if chat:

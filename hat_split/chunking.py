@@ -1,0 +1,113 @@
+"""HAT's state monitoring and planning math (paper 004, §3.2-3.5), pure Python: no torch, no I/O.
+
+- `DelayModel`: the cloud's predictive function g(x) of a step's compute delay for a batch of x tokens (eq. 2) and the
+  moving average μ of its batch size (eq. 1), both with α = 0.8. g is kept as a moving average per batch-size bucket
+  (powers of two), updated at the *observed* batch size (the paper writes the update at μ^t; attributing a delay to
+  the size that produced it is what makes g usable for other sizes), and read by interpolating between buckets.
+- `chunk_size`: eq. 3, X · A / β_up = (g(μ) + g(μ + X)) / P, solved for the integer X by bisection.
+- `parallel_steps`: eq. 6, λ = ⌊(μ_i A / β_up + g(μ) + μ_i A / β_down) / γ⌋ (plus the propagation round trip).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+ALPHA = 0.8  # HAT §3.2: weight of the history in the moving averages
+
+
+def ema(old: Optional[float], new: float, alpha: float = ALPHA) -> float:
+    """α · old + (1 − α) · new; the first observation is taken as is."""
+    return new if old is None else alpha * old + (1.0 - alpha) * new
+
+
+@dataclass
+class DelayModel:
+    """μ (eq. 1) and g(·) (eq. 2) from observed (batch tokens, compute seconds) pairs."""
+
+    alpha: float = ALPHA
+    mu: Optional[float] = None  # moving average of tokens per step
+    buckets: Dict[int, Tuple[float, float]] = field(default_factory=dict)  # bucket → (mean tokens, mean seconds)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds >= 0 or math.isinf(seconds):
+            raise ValueError(f"an observation needs tokens >= 1 and finite seconds >= 0, got {tokens}, {seconds}")
+        self.mu = ema(self.mu, float(tokens), self.alpha)
+        b = max(0, int(tokens).bit_length() - 1)
+        old = self.buckets.get(b)
+        self.buckets[b] = (float(tokens), float(seconds)) if old is None else (
+            ema(old[0], float(tokens), self.alpha), ema(old[1], float(seconds), self.alpha))
+
+    @property
+    def known(self) -> bool:
+        return bool(self.buckets)
+
+    def g(self, x: float) -> float:
+        """Predicted seconds for a step of x tokens: linear between observed buckets; beyond the largest, the same
+        per-token slope as its last segment (or proportional to x with one bucket); below the smallest, flat."""
+        if not self.buckets:
+            raise ValueError("no compute delay observed yet")
+        pts = sorted(self.buckets.values())
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
+        xl, yl = pts[-1]
+        if len(pts) == 1:
+            return yl * x / xl
+        xp, yp = pts[-2]
+        slope = max(0.0, (yl - yp) / max(xl - xp, 1e-9))
+        return yl + slope * (x - xl)
+
+    def g_mu(self) -> float:
+        return self.g(self.mu) if self.known and self.mu is not None else 0.0
+
+
+def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: int, prompt_tokens: int) -> int:
+    """HAT eq. 3: the X in [1, prompt_tokens] where uploading X positions takes as long as the cloud's (wait + compute
+    of X) divided by the pipeline length. X · A / β_up grows from 0, the right side from (2 g(μ)) / P: when the upload
+    of the whole prompt is still quicker than its processing there is no crossing and the whole prompt is one chunk.
+
+    hidden_bytes: A, bytes of one position's hidden state on the wire; up_bps: β_up in bit/s.
+    """
+    if prompt_tokens < 1:
+        raise ValueError("prompt_tokens must be >= 1")
+    if not hidden_bytes > 0 or not up_bps > 0 or pipeline < 1:
+        raise ValueError("chunk_size needs hidden_bytes > 0, up_bps > 0 and pipeline >= 1")
+    mu = model.mu or 0.0
+
+    def gap(x: int) -> float:  # upload minus processing: increasing in x when the link is the bottleneck
+        return x * hidden_bytes * 8.0 / up_bps - (model.g(mu) + model.g(mu + x)) / pipeline
+
+    if gap(prompt_tokens) <= 0:
+        return prompt_tokens
+    lo, hi = 1, prompt_tokens  # gap(hi) > 0
+    if gap(lo) >= 0:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if gap(mid) < 0:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def parallel_steps(positions: int, hidden_bytes: float, up_bps: float, down_bps: float, g_mu: float,
+                   draft_s: float, rtt_s: float = 0.0) -> int:
+    """HAT eq. 6: draft steps that fit while `positions` hidden states go up, the cloud computes (g(μ)) and the deep
+    states come down, at draft_s (γ) seconds per step. 0 when the device has no drafting delay estimate yet.
+
+    rtt_s adds the link's propagation round trip, which eq. 6 leaves out (negligible on the paper's WiFi, not on a
+    cellular or satellite link); 0 gives the paper's formula."""
+    if positions < 0 or hidden_bytes <= 0 or up_bps <= 0 or down_bps <= 0 or g_mu < 0:
+        raise ValueError("parallel_steps needs positions >= 0, positive sizes and rates, g_mu >= 0")
+    if not draft_s > 0:
+        return 0
+    wait = positions * hidden_bytes * 8.0 / up_bps + g_mu + positions * hidden_bytes * 8.0 / down_bps + max(rtt_s, 0.0)
+    return int(math.floor(wait / draft_s))

@@ -1,0 +1,254 @@
+"""Cut one causal LM into HAT's three parts: input (embeddings + first m layers), middle, output (last layers + norm + head).
+
+HAT (paper 004, §3.1, Fig. 2): the input and output parts stay on the device, the middle part runs in the cloud, and
+only hidden states cross the link. Each part is a `Stack` — a contiguous range of the model's own decoder layers run
+directly, with:
+
+- its own KV cache (`PartCache`), keyed by the layers' global index, croppable to a prefix like hat_split.lm's;
+- an explicit additive causal mask built here, aligned to the cache's end (a chunk of n positions on top of a cache of
+  `past` attends to all `past` cached positions plus its own causal triangle). Never `is_causal`: SDPA aligns that to
+  the top-left corner, which is wrong for a chunk on a cache (see ../shared/OFFLINE.md). Layers of type
+  "sliding_attention" (Gemma 3) get the model's sliding window in the same mask;
+- rotary embeddings computed from absolute positions, per layer type where the model has several (Gemma 3).
+
+Nothing is copied per model family: llama, qwen2 and gemma3 share the structure `model.model.{embed_tokens, layers,
+norm, rotary_emb}` + `lm_head`; Gemma's embedding scale lives inside its embedding module and its optional final
+logit soft-capping is applied from the config. The parts hold references to the loaded model's modules (no weight
+copies), so a cloud can serve the middle of any cut from one loaded model.
+
+Shapes: hidden states are `# [1, n, hidden]` torch tensors in the model's dtype; logits come back as float32.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "gemma3_text", "gemma3")  # model_type values whose layout is checked here
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+class PartCache:
+    """KV cache of one part: per global layer index, key and value `# [1, kv_heads, length, head_dim]`.
+
+    It is what the decoder layers' attention calls `past_key_values.update(k, v, layer_idx)` on; a Stack advances
+    `length` once all its layers have appended a chunk.
+    """
+
+    def __init__(self) -> None:
+        self.kv: Dict[int, Tuple[Any, Any]] = {}
+        self.length = 0  # positions held
+        self.forward_s = 0.0  # accumulated compute time of the part on this cache
+        self.forward_tokens = 0
+
+    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
+        import torch
+
+        old = self.kv.get(layer_idx)
+        if old is not None:
+            key = torch.cat([old[0], key], dim=-2)
+            value = torch.cat([old[1], value], dim=-2)
+        self.kv[layer_idx] = (key, value)
+        return key, value
+
+    def crop(self, length: int) -> None:
+        """Forget positions >= length (rejected drafts; a peer's shorter committed prefix)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if length < self.length:
+            self.kv = {i: (k[..., :length, :], v[..., :length, :]) for i, (k, v) in self.kv.items()}
+            self.length = length
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv.values())
+
+
+def additive_mask(past: int, n: int, window: Optional[int], dtype: Any) -> Any:
+    """Mask `# [1, 1, n, past + n]`: 0 where query i (position past + i) may attend key j, the dtype's min elsewhere.
+
+    Causal: j <= past + i. Sliding window w (Gemma 3 local layers, transformers' convention): also j > past + i - w.
+    """
+    import torch
+
+    q = torch.arange(past, past + n)[:, None]  # [n, 1]
+    k = torch.arange(past + n)[None, :]  # [1, past + n]
+    allowed = k <= q
+    if window:
+        allowed &= k > q - window
+    mask = torch.zeros(n, past + n, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def layer_types(config: Any) -> List[str]:
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or [FULL] * n
+    if len(types) != n:
+        raise ValueError(f"config.layer_types has {len(types)} entries for {n} layers")
+    return list(types)
+
+
+@dataclass
+class Stack:
+    """Decoder layers [start, stop) of one model, run on a PartCache with explicit positions and masks."""
+
+    model: Any  # the loaded *ForCausalLM
+    start: int
+    stop: int
+    extra_layers: List[Tuple[Any, str]] = field(default_factory=list)  # (layer, type) run after the model's own (adapter)
+
+    def __post_init__(self) -> None:
+        n = self.model.config.num_hidden_layers
+        if not 0 <= self.start <= self.stop <= n:
+            raise ValueError(f"layer range [{self.start}, {self.stop}) is outside the model's {n} layers")
+        self.types = layer_types(self.model.config)
+        self._rotary_takes_type = "layer_type" in inspect.signature(self.model.model.rotary_emb.forward).parameters
+
+    @property
+    def layers(self) -> List[Tuple[Any, str]]:
+        own = [(self.model.model.layers[i], self.types[i]) for i in range(self.start, self.stop)]
+        return own + list(self.extra_layers)
+
+    def __len__(self) -> int:
+        return self.stop - self.start + len(self.extra_layers)
+
+    def forward(self, cache: PartCache, hidden: Any, train: bool = False) -> Any:
+        """Run `hidden # [batch, n, hidden]` at positions cache.length .. cache.length + n - 1; returns the same shape.
+
+        train: record the graph (distillation); otherwise inference mode (clone a result before training on it).
+        """
+        import contextlib
+
+        import torch
+
+        n = hidden.shape[1]
+        if n < 1:
+            raise ValueError("a part needs at least one position")
+        past = cache.length
+        t0 = time.perf_counter()
+        layers = self.layers
+        with contextlib.nullcontext() if train else torch.inference_mode():
+            positions = torch.arange(past, past + n)[None]  # [1, n]
+            window = getattr(self.model.config, "sliding_window", None)
+            masks, rope = {}, {}
+            for _, kind in layers:
+                if kind not in masks:
+                    masks[kind] = additive_mask(past, n, window if kind == SLIDING else None, hidden.dtype)
+                    rotary = self.model.model.rotary_emb
+                    rope[kind] = rotary(hidden, positions, kind) if self._rotary_takes_type else rotary(hidden, positions)
+            for layer, kind in layers:
+                out = layer(hidden, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions,
+                            past_key_values=cache, use_cache=True)
+                hidden = out[0] if isinstance(out, tuple) else out
+        cache.length += n
+        cache.forward_s += time.perf_counter() - t0
+        cache.forward_tokens += n
+        return hidden
+
+
+@dataclass
+class SplitModel:
+    """One model cut at m (input part = embeddings + layers [0, m)) and n - tail (output part = the last `tail` layers,
+    final norm and head); the middle part is layers [m, n - tail)."""
+
+    model: Any
+    m: int  # layers in the input part (HAT: 2 of 32 for Vicuna-7B)
+    tail: int = 0  # layers kept with the head in the output part
+    input: Stack = field(init=False)
+    middle: Stack = field(init=False)
+    output: Stack = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_family(self.model)
+        n = self.model.config.num_hidden_layers
+        if not 0 <= self.m or not 0 <= self.tail or self.m + self.tail >= n:
+            raise ValueError(f"cut m={self.m}, tail={self.tail} leaves no middle layer of {n}")
+        self.input = Stack(self.model, 0, self.m)
+        self.middle = Stack(self.model, self.m, n - self.tail)
+        self.output = Stack(self.model, n - self.tail, n)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def dtype(self) -> Any:
+        return self.model.model.embed_tokens.weight.dtype
+
+    def embed(self, tokens: Sequence[int]) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self.model.model.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n, hidden]
+
+    def run_input(self, cache: PartCache, tokens: Sequence[int]) -> Any:
+        """Shallow hidden states `# [1, n, hidden]` of `tokens` (embeddings + the first m layers)."""
+        if not tokens:
+            raise ValueError("run_input needs at least one token")
+        return self.input.forward(cache, self.embed(tokens))
+
+    def run_output(self, cache: PartCache, hidden: Any, n_logits: Optional[int] = None) -> Any:
+        """Float32 logits `# [n_logits, vocab]` of the last n_logits positions of deep hidden states `# [1, n, hidden]`.
+
+        The tail layers (if any) see every position (their cache must stay complete); norm and head only the last
+        n_logits (default: all).
+        """
+        import torch
+
+        n = hidden.shape[1]
+        n_logits = n if n_logits is None else n_logits
+        if not 0 <= n_logits <= n:
+            raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+        if len(self.output):
+            hidden = self.output.forward(cache, hidden)
+        else:
+            cache.length += n
+        if n_logits == 0:
+            return torch.zeros(0, self.model.config.vocab_size)
+        return head_logits(self.model, hidden[:, n - n_logits:])[0]
+
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.model)
+
+
+def head_logits(model: Any, hidden: Any, train: bool = False) -> Any:
+    """Final norm + LM head (+ Gemma's soft-capping when configured): `# [b, n, hidden]` → float32 `# [b, n, vocab]`."""
+    import contextlib
+
+    import torch
+
+    with contextlib.nullcontext() if train else torch.inference_mode():
+        logits = model.lm_head(model.model.norm(hidden))
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+def check_family(model: Any) -> None:
+    """Refuse, with the reason, a model whose layout the partition does not know."""
+    kind = getattr(model.config, "model_type", "?")
+    inner = getattr(model, "model", None)
+    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
+    if kind not in SUPPORTED_FAMILIES or missing or not hasattr(model, "lm_head"):
+        detail = f" (missing {', '.join(missing)})" if missing else ""
+        raise ValueError(f"cannot split a {kind!r} model{detail}: supported families are {', '.join(SUPPORTED_FAMILIES)}")
+
+
+def model_fingerprint(model: Any) -> str:
+    """Hash of a model's shape and of weights no quantizer touches (the norms): device and cloud parts must match.
+
+    Cheap (a few kilobytes hashed), and different for different checkpoints of one architecture.
+    """
+    import torch
+
+    cfg = model.config
+    h = hashlib.sha256()
+    h.update(repr((cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)).encode())
+    tensors = [model.model.norm.weight] + [layer.input_layernorm.weight for layer in model.model.layers]
+    for t in tensors:
+        h.update(t.detach().to(torch.float32).numpy().tobytes())
+    return h.hexdigest()[:32]

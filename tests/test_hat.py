@@ -1,0 +1,315 @@
+"""HAT (paper 004): the partition, Λ, the hidden-state codec, eq. 1-3 and 6, and the split protocols end to end.
+
+Tiny random models of each family check the plumbing exactly; smollm2-135m (real) checks the partition and the
+protocols on a real model across processes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from edge_runtime.client import CloudClient
+from edge_runtime.config import EdgeConfig, SplitConfig
+from edge_runtime.generation import Generation, run
+from edge_runtime.split_drafter import SplitDrafter
+from hat_split import protocol as P
+from hat_split.adapter import Adapter, adapter_stack, load_adapter, save_adapter
+from hat_split.chunking import DelayModel, chunk_size, parallel_steps
+from hat_split.hidden_codec import decode_hidden, encode_hidden
+from hat_split.partition import PartCache, SplitModel, head_logits
+from hat_split.sampling import SamplingParams
+
+PROMPT = [5, 17, 99, 3, 250, 7, 41, 8, 300, 12, 77]
+V = 300
+
+
+def _family(name: str):
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4)
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common)).eval()
+    if name == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common)).eval()
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    return Gemma3ForCausalLM(Gemma3TextConfig(num_key_value_heads=1, head_dim=16, sliding_window=4,
+                                              layer_types=layer_types, final_logit_softcapping=30.0,
+                                              **common)).eval()
+
+
+def _split_logits(sp: SplitModel, tokens, bounds):
+    ci, cm, co = PartCache(), PartCache(), PartCache()
+    outs = []
+    for a, b in bounds:
+        outs.append(sp.run_output(co, sp.middle.forward(cm, sp.run_input(ci, tokens[a:b]))))
+    return torch.cat(outs), (ci, cm, co)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("m,tail", [(1, 0), (2, 1), (1, 3)])
+def test_partition_reproduces_the_full_model(family, m, tail):
+    model = _family(family)
+    tokens = list(np.random.default_rng(1).integers(0, V, 20))
+    with torch.inference_mode():
+        ref = model(torch.tensor([tokens])).logits[0].float()
+    # prefill chunk, single token, multi-token chunk on a cache, a chunk past Gemma's sliding window
+    got, caches = _split_logits(SplitModel(model, m, tail), tokens, [(0, 7), (7, 8), (8, 13), (13, 14), (14, 20)])
+    assert float((got - ref).abs().max()) < 1e-5
+    for c in caches:  # rejected positions cropped, then the same positions recomputed
+        c.crop(9)
+    sp = SplitModel(model, m, tail)
+    again = sp.run_output(caches[2], sp.middle.forward(caches[1], sp.run_input(caches[0], tokens[9:20])))
+    assert float((again - ref[9:20]).abs().max()) < 1e-5
+
+
+def test_partition_refuses_bad_cuts():
+    model = _family("llama")
+    with pytest.raises(ValueError, match="no middle layer"):
+        SplitModel(model, 3, 2)
+    with pytest.raises(ValueError, match="cannot split"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        SplitModel(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)), 1)
+
+
+@pytest.mark.real_models
+def test_partition_real_smollm2(smollm2):
+    model = smollm2.model
+    tokens = smollm2.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")["input_ids"]
+    with torch.inference_mode():
+        ref = model(torch.tensor([tokens])).logits[0].float()
+    n = len(tokens)
+    got, _ = _split_logits(SplitModel(model, 2, 0), tokens, [(0, n - 6), (n - 6, n - 5), (n - 5, n)])
+    assert float((got - ref).abs().max()) < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+# -- codec, planning math --------------------------------------------------------------------------------------------
+def test_hidden_codec_round_trip_and_refusals():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 96)).astype(np.float32)
+    x[:, 5] *= 400.0  # a "massive activation" dimension
+    assert np.array_equal(decode_hidden(encode_hidden(x, "float32"), 6, 96), x)
+    assert np.allclose(decode_hidden(encode_hidden(x, "float16"), 6, 96), x, rtol=1e-3, atol=1e-3)
+    y = decode_hidden(encode_hidden(x, "int8"), 6, 96)
+    assert np.allclose(y[:, 5], x[:, 5], rtol=1e-3)  # the outlier travels exactly (float16)
+    rest = np.delete(np.abs(x - y), 5, axis=1)
+    assert rest.max() <= np.delete(np.abs(x), 5, axis=1).max() / 127  # absmax int8 error bound, per row or better
+    frames = P.encode(P.Hidden(1, 1, 0, encode_hidden(x, "int8"), 1))
+    assert P.frame_bytes(frames) < P.frame_bytes(P.encode(P.Hidden(1, 1, 0, encode_hidden(x, "float16"), 1)))
+    with pytest.raises(ValueError, match="float16"):
+        decode_hidden(P.HiddenPayload("float16", x), 6, 96)
+    with pytest.raises(ValueError, match=r"\[6, 95\]"):
+        decode_hidden(encode_hidden(x, "float16"), 6, 95)
+    bad = encode_hidden(x, "int8")
+    with pytest.raises(ValueError, match="outlier indices"):
+        decode_hidden(P.HiddenPayload("int8", bad.values, bad.scales, bad.outlier_idx + 500, bad.outliers), 6, 96)
+    with pytest.raises(ValueError, match="NaN"):
+        encode_hidden(np.full((1, 4), np.nan), "float16")
+
+
+def test_delay_model_moving_averages_eq_1_2():
+    d = DelayModel(alpha=0.8)
+    d.observe(100, 0.10)
+    d.observe(100, 0.20)
+    assert d.mu == pytest.approx(100.0)
+    assert d.g(100) == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
+    d.observe(400, 0.50)
+    assert d.mu == pytest.approx(0.8 * 100 + 0.2 * 400)
+    assert d.g(250) == pytest.approx(0.12 + (0.50 - 0.12) * 150 / 300)  # between the two buckets
+    assert d.g(10) == pytest.approx(0.12)  # flat below the smallest observation
+    with pytest.raises(ValueError):
+        d.observe(0, 0.1)
+
+
+def test_chunk_size_solves_eq_3():
+    a, b = 0.02, 0.0005  # g(x) = a + b x, seconds
+    d = DelayModel()
+    for x in (8, 64, 512, 4096):
+        d.observe(x, a + b * x)
+    d.mu = 100.0
+    A, up, P_ = 1152, 20e6, 2  # bytes per position, bit/s, pipeline
+    X = chunk_size(d, A, up, P_, 5000)
+    exact = (2 * a + 2 * b * d.mu) / (P_ * 8 * A / up - b)  # X·8A/β = (2a + b(2μ + X)) / P, solved for X
+    assert abs(X - exact) <= 1.0
+    assert chunk_size(d, A, 1e12, P_, 5000) == 5000  # a fast link: no crossing, one chunk
+    assert chunk_size(d, A, up, P_, 10) == 10  # a short prompt is one chunk
+    assert parallel_steps(5, 1000, 8e6, 16e6, 0.05, 0.01) == math.floor((5e-3 + 0.05 + 2.5e-3) / 0.01)
+    assert parallel_steps(5, 1000, 8e6, 16e6, 0.05, 0.0) == 0
+
+
+# -- Λ and the device's drafter ---------------------------------------------------------------------------------------
+def _target():
+    from tests.conftest import tiny_model
+
+    return tiny_model(2, layers=2)
+
+
+def test_draft_distributions_equal_the_uncached_draft_model(tmp_path):
+    model = _target()
+    split = SplitModel(model, 1)
+    adapter = Adapter(model, 1).eval()
+    dev = SplitDrafter(split, adapter, SamplingParams(1.0), seed=3)
+    dev.start(PROMPT)
+    shallow = dev.prompt_states(len(PROMPT))
+    dev.lam_prefill(shallow)
+    dev.commit([42])
+    state = dev.draft(6, 0.0)
+    seq = PROMPT + [42] + state.drafts
+    with torch.inference_mode():  # w_S = head ∘ Λ ∘ input over the whole sequence, no cache
+        s = split.input.forward(PartCache(), split.embed(seq))
+        logits = head_logits(model, adapter_stack(split, adapter).forward(PartCache(), s))[0]
+    q_ref = torch.softmax(logits[len(PROMPT):len(PROMPT) + 6], -1).numpy()
+    assert np.allclose(np.stack(state.q), q_ref, atol=1e-5)
+    save_adapter(tmp_path / "a", adapter, split, "tiny", {"steps": 0})
+    again = load_adapter(tmp_path / "a", split)
+    assert all(torch.equal(p, q) for p, q in zip(again.parameters(), adapter.parameters()))
+    with pytest.raises(ValueError, match="distilled for 'tiny'"):
+        load_adapter(tmp_path / "a", SplitModel(_target_three(), 1))
+    with pytest.raises(ValueError, match="cut m=1"):
+        load_adapter(tmp_path / "a", SplitModel(model, 0))
+
+
+def _target_three():
+    from tests.conftest import tiny_model
+
+    return tiny_model(2, layers=3)
+
+
+# -- end to end over the tiny server ----------------------------------------------------------------------------------
+def _run_split(server, model, protocol, params, n=20, seed=0, adapter=None, tap=None, endpoint=None, **split_kw):
+    split = SplitModel(model, 1)
+    split_cfg = SplitConfig(m=1, hidden_format=split_kw.pop("hidden_format", "float32"), **split_kw)
+    with CloudClient(endpoint or server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+        client.tap = tap
+        gen = Generation(EdgeConfig(model="tiny", split=split_cfg), SplitDrafter(split, adapter, params, seed),
+                         client, protocol, params, n, frozenset(), seed, 1)
+        return run(gen, PROMPT, lambda toks: "")
+
+
+def _greedy(model, n):
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_pair):
+    model = tiny_pair[1].model
+    return Adapter(model, 1).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("protocol", ["ushape", "hat"])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_split_protocols_greedy_equal_the_full_model(tiny_server, tiny_pair, tiny_adapter, protocol, chunk):
+    model = tiny_pair[1].model
+    adapter = tiny_adapter if protocol == "hat" else None
+    res = _run_split(tiny_server, model, protocol, SamplingParams(0.0), adapter=adapter, eta=0.0, max_draft=4,
+                     chunk_tokens=chunk)
+    assert res.tokens == _greedy(model, 20)
+    assert res.prefill_chunks == (4 if chunk else 1)
+    if protocol == "hat":
+        assert res.drafted > 0
+
+
+def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tiny_adapter):
+    """Over a link with 15 ms of delay each way, so the device has time to draft candidates while it waits."""
+    from profiles.link_emulator import LinkEmulator
+    from profiles.links import LinkProfile
+
+    model = tiny_pair[1].model
+    hits = []
+    host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
+    with LinkEmulator(LinkProfile("pd-test", delay_s=0.015), (host, int(port))) as link:
+        for params in (SamplingParams(0.0), SamplingParams(1.0)):
+            on = _run_split(tiny_server, model, "hat", params, n=30, seed=7, adapter=tiny_adapter, eta=0.3,
+                            parallel_draft=True, pd_topk=4, endpoint=link.address)
+            off = _run_split(tiny_server, model, "hat", params, n=30, seed=7, adapter=tiny_adapter, eta=0.3,
+                             parallel_draft=False)
+            assert on.tokens == off.tokens
+            assert on.pd_steps > 0
+            hits.append(on.pd_hits)
+    assert sum(hits) > 0  # some rounds did start from a parallel-drafted continuation
+
+
+def test_no_token_text_or_distribution_crosses_the_link(tiny_server, tiny_pair, tiny_adapter):
+    frames = []
+    res = _run_split(tiny_server, tiny_pair[1].model, "hat", SamplingParams(1.0), seed=1, adapter=tiny_adapter,
+                     hidden_format="float16", chunk_tokens=4, tap=lambda d, f: frames.append((d, f)))
+    allowed = {"up": (P.OpenSplit, P.Hidden, P.CloseSession), "down": (P.SplitOpened, P.Deep, P.Closed)}
+    sequence = np.asarray(PROMPT + res.tokens, "<i4")
+    for direction, f in frames:
+        msg = P.decode(f)
+        assert isinstance(msg, allowed[direction]), type(msg).__name__
+        payload = getattr(msg, "states", None)
+        if payload is not None:
+            assert payload.values.dtype == np.float16  # hidden states only: no integer or probability arrays
+        blob = b"".join(f)
+        for i in range(len(sequence) - 2):  # no three consecutive token ids as int32 anywhere in the frames
+            assert sequence[i:i + 3].tobytes() not in blob
+
+
+def test_split_session_refusals(tiny_server, tiny_pair):
+    model = tiny_pair[1].model
+    fp = SplitModel(model, 1).fingerprint()
+    with CloudClient(tiny_server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+        for msg, code in [(P.OpenSplit(1, "hat", "f" * 32, 1, 2), "model_mismatch"),
+                          (P.OpenSplit(1, "hat", fp, 0, 2), "invalid"),
+                          (P.OpenSplit(1, "sd", fp, 1, 2), "invalid"),
+                          (P.OpenSplit(1, "hat", fp, 1, 2, hidden_format="bf8"), "invalid")]:
+            reply = client._roundtrip(msg, 5)
+            assert isinstance(reply, P.Error) and reply.code == code, reply
+        assert isinstance(client._roundtrip(P.OpenSplit(1, "hat", fp, 1, 2), 5), P.SplitOpened)
+        x = np.zeros((2, 64), np.float32)
+        for msg, code in [(P.Hidden(1, 1, 5, encode_hidden(x, "float32"), 1), "desync"),
+                          (P.Hidden(1, 1, 0, encode_hidden(x, "float32"), 3), "invalid"),
+                          (P.Hidden(1, 1, 0, encode_hidden(np.zeros((2, 63)), "float32"), 1), "invalid"),
+                          (P.Hidden(1, 2, 0, encode_hidden(x, "float32"), 1), "desync")]:
+            reply = client._roundtrip(msg, 5)
+            assert isinstance(reply, P.Error) and reply.code == code, reply
+        ok = client._roundtrip(P.Hidden(1, 1, 0, encode_hidden(x, "float32"), 1), 5)  # the session survived
+        assert isinstance(ok, P.Deep) and ok.position == 2
+
+
+# -- end to end across processes on the real smollm2-135m --------------------------------------------------------------
+@pytest.mark.real_models
+def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_path):
+    """A `hat-cloud serve` process holds smollm2's middle layers, a `hat-edge generate` process its input and output
+    parts (and an adapter, untrained: exactness does not depend on it); temperature 0 gives the full model's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cloud_runtime.process import CloudProcess
+    from hat_split.lm import CausalLM
+
+    model = smollm2.model
+    split = SplitModel(model, 2)
+    save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, "smollm2-135m", {"steps": 0})
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    ids = smollm2.tokenizer(prompt)["input_ids"]
+    lm = CausalLM(model)
+    state, ref = lm.new_state(), []
+    logits = lm.forward(state, ids)
+    for _ in range(16):
+        ref.append(int(logits[-1].argmax()))
+        logits = lm.forward(state, [ref[-1]])
+    (tmp_path / "p.json").write_text(json.dumps([prompt]))
+    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
+        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", "smollm2-135m", "--server",
+               cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat",
+               "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
+               "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [r["protocol"] for r in results] == ["ushape", "hat"]
+    for r in results:
+        assert r["tokens"] == ref, r["protocol"]
+        assert r["prefill_chunks"] == -(-len(ids) // 7)
