@@ -24,7 +24,7 @@ from cloud_runtime.split_session import MiddleSession
 from hat_split import protocol as P
 from hat_split.chunking import DelayModel, chunk_size
 from hat_split.dist_codec import decode_dist
-from hat_split.hidden_codec import HIDDEN_FORMATS, decode_hidden, encode_hidden
+from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
 from hat_split.lm import CausalLM
 from hat_split.partition import Stack, check_family, model_fingerprint
 from hat_split.sampling import SamplingParams
@@ -327,8 +327,8 @@ class CloudServer:
         hidden = int(model.config.hidden_size)
         chunk = 0
         if self.load.known and msg.device.up_bps > 0 and msg.prompt_tokens > 0:
-            bytes_per_position = hidden * (2 if msg.hidden_format != "float32" else 4)
-            chunk = chunk_size(self.load, bytes_per_position, msg.device.up_bps, 1, msg.prompt_tokens)
+            chunk = chunk_size(self.load, bytes_per_position(msg.hidden_format, hidden), msg.device.up_bps, 1,
+                               msg.prompt_tokens)
         return P.SplitOpened(msg.session_id, hidden, chunk, self._cloud_state())
 
     def _hidden(self, identity: bytes, msg: P.Hidden) -> P.Message:

@@ -26,7 +26,7 @@ from edge_runtime.generation import Generation
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocol as P
 from hat_split.chunking import ema, parallel_steps
-from hat_split.hidden_codec import decode_hidden, encode_hidden
+from hat_split.hidden_codec import bytes_per_position, decode_hidden, encode_hidden
 
 
 @dataclass
@@ -164,9 +164,9 @@ def round_hat(gen: Generation) -> None:
     cands = []
     if c.parallel_draft and c.pd_topk > 0:
         cands = dev.candidates(state, c.pd_topk)
-        bytes_per_position = dev.split.hidden_size * (4 if c.hidden_format == "float32" else 2)
-        steps = parallel_steps(L + 1, bytes_per_position, st.up_bps or 1e9, st.down_bps or 1e9, st.g_mu,
-                               st.draft_s, gen.client.base_rtt_s) if st.draft_s > 0 else c.max_draft
+        a = bytes_per_position(c.hidden_format, dev.split.hidden_size)
+        steps = parallel_steps(L + 1, a, st.up_bps or 1e9, st.down_bps or 1e9, st.g_mu, st.draft_s,
+                               gen.client.base_rtt_s) if st.draft_s > 0 else c.max_draft
         gen.pd_steps += _draft_candidates(dev, cands, steps, c, gen.client.ready)
     deep = _receive(gen, t, up, L + 1)
     n, token = dev.verify(state, dev.target_logits(deep, state.base, L + 1))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict
 
-from hat_split.partition import PartCache, SplitModel, Stack
+from hat_split.partition import PartCache, SplitModel, Stack, lm_head_logits
 
 W_CE = 0.1  # HAT eq. 4
 
@@ -39,7 +39,7 @@ def teacher(split: SplitModel, tokens: Any) -> Teacher:
     deep = split.middle.forward(PartCache(), shallow)
     feats = _features(split, deep, train=False)
     with torch.inference_mode():
-        probs = torch.softmax(_head(split, feats, train=False), dim=-1)
+        probs = torch.softmax(lm_head_logits(split.model, feats), dim=-1)
     return Teacher(shallow.clone(), feats.clone(), probs.clone())
 
 
@@ -54,20 +54,6 @@ def _features(split: SplitModel, hidden: Any, train: bool) -> Any:
         return split.model.model.norm(hidden)
 
 
-def _head(split: SplitModel, feats: Any, train: bool) -> Any:
-    """Head on already normed features: `head_logits` without its norm (soft-capping included)."""
-    import contextlib
-
-    import torch
-
-    with contextlib.nullcontext() if train else torch.inference_mode():
-        logits = split.model.lm_head(feats)
-        cap = getattr(split.model.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-    return logits.float()
-
-
 def student_loss(split: SplitModel, lam: Stack, t: Teacher, w_ce: float = W_CE) -> Dict[str, Any]:
     """Eq. 4 for one batch: {"loss" (a graph to backpropagate), "smooth_l1", "ce", "top1" (floats)}."""
     import torch
@@ -75,7 +61,7 @@ def student_loss(split: SplitModel, lam: Stack, t: Teacher, w_ce: float = W_CE) 
 
     student = lam.forward(PartCache(), t.shallow, train=True)
     feats = _features(split, student, train=True)
-    logits = _head(split, feats, train=True)
+    logits = lm_head_logits(split.model, feats, train=True)
     l_sl = F.smooth_l1_loss(feats.float(), t.features.float())
     l_ce = -(t.probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
     with torch.no_grad():

@@ -18,6 +18,13 @@ HIDDEN_FORMATS = ("float16", "float32", "int8")
 OUTLIERS = 8  # int8: values per row sent exactly (float16) instead of quantized
 
 
+def bytes_per_position(fmt: str, hidden: int) -> int:
+    """Wire bytes of one position's hidden state in `fmt` (HAT's A in eq. 3 and 6), payload only."""
+    if fmt == "int8":
+        return hidden + 4 + 6 * min(OUTLIERS, hidden)
+    return hidden * {"float16": 2, "float32": 4}[fmt]
+
+
 def encode_hidden(states: np.ndarray, fmt: str = "float16") -> HiddenPayload:
     """states `# [n, hidden]` float → payload."""
     x = np.asarray(states, dtype=np.float32)

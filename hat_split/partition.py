@@ -221,7 +221,17 @@ def head_logits(model: Any, hidden: Any, train: bool = False) -> Any:
     import torch
 
     with contextlib.nullcontext() if train else torch.inference_mode():
-        logits = model.lm_head(model.model.norm(hidden))
+        return lm_head_logits(model, model.model.norm(hidden), train)
+
+
+def lm_head_logits(model: Any, normed: Any, train: bool = False) -> Any:
+    """The LM head (+ soft-capping) on already normed features `# [b, n, hidden]` → float32 `# [b, n, vocab]`."""
+    import contextlib
+
+    import torch
+
+    with contextlib.nullcontext() if train else torch.inference_mode():
+        logits = model.lm_head(normed)
         cap = getattr(model.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
