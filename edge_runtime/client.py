@@ -60,6 +60,8 @@ class CloudClient:
         self.welcome: Optional[P.Welcome] = None
         self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
         self.last_reply_at = 0.0  # perf_counter() when the last reply arrived
+        self.link_state = None  # the split protocols' moving averages of this link (edge_runtime.hat.LinkState),
+        # kept across requests so a request starts from what the previous ones measured
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None

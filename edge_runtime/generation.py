@@ -108,7 +108,7 @@ class Generation:
     skip_log: List[List[float]] = field(default_factory=list)
     round_log: List[dict] = field(default_factory=list)  # qs family: per round L, ℓ, bits, accepted, uplink rate
     uplink_bps: float = 0.0  # the cloud's latest measurement (0: none yet)
-    protocol_state: Any = None  # a protocol's own state across rounds (qs: wire, threshold, policy; hat: link)
+    protocol_state: Any = None  # a protocol's own state across rounds (qs: wire, threshold, policy)
     prefill_chunks: int = 0
     pd_steps: int = 0
     pd_hits: int = 0

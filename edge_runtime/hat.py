@@ -43,10 +43,11 @@ class LinkState:
 
 
 def _state(gen: Generation) -> LinkState:
-    if gen.protocol_state is None:
+    """The link's estimates: kept on the client (one per link), seeded from the configuration's guesses."""
+    if gen.client.link_state is None:
         c = gen.config.split
-        gen.protocol_state = LinkState(c.up_bps, c.down_bps)
-    return gen.protocol_state
+        gen.client.link_state = LinkState(c.up_bps, c.down_bps)
+    return gen.client.link_state
 
 
 def _send(gen: Generation, position: int, states, want: int, pipelined: bool = False) -> float:

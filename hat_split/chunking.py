@@ -4,7 +4,10 @@
   moving average μ of its batch size (eq. 1), both with α = 0.8. g is kept as a moving average per batch-size bucket
   (powers of two), updated at the *observed* batch size (the paper writes the update at μ^t; attributing a delay to
   the size that produced it is what makes g usable for other sizes), and read by interpolating between buckets.
-- `chunk_size`: eq. 3, X · A / β_up = (g(μ) + g(μ + X)) / P, solved for the integer X by bisection.
+- `chunk_size`: eq. 3, X · A / β_up = (g(μ) + g(μ + X)) / P, solved for the integer X by bisection when the link is
+  the bottleneck; when it is not (no crossing: the cloud processes a position slower than it uploads, as on a CPU
+  cloud) the X whose predicted pipelined prefill (`prefill_finish`) ends first — eq. 3 would send one chunk there and
+  lose the overlap of uploading with computing.
 - `parallel_steps`: eq. 6, λ = ⌊(μ_i A / β_up + g(μ) + μ_i A / β_down) / γ⌋ (plus the propagation round trip).
 """
 from __future__ import annotations
@@ -68,10 +71,38 @@ class DelayModel:
         return self.g(self.mu) if self.known and self.mu is not None else 0.0
 
 
+MAX_CHUNKS = 128  # chunk counts tried in the compute-bound case
+
+
+def prefill_finish(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: int, prompt_tokens: int,
+                   chunk: int) -> float:
+    """Predicted seconds from the first upload until the cloud has processed the last chunk, for a prompt sent in
+    chunks of `chunk` positions back to back: chunk k is on the cloud once its bytes and those before it are through
+    the link; it waits g(μ) / P for the step in progress (eq. 3's waiting term), then passes the P pipeline stages,
+    g(μ + x) / P each, each stage taking one chunk at a time."""
+    if not hidden_bytes > 0 or not up_bps > 0 or pipeline < 1 or prompt_tokens < 1 or chunk < 1:
+        raise ValueError("prefill_finish needs hidden_bytes > 0, up_bps > 0, pipeline >= 1, positive sizes")
+    per_token = hidden_bytes * 8.0 / up_bps
+    mu = model.mu or 0.0
+    wait = model.g(mu) / pipeline
+    stages = [0.0] * pipeline
+    sent = 0.0
+    for start in range(0, prompt_tokens, chunk):
+        x = min(chunk, prompt_tokens - start)
+        sent += x * per_token
+        t = sent + wait
+        step = model.g(mu + x) / pipeline
+        for s, free in enumerate(stages):
+            t = max(t, free) + step
+            stages[s] = t
+    return stages[-1]
+
+
 def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: int, prompt_tokens: int) -> int:
     """HAT eq. 3: the X in [1, prompt_tokens] where uploading X positions takes as long as the cloud's (wait + compute
-    of X) divided by the pipeline length. X · A / β_up grows from 0, the right side from (2 g(μ)) / P: when the upload
-    of the whole prompt is still quicker than its processing there is no crossing and the whole prompt is one chunk.
+    of X) divided by the pipeline length. X · A / β_up grows from 0, the right side from (2 g(μ)) / P. When the upload
+    of the whole prompt is still quicker than its processing there is no crossing (the cloud is the bottleneck): then
+    the chunk size, among ⌈N / k⌉ for k = 1..MAX_CHUNKS, with the earliest `prefill_finish` (ties: fewer chunks).
 
     hidden_bytes: A, bytes of one position's hidden state on the wire; up_bps: β_up in bit/s.
     """
@@ -85,7 +116,8 @@ def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: 
         return x * hidden_bytes * 8.0 / up_bps - (model.g(mu) + model.g(mu + x)) / pipeline
 
     if gap(prompt_tokens) <= 0:
-        return prompt_tokens
+        sizes = sorted({-(-prompt_tokens // k) for k in range(1, min(prompt_tokens, MAX_CHUNKS) + 1)}, reverse=True)
+        return min(sizes, key=lambda x: prefill_finish(model, hidden_bytes, up_bps, pipeline, prompt_tokens, x))
     lo, hi = 1, prompt_tokens  # gap(hi) > 0
     if gap(lo) >= 0:
         return lo

@@ -97,6 +97,8 @@ def sharegpt_prompts(n: int, offset: int = 0, min_chars: int = 20, max_chars: in
 
 
 ROLES = {"human": "user", "gpt": "assistant"}
+DISTILL_SPLIT = 1000  # whole ShareGPT conversations [0, 1000) are held out of hat-distill's training (its evaluation,
+# hat-bench hat)
 
 
 def sharegpt_conversations(n: int, offset: int = 0, min_turns: int = 2) -> List[List[dict]]:
@@ -132,13 +134,15 @@ def encode_chat(tokenizer, messages: List[dict], add_generation_prompt: bool = F
     return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
 
 
-def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offset: int = 0) -> List[List[int]]:
+def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offset: int = 0,
+                      limit: int = DISTILL_SPLIT) -> List[List[int]]:
     """n prompts of min_tokens..max_tokens tokens: a conversation's history up to a user turn, templated, ready for
-    the assistant's next reply (HAT's long-prompt workload). From the evaluation range of conversations."""
+    the assistant's next reply (HAT's long-prompt workload). Only conversations [offset, limit) are used — by default
+    those hat-distill never trains on; ValueError when they do not give n prompts."""
     out: List[List[int]] = []
     skip = offset
-    while len(out) < n:
-        batch = sharegpt_conversations(4 * n, skip)
+    while len(out) < n and skip < limit:
+        batch = sharegpt_conversations(min(4 * n, limit - skip), skip)
         if not batch:
             break
         skip += len(batch)
@@ -154,7 +158,8 @@ def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offse
                 if len(out) == n:
                     break
     if len(out) < n:
-        raise ValueError(f"only {len(out)} ShareGPT conversations give prompts of {min_tokens}..{max_tokens} tokens")
+        raise ValueError(f"only {len(out)} of ShareGPT conversations [{offset}, {limit}) give prompts of "
+                         f"{min_tokens}..{max_tokens} tokens")
     return out
 
 

@@ -23,6 +23,8 @@ import time
 from typing import Dict, List, Tuple
 
 from scripts.bench_cuhlm import add_parser as add_cuhlm_parser
+from scripts.bench_hat import add_parser as add_hat_parser
+from scripts.bench_hat import run as run_hat
 from scripts.bench_cuhlm import run as run_cuhlm
 from scripts.bench_qs import add_parser as add_qs_parser
 from scripts.bench_qs import run as run_qs
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
     add_cuhlm_parser(sub)
     add_qs_parser(sub)
+    add_hat_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -239,11 +242,11 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command == "qs":
+    if args.command in ("qs", "hat"):
         try:
-            return run_qs(args)
+            return (run_qs if args.command == "qs" else run_hat)(args)
         except ValueError as exc:
-            print(f"hat-bench qs: {exc}", file=sys.stderr)
+            print(f"hat-bench {args.command}: {exc}", file=sys.stderr)
             return 2
     return speculative(args)
 

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import List
 
-TRAIN_FROM = 1000  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
+from profiles.prompts import DISTILL_SPLIT
+
+TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 CHECKPOINT = "checkpoint.pt"
 
 

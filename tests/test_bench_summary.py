@@ -80,3 +80,24 @@ def test_cuhlm_summary_counts_tr_tsr_k_and_payload():
         assert all(cu_tp[k] > hlm_tp[k] for k in cu_tp) and hlm_tp["10"] > hlm_tp["-10"]
     assert s["variants"]["llm"]["throughput_vs_snr"]["rayleigh"]["-10"] == pytest.approx(1 / 0.2)
     assert "cuhlm_online" in format_table(s)
+
+
+def test_hat_bench_summary_rows_and_changes_against_ushape():
+    from scripts.bench_hat import summarise
+
+    def row(ttft, tbt, n, rounds, drafted=0, accepted=0, tokens=None, chunks=1):
+        return {"ttft_s": ttft, "tbt_s": tbt, "n_tokens": n, "rounds": rounds, "drafted": drafted,
+                "accepted": accepted, "up_bytes": 1000 * n, "down_bytes": 500 * n, "prefill_chunks": chunks,
+                "cloud_compute_s": 1.0, "device_compute_s": 0.5, "pd_hits": 1, "pd_steps": 4,
+                "tokens": tokens or [1] * n}
+    runs = {"U-shape": [row(2.0, 0.10, 11, 11), row(4.0, 0.30, 11, 11)],
+            "HAT": [row(1.0, 0.05, 11, 6, drafted=8, accepted=5, chunks=3),
+                    row(2.0, 0.15, 11, 6, drafted=8, accepted=5, tokens=[2] * 11, chunks=3)]}
+    t = summarise(runs)
+    assert t["U-shape"]["ttft_s"] == 3.0 and t["U-shape"]["tokens_per_round"] == 1.0
+    assert "accept_length" not in t["U-shape"]
+    h = t["HAT"]
+    assert h["ttft_change"] == -0.5 and h["tbt_change"] == -0.5
+    # 12 rounds, 2 of them prefill: 10 decode rounds gave 20 tokens with 10 accepted drafts
+    assert h["accept_length"] == 1.0 and h["tokens_per_round"] == 2.0 and h["drafts_per_round"] == 1.6
+    assert h["same_tokens_as_ushape"] == "1/2" and h["prefill_chunks"] == 3.0

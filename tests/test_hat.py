@@ -17,7 +17,7 @@ from edge_runtime.generation import Generation, run
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocol as P
 from hat_split.adapter import Adapter, adapter_stack, load_adapter, save_adapter
-from hat_split.chunking import DelayModel, chunk_size, parallel_steps
+from hat_split.chunking import DelayModel, chunk_size, parallel_steps, prefill_finish
 from hat_split.hidden_codec import decode_hidden, encode_hidden
 from hat_split.partition import PartCache, SplitModel, head_logits
 from hat_split.sampling import SamplingParams
@@ -137,10 +137,37 @@ def test_chunk_size_solves_eq_3():
     X = chunk_size(d, A, up, P_, 5000)
     exact = (2 * a + 2 * b * d.mu) / (P_ * 8 * A / up - b)  # X·8A/β = (2a + b(2μ + X)) / P, solved for X
     assert abs(X - exact) <= 1.0
-    assert chunk_size(d, A, 1e12, P_, 5000) == 5000  # a fast link: no crossing, one chunk
+    assert chunk_size(d, A, 1e12, 1, 5000) == 5000  # a free link, one stage: nothing to overlap, one chunk
+    assert chunk_size(d, A, 1e12, P_, 5000) < 5000  # a free link, two stages: chunks overlap across the stages
     assert chunk_size(d, A, up, P_, 10) == 10  # a short prompt is one chunk
     assert parallel_steps(5, 1000, 8e6, 16e6, 0.05, 0.01) == math.floor((5e-3 + 0.05 + 2.5e-3) / 0.01)
     assert parallel_steps(5, 1000, 8e6, 16e6, 0.05, 0.0) == 0
+
+
+def test_chunk_size_in_the_compute_bound_case_minimises_the_predicted_prefill():
+    """No crossing of eq. 3 (the cloud is slower per position than the link): the chunking with the earliest predicted
+    end, which beats one chunk by overlapping the upload with the cloud's compute."""
+    d = DelayModel()
+    for x in (1, 8, 64, 512, 2048):
+        d.observe(x, 0.005 + 0.0006 * x)  # a CPU cloud: 5 ms per step + 0.6 ms per position
+    d.mu = 2.0
+    A, up, N = 1152, 80e6, 2000  # 0.115 ms per position on the link: compute-bound
+    X = chunk_size(d, A, up, 1, N)
+    finish = {x: prefill_finish(d, A, up, 1, N, x) for x in range(1, N + 1)}
+    assert 1 < X < N
+    assert finish[X] < finish[N] - 0.1  # the overlap saves more than 0.1 s
+    assert finish[X] <= min(finish.values()) * 1.01  # the grid of chunk counts finds the optimum
+    # the simulation on a hand-checked case: 2 chunks of 2, 1 s per token on the link, g = 1 + x, P = 2, wait g(0)/2
+    e = DelayModel()
+    e.observe(1, 2.0)
+    e.observe(4, 5.0)
+    e.mu = 0.0
+    g = e.g  # g(0) = 2 (flat below), g(2) = 3
+    assert g(2.0) == pytest.approx(3.0)
+    # chunk 1: sent 2, +wait 1 -> stage 1 ends 4.5, stage 2 ends 6; chunk 2: sent 4, +1 -> 5 -> stage 1 6.5, stage 2 8
+    assert prefill_finish(e, 1.0, 8.0, 2, 4, 2) == pytest.approx(8.0)
+    with pytest.raises(ValueError):
+        prefill_finish(e, 1.0, 8.0, 0, 4, 2)
 
 
 # -- Λ and the device's drafter ---------------------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""The cloud's continuous-batching scheduler (HAT §2.1, §3.3; Sarathi-style stall-free batching), plain Python.
+
+Every device request becomes `Work` for one session: prompt positions to prefill (a prompt, or one of HAT's prompt
+chunks) or a short decode / verify segment. Each step `plan()` packs one batch under a token budget:
+
+1. decode / verify work first, whole, the session served least recently first (then the oldest work): each is short
+   and a device is waiting on it. A segment that does not fit in what is left is passed over for smaller ones this
+   step and, not having been served, comes before them next step;
+2. the rest of the budget goes to prefill, oldest request first, split into chunks: a prompt longer than what is left
+   continues in the next step. Whenever prefill is waiting it gets at least `prefill_floor` tokens of every step, so
+   a crowd of decoding devices cannot starve it either.
+
+A session's works run in order, one segment per session per step (the runner appends each segment to that session's
+KV cache). Memory is a pool of `kv_capacity` positions: a session holds its context plus the work it has queued;
+`open` and `submit` refuse what does not fit, and what exceeds `max_context` or `max_sessions`, with a
+`SchedulerRefusal` naming the numbers; a refusal changes nothing. `crop` gives back rejected draft positions,
+`close` everything a session held.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, List, Optional
+
+KINDS = ("prefill", "decode")
+
+
+class SchedulerRefusal(Exception):
+    """Work or a session the cloud will not take; `code` is the protocol's error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    token_budget: int = 512  # tokens per step (all segments together)
+    prefill_floor: int = 64  # tokens of each step kept for waiting prefill work
+    kv_capacity: int = 1 << 16  # positions of KV cache, all sessions together
+    max_context: int = 8192  # positions one session may hold
+    max_sessions: int = 64
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.kv_capacity < 1 or self.max_context < 1 or self.max_sessions < 1:
+            raise ValueError("token_budget, kv_capacity, max_context and max_sessions must be >= 1")
+        if not 0 <= self.prefill_floor <= self.token_budget:
+            raise ValueError(f"prefill_floor must be in [0, token_budget={self.token_budget}], "
+                             f"got {self.prefill_floor}")
+
+
+@dataclass(eq=False)
+class Work:
+    session: Hashable
+    kind: str  # "prefill" | "decode"
+    tokens: int  # positions to process
+    order: int  # arrival order
+    tag: Any = None  # the caller's handle (the request to answer)
+    done: int = 0  # positions processed so far
+
+    @property
+    def left(self) -> int:
+        return self.tokens - self.done
+
+
+@dataclass(frozen=True)
+class Segment:
+    work: Work
+    start: int  # the session's context length before this segment (its first position)
+    n: int  # positions in this step
+    final: bool  # the work is complete after this segment
+
+    @property
+    def session(self) -> Hashable:
+        return self.work.session
+
+    @property
+    def kind(self) -> str:
+        return self.work.kind
+
+
+@dataclass
+class Batch:
+    step: int
+    segments: List[Segment]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.n for s in self.segments)
+
+
+@dataclass
+class _Session:
+    context: int = 0  # positions in its KV cache
+    queue: List[Work] = field(default_factory=list)
+    served_at: int = 0  # the last step that computed a segment of it
+
+    @property
+    def queued(self) -> int:
+        return sum(w.left for w in self.queue)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig = SchedulerConfig()):
+        self.config = config
+        self.sessions: Dict[Hashable, _Session] = {}
+        self._order = itertools.count()
+        self._step = 0
+        self._in_flight: Optional[Batch] = None
+
+    # -- admission --------------------------------------------------------------------------------------------------
+    @property
+    def kv_used(self) -> int:
+        return sum(s.context + s.queued for s in self.sessions.values())
+
+    def open(self, session: Hashable) -> None:
+        if session in self.sessions:
+            raise SchedulerRefusal("bad_session", f"session {session!r} is already open")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise SchedulerRefusal("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+        self.sessions[session] = _Session()
+
+    def submit(self, session: Hashable, kind: str, tokens: int, tag: Any = None) -> Work:
+        """Queue `tokens` positions of `kind` work for an open session; refused (nothing queued) if it cannot fit."""
+        s = self._get(session)
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if tokens < 1:
+            raise SchedulerRefusal("bad_request", f"work of {tokens} positions: at least 1 is needed")
+        if kind == "decode" and tokens > self.config.token_budget:
+            raise SchedulerRefusal("too_large", f"a decode segment of {tokens} positions exceeds the step budget of "
+                                                f"{self.config.token_budget} (send it as prefill or shorter)")
+        held = s.context + s.queued
+        if held + tokens > self.config.max_context:
+            raise SchedulerRefusal("context_full", f"session {session!r} would hold {held + tokens} positions; the "
+                                                   f"limit is {self.config.max_context}")
+        free = self.config.kv_capacity - self.kv_used
+        if tokens > free:
+            raise SchedulerRefusal("memory_full", f"{tokens} positions of KV cache needed, {free} of "
+                                                  f"{self.config.kv_capacity} free")
+        work = Work(session, kind, int(tokens), next(self._order), tag)
+        s.queue.append(work)
+        return work
+
+    def crop(self, session: Hashable, length: int) -> None:
+        """The session's cache now holds `length` positions (rejected drafts rolled back); frees the rest."""
+        s = self._get(session)
+        if not 0 <= length <= s.context:
+            raise SchedulerRefusal("bad_position", f"cannot crop session {session!r} of {s.context} positions to "
+                                                   f"{length}")
+        s.context = length
+
+    def close(self, session: Hashable) -> List[Work]:
+        """Forget a session; returns its unfinished work (to answer with an error). Memory is free at once."""
+        s = self.sessions.pop(session, None)
+        return list(s.queue) if s else []
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    def plan(self) -> Optional[Batch]:
+        """The next step's batch (None when nothing waits). Call `complete` with it before planning another."""
+        if self._in_flight is not None:
+            raise RuntimeError("the previous batch has not been completed")
+        heads = [s.queue[0] for s in self.sessions.values() if s.queue]
+        if not heads:
+            return None
+        budget = self.config.token_budget
+        decodes = sorted((w for w in heads if w.kind == "decode"),
+                         key=lambda w: (self.sessions[w.session].served_at, w.order))
+        prefills = sorted((w for w in heads if w.kind == "prefill"), key=lambda w: w.order)
+        room = budget - (min(self.config.prefill_floor, sum(w.left for w in prefills)) if prefills else 0)
+        segments: List[Segment] = []
+        used = 0
+        for w in decodes:
+            if used + w.left <= room:
+                segments.append(self._segment(w, w.left))
+                used += w.left
+        for w in prefills:
+            n = min(w.left, budget - used)
+            if n <= 0:
+                break
+            segments.append(self._segment(w, n))
+            used += n
+        if not segments:
+            return None
+        self._step += 1
+        self._in_flight = Batch(self._step, segments)
+        return self._in_flight
+
+    def complete(self, batch: Batch) -> List[Work]:
+        """Account a computed batch: contexts grow; returns the works it finished, in batch order."""
+        if batch is not self._in_flight:
+            raise RuntimeError("complete() takes the batch plan() returned last")
+        self._in_flight = None
+        finished = []
+        for seg in batch.segments:
+            s = self.sessions.get(seg.session)
+            if s is None or not s.queue or s.queue[0] is not seg.work:
+                continue  # the session closed while its segment was computed
+            seg.work.done += seg.n
+            s.context += seg.n
+            s.served_at = batch.step
+            if seg.work.left == 0:
+                s.queue.pop(0)
+                finished.append(seg.work)
+        return finished
+
+    def _segment(self, work: Work, n: int) -> Segment:
+        return Segment(work, self.sessions[work.session].context, n, work.done + n == work.tokens)
+
+    def _get(self, session: Hashable) -> _Session:
+        s = self.sessions.get(session)
+        if s is None:
+            raise SchedulerRefusal("no_session", f"session {session!r} is not open")
+        return s

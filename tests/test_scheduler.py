@@ -1,0 +1,137 @@
+"""The continuous-batching scheduler without a model: budgets, chunked prefill beside decode, starvation, fairness,
+admission."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal
+
+
+def _run(sched: Scheduler, steps: int):
+    """Plan and complete up to `steps` batches; returns (batches, finished works per step)."""
+    out = []
+    for _ in range(steps):
+        batch = sched.plan()
+        if batch is None:
+            break
+        out.append((batch, sched.complete(batch)))
+    return out
+
+
+def test_budget_is_respected_and_long_prompts_are_chunked_beside_decodes():
+    sched = Scheduler(SchedulerConfig(token_budget=64, prefill_floor=8))
+    for s in ("a", "b", "c"):
+        sched.open(s)
+    sched.submit("a", "prefill", 200)
+    sched.submit("b", "decode", 5)
+    sched.submit("c", "decode", 1)
+    steps = _run(sched, 10)
+    assert all(b.tokens <= 64 for b, _ in steps)
+    first = steps[0][0]
+    assert [(s.session, s.kind, s.n) for s in first.segments] == [("b", "decode", 5), ("c", "decode", 1),
+                                                                  ("a", "prefill", 58)]
+    # the prompt continues in chunks where the previous one ended, and finishes exactly once
+    chunks = [s for b, _ in steps for s in b.segments if s.session == "a"]
+    assert [s.start for s in chunks] == [0, 58, 122, 186]
+    assert sum(s.n for s in chunks) == 200 and [s.final for s in chunks] == [False, False, False, True]
+    assert sched.sessions["a"].context == 200
+
+
+def test_decodes_are_not_starved_by_a_long_prompt_and_prefill_keeps_its_floor():
+    sched = Scheduler(SchedulerConfig(token_budget=32, prefill_floor=4))
+    sched.open("long")
+    sched.submit("long", "prefill", 4000)
+    devices = [f"d{i}" for i in range(10)]
+    for d in devices:
+        sched.open(d)
+    waited = {d: 0 for d in devices}
+    prefill_per_step = []
+    for step in range(50):
+        for d in devices:
+            if not sched.sessions[d].queue:
+                sched.submit(d, "decode", 3)  # a verify of 2 drafts + 1
+        batch = sched.plan()
+        served = {s.session for s in batch.segments}
+        for d in devices:
+            waited[d] = 0 if d in served else waited[d] + 1
+            assert waited[d] <= 1, f"{d} waited {waited[d]} steps"  # 10 × 3 > 28: some wait, none twice
+        prefill_per_step.append(sum(s.n for s in batch.segments if s.kind == "prefill"))
+        sched.complete(batch)
+    assert min(prefill_per_step) >= 4
+
+
+def test_fairness_across_sessions():
+    rng = random.Random(0)
+    sched = Scheduler(SchedulerConfig(token_budget=16, prefill_floor=0))
+    sessions = [f"s{i}" for i in range(12)]
+    for s in sessions:
+        sched.open(s)
+    turns = {s: 0 for s in sessions}
+    waited = {s: 0 for s in sessions}
+    for _ in range(400):
+        order = sessions[:]
+        rng.shuffle(order)  # requests arrive in any order
+        for s in order:
+            if not sched.sessions[s].queue:
+                sched.submit(s, "decode", rng.randint(1, 5))
+        batch = sched.plan()
+        served = {seg.session for seg in batch.segments}
+        for s in sessions:
+            turns[s] += s in served
+            waited[s] = 0 if s in served else waited[s] + 1
+            assert waited[s] <= 5, f"{s} waited {waited[s]} steps"
+        sched.complete(batch)
+    counts = sorted(turns.values())
+    assert counts[0] >= 0.9 * counts[-1], turns  # every session gets about the same number of turns
+
+
+def test_admission_refuses_what_does_not_fit_and_changes_nothing():
+    sched = Scheduler(SchedulerConfig(token_budget=16, prefill_floor=0, kv_capacity=100, max_context=60,
+                                      max_sessions=2))
+    sched.open("a")
+    sched.open("b")
+    with pytest.raises(SchedulerRefusal, match="limit of 2 sessions") as e:
+        sched.open("c")
+    assert e.value.code == "busy"
+    sched.submit("a", "prefill", 50)
+    with pytest.raises(SchedulerRefusal, match="would hold 61 positions; the limit is 60"):
+        sched.submit("a", "decode", 11)
+    with pytest.raises(SchedulerRefusal, match="exceeds the step budget"):
+        sched.submit("b", "decode", 17)
+    sched.submit("b", "prefill", 40)
+    with pytest.raises(SchedulerRefusal, match="11 positions of KV cache needed, 10 of 100 free") as e:
+        sched.submit("b", "decode", 11)
+    assert e.value.code == "memory_full" and sched.kv_used == 90
+    with pytest.raises(SchedulerRefusal, match="not open"):
+        sched.submit("zz", "decode", 1)
+    with pytest.raises(SchedulerRefusal, match="at least 1"):
+        sched.submit("a", "decode", 0)
+    # rejected drafts give memory back; closing frees a session's context and returns its unfinished work
+    _run(sched, 100)
+    assert sched.sessions["a"].context == 50
+    sched.crop("a", 45)
+    with pytest.raises(SchedulerRefusal, match="cannot crop"):
+        sched.crop("a", 46)
+    assert sched.kv_used == 85
+    w = sched.submit("b", "decode", 5)
+    assert sched.close("b") == [w] and sched.kv_used == 45
+
+
+def test_plan_and_complete_pair_up_and_a_closed_session_is_dropped_from_its_batch():
+    sched = Scheduler(SchedulerConfig(token_budget=8, prefill_floor=0))
+    sched.open("a")
+    sched.open("b")
+    assert sched.plan() is None
+    sched.submit("a", "decode", 2, tag="ra")
+    sched.submit("b", "decode", 2, tag="rb")
+    batch = sched.plan()
+    with pytest.raises(RuntimeError, match="not been completed"):
+        sched.plan()
+    sched.close("b")
+    assert [w.tag for w in sched.complete(batch)] == ["ra"]
+    with pytest.raises(RuntimeError):
+        sched.complete(batch)
+    with pytest.raises(ValueError):
+        SchedulerConfig(token_budget=8, prefill_floor=9)
