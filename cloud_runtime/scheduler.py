@@ -68,6 +68,7 @@ class Work:
 class Segment:
     work: Work
     start: int  # the session's context length before this segment (its first position)
+    offset: int  # where in its work this segment begins
     n: int  # positions in this step
     final: bool  # the work is complete after this segment
 
@@ -206,7 +207,7 @@ class Scheduler:
         return finished
 
     def _segment(self, work: Work, n: int) -> Segment:
-        return Segment(work, self.sessions[work.session].context, n, work.done + n == work.tokens)
+        return Segment(work, self.sessions[work.session].context, work.done, n, work.done + n == work.tokens)
 
     def _get(self, session: Hashable) -> _Session:
         s = self.sessions.get(session)

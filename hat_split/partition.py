@@ -120,8 +120,6 @@ class Stack:
 
         train: record the graph (distillation); otherwise inference mode (clone a result before training on it).
         """
-        import contextlib
-
         import torch
 
         n = hidden.shape[1]
@@ -129,24 +127,116 @@ class Stack:
             raise ValueError("a part needs at least one position")
         past = cache.length
         t0 = time.perf_counter()
+        hidden = self._run(cache, hidden, lambda kind, window: additive_mask(past, n, window, hidden.dtype),
+                           torch.arange(past, past + n)[None], train)
+        cache.length += n
+        cache.forward_s += time.perf_counter() - t0
+        cache.forward_tokens += n
+        return hidden
+
+    def forward_batch(self, caches: Sequence[PartCache], hiddens: Sequence[Any]) -> List[Any]:
+        """One forward for several sessions: `hiddens[i] # [1, n_i, hidden]` at positions caches[i].length .. ;
+        returns each session's `# [1, n_i, hidden]`. Equal to forwarding each session alone."""
+        import torch
+
+        if len(caches) != len(hiddens) or not caches:
+            raise ValueError("forward_batch needs one cache per segment, and at least one segment")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a session may appear once per batch")
+        lengths = [h.shape[1] for h in hiddens]
+        if min(lengths) < 1:
+            raise ValueError("a part needs at least one position")
+        t0 = time.perf_counter()
+        batch = BatchCache(caches, lengths)
+        padded = hiddens[0].new_zeros(len(hiddens), batch.n, hiddens[0].shape[-1])
+        for i, h in enumerate(hiddens):
+            padded[i, :h.shape[1]] = h[0]
+        out = self._run(batch, padded, lambda kind, window: batch.mask(window, padded.dtype), batch.positions(),
+                        False)
+        dt = (time.perf_counter() - t0) / len(caches)
+        for cache, n in zip(caches, lengths):
+            cache.length += n
+            cache.forward_s += dt
+            cache.forward_tokens += n
+        return [out[i:i + 1, :n] for i, n in enumerate(lengths)]
+
+    def _run(self, cache: Any, hidden: Any, mask_for: Any, positions: Any, train: bool) -> Any:
+        import contextlib
+
+        import torch
+
         layers = self.layers
         with contextlib.nullcontext() if train else torch.inference_mode():
-            positions = torch.arange(past, past + n)[None]  # [1, n]
             window = getattr(self.model.config, "sliding_window", None)
             masks, rope = {}, {}
             for _, kind in layers:
                 if kind not in masks:
-                    masks[kind] = additive_mask(past, n, window if kind == SLIDING else None, hidden.dtype)
+                    masks[kind] = mask_for(kind, window if kind == SLIDING else None)
                     rotary = self.model.model.rotary_emb
                     rope[kind] = rotary(hidden, positions, kind) if self._rotary_takes_type else rotary(hidden, positions)
             for layer, kind in layers:
                 out = layer(hidden, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions,
                             past_key_values=cache, use_cache=True)
                 hidden = out[0] if isinstance(out, tuple) else out
-        cache.length += n
-        cache.forward_s += time.perf_counter() - t0
-        cache.forward_tokens += n
         return hidden
+
+
+class BatchCache:
+    """The `past_key_values` of one batched step over several sessions' PartCaches (HAT §2.1 continuous batching).
+
+    Row i holds session i's segment of n_i positions, right-padded to the batch's longest. On each layer's update the
+    row's valid new keys and values go into its own PartCache, and the layer attends over a padded batch whose row i
+    is [its cached positions, its n_max new ones, zeros to the widest row]; `batch_mask` hides what row i must not
+    see."""
+
+    def __init__(self, caches: Sequence[PartCache], lengths: Sequence[int]):
+        self.caches, self.lengths = list(caches), list(lengths)
+        self.pasts = [c.length for c in self.caches]
+        self.n = max(self.lengths)
+        self.width = max(self.pasts) + self.n
+
+    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
+        import torch
+
+        b, heads, _, dim = key.shape
+        keys = key.new_zeros(b, heads, self.width, dim)
+        values = value.new_zeros(b, heads, self.width, dim)
+        for i, (cache, past, n) in enumerate(zip(self.caches, self.pasts, self.lengths)):
+            old = cache.kv.get(layer_idx)
+            if old is not None:
+                keys[i, :, :past] = old[0][0]
+                values[i, :, :past] = old[1][0]
+            keys[i, :, past:past + self.n] = key[i]
+            values[i, :, past:past + self.n] = value[i]
+            new = (key[i:i + 1, :, :n], value[i:i + 1, :, :n])
+            cache.kv[layer_idx] = new if old is None else (torch.cat([old[0], new[0]], dim=-2),
+                                                           torch.cat([old[1], new[1]], dim=-2))
+        return keys, values
+
+    def positions(self) -> Any:
+        """`# [B, n_max]` absolute positions of every row's queries (padding continues the row's count)."""
+        import torch
+
+        return torch.stack([torch.arange(p, p + self.n) for p in self.pasts])
+
+    def mask(self, window: Optional[int], dtype: Any) -> Any:
+        """`# [B, 1, n_max, width]` additive mask: row i's query j (position p_i + j) sees key slot k < p_i + n_max
+        when k <= p_i + j (causal), and k > p_i + j - window on sliding layers; padded queries see their row like a
+        valid one would (their outputs are dropped)."""
+        import torch
+
+        rows = []
+        for past in self.pasts:
+            q = torch.arange(past, past + self.n)[:, None]
+            k = torch.arange(self.width)[None, :]
+            allowed = k <= q
+            if window:
+                allowed &= k > q - window
+            rows.append(allowed)
+        allowed = torch.stack(rows)[:, None]  # [B, 1, n, width]
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask
 
 
 @dataclass
