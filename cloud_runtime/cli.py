@@ -23,6 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=d["max_sessions"].default)
     s.add_argument("--max-draft-len", type=int, default=d["max_draft_len"].default)
     s.add_argument("--max-context", type=int, default=d["max_context"].default)
+    s.add_argument("--token-budget", type=int, default=d["token_budget"].default,
+                   help="positions per batched middle-part step, all devices (default %(default)s)")
+    s.add_argument("--prefill-floor", type=int, default=d["prefill_floor"].default,
+                   help="positions of each step kept for waiting prompts (default %(default)s)")
+    s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
+                   help="middle-part KV cache positions, all sessions (default %(default)s)")
     s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
     s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
                    help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
@@ -43,6 +49,9 @@ def main(argv=None) -> int:
             max_context=args.max_context,
             threads=args.threads,
             dtype=args.dtype,
+            token_budget=args.token_budget,
+            prefill_floor=args.prefill_floor,
+            kv_positions=args.kv_positions,
         )
     except ValueError as exc:
         print(f"hat-cloud: {exc}", file=sys.stderr)

@@ -20,6 +20,9 @@ class CloudConfig:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default (all cores)
     dtype: str = "auto"  # model dtype; "auto": bfloat16 where matmuls have it in hardware (hat_split.loading.resolve_dtype)
     poll_ms: int = 200  # how often the loop wakes to expire idle sessions when no message arrives
+    token_budget: int = 512  # split protocols: positions per batched step, all sessions (cloud_runtime.scheduler)
+    prefill_floor: int = 64  # of each step, kept for waiting prompt work
+    kv_positions: int = 1 << 18  # middle-part KV cache positions, all sessions together
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -29,9 +32,15 @@ class CloudConfig:
         for name in ("session_timeout_s",):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        for name in ("max_sessions", "max_draft_len", "max_context", "max_generate", "max_message_bytes", "poll_ms"):
+        for name in ("max_sessions", "max_draft_len", "max_context", "max_generate", "max_message_bytes", "poll_ms",
+                     "token_budget", "kv_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.token_budget < self.max_draft_len + 1:
+            raise ValueError(f"token_budget={self.token_budget} cannot hold a verify of max_draft_len + 1 = "
+                             f"{self.max_draft_len + 1} positions")
+        if not 0 <= self.prefill_floor <= self.token_budget:
+            raise ValueError(f"prefill_floor must be in [0, token_budget={self.token_budget}]")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.dtype not in MODEL_DTYPES:

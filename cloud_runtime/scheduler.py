@@ -206,6 +206,12 @@ class Scheduler:
                 finished.append(seg.work)
         return finished
 
+    def abandon(self, batch: Batch) -> None:
+        """Forget a planned batch that could not be computed (nothing is accounted; close its sessions next)."""
+        if batch is not self._in_flight:
+            raise RuntimeError("abandon() takes the batch plan() returned last")
+        self._in_flight = None
+
     def _segment(self, work: Work, n: int) -> Segment:
         return Segment(work, self.sessions[work.session].context, work.done, n, work.done + n == work.tokens)
 

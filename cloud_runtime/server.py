@@ -18,13 +18,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import zmq
 
+from cloud_runtime.batching import MiddleBatcher
 from cloud_runtime.config import CloudConfig
+from cloud_runtime.scheduler import SchedulerConfig
 from cloud_runtime.session import TargetSession
 from cloud_runtime.split_session import MiddleSession
 from hat_split import protocol as P
 from hat_split.chunking import DelayModel, chunk_size
 from hat_split.dist_codec import decode_dist
-from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
+from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden
 from hat_split.lm import CausalLM
 from hat_split.partition import Stack, check_family, model_fingerprint
 from hat_split.sampling import SamplingParams
@@ -59,6 +61,9 @@ class CloudServer:
         self.limits = P.Limits(lm.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
         self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TargetSession or MiddleSession
         self.load = DelayModel()  # HAT state monitoring of the middle part's steps (eq. 1-2)
+        self.batcher = MiddleBatcher(SchedulerConfig(config.token_budget, config.prefill_floor, config.kv_positions,
+                                                     config.max_context, config.max_sessions),
+                                     self.load, config.max_draft_len + 1)
         self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
         self.stats = ServerStats()
@@ -111,15 +116,40 @@ class CloudServer:
         poller.register(self._sock, zmq.POLLIN)
         last_sweep = time.monotonic()
         while self._running and not (until and until()):
-            if poller.poll(self.config.poll_ms):
-                self.handle_one(self._sock.recv_multipart(copy=False))
+            if poller.poll(0 if self.batcher.busy else self.config.poll_ms):
+                self.drain()
+            self.step()
             now = time.monotonic()
             if now - last_sweep >= 1.0:
                 self.expire_idle(now)
                 last_sweep = now
 
+    def drain(self) -> None:
+        """Handle every message already waiting, so that one batched step sees all of them."""
+        while True:
+            try:
+                raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.handle_one(raw)
+
+    def step(self) -> None:
+        """One batched step of the split protocols' queued work; sends the replies of the work it finished."""
+        try:
+            replies, dropped = self.batcher.step(self._cloud_state)
+        except Exception:  # a bug here must not take the server down; the batch's devices time out and retry
+            log.exception("batched step failed")
+            return
+        for key in dropped:
+            self.sessions.pop(key, None)
+        for identity, reply in replies:
+            if isinstance(reply, P.Error):
+                reply = self._error(reply.code, reply.message, reply)
+            self._send(identity, reply, reply)
+
     # -- one message ----------------------------------------------------------------------------------------------
     def handle_one(self, raw: List[Any]) -> None:
+        """Decode, validate and answer one request; a split protocol's Hidden is answered later by `step`."""
         frames = [f.buffer if hasattr(f, "buffer") else f for f in raw]
         identity, body = P.split_envelope(frames)
         self._received_at = time.perf_counter()
@@ -141,6 +171,10 @@ class CloudServer:
         except Exception as exc:  # a bug or a compute failure must not take the server down
             log.exception("internal error while serving %s", type(msg).__name__)
             reply = self._error("internal", f"{type(exc).__name__}: {exc}", msg)
+        if reply is not None:
+            self._send(identity, reply, msg)
+
+    def _send(self, identity: bytes, reply: P.Message, msg: Any) -> None:
         out = P.encode(reply)
         self.stats.bytes_out += P.frame_bytes(out)
         try:
@@ -162,6 +196,7 @@ class CloudServer:
         for key in [k for k, s in self.sessions.items() if now - s.last_active > limit]:
             log.info("session %s of %r idle for over %.0f s: freed", key[1], key[0], limit)
             del self.sessions[key]
+            self.batcher.close(key)
             self.stats.sessions_expired += 1
         for peer in [p for p, t in self.peers.items() if now - t > limit]:
             if not any(k[0] == peer for k in self.sessions):
@@ -199,6 +234,7 @@ class CloudServer:
         key = (identity, msg.session_id)
         if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+        self.batcher.close(key)  # the id may have been a split session
         session = TargetSession(self.lm, msg.session_id, msg.protocol, params, msg.seed, prompt.tolist())
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         self.sessions[key] = session  # reopening an id replaces the old session
@@ -216,9 +252,10 @@ class CloudServer:
         if msg.step != session.step + 1:
             raise P.ProtocolError("desync", f"step {msg.step} out of order: the cloud expects {session.step + 1}")
         if kind is MiddleSession:
-            if msg.position > session.position:
+            done, queued = self.batcher.held((identity, msg.session_id))
+            if msg.position > done + queued:
                 raise P.ProtocolError("desync", f"device assumes position {msg.position}, the cloud holds "
-                                      f"{session.position} positions")
+                                      f"{done} positions and has {queued} queued")
         elif msg.position != len(session.tokens):
             raise P.ProtocolError(
                 "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens"
@@ -282,6 +319,7 @@ class CloudServer:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
         if isinstance(session, MiddleSession):  # no tokens to digest: report the positions held
             del self.sessions[(identity, msg.session_id)]
+            self.batcher.close((identity, msg.session_id))
             return P.Closed(msg.session_id, session.step, session.compute_s, session.position, 0)
         if msg.new_tokens is not None:  # the device's last skipped tokens: append (no compute) before the digest
             new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size)
@@ -320,8 +358,9 @@ class CloudServer:
         key = (identity, msg.session_id)
         if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
-        session = MiddleSession(Stack(model, msg.start, msg.stop), msg.session_id, msg.protocol, msg.hidden_format)
+        session = MiddleSession(self._stack(msg.start, msg.stop), msg.session_id, msg.protocol, msg.hidden_format)
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self.batcher.open(key, session)
         self.sessions[key] = session
         self.stats.sessions_opened += 1
         hidden = int(model.config.hidden_size)
@@ -345,14 +384,14 @@ class CloudServer:
             raise P.ProtocolError("invalid", f"want={msg.want} exceeds the {n} states sent")
         if msg.position + n > self.limits.max_context:
             raise P.ProtocolError("context", f"session would exceed max_context={self.limits.max_context} positions")
-        uplink_bps = self._uplink_bps(session, msg.idle_s)
-        compute0 = session.compute_s
-        deep = session.run(msg.position, x, msg.want)
-        step_s = session.compute_s - compute0
-        self.load.observe(n, step_s)
+        self.batcher.submit((identity, msg.session_id), identity, msg, session, x, self._uplink_bps(session, msg.idle_s))
         session.step = msg.step
-        out = encode_hidden(deep, session.hidden_format) if msg.want else None
-        return P.Deep(msg.session_id, msg.step, session.position, out, step_s, uplink_bps, self._cloud_state())
+        return None  # answered by step() once computed
+
+    def _stack(self, start: int, stop: int) -> Stack:
+        """One Stack per layer range, shared by its sessions (the runner batches them together)."""
+        runner = self.batcher.runners.get((start, stop))
+        return runner.stack if runner is not None else Stack(self.lm.model, start, stop)
 
     def _cloud_state(self) -> P.CloudState:
         return P.CloudState(self.load.mu or 0.0, self.load.g_mu(), 1)

@@ -146,6 +146,8 @@ class Stack:
         lengths = [h.shape[1] for h in hiddens]
         if min(lengths) < 1:
             raise ValueError("a part needs at least one position")
+        if len(caches) == 1:  # nothing to pad: the plain path, without the padded copy of the cache
+            return [self.forward(caches[0], hiddens[0])]
         t0 = time.perf_counter()
         batch = BatchCache(caches, lengths)
         padded = hiddens[0].new_zeros(len(hiddens), batch.n, hiddens[0].shape[-1])

@@ -340,3 +340,26 @@ def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_p
     for r in results:
         assert r["tokens"] == ref, r["protocol"]
         assert r["prefill_chunks"] == -(-len(ids) // 7)
+
+
+def test_many_devices_at_once_are_batched_and_each_gets_the_full_models_tokens(tiny_server, tiny_pair, tiny_adapter):
+    """Eight devices (threads, each its own socket) generate at the same time, ushape and hat, chunked and not: the
+    server batches their middle-part work (steps with several sessions' segments) and every device still gets exactly
+    the full model's greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_pair[1].model
+    ref = _greedy(model, 20)
+    jobs = [("ushape" if i % 2 else "hat", (0, 3, 5, 0)[i % 4]) for i in range(8)]
+
+    def one(job):
+        protocol, chunk = job
+        return _run_split(tiny_server, model, protocol, SamplingParams(0.0), eta=0.0, max_draft=4, chunk_tokens=chunk,
+                          adapter=tiny_adapter if protocol == "hat" else None)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, jobs))
+    assert all(r.tokens == ref for r in results), [r.tokens for r in results]
+    stats = tiny_server.batcher.stats
+    assert stats.max_segments > 1 and stats.segments > stats.steps, stats  # several devices shared steps
+    assert not tiny_server.batcher.scheduler.sessions  # every session closed: its KV positions are free
