@@ -363,3 +363,37 @@ def test_many_devices_at_once_are_batched_and_each_gets_the_full_models_tokens(t
     stats = tiny_server.batcher.stats
     assert stats.max_segments > 1 and stats.segments > stats.steps, stats  # several devices shared steps
     assert not tiny_server.batcher.scheduler.sessions  # every session closed: its KV positions are free
+
+
+def _device_process(endpoint: str, protocol: str, chunk: int, out, start) -> None:
+    """One device in its own process: the same tiny model (seeded), its own socket, one greedy request, started
+    together with the others."""
+    from tests.conftest import tiny_model
+
+    torch.set_num_threads(1)
+    model = tiny_model(2, layers=2)
+    adapter = Adapter(model, 1).eval().requires_grad_(False) if protocol == "hat" else None
+    start.wait(timeout=240)
+    res = _run_split(None, model, protocol, SamplingParams(0.0), eta=0.0, max_draft=4, chunk_tokens=chunk,
+                     adapter=adapter, endpoint=endpoint)
+    out.put((protocol, chunk, res.tokens))
+
+
+def test_eight_device_processes_generate_concurrently(tiny_server, tiny_pair):
+    """Eight device processes at once against one cloud: all complete, all exact, their work batched together."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(8)
+    jobs = [("hat" if i % 2 else "ushape", (0, 4)[i % 2]) for i in range(8)]
+    procs = [ctx.Process(target=_device_process, args=(tiny_server.endpoint, p, c, out, start)) for p, c in jobs]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    ref = _greedy(tiny_pair[1].model, 20)
+    assert sorted((p, c) for p, c, _ in results) == sorted(jobs)
+    assert all(tokens == ref for _, _, tokens in results)
+    assert tiny_server.batcher.stats.max_segments > 1
