@@ -22,7 +22,6 @@ from cloud_runtime.split_session import MiddleSession
 from hat_split import protocol as P
 from hat_split.chunking import DelayModel
 from hat_split.hidden_codec import encode_hidden
-from hat_split.partition import Stack
 
 log = logging.getLogger("hatspec.cloud")
 
@@ -68,7 +67,7 @@ class MiddleBatcher:
         runner = self.runners.get(layers)
         if runner is None:
             runner = self.runners[layers] = Runner(stack)
-        runner.caches[key] = session.cache
+        runner.open(key, session.cache)
         self._ranges[key] = layers
 
     def close(self, key: Hashable) -> None:

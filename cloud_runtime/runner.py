@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 from cloud_runtime.scheduler import Batch, Work
 from hat_split.partition import PartCache, Stack
@@ -30,17 +30,15 @@ class Runner:
         self._inputs: Dict[int, Any] = {}  # id(work) → `# [1, tokens, hidden]`
         self._partial: Dict[int, List[Any]] = {}  # id(work) → outputs of its segments so far
 
-    def open(self, session: Hashable) -> None:
-        self.caches[session] = PartCache()
+    def open(self, session: Hashable, cache: Optional[PartCache] = None) -> None:
+        """Run this session's segments on `cache` (its own, e.g. a MiddleSession's; a new one by default)."""
+        self.caches[session] = PartCache() if cache is None else cache
 
     def feed(self, work: Work, hidden: Any) -> None:
         """The input states `# [1, work.tokens, hidden]` of a submitted work."""
         if hidden.shape[1] != work.tokens:
             raise ValueError(f"work of {work.tokens} positions fed {hidden.shape[1]} states")
         self._inputs[id(work)] = hidden
-
-    def crop(self, session: Hashable, length: int) -> None:
-        self.caches[session].crop(length)
 
     def close(self, session: Hashable, works: List[Work] = ()) -> None:
         self.caches.pop(session, None)

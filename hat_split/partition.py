@@ -66,19 +66,21 @@ class PartCache:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv.values())
 
 
-def additive_mask(past: int, n: int, window: Optional[int], dtype: Any) -> Any:
-    """Mask `# [1, 1, n, past + n]`: 0 where query i (position past + i) may attend key j, the dtype's min elsewhere.
+def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: Optional[int] = None) -> Any:
+    """Mask `# [1, 1, n, width]` (width = past + n by default): 0 where query i (position past + i) may attend key j,
+    the dtype's min elsewhere.
 
     Causal: j <= past + i. Sliding window w (Gemma 3 local layers, transformers' convention): also j > past + i - w.
+    Key slots past past + n (a batch row's padding) are therefore hidden from every query.
     """
     import torch
 
     q = torch.arange(past, past + n)[:, None]  # [n, 1]
-    k = torch.arange(past + n)[None, :]  # [1, past + n]
+    k = torch.arange(past + n if width is None else width)[None, :]  # [1, width]
     allowed = k <= q
     if window:
         allowed &= k > q - window
-    mask = torch.zeros(n, past + n, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
@@ -187,8 +189,8 @@ class BatchCache:
     """The `past_key_values` of one batched step over several sessions' PartCaches (HAT §2.1 continuous batching).
 
     Row i holds session i's segment of n_i positions, right-padded to the batch's longest. On each layer's update the
-    row's valid new keys and values go into its own PartCache, and the layer attends over a padded batch whose row i
-    is [its cached positions, its n_max new ones, zeros to the widest row]; `batch_mask` hides what row i must not
+    row's valid new keys and values go into its own PartCache (PartCache.update), and the layer attends over a padded
+    batch whose row i is [its cached and new positions, zeros to the widest row]; `mask` hides what row i must not
     see."""
 
     def __init__(self, caches: Sequence[PartCache], lengths: Sequence[int]):
@@ -198,21 +200,13 @@ class BatchCache:
         self.width = max(self.pasts) + self.n
 
     def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
-        import torch
-
         b, heads, _, dim = key.shape
         keys = key.new_zeros(b, heads, self.width, dim)
         values = value.new_zeros(b, heads, self.width, dim)
         for i, (cache, past, n) in enumerate(zip(self.caches, self.pasts, self.lengths)):
-            old = cache.kv.get(layer_idx)
-            if old is not None:
-                keys[i, :, :past] = old[0][0]
-                values[i, :, :past] = old[1][0]
-            keys[i, :, past:past + self.n] = key[i]
-            values[i, :, past:past + self.n] = value[i]
-            new = (key[i:i + 1, :, :n], value[i:i + 1, :, :n])
-            cache.kv[layer_idx] = new if old is None else (torch.cat([old[0], new[0]], dim=-2),
-                                                           torch.cat([old[1], new[1]], dim=-2))
+            k, v = cache.update(key[i:i + 1, :, :n], value[i:i + 1, :, :n], layer_idx)
+            keys[i, :, :past + n] = k[0]
+            values[i, :, :past + n] = v[0]
         return keys, values
 
     def positions(self) -> Any:
@@ -222,23 +216,11 @@ class BatchCache:
         return torch.stack([torch.arange(p, p + self.n) for p in self.pasts])
 
     def mask(self, window: Optional[int], dtype: Any) -> Any:
-        """`# [B, 1, n_max, width]` additive mask: row i's query j (position p_i + j) sees key slot k < p_i + n_max
-        when k <= p_i + j (causal), and k > p_i + j - window on sliding layers; padded queries see their row like a
-        valid one would (their outputs are dropped)."""
+        """`# [B, 1, n_max, width]`: each row's causal (and sliding-window) mask over its own slots; padded queries
+        see their row like a valid one would (their outputs are dropped)."""
         import torch
 
-        rows = []
-        for past in self.pasts:
-            q = torch.arange(past, past + self.n)[:, None]
-            k = torch.arange(self.width)[None, :]
-            allowed = k <= q
-            if window:
-                allowed &= k > q - window
-            rows.append(allowed)
-        allowed = torch.stack(rows)[:, None]  # [B, 1, n, width]
-        mask = torch.zeros(allowed.shape, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask
+        return torch.cat([additive_mask(p, self.n, window, dtype, self.width) for p in self.pasts])
 
 
 @dataclass

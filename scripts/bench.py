@@ -23,9 +23,9 @@ import time
 from typing import Dict, List, Tuple
 
 from scripts.bench_cuhlm import add_parser as add_cuhlm_parser
+from scripts.bench_cuhlm import run as run_cuhlm
 from scripts.bench_hat import add_parser as add_hat_parser
 from scripts.bench_hat import run as run_hat
-from scripts.bench_cuhlm import run as run_cuhlm
 from scripts.bench_qs import add_parser as add_qs_parser
 from scripts.bench_qs import run as run_qs
 
