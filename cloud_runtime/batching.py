@@ -3,27 +3,28 @@
 A `Hidden` request is validated on arrival and becomes scheduler work (cloud_runtime.scheduler): "decode" when it is
 a decode / verify segment (at most max_draft_len + 1 positions), "prefill" otherwise (a prompt or a HAT prompt chunk,
 which the scheduler may split further over steps). The server drains its socket, then `step()` computes one batch of
-many sessions' segments — one forward per layer range (cloud_runtime.runner) — and returns the `Deep` replies of the
-works it finished. Each step feeds HAT's state monitoring (eq. 1-2) with the batch's real token count and compute
-time.
+many sessions' segments — one forward per layer range (cloud_runtime.runner), in this process or through pipeline
+stages (cloud_runtime.pipeline) — and returns the `Deep` replies of the works it finished. Each batch that comes back
+feeds HAT's state monitoring (eq. 1-2) with its real token count and compute time.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Tuple
 
 import numpy as np
 
-from cloud_runtime.runner import Runner
-from cloud_runtime.scheduler import Batch, Scheduler, SchedulerConfig, SchedulerRefusal, Work
+from cloud_runtime.runner import Engine
+from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal, Work
 from cloud_runtime.split_session import MiddleSession
 from hat_split import protocol as P
 from hat_split.chunking import DelayModel
 from hat_split.hidden_codec import encode_hidden
 
 log = logging.getLogger("hatspec.cloud")
+STEP_LOG = 4096  # batches whose size and time the stats keep (for the fleet benchmark's per-step figures)
 
 
 @dataclass
@@ -41,47 +42,53 @@ class StepStats:
     tokens: int = 0
     segments: int = 0
     max_segments: int = 0
-    forward_s: float = 0.0  # model time inside the steps
-    step_s: float = 0.0  # whole step() time: scheduling, forward, reply encoding
+    forward_s: float = 0.0  # model time of the batches (a pipeline: launch to return)
+    step_s: float = 0.0  # whole step() time: scheduling, forward (this process's part), reply encoding
+    stage_s: List[float] = field(default_factory=list)  # model time per pipeline stage
+    step_log: List[Tuple[int, int, float]] = field(default_factory=list)  # recent (tokens, segments, compute_s)
+
+    def observe(self, tokens: int, segments: int, compute_s: float, stage_s) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.segments += segments
+        self.max_segments = max(self.max_segments, segments)
+        self.forward_s += compute_s
+        self.stage_s = [a + b for a, b in zip(self.stage_s, stage_s)] if self.stage_s else list(stage_s)
+        self.step_log.append((tokens, segments, compute_s))
+        del self.step_log[:-STEP_LOG]
 
 
 class MiddleBatcher:
-    def __init__(self, config: SchedulerConfig, load: DelayModel, decode_limit: int):
-        self.scheduler = Scheduler(config)
+    def __init__(self, config: SchedulerConfig, executor: Any, load: DelayModel, decode_limit: int):
+        self.engine = Engine(Scheduler(config), executor)
         self.load = load
         self.decode_limit = decode_limit  # positions up to which a Hidden is decode / verify work
-        self.runners: Dict[Tuple[int, int], Runner] = {}
         self._pending: Dict[int, _Pending] = {}  # id(work) → how to answer it
-        self._ranges: Dict[Hashable, Tuple[int, int]] = {}
         self.stats = StepStats()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    @property
+    def executor(self) -> Any:
+        return self.engine.executor
 
     def open(self, key: Hashable, session: MiddleSession) -> None:
         if key in self.scheduler.sessions:
             self.close(key)  # reopening an id replaces the old session
         try:
-            self.scheduler.open(key)
+            self.engine.open(key, session.start, session.stop)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
-        stack = session.stack
-        layers = (stack.start, stack.stop)
-        runner = self.runners.get(layers)
-        if runner is None:
-            runner = self.runners[layers] = Runner(stack)
-        runner.open(key, session.cache)
-        self._ranges[key] = layers
 
     def close(self, key: Hashable) -> None:
-        works = self.scheduler.close(key)
-        layers = self._ranges.pop(key, None)
-        if layers is not None:
-            self.runners[layers].close(key, works)
-        for w in works:
+        for w in self.engine.close(key):
             self._pending.pop(id(w), None)
 
     def held(self, key: Hashable) -> Tuple[int, int]:
         """(positions computed, positions queued) of a session."""
-        s = self.scheduler.sessions[key]
-        return s.context, s.queued
+        return self.engine.held(key)
 
     def submit(self, key: Hashable, identity: bytes, msg: P.Hidden, session: MiddleSession, states: np.ndarray,
                uplink_bps: float) -> None:
@@ -89,61 +96,48 @@ class MiddleBatcher:
         import torch
 
         done, queued = self.held(key)
-        if msg.position < done + queued:
-            if queued:
-                raise P.ProtocolError("desync", f"position {msg.position} would roll back while {queued} positions "
-                                      "are still queued")
-            session.cache.crop(msg.position)
-            self.scheduler.crop(key, msg.position)
-        n = states.shape[0]
-        kind = "decode" if n <= self.decode_limit else "prefill"
+        kind = "decode" if states.shape[0] <= self.decode_limit else "prefill"
+        x = torch.from_numpy(np.ascontiguousarray(states)).to(self.executor.dtype)[None]
         try:
-            work = self.scheduler.submit(key, kind, n)
+            if msg.position < done + queued:
+                if queued:
+                    raise P.ProtocolError("desync", f"position {msg.position} would roll back while {queued} "
+                                          "positions are still queued")
+                self.engine.crop(key, msg.position)
+                session.position = msg.position
+            work = self.engine.submit(key, kind, x)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
-        dtype = session.stack.model.model.embed_tokens.weight.dtype
-        self.runners[self._ranges[key]].feed(work, torch.from_numpy(np.ascontiguousarray(states)).to(dtype)[None])
         self._pending[id(work)] = _Pending(identity, msg, session, uplink_bps)
 
     @property
     def busy(self) -> bool:
-        return any(s.queue for s in self.scheduler.sessions.values())
+        return self.engine.busy
+
+    @property
+    def can_launch(self) -> bool:
+        return self.engine.can_launch
 
     def step(self, cloud_state: Callable[[], P.CloudState]) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
-        """Compute one batch: (identity, reply) for every work it finished, and the sessions dropped because their
-        batch failed (each of their queued works answered with an Error)."""
+        """Launch and collect batches: (identity, reply) for every work finished, and the sessions dropped because
+        their batch failed (each of their queued works answered with an Error)."""
         t0 = time.perf_counter()
-        batch = self.scheduler.plan()
-        if batch is None:
-            return [], []
-        groups: Dict[Tuple[int, int], List[Any]] = {}
-        for seg in batch.segments:
-            groups.setdefault(self._ranges[seg.session], []).append(seg)
-        finished: Dict[int, Any] = {}
-        forward_s = 0.0
         try:
-            for layers, segs in groups.items():
-                done, report = self.runners[layers].run(Batch(batch.step, segs))
-                forward_s += report.compute_s
-                finished.update({id(w): out for w, out in done})
-        except Exception as exc:  # a compute failure: the batch's sessions are in an unknown state, drop them
-            log.exception("batch %d failed", batch.step)
-            return self._fail(batch, f"{type(exc).__name__}: {exc}")
-        completed = self.scheduler.complete(batch)
-        self.load.observe(batch.tokens, forward_s)
-        for seg in batch.segments:
-            p = self._pending.get(id(seg.work))
-            if p is not None:
-                p.compute_s += forward_s
-                p.session.compute_s += forward_s * seg.n / batch.tokens
-        replies = [self._reply(w, finished[id(w)], cloud_state) for w in completed]
-        st = self.stats
-        st.steps += 1
-        st.tokens += batch.tokens
-        st.segments += len(batch.segments)
-        st.max_segments = max(st.max_segments, len(batch.segments))
-        st.forward_s += forward_s
-        st.step_s += time.perf_counter() - t0
+            finished, reports = self.engine.step()
+        except Exception as exc:  # a compute failure: the batches' sessions are in an unknown state, drop them
+            log.exception("batched step failed")
+            return self._fail(f"{type(exc).__name__}: {exc}")
+        for batch, report in reports:
+            self.load.observe(batch.tokens, report.compute_s)
+            self.stats.observe(batch.tokens, len(batch.segments), report.compute_s, report.stage_s)
+            for seg in batch.segments:
+                p = self._pending.get(id(seg.work))
+                if p is not None:
+                    p.compute_s += report.compute_s
+                    p.session.compute_s += report.compute_s * seg.n / batch.tokens
+        replies = [self._reply(w, out, cloud_state) for w, out in finished]
+        if reports or finished:
+            self.stats.step_s += time.perf_counter() - t0
         return [r for r in replies if r is not None], []
 
     def _reply(self, work: Work, deep: Any, cloud_state: Callable[[], P.CloudState]):
@@ -154,18 +148,21 @@ class MiddleBatcher:
         out = None
         if m.want:
             out = encode_hidden(deep[0, deep.shape[1] - m.want:].float().numpy(), p.session.hidden_format)
+        p.session.position = self.held(work.session)[0]
         p.session.last_active = time.monotonic()
         return p.identity, P.Deep(m.session_id, m.step, p.session.position, out, p.compute_s, p.uplink_bps,
                                   cloud_state())
 
-    def _fail(self, batch: Batch, why: str) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
-        self.scheduler.abandon(batch)
+    def _fail(self, why: str) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
         out, dropped = [], []
-        for key in dict.fromkeys(seg.session for seg in batch.segments):
-            for w in self.scheduler.sessions[key].queue:
-                p = self._pending.get(id(w))
-                if p is not None:
-                    out.append((p.identity, P.Error("internal", why, p.msg.session_id, p.msg.step)))
-            self.close(key)
-            dropped.append(key)
+        for batch in self.engine.abandon():
+            for key in dict.fromkeys(seg.session for seg in batch.segments):
+                if key in dropped or key not in self.scheduler.sessions:
+                    continue
+                for w in self.scheduler.sessions[key].queue:
+                    p = self._pending.get(id(w))
+                    if p is not None:
+                        out.append((p.identity, P.Error("internal", why, p.msg.session_id, p.msg.step)))
+                self.close(key)
+                dropped.append(key)
         return out, dropped

@@ -1,8 +1,13 @@
-"""`hat-cloud serve`: load the target model and serve devices over ZeroMQ."""
+"""`hat-cloud serve`: load the target model and serve devices over ZeroMQ.
+
+With `--pipeline P` the middle layers run in P pipeline stages, one process each: started without torchrun, the
+command starts itself again under `torchrun --standalone --nproc-per-node P`; rank 0 serves, the others are stages
+(cloud_runtime.pipeline)."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -29,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions of each step kept for waiting prompts (default %(default)s)")
     s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
                    help="middle-part KV cache positions, all sessions (default %(default)s)")
+    s.add_argument("--pipeline", type=int, default=d["pipeline"].default,
+                   help="pipeline stages for the middle layers, one process each under torchrun (default %(default)s)")
     s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
     s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
                    help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
@@ -37,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -52,11 +60,24 @@ def main(argv=None) -> int:
             token_budget=args.token_budget,
             prefill_floor=args.prefill_floor,
             kv_positions=args.kv_positions,
+            pipeline=args.pipeline,
         )
     except ValueError as exc:
         print(f"hat-cloud: {exc}", file=sys.stderr)
         return 2
+    if config.pipeline > 1 and "WORLD_SIZE" not in os.environ:
+        relaunch_under_torchrun(config, argv)
     return serve(config)
+
+
+def relaunch_under_torchrun(config: CloudConfig, argv) -> None:
+    """Replace this process by torchrun starting `pipeline` copies of this command (never returns)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // config.pipeline)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config.pipeline}",
+           "-m", "cloud_runtime.cli", *argv]
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, env)
 
 
 def serve(config: CloudConfig) -> int:
@@ -68,25 +89,48 @@ def serve(config: CloudConfig) -> int:
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    rank, back = 0, None
+    if config.pipeline > 1:
+        from cloud_runtime import pipeline
+
+        try:
+            rank, back = pipeline.init(config.pipeline)
+        except RuntimeError as exc:
+            print(f"hat-cloud: {exc}", file=sys.stderr)
+            return 2
     try:
         loaded = load_model(config.model, dtype=config.dtype)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         print(f"hat-cloud: cannot load model {config.model!r}: {exc}", file=sys.stderr)
         return 2
+    if config.pipeline > 1:
+        try:
+            pipeline.stage_bounds(loaded.model.config.num_hidden_layers, config.pipeline)
+        except ValueError as exc:
+            print(f"hat-cloud: --pipeline {config.pipeline}: {exc}", file=sys.stderr)
+            return 2
+    if rank > 0:
+        pipeline.serve_stage(loaded.model, rank, config.pipeline, back)
+        return 0
     name = loaded.spec.name if loaded.spec is not None else str(config.model)
     lm = CausalLM(loaded.model)
     lm.warm_up()  # so the first device's TTFT is not the disk's
-    server = CloudServer(config, lm, name, vocab_fingerprint(loaded.tokenizer))
+    executor = pipeline.PipelineExecutor(loaded.model, config.pipeline, back) if config.pipeline > 1 else None
+    server = CloudServer(config, lm, name, vocab_fingerprint(loaded.tokenizer), executor)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         with server:
-            print(f"{READY_LINE} endpoint={server.endpoint} model={name} dtype={str(loaded.model.dtype).removeprefix('torch.')} load_s={loaded.load_seconds:.1f}", flush=True)
+            print(f"{READY_LINE} endpoint={server.endpoint} model={name} "
+                  f"dtype={str(loaded.model.dtype).removeprefix('torch.')} load_s={loaded.load_seconds:.1f} "
+                  f"pipeline={config.pipeline}", flush=True)
             server.serve_forever()
     except KeyboardInterrupt:
         pass
     except Exception as exc:  # e.g. address in use
         print(f"hat-cloud: {exc}", file=sys.stderr)
         return 1
+    finally:
+        server.close()  # stops the pipeline stages too
     return 0
 
 

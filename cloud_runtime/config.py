@@ -23,6 +23,7 @@ class CloudConfig:
     token_budget: int = 512  # split protocols: positions per batched step, all sessions (cloud_runtime.scheduler)
     prefill_floor: int = 64  # of each step, kept for waiting prompt work
     kv_positions: int = 1 << 18  # middle-part KV cache positions, all sessions together
+    pipeline: int = 1  # stages of the middle layers, one torch.distributed process each (cloud_runtime.pipeline)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -33,7 +34,7 @@ class CloudConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_sessions", "max_draft_len", "max_context", "max_generate", "max_message_bytes", "poll_ms",
-                     "token_budget", "kv_positions"):
+                     "token_budget", "kv_positions", "pipeline"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.token_budget < self.max_draft_len + 1:

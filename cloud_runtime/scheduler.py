@@ -11,7 +11,8 @@ chunks) or a short decode / verify segment. Each step `plan()` packs one batch u
    a crowd of decoding devices cannot starve it either.
 
 A session's works run in order, one segment per session per step (the runner appends each segment to that session's
-KV cache). Memory is a pool of `kv_capacity` positions: a session holds its context plus the work it has queued;
+KV cache). With `max_in_flight` > 1 (a pipeline of stages) the next batches are planned before the earlier ones come
+back: a segment starts where the session's planned positions end, and batches are completed in the order planned. Memory is a pool of `kv_capacity` positions: a session holds its context plus the work it has queued;
 `open` and `submit` refuse what does not fit, and what exceeds `max_context` or `max_sessions`, with a
 `SchedulerRefusal` naming the numbers; a refusal changes nothing. `crop` gives back rejected draft positions,
 `close` everything a session held.
@@ -41,10 +42,11 @@ class SchedulerConfig:
     kv_capacity: int = 1 << 16  # positions of KV cache, all sessions together
     max_context: int = 8192  # positions one session may hold
     max_sessions: int = 64
+    max_in_flight: int = 1  # batches planned and not yet completed (pipeline stages keep several in flight)
 
     def __post_init__(self) -> None:
-        if self.token_budget < 1 or self.kv_capacity < 1 or self.max_context < 1 or self.max_sessions < 1:
-            raise ValueError("token_budget, kv_capacity, max_context and max_sessions must be >= 1")
+        if min(self.token_budget, self.kv_capacity, self.max_context, self.max_sessions, self.max_in_flight) < 1:
+            raise ValueError("token_budget, kv_capacity, max_context, max_sessions and max_in_flight must be >= 1")
         if not 0 <= self.prefill_floor <= self.token_budget:
             raise ValueError(f"prefill_floor must be in [0, token_budget={self.token_budget}], "
                              f"got {self.prefill_floor}")
@@ -58,6 +60,7 @@ class Work:
     order: int  # arrival order
     tag: Any = None  # the caller's handle (the request to answer)
     done: int = 0  # positions processed so far
+    planned: int = 0  # positions in planned batches (done or in flight)
 
     @property
     def left(self) -> int:
@@ -95,7 +98,12 @@ class Batch:
 class _Session:
     context: int = 0  # positions in its KV cache
     queue: List[Work] = field(default_factory=list)
-    served_at: int = 0  # the last step that computed a segment of it
+    served_at: int = 0  # the last step planned with a segment of it
+    in_flight: int = 0  # positions planned, not yet completed
+
+    def head(self) -> Optional[Work]:
+        """Its first work with positions still to plan (works run in order)."""
+        return next((w for w in self.queue if w.planned < w.tokens), None)
 
     @property
     def queued(self) -> int:
@@ -108,7 +116,7 @@ class Scheduler:
         self.sessions: Dict[Hashable, _Session] = {}
         self._order = itertools.count()
         self._step = 0
-        self._in_flight: Optional[Batch] = None
+        self._in_flight: List[Batch] = []  # planned, not completed, oldest first
 
     # -- admission --------------------------------------------------------------------------------------------------
     @property
@@ -147,6 +155,8 @@ class Scheduler:
     def crop(self, session: Hashable, length: int) -> None:
         """The session's cache now holds `length` positions (rejected drafts rolled back); frees the rest."""
         s = self._get(session)
+        if s.in_flight:
+            raise SchedulerRefusal("busy_session", f"session {session!r} has positions in flight: it cannot crop")
         if not 0 <= length <= s.context:
             raise SchedulerRefusal("bad_position", f"cannot crop session {session!r} of {s.context} positions to "
                                                    f"{length}")
@@ -159,25 +169,27 @@ class Scheduler:
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def plan(self) -> Optional[Batch]:
-        """The next step's batch (None when nothing waits). Call `complete` with it before planning another."""
-        if self._in_flight is not None:
-            raise RuntimeError("the previous batch has not been completed")
-        heads = [s.queue[0] for s in self.sessions.values() if s.queue]
+        """The next step's batch (None when nothing waits or `max_in_flight` batches are out). `complete` each batch,
+        in the order planned."""
+        if len(self._in_flight) >= self.config.max_in_flight:
+            return None
+        heads = [w for w in (s.head() for s in self.sessions.values()) if w is not None]
         if not heads:
             return None
         budget = self.config.token_budget
         decodes = sorted((w for w in heads if w.kind == "decode"),
                          key=lambda w: (self.sessions[w.session].served_at, w.order))
         prefills = sorted((w for w in heads if w.kind == "prefill"), key=lambda w: w.order)
-        room = budget - (min(self.config.prefill_floor, sum(w.left for w in prefills)) if prefills else 0)
+        unplanned = sum(w.tokens - w.planned for w in prefills)
+        room = budget - min(self.config.prefill_floor, unplanned)
         segments: List[Segment] = []
         used = 0
         for w in decodes:
-            if used + w.left <= room:
-                segments.append(self._segment(w, w.left))
-                used += w.left
+            if used + w.tokens <= room:
+                segments.append(self._segment(w, w.tokens))
+                used += w.tokens
         for w in prefills:
-            n = min(w.left, budget - used)
+            n = min(w.tokens - w.planned, budget - used)
             if n <= 0:
                 break
             segments.append(self._segment(w, n))
@@ -185,35 +197,53 @@ class Scheduler:
         if not segments:
             return None
         self._step += 1
-        self._in_flight = Batch(self._step, segments)
-        return self._in_flight
+        for seg in segments:
+            self.sessions[seg.session].served_at = self._step
+        batch = Batch(self._step, segments)
+        self._in_flight.append(batch)
+        return batch
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
 
     def complete(self, batch: Batch) -> List[Work]:
-        """Account a computed batch: contexts grow; returns the works it finished, in batch order."""
-        if batch is not self._in_flight:
-            raise RuntimeError("complete() takes the batch plan() returned last")
-        self._in_flight = None
+        """Account a computed batch, the oldest in flight: contexts grow; returns the works it finished, in batch
+        order."""
+        if not self._in_flight or batch is not self._in_flight[0]:
+            raise RuntimeError("complete() takes the oldest batch in flight")
+        self._in_flight.pop(0)
         finished = []
         for seg in batch.segments:
             s = self.sessions.get(seg.session)
             if s is None or not s.queue or s.queue[0] is not seg.work:
-                continue  # the session closed while its segment was computed
+                continue  # the session closed (or was reopened) while its segment was computed
             seg.work.done += seg.n
             s.context += seg.n
-            s.served_at = batch.step
+            s.in_flight -= seg.n
             if seg.work.left == 0:
                 s.queue.pop(0)
                 finished.append(seg.work)
         return finished
 
-    def abandon(self, batch: Batch) -> None:
-        """Forget a planned batch that could not be computed (nothing is accounted; close its sessions next)."""
-        if batch is not self._in_flight:
-            raise RuntimeError("abandon() takes the batch plan() returned last")
-        self._in_flight = None
+    def abandon(self) -> List[Batch]:
+        """Forget every batch in flight (they could not be computed): nothing is accounted and their positions go
+        back to planning; the caller closes their sessions. Returns the batches."""
+        out, self._in_flight = self._in_flight, []
+        for batch in out:
+            for seg in batch.segments:
+                seg.work.planned -= seg.n
+                s = self.sessions.get(seg.session)
+                if s is not None:
+                    s.in_flight -= seg.n
+        return out
 
     def _segment(self, work: Work, n: int) -> Segment:
-        return Segment(work, self.sessions[work.session].context, work.done, n, work.done + n == work.tokens)
+        s = self.sessions[work.session]
+        seg = Segment(work, s.context + s.in_flight, work.planned, n, work.planned + n == work.tokens)
+        work.planned += n
+        s.in_flight += n
+        return seg
 
     def _get(self, session: Hashable) -> _Session:
         s = self.sessions.get(session)

@@ -20,6 +20,7 @@ import zmq
 
 from cloud_runtime.batching import MiddleBatcher
 from cloud_runtime.config import CloudConfig
+from cloud_runtime.runner import LocalExecutor
 from cloud_runtime.scheduler import SchedulerConfig
 from cloud_runtime.session import TargetSession
 from cloud_runtime.split_session import MiddleSession
@@ -28,7 +29,7 @@ from hat_split.chunking import DelayModel, chunk_size
 from hat_split.dist_codec import decode_dist
 from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden
 from hat_split.lm import CausalLM
-from hat_split.partition import Stack, check_family, model_fingerprint
+from hat_split.partition import check_family, model_fingerprint
 from hat_split.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.cloud")
@@ -53,7 +54,10 @@ class ServerStats:
 class CloudServer:
     """Serves token-protocol sessions for many devices over one ROUTER socket."""
 
-    def __init__(self, config: CloudConfig, lm: CausalLM, model_name: str, vocab_fingerprint: str):
+    def __init__(self, config: CloudConfig, lm: CausalLM, model_name: str, vocab_fingerprint: str,
+                 executor: Any = None):
+        """executor: where the split protocols' middle layers run (cloud_runtime.runner.LocalExecutor by default,
+        cloud_runtime.pipeline.PipelineExecutor for pipeline stages)."""
         self.config = config
         self.lm = lm
         self.model_name = model_name
@@ -61,9 +65,10 @@ class CloudServer:
         self.limits = P.Limits(lm.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
         self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TargetSession or MiddleSession
         self.load = DelayModel()  # HAT state monitoring of the middle part's steps (eq. 1-2)
+        executor = LocalExecutor(lm.model) if executor is None else executor
         self.batcher = MiddleBatcher(SchedulerConfig(config.token_budget, config.prefill_floor, config.kv_positions,
-                                                     config.max_context, config.max_sessions),
-                                     self.load, config.max_draft_len + 1)
+                                                     config.max_context, config.max_sessions, executor.depth),
+                                     executor, self.load, config.max_draft_len + 1)
         self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
         self.stats = ServerStats()
@@ -101,6 +106,7 @@ class CloudServer:
             self._sock.close(linger=0)
             self._sock = None
         self.sessions.clear()
+        self.batcher.executor.close()
 
     @property
     def endpoint(self) -> str:
@@ -116,7 +122,9 @@ class CloudServer:
         poller.register(self._sock, zmq.POLLIN)
         last_sweep = time.monotonic()
         while self._running and not (until and until()):
-            if poller.poll(0 if self.batcher.busy else self.config.poll_ms):
+            # launchable work: do not wait; batches in pipeline stages: look again soon; idle: wake to expire sessions
+            wait_ms = 0 if self.batcher.can_launch else 1 if self.batcher.busy else self.config.poll_ms
+            if poller.poll(wait_ms):
                 self.drain()
             self.step()
             now = time.monotonic()
@@ -358,7 +366,7 @@ class CloudServer:
         key = (identity, msg.session_id)
         if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
-        session = MiddleSession(self._stack(msg.start, msg.stop), msg.session_id, msg.protocol, msg.hidden_format)
+        session = MiddleSession(msg.session_id, msg.protocol, msg.hidden_format, msg.start, msg.stop)
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         self.batcher.open(key, session)
         self.sessions[key] = session
@@ -388,10 +396,5 @@ class CloudServer:
         session.step = msg.step
         return None  # answered by step() once computed
 
-    def _stack(self, start: int, stop: int) -> Stack:
-        """One Stack per layer range, shared by its sessions (the runner batches them together)."""
-        runner = self.batcher.runners.get((start, stop))
-        return runner.stack if runner is not None else Stack(self.lm.model, start, stop)
-
     def _cloud_state(self) -> P.CloudState:
-        return P.CloudState(self.load.mu or 0.0, self.load.g_mu(), 1)
+        return P.CloudState(self.load.mu or 0.0, self.load.g_mu(), self.batcher.executor.stages)

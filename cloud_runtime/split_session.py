@@ -1,8 +1,8 @@
 """One device's split-protocol session on the cloud (`hat`, `ushape`): the middle part's KV cache, nothing else.
 
-The cloud never sees a token: it holds hidden states' keys and values for `cache.length` positions of the device's
-sequence. Each `Hidden` request says where its states start (`position`); positions past it (the device's rejected
-drafts) are cropped first, then the new shallow states run through layers [start, stop) in a batched step with other
+The cloud never sees a token: it holds hidden states' keys and values for `position` positions of the device's
+sequence (in this process, or spread over pipeline stages). Each `Hidden` request says where its states start
+(`position`); positions past it (the device's rejected drafts) are cropped first, then the new shallow states run through layers [start, stop) in a batched step with other
 sessions' work (cloud_runtime.batching) and the last `want` deep states go back.
 """
 from __future__ import annotations
@@ -10,22 +10,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hat_split.partition import PartCache, Stack
 
 
 @dataclass
 class MiddleSession:
-    stack: Stack
     session_id: int
     protocol: str
     hidden_format: str  # how deep states go back (hat_split.hidden_codec)
-    cache: PartCache = field(default_factory=PartCache)
+    start: int  # the middle layers [start, stop)
+    stop: int
+    position: int = 0  # positions computed (the cache's length, wherever its layers live), as of the last reply
     step: int = 0
     last_active: float = field(default_factory=time.monotonic)
     compute_s: float = 0.0
     link_rtt_s: float = 0.0
     replied_at: float = 0.0
-
-    @property
-    def position(self) -> int:
-        return self.cache.length

@@ -87,43 +87,49 @@ def test_batched_middle_part_of_a_real_model(smollm2):
         assert torch.equal(split.run_output(PartCache(), o).argmax(-1), split.run_output(PartCache(), r).argmax(-1))
 
 
+def _serve_plans(engine, stack, plans, h, budget):
+    """Drive `engine` through every session's plan, one request in flight per session; returns (expected, got,
+    steps), each work's output keyed by (session, request index)."""
+    g = torch.Generator().manual_seed(5)
+    alone, expected, got = {}, {}, {}
+    for s in plans:
+        engine.open(s, stack.start, stack.stop)
+        alone[s] = PartCache()
+    pending = {s: list(p) for s, p in plans.items()}
+    steps = 0
+    while any(pending.values()) or engine.busy:
+        for s, todo in pending.items():
+            if todo and not engine.scheduler.sessions[s].queue:  # one request in flight per device
+                kind, n = todo.pop(0)
+                x = torch.randn(1, n, h, generator=g)
+                engine.submit(s, kind, x, tag=(s, len(plans[s]) - len(todo) - 1))
+                expected[(s, len(plans[s]) - len(todo) - 1)] = stack.forward(alone[s], x)
+        finished, reports = engine.step()
+        for batch, report in reports:
+            assert report.tokens == batch.tokens <= budget and report.compute_s > 0
+        for work, out in finished:
+            got[work.tag] = out
+        steps += 1
+        assert steps < 200
+    return expected, got, steps
+
+
+PLANS = {"a": [("prefill", 50), ("decode", 1), ("decode", 5)], "b": [("prefill", 3), ("decode", 2)],
+         "c": [("prefill", 9), ("decode", 1), ("decode", 1)], "d": [("prefill", 1)], "e": [("prefill", 20)]}
+
+
 def test_scheduler_and_runner_serve_many_sessions_like_each_alone():
     """Five sessions: a long prompt the scheduler chunks over steps, short prompts, then decode and verify segments;
     every work's output equals running that session alone on its own cache."""
-    from cloud_runtime.runner import Runner
+    from cloud_runtime.runner import Engine, LocalExecutor
     from cloud_runtime.scheduler import Scheduler, SchedulerConfig
 
     model = _family("gemma3")
     stack = Stack(model, 1, 4)
-    h = model.config.hidden_size
-    g = torch.Generator().manual_seed(5)
-    sched, runner = Scheduler(SchedulerConfig(token_budget=16, prefill_floor=4)), Runner(stack)
-    plans = {"a": [("prefill", 50), ("decode", 1), ("decode", 5)], "b": [("prefill", 3), ("decode", 2)],
-             "c": [("prefill", 9), ("decode", 1), ("decode", 1)], "d": [("prefill", 1)], "e": [("prefill", 20)]}
-    alone, expected, got = {}, {}, {}
-    for s in plans:
-        sched.open(s)
-        runner.open(s)
-        alone[s] = PartCache()
-    pending = {s: list(p) for s, p in plans.items()}
-    steps = 0
-    while any(pending.values()) or any(sched.sessions[s].queue for s in plans):
-        for s, todo in pending.items():
-            if todo and not sched.sessions[s].queue:  # one request in flight per device
-                kind, n = todo.pop(0)
-                x = torch.randn(1, n, h, generator=g)
-                work = sched.submit(s, kind, n, tag=(s, len(plans[s]) - len(todo) - 1))
-                runner.feed(work, x)
-                expected[work.tag] = stack.forward(alone[s], x)
-        batch = sched.plan()
-        finished, report = runner.run(batch)
-        assert report.tokens == batch.tokens <= 16 and report.compute_s > 0
-        assert [w for w, _ in finished] == sched.complete(batch)  # both sides agree on what finished
-        for work, out in finished:
-            got[work.tag] = out
-        steps += 1
-        assert steps < 100
+    engine = Engine(Scheduler(SchedulerConfig(token_budget=16, prefill_floor=4)), LocalExecutor(model))
+    expected, got, steps = _serve_plans(engine, stack, PLANS, model.config.hidden_size, 16)
     assert set(got) == set(expected)
     for tag, ref in expected.items():
         assert got[tag].shape == ref.shape and float((got[tag] - ref).abs().max()) < 1e-5, tag
     assert steps >= 50 // 16  # the long prompt took several steps
+    assert not engine.busy and all(not s.queue for s in engine.scheduler.sessions.values())

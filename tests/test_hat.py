@@ -304,10 +304,10 @@ def test_split_session_refusals(tiny_server, tiny_pair):
 
 
 # -- end to end across processes on the real smollm2-135m --------------------------------------------------------------
-@pytest.mark.real_models
-def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_path):
-    """A `hat-cloud serve` process holds smollm2's middle layers, a `hat-edge generate` process its input and output
-    parts (and an adapter, untrained: exactness does not depend on it); temperature 0 gives the full model's tokens."""
+def _split_across_processes(smollm2, tmp_path, cloud_args):
+    """A `hat-cloud serve` process (with `cloud_args`) holds smollm2's middle layers, a `hat-edge generate` process
+    its input and output parts (and an adapter, untrained: exactness does not depend on it); temperature 0 must give
+    the full model's tokens for both split protocols."""
     import json
     import os
     import subprocess
@@ -328,18 +328,44 @@ def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_p
         ref.append(int(logits[-1].argmax()))
         logits = lm.forward(state, [ref[-1]])
     (tmp_path / "p.json").write_text(json.dumps([prompt]))
-    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
+    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32", *cloud_args], threads=1) as cloud:
         cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", "smollm2-135m", "--server",
                cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat",
                "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
                "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json")]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+        info = cloud.ready_info
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out.json").read_text())["results"]
     assert [r["protocol"] for r in results] == ["ushape", "hat"]
     for r in results:
         assert r["tokens"] == ref, r["protocol"]
         assert r["prefill_chunks"] == -(-len(ids) // 7)
+    return info
+
+
+@pytest.mark.real_models
+def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_path):
+    assert "pipeline=1" in _split_across_processes(smollm2, tmp_path, [])
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("stages", [2, 3])
+def test_torchrun_pipeline_stages_equal_the_single_process_result(smollm2, tmp_path, stages):
+    """`hat-cloud serve --pipeline P` starts itself under torchrun: P gloo processes, each with a slice of the middle
+    layers and several batches in flight; a device process gets exactly the single-process (= full model) tokens."""
+    assert f"pipeline={stages}" in _split_across_processes(smollm2, tmp_path, ["--pipeline", str(stages)])
+
+
+def test_pipeline_stage_bounds():
+    from cloud_runtime.pipeline import stage_bounds
+
+    assert stage_bounds(30, 1) == [0, 30]
+    assert stage_bounds(30, 2) == [0, 15, 30]
+    assert stage_bounds(30, 4) == [0, 8, 15, 22, 30]  # 29 layers: 7, 7, 7, 8 after layer 0
+    assert stage_bounds(3, 2) == [0, 2, 3]
+    with pytest.raises(ValueError, match="cannot share"):
+        stage_bounds(3, 3)
 
 
 def test_many_devices_at_once_are_batched_and_each_gets_the_full_models_tokens(tiny_server, tiny_pair, tiny_adapter):

@@ -127,11 +127,37 @@ def test_plan_and_complete_pair_up_and_a_closed_session_is_dropped_from_its_batc
     sched.submit("a", "decode", 2, tag="ra")
     sched.submit("b", "decode", 2, tag="rb")
     batch = sched.plan()
-    with pytest.raises(RuntimeError, match="not been completed"):
-        sched.plan()
+    assert sched.plan() is None  # one batch in flight at a time by default
     sched.close("b")
     assert [w.tag for w in sched.complete(batch)] == ["ra"]
     with pytest.raises(RuntimeError):
         sched.complete(batch)
     with pytest.raises(ValueError):
         SchedulerConfig(token_budget=8, prefill_floor=9)
+
+
+def test_a_pipeline_plans_ahead_in_order_and_abandon_gives_positions_back():
+    """max_in_flight = 3 (three pipeline stages): a long prompt's chunks go out in consecutive batches before any
+    comes back, each starting where the previous ends; batches complete oldest first; nothing crops under flight."""
+    sched = Scheduler(SchedulerConfig(token_budget=16, prefill_floor=0, max_in_flight=3))
+    sched.open("a")
+    sched.open("b")
+    sched.submit("a", "prefill", 40, tag="pa")
+    sched.submit("b", "decode", 3, tag="db")
+    batches = [sched.plan() for _ in range(3)]
+    assert sched.plan() is None and sched.in_flight == 3
+    a = [seg for b in batches for seg in b.segments if seg.session == "a"]
+    assert [(s.start, s.offset, s.n, s.final) for s in a] == [(0, 0, 13, False), (13, 13, 16, False),
+                                                             (29, 29, 11, True)]
+    assert [seg.session for seg in batches[0].segments] == ["b", "a"]  # the decode went first, and only once
+    with pytest.raises(RuntimeError, match="oldest"):
+        sched.complete(batches[1])
+    with pytest.raises(SchedulerRefusal, match="in flight"):
+        sched.crop("a", 0)
+    assert [w.tag for w in sched.complete(batches[0])] == ["db"]
+    assert sched.sessions["a"].context == 13 and sched.kv_used == 43
+    assert sched.abandon() == batches[1:] and sched.in_flight == 0
+    again = sched.plan()  # the abandoned positions are planned again, from where the cache really ends
+    assert [(s.session, s.start, s.n) for s in again.segments] == [("a", 13, 16)]
+    with pytest.raises(ValueError, match="max_in_flight"):
+        SchedulerConfig(max_in_flight=0)
