@@ -6,6 +6,7 @@ command starts itself again under `torchrun --standalone --nproc-per-node P`; ra
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions of each step kept for waiting prompts (default %(default)s)")
     s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
                    help="middle-part KV cache positions, all sessions (default %(default)s)")
+    s.add_argument("--stats-json", default="", metavar="PATH",
+                   help="on exit, write the server's counters and its recent batched steps here")
     s.add_argument("--pipeline", type=int, default=d["pipeline"].default,
                    help="pipeline stages for the middle layers, one process each under torchrun (default %(default)s)")
     s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
@@ -61,6 +64,7 @@ def main(argv=None) -> int:
             prefill_floor=args.prefill_floor,
             kv_positions=args.kv_positions,
             pipeline=args.pipeline,
+            stats_json=args.stats_json,
         )
     except ValueError as exc:
         print(f"hat-cloud: {exc}", file=sys.stderr)
@@ -131,6 +135,9 @@ def serve(config: CloudConfig) -> int:
         return 1
     finally:
         server.close()  # stops the pipeline stages too
+        if config.stats_json:
+            with open(config.stats_json, "w", encoding="utf-8") as f:
+                json.dump(server.report(), f)
     return 0
 
 

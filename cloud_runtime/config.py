@@ -23,6 +23,7 @@ class CloudConfig:
     token_budget: int = 512  # split protocols: positions per batched step, all sessions (cloud_runtime.scheduler)
     prefill_floor: int = 64  # of each step, kept for waiting prompt work
     kv_positions: int = 1 << 18  # middle-part KV cache positions, all sessions together
+    stats_json: str = ""  # on exit, write the server's counters and per-step log here (benchmarks)
     pipeline: int = 1  # stages of the middle layers, one torch.distributed process each (cloud_runtime.pipeline)
 
     def __post_init__(self) -> None:

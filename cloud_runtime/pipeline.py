@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgspec
 
 from cloud_runtime.runner import Job, StageRunner
+from hat_split.partition import free_layers
 
 log = logging.getLogger("hatspec.cloud")
 IDLE_TIMEOUT = timedelta(days=30)  # a stage waits this long for its next batch (an idle server is not an error)
@@ -59,10 +60,7 @@ def keep_stage(model: Any, lo: int, hi: int) -> None:
     """Free what a stage does not run: the other layers, the embeddings and the head (a worker holds its slice)."""
     import torch
 
-    layers = model.model.layers
-    for i in range(len(layers)):
-        if not lo <= i < hi:
-            layers[i] = torch.nn.Identity()
+    free_layers(model, [i for i in range(len(model.model.layers)) if not lo <= i < hi])
     model.model.embed_tokens = torch.nn.Identity()
     model.lm_head = torch.nn.Identity()
 

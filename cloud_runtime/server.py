@@ -49,6 +49,7 @@ class ServerStats:
     sessions_opened: int = 0
     sessions_expired: int = 0
     errors_by_code: Dict[str, int] = field(default_factory=dict)
+    busy_s: float = 0.0  # loop time spent handling messages and computing steps (waiting on the socket excluded)
 
 
 class CloudServer:
@@ -124,13 +125,27 @@ class CloudServer:
         while self._running and not (until and until()):
             # launchable work: do not wait; batches in pipeline stages: look again soon; idle: wake to expire sessions
             wait_ms = 0 if self.batcher.can_launch else 1 if self.batcher.busy else self.config.poll_ms
-            if poller.poll(wait_ms):
+            ready = poller.poll(wait_ms)
+            t0, steps = time.perf_counter(), self.batcher.stats.steps
+            if ready:
                 self.drain()
             self.step()
+            if ready or self.batcher.stats.steps != steps:
+                self.stats.busy_s += time.perf_counter() - t0
             now = time.monotonic()
             if now - last_sweep >= 1.0:
                 self.expire_idle(now)
                 last_sweep = now
+
+    def report(self) -> dict:
+        """Counters of the server and of its batched steps (`hat-cloud serve --stats-json`)."""
+        import dataclasses
+
+        b = self.batcher.stats
+        own = b.stage_s[0] if b.stage_s else 0.0  # this process's model time (a pipeline: stage 0's)
+        return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.executor.stages,
+                "steps": dataclasses.asdict(b),
+                "overhead": 1.0 - own / self.stats.busy_s if self.stats.busy_s > 0 and b.steps else None}
 
     def drain(self) -> None:
         """Handle every message already waiting, so that one batched step sees all of them."""

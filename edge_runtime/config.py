@@ -105,6 +105,7 @@ class SplitConfig:
     pd_topk: int = 3  # k of parallel drafting
     up_bps: float = 0.0  # initial β_up guess (a link profile's), bit/s; replaced by the cloud's measurements
     down_bps: float = 0.0  # initial β_down guess, bit/s; replaced by the device's own measurements
+    slowdown: float = 1.0  # > 1 emulates a slower board: device compute is stretched to this many times its time
 
     def __post_init__(self) -> None:
         from hat_split.hidden_codec import HIDDEN_FORMATS
@@ -121,6 +122,8 @@ class SplitConfig:
             raise ValueError(f"chunking must be one of {', '.join(CHUNKING_MODES)}, got {self.chunking!r}")
         if self.chunk_tokens < 0 or self.pd_topk < 0 or self.up_bps < 0 or self.down_bps < 0:
             raise ValueError("chunk_tokens, pd_topk, up_bps and down_bps must be >= 0")
+        if not 1.0 <= self.slowdown <= 100.0:
+            raise ValueError(f"slowdown must be in [1, 100], got {self.slowdown}")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ class EdgeRuntime:
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         self.lm = CausalLM(self.loaded.model)
-        self.lm.warm_up()
+        if not any(getattr(layer, "freed", False) for layer in self.loaded.model.model.layers):
+            self.lm.warm_up()  # a model holding only its split parts (hat_split.partition.free_layers) runs no whole pass
         self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.client: Optional[CloudClient] = None
@@ -134,4 +135,5 @@ class EdgeRuntime:
             if not c.adapter:
                 raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with hat-distill)")
             self._adapter = load_adapter(c.adapter, self._split)
-        return SplitDrafter(self._split, self._adapter if protocol == "hat" else None, params, seed)
+        return SplitDrafter(self._split, self._adapter if protocol == "hat" else None, params, seed,
+                            slowdown=c.slowdown)

@@ -62,6 +62,7 @@ class SplitDrafter:
     tokens: List[int] = field(default_factory=list)
     compute_s: float = 0.0  # device model time of this request
     prefill_s: float = 0.0
+    slowdown: float = 1.0  # > 1: sleep so that each computation takes this many times as long (a slower board)
 
     def __post_init__(self) -> None:
         self.lam_stack = adapter_stack(self.split, self.adapter) if self.adapter is not None else None
@@ -250,6 +251,9 @@ class SplitDrafter:
 
     def _timed(self, t0: float, prefill: bool = False) -> None:
         dt = time.perf_counter() - t0
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * dt)
+            dt *= self.slowdown
         self.compute_s += dt
         if prefill:
             self.prefill_s += dt

@@ -312,6 +312,29 @@ def lm_head_logits(model: Any, normed: Any, train: bool = False) -> Any:
     return logits.float()
 
 
+def free_layers(model: Any, drop: Sequence[int]) -> None:
+    """Free the weights of decoder layers a process never runs (a device: the middle part; a pipeline stage: the
+    other stages'). Each is replaced by a stub that keeps its input norm, so `model_fingerprint` still matches, and
+    refuses to run."""
+    import torch
+
+    class FreedLayer(torch.nn.Module):
+        freed = True
+
+        def __init__(self, index: int, norm: Any):
+            super().__init__()
+            self.index = index
+            self.input_layernorm = norm
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError(f"decoder layer {self.index} was freed in this process: it runs elsewhere")
+
+    layers = model.model.layers
+    for i in drop:
+        if not getattr(layers[i], "freed", False):
+            layers[i] = FreedLayer(i, layers[i].input_layernorm)
+
+
 def check_family(model: Any) -> None:
     """Refuse, with the reason, a model whose layout the partition does not know."""
     kind = getattr(model.config, "model_type", "?")
