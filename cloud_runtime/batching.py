@@ -1,39 +1,43 @@
-"""Continuous batching of the split protocols' middle-part work (HAT §2.1, §3.3) inside the cloud server.
+"""Continuous batching of every protocol's model work (HAT §2.1, §3.3) inside the cloud server.
 
-A `Hidden` request is validated on arrival and becomes scheduler work (cloud_runtime.scheduler): "decode" when it is
-a decode / verify segment (at most max_draft_len + 1 positions), "prefill" otherwise (a prompt or a HAT prompt chunk,
-which the scheduler may split further over steps). The server drains its socket, then `step()` computes one batch of
-many sessions' segments — one forward per layer range (cloud_runtime.runner), in this process or through pipeline
-stages (cloud_runtime.pipeline) — and returns the `Deep` replies of the works it finished. Each batch that comes back
-feeds HAT's state monitoring (eq. 1-2) with its real token count and compute time.
+Each request is validated on arrival and becomes scheduler work (cloud_runtime.scheduler) on its session: "decode"
+when it is a decode / verify segment (at most max_draft_len + 1 positions), "prefill" otherwise (a prompt or a HAT
+prompt chunk, which the scheduler may split further over steps). Split protocols send hidden states for the middle
+layers; token protocols' tokens are embedded and run through every layer. The server drains its socket, then
+`step()` computes one batch of many sessions' segments — one forward per layer range (cloud_runtime.runner), in this
+process or through pipeline stages (cloud_runtime.pipeline) — and each finished work's `Pending.finish` builds the
+reply (Deep, Verdict, SessionOpened, Generated). Each batch that comes back feeds HAT's state monitoring (eq. 1-2)
+with its real token count and compute time.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
 from cloud_runtime.runner import Engine
-from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal, Work
-from cloud_runtime.split_session import MiddleSession
+from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal
 from hat_split import protocol as P
 from hat_split.chunking import DelayModel
-from hat_split.hidden_codec import encode_hidden
 
 log = logging.getLogger("hatspec.cloud")
 STEP_LOG = 4096  # batches whose size and time the stats keep (for the fleet benchmark's per-step figures)
 
 
 @dataclass
-class _Pending:
+class Pending:
+    """How to answer a queued work: `finish(output states, self)` returns the reply, or None after queueing more work
+    for the same request (`llm` decodes token by token) with this Pending."""
+
     identity: bytes
-    msg: P.Hidden
-    session: MiddleSession
-    uplink_bps: float
-    compute_s: float = 0.0  # compute time of the steps this work took part in
+    msg: Any
+    session: Any  # the server's session object; its compute_s gets this work's share of each step
+    finish: Callable[[Any, "Pending"], Optional[P.Message]]
+    uplink_bps: float = 0.0
+    compute_s: float = 0.0  # compute time of the steps this request took part in
 
 
 @dataclass
@@ -58,12 +62,14 @@ class StepStats:
         del self.step_log[:-STEP_LOG]
 
 
-class MiddleBatcher:
+class Batcher:
+    """The server's side of the engine (cloud_runtime.runner.Engine): queued works carry how to answer them."""
+
     def __init__(self, config: SchedulerConfig, executor: Any, load: DelayModel, decode_limit: int):
         self.engine = Engine(Scheduler(config), executor)
         self.load = load
-        self.decode_limit = decode_limit  # positions up to which a Hidden is decode / verify work
-        self._pending: Dict[int, _Pending] = {}  # id(work) → how to answer it
+        self.decode_limit = decode_limit  # positions up to which work is decode / verify
+        self._pending: Dict[int, Pending] = {}  # id(work) → how to answer it
         self.stats = StepStats()
 
     @property
@@ -74,11 +80,12 @@ class MiddleBatcher:
     def executor(self) -> Any:
         return self.engine.executor
 
-    def open(self, key: Hashable, session: MiddleSession) -> None:
+    def open(self, key: Hashable, start: int, stop: int) -> None:
+        """A session of layers [start, stop) (the full model for token protocols); replaces an open one."""
         if key in self.scheduler.sessions:
-            self.close(key)  # reopening an id replaces the old session
+            self.close(key)
         try:
-            self.engine.open(key, session.start, session.stop)
+            self.engine.open(key, start, stop)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
 
@@ -90,25 +97,20 @@ class MiddleBatcher:
         """(positions computed, positions queued) of a session."""
         return self.engine.held(key)
 
-    def submit(self, key: Hashable, identity: bytes, msg: P.Hidden, session: MiddleSession, states: np.ndarray,
-               uplink_bps: float) -> None:
-        """Queue a validated Hidden: crop the session to its position (only when nothing is queued), then its work."""
-        import torch
-
-        done, queued = self.held(key)
-        kind = "decode" if states.shape[0] <= self.decode_limit else "prefill"
-        x = torch.from_numpy(np.ascontiguousarray(states)).to(self.executor.dtype)[None]
+    def crop(self, key: Hashable, length: int) -> None:
         try:
-            if msg.position < done + queued:
-                if queued:
-                    raise P.ProtocolError("desync", f"position {msg.position} would roll back while {queued} "
-                                          "positions are still queued")
-                self.engine.crop(key, msg.position)
-                session.position = msg.position
-            work = self.engine.submit(key, kind, x)
+            self.engine.crop(key, length)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
-        self._pending[id(work)] = _Pending(identity, msg, session, uplink_bps)
+
+    def submit(self, key: Hashable, states: Any, pending: Pending) -> None:
+        """Queue `states # [1, n, hidden]` (a torch tensor in the model's dtype) as decode or prefill work."""
+        kind = "decode" if states.shape[1] <= self.decode_limit else "prefill"
+        try:
+            work = self.engine.submit(key, kind, states)
+        except SchedulerRefusal as exc:
+            raise P.ProtocolError(exc.code, exc.message) from None
+        self._pending[id(work)] = pending
 
     @property
     def busy(self) -> bool:
@@ -118,8 +120,8 @@ class MiddleBatcher:
     def can_launch(self) -> bool:
         return self.engine.can_launch
 
-    def step(self, cloud_state: Callable[[], P.CloudState]) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
-        """Launch and collect batches: (identity, reply) for every work finished, and the sessions dropped because
+    def step(self) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
+        """Launch and collect batches: (identity, reply) for every request finished, and the sessions dropped because
         their batch failed (each of their queued works answered with an Error)."""
         t0 = time.perf_counter()
         try:
@@ -135,23 +137,24 @@ class MiddleBatcher:
                 if p is not None:
                     p.compute_s += report.compute_s
                     p.session.compute_s += report.compute_s * seg.n / batch.tokens
-        replies = [self._reply(w, out, cloud_state) for w, out in finished]
+        replies = []
+        for work, out in finished:
+            p = self._pending.pop(id(work), None)
+            if p is None:
+                continue
+            try:
+                reply = p.finish(out, p)
+            except P.ProtocolError as exc:  # e.g. the next token's work does not fit any more
+                reply = P.Error(exc.code, exc.message, getattr(p.msg, "session_id", None), getattr(p.msg, "step", None))
+            except Exception as exc:
+                log.exception("finishing a %s failed", type(p.msg).__name__)
+                reply = P.Error("internal", f"{type(exc).__name__}: {exc}", getattr(p.msg, "session_id", None),
+                                getattr(p.msg, "step", None))
+            if reply is not None:
+                replies.append((p.identity, reply))
         if reports or finished:
             self.stats.step_s += time.perf_counter() - t0
-        return [r for r in replies if r is not None], []
-
-    def _reply(self, work: Work, deep: Any, cloud_state: Callable[[], P.CloudState]):
-        p = self._pending.pop(id(work), None)
-        if p is None:
-            return None
-        m = p.msg
-        out = None
-        if m.want:
-            out = encode_hidden(deep[0, deep.shape[1] - m.want:].float().numpy(), p.session.hidden_format)
-        p.session.position = self.held(work.session)[0]
-        p.session.last_active = time.monotonic()
-        return p.identity, P.Deep(m.session_id, m.step, p.session.position, out, p.compute_s, p.uplink_bps,
-                                  cloud_state())
+        return replies, []
 
     def _fail(self, why: str) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
         out, dropped = [], []

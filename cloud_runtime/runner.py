@@ -104,12 +104,13 @@ class StageRunner:
 
 
 class LocalExecutor:
-    """Every layer in this process: a batch is computed when launched."""
+    """Every layer in this process: a batch is computed when launched. Without a model (one whose layers the
+    partition does not know) nothing can be launched."""
 
     depth = 1  # batches in flight
 
     def __init__(self, model: Any):
-        self.runner = StageRunner(model)
+        self.runner = StageRunner(model) if model is not None else None
         self._done: List[Tuple[int, List[Any], float, Tuple[float, ...]]] = []
 
     @property
@@ -121,7 +122,8 @@ class LocalExecutor:
         return 1
 
     def apply(self, ops: Sequence[Tuple[str, int, int]]) -> None:
-        self.runner.apply(ops)
+        if self.runner is not None:
+            self.runner.apply(ops)
 
     def launch(self, step: int, jobs: Sequence[Job], xs: Sequence[Any]) -> None:
         outs, compute_s = self.runner.run(jobs, xs)
@@ -150,6 +152,7 @@ class Engine:
         self._inputs: Dict[int, Any] = {}  # id(work) → `# [1, tokens, hidden]`
         self._partial: Dict[int, List[Any]] = {}  # id(work) → outputs of its segments so far
         self._launched: List[Tuple[Batch, float]] = []  # batches in flight and their launch time, oldest first
+        self.launches = 0  # batches launched so far
 
     def open(self, key: Hashable, start: int, stop: int) -> None:
         """A session of layers [start, stop); its cache is empty (SchedulerRefusal if it cannot be admitted)."""
@@ -209,6 +212,7 @@ class Engine:
                 if seg.final:
                     del self._inputs[id(seg.work)]
             self._launched.append((batch, time.perf_counter()))
+            self.launches += 1
             self.executor.launch(batch.step, jobs, xs)
         finished, reports = [], []
         for step, outs, compute_s, stage_s in self.executor.collect():

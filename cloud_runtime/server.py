@@ -1,8 +1,12 @@
 """The cloud's ZeroMQ ROUTER server: one loop, many devices, one session per device request.
 
 Every request is decoded and validated before any compute (hat_split.protocol); anything wrong is answered with an
-`Error` naming the problem and the loop carries on with the next message. Sessions keep the target's KV cache
-between rounds and are dropped after `session_timeout_s` of silence, freeing their memory.
+`Error` naming the problem and the loop carries on with the next message. Valid model work is queued, not computed
+on arrival: the loop drains every waiting message, then runs one batched step of many sessions' work
+(cloud_runtime.batching: token protocols' tokens through every layer, split protocols' hidden states through the
+middle ones; in this process or pipeline stages) and answers the requests it finished. Sessions keep their KV caches
+between rounds and are dropped after `session_timeout_s` of silence, freeing their memory. A model whose layout the
+partition does not know (hat_split.partition.check_family) serves token protocols one request at a time instead.
 
 Flow control is request/response: a device has at most one request in flight, so the ROUTER never queues more than
 one reply per device. ROUTER_MANDATORY makes a reply to a vanished device fail loudly (it is then dropped) rather
@@ -18,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import zmq
 
-from cloud_runtime.batching import MiddleBatcher
+from cloud_runtime.batching import Batcher, Pending
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.runner import LocalExecutor
 from cloud_runtime.scheduler import SchedulerConfig
@@ -27,9 +31,9 @@ from cloud_runtime.split_session import MiddleSession
 from hat_split import protocol as P
 from hat_split.chunking import DelayModel, chunk_size
 from hat_split.dist_codec import decode_dist
-from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden
+from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
 from hat_split.lm import CausalLM
-from hat_split.partition import check_family, model_fingerprint
+from hat_split.partition import check_family, embed, head_logits, model_fingerprint
 from hat_split.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.cloud")
@@ -66,8 +70,14 @@ class CloudServer:
         self.limits = P.Limits(lm.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
         self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TargetSession or MiddleSession
         self.load = DelayModel()  # HAT state monitoring of the middle part's steps (eq. 1-2)
-        executor = LocalExecutor(lm.model) if executor is None else executor
-        self.batcher = MiddleBatcher(SchedulerConfig(config.token_budget, config.prefill_floor, config.kv_positions,
+        model = getattr(lm, "model", None)  # None: a model without layers (tests' Markov chains)
+        try:  # the batched steps need a model whose layout is known; token protocols then run in them too
+            check_family(model)
+            self._batched_tokens = True
+        except ValueError:
+            self._batched_tokens = False
+        executor = LocalExecutor(model if self._batched_tokens else None) if executor is None else executor
+        self.batcher = Batcher(SchedulerConfig(config.token_budget, config.prefill_floor, config.kv_positions,
                                                      config.max_context, config.max_sessions, executor.depth),
                                      executor, self.load, config.max_draft_len + 1)
         self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
@@ -126,11 +136,11 @@ class CloudServer:
             # launchable work: do not wait; batches in pipeline stages: look again soon; idle: wake to expire sessions
             wait_ms = 0 if self.batcher.can_launch else 1 if self.batcher.busy else self.config.poll_ms
             ready = poller.poll(wait_ms)
-            t0, steps = time.perf_counter(), self.batcher.stats.steps
+            t0, work = time.perf_counter(), (self.batcher.stats.steps, self.batcher.engine.launches)
             if ready:
                 self.drain()
             self.step()
-            if ready or self.batcher.stats.steps != steps:
+            if ready or (self.batcher.stats.steps, self.batcher.engine.launches) != work:
                 self.stats.busy_s += time.perf_counter() - t0
             now = time.monotonic()
             if now - last_sweep >= 1.0:
@@ -157,9 +167,9 @@ class CloudServer:
             self.handle_one(raw)
 
     def step(self) -> None:
-        """One batched step of the split protocols' queued work; sends the replies of the work it finished."""
+        """Launch and collect batched steps of every session's queued work; sends the replies of what finished."""
         try:
-            replies, dropped = self.batcher.step(self._cloud_state)
+            replies, dropped = self.batcher.step()
         except Exception:  # a bug here must not take the server down; the batch's devices time out and retry
             log.exception("batched step failed")
             return
@@ -257,13 +267,41 @@ class CloudServer:
         key = (identity, msg.session_id)
         if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+        self.sessions.pop(key, None)
         self.batcher.close(key)  # the id may have been a split session
         session = TargetSession(self.lm, msg.session_id, msg.protocol, params, msg.seed, prompt.tolist())
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        if self._batched_tokens:
+            self.batcher.open(key, 0, self.lm.model.config.num_hidden_layers)
         self.sessions[key] = session  # reopening an id replaces the old session
         self.stats.sessions_opened += 1
-        session.prefill()
-        return P.SessionOpened(msg.session_id, len(session.tokens), session.compute_s)
+        opened = lambda compute_s: P.SessionOpened(msg.session_id, len(session.tokens), compute_s)  # noqa: E731
+        if not self._batched_tokens:
+            session.prefill()
+            return opened(session.compute_s)
+        if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
+            return opened(0.0)
+        self._queue_tokens(key, identity, msg, session, session.tokens[:-1], lambda out, p: opened(p.compute_s))
+        return None
+
+    def _queue_tokens(self, key, identity: bytes, msg: Any, session: TargetSession, tokens: List[int],
+                      finish: Callable[[Any, Pending], Optional[P.Message]], pending: Optional[Pending] = None) -> None:
+        """Queue `tokens` of a token-protocol session for the batched steps (their embeddings through every layer);
+        `finish(final hidden states, pending)` answers."""
+        x = embed(self.lm.model, tokens)
+        if pending is None:
+            pending = Pending(identity, msg, session, finish)
+        pending.finish = finish
+        self.batcher.submit(key, x, pending)
+
+    def _logits(self, out: Any, n: int, pending: Pending) -> np.ndarray:
+        """Float32 logits `# [n, vocab]` of the last n positions of final hidden states; head time counts as compute."""
+        t0 = time.perf_counter()
+        logits = head_logits(self.lm.model, out[:, out.shape[1] - n:])[0].numpy()
+        dt = time.perf_counter() - t0
+        pending.compute_s += dt
+        pending.session.compute_s += dt
+        return logits
 
     def _session(self, identity: bytes, msg: Any, kind: type = TargetSession) -> Any:
         session = self.sessions.get((identity, msg.session_id))
@@ -279,10 +317,12 @@ class CloudServer:
             if msg.position > done + queued:
                 raise P.ProtocolError("desync", f"device assumes position {msg.position}, the cloud holds "
                                       f"{done} positions and has {queued} queued")
-        elif msg.position != len(session.tokens):
-            raise P.ProtocolError(
-                "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens"
-            )
+        else:
+            if msg.position != len(session.tokens):
+                raise P.ProtocolError(
+                    "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens")
+            if self._batched_tokens and self.batcher.held((identity, msg.session_id))[1]:
+                raise P.ProtocolError("busy_session", f"session {msg.session_id} still has a request being computed")
         session.last_active = time.monotonic()
         return session
 
@@ -302,10 +342,24 @@ class CloudServer:
             raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent with it")
         uplink_bps = self._uplink_bps(session, msg.idle_s)
         compute0 = session.compute_s
-        n, token = session.verify(new.tolist(), draft.tolist(), q)
+        if not self._batched_tokens:
+            n, token = session.verify(new.tolist(), draft.tolist(), q)
+            session.step = msg.step
+            return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), session.compute_s - compute0,
+                             uplink_bps)
+        key, drafts = (identity, msg.session_id), draft.tolist()
+        feed = session.tokens[self.batcher.held(key)[0]:] + new.tolist() + drafts
+
+        def finish(out: Any, p: Pending) -> P.Message:
+            n, token, keep = session.accept(drafts, q, self._logits(out, L + 1, p))
+            self.batcher.crop(key, keep)  # keep the accepted drafts, drop the rejected tail
+            return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps)
+
+        pending = Pending(identity, msg, session, finish, uplink_bps)
+        self._queue_tokens(key, identity, msg, session, feed, finish, pending)
+        session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
         session.step = msg.step
-        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), session.compute_s - compute0,
-                         uplink_bps)
+        return None
 
     def _uplink_bps(self, session: TargetSession, idle_s: float) -> float:
         """The uplink rate this request saw: its bits over the time it spent on the link.
@@ -330,19 +384,34 @@ class CloudServer:
         if len(session.tokens) + new.shape[0] + msg.n > lim.max_context:
             raise P.ProtocolError("context", f"session would exceed max_context={lim.max_context} tokens")
         compute0 = session.compute_s
-        tokens = session.generate(new.tolist(), msg.n)
+        if not self._batched_tokens or msg.n < 1:
+            tokens = session.generate(new.tolist(), msg.n)
+            session.step = msg.step
+            return P.Generated(msg.session_id, msg.step, np.asarray(tokens, np.int32), len(session.tokens),
+                               session.compute_s - compute0)
+        key, out_tokens = (identity, msg.session_id), []
+        feed = session.tokens[self.batcher.held(key)[0]:] + new.tolist()
+
+        def finish(out: Any, p: Pending) -> Optional[P.Message]:  # one token per step, like any decoding device
+            out_tokens.append(session.sample_next(self._logits(out, 1, p)))
+            if len(out_tokens) < msg.n:
+                self._queue_tokens(key, identity, msg, session, out_tokens[-1:], finish, p)
+                return None
+            return P.Generated(msg.session_id, msg.step, np.asarray(out_tokens, np.int32), len(session.tokens),
+                               p.compute_s)
+
+        self._queue_tokens(key, identity, msg, session, feed, finish)
+        session.tokens.extend(new.tolist())
         session.step = msg.step
-        return P.Generated(
-            msg.session_id, msg.step, np.asarray(tokens, np.int32), len(session.tokens), session.compute_s - compute0
-        )
+        return None
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
         session = self.sessions.get((identity, msg.session_id))
         if session is None:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
+        self.batcher.close((identity, msg.session_id))
         if isinstance(session, MiddleSession):  # no tokens to digest: report the positions held
             del self.sessions[(identity, msg.session_id)]
-            self.batcher.close((identity, msg.session_id))
             return P.Closed(msg.session_id, session.step, session.compute_s, session.position, 0)
         if msg.new_tokens is not None:  # the device's last skipped tokens: append (no compute) before the digest
             new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size)
@@ -361,7 +430,7 @@ class CloudServer:
     def _open_split(self, identity: bytes, msg: P.OpenSplit) -> P.Message:
         if msg.protocol not in SPLIT_PROTOCOLS:
             raise P.ProtocolError("invalid", f"OpenSplit is for {SPLIT_PROTOCOLS}, not {msg.protocol!r}")
-        model = self.lm.model
+        model = getattr(self.lm, "model", None)
         try:
             check_family(model)
         except ValueError as exc:
@@ -383,7 +452,7 @@ class CloudServer:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
         session = MiddleSession(msg.session_id, msg.protocol, msg.hidden_format, msg.start, msg.stop)
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
-        self.batcher.open(key, session)
+        self.batcher.open(key, msg.start, msg.stop)
         self.sessions[key] = session
         self.stats.sessions_opened += 1
         hidden = int(model.config.hidden_size)
@@ -394,6 +463,8 @@ class CloudServer:
         return P.SplitOpened(msg.session_id, hidden, chunk, self._cloud_state())
 
     def _hidden(self, identity: bytes, msg: P.Hidden) -> P.Message:
+        import torch
+
         session = self._session(identity, msg, MiddleSession)
         states = msg.states.values
         if not isinstance(states, np.ndarray) or states.ndim != 2 or states.shape[0] < 1:
@@ -407,7 +478,26 @@ class CloudServer:
             raise P.ProtocolError("invalid", f"want={msg.want} exceeds the {n} states sent")
         if msg.position + n > self.limits.max_context:
             raise P.ProtocolError("context", f"session would exceed max_context={self.limits.max_context} positions")
-        self.batcher.submit((identity, msg.session_id), identity, msg, session, x, self._uplink_bps(session, msg.idle_s))
+        key = (identity, msg.session_id)
+        done, queued = self.batcher.held(key)
+        if msg.position < done + queued:  # the device rolled back (rejected drafts): only with nothing queued
+            if queued:
+                raise P.ProtocolError("desync", f"position {msg.position} would roll back while {queued} positions "
+                                      "are still queued")
+            self.batcher.crop(key, msg.position)
+            session.position = msg.position
+        states = torch.from_numpy(np.ascontiguousarray(x)).to(self.batcher.executor.dtype)[None]
+
+        def finish(deep: Any, p: Pending) -> P.Message:
+            out = None
+            if msg.want:
+                out = encode_hidden(deep[0, deep.shape[1] - msg.want:].float().numpy(), session.hidden_format)
+            session.position = self.batcher.held(key)[0]
+            session.last_active = time.monotonic()
+            return P.Deep(msg.session_id, msg.step, session.position, out, p.compute_s, p.uplink_bps,
+                          self._cloud_state())
+
+        self.batcher.submit(key, states, Pending(identity, msg, session, finish, self._uplink_bps(session, msg.idle_s)))
         session.step = msg.step
         return None  # answered by step() once computed
 

@@ -1,8 +1,11 @@
 """One device's generation session on the cloud: the target's KV cache and the committed sequence.
 
-Token protocols (`sd`, `hlm`, `llm`) run the full target model here. The cache convention is hat_split.lm's: the cache
-covers `tokens[:kv.length]`; the last committed token is fed together with the next drafts, so the prefix is never
-recomputed and a rejected draft position is cropped away before the next step.
+Token protocols (`sd`, `hlm`, `llm`, ...) verify against the full target model. In the server the model work runs in
+batched steps with other sessions' (cloud_runtime.batching) and this object keeps the committed tokens, sampling and
+verification (`accept`, `sample_next`); `prefill` / `verify` / `generate` run the model here on the session's own
+HF cache (in-process calibration; a model the batched path does not know). The cache convention is hat_split.lm's:
+the cache covers `tokens[:kv.length]`; the last committed token is fed together with the next drafts, so the prefix
+is never recomputed and a rejected draft position is cropped away before the next step.
 """
 from __future__ import annotations
 
@@ -52,27 +55,35 @@ class TargetSession:
     def verify(self, new_tokens: List[int], draft: List[int], q: np.ndarray) -> tuple[int, int]:
         """Commit new_tokens, verify `draft` (sampled from q `# [L, vocab]`); returns (n_accepted, next token)."""
         self.tokens.extend(new_tokens)
-        L = len(draft)
-        logits = self._timed(lambda: self._feed_pending(draft, L + 1))  # [L + 1, vocab]
+        logits = self._timed(lambda: self._feed_pending(draft, len(draft) + 1))  # [L + 1, vocab]
+        n, token, keep = self.accept(draft, q, logits)
+        self.lm.crop(self.kv, keep)  # keep accepted drafts, drop the rejected tail
+        return n, token
+
+    def accept(self, draft: List[int], q: np.ndarray, logits: np.ndarray) -> tuple[int, int, int]:
+        """Verify `draft` against the target's logits `# [L + 1, vocab]` at the draft positions (and the bonus one),
+        commit the accepted drafts and the next token; returns (n_accepted, next token, cache positions to keep)."""
         p = self.last_p = warp(logits, self.params)  # [L + 1, vocab]
         result = verify_rng(np.asarray([draft]), q[None], p[None], self.rng)
         n = int(result.n_accepted[0])
         token = int(result.tokens[0, n])
         base = len(self.tokens)
         self.tokens.extend(draft[:n] + [token])
-        self.lm.crop(self.kv, base + n)  # keep accepted drafts, drop the rejected tail
-        return n, token
+        return n, token, base + n
 
     def generate(self, new_tokens: List[int], n: int) -> List[int]:
         """Commit new_tokens, then decode n tokens with the target alone (protocol `llm`)."""
         self.tokens.extend(new_tokens)
         out: List[int] = []
         for _ in range(n):
-            logits = self._timed(lambda: self._feed_pending([], 1))  # [1, vocab]
-            token = int(sample_rng(warp(logits, self.params), self.rng)[0])
-            self.tokens.append(token)
-            out.append(token)
+            out.append(self.sample_next(self._timed(lambda: self._feed_pending([], 1))))  # logits [1, vocab]
         return out
+
+    def sample_next(self, logits: np.ndarray) -> int:
+        """Sample and commit the target's next token from its logits `# [1, vocab]` (protocol `llm`)."""
+        token = int(sample_rng(warp(logits, self.params), self.rng)[0])
+        self.tokens.append(token)
+        return token
 
     def _timed(self, fn):
         t0 = time.perf_counter()

@@ -253,10 +253,7 @@ class SplitModel:
         return self.model.model.embed_tokens.weight.dtype
 
     def embed(self, tokens: Sequence[int]) -> Any:
-        import torch
-
-        with torch.inference_mode():
-            return self.model.model.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n, hidden]
+        return embed(self.model, tokens)
 
     def run_input(self, cache: PartCache, tokens: Sequence[int]) -> Any:
         """Shallow hidden states `# [1, n, hidden]` of `tokens` (embeddings + the first m layers)."""
@@ -286,6 +283,14 @@ class SplitModel:
 
     def fingerprint(self) -> str:
         return model_fingerprint(self.model)
+
+
+def embed(model: Any, tokens: Sequence[int]) -> Any:
+    """Input embeddings `# [1, n, hidden]` of token ids (Gemma's scale is inside its embedding module)."""
+    import torch
+
+    with torch.inference_mode():
+        return model.model.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))
 
 
 def head_logits(model: Any, hidden: Any, train: bool = False) -> Any:
@@ -337,7 +342,7 @@ def free_layers(model: Any, drop: Sequence[int]) -> None:
 
 def check_family(model: Any) -> None:
     """Refuse, with the reason, a model whose layout the partition does not know."""
-    kind = getattr(model.config, "model_type", "?")
+    kind = getattr(getattr(model, "config", None), "model_type", "?")
     inner = getattr(model, "model", None)
     missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
     if kind not in SUPPORTED_FAMILIES or missing or not hasattr(model, "lm_head"):

@@ -12,6 +12,8 @@ Systems (HAT's baselines, §4.1), each against its own freshly started cloud:
   U-Sarathi  ushape; the cloud splits prompts into chunks inside its token budget beside decodes (Sarathi-style)
   HAT        hat: device-side prompt chunking, speculative decoding with the adapter, parallel drafting; the
              cloud batches as U-Sarathi
+  HAT-noPD   HAT without parallel drafting (not in the default list): on one shared host the devices' extra draft
+             steps take cores from the cloud, which separate boards would not
 Token protocols (`sd`) are not in this benchmark yet: the cloud serves them one request at a time.
 
 Three experiments share the systems and the arrival sequences (one sequence per (N, rate), the same for every system):
@@ -35,6 +37,7 @@ SYSTEMS = {  # name: (protocol, SplitConfig fields, cloud arguments)
     "U-shape": ("ushape", {"chunking": "off"}, ["--token-budget", "65536", "--prefill-floor", "0"]),
     "U-Sarathi": ("ushape", {"chunking": "off"}, []),
     "HAT": ("hat", {"chunking": "auto", "parallel_draft": True}, []),
+    "HAT-noPD": ("hat", {"chunking": "auto", "parallel_draft": False}, []),
 }
 LINKS = ("wifi-near", "wifi-mid", "wifi-far")
 BOARDS = (("orin", 1.0), ("xavier-fast", 1.5), ("xavier", 2.0))  # (name, compute slowdown)
@@ -45,7 +48,7 @@ def add_parser(sub) -> None:
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--m", type=int, default=2, help="layers of the device's input part")
     s.add_argument("--adapter", default="", help="hat-distill artifact (default runs/adapters/<model>-m<m>)")
-    s.add_argument("--systems", default=",".join(SYSTEMS))
+    s.add_argument("--systems", default="U-shape,U-Sarathi,HAT", help=f"of {', '.join(SYSTEMS)}")
     s.add_argument("--sweep-n", type=int, default=16, help="fleet size of the rate sweep and the pipeline runs")
     s.add_argument("--rates", default="0.1,0.2,0.4", help="fleet request rates of the sweep, requests/s")
     s.add_argument("--fleet-sizes", default="8,16,30")
@@ -247,7 +250,7 @@ def run(args) -> int:
     if min(rates + [args.scale_rate]) <= 0 or min(sizes + [args.sweep_n]) < 1 or (stages and min(stages) < 2):
         raise ValueError("rates must be > 0, fleet sizes >= 1 and pipeline lengths >= 2")
     adapter = args.adapter or f"runs/adapters/{args.model}-m{args.m}"
-    if "HAT" in systems and not os.path.exists(os.path.join(adapter, "adapter.json")):
+    if any(SYSTEMS[x][0] == "hat" for x in systems) and not os.path.exists(os.path.join(adapter, "adapter.json")):
         raise ValueError(f"no adapter at {adapter!r}: run hat-distill --model {args.model} --m {args.m} first")
 
     runs = []  # (experiment, system, N, rate, pipeline)

@@ -88,3 +88,29 @@ def test_bytes_are_counted_from_frames(tiny_server, tiny_pair):
     # hlm sends one dense float16 row of the 512-token vocabulary per round
     assert result.up_bytes >= result.rounds * 512 * 2
     assert result.round_trips == result.rounds + 2  # + open and close
+
+
+def test_token_protocols_of_many_devices_share_batched_steps(tiny_server, tiny_pair):
+    """Six devices at once (sd with several draft lengths, hlm, llm): the cloud verifies and decodes them in shared
+    batched steps over every layer, and each still gets the target's greedy tokens."""
+    import threading
+
+    draft, target = tiny_pair
+    ref = _hf_greedy(target, 24)
+    jobs = [("sd", 1), ("sd", 4), ("sd", 7), ("hlm", 1), ("llm", 1), ("sd", 3)]
+    results, start = {}, threading.Barrier(len(jobs))
+    stats = tiny_server.batcher.stats
+    steps0, segments0 = stats.steps, stats.segments
+
+    def device(i, protocol, draft_len):
+        start.wait()
+        results[i] = _run(tiny_server, draft, protocol, SamplingParams(0.0), draft_len=draft_len)[0].tokens
+
+    threads = [threading.Thread(target=device, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results.get(i) for i in range(len(jobs))] == [ref] * len(jobs)
+    assert stats.segments - segments0 > stats.steps - steps0 > 0  # on average more than one session per step
+    assert not tiny_server.batcher.scheduler.sessions  # every session closed: its KV positions are free

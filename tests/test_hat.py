@@ -307,7 +307,8 @@ def test_split_session_refusals(tiny_server, tiny_pair):
 def _split_across_processes(smollm2, tmp_path, cloud_args):
     """A `hat-cloud serve` process (with `cloud_args`) holds smollm2's middle layers, a `hat-edge generate` process
     its input and output parts (and an adapter, untrained: exactness does not depend on it); temperature 0 must give
-    the full model's tokens for both split protocols."""
+    the full model's tokens for both split protocols, and for token protocols through the same batched steps (`sd`
+    drafting with smollm2 itself, `llm`)."""
     import json
     import os
     import subprocess
@@ -330,17 +331,17 @@ def _split_across_processes(smollm2, tmp_path, cloud_args):
     (tmp_path / "p.json").write_text(json.dumps([prompt]))
     with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32", *cloud_args], threads=1) as cloud:
         cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", "smollm2-135m", "--server",
-               cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat",
+               cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat,sd,llm",
                "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
                "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json")]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
         info = cloud.ready_info
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out.json").read_text())["results"]
-    assert [r["protocol"] for r in results] == ["ushape", "hat"]
+    assert [r["protocol"] for r in results] == ["ushape", "hat", "sd", "llm"]
     for r in results:
         assert r["tokens"] == ref, r["protocol"]
-        assert r["prefill_chunks"] == -(-len(ids) // 7)
+    assert [r["prefill_chunks"] for r in results[:2]] == [-(-len(ids) // 7)] * 2
     return info
 
 
