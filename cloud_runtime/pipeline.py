@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgspec
+import zmq
 
 from cloud_runtime.runner import Job, StageRunner
 from hat_split.partition import free_layers
@@ -126,6 +127,10 @@ class PipelineExecutor:
         self._sends: Dict[int, List[Any]] = {}  # step → send handles (and their tensors stay alive with them)
         self._done: "queue.Queue[Any]" = queue.Queue()
         self._closed = False
+        # the receiver thread pokes this socket when a batch is back, so the server's poller wakes without spinning
+        self._wake_address = f"inproc://pipeline-return-{id(self)}"
+        self.wake_socket = zmq.Context.instance().socket(zmq.PAIR)
+        self.wake_socket.bind(self._wake_address)
         self._thread = threading.Thread(target=self._receive, name="pipeline-return", daemon=True)
         self._thread.start()
         torch.distributed.barrier()  # every stage has loaded its layers
@@ -155,6 +160,11 @@ class PipelineExecutor:
         out = []
         while True:
             try:
+                self.wake_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
                 item = self._done.get_nowait()
             except queue.Empty:
                 return out
@@ -167,16 +177,23 @@ class PipelineExecutor:
             out.append((desc["step"], _split(x, _jobs(desc)), sum(times), times))
 
     def _receive(self) -> None:
+        wake = zmq.Context.instance().socket(zmq.PAIR)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_address)
         try:
             while True:
                 desc, x = _recv(self.depth - 1, self._dtype, self.hidden, self._back)
                 if desc.get("stop"):
                     return
                 self._done.put((desc, x))
+                wake.send(b"")
         except Exception as exc:  # the last stage went away
             if not self._closed:
                 log.error("pipeline return path failed: %s", exc)
                 self._done.put(exc)
+                wake.send(b"")
+        finally:
+            wake.close()
 
     def close(self) -> None:
         """Stop every stage (best effort: a stage already gone is not waited for)."""
@@ -188,6 +205,7 @@ class PipelineExecutor:
         except Exception as exc:
             log.warning("could not stop the pipeline stages: %s", exc)
         self._thread.join(timeout=10)
+        self.wake_socket.close(linger=0)
 
 
 # -- ranks 1 .. P-1 ------------------------------------------------------------------------------------------------

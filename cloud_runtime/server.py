@@ -131,11 +131,16 @@ class CloudServer:
         self._running = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        wake = getattr(self.batcher.executor, "wake_socket", None)  # readable when a pipeline batch is back
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         last_sweep = time.monotonic()
         while self._running and not (until and until()):
-            # launchable work: do not wait; batches in pipeline stages: look again soon; idle: wake to expire sessions
-            wait_ms = 0 if self.batcher.can_launch else 1 if self.batcher.busy else self.config.poll_ms
-            ready = poller.poll(wait_ms)
+            # launchable work: do not wait; batches in pipeline stages: until one is back (wake socket) or, without
+            # one, look again soon; idle: wake to expire sessions
+            waiting = self.batcher.busy and wake is None
+            wait_ms = 0 if self.batcher.can_launch else 1 if waiting else self.config.poll_ms
+            ready = any(sock is self._sock for sock, _ in poller.poll(wait_ms))
             t0, work = time.perf_counter(), (self.batcher.stats.steps, self.batcher.engine.launches)
             if ready:
                 self.drain()
