@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
-import numpy as np
-
 from cloud_runtime.runner import Engine
 from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal
 from hat_split import protocol as P

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import astuple
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -124,7 +125,7 @@ class PipelineExecutor:
         self._dtype = next(model.parameters()).dtype
         self._back = back_group
         self._ops: List[Tuple[str, int, int]] = []
-        self._sends: Dict[int, List[Any]] = {}  # step → send handles (and their tensors stay alive with them)
+        self._sends: Dict[int, Tuple[float, List[Any]]] = {}  # step → (launch time, send handles keeping tensors)
         self._done: "queue.Queue[Any]" = queue.Queue()
         self._closed = False
         # the receiver thread pokes this socket when a batch is back, so the server's poller wakes without spinning
@@ -151,10 +152,11 @@ class PipelineExecutor:
     def launch(self, step: int, jobs: Sequence[Job], xs: Sequence[Any]) -> None:
         import torch
 
+        launched_at = time.perf_counter()
         outs, compute_s = self.runner.run(jobs, xs)
         desc = {"step": step, "jobs": [list(astuple(j)) for j in jobs], "ops": self._ops, "times": [compute_s]}
         self._ops = []
-        self._sends[step] = _send(desc, torch.cat(outs, dim=1), 1)
+        self._sends[step] = (launched_at, _send(desc, torch.cat(outs, dim=1), 1))
 
     def collect(self) -> List[Tuple[int, List[Any], float, Tuple[float, ...]]]:
         out = []
@@ -171,10 +173,11 @@ class PipelineExecutor:
             if isinstance(item, BaseException):
                 raise RuntimeError(f"a pipeline stage failed: {item}") from item
             desc, x = item
-            for handle in self._sends.pop(desc["step"], []):
+            launched_at, handles = self._sends.pop(desc["step"])
+            for handle in handles:
                 handle.wait()
-            times = tuple(desc["times"])
-            out.append((desc["step"], _split(x, _jobs(desc)), sum(times), times))
+            out.append((desc["step"], _split(x, _jobs(desc)), time.perf_counter() - launched_at,
+                        tuple(desc["times"])))
 
     def _receive(self) -> None:
         wake = zmq.Context.instance().socket(zmq.PAIR)

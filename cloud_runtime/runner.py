@@ -130,7 +130,8 @@ class LocalExecutor:
         self._done.append((step, outs, compute_s, (compute_s,)))
 
     def collect(self) -> List[Tuple[int, List[Any], float, Tuple[float, ...]]]:
-        """Batches that came back, oldest first: (step, outputs, compute seconds, per-stage seconds)."""
+        """Batches that came back, oldest first: (step, outputs, compute seconds, per-stage seconds). Compute
+        seconds are what the batch cost the server: here its model time; through a pipeline, launch to return."""
         out, self._done = self._done, []
         return out
 
@@ -151,7 +152,7 @@ class Engine:
         self._sessions: Dict[Hashable, Tuple[int, int, int]] = {}  # key → (sid, first layer, stop layer)
         self._inputs: Dict[int, Any] = {}  # id(work) → `# [1, tokens, hidden]`
         self._partial: Dict[int, List[Any]] = {}  # id(work) → outputs of its segments so far
-        self._launched: List[Tuple[Batch, float]] = []  # batches in flight and their launch time, oldest first
+        self._launched: List[Batch] = []  # batches in flight, oldest first
         self.launches = 0  # batches launched so far
 
     def open(self, key: Hashable, start: int, stop: int) -> None:
@@ -211,16 +212,14 @@ class Engine:
                 xs.append(self._inputs[id(seg.work)][:, seg.offset:seg.offset + seg.n])
                 if seg.final:
                     del self._inputs[id(seg.work)]
-            self._launched.append((batch, time.perf_counter()))
+            self._launched.append(batch)
             self.launches += 1
             self.executor.launch(batch.step, jobs, xs)
         finished, reports = [], []
         for step, outs, compute_s, stage_s in self.executor.collect():
-            batch, launched_at = self._launched.pop(0)
+            batch = self._launched.pop(0)
             if batch.step != step:
                 raise RuntimeError(f"batch {step} came back where {batch.step} was expected")
-            if self.executor.depth > 1:
-                compute_s = time.perf_counter() - launched_at
             for seg, out in zip(batch.segments, outs):
                 s = self.scheduler.sessions.get(seg.session)
                 if s is not None and any(w is seg.work for w in s.queue):  # not closed meanwhile

@@ -286,18 +286,13 @@ class CloudServer:
             return opened(session.compute_s)
         if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
             return opened(0.0)
-        self._queue_tokens(key, identity, msg, session, session.tokens[:-1], lambda out, p: opened(p.compute_s))
+        self._queue_tokens(key, session.tokens[:-1], Pending(identity, msg, session, lambda out, p: opened(p.compute_s)))
         return None
 
-    def _queue_tokens(self, key, identity: bytes, msg: Any, session: TargetSession, tokens: List[int],
-                      finish: Callable[[Any, Pending], Optional[P.Message]], pending: Optional[Pending] = None) -> None:
+    def _queue_tokens(self, key: Tuple[bytes, int], tokens: List[int], pending: Pending) -> None:
         """Queue `tokens` of a token-protocol session for the batched steps (their embeddings through every layer);
-        `finish(final hidden states, pending)` answers."""
-        x = embed(self.lm.model, tokens)
-        if pending is None:
-            pending = Pending(identity, msg, session, finish)
-        pending.finish = finish
-        self.batcher.submit(key, x, pending)
+        `pending.finish(final hidden states, pending)` answers."""
+        self.batcher.submit(key, embed(self.lm.model, tokens), pending)
 
     def _logits(self, out: Any, n: int, pending: Pending) -> np.ndarray:
         """Float32 logits `# [n, vocab]` of the last n positions of final hidden states; head time counts as compute."""
@@ -360,8 +355,7 @@ class CloudServer:
             self.batcher.crop(key, keep)  # keep the accepted drafts, drop the rejected tail
             return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps)
 
-        pending = Pending(identity, msg, session, finish, uplink_bps)
-        self._queue_tokens(key, identity, msg, session, feed, finish, pending)
+        self._queue_tokens(key, feed, Pending(identity, msg, session, finish, uplink_bps))
         session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
         session.step = msg.step
         return None
@@ -400,12 +394,12 @@ class CloudServer:
         def finish(out: Any, p: Pending) -> Optional[P.Message]:  # one token per step, like any decoding device
             out_tokens.append(session.sample_next(self._logits(out, 1, p)))
             if len(out_tokens) < msg.n:
-                self._queue_tokens(key, identity, msg, session, out_tokens[-1:], finish, p)
+                self._queue_tokens(key, out_tokens[-1:], p)
                 return None
             return P.Generated(msg.session_id, msg.step, np.asarray(out_tokens, np.int32), len(session.tokens),
                                p.compute_s)
 
-        self._queue_tokens(key, identity, msg, session, feed, finish)
+        self._queue_tokens(key, feed, Pending(identity, msg, session, finish))
         session.tokens.extend(new.tolist())
         session.step = msg.step
         return None

@@ -13,6 +13,7 @@ from edge_runtime.generation import Generation, GenerationResult, run
 from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS, SPLIT_PROTOCOLS
 from hat_split import protocol as P
 from hat_split.lm import CausalLM
+from hat_split.partition import holds_all_layers
 from hat_split.sampling import SamplingParams
 
 
@@ -58,8 +59,8 @@ class EdgeRuntime:
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         self.lm = CausalLM(self.loaded.model)
-        if not any(getattr(layer, "freed", False) for layer in self.loaded.model.model.layers):
-            self.lm.warm_up()  # a model holding only its split parts (hat_split.partition.free_layers) runs no whole pass
+        if holds_all_layers(self.loaded.model):  # a model holding only its split parts runs no whole pass
+            self.lm.warm_up()
         self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.client: Optional[CloudClient] = None

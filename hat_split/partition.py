@@ -319,8 +319,8 @@ def lm_head_logits(model: Any, normed: Any, train: bool = False) -> Any:
 
 def free_layers(model: Any, drop: Sequence[int]) -> None:
     """Free the weights of decoder layers a process never runs (a device: the middle part; a pipeline stage: the
-    other stages'). Each is replaced by a stub that keeps its input norm, so `model_fingerprint` still matches, and
-    refuses to run."""
+    other stages'). Each becomes a `FreedLayer` holding only its input norm (so `model_fingerprint` still matches)
+    that raises if it is ever called."""
     import torch
 
     class FreedLayer(torch.nn.Module):
@@ -338,6 +338,11 @@ def free_layers(model: Any, drop: Sequence[int]) -> None:
     for i in drop:
         if not getattr(layers[i], "freed", False):
             layers[i] = FreedLayer(i, layers[i].input_layernorm)
+
+
+def holds_all_layers(model: Any) -> bool:
+    """False once `free_layers` has freed any decoder layer of the model."""
+    return not any(getattr(layer, "freed", False) for layer in model.model.layers)
 
 
 def check_family(model: Any) -> None:

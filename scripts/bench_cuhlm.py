@@ -25,6 +25,8 @@ from typing import Dict, List
 
 import numpy as np
 
+from scripts.bench_args import names, numbers
+
 # name -> (protocol, UncertaintyConfig overrides)
 VARIANTS: Dict[str, tuple] = {
     "llm": ("llm", {}),
@@ -64,16 +66,10 @@ def add_parser(sub) -> None:
     s.add_argument("--out", default="runs/bench_cuhlm.json", help="JSON report (PNG beside it)")
 
 
-def _floats(text: str) -> List[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _names(text: str) -> List[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in names if x not in VARIANTS]
-    if bad:
-        raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
-    return names
+def _variant_names(text: str) -> List[str]:
+    return names(text, VARIANTS, "variant")
 
 
 def _generate_all(rt, variants, ids, params, max_new, seed, base_unc, label) -> Dict[str, list]:
@@ -110,14 +106,14 @@ def run_models(args, variants, ids, base_unc) -> dict:
             out["loopback"] = _generate_all(rt, variants, ids, params, args.max_new_tokens, args.seed, base_unc,
                                             "loopback")
             loaded = rt.loaded
-        for snr in _floats(args.emulate_snr_db):
+        for snr in numbers(args.emulate_snr_db):
             ch = Channel("rayleigh", snr, args.bandwidth_mhz * 1e6)
             rate = ch.mean_rate() / 8  # bytes/s
             profile = LinkProfile(f"rayleigh-{snr:g}dB", rate, rate, 0.0, 0.0, "ergodic rate of the channel model")
             with LinkEmulator(profile, upstream=("127.0.0.1", cloud.port)) as link:
                 ecfg = dataclasses.replace(cfg, server=link.address, weight_quant="none")  # `loaded` is quantized
                 with EdgeRuntime(ecfg, loaded=loaded) as rt:
-                    runs = _generate_all(rt, _names(args.emulate_variants), ids[: args.emulate_prompts], params,
+                    runs = _generate_all(rt, _variant_names(args.emulate_variants), ids[: args.emulate_prompts], params,
                                          args.max_new_tokens, args.seed, base_unc, f"{snr:g} dB")
             out["emulated"][f"{snr:g}"] = {"up_rate_bytes_per_s": rate, "runs": runs}
     return out
@@ -167,7 +163,7 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
     hlm_bpt = total(runs["hlm"], "up_bytes") / total(runs["hlm"], "n_tokens") if "hlm" in runs else None
     llm_acc = float(np.mean(accuracy["llm"])) if "llm" in accuracy else None
     rng = np.random.default_rng(args.seed)
-    snrs = _floats(args.snr_db)
+    snrs = numbers(args.snr_db)
     summary: dict = {"tau_slm_s": tau_slm, "tau_llm_s": tau_llm, "variants": {}}
     for name, rows in runs.items():
         protocol = VARIANTS[name][0]
@@ -289,9 +285,9 @@ def run(args) -> int:
     from profiles.prompts import evaluation_prompts
 
     try:
-        variants = _names(args.variants)
-        _names(args.emulate_variants)
-        _floats(args.snr_db), _floats(args.emulate_snr_db)
+        variants = _variant_names(args.variants)
+        _variant_names(args.emulate_variants)
+        numbers(args.snr_db), numbers(args.emulate_snr_db)
         base_unc = UncertaintyConfig()
         if args.calibration:
             from hat_split.calibration import load

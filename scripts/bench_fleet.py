@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from scripts.bench_args import adapter_dir, names, numbers
+
 SYSTEMS = {  # name: (protocol, SplitConfig fields, cloud arguments)
     "U-shape": ("ushape", {"chunking": "off"}, ["--token-budget", "65536", "--prefill-floor", "0"]),
     "U-Sarathi": ("ushape", {"chunking": "off"}, []),
@@ -206,7 +208,7 @@ def _pct(values: List[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarise(rows: List[dict], cloud: dict, duration: float, ttft_sla: float, tbt_sla: float) -> dict:
+def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) -> dict:
     ttft = [r["ttft_s"] for r in rows]
     tbt = [r["tbt_s"] for r in rows if r["tbt_s"] is not None]
     log = cloud.get("steps", {}).get("step_log", [])
@@ -237,21 +239,14 @@ def run(args) -> int:
     from hat_split.loading import load_tokenizer
     from profiles.prompts import long_chat_prompts
 
-    systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        raise ValueError(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
-    experiments = [e for e in args.experiments.split(",") if e]
-    if any(e not in ("sweep", "scale", "pipeline") for e in experiments):
-        raise ValueError("--experiments takes sweep, scale and pipeline")
-    rates = [float(x) for x in args.rates.split(",") if x]
-    sizes = [int(x) for x in args.fleet_sizes.split(",") if x]
-    stages = [int(x) for x in args.pipeline_stages.split(",") if x]
+    systems = names(args.systems, SYSTEMS, "system")
+    experiments = names(args.experiments, ("sweep", "scale", "pipeline"), "experiment")
+    rates = numbers(args.rates)
+    sizes = numbers(args.fleet_sizes, int)
+    stages = numbers(args.pipeline_stages, int)
     if min(rates + [args.scale_rate]) <= 0 or min(sizes + [args.sweep_n]) < 1 or (stages and min(stages) < 2):
         raise ValueError("rates must be > 0, fleet sizes >= 1 and pipeline lengths >= 2")
-    adapter = args.adapter or f"runs/adapters/{args.model}-m{args.m}"
-    if any(SYSTEMS[x][0] == "hat" for x in systems) and not os.path.exists(os.path.join(adapter, "adapter.json")):
-        raise ValueError(f"no adapter at {adapter!r}: run hat-distill --model {args.model} --m {args.m} first")
+    adapter = adapter_dir(args.adapter, args.model, args.m, any(SYSTEMS[x][0] == "hat" for x in systems))
 
     runs = []  # (experiment, system, N, rate, pipeline)
     if "sweep" in experiments:
@@ -295,7 +290,7 @@ def run(args) -> int:
                 with open(stats_path, encoding="utf-8") as f:
                     cloud_stats = json.load(f)
                 os.remove(stats_path)
-            summary = summarise(rows, cloud_stats, args.duration, args.ttft_sla, args.tbt_sla)
+            summary = summarise(rows, cloud_stats, args.ttft_sla, args.tbt_sla)
             entry = {"experiment": exp, "system": system, "devices": n, "rate": rate, "pipeline": pipeline,
                      "arrivals": len(arrivals), "wall_s": time.perf_counter() - t0, "summary": summary,
                      "requests": rows, "cloud": {k2: v for k2, v in cloud_stats.items() if k2 != "steps"},

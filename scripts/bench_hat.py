@@ -26,6 +26,8 @@ from typing import Dict, List
 
 import numpy as np
 
+from scripts.bench_args import adapter_dir, names
+
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
     "U-shape": ("ushape", {"chunking": "off"}),
     "+SD": ("hat", {"chunking": "off", "parallel_draft": False}),
@@ -103,16 +105,11 @@ def run(args) -> int:
     from profiles.links import get_link_profile
     from profiles.prompts import long_chat_prompts
 
-    names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad:
-        raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    variants = names(args.variants, VARIANTS, "variant")
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
         raise ValueError("give at least one link profile")
-    adapter = args.adapter or f"runs/adapters/{args.model}-m{args.m}"
-    if any(VARIANTS[v][0] == "hat" for v in names) and not os.path.exists(os.path.join(adapter, "adapter.json")):
-        raise ValueError(f"no adapter at {adapter!r}: run hat-distill --model {args.model} --m {args.m} first")
+    adapter = adapter_dir(args.adapter, args.model, args.m, any(VARIANTS[v][0] == "hat" for v in variants))
     adapter_meta: dict = {}
     if os.path.exists(os.path.join(adapter, "adapter.json")):
         with open(os.path.join(adapter, "adapter.json"), encoding="utf-8") as f:
@@ -136,9 +133,9 @@ def run(args) -> int:
                     for _ in range(2):  # warm-up: the cloud's g() gets a prefill and decode steps, the device β
                         rt.config = dataclasses.replace(cfg, split=dataclasses.replace(base, **VARIANTS["HAT"][1]))
                         rt.generate(ids[0], "hat", params, 16, seed=args.seed)
-                    runs: Dict[str, List[dict]] = {v: [] for v in names}
+                    runs: Dict[str, List[dict]] = {v: [] for v in variants}
                     for i, x in enumerate(ids[1:]):
-                        for v in names:
+                        for v in variants:
                             protocol, fields = VARIANTS[v]
                             rt.config = dataclasses.replace(cfg, split=dataclasses.replace(base, **fields))
                             r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
