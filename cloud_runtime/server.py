@@ -54,6 +54,7 @@ class ServerStats:
     sessions_expired: int = 0
     errors_by_code: Dict[str, int] = field(default_factory=dict)
     busy_s: float = 0.0  # loop time spent handling messages and computing steps (waiting on the socket excluded)
+    head_s: float = 0.0  # model time outside the batched steps: token protocols' embeddings, final norm and head
 
 
 class CloudServer:
@@ -157,7 +158,7 @@ class CloudServer:
         import dataclasses
 
         b = self.batcher.stats
-        own = b.stage_s[0] if b.stage_s else 0.0  # this process's model time (a pipeline: stage 0's)
+        own = (b.stage_s[0] if b.stage_s else 0.0) + self.stats.head_s  # this process's model time (a pipeline: stage 0's)
         return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.executor.stages,
                 "steps": dataclasses.asdict(b),
                 "overhead": 1.0 - own / self.stats.busy_s if self.stats.busy_s > 0 and b.steps else None}
@@ -292,13 +293,17 @@ class CloudServer:
     def _queue_tokens(self, key: Tuple[bytes, int], tokens: List[int], pending: Pending) -> None:
         """Queue `tokens` of a token-protocol session for the batched steps (their embeddings through every layer);
         `pending.finish(final hidden states, pending)` answers."""
-        self.batcher.submit(key, embed(self.lm.model, tokens), pending)
+        t0 = time.perf_counter()
+        states = embed(self.lm.model, tokens)
+        self.stats.head_s += time.perf_counter() - t0
+        self.batcher.submit(key, states, pending)
 
     def _logits(self, out: Any, n: int, pending: Pending) -> np.ndarray:
         """Float32 logits `# [n, vocab]` of the last n positions of final hidden states; head time counts as compute."""
         t0 = time.perf_counter()
         logits = head_logits(self.lm.model, out[:, out.shape[1] - n:])[0].numpy()
         dt = time.perf_counter() - t0
+        self.stats.head_s += dt
         pending.compute_s += dt
         pending.session.compute_s += dt
         return logits

@@ -7,7 +7,7 @@ import json
 import sys
 
 from edge_runtime.config import (
-    CHUNKING_MODES, OVERLAP_MODES, PROTOCOLS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
+    CHUNKING_MODES, OVERLAP_MODES, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
 )
 from hat_split.hidden_codec import HIDDEN_FORMATS
 from edge_runtime.policy import POLICIES
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
     g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,
                    help="η: end a draft after a token whose draft probability is below η (0: always --draft-len)")
+    g.add_argument("--token-draft", default=d["token_draft"].default, choices=TOKEN_DRAFTS,
+                   help="what drafts for token protocols: the whole model, or the split draft of --adapter (a device "
+                        "holding only its parts of a large model)")
     g.add_argument("--overlap-prefill", default=d["overlap_prefill"].default, choices=OVERLAP_MODES,
                    help="run the draft's prompt prefill while the cloud prefills (auto: unless the server is local)")
     u = g.add_argument_group("uhlm / randhlm / cuhlm (U-HLM, CU-HLM); unset flags come from --calibration, "
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
                             dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
                             connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
                             weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
-                            overlap_prefill=args.overlap_prefill, split=_split_config(args))
+                            overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, split=_split_config(args))
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

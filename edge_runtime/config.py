@@ -14,6 +14,7 @@ OVERLAP_MODES = ("auto", "on", "off")
 PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq", "ushape",
              "hat")  # edge_runtime.protocols
 CHUNKING_MODES = ("auto", "off")
+TOKEN_DRAFTS = ("model", "adapter")
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ class EdgeConfig:
     qs: QSConfig = QSConfig()  # qs / ksqs / csqs / sq
     split: SplitConfig = SplitConfig()  # ushape / hat
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
+    token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
+    # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
     overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
     # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
 
@@ -174,6 +177,10 @@ class EdgeConfig:
             raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.token_draft not in TOKEN_DRAFTS:
+            raise ValueError(f"token_draft must be one of {', '.join(TOKEN_DRAFTS)}, got {self.token_draft!r}")
+        if self.token_draft == "adapter" and not self.split.adapter:
+            raise ValueError("token_draft 'adapter' needs split.adapter (a hat-distill directory, --adapter)")
         if self.overlap_prefill not in OVERLAP_MODES:
             raise ValueError(f"overlap_prefill must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_prefill!r}")
         for name in ("connect_timeout_s", "backoff_s", "request_timeout_s"):

@@ -66,6 +66,7 @@ class EdgeRuntime:
         self.client: Optional[CloudClient] = None
         self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
         self._adapter = None
+        self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
         self._session_ids = itertools.count(1)
         gen_cfg = getattr(self.loaded.model, "generation_config", None)
         eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
@@ -111,7 +112,7 @@ class EdgeRuntime:
         gen = Generation(
             config=self.config,
             drafter=self._split_drafter(protocol, params, seed) if protocol in SPLIT_PROTOCOLS
-            else Drafter(self.lm, params, self.config.dist_dtype),
+            else Drafter(self._token_lm(), params, self.config.dist_dtype),
             client=self.client,
             protocol=protocol,
             params=params,
@@ -123,18 +124,35 @@ class EdgeRuntime:
         )
         return run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
 
-    def _split_drafter(self, protocol: str, params: SamplingParams, seed: int):
-        """The device's parts of this runtime's model (and Λ for `hat`), built once."""
-        from edge_runtime.split_drafter import SplitDrafter
+    def _parts(self, adapter: bool):
+        """This runtime's model cut at split.m (and, when asked, its distilled Λ), built once."""
         from hat_split.adapter import load_adapter
         from hat_split.partition import SplitModel
 
         c = self.config.split
         if self._split is None:
             self._split = SplitModel(self.loaded.model, c.m, c.tail)
-        if protocol == "hat" and self._adapter is None:
+        if adapter and self._adapter is None:
             if not c.adapter:
                 raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with hat-distill)")
             self._adapter = load_adapter(c.adapter, self._split)
-        return SplitDrafter(self._split, self._adapter if protocol == "hat" else None, params, seed,
-                            slowdown=c.slowdown)
+        return self._split, self._adapter
+
+    def _token_lm(self):
+        """The token protocols' draft: the whole model, or the split draft output ∘ Λ ∘ input (token_draft)."""
+        if self.config.token_draft == "model":
+            return self.lm
+        if self._adapter_lm is None:
+            from hat_split.draft_lm import AdapterLM
+
+            self._adapter_lm = AdapterLM(*self._parts(adapter=True), slowdown=self.config.split.slowdown)
+            self._adapter_lm.warm_up()
+        return self._adapter_lm
+
+    def _split_drafter(self, protocol: str, params: SamplingParams, seed: int):
+        """The device's parts of this runtime's model (and Λ for `hat`)."""
+        from edge_runtime.split_drafter import SplitDrafter
+
+        split, adapter = self._parts(adapter=protocol == "hat")
+        return SplitDrafter(split, adapter if protocol == "hat" else None, params, seed,
+                            slowdown=self.config.split.slowdown)

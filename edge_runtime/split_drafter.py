@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hat_split.adapter import Adapter, adapter_stack
+from hat_split.lm import board_time
 from hat_split.partition import PartCache, SplitModel
 from hat_split.rng import keyed_uniform
 from hat_split.sampling import SamplingParams, sample, softmax_prob, warp
@@ -250,10 +251,7 @@ class SplitDrafter:
         state.stopped = False
 
     def _timed(self, t0: float, prefill: bool = False) -> None:
-        dt = time.perf_counter() - t0
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * dt)
-            dt *= self.slowdown
+        dt = board_time(time.perf_counter() - t0, self.slowdown)
         self.compute_s += dt
         if prefill:
             self.prefill_s += dt

@@ -18,6 +18,22 @@ from typing import Any, Sequence
 import numpy as np
 
 
+def check_feed(n: int, n_logits: int) -> None:
+    """A forward of n tokens returning the logits of the last n_logits positions: refuse what cannot be done."""
+    if n == 0:
+        raise ValueError("forward needs at least one token")
+    if not 0 <= n_logits <= n:
+        raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+
+
+def board_time(seconds: float, slowdown: float) -> float:
+    """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time."""
+    if slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * seconds)
+        return seconds * slowdown
+    return seconds
+
+
 @dataclass
 class KVState:
     """One session's KV cache and how many positions it covers."""
@@ -59,10 +75,7 @@ class CausalLM:
         from transformers import DynamicCache
 
         n = len(tokens)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if not 0 <= n_logits <= n:
-            raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+        check_feed(n, n_logits)
         if state.cache is None:
             state.cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]

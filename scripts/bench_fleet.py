@@ -14,7 +14,9 @@ Systems (HAT's baselines, §4.1), each against its own freshly started cloud:
              cloud batches as U-Sarathi
   HAT-noPD   HAT without parallel drafting (not in the default list): on one shared host the devices' extra draft
              steps take cores from the cloud, which separate boards would not
-Token protocols (`sd`) are not in this benchmark yet: the cloud serves them one request at a time.
+  SD         the token protocol sd with the same draft as HAT (output ∘ Λ ∘ input on the device, η = 0.6, at most 8
+             drafts): tokens and draft distributions cross the link and the cloud verifies with the whole model,
+             batched with the other devices' work; the device's draft prefill overlaps the cloud's
 
 Three experiments share the systems and the arrival sequences (one sequence per (N, rate), the same for every system):
   sweep     N = --sweep-n, every rate in --rates: TTFT and TBT mean / P50 / P90 vs rate (Fig. 6-7), SLA compliance
@@ -35,11 +37,15 @@ import numpy as np
 
 from scripts.bench_args import adapter_dir, names, numbers
 
-SYSTEMS = {  # name: (protocol, SplitConfig fields, cloud arguments)
-    "U-shape": ("ushape", {"chunking": "off"}, ["--token-budget", "65536", "--prefill-floor", "0"]),
-    "U-Sarathi": ("ushape", {"chunking": "off"}, []),
-    "HAT": ("hat", {"chunking": "auto", "parallel_draft": True}, []),
-    "HAT-noPD": ("hat", {"chunking": "auto", "parallel_draft": False}, []),
+SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" the SplitConfig fields, cloud arguments)
+    "U-shape": ("ushape", {"split": {"chunking": "off"}}, ["--token-budget", "65536", "--prefill-floor", "0"]),
+    "U-Sarathi": ("ushape", {"split": {"chunking": "off"}}, []),
+    "HAT": ("hat", {"split": {"chunking": "auto", "parallel_draft": True}}, []),
+    "HAT-noPD": ("hat", {"split": {"chunking": "auto", "parallel_draft": False}}, []),
+    # the same draft w_S as HAT, the same η = 0.6 and at most 8 drafts, but tokens (and their draft distributions) on
+    # the wire and the whole model in the cloud; prompts are prefilled by the cloud in Sarathi chunks
+    "SD": ("sd", {"split": {}, "token_draft": "adapter", "draft_len": 8, "draft_stop_prob": 0.6,
+                  "overlap_prefill": "on"}, []),
 }
 LINKS = ("wifi-near", "wifi-mid", "wifi-far")
 BOARDS = (("orin", 1.0), ("xavier-fast", 1.5), ("xavier", 2.0))  # (name, compute slowdown)
@@ -50,7 +56,7 @@ def add_parser(sub) -> None:
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--m", type=int, default=2, help="layers of the device's input part")
     s.add_argument("--adapter", default="", help="hat-distill artifact (default runs/adapters/<model>-m<m>)")
-    s.add_argument("--systems", default="U-shape,U-Sarathi,HAT", help=f"of {', '.join(SYSTEMS)}")
+    s.add_argument("--systems", default="U-shape,U-Sarathi,HAT,SD", help=f"of {', '.join(SYSTEMS)}")
     s.add_argument("--sweep-n", type=int, default=16, help="fleet size of the rate sweep and the pipeline runs")
     s.add_argument("--rates", default="0.1,0.2,0.4", help="fleet request rates of the sweep, requests/s")
     s.add_argument("--fleet-sizes", default="8,16,30")
@@ -106,10 +112,11 @@ def _serve(index: int, conn, loaded, model: str, m: int, adapter: str, cmd: dict
     params = SamplingParams(0.0)
     rows = []
     with LinkEmulator(link, upstream=("127.0.0.1", cmd["port"])) as emu:
+        edge = dict(cmd["edge"])
         split = SplitConfig(m=m, adapter=adapter, up_bps=8 * link.rate("up"), down_bps=8 * link.rate("down"),
-                            slowdown=slowdown, **cmd["split"])
+                            slowdown=slowdown, **edge.pop("split"))
         cfg = EdgeConfig(model=model, server=emu.address, device_id=f"device-{index}", threads=1, dtype="float32",
-                         split=split, request_timeout_s=600.0)
+                         split=split, request_timeout_s=600.0, **edge)
         with EdgeRuntime(cfg, loaded) as rt:
             rt.generate(cmd["warm_up"], cmd["protocol"], params, 4, seed=index)  # connect; the cloud's g() learns
             conn.send(("warm", None))
@@ -246,7 +253,8 @@ def run(args) -> int:
     stages = numbers(args.pipeline_stages, int)
     if min(rates + [args.scale_rate]) <= 0 or min(sizes + [args.sweep_n]) < 1 or (stages and min(stages) < 2):
         raise ValueError("rates must be > 0, fleet sizes >= 1 and pipeline lengths >= 2")
-    adapter = adapter_dir(args.adapter, args.model, args.m, any(SYSTEMS[x][0] == "hat" for x in systems))
+    adapter = adapter_dir(args.adapter, args.model, args.m,
+                          any(SYSTEMS[x][0] == "hat" or "token_draft" in SYSTEMS[x][1] for x in systems))
 
     runs = []  # (experiment, system, N, rate, pipeline)
     if "sweep" in experiments:
@@ -280,7 +288,7 @@ def run(args) -> int:
             stats_path = os.path.join(out_dir, f".fleet_cloud_{k}.json")
             extra = ["--dtype", "float32", "--stats-json", stats_path, "--max-sessions", str(max(64, 2 * n)),
                      *cloud_args] + (["--pipeline", str(pipeline)] if pipeline > 1 else [])
-            cmd = {"protocol": protocol, "split": fields, "warm_up": warm_up, "prompts": prompts,
+            cmd = {"protocol": protocol, "edge": fields, "warm_up": warm_up, "prompts": prompts,
                    "max_new_tokens": args.max_new_tokens}
             t0 = time.perf_counter()
             with CloudProcess(args.model, extra_args=extra, threads=args.threads) as cloud:

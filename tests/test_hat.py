@@ -202,6 +202,54 @@ def test_draft_distributions_equal_the_uncached_draft_model(tmp_path):
         load_adapter(tmp_path / "a", SplitModel(model, 0))
 
 
+def test_the_split_draft_as_a_token_model_equals_the_uncached_draft():
+    """AdapterLM (hat_split.draft_lm): w_S with CausalLM's interface; chunked feeding, crops and re-feeds give the
+    uncached logits, and a device config asking for it without an adapter is refused."""
+    from hat_split.draft_lm import AdapterLM
+
+    model = _target()
+    split = SplitModel(model, 1)
+    adapter = Adapter(model, 1).eval()
+    lm = AdapterLM(split, adapter)
+    seq = PROMPT + [42, 7, 19]
+    with torch.inference_mode():
+        s = split.input.forward(PartCache(), split.embed(seq))
+        ref = head_logits(model, adapter_stack(split, adapter).forward(PartCache(), s))[0].numpy()
+    state = lm.new_state()
+    assert lm.forward(state, seq[:5], n_logits=0).shape == (0, lm.vocab_size)
+    got = [lm.forward(state, seq[5:9], n_logits=4), lm.forward(state, [123, 4], n_logits=2)]
+    assert np.allclose(got[0], ref[5:9], atol=1e-5)
+    lm.crop(state, 9)  # the two drafts are rejected
+    assert state.length == 9 and all(c.length == 9 for c in state.cache)
+    assert np.allclose(lm.forward(state, seq[9:], n_logits=len(seq) - 9), ref[9:], atol=1e-5)
+    assert state.forward_tokens == len(seq) + 2
+    with pytest.raises(ValueError, match="cannot crop"):
+        lm.crop(state, len(seq) + 1)
+    with pytest.raises(ValueError, match="at least one token"):
+        lm.forward(state, [])
+    with pytest.raises(ValueError, match="needs split.adapter"):
+        EdgeConfig(model="tiny", token_draft="adapter")
+    with pytest.raises(ValueError, match="token_draft must be one of"):
+        EdgeConfig(model="tiny", token_draft="layers")
+
+
+def test_sd_drafting_with_the_split_draft_gives_the_targets_tokens(tiny_server, tiny_pair, tiny_adapter):
+    """Token protocol `sd` with w_S as its draft (a device holding only its parts): the cloud's whole model verifies,
+    so temperature 0 gives the target's greedy tokens, and drafts are accepted at all."""
+    from edge_runtime.drafter import Drafter
+    from hat_split.draft_lm import AdapterLM
+
+    model = tiny_pair[1].model
+    params = SamplingParams(0.0)
+    lm = AdapterLM(SplitModel(model, 1), tiny_adapter)
+    with CloudClient(tiny_server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+        gen = Generation(EdgeConfig(model="tiny", draft_len=3), Drafter(lm, params), client, "sd", params, 20,
+                         frozenset(), 0, 1)
+        res = run(gen, PROMPT, lambda toks: "")
+    assert res.tokens == _greedy(model, 20)
+    assert res.drafted >= 3 and res.rounds < 20
+
+
 def _target_three():
     from tests.conftest import tiny_model
 
