@@ -7,7 +7,7 @@ import json
 import sys
 
 from edge_runtime.config import (
-    CHUNKING_MODES, OVERLAP_MODES, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
+    BACKENDS, CHUNKING_MODES, OVERLAP_MODES, PRECISIONS, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
 )
 from hat_split.hidden_codec import HIDDEN_FORMATS
 from edge_runtime.policy import POLICIES
@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="prompt text (or use --prompts-file)")
     g.add_argument("--prompts-file", help='a JSON list of prompts (strings or {"text": ..., "chat": bool}), or a '
                    "text file with one prompt per line")
-    g.add_argument("--model", required=True, help="draft model: registry name, HF directory or .gguf file")
+    g.add_argument("--model", default="", help="draft model: registry name, HF directory or .gguf file (the torch "
+                                                "backend; a --bundle names its own)")
     g.add_argument("--server", default=d["server"].default, help="cloud endpoint (default %(default)s)")
     g.add_argument("--protocol", default="sd",
                    help=f"one of {', '.join(PROTOCOLS)}; several separated by commas run one after another")
@@ -43,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
     g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,
                    help="η: end a draft after a token whose draft probability is below η (0: always --draft-len)")
+    g.add_argument("--backend", default=d["backend"].default, choices=BACKENDS,
+                   help="what runs the draft: torch (--model), or onnxruntime / tensorrt (a hat-export --bundle)")
+    g.add_argument("--bundle", default="", help="hat-export bundle directory for --backend onnxruntime / tensorrt")
+    g.add_argument("--precision", default=d["precision"].default, choices=PRECISIONS,
+                   help="which of the bundle's artifacts (default %(default)s)")
+    g.add_argument("--providers", default="", help="onnxruntime execution providers, comma separated (default: the "
+                                                   "available ones, TensorRT → CUDA → CPU)")
     g.add_argument("--token-draft", default=d["token_draft"].default, choices=TOKEN_DRAFTS,
                    help="what drafts for token protocols: the whole model, or the split draft of --adapter (a device "
                         "holding only its parts of a large model)")
@@ -157,11 +165,15 @@ def main(argv=None) -> int:
         unc = _uncertainty_config(args)
         qs = QSConfig(args.ell, args.k, args.alpha, args.eta, args.beta, args.budget_bits, args.policy,
                       args.policy_file)
-        config = EdgeConfig(model=args.model, server=args.server, draft_len=args.draft_len,
+        if not (args.model or args.bundle):
+            raise ValueError("give --model (torch backend) or --bundle (onnxruntime / tensorrt)")
+        config = EdgeConfig(model=args.model or args.bundle, server=args.server, draft_len=args.draft_len,
                             dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
                             connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
                             weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
-                            overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, split=_split_config(args))
+                            overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, backend=args.backend,
+                            bundle=args.bundle, precision=args.precision,
+                            providers=tuple(p for p in args.providers.split(",") if p), split=_split_config(args))
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

@@ -15,6 +15,8 @@ PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs"
              "hat")  # edge_runtime.protocols
 CHUNKING_MODES = ("auto", "off")
 TOKEN_DRAFTS = ("model", "adapter")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # export.validate.THRESHOLDS
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,10 @@ class EdgeConfig:
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
     token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
     # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
+    backend: str = "torch"  # what runs the draft: torch (the model) | onnxruntime | tensorrt (a hat-export bundle)
+    bundle: str = ""  # hat-export bundle directory (onnxruntime / tensorrt)
+    precision: str = "fp32"  # which of the bundle's artifacts: fp32 | fp16 | int8 | int4
+    providers: tuple = ()  # onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU
     overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
     # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
 
@@ -177,9 +183,15 @@ class EdgeConfig:
             raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend != "torch" and not self.bundle:
+            raise ValueError(f"backend {self.backend} runs a hat-export bundle: give bundle (--bundle DIR)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.token_draft not in TOKEN_DRAFTS:
             raise ValueError(f"token_draft must be one of {', '.join(TOKEN_DRAFTS)}, got {self.token_draft!r}")
-        if self.token_draft == "adapter" and not self.split.adapter:
+        if self.token_draft == "adapter" and not self.split.adapter and self.backend == "torch":
             raise ValueError("token_draft 'adapter' needs split.adapter (a hat-distill directory, --adapter)")
         if self.overlap_prefill not in OVERLAP_MODES:
             raise ValueError(f"overlap_prefill must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_prefill!r}")

@@ -44,9 +44,26 @@ class EdgeRuntime:
     """Context manager owning the draft model and, lazily, the cloud client."""
 
     def __init__(self, config: EdgeConfig, loaded=None):
-        from hat_split.loading import load_model, quantize_weights, vocab_fingerprint
+        from hat_split.loading import eos_ids, load_model, quantize_weights, vocab_fingerprint
 
         self.config = config
+        self.client: Optional[CloudClient] = None
+        self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
+        self._adapter = None
+        self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
+        self._session_ids = itertools.count(1)
+        if config.backend != "torch":  # exported artifacts: no torch model on the device
+            from edge_runtime.backends import open_bundle
+
+            if loaded is not None:
+                raise ValueError(f"backend {config.backend} runs a bundle; it takes no pre-loaded torch model")
+            self.loaded, self.bundle = None, open_bundle(config)
+            self.tokenizer, self.lm = self.bundle.tokenizer, self.bundle.lm
+            self.lm.warm_up()
+            self.model_name = self.bundle.manifest.model["name"]
+            self.fingerprint = self.bundle.manifest.model["vocab_fingerprint"]
+            self.eos_ids = frozenset(self.bundle.manifest.model.get("eos_ids", []))
+            return
         if config.threads:
             import torch
 
@@ -56,22 +73,14 @@ class EdgeRuntime:
             quantize_weights(loaded.model, config.weight_quant)
         elif config.weight_quant != "none":
             raise ValueError("weight_quant applies when the runtime loads the model; quantize a pre-loaded one first")
-        self.loaded = loaded
+        self.loaded, self.bundle = loaded, None
         self.tokenizer = self.loaded.tokenizer
         self.lm = CausalLM(self.loaded.model)
         if holds_all_layers(self.loaded.model):  # a model holding only its split parts runs no whole pass
             self.lm.warm_up()
         self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
-        self.client: Optional[CloudClient] = None
-        self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
-        self._adapter = None
-        self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
-        self._session_ids = itertools.count(1)
-        gen_cfg = getattr(self.loaded.model, "generation_config", None)
-        eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
-        eos = eos if eos is not None else self.tokenizer.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids = frozenset(eos_ids(self.loaded.model, self.tokenizer))
 
     def __enter__(self) -> "EdgeRuntime":
         return self
@@ -129,6 +138,9 @@ class EdgeRuntime:
         from hat_split.adapter import load_adapter
         from hat_split.partition import SplitModel
 
+        if self.bundle is not None:
+            raise ValueError(f"the split protocols (ushape, hat) run on the torch backend; backend "
+                             f"{self.config.backend} drafts for the token protocols")
         c = self.config.split
         if self._split is None:
             self._split = SplitModel(self.loaded.model, c.m, c.tail)
@@ -140,7 +152,7 @@ class EdgeRuntime:
 
     def _token_lm(self):
         """The token protocols' draft: the whole model, or the split draft output ∘ Λ ∘ input (token_draft)."""
-        if self.config.token_draft == "model":
+        if self.config.token_draft == "model" or self.bundle is not None:  # a bundle's chain is chosen at open
             return self.lm
         if self._adapter_lm is None:
             from hat_split.draft_lm import AdapterLM

@@ -76,8 +76,8 @@ class CausalLM:
 
         n = len(tokens)
         check_feed(n, n_logits)
-        if state.cache is None:
-            state.cache = DynamicCache(config=self.model.config)
+        if state.cache is None:  # full layers everywhere: a sliding-window layer cannot crop back past its window,
+            state.cache = DynamicCache()  # and the model's own masks apply the window (Gemma 3's local layers)
         ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]
         positions = torch.arange(state.length, state.length + n, dtype=torch.long)  # [n]
         t0 = time.perf_counter()

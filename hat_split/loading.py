@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, List
 
 from hat_split.registry import (
     HF_META, MODEL_DTYPES, MODELS, WEIGHT_QUANTS, ModelSpec, cache_is_valid, get_model_spec, gguf_cache_path, gguf_path, hf_cache_path,
@@ -419,6 +419,14 @@ def _describe(x: Any) -> tuple[str, Any, int | None]:
     if n is None and getattr(x, "model", None) is not None:
         n = output_size(x.model)
     return name, tok, n
+
+
+def eos_ids(model: Any, tokenizer: Any) -> List[int]:
+    """The tokens that end a generation: the model's generation config's, else the tokenizer's end of sequence."""
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return sorted([eos] if isinstance(eos, int) else (eos or []))
 
 
 def output_size(model: Any) -> int:

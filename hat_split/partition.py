@@ -67,21 +67,14 @@ class PartCache:
 
 
 def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: Optional[int] = None) -> Any:
-    """Mask `# [1, 1, n, width]` (width = past + n by default): 0 where query i (position past + i) may attend key j,
-    the dtype's min elsewhere.
-
-    Causal: j <= past + i. Sliding window w (Gemma 3 local layers, transformers' convention): also j > past + i - w.
-    Key slots past past + n (a batch row's padding) are therefore hidden from every query.
-    """
+    """Mask `# [1, 1, n, width]` of a torch dtype: 0 where query i (position past + i) may attend key j, the dtype's
+    min elsewhere (hat_split.masks.allowed: causal, sliding window, padding slots hidden)."""
     import torch
 
-    q = torch.arange(past, past + n)[:, None]  # [n, 1]
-    k = torch.arange(past + n if width is None else width)[None, :]  # [1, width]
-    allowed = k <= q
-    if window:
-        allowed &= k > q - window
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    from hat_split.masks import allowed
+
+    mask = torch.zeros((n, past + n if width is None else width), dtype=dtype)
+    mask.masked_fill_(~torch.from_numpy(allowed(past, n, window, width)), torch.finfo(dtype).min)
     return mask[None, None]
 
 

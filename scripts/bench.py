@@ -24,6 +24,8 @@ from typing import Dict, List, Tuple
 
 from scripts.bench_cuhlm import add_parser as add_cuhlm_parser
 from scripts.bench_cuhlm import run as run_cuhlm
+from scripts.bench_edge import add_parser as add_edge_parser
+from scripts.bench_edge import run as run_edge
 from scripts.bench_fleet import add_parser as add_fleet_parser
 from scripts.bench_fleet import run as run_fleet
 from scripts.bench_hat import add_parser as add_hat_parser
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_qs_parser(sub)
     add_hat_parser(sub)
     add_fleet_parser(sub)
+    add_edge_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -245,9 +248,9 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command in ("qs", "hat", "fleet"):
+    if args.command in ("qs", "hat", "fleet", "edge"):
         try:
-            return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet}[args.command](args)
+            return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge}[args.command](args)
         except ValueError as exc:
             print(f"hat-bench {args.command}: {exc}", file=sys.stderr)
             return 2

@@ -373,7 +373,9 @@ def plot(path: str, report: dict) -> str:
         xs = [i + j * width for i, n in enumerate(sizes) if n in by_n]
         if xs:
             axes[0, 2].bar(xs, [by_n[n]["step_compute_mean_s"] or 0 for n in sizes if n in by_n], width,
-                           yerr=[by_n[n]["step_compute_std_s"] or 0 for n in sizes if n in by_n], capsize=3,
+                           yerr=[[min(by_n[n]["step_compute_mean_s"] or 0, by_n[n]["step_compute_std_s"] or 0)
+                                  for n in sizes if n in by_n],  # a time is never below 0: clip the lower bar
+                                 [by_n[n]["step_compute_std_s"] or 0 for n in sizes if n in by_n]], capsize=3,
                            label=system)
     axes[0, 2].set_xticks(np.arange(len(sizes)) + 0.4 - width / 2)
     axes[0, 2].set_xticklabels([f"N={n}" for n in sizes])

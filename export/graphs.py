@@ -1,0 +1,184 @@
+"""Torch modules with every input explicit, for export: one part of a decoder model.
+
+A part is: token embeddings (or hidden states in), the model's layers [start, stop), optionally Λ (the distilled
+adapter) after them, and optionally final norm + head. Its KV cache goes in as tensors and comes out grown by the new
+positions (`present = past ++ new`); positions and the additive causal mask (and, for Gemma 3's local layers, the
+sliding-window mask) are inputs, so one graph serves a prefill, a chunk on top of a cache and a single step. The runtime
+(hat_split.onnx_lm) builds the masks with hat_split.masks and crops caches by slicing; no torch on the device.
+
+Graph inputs, in order: `x` (int64 `# [1, n]` ids or `# [1, n, hidden]` states), `position_ids` int64 `# [1, n]`,
+`mask` `# [1, 1, n, past + n]` (then `mask_sliding` when a sliding layer is in the part), `logit_index` int64 `# [k]`
+(parts with a head: the positions whose logits are wanted), then `past_key_<i>`, `past_value_<i>` per cached layer i
+`# [1, kv_heads, past, head_dim]`. Outputs: `hidden` `# [1, n, hidden]` or `logits` float32 `# [1, k, vocab]`, then
+`present_key_<i>`, `present_value_<i>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from hat_split.partition import SLIDING, Stack, head_logits, layer_types
+
+PART_KINDS = ("draft", "input", "adapter", "output")
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """Which slice of the model a graph holds (one row of a bundle's manifest)."""
+
+    name: str  # draft: the whole model; input / adapter / output: HAT's device parts
+    start: int  # first model layer
+    stop: int  # one past the last model layer
+    adapter: bool  # Λ runs after the model layers
+    tokens_in: bool  # x is token ids (embeddings inside) rather than hidden states
+    logits_out: bool  # final norm + head at the end
+
+    @staticmethod
+    def of(kind: str, n_layers: int, m: int = 0, tail: int = 0) -> "PartSpec":
+        """The standard parts: a whole draft model, or HAT's device parts of a model cut at m (with `tail` layers kept
+        beside the head)."""
+        if kind == "draft":
+            return PartSpec("draft", 0, n_layers, False, True, True)
+        if not 1 <= m < n_layers - tail:
+            raise ValueError(f"a cut at m={m} with tail={tail} leaves no middle layer of {n_layers}")
+        if kind == "input":
+            return PartSpec("input", 0, m, False, True, False)
+        if kind == "adapter":
+            return PartSpec("adapter", m, m, True, False, False)
+        if kind == "output":
+            return PartSpec("output", n_layers - tail, n_layers, False, False, True)
+        raise ValueError(f"unknown part {kind!r}; known: {', '.join(PART_KINDS)}")
+
+    def cached_layers(self, n_layers: int) -> List[int]:
+        """Cache keys of the part's attention layers (Λ's key is n_layers, as in hat_split.adapter)."""
+        return list(range(self.start, self.stop)) + ([n_layers] if self.adapter else [])
+
+    def mask_kinds(self, config: Any, adapter_type: Optional[str] = None) -> List[str]:
+        """The attention kinds present (full first): one mask input each."""
+        kinds = set(layer_types(config)[self.start:self.stop])
+        if self.adapter:
+            kinds.add(adapter_type)
+        return sorted(kinds, key=lambda k: k == SLIDING)
+
+    def input_names(self, config: Any, adapter_type: Optional[str] = None) -> List[str]:
+        names = ["x", "position_ids"] + ["mask_sliding" if k == SLIDING else "mask"
+                                         for k in self.mask_kinds(config, adapter_type)]
+        names += ["logit_index"] if self.logits_out else []
+        for i in self.cached_layers(config.num_hidden_layers):
+            names += [f"past_key_{i}", f"past_value_{i}"]
+        return names
+
+    def output_names(self, config: Any) -> List[str]:
+        names = ["logits" if self.logits_out else "hidden"]
+        for i in self.cached_layers(config.num_hidden_layers):
+            names += [f"present_key_{i}", f"present_value_{i}"]
+        return names
+
+
+class KVIO:
+    """`past_key_values` for one traced call: layer i's past comes in as tensors, `update` returns past ++ new and keeps
+    it as the layer's present."""
+
+    def __init__(self, past: Dict[int, Tuple[Any, Any]]):
+        self.past = past
+        self.present: Dict[int, Tuple[Any, Any]] = {}
+
+    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
+        import torch
+
+        k0, v0 = self.past[layer_idx]
+        k, v = torch.cat([k0, key], dim=-2), torch.cat([v0, value], dim=-2)
+        self.present[layer_idx] = (k, v)
+        return k, v
+
+
+def _module():
+    import torch
+
+    return torch.nn.Module
+
+
+class PartGraph(_module()):
+    """The export module of one PartSpec over a loaded model (and Λ). forward takes and returns flat tensors."""
+
+    def __init__(self, model: Any, spec: PartSpec, adapter: Any = None):
+        super().__init__()
+        if spec.adapter and adapter is None:
+            raise ValueError(f"part {spec.name!r} needs the adapter")
+        self.model, self.spec, self.adapter = model, spec, adapter
+        extra = [(adapter, adapter.layer_type)] if spec.adapter else []
+        self.stack = Stack(model, spec.start, spec.stop, extra_layers=extra)
+        self.kinds = spec.mask_kinds(model.config, adapter.layer_type if adapter is not None else None)
+        self.cached = spec.cached_layers(model.config.num_hidden_layers)
+
+    def forward(self, x, position_ids, *rest):
+        import torch
+
+        masks = dict(zip(self.kinds, rest[:len(self.kinds)]))
+        rest = rest[len(self.kinds):]
+        logit_index = None
+        if self.spec.logits_out:
+            logit_index, rest = rest[0], rest[1:]
+        past = {i: (rest[2 * j], rest[2 * j + 1]) for j, i in enumerate(self.cached)}
+        kv = KVIO(past)
+        hidden = self.model.model.embed_tokens(x) if self.spec.tokens_in else x
+        if len(self.stack):
+            hidden = self.stack._run(kv, hidden, lambda kind, window: masks[kind], position_ids, True)
+        if self.spec.logits_out:
+            out = head_logits(self.model, hidden.index_select(1, logit_index), train=True).float()
+        else:
+            out = hidden
+        presents = [t for i in self.cached for t in kv.present[i]]
+        return (out, *presents)
+
+
+def example_inputs(model: Any, spec: PartSpec, adapter: Any = None, n: int = 3, past: int = 4,
+                   dtype: Any = None) -> Tuple[Any, ...]:
+    """Inputs for tracing (sizes > 1 so that no dimension is specialised): n new positions on a cache of `past`."""
+    import torch
+
+    from hat_split.partition import additive_mask
+
+    cfg = model.config
+    dtype = dtype or next(model.parameters()).dtype
+    window = getattr(cfg, "sliding_window", None)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, cfg.vocab_size, (1, n), generator=gen) if spec.tokens_in
+         else torch.randn(1, n, cfg.hidden_size, generator=gen).to(dtype))
+    args = [x, torch.arange(past, past + n)[None]]
+    for kind in spec.mask_kinds(cfg, adapter.layer_type if adapter is not None else None):
+        args.append(additive_mask(past, n, window if kind == SLIDING else None, dtype))
+    if spec.logits_out:
+        args.append(torch.arange(n))
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for _ in spec.cached_layers(cfg.num_hidden_layers):
+        args += [torch.randn(1, heads, past, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    return tuple(args)
+
+
+class TorchPart:
+    """A PartGraph run eagerly in torch behind the part-runner interface (edge_runtime.part_lm): the reference that
+    artifacts are validated against, and proof that the graphs compute what the model does."""
+
+    providers = ["torch"]
+
+    def __init__(self, model: Any, spec: PartSpec, adapter: Any = None):
+        import numpy as np
+        import torch
+
+        from edge_runtime.part_lm import PartIO
+
+        self.graph = PartGraph(model, spec, adapter).eval()
+        self.names = spec.input_names(model.config, adapter.layer_type if adapter is not None else None)
+        dtype = {torch.float32: np.float32, torch.float16: np.float16}[next(model.parameters()).dtype]
+        example = example_inputs(model, spec, adapter)
+        self.io = PartIO.from_inputs([(n, np.int64 if t.dtype == torch.long else dtype, tuple(t.shape))
+                                      for n, t in zip(self.names, example)])
+
+    def run(self, feed):
+        import torch
+
+        with torch.inference_mode():
+            outs = self.graph(*[torch.from_numpy(feed[n]) for n in self.names])
+        return [o.numpy() for o in outs]

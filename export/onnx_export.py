@@ -1,0 +1,215 @@
+"""`hat-export onnx`: a model's device parts (or a whole draft model) as ONNX graphs, in several precisions, each
+validated against torch and recorded in the bundle's manifest.
+
+fp32 and fp16 graphs are exported from torch (torch.onnx, the torch.export-based exporter, every length dynamic);
+int8 and int4 are weight-only block quantizations of the fp32 graph (onnxruntime's MatMulNBits: weights in blocks
+of 32 with one scale each, activations in float). Weights go to an external-data file beside each graph (a 0.5B
+model in fp32 is past protobuf's 2 GB limit).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+from export import manifest as M
+from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs
+from export.validate import Schedule, THRESHOLDS, compare, verdict
+
+OPSET = 18
+PRECISIONS = tuple(THRESHOLDS)
+QUANT_BLOCK = 32
+
+
+def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path) -> None:
+    """One part as an ONNX graph at `path` (weights in `path`.data)."""
+    import torch
+
+    graph = PartGraph(model, spec, adapter).eval()
+    args = example_inputs(model, spec, adapter)
+    adapter_type = adapter.layer_type if adapter is not None else None
+    names = spec.input_names(model.config, adapter_type)
+    shapes = [{d: torch.export.Dim.DYNAMIC for d in range(a.dim()) if not _static(n, d)} for n, a in zip(names, args)]
+    shapes = (shapes[0], shapes[1], tuple(shapes[2:]))  # forward(x, position_ids, *rest)
+    # the exporter warns once per torchvision operator it cannot register; hatspec exports no vision model
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # pytree deprecations inside the exporter
+        program = torch.onnx.export(graph, args, input_names=names, output_names=spec.output_names(model.config),
+                                    dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
+                                    verbose=False)
+    program.save(str(path), external_data=True)
+
+
+def _static(name: str, dim: int) -> bool:
+    """Dimensions fixed: the batch of 1, the hidden size of states, heads and head size of caches."""
+    if name == "logit_index":
+        return False
+    if dim == 0:
+        return True
+    if name == "x":
+        return dim == 2
+    if name.startswith(("past_key_", "past_value_")):
+        return dim in (1, 3)
+    if name.startswith("mask"):
+        return dim == 1
+    return False
+
+
+def quantize_graph(src: Path, dst: Path, bits: int) -> Dict[str, Any]:
+    """Weight-only int`bits` of every MatMul with a constant weight (MatMulNBits, symmetric blocks of 32)."""
+    import onnx
+    from onnxruntime.quantization import matmul_nbits_quantizer as q
+
+    cfg = q.DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=True, accuracy_level=None, bits=bits)
+    quant = q.MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=cfg)
+    quant.process()
+    quant.model.save_model_to_file(str(dst), use_external_data_format=True)
+    return {"method": "onnxruntime MatMulNBits (weight-only, round to nearest)", "bits": bits,
+            "block_size": QUANT_BLOCK, "symmetric": True, "ops": ["MatMul"]}
+
+
+def _files(bundle: Path, graph: Path) -> Dict[str, str]:
+    out = {}
+    for p in sorted(bundle.glob(graph.name + "*")):  # the graph and its external data
+        if p.suffix != ".tmp":
+            out[p.name] = M.sha256(p)
+    return out
+
+
+def _io(path: Path) -> tuple:
+    import onnx
+
+    g = onnx.load(str(path), load_external_data=False).graph
+
+    def rows(values):
+        return [{"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+                 "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
+
+    return rows(g.input), rows(g.output)
+
+
+def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequence[str], m: int = 0, tail: int = 0,
+                  adapter: Any = None, adapter_dir: str = "", prompts: Sequence[Sequence[int]] = (),
+                  device_profile: str = "any", threads: int = 0, progress: bool = True) -> M.Manifest:
+    """Export `parts` of `loaded` (hat_split.loading.LoadedModel; its tokenizer may be None) in `precisions` into the bundle directory `out`,
+    validate each artifact on `prompts` and write the manifest. Returns it; artifacts that failed are in it, marked."""
+    import onnx
+    import onnxruntime
+    import torch
+    from tqdm import tqdm
+
+    from edge_runtime.onnx_backend import OrtPart
+    from edge_runtime.part_lm import PartChainLM
+    from hat_split import protocol
+    from hat_split.loading import eos_ids, output_size, vocab_fingerprint
+    from hat_split.partition import model_fingerprint
+
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        raise ValueError(f"unknown precision(s) {', '.join(bad)}; known: {', '.join(PRECISIONS)}")
+    model = loaded.model
+    n = model.config.num_hidden_layers
+    specs = [PartSpec.of(kind, n, m, tail) for kind in parts]
+    if any(s.adapter for s in specs) and adapter is None:
+        raise ValueError("the adapter part needs a hat-distill adapter (--adapter)")
+    if not prompts:
+        raise ValueError("validation needs prompts")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fingerprint = model_fingerprint(model)
+    man = M.read(out) if (out / M.MANIFEST).exists() else None
+    if man is not None and man.model.get("fingerprint") != fingerprint:
+        raise M.BundleError(f"{out} holds a bundle of {man.model.get('name')!r} with other weights: export into a new "
+                            "directory")
+    vocab = output_size(model)
+    if man is None:
+        man = M.Manifest(
+            model={"name": loaded.name,
+                   "fingerprint": fingerprint,
+                   "vocab_fingerprint": vocab_fingerprint(loaded.tokenizer) if loaded.tokenizer is not None else "",
+                   "family": model.config.model_type, "layers": n, "hidden": model.config.hidden_size,
+                   "vocab": vocab, "m": m, "tail": tail, "eos_ids": eos_ids(model, loaded.tokenizer) if loaded.tokenizer is not None else [],
+                   "sliding_window": getattr(model.config, "sliding_window", None) or 0},
+            device_profile=device_profile, hatspec_version=hatspec_version(),
+            protocol_version=protocol.PROTOCOL_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            tools={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__})
+    split_parts = any(s.name != "draft" for s in specs)
+    if split_parts and any(a.part != "draft" for a in man.artifacts) and \
+            (man.model.get("m"), man.model.get("tail")) != (m, tail):
+        raise M.BundleError(f"{out} holds parts cut at m={man.model.get('m')}, tail={man.model.get('tail')}: export "
+                            "this cut into a new directory")
+    if split_parts:
+        man.model["m"], man.model["tail"] = m, tail
+    if adapter is not None:
+        man.model["adapter"] = os.path.basename(os.path.normpath(adapter_dir)) if adapter_dir else "given"
+    if loaded.tokenizer is not None:  # a device needs no model directory: the bundle brings its tokenizer
+        loaded.tokenizer.save_pretrained(str(out / "tokenizer"))
+        man.tokenizer = {str(p.relative_to(out)): M.sha256(p) for p in sorted((out / "tokenizer").rglob("*"))
+                         if p.is_file()}
+
+    window = man.model["sliding_window"] or None
+    reference = PartChainLM([TorchPart(model, s, adapter) for s in specs], vocab, window)
+    todo = [(prec, s) for prec in precisions for s in specs]
+    bar = tqdm(total=len(todo) * 2, desc="hat-export onnx", unit="step", disable=not progress)
+    scratch = out / ".fp32-for-quantization"
+    try:
+        for prec in precisions:
+            paths = []
+            for s in specs:
+                path = out / f"{s.name}.{prec}.onnx"
+                for old in out.glob(path.name + "*"):
+                    old.unlink()
+                bar.set_postfix_str(f"{s.name} {prec}: export")
+                quant: Dict[str, Any] = {}
+                if prec in ("fp32", "fp16"):
+                    src_model, src_adapter = model, adapter
+                    if prec == "fp16":
+                        src_model = copy.deepcopy(model).half()
+                        src_adapter = copy.deepcopy(adapter).half() if adapter is not None else None
+                    export_graph(src_model, s, src_adapter, path)
+                else:
+                    fp32 = out / f"{s.name}.fp32.onnx"
+                    if not fp32.exists():
+                        scratch.mkdir(exist_ok=True)
+                        fp32 = scratch / fp32.name
+                        if not fp32.exists():
+                            export_graph(model, s, adapter, fp32)
+                    quant = quantize_graph(fp32, path, int(prec[3:]))
+                paths.append(path)
+                bar.update()
+            bar.set_postfix_str(f"{prec}: validate")
+            chain = PartChainLM([OrtPart(p, ["CPUExecutionProvider"], threads) for p in paths], vocab, window)
+            figures = compare(reference, chain, prompts, Schedule())
+            bar.update(len(specs))
+            for s, path, part, fig in zip(specs, paths, chain.parts, figures):
+                ok, reason = verdict(fig, prec, part.io.logits_out)
+                inputs, outputs = _io(path)
+                files = _files(out, path)
+                man.replace(M.Artifact(
+                    part=s.name, precision=prec, backend="onnx", files=files,
+                    sizes={f: (out / f).stat().st_size for f in files}, path=path.name, inputs=inputs,
+                    outputs=outputs, layers=[s.start, s.stop], adapter=s.adapter, opset=OPSET,
+                    quantization=quant if prec in ("int8", "int4") else {},
+                    validation={"regimes": fig, "thresholds": THRESHOLDS[prec], "prompts": len(prompts),
+                                "providers": part.providers, "reason": reason, "reference": "torch float32"},
+                    status="validated" if ok else "failed"))
+            M.write(out, man)
+    finally:
+        bar.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return man
+
+
+def hatspec_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hatspec")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,262 @@
+"""Export (issue 7): part graphs, ONNX artifacts of each family against torch, the onnxruntime backend, bundles.
+
+Tiny random models of each family check every graph exactly and fast; smollm2-135m (real, marked) checks the whole
+path: export, validation, and generation through the onnxruntime backend token for token equal to torch.
+"""
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from edge_runtime.drafter import Drafter
+from edge_runtime.part_lm import PartChainLM
+from export import manifest as M
+from export.graphs import PartSpec, TorchPart
+from hat_split.adapter import Adapter
+from hat_split.draft_lm import AdapterLM
+from hat_split.lm import CausalLM
+from hat_split.partition import SplitModel
+from hat_split.sampling import SamplingParams
+from tests.test_hat import V, _family
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+PROMPTS = [[int(t) for t in np.random.default_rng(s).integers(0, V, 30)] for s in range(2)]
+
+ort = pytest.importorskip("onnxruntime", reason="the export extra (onnx, onnxscript, onnxruntime) is not installed")
+
+
+def _window(model):
+    return getattr(model.config, "sliding_window", None)
+
+
+def _feed_both(a, b, prompt):
+    """The validation schedule on two LMs; yields each pair of logits (prefill, chunks, steps, then after a crop)."""
+    sa, sb = a.new_state(), b.new_state()
+    for cut in ([0, 18], [18, 22], [22, 26], [26, 27], [27, 28]):
+        toks = prompt[cut[0]:cut[1]]
+        yield a.forward(sa, toks, n_logits=len(toks)), b.forward(sb, toks, n_logits=len(toks))
+    a.crop(sa, 24)
+    b.crop(sb, 24)
+    yield a.forward(sa, prompt[24:30], n_logits=2), b.forward(sb, prompt[24:30], n_logits=2)
+    yield a.forward(sa, [7], n_logits=0), b.forward(sb, [7], n_logits=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_part_graphs_compute_what_the_model_does(family):
+    """The export modules run eagerly (TorchPart) equal the model (CausalLM) and the split draft (AdapterLM) through
+    prefill, chunks, single steps and crops: the graphs carry nothing but explicit inputs."""
+    model = _family(family)
+    n = model.config.num_hidden_layers
+    whole = PartChainLM([TorchPart(model, PartSpec.of("draft", n))], V, _window(model))
+    for ref, got in _feed_both(CausalLM(model), whole, PROMPTS[0]):
+        assert ref.shape == got.shape
+        np.testing.assert_allclose(got, ref, atol=2e-5)
+    split = SplitModel(model, 2)
+    adapter = Adapter(model, 2).eval().requires_grad_(False)
+    chain = PartChainLM([TorchPart(model, PartSpec.of(k, n, 2), adapter) for k in ("input", "adapter", "output")], V,
+                        _window(model))
+    for ref, got in _feed_both(AdapterLM(split, adapter), chain, PROMPTS[1]):
+        np.testing.assert_allclose(got, ref, atol=2e-5)
+
+
+def _loaded(model, name):
+    return types.SimpleNamespace(model=model, tokenizer=None, name=name)
+
+
+@pytest.fixture(scope="module")
+def llama_bundle(tmp_path_factory):
+    """A tiny llama's draft and HAT parts exported in fp32 and int8 (int4 as well for the draft)."""
+    from export.onnx_export import export_bundle
+
+    model = _family("llama")
+    adapter = Adapter(model, 2).eval().requires_grad_(False)
+    out = tmp_path_factory.mktemp("bundle")
+    export_bundle(_loaded(model, "tiny-llama"), out, ["draft"], ["fp32", "int8", "int4"], prompts=PROMPTS,
+                  progress=False)
+    export_bundle(_loaded(model, "tiny-llama"), out, ["input", "adapter", "output"], ["fp32"], m=2, adapter=adapter,
+                  prompts=PROMPTS, progress=False)
+    return out, model, adapter
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_onnx_parts_of_each_family_match_torch(tmp_path, family):
+    """fp32 graphs of the other families (Gemma 3: sliding-window layers, soft-capped logits) validate against torch
+    within fp32's thresholds through prefill, chunks and single steps."""
+    from export.onnx_export import export_bundle
+
+    model = _family(family)
+    adapter = Adapter(model, 2).eval().requires_grad_(False)
+    man = export_bundle(_loaded(model, f"tiny-{family}"), tmp_path, ["input", "adapter", "output"], ["fp32"], m=2,
+                        adapter=adapter, prompts=PROMPTS, progress=False)
+    for a in man.artifacts:
+        assert a.status == "validated", (a.part, a.validation)
+        assert set(a.validation["regimes"]) == {"prefill", "chunks", "steps"}
+    names = [i["name"] for i in man.find("adapter", "fp32").inputs]
+    assert names[:3] == ["x", "position_ids", "mask"] and names[-2:] == ["past_key_5", "past_value_5"]
+    if family == "gemma3":
+        assert "mask_sliding" in [i["name"] for i in man.find("input", "fp32").inputs]
+
+
+def test_bundle_manifest_records_and_validates_every_artifact(llama_bundle):
+    out, model, _ = llama_bundle
+    man = M.load(out)
+    assert {(a.part, a.precision) for a in man.artifacts} == {
+        ("draft", "fp32"), ("draft", "int8"), ("draft", "int4"), ("input", "fp32"), ("adapter", "fp32"),
+        ("output", "fp32")}
+    draft = man.find("draft", "fp32")
+    assert draft.status == "validated" and draft.opset > 0 and draft.layers == [0, 5]
+    regimes = draft.validation["regimes"]
+    assert min(r["argmax_agreement"] for r in regimes.values()) == 1.0
+    assert max(r["max_rel_diff"] for r in regimes.values()) < 1e-4
+    assert any(f.endswith(".data") for f in draft.files)  # weights in external data, also checksummed
+    q4 = man.find("draft", "int4")
+    assert q4.quantization["bits"] == 4 and q4.sizes[q4.path + ".data"] < 0.5 * draft.sizes[draft.path + ".data"]
+    assert man.model["fingerprint"] and man.protocol_version >= 1 and man.hatspec_version
+    dims = {i["name"]: i["shape"] for i in draft.inputs}
+    assert isinstance(dims["x"][1], str) and isinstance(dims["past_key_0"][2], str)  # dynamic n and past
+
+
+def test_generation_through_onnxruntime_is_token_identical_to_torch(llama_bundle):
+    """Temperature 0, fp32: drafting token by token with the onnxruntime chain (whole draft, and HAT's split draft)
+    gives exactly torch's tokens."""
+    from edge_runtime.onnx_backend import OrtPart
+
+    out, model, adapter = llama_bundle
+    params = SamplingParams(0.0)
+    rng = np.random.default_rng(0)
+
+    def tokens(lm):
+        d = Drafter(lm, params)
+        d.start(PROMPTS[0])
+        got = []
+        for _ in range(24):
+            t = d.sample_local(rng)
+            got.append(t)
+            d.commit([t])
+        return got
+
+    onnx_draft = PartChainLM([OrtPart(out / "draft.fp32.onnx", ["CPUExecutionProvider"])], V)
+    assert onnx_draft.providers == [["CPUExecutionProvider"]]
+    assert tokens(onnx_draft) == tokens(CausalLM(model))
+    chain = PartChainLM([OrtPart(out / f"{k}.fp32.onnx") for k in ("input", "adapter", "output")], V)
+    assert tokens(chain) == tokens(AdapterLM(SplitModel(model, 2), adapter))
+
+
+def test_a_tampered_or_mismatched_bundle_is_refused(llama_bundle, tmp_path):
+    import shutil
+
+    src, _, _ = llama_bundle
+    out = tmp_path / "b"
+    shutil.copytree(src, out)
+    M.load(out)
+    with pytest.raises(M.BundleError, match="not the expected model"):
+        M.load(out, model_fingerprint="0" * 16)
+    doc = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps(dict(doc, device_profile="agx-orin-64gb")))
+    M.load(out, device_profile="agx-orin-64gb")
+    with pytest.raises(M.BundleError, match="targets device profile 'agx-orin-64gb', not 'orin-nano-8gb'"):
+        M.load(out, device_profile="orin-nano-8gb")
+    (out / "manifest.json").write_text(json.dumps(doc))
+    data = out / "draft.int8.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(M.BundleError, match="draft.int8.onnx.data does not match its checksum"):
+        M.load(out)
+    data.unlink()
+    with pytest.raises(M.BundleError, match="missing"):
+        M.load(out)
+    shutil.copy(src / data.name, data)
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["protocol_version"] += 1
+    (out / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(M.BundleError, match="protocol v"):
+        M.load(out)
+    doc["protocol_version"] -= 1
+    doc["artifacts"][0]["files"] = {"../../etc/passwd": "0" * 64}
+    (out / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(M.BundleError, match="outside the bundle"):
+        M.load(out)
+    doc["format"] = "something-else/9"
+    (out / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(M.BundleError, match="format"):
+        M.load(out)
+    man = M.read(src)
+    failed = man.find("draft", "int4")
+    failed.status, failed.validation["reason"] = "failed", "steps: argmax agrees on 12 %"
+    with pytest.raises(M.BundleError, match="did not pass validation"):
+        man.usable("draft", "int4")
+    with pytest.raises(M.BundleError, match="no draft/fp16/onnx artifact"):
+        man.usable("draft", "fp16")
+
+
+def test_a_failing_artifact_is_marked_failed_not_good(tmp_path, monkeypatch):
+    """Validation that misses its thresholds marks the artifact failed (and the CLI would exit 1)."""
+    from export import onnx_export, validate
+
+    monkeypatch.setitem(validate.THRESHOLDS, "int4", {"rel": 1e-9, "agree": 1.0})
+    model = _family("llama")
+    man = onnx_export.export_bundle(_loaded(model, "tiny-llama"), tmp_path, ["draft"], ["int4"], prompts=PROMPTS,
+                                    progress=False)
+    a = man.find("draft", "int4")
+    assert a.status == "failed" and "limit" in a.validation["reason"]
+    assert not (tmp_path / ".fp32-for-quantization").exists()  # the scratch fp32 graph is gone
+
+
+def test_hat_export_tensorrt_says_when_tensorrt_is_absent(llama_bundle, capsys):
+    pytest.importorskip("onnx")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    from export.cli import main
+
+    assert main(["tensorrt", str(llama_bundle[0]), "--model", "tiny"]) == 2
+    assert "TensorRT is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.real_models
+def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, tmp_path):
+    """The real model: its draft exported in fp32 and int4 validates on real prompts, and `hat-edge`'s runtime on the
+    onnxruntime backend (the bundle alone: its tokenizer, no torch model) generates torch's tokens at temperature 0."""
+    from edge_runtime.config import EdgeConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from export.cli import validation_prompts
+    from export.onnx_export import export_bundle
+
+    man = export_bundle(smollm2, tmp_path, ["draft"], ["fp32", "int4"], prompts=validation_prompts(smollm2.tokenizer, 2),
+                        progress=False)
+    fp32, int4 = man.find("draft", "fp32"), man.find("draft", "int4")
+    assert fp32.status == "validated", fp32.validation
+    assert min(r["argmax_agreement"] for r in fp32.validation["regimes"].values()) == 1.0
+    assert int4.validation["regimes"]["steps"]["argmax_agreement"] > 0.5  # real figures; the verdict may go either way
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    params = SamplingParams(0.0)
+    onnx_cfg = EdgeConfig(model=str(tmp_path), backend="onnxruntime", bundle=str(tmp_path), precision="fp32")
+    with EdgeRuntime(onnx_cfg) as rt:
+        assert rt.loaded is None and rt.lm.providers == [["CPUExecutionProvider"]]
+        got = rt.generate(prompt, "slm", params, 24, seed=0)
+    with EdgeRuntime(EdgeConfig(model="smollm2-135m"), loaded=smollm2) as rt:
+        want = rt.generate(prompt, "slm", params, 24, seed=0)
+    assert got.tokens == want.tokens and got.text == want.text
+
+
+def test_backend_settings_are_checked():
+    from edge_runtime.config import EdgeConfig
+
+    with pytest.raises(ValueError, match="runs a hat-export bundle"):
+        EdgeConfig(model="m", backend="onnxruntime")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        EdgeConfig(model="m", backend="tflite", bundle="b")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        EdgeConfig(model="m", backend="onnxruntime", bundle="b", precision="int2")
+    from edge_runtime.onnx_backend import choose_providers
+
+    assert choose_providers()[-1] == "CPUExecutionProvider"
+    with pytest.raises(ValueError, match="not in this onnxruntime build"):
+        choose_providers(["NoSuchExecutionProvider"])
