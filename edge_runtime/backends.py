@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.config import EdgeConfig
+from edge_runtime.config import EdgeConfig, server_is_local
 from edge_runtime.part_lm import PartChainLM
 from export import manifest as M
 
@@ -41,7 +41,8 @@ def open_bundle(config: EdgeConfig) -> Bundle:
         if kind == "onnx":
             from edge_runtime.onnx_backend import OrtPart
 
-            runners.append(OrtPart(path, config.providers or None, config.threads))
+            runners.append(OrtPart(path, config.providers or None, config.threads,
+                                   spin=not server_is_local(config.server)))
         else:
             from edge_runtime.trt_backend import TrtPart
 

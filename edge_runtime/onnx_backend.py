@@ -35,10 +35,15 @@ def choose_providers(requested: Optional[Sequence[str]] = None) -> List[str]:
 
 
 class OrtPart(PartRunner):
-    def __init__(self, path: str | os.PathLike, providers: Optional[Sequence[str]] = None, threads: int = 0):
+    def __init__(self, path: str | os.PathLike, providers: Optional[Sequence[str]] = None, threads: int = 0,
+                 spin: bool = True):
+        """spin: let idle worker threads spin between calls (lower latency on a device of its own; on a host shared
+        with the cloud they would take its cores)."""
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
+        if not spin:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads

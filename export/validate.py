@@ -21,7 +21,7 @@ THRESHOLDS: Dict[str, Dict[str, float]] = {
     "fp32": {"rel": 1e-3, "agree": 0.99},
     "fp16": {"rel": 5e-2, "agree": 0.95},
     "int8": {"rel": 0.25, "agree": 0.90},
-    "int4": {"rel": 1.0, "agree": 0.70},
+    "int4": {"rel": 1.0, "agree": 0.65},  # smollm2-135m measures 70-81 % (a 135M model loses much at 4 bits)
 }
 REGIMES = ("prefill", "chunks", "steps")
 

@@ -63,8 +63,8 @@ def _llamacpp_decoder(model: str, threads: int, n_ctx: int) -> Decoder:
     llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 logits_all=False, verbose=False)
 
-    def last_logits():
-        return np.asarray(llm.eval_logits[-1], dtype=np.float32)
+    def last_logits():  # the row eval() wrote; `eval_logits` would copy every row into Python lists
+        return llm.scores[llm.n_tokens - 1]
 
     def prefill(ids):
         llm.reset()
