@@ -10,6 +10,14 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
+# ssh server and client (Debian packages): hat-flash, and the local network-namespace "devices" its tests flash to.
+# Only as root with apt; elsewhere those tests skip with the reason.
+if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q openssh-server openssh-client >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q openssh-server openssh-client >/dev/null 2>&1; } \
+    || echo "bootstrap: could not install openssh-server; the flash tests will skip" >&2
+fi
 # torch first, pinned: an unpinned `torch` pulls the newest CUDA build (GBs); 2.13.0 has a CPU wheel here.
 pip_install "${HATSPEC_TORCH:-torch==2.13.0}"
 pip_install -e ".[all]"
