@@ -21,7 +21,7 @@ from export import manifest as M
 from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs
 from export.validate import Schedule, THRESHOLDS, compare, verdict
 
-OPSET = 18
+OPSET = 18  # the torch.export-based exporter's lowest; TensorRT 8.5 (JetPack 5) parses up to 17 (unverified here)
 PRECISIONS = tuple(THRESHOLDS)
 QUANT_BLOCK = 32
 # MatMulNBits' compute type: 4 = int8 products of the activations (quantized per block at run time) with the weights.
@@ -81,16 +81,21 @@ def quantize_graph(src: Path, dst: Path, bits: int) -> Dict[str, Any]:
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as q
 
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
 
     symmetric = bits != 4  # int4 keeps a zero point per block (as llama.cpp's Q4_1): better agreement at 4 bits
+    # at 4 bits the embeddings too (Gather along the hidden axis; onnxruntime quantizes Gather at 4 bits only): a
+    # 151936-token table is 545 MB in float32. The quantizer lifts the graph to opset 21 for its int4 tensors
+    # (onnxruntime runs it; TensorRT never sees these artifacts).
+    ops = ("MatMul", "Gather") if bits == 4 else ("MatMul",)
     cfg = q.DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=symmetric,
-                                         accuracy_level=ACCURACY_LEVEL, bits=bits)
+                                         accuracy_level=ACCURACY_LEVEL, bits=bits, op_types_to_quantize=ops,
+                                         quant_axes=(("MatMul", 0), ("Gather", 1)))
     quant = q.MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=cfg)
     quant.process()
     quant.model.save_model_to_file(str(dst), use_external_data_format=True)
     return {"method": "onnxruntime MatMulNBits (weight-only, round to nearest)", "bits": bits,
-            "block_size": QUANT_BLOCK, "symmetric": symmetric, "accuracy_level": ACCURACY_LEVEL, "ops": ["MatMul"]}
+            "block_size": QUANT_BLOCK, "symmetric": symmetric, "accuracy_level": ACCURACY_LEVEL, "ops": list(ops)}
 
 
 def _files(bundle: Path, graph: Path) -> Dict[str, str]:
@@ -104,13 +109,15 @@ def _files(bundle: Path, graph: Path) -> Dict[str, str]:
 def _io(path: Path) -> tuple:
     import onnx
 
-    g = onnx.load(str(path), load_external_data=False).graph
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
 
     def rows(values):
         return [{"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
                  "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
 
-    return rows(g.input), rows(g.output)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return rows(g.input), rows(g.output), opset
 
 
 def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequence[str], m: int = 0, tail: int = 0,
@@ -206,12 +213,12 @@ def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequ
             bar.update(len(specs))
             for s, path, part, fig in zip(specs, paths, chain.parts, figures):
                 ok, reason = verdict(fig, prec, part.io.logits_out)
-                inputs, outputs = _io(path)
+                inputs, outputs, graph_opset = _io(path)
                 files = _files(out, path)
                 man.replace(M.Artifact(
                     part=s.name, precision=prec, backend="onnx", files=files,
                     sizes={f: (out / f).stat().st_size for f in files}, path=path.name, inputs=inputs,
-                    outputs=outputs, layers=[s.start, s.stop], adapter=s.adapter, opset=OPSET,
+                    outputs=outputs, layers=[s.start, s.stop], adapter=s.adapter, opset=graph_opset,
                     quantization=quant if prec in ("int8", "int4") else {},
                     validation={"regimes": fig, "thresholds": THRESHOLDS[prec], "prompts": len(prompts),
                                 "providers": part.providers, "reason": reason, "reference": "torch float32"},
