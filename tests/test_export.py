@@ -260,3 +260,18 @@ def test_backend_settings_are_checked():
     assert choose_providers()[-1] == "CPUExecutionProvider"
     with pytest.raises(ValueError, match="not in this onnxruntime build"):
         choose_providers(["NoSuchExecutionProvider"])
+
+
+def test_tensorrt_profile_shapes_cover_prefill_and_decode():
+    """The optimization profiles hat-export tensorrt sets (checked without TensorRT): each input's min / opt / max
+    for the new positions n and a cache up to max_context."""
+    from export.tensorrt_build import DECODE_MAX, profile_shapes
+
+    prefill, ctx = (1, 128, 256), 2048
+    assert profile_shapes("x", (1, "n"), prefill, ctx) == ((1, 1), (1, 128), (1, 256))
+    assert profile_shapes("x", (1, "n", 576), prefill, ctx) == ((1, 1, 576), (1, 128, 576), (1, 256, 576))
+    assert profile_shapes("mask", (1, 1, "n", "w"), prefill, ctx) == ((1, 1, 1, 1), (1, 1, 128, 1024),
+                                                                      (1, 1, 256, 2048))
+    assert profile_shapes("logit_index", ("k",), prefill, ctx) == ((1,), (128,), (256,))
+    assert profile_shapes("past_key_3", (1, 3, "p", 64), (1, 1, DECODE_MAX), ctx) == (
+        (1, 3, 0, 64), (1, 3, 1024, 64), (1, 3, 2047, 64))
