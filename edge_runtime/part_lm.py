@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from hat_split.lm import KVState, board_time, check_feed
+from hat_split.lm import KVState, board_time, check_crop, check_feed
 from hat_split.masks import additive
 
 
@@ -48,14 +48,13 @@ class PartIO:
         return PartIO([n for n, _, _ in inputs], float_dtype, tokens_in, "logit_index" in by_name, cached, kv)
 
 
-class PartRunner:
+class PartRunner(Protocol):
     """A backend's handle on one part: `io` and `run(feed) -> outputs` (output, then presents in `io.cached` order)."""
 
     io: PartIO
     providers: List[str]  # what actually runs it (execution providers, "tensorrt", "torch")
 
-    def run(self, feed: Dict[str, np.ndarray]) -> List[np.ndarray]:
-        raise NotImplementedError
+    def run(self, feed: Dict[str, np.ndarray]) -> List[np.ndarray]: ...
 
 
 @dataclass
@@ -95,13 +94,16 @@ class PartChainLM:
         x: np.ndarray = np.asarray([list(tokens)], dtype=np.int64)
         positions = np.arange(past, past + n, dtype=np.int64)[None]
         self.last_outputs = []
+        masks: Dict[tuple, np.ndarray] = {}  # built once per forward, shared by the parts of the chain
         for part, cache in zip(self.parts, state.cache):
             io = part.io
             feed = {"x": x if io.tokens_in else x.astype(io.float_dtype, copy=False), "position_ids": positions}
-            if "mask" in io.names:
-                feed["mask"] = additive(past, n, None, io.float_dtype)
-            if "mask_sliding" in io.names:
-                feed["mask_sliding"] = additive(past, n, self.window, io.float_dtype)
+            for name, window in (("mask", None), ("mask_sliding", self.window)):
+                if name in io.names:
+                    key = (window, io.float_dtype)
+                    if key not in masks:
+                        masks[key] = additive(past, n, window, io.float_dtype)
+                    feed[name] = masks[key]
             if io.logits_out:  # at least one row: no graph ever sees an empty tensor there
                 feed["logit_index"] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
             for j, layer in enumerate(io.cached):
@@ -116,8 +118,7 @@ class PartChainLM:
         return logits[logits.shape[0] - n_logits:]
 
     def crop(self, state: KVState, length: int) -> None:
-        if not 0 <= length <= state.length:
-            raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
+        check_crop(state, length)
         for cache in state.cache:
             cache[:] = [a[:, :, :length] for a in cache]
         state.length = length

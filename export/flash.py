@@ -173,6 +173,6 @@ def flash_fleet(bundle: Path, inventory: Path, limit: str = "", extra_ssh: str =
     return {h: {"changed": s["changed"], "ok": s["ok"]} for h, s in recap.items()}
 
 
-def default_ssh_options(key: Optional[str], accept_new: bool = True) -> List[str]:
-    opts = ["-o", "StrictHostKeyChecking=accept-new"] if accept_new else []
-    return opts + (["-i", key] if key else [])
+def default_ssh_options(key: Optional[str]) -> List[str]:
+    """Trust a device's host key on first contact (a new Jetson), refuse a changed one; an identity when given."""
+    return ["-o", "StrictHostKeyChecking=accept-new"] + (["-i", key] if key else [])

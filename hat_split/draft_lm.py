@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from hat_split.adapter import Adapter, adapter_stack
-from hat_split.lm import KVState, board_time, check_feed
+from hat_split.lm import KVState, board_time, check_crop, check_feed
 from hat_split.partition import PartCache, SplitModel
 
 
@@ -54,8 +54,7 @@ class AdapterLM:
         return logits.float().numpy().reshape(n_logits, self.vocab_size)
 
     def crop(self, state: KVState, length: int) -> None:
-        if not 0 <= length <= state.length:
-            raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
+        check_crop(state, length)
         for cache in state.cache:
             cache.crop(length)
         state.length = length

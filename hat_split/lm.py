@@ -26,6 +26,12 @@ def check_feed(n: int, n_logits: int) -> None:
         raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
 
 
+def check_crop(state: "KVState", length: int) -> None:
+    """A cache can be cropped to any length it holds, no further."""
+    if not 0 <= length <= state.length:
+        raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
+
+
 def board_time(seconds: float, slowdown: float) -> float:
     """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time."""
     if slowdown > 1.0:
@@ -100,8 +106,7 @@ class CausalLM:
 
     def crop(self, state: KVState, length: int) -> None:
         """Drop cached positions >= length (rejected drafts)."""
-        if not 0 <= length <= state.length:
-            raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
+        check_crop(state, length)
         if length < state.length:
             state.cache.crop(length - state.length)  # transformers 5: a negative count removes that many
             state.length = length

@@ -94,9 +94,10 @@ class LocalFleet:
             # its own mount namespace: /opt/hatspec is a tmpfs only this device sees
             script = (f"mkdir -p {DEVICE_ROOT} && mount -t tmpfs -o size=2g hatspec {DEVICE_ROOT} && "
                       f"exec /usr/sbin/sshd -D -e -f {cfg}")
-            proc = subprocess.Popen(["ip", "netns", "exec", dev.name, "unshare", "--mount", "--propagation", "private",
-                                     "sh", "-c", script], stdout=subprocess.DEVNULL,
-                                    stderr=open(self.dir / f"sshd_{i}.log", "wb"), start_new_session=True)
+            with open(self.dir / f"sshd_{i}.log", "wb") as log:  # the child keeps its own descriptor
+                proc = subprocess.Popen(["ip", "netns", "exec", dev.name, "unshare", "--mount", "--propagation",
+                                         "private", "sh", "-c", script], stdout=subprocess.DEVNULL, stderr=log,
+                                        start_new_session=True)
             dev.pid = proc.pid
         for dev in self.devices:
             self._wait(dev)
