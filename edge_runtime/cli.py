@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--policy-file", default="", help="dqn: a hat-train-policy network (.npz)")
     h = g.add_argument_group("ushape / hat (HAT: the model is cut; --model is the large model, the cloud runs its middle)")
     hd = SplitConfig.__dataclass_fields__
-    h.add_argument("--m", type=int, default=hd["m"].default, help="layers of the device's input part (default %(default)s)")
+    h.add_argument("--m", type=int, default=hd["m"].default,
+                   help="layers of the device's input part (default %(default)s; a --bundle brings its own cut)")
     h.add_argument("--tail", type=int, default=0, help="last layers kept on the device with the head")
     h.add_argument("--adapter", default="", help="hat: a hat-distill adapter directory")
     h.add_argument("--hidden-format", default=hd["hidden_format"].default, choices=HIDDEN_FORMATS)

@@ -51,9 +51,9 @@ def _state(gen: Generation) -> LinkState:
 
 
 def _send(gen: Generation, position: int, states, want: int, pipelined: bool = False) -> float:
-    """Send one Hidden (shallow states `# [1, n, hidden]` torch); returns the send time."""
+    """Send one Hidden (shallow states `# [1, n, hidden]` of the drafter's backend); returns the send time."""
     gen.step += 1
-    payload = encode_hidden(states[0].float().numpy(), gen.config.split.hidden_format)
+    payload = encode_hidden(gen.drafter.parts.to_wire(states), gen.config.split.hidden_format)
     idle = -1.0 if pipelined else max(0.0, time.perf_counter() - gen.client.last_reply_at)
     before = gen.client.counters.up_bytes
     gen.client.send(P.Hidden(gen.session_id, gen.step, position, payload, want, idle))
@@ -62,9 +62,7 @@ def _send(gen: Generation, position: int, states, want: int, pipelined: bool = F
 
 
 def _receive(gen: Generation, sent_at: float, up_bytes: int, want: int):
-    """The Deep reply to a Hidden: updates the link estimates; returns deep states `# [1, want, hidden]` torch."""
-    import torch
-
+    """The Deep reply to a Hidden: updates the link estimates; returns deep states `# [1, want, hidden]` of the drafter's backend."""
     down0 = gen.client.counters.down_bytes
     reply = gen.client.receive()
     if not isinstance(reply, P.Deep):
@@ -82,11 +80,10 @@ def _receive(gen: Generation, sent_at: float, up_bytes: int, want: int):
         st.down_bps = ema(st.down_bps or None, 8.0 * (gen.client.counters.down_bytes - down0) / down_s)
     if want == 0:
         return None
-    hidden = gen.drafter.split.hidden_size
+    parts = gen.drafter.parts
     if reply.states is None:
         raise RuntimeError("the cloud sent no deep states")
-    deep = decode_hidden(reply.states, want, hidden)
-    return torch.from_numpy(deep).to(gen.drafter.split.dtype)[None]
+    return parts.from_wire(decode_hidden(reply.states, want, parts.hidden_size))
 
 
 def chunk_plan(n: int, chunk: int) -> List[int]:
@@ -104,10 +101,9 @@ def open_split(gen: Generation, prompt: List[int]) -> None:
     dev: SplitDrafter = gen.drafter
     dev.start(prompt)
     st = _state(gen)
-    split = dev.split
-    gen.client.send(P.OpenSplit(gen.session_id, gen.protocol, split.fingerprint(), split.m,
-                                split.model.config.num_hidden_layers - split.tail, c.hidden_format, len(prompt),
-                                gen.client.base_rtt_s, st.device()))
+    split = dev.parts
+    gen.client.send(P.OpenSplit(gen.session_id, gen.protocol, split.fingerprint, split.m, split.stop, c.hidden_format,
+                                len(prompt), gen.client.base_rtt_s, st.device()))
     opened = gen.client.receive()
     if not isinstance(opened, P.SplitOpened):
         raise RuntimeError(f"unexpected answer to OpenSplit: {opened!r}")
@@ -116,7 +112,7 @@ def open_split(gen: Generation, prompt: List[int]) -> None:
     chunk = c.chunk_tokens if c.chunk_tokens > 0 else (opened.chunk_size if c.chunking == "auto" else 0)
     ends = chunk_plan(len(prompt), chunk)
     gen.prefill_chunks = len(ends)
-    all_deep = len(split.output) > 0  # tail layers on the device need every position's deep state
+    all_deep = split.tail > 0  # tail layers on the device need every position's deep state
     sent, start = [], 0
     for i, end in enumerate(ends):
         shallow = dev.prompt_states(end)
@@ -165,7 +161,7 @@ def round_hat(gen: Generation) -> None:
     cands = []
     if c.parallel_draft and c.pd_topk > 0:
         cands = dev.candidates(state, c.pd_topk)
-        a = bytes_per_position(c.hidden_format, dev.split.hidden_size)
+        a = bytes_per_position(c.hidden_format, dev.parts.hidden_size)
         steps = parallel_steps(L + 1, a, st.up_bps or 1e9, st.down_bps or 1e9, st.g_mu, st.draft_s,
                                gen.client.base_rtt_s) if st.draft_s > 0 else c.max_draft
         gen.pd_steps += _draft_candidates(dev, cands, steps, c, gen.client.ready)

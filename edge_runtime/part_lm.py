@@ -79,11 +79,7 @@ class PartChainLM:
         self.forward(self.new_state(), [0, 0], n_logits=1)
 
     def new_state(self) -> KVState:
-        caches = []
-        for p in self.parts:
-            empty = np.zeros((1, *p.io.kv_shape[:1], 0, p.io.kv_shape[1]), dtype=p.io.float_dtype)
-            caches.append([empty] * (2 * len(p.io.cached)))
-        return KVState(cache=caches)
+        return KVState(cache=[empty_cache(p) for p in self.parts])
 
     def forward(self, state: KVState, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
         """Append `tokens`; float32 logits `# [n_logits, vocab]` of the last n_logits positions."""
@@ -92,24 +88,10 @@ class PartChainLM:
         past = state.length
         t0 = time.perf_counter()
         x: np.ndarray = np.asarray([list(tokens)], dtype=np.int64)
-        positions = np.arange(past, past + n, dtype=np.int64)[None]
         self.last_outputs = []
         masks: Dict[tuple, np.ndarray] = {}  # built once per forward, shared by the parts of the chain
         for part, cache in zip(self.parts, state.cache):
-            io = part.io
-            feed = {"x": x if io.tokens_in else x.astype(io.float_dtype, copy=False), "position_ids": positions}
-            for name, window in (("mask", None), ("mask_sliding", self.window)):
-                if name in io.names:
-                    key = (window, io.float_dtype)
-                    if key not in masks:
-                        masks[key] = additive(past, n, window, io.float_dtype)
-                    feed[name] = masks[key]
-            if io.logits_out:  # at least one row: no graph ever sees an empty tensor there
-                feed["logit_index"] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
-            for j, layer in enumerate(io.cached):
-                feed[f"past_key_{layer}"], feed[f"past_value_{layer}"] = cache[2 * j], cache[2 * j + 1]
-            outs = part.run(feed)
-            x, cache[:] = outs[0], outs[1:]
+            x = run_part(part, cache, x, past, n_logits, self.window, masks)
             self.last_outputs.append(x)
         state.length += n
         state.forward_s += board_time(time.perf_counter() - t0, self.slowdown)
@@ -122,3 +104,34 @@ class PartChainLM:
         for cache in state.cache:
             cache[:] = [a[:, :, :length] for a in cache]
         state.length = length
+
+
+def run_part(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int, n_logits: int,
+             window: Optional[int], masks: Optional[Dict[tuple, np.ndarray]] = None) -> np.ndarray:
+    """One part over the positions past .. past + n - 1 of `x` (ids `# [1, n]` or states `# [1, n, hidden]`): its
+    output (states, or logits `# [1, max(n_logits, 1), vocab]`); `cache` (the part's past keys and values, in
+    `io.cached` order) is replaced by the grown one. `masks` shares the masks between the parts of one step."""
+    io = part.io
+    n = x.shape[1]
+    masks = {} if masks is None else masks
+    feed = {"x": x if io.tokens_in else x.astype(io.float_dtype, copy=False),
+            "position_ids": np.arange(past, past + n, dtype=np.int64)[None]}
+    for name, w in (("mask", None), ("mask_sliding", window)):
+        if name in io.names:
+            key = (w, io.float_dtype)
+            if key not in masks:
+                masks[key] = additive(past, n, w, io.float_dtype)
+            feed[name] = masks[key]
+    if io.logits_out:  # at least one row: no graph ever sees an empty tensor there
+        feed["logit_index"] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
+    for j, layer in enumerate(io.cached):
+        feed[f"past_key_{layer}"], feed[f"past_value_{layer}"] = cache[2 * j], cache[2 * j + 1]
+    outs = part.run(feed)
+    cache[:] = outs[1:]
+    return outs[0]
+
+
+def empty_cache(part: PartRunner) -> List[np.ndarray]:
+    """A part's cache of no positions: keys and values `# [1, kv_heads, 0, head_dim]` per cached layer."""
+    empty = np.zeros((1, part.io.kv_shape[0], 0, part.io.kv_shape[1]), dtype=part.io.float_dtype)
+    return [empty] * (2 * len(part.io.cached))

@@ -51,6 +51,7 @@ class EdgeRuntime:
         self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
         self._adapter = None
         self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
+        self._torch_parts = {}  # protocol is hat → edge_runtime.split_parts.TorchSplitParts (its fingerprint is costly)
         self._session_ids = itertools.count(1)
         if config.backend != "torch":  # exported artifacts: no torch model on the device
             from edge_runtime.backends import open_bundle
@@ -58,11 +59,12 @@ class EdgeRuntime:
             if loaded is not None:
                 raise ValueError(f"backend {config.backend} runs a bundle; it takes no pre-loaded torch model")
             self.loaded, self.bundle = None, open_bundle(config)
-            self.tokenizer, self.lm = self.bundle.tokenizer, self.bundle.lm
-            self.lm.warm_up()
-            self.model_name = self.bundle.manifest.model["name"]
-            self.fingerprint = self.bundle.manifest.model["vocab_fingerprint"]
-            self.eos_ids = frozenset(self.bundle.manifest.model.get("eos_ids", []))
+            man = self.bundle.manifest
+            self.tokenizer, self.vocab_size = self.bundle.tokenizer, man.model["vocab"]
+            self.model_name, self.fingerprint = man.model["name"], man.model["vocab_fingerprint"]
+            self.eos_ids = frozenset(man.model.get("eos_ids", []))
+            self._split_parts = {}  # protocol → edge_runtime.split_parts.BundleSplitParts, opened on first use
+            self.lm = self._bundle_draft()
             return
         if config.threads:
             import torch
@@ -76,6 +78,7 @@ class EdgeRuntime:
         self.loaded, self.bundle = loaded, None
         self.tokenizer = self.loaded.tokenizer
         self.lm = CausalLM(self.loaded.model)
+        self.vocab_size = self.lm.vocab_size
         if holds_all_layers(self.loaded.model):  # a model holding only its split parts runs no whole pass
             self.lm.warm_up()
         self.model_name = self.loaded.spec.name if self.loaded.spec is not None else str(config.model)
@@ -96,7 +99,7 @@ class EdgeRuntime:
     def connect(self) -> P.Welcome:
         if self.client is None:
             c = self.config
-            hello = P.Hello(c.device_id, self.model_name, self.lm.vocab_size, self.fingerprint, "hatspec-edge/0.1")
+            hello = P.Hello(c.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")
             client = CloudClient(c.server, hello, c.connect_timeout_s, c.connect_retries, c.backoff_s,
                                  c.request_timeout_s)
             client.connect()
@@ -138,9 +141,6 @@ class EdgeRuntime:
         from hat_split.adapter import load_adapter
         from hat_split.partition import SplitModel
 
-        if self.bundle is not None:
-            raise ValueError(f"the split protocols (ushape, hat) run on the torch backend; backend "
-                             f"{self.config.backend} drafts for the token protocols")
         c = self.config.split
         if self._split is None:
             self._split = SplitModel(self.loaded.model, c.m, c.tail)
@@ -150,9 +150,23 @@ class EdgeRuntime:
             self._adapter = load_adapter(c.adapter, self._split)
         return self._split, self._adapter
 
+    def _bundle_draft(self):
+        """A bundle's draft chain for the token protocols, opened and warmed up now if the bundle has it; a bundle of
+        split parts only (hat-export --parts hat) opens it on demand, so asking a token protocol says what is missing."""
+        from export.manifest import BundleError
+
+        try:
+            lm = self.bundle.draft_lm()
+        except BundleError:
+            return None
+        lm.warm_up()
+        return lm
+
     def _token_lm(self):
         """The token protocols' draft: the whole model, or the split draft output ∘ Λ ∘ input (token_draft)."""
-        if self.config.token_draft == "model" or self.bundle is not None:  # a bundle's chain is chosen at open
+        if self.bundle is not None:  # a bundle's chain is chosen by token_draft at open
+            return self.lm if self.lm is not None else self.bundle.draft_lm()  # the latter says what is missing
+        if self.config.token_draft == "model":
             return self.lm
         if self._adapter_lm is None:
             from hat_split.draft_lm import AdapterLM
@@ -162,9 +176,18 @@ class EdgeRuntime:
         return self._adapter_lm
 
     def _split_drafter(self, protocol: str, params: SamplingParams, seed: int):
-        """The device's parts of this runtime's model (and Λ for `hat`)."""
+        """The device's parts of this runtime's model (and Λ for `hat`), in torch or from the bundle."""
         from edge_runtime.split_drafter import SplitDrafter
+        from edge_runtime.split_parts import TorchSplitParts
 
-        split, adapter = self._parts(adapter=protocol == "hat")
-        return SplitDrafter(split, adapter if protocol == "hat" else None, params, seed,
-                            slowdown=self.config.split.slowdown)
+        hat = protocol == "hat"
+        if self.bundle is not None:
+            if hat not in self._split_parts:
+                self._split_parts[hat] = self.bundle.split_parts(adapter=hat)
+            parts = self._split_parts[hat]
+        else:
+            split, adapter = self._parts(adapter=hat)
+            if hat not in self._torch_parts:
+                self._torch_parts[hat] = TorchSplitParts(split, adapter if hat else None)
+            parts = self._torch_parts[hat]
+        return SplitDrafter(parts, params, seed, slowdown=self.config.split.slowdown)

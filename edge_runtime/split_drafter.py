@@ -10,7 +10,7 @@ Cache convention (one request; T = the committed sequence, prompt + generated):
   itself (exact speculative sampling; greedy at temperature 0) and crops every cache to the accepted prefix; the next
   upload's `position` tells the cloud where to crop its own.
 
-Parallel drafting (§3.5) forks the caches (PartCache tensors are never written in place, so a fork is a dict copy) and
+Parallel drafting (§3.5) forks the caches (cache tensors are never written in place, so a fork is a shallow copy) and
 drafts continuations of the top-k alternatives to the last draft token while the cloud works; a continuation whose
 first token is the one the verification emits becomes the next round's draft. Randomness is position-keyed
 (hat_split.rng.keyed_uniform), so a reused continuation is token for token what a fresh draft would have been.
@@ -23,19 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hat_split.adapter import Adapter, adapter_stack
+from edge_runtime.split_parts import PartCacheLike, SplitParts, TorchSplitParts
 from hat_split.lm import board_time
-from hat_split.partition import PartCache, SplitModel
 from hat_split.rng import keyed_uniform
 from hat_split.sampling import SamplingParams, sample, softmax_prob, warp
 from hat_split.verify import speculative_verify
-
-
-def fork(cache: PartCache) -> PartCache:
-    c = PartCache()
-    c.kv = dict(cache.kv)
-    c.length = cache.length
-    return c
 
 
 @dataclass
@@ -43,12 +35,12 @@ class DraftState:
     """A draft in progress: its tokens, the distributions they were sampled from, and the caches after them."""
 
     base: int  # position of the first shallow state (the last committed token's)
-    inp: PartCache  # input part, covering base + len(shallow)
-    lam: PartCache  # Λ, covering base + len(drafts) once the next step has run Λ
-    dout: PartCache  # the draft's output tail layers (same coverage as lam)
+    inp: PartCacheLike  # input part, covering base + len(shallow)
+    lam: PartCacheLike  # Λ, covering base + len(drafts) once the next step has run Λ
+    dout: PartCacheLike  # the draft's output tail layers (same coverage as lam)
     drafts: List[int] = field(default_factory=list)
     q: List[np.ndarray] = field(default_factory=list)  # per draft `# [vocab]`
-    shallow: List[Any] = field(default_factory=list)  # per position `# [1, 1, hidden]`: T[-1], d1, ..., dL
+    shallow: List[Any] = field(default_factory=list)  # per position `# [1, 1, hidden]`: T[-1], d1, ..., dL (backend's)
     stopped: bool = False  # η fired: the draft is complete
     first: int = -1  # a parallel-drafting candidate: the token it replaces the last draft with
     last_logits: Optional[np.ndarray] = None  # `# [vocab]` raw draft logits of the last draft's position
@@ -56,8 +48,7 @@ class DraftState:
 
 @dataclass
 class SplitDrafter:
-    split: SplitModel
-    adapter: Optional[Adapter]  # None: U-shape only
+    parts: SplitParts  # edge_runtime.split_parts: torch, or a bundle's graphs; no adapter: U-shape only
     params: SamplingParams
     seed: Optional[int]
     tokens: List[int] = field(default_factory=list)
@@ -66,11 +57,10 @@ class SplitDrafter:
     slowdown: float = 1.0  # > 1: sleep so that each computation takes this many times as long (a slower board)
 
     def __post_init__(self) -> None:
-        self.lam_stack = adapter_stack(self.split, self.adapter) if self.adapter is not None else None
         self._reset()
 
     def _reset(self) -> None:
-        self.inp, self.lam, self.dout, self.tout = PartCache(), PartCache(), PartCache(), PartCache()
+        self.inp, self.lam, self.dout, self.tout = (self.parts.new_cache() for _ in range(4))
         self.pending: Optional[DraftState] = None  # the draft in flight
         self.adopted: Optional[DraftState] = None  # a parallel-drafted continuation the next round starts from
 
@@ -85,13 +75,13 @@ class SplitDrafter:
     def prompt_states(self, end: int) -> Any:
         """Shallow states `# [1, n, hidden]` of prompt positions inp.length .. end - 1 (one chunk); Λ follows them."""
         t0 = time.perf_counter()
-        shallow = self.split.run_input(self.inp, self.tokens[self.inp.length:end])
+        shallow = self.parts.run_input(self.inp, self.tokens[self.inp.length:end])
         self._timed(t0, prefill=True)
         return shallow
 
     def lam_prefill(self, shallow: Any) -> None:
         """Λ (and the draft's tail layers) over a prompt chunk: device-only work done while the chunk uploads."""
-        if self.lam_stack is None:
+        if not self.parts.has_adapter:
             return
         t0 = time.perf_counter()
         self._lam_step(self.lam, self.dout, shallow, logits=False)
@@ -100,13 +90,13 @@ class SplitDrafter:
     def target_logits(self, deep: Any, position: int, n_logits: int) -> np.ndarray:
         """Target logits `# [n_logits, vocab]` from deep states `# [1, n, hidden]` of positions position.. ."""
         t0 = time.perf_counter()
-        if not len(self.split.output):  # norm + head only: no cache, only the bookkeeping
+        if not self.parts.tail:  # norm + head only: no cache, only the bookkeeping
             self.tout.length = position
         if self.tout.length > position:
             self.tout.crop(position)
         if self.tout.length != position:
             raise RuntimeError(f"output part holds {self.tout.length} positions, deep states start at {position}")
-        logits = self.split.run_output(self.tout, deep, n_logits).numpy()
+        logits = self.parts.run_output(self.tout, deep, n_logits)
         self._timed(t0)
         return logits
 
@@ -114,13 +104,13 @@ class SplitDrafter:
     def last_state(self) -> Any:
         """U-shape: the shallow state `# [1, 1, hidden]` of the last committed token."""
         t0 = time.perf_counter()
-        s = self.split.run_input(self.inp, self.tokens[-1:])
+        s = self.parts.run_input(self.inp, self.tokens[-1:])
         self._timed(t0)
         return s
 
     def draft(self, max_len: int, eta: float) -> DraftState:
         """HAT drafting (eq. 5): up to max_len drafts, stopping after the first with draft probability < η."""
-        if self.lam_stack is None:
+        if not self.parts.has_adapter:
             raise RuntimeError("drafting needs an adapter (protocol hat)")
         state = self.adopted
         self.adopted = None
@@ -153,9 +143,7 @@ class SplitDrafter:
 
     def upload_states(self, state: DraftState) -> Any:
         """The L + 1 shallow states `# [1, L + 1, hidden]` the cloud needs to verify this draft."""
-        import torch
-
-        return torch.cat(state.shallow, dim=1)
+        return self.parts.cat(state.shallow)
 
     def verify(self, state: DraftState, logits: np.ndarray) -> Tuple[int, int]:
         """Exact speculative verification of the draft against target logits `# [L + 1, vocab]` → (accepted, token)."""
@@ -191,7 +179,7 @@ class SplitDrafter:
         self.adopted = None
         if state is not None:
             self.inp, self.lam, self.dout = state.inp, state.lam, state.dout
-            if self.lam_stack is not None:
+            if self.parts.has_adapter:
                 t0 = time.perf_counter()
                 for s in state.shallow[self.lam.length - state.base: keep - state.base]:
                     self._lam_step(self.lam, self.dout, s, logits=False)
@@ -214,9 +202,9 @@ class SplitDrafter:
         out = []
         for token in order:
             # before the last draft: input part without dL, Λ and tail already without it
-            inp = fork(state.inp)
+            inp = state.inp.fork()
             inp.crop(state.base + L)
-            c = DraftState(state.base + L, inp, fork(state.lam), fork(state.dout))
+            c = DraftState(state.base + L, inp, state.lam.fork(), state.dout.fork())
             c.shallow.append(self._input(c.inp, token))
             c.first = token
             out.append(c)
@@ -234,13 +222,12 @@ class SplitDrafter:
         return False
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _input(self, cache: PartCache, token: int) -> Any:
-        return self.split.run_input(cache, [token])
+    def _input(self, cache: PartCacheLike, token: int) -> Any:
+        return self.parts.run_input(cache, [token])
 
-    def _lam_step(self, lam: PartCache, dout: PartCache, shallow: Any, logits: bool) -> Optional[np.ndarray]:
-        x = self.lam_stack.forward(lam, shallow)
-        out = self.split.run_output(dout, x, 1 if logits else 0)
-        return out.numpy() if logits else None
+    def _lam_step(self, lam: PartCacheLike, dout: PartCacheLike, shallow: Any, logits: bool) -> Optional[np.ndarray]:
+        out = self.parts.run_output(dout, self.parts.run_adapter(lam, shallow), 1 if logits else 0)
+        return out if logits else None
 
     def _truncate(self, state: DraftState, n: int) -> None:
         del state.drafts[n:], state.q[n:], state.shallow[n + 1:]
@@ -258,10 +245,12 @@ class SplitDrafter:
 
 
 # -- in-process evaluation (hat-distill) -------------------------------------------------------------------------
-def local_accept_length(split: SplitModel, adapter: Adapter, prompts: List[List[int]], max_new_tokens: int,
+def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
                         eta: float, max_draft: int, eos: frozenset = frozenset()) -> Dict[str, float]:
     """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round."""
-    dev = SplitDrafter(split, adapter, SamplingParams(temperature=0.0), seed=0)
+    from hat_split.partition import PartCache
+
+    dev = SplitDrafter(TorchSplitParts(split, adapter), SamplingParams(temperature=0.0), seed=0)
     rounds = accepted = produced = 0
     for prompt in prompts:
         dev.start(prompt)

@@ -54,6 +54,13 @@ class PartCache:
         self.kv[layer_idx] = (key, value)
         return key, value
 
+    def fork(self) -> "PartCache":
+        """A copy that shares the tensors: they are never written in place, so the two evolve independently."""
+        c = PartCache()
+        c.kv = dict(self.kv)
+        c.length = self.length
+        return c
+
     def crop(self, length: int) -> None:
         """Forget positions >= length (rejected drafts; a peer's shorter committed prefix)."""
         if not 0 <= length <= self.length:

@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud and of the device, each")
     s.add_argument("--dtype", default="float32", help="model dtype on both sides")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"),
+                   help="what runs the device's parts: torch (--model, --adapter), or a hat-export --bundle")
+    s.add_argument("--bundle", default="", help="hat-export bundle with input, adapter and output parts")
+    s.add_argument("--precision", default="fp32", help="which of the bundle's artifacts")
     s.add_argument("--out", default="runs/bench_hat.json")
 
 
@@ -109,7 +113,8 @@ def run(args) -> int:
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
         raise ValueError("give at least one link profile")
-    adapter = adapter_dir(args.adapter, args.model, args.m, any(VARIANTS[v][0] == "hat" for v in variants))
+    needs_adapter = args.backend == "torch" and any(VARIANTS[v][0] == "hat" for v in variants)
+    adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)  # a bundle brings its own Λ
     adapter_meta: dict = {}
     if os.path.exists(os.path.join(adapter, "adapter.json")):
         with open(os.path.join(adapter, "adapter.json"), encoding="utf-8") as f:
@@ -124,7 +129,7 @@ def run(args) -> int:
                 base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
                                    down_bps=8 * link.rate("down"))
                 cfg = EdgeConfig(model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
-                                 split=base)
+                                 split=base, backend=args.backend, bundle=args.bundle, precision=args.precision)
                 with EdgeRuntime(cfg) as rt:
                     if "prompts" not in report:
                         ids = long_chat_prompts(rt.tokenizer, args.prompts + 1, args.min_prompt_tokens,

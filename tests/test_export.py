@@ -146,6 +146,77 @@ def test_generation_through_onnxruntime_is_token_identical_to_torch(llama_bundle
     assert tokens(chain) == tokens(AdapterLM(SplitModel(model, 2), adapter))
 
 
+@pytest.fixture(scope="module")
+def target_bundle(tmp_path_factory, tiny_pair):
+    """The tiny server's target cut at 1: input part, an (untrained) Λ and norm + head, exported in fp32."""
+    from export.onnx_export import export_bundle
+
+    model = tiny_pair[1].model
+    adapter = Adapter(model, 1).eval().requires_grad_(False)
+    out = tmp_path_factory.mktemp("target-bundle")
+    export_bundle(_loaded(model, "tiny-target"), out, ["input", "adapter", "output"], ["fp32"], m=1, adapter=adapter,
+                  prompts=PROMPTS, progress=False)
+    return out, model, adapter
+
+
+def _bundle_parts(out, hat=True):
+    from edge_runtime.onnx_backend import OrtPart
+    from edge_runtime.split_parts import BundleSplitParts
+
+    parts = {k: OrtPart(out / f"{k}.fp32.onnx", ["CPUExecutionProvider"]) for k in ("input", "adapter", "output")}
+    return BundleSplitParts(parts["input"], parts["output"], parts["adapter"] if hat else None, M.load(out).model)
+
+
+def test_split_drafting_and_forks_on_onnxruntime_equal_torch(target_bundle):
+    """The device's HAT machinery on exported parts — prefill, drafting, parallel-drafting forks, verification and
+    the crop after it — gives torch's distributions and tokens."""
+    from edge_runtime.split_drafter import SplitDrafter
+    from edge_runtime.split_parts import TorchSplitParts
+
+    out, model, adapter = target_bundle
+    bundle = _bundle_parts(out)
+    torch_parts = TorchSplitParts(SplitModel(model, 1), adapter)
+    assert (bundle.fingerprint, bundle.m, bundle.stop, bundle.tail) == (torch_parts.fingerprint, 1, 2, 0)
+    runs = []
+    for parts in (torch_parts, bundle):
+        dev = SplitDrafter(parts, SamplingParams(1.0), seed=4)
+        dev.start(PROMPTS[0][:12])
+        dev.lam_prefill(dev.prompt_states(12))
+        dev.commit([5])
+        state = dev.draft(5, 0.0)
+        cands = dev.candidates(state, 2)
+        for c in cands:
+            dev.extend(c, 5, 0.0, steps=3)
+        deep = parts.from_wire(np.random.default_rng(1).standard_normal((6, parts.hidden_size)).astype(np.float32))
+        n, token = dev.verify(state, dev.target_logits(deep, state.base, 6))
+        dev.commit(state.drafts[:n] + [token], n)
+        again = dev.draft(3, 0.0)
+        runs.append((state, cands, (n, token), again, parts.to_wire(dev.upload_states(again))))
+    (s0, c0, v0, a0, w0), (s1, c1, v1, a1, w1) = runs
+    assert s0.drafts == s1.drafts and v0 == v1 and a0.drafts == a1.drafts
+    np.testing.assert_allclose(np.stack(s1.q), np.stack(s0.q), atol=1e-5)
+    assert [c.drafts for c in c0] == [c.drafts for c in c1] and len(c0) == 2
+    np.testing.assert_allclose(w1, w0, atol=1e-4)
+
+
+@pytest.mark.parametrize("protocol", ["ushape", "hat"])
+def test_split_protocols_on_onnxruntime_give_torchs_tokens(tiny_server, target_bundle, protocol):
+    """A device holding only exported parts speaks the split protocols to the torch cloud: greedy, its tokens are the
+    target's; sampled (chunked prefill), they are token for token a torch device's."""
+    from tests.test_hat import _greedy, _run_split
+
+    out, model, adapter = target_bundle
+    hat = protocol == "hat"
+    kw = dict(adapter=adapter if hat else None, eta=0.3, max_draft=4, chunk_tokens=5)
+    greedy = _run_split(tiny_server, model, protocol, SamplingParams(0.0), parts=_bundle_parts(out, hat), **kw)
+    assert greedy.tokens == _greedy(model, 20)
+    sampled = [_run_split(tiny_server, model, protocol, SamplingParams(1.0), seed=9, parts=parts, **kw)
+               for parts in (_bundle_parts(out, hat), None)]
+    assert sampled[0].tokens == sampled[1].tokens and sampled[0].prefill_chunks > 1
+    if hat:
+        assert greedy.drafted > 0
+
+
 def test_a_tampered_or_mismatched_bundle_is_refused(llama_bundle, tmp_path):
     import shutil
 
@@ -242,6 +313,41 @@ def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, tmp_path):
     with EdgeRuntime(EdgeConfig(model="smollm2-135m"), loaded=smollm2) as rt:
         want = rt.generate(prompt, "slm", params, 24, seed=0)
     assert got.tokens == want.tokens and got.text == want.text
+
+
+@pytest.mark.real_models
+def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, tmp_path):
+    """HAT's device parts of the real model exported (fp32; Λ untrained: exactness does not depend on it), and a
+    `hat-edge generate --backend onnxruntime` process holding only the bundle runs `ushape` and `hat` against a
+    `hat-cloud serve` process: temperature 0 gives the whole model's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cloud_runtime.process import CloudProcess
+    from export.cli import validation_prompts
+    from export.onnx_export import export_bundle
+    from tests.test_hat import FIB, greedy_reference
+
+    model = smollm2.model
+    man = export_bundle(smollm2, tmp_path / "b", ["input", "adapter", "output"], ["fp32"], m=2,
+                        adapter=Adapter(model, 2).eval().requires_grad_(False),
+                        prompts=validation_prompts(smollm2.tokenizer, 2), progress=False)
+    assert all(a.status == "validated" for a in man.artifacts), [a.validation for a in man.artifacts]
+    ref = greedy_reference(model, smollm2.tokenizer(FIB)["input_ids"], 16)
+    (tmp_path / "p.json").write_text(json.dumps([FIB]))
+    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
+        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--backend", "onnxruntime", "--bundle",
+               str(tmp_path / "b"), "--precision", "fp32", "--server", cloud.endpoint, "--prompts-file",
+               str(tmp_path / "p.json"), "--protocol", "ushape,hat", "--m", "2", "--hidden-format", "float32",
+               "--chunk-tokens", "7", "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json",
+               str(tmp_path / "out.json")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [(r["protocol"], r["tokens"]) for r in results] == [("ushape", ref), ("hat", ref)]
+    assert results[1]["drafted"] > 0
 
 
 def test_backend_settings_are_checked():

@@ -15,6 +15,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, SplitConfig
 from edge_runtime.generation import Generation, run
 from edge_runtime.split_drafter import SplitDrafter
+from edge_runtime.split_parts import TorchSplitParts
 from hat_split import protocol as P
 from hat_split.adapter import Adapter, adapter_stack, load_adapter, save_adapter
 from hat_split.chunking import DelayModel, chunk_size, parallel_steps, prefill_finish
@@ -181,7 +182,7 @@ def test_draft_distributions_equal_the_uncached_draft_model(tmp_path):
     model = _target()
     split = SplitModel(model, 1)
     adapter = Adapter(model, 1).eval()
-    dev = SplitDrafter(split, adapter, SamplingParams(1.0), seed=3)
+    dev = SplitDrafter(TorchSplitParts(split, adapter), SamplingParams(1.0), seed=3)
     dev.start(PROMPT)
     shallow = dev.prompt_states(len(PROMPT))
     dev.lam_prefill(shallow)
@@ -257,12 +258,14 @@ def _target_three():
 
 
 # -- end to end over the tiny server ----------------------------------------------------------------------------------
-def _run_split(server, model, protocol, params, n=20, seed=0, adapter=None, tap=None, endpoint=None, **split_kw):
-    split = SplitModel(model, 1)
+def _run_split(server, model, protocol, params, n=20, seed=0, adapter=None, tap=None, endpoint=None, parts=None,
+               **split_kw):
+    """parts: the device's parts (default: torch's, of `model` cut at 1 with `adapter`)."""
+    parts = parts or TorchSplitParts(SplitModel(model, 1), adapter)
     split_cfg = SplitConfig(m=1, hidden_format=split_kw.pop("hidden_format", "float32"), **split_kw)
     with CloudClient(endpoint or server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         client.tap = tap
-        gen = Generation(EdgeConfig(model="tiny", split=split_cfg), SplitDrafter(split, adapter, params, seed),
+        gen = Generation(EdgeConfig(model="tiny", split=split_cfg), SplitDrafter(parts, params, seed),
                          client, protocol, params, n, frozenset(), seed, 1)
         return run(gen, PROMPT, lambda toks: "")
 
@@ -352,6 +355,22 @@ def test_split_session_refusals(tiny_server, tiny_pair):
 
 
 # -- end to end across processes on the real smollm2-135m --------------------------------------------------------------
+FIB = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def greedy_reference(model, ids, n):
+    """The whole model's n greedy tokens after `ids`, through hat_split.lm's cached forward."""
+    from hat_split.lm import CausalLM
+
+    lm = CausalLM(model)
+    state, ref = lm.new_state(), []
+    logits = lm.forward(state, ids)
+    for _ in range(n):
+        ref.append(int(logits[-1].argmax()))
+        logits = lm.forward(state, [ref[-1]])
+    return ref
+
+
 def _split_across_processes(smollm2, tmp_path, cloud_args):
     """A `hat-cloud serve` process (with `cloud_args`) holds smollm2's middle layers, a `hat-edge generate` process
     its input and output parts (and an adapter, untrained: exactness does not depend on it); temperature 0 must give
@@ -363,20 +382,13 @@ def _split_across_processes(smollm2, tmp_path, cloud_args):
     import sys
 
     from cloud_runtime.process import CloudProcess
-    from hat_split.lm import CausalLM
 
     model = smollm2.model
     split = SplitModel(model, 2)
     save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, "smollm2-135m", {"steps": 0})
-    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-    ids = smollm2.tokenizer(prompt)["input_ids"]
-    lm = CausalLM(model)
-    state, ref = lm.new_state(), []
-    logits = lm.forward(state, ids)
-    for _ in range(16):
-        ref.append(int(logits[-1].argmax()))
-        logits = lm.forward(state, [ref[-1]])
-    (tmp_path / "p.json").write_text(json.dumps([prompt]))
+    ids = smollm2.tokenizer(FIB)["input_ids"]
+    ref = greedy_reference(model, ids, 16)
+    (tmp_path / "p.json").write_text(json.dumps([FIB]))
     with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32", *cloud_args], threads=1) as cloud:
         cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", "smollm2-135m", "--server",
                cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat,sd,llm",
