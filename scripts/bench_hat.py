@@ -14,10 +14,13 @@ Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time /
 U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
 token, prompt chunks, parallel-drafting hits; whether each request's tokens equal U-shape's (greedy: they must, up to
 float ties); Table 4: accept length, trained parameters of Λ, decode speedup (TBT of U-shape / TBT of +SD).
-Writes JSON and a PNG beside it.
+`--backends torch,onnxruntime:int8,...` runs the device's parts on several backends side by side (a hat-export
+`--bundle` of the same model and Λ for onnxruntime / TensorRT), interleaved prompt by prompt, one table per link and
+backend. Writes JSON and a PNG beside it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -55,11 +58,32 @@ def add_parser(sub) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud and of the device, each")
     s.add_argument("--dtype", default="float32", help="model dtype on both sides")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--backend", default="torch", choices=("torch", "onnxruntime", "tensorrt"),
-                   help="what runs the device's parts: torch (--model, --adapter), or a hat-export --bundle")
+    s.add_argument("--backends", default="torch",
+                   help="what runs the device's parts, comma separated, each torch (--model, --adapter) or "
+                        "onnxruntime:PRECISION / tensorrt:PRECISION (a --bundle's artifacts); several run side by "
+                        "side, interleaved prompt by prompt, one table per link and backend")
     s.add_argument("--bundle", default="", help="hat-export bundle with input, adapter and output parts")
-    s.add_argument("--precision", default="fp32", help="which of the bundle's artifacts")
     s.add_argument("--out", default="runs/bench_hat.json")
+
+
+def parse_backends(text: str, bundle: str) -> List[tuple]:
+    """`torch,onnxruntime:int8` → [("torch", ""), ("onnxruntime", "int8")]; ValueError on an unknown backend or a
+    bundle backend without --bundle."""
+    out = []
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        backend, _, precision = item.partition(":")
+        if backend not in ("torch", "onnxruntime", "tensorrt"):
+            raise ValueError(f"unknown backend {backend!r} in --backends; choose torch, onnxruntime:P, tensorrt:P")
+        if backend != "torch" and not bundle:
+            raise ValueError(f"backend {backend} runs a hat-export bundle: give --bundle DIR")
+        out.append((backend, precision))
+    if not out:
+        raise ValueError("give at least one backend")
+    return out
+
+
+def backend_label(backend: str, precision: str, dtype: str) -> str:
+    return f"{backend} {precision or 'fp32'}" if backend != "torch" else f"torch {dtype}"
 
 
 def _request_row(r) -> dict:
@@ -113,7 +137,8 @@ def run(args) -> int:
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
         raise ValueError("give at least one link profile")
-    needs_adapter = args.backend == "torch" and any(VARIANTS[v][0] == "hat" for v in variants)
+    backends = parse_backends(args.backends, args.bundle)
+    needs_adapter = any(b == "torch" for b, _ in backends) and any(VARIANTS[v][0] == "hat" for v in variants)
     adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)  # a bundle brings its own Λ
     adapter_meta: dict = {}
     if os.path.exists(os.path.join(adapter, "adapter.json")):
@@ -128,30 +153,39 @@ def run(args) -> int:
             with LinkEmulator(link, upstream=("127.0.0.1", cloud.port)) as emu:
                 base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
                                    down_bps=8 * link.rate("down"))
-                cfg = EdgeConfig(model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
-                                 split=base, backend=args.backend, bundle=args.bundle, precision=args.precision)
-                with EdgeRuntime(cfg) as rt:
+                with contextlib.ExitStack() as stack:
+                    rts = {}
+                    for backend, precision in backends:
+                        cfg = EdgeConfig(model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
+                                         split=base, backend=backend, precision=precision or "fp32",
+                                         bundle=args.bundle if backend != "torch" else "")
+                        rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(EdgeRuntime(cfg))
                     if "prompts" not in report:
-                        ids = long_chat_prompts(rt.tokenizer, args.prompts + 1, args.min_prompt_tokens,
-                                                args.max_prompt_tokens)
+                        ids = long_chat_prompts(next(iter(rts.values())).tokenizer, args.prompts + 1,
+                                                args.min_prompt_tokens, args.max_prompt_tokens)
                         report["prompts"] = {"tokens": [len(x) for x in ids[1:]], "warm_up_tokens": len(ids[0])}
-                    for _ in range(2):  # warm-up: the cloud's g() gets a prefill and decode steps, the device β
-                        rt.config = dataclasses.replace(cfg, split=dataclasses.replace(base, **VARIANTS["HAT"][1]))
-                        rt.generate(ids[0], "hat", params, 16, seed=args.seed)
-                    runs: Dict[str, List[dict]] = {v: [] for v in variants}
+                    hat_split = dataclasses.replace(base, **VARIANTS["HAT"][1])
+                    for rt in rts.values():
+                        for _ in range(2):  # warm-up: the cloud's g() gets a prefill and decode steps, the device β
+                            rt.config = dataclasses.replace(rt.config, split=hat_split)
+                            rt.generate(ids[0], "hat", params, 16, seed=args.seed)
+                    runs: Dict[str, Dict[str, List[dict]]] = {b: {v: [] for v in variants} for b in rts}
                     for i, x in enumerate(ids[1:]):
-                        for v in variants:
-                            protocol, fields = VARIANTS[v]
-                            rt.config = dataclasses.replace(cfg, split=dataclasses.replace(base, **fields))
-                            r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
-                            runs[v].append(_request_row(r))
-                            row = runs[v][-1]
-                            print(f"  {link.name} prompt {i + 1}/{args.prompts} ({len(x)} tok) {v:9s}: TTFT "
-                                  f"{row['ttft_s'] * 1e3:7.1f} ms, TBT {row['tbt_s'] * 1e3:6.1f} ms, {r.n} tokens, "
-                                  f"{r.prefill_chunks} chunk(s), accepted {r.accepted}/{r.drafted} in {r.rounds} "
-                                  f"rounds", flush=True)
-            report["links"][link.name] = {"profile": dataclasses.asdict(link), "runs": runs}
-            report["tables"][link.name] = summarise(runs)
+                        for label, rt in rts.items():
+                            for v in variants:
+                                protocol, fields = VARIANTS[v]
+                                rt.config = dataclasses.replace(rt.config, split=dataclasses.replace(base, **fields))
+                                r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
+                                runs[label][v].append(_request_row(r))
+                                row = runs[label][v][-1]
+                                print(f"  {link.name} {label} prompt {i + 1}/{args.prompts} ({len(x)} tok) {v:9s}: "
+                                      f"TTFT {row['ttft_s'] * 1e3:7.1f} ms, TBT {row['tbt_s'] * 1e3:6.1f} ms, {r.n} "
+                                      f"tokens, {r.prefill_chunks} chunk(s), accepted {r.accepted}/{r.drafted} in "
+                                      f"{r.rounds} rounds", flush=True)
+            for label, by_variant in runs.items():
+                key = link.name if len(runs) == 1 else f"{link.name} {label}"
+                report["links"][key] = {"profile": dataclasses.asdict(link), "backend": label, "runs": by_variant}
+                report["tables"][key] = summarise(by_variant)
     report["seconds"] = time.perf_counter() - t_start
     report["table4"] = table4(report)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
