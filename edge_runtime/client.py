@@ -60,6 +60,7 @@ class CloudClient:
         self.welcome: Optional[P.Welcome] = None
         self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
         self.last_reply_at = 0.0  # perf_counter() when the last reply arrived
+        self.last_sent_at = 0.0  # perf_counter() when the last request left
         self.link_state = None  # the split protocols' moving averages of this link (edge_runtime.hat.LinkState),
         # kept across requests so a request starts from what the previous ones measured
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
@@ -134,8 +135,11 @@ class CloudClient:
         """First half of `request`: lets the device compute while the cloud works on the request."""
         if self._sock is None:
             raise CloudUnavailable("not connected: use the client as a context manager or call connect()")
+        if self._forgotten() and not isinstance(msg, P.Hello):
+            self._rehello()
         frames = P.encode(msg)
         self._sock.send_multipart(frames, copy=False)
+        self.last_sent_at = time.perf_counter()
         self.counters.up_bytes += P.frame_bytes(frames)
         if self.tap is not None:
             self.tap("up", [bytes(f) for f in frames])
@@ -146,6 +150,20 @@ class CloudClient:
         if isinstance(reply, P.Error):
             raise CloudError(reply)
         return reply
+
+    def _forgotten(self) -> bool:
+        """True when this client has been silent long enough that the cloud may have dropped it (it forgets a peer
+        with no session after `session_timeout_s`; half of it leaves room for clocks and queues)."""
+        return (self.welcome is not None and self.last_sent_at > 0
+                and time.perf_counter() - self.last_sent_at > 0.5 * self.welcome.session_timeout_s)
+
+    def _rehello(self) -> None:
+        """Say Hello again on the open connection before a request after a long silence."""
+        reply = self._roundtrip(self.hello, self.connect_timeout_s)
+        if not isinstance(reply, P.Welcome):
+            raise CloudError(reply if isinstance(reply, P.Error) else
+                             P.Error("unexpected", f"expected Welcome, got {type(reply).__name__}"))
+        self.welcome = reply
 
     def _roundtrip(self, msg: P.Message, timeout_s: float) -> P.Message:
         self.send(msg)

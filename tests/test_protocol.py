@@ -219,3 +219,20 @@ def test_idle_sessions_are_freed(tiny_server):
     reply = _ask(sock, _frames(P.Verify(1, 1, 5, ARR[:0], ARR[:1], DIST)))
     assert isinstance(reply, P.Error) and reply.code in ("no_session", "no_handshake")
     sock.close()
+
+
+def test_a_device_silent_past_the_cloud_timeout_says_hello_again(tiny_server):
+    """The cloud forgets a peer with no session after its session timeout; the device's next request, after that
+    long a silence, re-handshakes first instead of being refused."""
+    import time
+
+    from edge_runtime.client import CloudClient, CloudError
+
+    with CloudClient(tiny_server.endpoint, P.Hello("quiet", "tiny", 512, "tiny-vocab")) as client:
+        tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
+        assert not tiny_server.peers
+        with pytest.raises(CloudError, match="no_handshake"):  # silent for less than the margin: sent as is
+            client.request(P.OpenSession(1, "sd", ARR))
+        tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
+        client.last_sent_at -= tiny_server.config.session_timeout_s  # as if the device had been silent that long
+        assert isinstance(client.request(P.OpenSession(2, "sd", ARR)), P.SessionOpened)
