@@ -83,6 +83,7 @@ class CloudServer:
                                      executor, self.load, config.max_draft_len + 1)
         self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
+        self.devices: Dict[bytes, dict] = {}  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
         self.stats = ServerStats()
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
@@ -97,6 +98,7 @@ class CloudServer:
             P.CloseSession: self._close,
             P.OpenSplit: self._open_split,
             P.Hidden: self._hidden,
+            P.Report: self._report,
         }
 
     # -- lifetime -------------------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ class CloudServer:
         b = self.batcher.stats
         own = (b.stage_s[0] if b.stage_s else 0.0) + self.stats.head_s  # this process's model time (a pipeline: stage 0's)
         return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.executor.stages,
-                "steps": dataclasses.asdict(b),
+                "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
                 "overhead": 1.0 - own / self.stats.busy_s if self.stats.busy_s > 0 and b.steps else None}
 
     def drain(self) -> None:
@@ -240,6 +242,7 @@ class CloudServer:
         for peer in [p for p, t in self.peers.items() if now - t > limit]:
             if not any(k[0] == peer for k in self.sessions):
                 del self.peers[peer]
+                self.devices.pop(peer, None)
 
     # -- handlers ---------------------------------------------------------------------------------------------------
     def _hello(self, identity: bytes, msg: P.Hello) -> P.Message:
@@ -250,6 +253,7 @@ class CloudServer:
                 f"{self.model_name!r} has {self.vocab_fingerprint[:12]}: they cannot generate together",
             )
         self.peers[identity] = time.monotonic()
+        self.devices.setdefault(identity, {"device_id": msg.device_id, "model": msg.model})
         return P.Welcome(
             protocol_version=P.PROTOCOL_VERSION,
             model=self.model_name,
@@ -277,6 +281,7 @@ class CloudServer:
         self.batcher.close(key)  # the id may have been a split session
         session = TargetSession(self.lm, msg.session_id, msg.protocol, params, msg.seed, prompt.tolist())
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self._observe(identity, msg.device)
         if self._batched_tokens:
             self.batcher.open(key, 0, self.lm.model.config.num_hidden_layers)
         self.sessions[key] = session  # reopening an id replaces the old session
@@ -456,6 +461,7 @@ class CloudServer:
             raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
         session = MiddleSession(msg.session_id, msg.protocol, msg.hidden_format, msg.start, msg.stop)
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self._observe(identity, msg.device)
         self.batcher.open(key, msg.start, msg.stop)
         self.sessions[key] = session
         self.stats.sessions_opened += 1
@@ -504,6 +510,23 @@ class CloudServer:
         self.batcher.submit(key, states, Pending(identity, msg, session, finish, self._uplink_bps(session, msg.idle_s)))
         session.step = msg.step
         return None  # answered by step() once computed
+
+    def _report(self, identity: bytes, msg: P.Report) -> P.Message:
+        self._observe(identity, msg.device)
+        return P.Reported(self._cloud_state())
+
+    def _observe(self, identity: bytes, state: P.DeviceState) -> None:
+        """Keep a device's latest self-report (HAT §3.2); a changed power mode is logged."""
+        entry = self.devices.setdefault(identity, {"device_id": identity.decode(errors="replace")})
+        if state.power_mode and entry.get("power_mode") not in (None, state.power_mode):
+            log.info("device %s: power mode %s -> %s", entry["device_id"], entry["power_mode"], state.power_mode)
+        for key in ("power_mode", "profile"):
+            if getattr(state, key):
+                entry[key] = getattr(state, key)
+        for key in ("draft_s", "up_bps", "down_bps"):
+            if getattr(state, key) > 0:
+                entry[key] = getattr(state, key)
+        entry["reported_at"] = time.time()
 
     def _cloud_state(self) -> P.CloudState:
         return P.CloudState(self.load.mu or 0.0, self.load.g_mu(), self.batcher.executor.stages)

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dist-dtype", default=d["dist_dtype"].default, choices=["float16", "float32"])
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"].default)
+    g.add_argument("--device-id", default=d["device_id"].default, help="this device's name in the cloud's logs")
+    g.add_argument("--device-profile", default="", help="this board's profile (hat-profile list), reported to the "
+                                                      "cloud with its power mode and drafting delay")
     g.add_argument("--retries", type=int, default=d["connect_retries"].default)
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     g.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES, help="draft model dtype")
@@ -173,7 +176,8 @@ def main(argv=None) -> int:
                             connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
                             weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
                             overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, backend=args.backend,
-                            bundle=args.bundle, precision=args.precision,
+                            bundle=args.bundle, precision=args.precision, device_profile=args.device_profile,
+                            device_id=args.device_id,
                             providers=tuple(p for p in args.providers.split(",") if p), split=_split_config(args))
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:

@@ -63,6 +63,7 @@ class CloudClient:
         self.last_sent_at = 0.0  # perf_counter() when the last request left
         self.link_state = None  # the split protocols' moving averages of this link (edge_runtime.hat.LinkState),
         # kept across requests so a request starts from what the previous ones measured
+        self.monitor = None  # edge_runtime.monitor.DeviceMonitor: the device state sent with session openings
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None

@@ -134,6 +134,7 @@ class EdgeConfig:
     model: str  # registry short name, HF directory or .gguf path of the draft (small) model
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
     device_id: str = "edge-0"  # shown in the cloud's logs
+    device_profile: str = ""  # profiles/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
     draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
     draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
     dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values
@@ -198,6 +199,13 @@ class EdgeConfig:
         for name in ("connect_timeout_s", "backoff_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.device_profile:
+            from profiles.device_profiles import ProfileError, get_profile
+
+            try:
+                get_profile(self.device_profile)
+            except ProfileError as exc:
+                raise ValueError(str(exc)) from None
 
 
 def server_is_local(endpoint: str) -> bool:

@@ -300,8 +300,9 @@ def _open_tokens(gen: Generation, prompt: List[int], remote: bool) -> float:
     cloud_prefill_s = 0.0
     if remote:
         sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
+        monitor = gen.client.monitor
         gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed,
-                                      gen.client.base_rtt_s))
+                                      gen.client.base_rtt_s, monitor.state() if monitor else P.DeviceState()))
     overlap = not remote or gen.config.overlaps_prefill
     if overlap:
         gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does

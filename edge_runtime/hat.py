@@ -38,8 +38,11 @@ class LinkState:
     draft_s: float = 0.0  # γ: seconds per draft token
     g_mu: float = 0.0  # the cloud's last predicted step delay g(μ)
 
-    def device(self) -> P.DeviceState:
-        return P.DeviceState(self.up_bps, self.down_bps, self.draft_s)
+    def device(self, monitor=None) -> P.DeviceState:
+        """This link's estimates with the device's own state (edge_runtime.monitor.DeviceMonitor) when it has one."""
+        if monitor is None:
+            return P.DeviceState(self.up_bps, self.down_bps, self.draft_s)
+        return monitor.state(self.up_bps, self.down_bps, self.draft_s)
 
 
 def _state(gen: Generation) -> LinkState:
@@ -103,7 +106,7 @@ def open_split(gen: Generation, prompt: List[int]) -> None:
     st = _state(gen)
     split = dev.parts
     gen.client.send(P.OpenSplit(gen.session_id, gen.protocol, split.fingerprint, split.m, split.stop, c.hidden_format,
-                                len(prompt), gen.client.base_rtt_s, st.device()))
+                                len(prompt), gen.client.base_rtt_s, st.device(gen.client.monitor)))
     opened = gen.client.receive()
     if not isinstance(opened, P.SplitOpened):
         raise RuntimeError(f"unexpected answer to OpenSplit: {opened!r}")

@@ -10,6 +10,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, GenerationResult, run
+from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS, SPLIT_PROTOCOLS
 from hat_split import protocol as P
 from hat_split.lm import CausalLM
@@ -53,6 +54,7 @@ class EdgeRuntime:
         self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
         self._torch_parts = {}  # protocol is hat → edge_runtime.split_parts.TorchSplitParts (its fingerprint is costly)
         self._session_ids = itertools.count(1)
+        self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         if config.backend != "torch":  # exported artifacts: no torch model on the device
             from edge_runtime.backends import open_bundle
 
@@ -102,6 +104,7 @@ class EdgeRuntime:
             hello = P.Hello(c.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")
             client = CloudClient(c.server, hello, c.connect_timeout_s, c.connect_retries, c.backoff_s,
                                  c.request_timeout_s)
+            client.monitor = self.monitor
             client.connect()
             self.client = client
         return self.client.welcome
@@ -119,6 +122,7 @@ class EdgeRuntime:
         ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if protocol not in LOCAL_PROTOCOLS:
             self.connect()
+            self.monitor.refresh_mode()
         stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
         seed = seed if seed is not None else random.SystemRandom().randrange(2**62)
         gen = Generation(
@@ -134,7 +138,21 @@ class EdgeRuntime:
             session_id=next(self._session_ids),
             on_tokens=stream,
         )
-        return run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
+        result = run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
+        link = self.client.link_state if self.client is not None else None
+        self.monitor.observe(result, link.draft_s if protocol == "hat" and link is not None else None)
+        return result
+
+    def report(self) -> P.CloudState:
+        """Send the device's current state (power mode read now, γ so far) to the cloud; the cloud's state back."""
+        self.connect()
+        self.monitor.refresh_mode(max_age_s=0.0)
+        link = self.client.link_state
+        state = link.device(self.monitor) if link is not None else self.monitor.state()
+        reply = self.client.request(P.Report(state))
+        if not isinstance(reply, P.Reported):
+            raise RuntimeError(f"unexpected answer to Report: {reply!r}")
+        return reply.cloud
 
     def _parts(self, adapter: bool):
         """This runtime's model cut at split.m (and, when asked, its distilled Λ), built once."""

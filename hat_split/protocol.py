@@ -108,13 +108,14 @@ class HiddenPayload(msgspec.Struct, frozen=True):
     outliers: Any = None  # int8: [n, k] float16 those values
 
 
-class DeviceState(msgspec.Struct, frozen=True):
+class DeviceState(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the device measures about itself (HAT §3.2): moving averages, 0 where not known yet."""
 
     up_bps: float = 0.0  # uplink bandwidth β_up, bits per second
     down_bps: float = 0.0  # downlink bandwidth β_down
     draft_s: float = 0.0  # drafting delay γ: seconds per draft token
-    power_mode: str = ""  # the device's power mode (profiles), for the cloud's logs and planning
+    power_mode: str = ""  # the device's nvpmodel mode as the board reports it ("" where it has none)
+    profile: str = ""  # its device profile (profiles/devices), "" when not given
 
 
 class CloudState(msgspec.Struct, frozen=True):
@@ -152,6 +153,7 @@ class OpenSession(msgspec.Struct, tag=True):
     sampling: Sampling = Sampling()
     seed: Optional[int] = None
     link_rtt_s: float = 0.0  # the device's measured round trip of a tiny message: the cloud's uplink-rate baseline
+    device: DeviceState = DeviceState()
 
 
 class SessionOpened(msgspec.Struct, tag=True):
@@ -258,9 +260,20 @@ class Error(msgspec.Struct, tag=True):
     step: Optional[NonNeg] = None
 
 
+class Report(msgspec.Struct, tag=True):
+    """HAT §3.2 state monitoring outside a request: the device's current state (a power-mode switch, a new drafting
+    delay); answered with the cloud's."""
+
+    device: DeviceState
+
+
+class Reported(msgspec.Struct, tag=True):
+    cloud: CloudState
+
+
 Message = Union[
     Hello, Welcome, OpenSession, SessionOpened, Verify, Verdict, Generate, Generated, CloseSession, Closed,
-    OpenSplit, SplitOpened, Hidden, Deep, Error
+    OpenSplit, SplitOpened, Hidden, Deep, Report, Reported, Error
 ]
 
 _encoder = msgspec.msgpack.Encoder()

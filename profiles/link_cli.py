@@ -2,6 +2,7 @@
 
     hat-link --list
     hat-link --profile wifi-near --listen 127.0.0.1:5601 --upstream 127.0.0.1:5555 [--control 127.0.0.1:5602]
+    hat-link --netns dev1 --profile lte --upstream 127.0.0.1:5555   (root: tc tbf rates, the relay's delay and loss)
     hat-link cut [stall|reset] --control 127.0.0.1:5602
     hat-link restore --control 127.0.0.1:5602
     hat-link profile lte --control 127.0.0.1:5602
@@ -37,6 +38,9 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--listen", type=_address, default=("127.0.0.1", 5601), help="HOST:PORT devices connect to")
     parser.add_argument("--upstream", type=_address, help="HOST:PORT of the real server")
     parser.add_argument("--control", type=_address, help="HOST:PORT for line commands (cut, restore, ...)")
+    parser.add_argument("--netns", default="", metavar="NAME",
+                        help="root: put the device in network namespace NAME behind a tc-tbf-shaped veth (rates in "
+                             "the kernel; delay, jitter and loss from the relay); run it there with ip netns exec")
     parser.add_argument("--stats-interval", type=float, default=5.0, help="seconds between stats lines; 0 = none")
     args = parser.parse_args(argv)
     if args.list:
@@ -44,6 +48,8 @@ def _serve(argv: list[str]) -> int:
         return 0
     if args.upstream is None:
         parser.error("--upstream HOST:PORT is required to run the emulator")
+    if args.netns:
+        return _serve_netns(args)
     with LinkEmulator(args.profile, args.upstream, args.listen, args.control) as link:
         control = f", control {link.control_address[0]}:{link.control_address[1]}" if link.control_address else ""
         print(f"hat-link {link.profile.name}: {link.address} -> {args.upstream[0]}:{args.upstream[1]}{control}; "
@@ -56,6 +62,24 @@ def _serve(argv: list[str]) -> int:
                     now, t1 = link.stats(), time.monotonic()
                     print(_stats_line(before, now, t1 - t0), flush=True)
                     before, t0 = now, t1
+        except KeyboardInterrupt:
+            return 0
+
+
+def _serve_netns(args) -> int:
+    from profiles.netns_link import NetnsLink
+
+    try:
+        link = NetnsLink(args.profile, args.upstream, name=args.netns)
+    except RuntimeError as exc:
+        print(f"hat-link: {exc}", file=sys.stderr)
+        return 1
+    with link:
+        print(f"hat-link {link.profile.name} in namespace {link.name}: devices there connect to {link.address}; run "
+              f"them with `ip netns exec {link.name} ...`; Ctrl-C removes the namespace\n{link.qdiscs()}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
         except KeyboardInterrupt:
             return 0
 
@@ -83,10 +107,10 @@ def _send(argv: list[str]) -> int:
 
 
 def profile_table() -> str:
-    rows = [("name", "up", "down", "delay", "jitter", "description")]
+    rows = [("name", "up", "down", "delay", "jitter", "loss", "description")]
     for p in LINK_PROFILES.values():
         rows.append((p.name, _rate(p.rate("up")), _rate(p.rate("down")), f"{p.delay_s * 1e3:g} ms",
-                     f"±{p.jitter_s * 1e3:g} ms", p.description))
+                     f"±{p.jitter_s * 1e3:g} ms", f"{p.loss * 100:g} %", p.description))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 

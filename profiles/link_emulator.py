@@ -9,6 +9,9 @@ connection through the relay, as one physical link would be:
    chunk before it is done, whichever is later (back to back while there is a backlog);
 2. propagation: the chunk arrives delay + U(-jitter, +jitter) seconds after its serialization ends;
 3. in order: per connection, delivery time = max(previous delivery time, computed time); TCP never reorders.
+4. loss: each MSS-sized segment of a chunk is lost with the profile's probability; TCP recovers a lost segment by
+   retransmitting after a timeout, so a chunk with a loss arrives max(TCP_MIN_RTO_S, 2 RTT) later, and everything
+   behind it on the connection waits (head-of-line blocking). The bytes are never dropped: TCP delivers them.
 Chunks are at most CHUNK_BYTES so shaping is smooth. A chunk's times are computed when it is read, in absolute loop
 time (time.monotonic()), so timer lateness never accumulates. Back-pressure: a direction stops reading while more
 than MAX_QUEUE_S of link time is queued, and a connection holds at most MAX_IN_FLIGHT_CHUNKS per direction read but
@@ -45,6 +48,8 @@ TIMER_LATE_MAX_S = 0.002    # s: cap on one timer-lateness sample (a loop stalle
 TIMER_LATE_GAIN = 0.1       # weight of a new sample in the running mean of timer lateness
 COMMAND_TIMEOUT_S = 5.0     # s: how long a caller waits for the relay thread to start or to run a command
 CUT_MODES = ("stall", "reset")
+MSS_BYTES = 1448            # a TCP segment on Ethernet-sized links: the unit a loss hits
+TCP_MIN_RTO_S = 0.2         # Linux's minimum retransmission timeout
 
 
 @dataclass
@@ -54,6 +59,7 @@ class _Direction:
     busy_until: float = 0.0  # loop time (s) at which the direction has serialized everything it accepted
     bytes: int = 0           # delivered to the receiving socket
     chunks: int = 0          # delivered
+    losses: int = 0          # chunks delayed by a retransmission (a lost segment)
 
 
 @dataclass(eq=False)  # hashed by identity, kept in a set
@@ -168,7 +174,7 @@ class LinkEmulator:
 
     def _stats_now(self) -> dict:
         return {"profile": self.profile.name, "cut": self._cut,
-                **{d.name: {"bytes": d.bytes, "chunks": d.chunks} for d in self._dirs.values()},
+                **{d.name: {"bytes": d.bytes, "chunks": d.chunks, "losses": d.losses} for d in self._dirs.values()},
                 "connections": {"active": len(self._conns), **self._counts}}
 
     def _run(self) -> None:
@@ -249,7 +255,13 @@ class LinkEmulator:
                 await self._link_up.wait()
                 now, p = loop.time(), self.profile
                 d.busy_until = max(now, d.busy_until) + len(data) / p.rate(d.name)
-                last = max(last, d.busy_until + p.delay_s + self._rng.uniform(-p.jitter_s, p.jitter_s))
+                arrive = d.busy_until + p.delay_s + self._rng.uniform(-p.jitter_s, p.jitter_s)
+                if p.loss > 0 and data:
+                    segments = -(-len(data) // MSS_BYTES)
+                    if self._rng.random() < 1.0 - (1.0 - p.loss) ** segments:
+                        arrive += max(TCP_MIN_RTO_S, 4.0 * p.delay_s)  # a retransmission after the timeout
+                        d.losses += 1
+                last = max(last, arrive)
                 await queue.put((last, data))
                 if not data:
                     break

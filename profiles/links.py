@@ -7,6 +7,13 @@ Terms, used the same way in the emulator and docs/LINKS.md:
 - jitter: half-width of a uniform distribution added to each chunk's delay, so a chunk's delay is
   uniform in [delay - jitter, delay + jitter]. Delivery stays in order (TCP does not reorder), so a chunk
   never arrives before the one sent ahead of it.
+- loss: probability that one TCP segment is lost; TCP retransmits it, so a loss shows as a delay
+  (profiles/link_emulator.py), never as missing bytes.
+
+Two ways to impose a profile: the user-space relay (profiles/link_emulator.py: rate, delay, jitter, loss, cuts; no root)
+and, as root, a network namespace whose veth link the kernel shapes with tc tbf (profiles/netns_link.py: the rate in
+the kernel, with real TCP congestion control) with the relay in front for delay, loss and cuts (this kernel has no
+netem).
 
 Sources of the figures are in the comment beside each profile. "MB" is 10**6 bytes throughout.
 """
@@ -29,6 +36,7 @@ class LinkProfile:
     delay_s: float = 0.0                # s, one-way propagation delay, same both directions; 0 = loopback
     jitter_s: float = 0.0               # s, half-width of uniform jitter on the delay; 0 = a fixed delay
     description: str = ""               # one line for `hat-link --list`
+    loss: float = 0.0                   # probability a TCP segment is lost (and retransmitted)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -41,6 +49,8 @@ class LinkProfile:
         if not (0.0 <= self.delay_s < math.inf):
             raise ValueError(f"link profile {self.name!r}: delay_s must be a finite one-way delay >= 0 s, "
                              f"got {self.delay_s!r}")
+        if not (0.0 <= self.loss < 1.0):
+            raise ValueError(f"link profile {self.name!r}: loss must be a probability in [0, 1), got {self.loss!r}")
         if not (0.0 <= self.jitter_s <= self.delay_s):
             raise ValueError(f"link profile {self.name!r}: jitter_s must be in [0, delay_s={self.delay_s}] "
                              f"(uniform half-width; the delay never goes negative), got {self.jitter_s!r}")
@@ -67,9 +77,13 @@ _PROFILES = [
     # QS-SD (Zhang et al.) Fig. 4(a): low-rate regime of 350 kbit/s on average, "typical of NB-IoT and satellite".
     # Downlink set equal to the uplink, and the 100 ms one-way delay, are our picks (real NB-IoT latency is often
     # longer, up to seconds).
-    LinkProfile("nb-iot", 350 * KBIT, 350 * KBIT, 0.100, 0.020, "NB-IoT-like 350 kbit/s (QS-SD low regime), 100 ms"),
+    # 1 % segment loss is our pick for a cell-edge narrowband link.
+    LinkProfile("nb-iot", 350 * KBIT, 350 * KBIT, 0.100, 0.020,
+                "NB-IoT-like 350 kbit/s (QS-SD low regime), 100 ms, 1 % loss", loss=0.01),
     # Typical geostationary figures, not from a paper: ~250-300 ms one way, asymmetric consumer rates.
-    LinkProfile("satellite", 2 * MBIT, 10 * MBIT, 0.300, 0.010, "GEO satellite, typical 2/10 Mbit/s, 300 ms"),
+    # 0.5 % segment loss is our pick (rain fade and congestion on consumer GEO links).
+    LinkProfile("satellite", 2 * MBIT, 10 * MBIT, 0.300, 0.010,
+                "GEO satellite, typical 2/10 Mbit/s, 300 ms, 0.5 % loss", loss=0.005),
 ]
 LINK_PROFILES: dict[str, LinkProfile] = {p.name: p for p in _PROFILES}
 

@@ -394,3 +394,68 @@ def test_cli_runs_relay_until_interrupted():
             proc.kill()
             proc.communicate(timeout=TIMEOUT_S)
     assert "[wifi-far]" in stats_line and "connections" in stats_line
+
+
+# -- (e) loss: TCP retransmits, so a lost segment shows as a delay, never as missing bytes ---------------------------
+
+def test_loss_delays_chunks_and_keeps_every_byte():
+    rng = random.Random(3)
+    payload = rng.randbytes(400_000)
+    profile = LinkProfile("lossy", delay_s=0.002, loss=0.02)  # 2 % of 1448-byte segments
+    with tcp_server(echo) as addr, LinkEmulator(profile, addr, seed=2) as link:
+        with connect(("127.0.0.1", link.port)) as sock:
+            threading.Thread(target=sock.sendall, args=(payload,), daemon=True).start()
+            got = bytearray()
+            while len(got) < len(payload):
+                got += sock.recv(65536)
+        stats = link.stats()
+    assert bytes(got) == payload
+    assert stats["up"]["losses"] > 0 and stats["down"]["losses"] > 0
+    with pytest.raises(ValueError, match="loss must be a probability"):
+        LinkProfile("x", loss=1.0)
+
+
+# -- (f) the kernel's rate: a namespace behind a tbf-shaped veth (root) ----------------------------------------------
+
+def _netns_reason():
+    from profiles.netns_link import unavailable
+
+    return unavailable()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_netns_reason() is not None, reason=str(_netns_reason()))
+def test_netns_link_shapes_rate_in_the_kernel_and_delay_in_the_relay():
+    """A client inside the namespace sends 300 kB up a 250 kB/s link (satellite's, without its loss so the rate is
+    what is measured): tbf holds it to the rate; a tiny round trip pays the relay's 2 × 300 ms. The namespace, its
+    link and the relay are gone afterwards."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from profiles.netns_link import NetnsLink, tbf_args
+
+    assert tbf_args(250e3)[:2] == ["rate", "2000000bit"]
+    script = """import socket, sys, time
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+t0 = time.perf_counter(); s.sendall(b"p"); s.recv(1); rtt = time.perf_counter() - t0
+data = bytes(300_000); t0 = time.perf_counter(); s.sendall(data); got = 0
+while got < len(data):
+    got += len(s.recv(65536))
+print(rtt, time.perf_counter() - t0)
+"""
+    with tcp_server(echo) as addr:
+        lossless = dataclasses.replace(LINK_PROFILES["satellite"], name="satellite-lossless", loss=0.0)
+        with NetnsLink(lossless, upstream=addr, name="hs-linktest") as link:
+            assert "tbf" in link.qdiscs() and "2Mbit" in link.qdiscs()
+            out = subprocess.run(link.exec([sys.executable, "-c", script, link.address[len("tcp://"):]]),
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            rtt, seconds = map(float, out.stdout.split())
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert 0.55 < rtt < 0.7  # 2 × (300 ± 10) ms
+    # up at 250 kB/s and back down at 1.25 MB/s (echo), pipelined: the uplink dominates (1.2 s)
+    assert 1.0 < seconds < 2.6, seconds
+    assert "hs-linktest" not in names

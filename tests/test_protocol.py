@@ -236,3 +236,39 @@ def test_a_device_silent_past_the_cloud_timeout_says_hello_again(tiny_server):
         tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
         client.last_sent_at -= tiny_server.config.session_timeout_s  # as if the device had been silent that long
         assert isinstance(client.request(P.OpenSession(2, "sd", ARR)), P.SessionOpened)
+
+
+def test_device_state_reaches_the_cloud(tiny_server):
+    """HAT §3.2 state monitoring: profile, power mode and drafting delay go up with a session opening and in Report;
+    the cloud keeps each device's latest state (and logs a mode change)."""
+    from edge_runtime.client import CloudClient
+    from edge_runtime.monitor import DeviceMonitor
+
+    monitor = DeviceMonitor("agx-orin-64gb", power_mode="MODE_30W", draft_s=0.012)
+    with CloudClient(tiny_server.endpoint, P.Hello("orin-7", "tiny", 512, "tiny-vocab")) as client:
+        client.monitor = monitor
+        opened = client.request(P.OpenSession(1, "sd", ARR, device=monitor.state()))
+        assert isinstance(opened, P.SessionOpened)
+        (entry,) = [d for d in tiny_server.devices.values() if d["device_id"] == "orin-7"]
+        assert (entry["profile"], entry["power_mode"], entry["draft_s"]) == ("agx-orin-64gb", "MODE_30W", 0.012)
+        monitor.power_mode = "MODE_15W"
+        reply = client.request(P.Report(monitor.state(up_bps=8e6)))
+        assert isinstance(reply, P.Reported) and reply.cloud.pipeline == 1
+        assert entry["power_mode"] == "MODE_15W" and entry["up_bps"] == 8e6
+        assert entry in tiny_server.report()["devices"]
+
+
+def test_the_monitor_measures_drafting_delay_and_never_invents_a_mode():
+    from types import SimpleNamespace
+
+    from edge_runtime.monitor import DeviceMonitor
+
+    m = DeviceMonitor()
+    m.observe(SimpleNamespace(protocol="sd", device_compute_s=1.2, device_prefill_s=0.2, drafted=50, n=40))
+    assert m.draft_s == pytest.approx(0.02)
+    m.observe(SimpleNamespace(protocol="hat"), split_draft_s=0.03)
+    assert m.draft_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.03)
+    from profiles.jetson_control import shutil
+
+    if shutil.which("nvpmodel") is None:
+        assert m.refresh_mode() == "" and "not a Jetson" in m.mode_error
