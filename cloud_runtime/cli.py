@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="middle-part KV cache positions, all sessions (default %(default)s)")
     s.add_argument("--stats-json", default="", metavar="PATH",
                    help="on exit, write the server's counters and its recent batched steps here")
+    s.add_argument("--status-file", default="", metavar="PATH",
+                   help="while serving, rewrite the counters and every device's reported state here (hat-fleet)")
+    s.add_argument("--status-interval", type=float, default=d["status_interval_s"].default, metavar="S")
     s.add_argument("--pipeline", type=int, default=d["pipeline"].default,
                    help="pipeline stages for the middle layers, one process each under torchrun (default %(default)s)")
     s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
@@ -65,6 +68,8 @@ def main(argv=None) -> int:
             kv_positions=args.kv_positions,
             pipeline=args.pipeline,
             stats_json=args.stats_json,
+            status_file=args.status_file,
+            status_interval_s=args.status_interval,
         )
     except ValueError as exc:
         print(f"hat-cloud: {exc}", file=sys.stderr)

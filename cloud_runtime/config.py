@@ -24,6 +24,8 @@ class CloudConfig:
     prefill_floor: int = 64  # of each step, kept for waiting prompt work
     kv_positions: int = 1 << 18  # middle-part KV cache positions, all sessions together
     stats_json: str = ""  # on exit, write the server's counters and per-step log here (benchmarks)
+    status_file: str = ""  # while serving, rewrite the same report here every status_interval_s (hat-fleet status)
+    status_interval_s: float = 5.0
     pipeline: int = 1  # stages of the middle layers, one torch.distributed process each (cloud_runtime.pipeline)
 
     def __post_init__(self) -> None:
@@ -31,7 +33,7 @@ class CloudConfig:
             raise ValueError("CloudConfig.model must name a model")
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}")
-        for name in ("session_timeout_s",):
+        for name in ("session_timeout_s", "status_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_sessions", "max_draft_len", "max_context", "max_generate", "max_message_bytes", "poll_ms",

@@ -83,6 +83,7 @@ class CloudServer:
                                      executor, self.load, config.max_draft_len + 1)
         self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
+        self._status_at = -1e9  # monotonic time of the last status file
         self.devices: Dict[bytes, dict] = {}  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
         self.stats = ServerStats()
         self._ctx = zmq.Context.instance()
@@ -154,6 +155,9 @@ class CloudServer:
             if now - last_sweep >= 1.0:
                 self.expire_idle(now)
                 last_sweep = now
+                if self.config.status_file and now - self._status_at >= self.config.status_interval_s:
+                    self.write_status()
+                    self._status_at = now
 
     def report(self) -> dict:
         """Counters of the server and of its batched steps (`hat-cloud serve --stats-json`)."""
@@ -164,6 +168,17 @@ class CloudServer:
         return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.executor.stages,
                 "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
                 "overhead": 1.0 - own / self.stats.busy_s if self.stats.busy_s > 0 and b.steps else None}
+
+    def write_status(self) -> None:
+        """The report, written atomically to config.status_file (a reader never sees half a file)."""
+        import json
+        import os
+
+        path = self.config.status_file
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"time": time.time(), "model": self.model_name, "endpoint": self.endpoint, **self.report()}, f)
+        os.replace(tmp, path)
 
     def drain(self) -> None:
         """Handle every message already waiting, so that one batched step sees all of them."""

@@ -3,6 +3,7 @@
 split protocols' input part, Λ and output part (edge_runtime.split_parts)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict
@@ -11,6 +12,8 @@ from edge_runtime.config import EdgeConfig, server_is_local
 from edge_runtime.part_lm import PartChainLM, PartRunner
 from edge_runtime.split_parts import BundleSplitParts
 from export import manifest as M
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +55,10 @@ class Bundle:
 
     def split_parts(self, adapter: bool) -> BundleSplitParts:
         """The split protocols' parts: input and output, and Λ for `hat` (hat-export onnx --parts ushape|hat)."""
+        if self.config.precision in ("int8", "int4"):
+            log.warning("split protocols on %s parts: the input and output parts are part of the target, so its "
+                        "tokens are the quantized model's, not the original's (fp32 / fp16 keep them)",
+                        self.config.precision)
         return BundleSplitParts(self.part("input"), self.part("output"), self.part("adapter") if adapter else None,
                                 self.manifest.model, self.window)
 

@@ -1,4 +1,5 @@
-"""`hat-edge generate`: generate on the device together with the cloud, streaming accepted text."""
+"""`hat-edge generate`: generate on the device together with the cloud, streaming accepted text.
+`hat-edge serve`: the long-running agent (edge_runtime.agent) a fleet starts on every device."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="prompt text (or use --prompts-file)")
     g.add_argument("--prompts-file", help='a JSON list of prompts (strings or {"text": ..., "chat": bool}), or a '
                    "text file with one prompt per line")
+    _add_edge_args(g, d)
+    g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
+    g.add_argument("--quiet", action="store_true", help="do not stream text")
+    v = sub.add_parser("serve", help="the long-running agent: state reports to the cloud, HTTP on the device")
+    _add_edge_args(v, d)
+    v.add_argument("--host", default="127.0.0.1", help="HTTP address (default: this device only)")
+    v.add_argument("--port", type=int, default=8642)
+    v.add_argument("--report-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between state reports to the cloud (power mode, drafting delay)")
+    v.add_argument("--status-file", default="", metavar="PATH", help="rewrite the agent's status JSON here")
+    return ap
+
+
+def _add_edge_args(g, d) -> None:
+    """The draft, the link and the protocols' settings: shared by generate and serve."""
     g.add_argument("--model", default="", help="draft model: registry name, HF directory or .gguf file (the torch "
                                                 "backend; a --bundle names its own)")
     g.add_argument("--server", default=d["server"].default, help="cloud endpoint (default %(default)s)")
@@ -106,9 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--pd-topk", type=int, default=hd["pd_topk"].default, help="candidates of parallel drafting")
     h.add_argument("--up-bps", type=float, default=0.0, help="initial uplink estimate, bit/s (a link profile's)")
     h.add_argument("--down-bps", type=float, default=0.0, help="initial downlink estimate, bit/s")
-    g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
-    g.add_argument("--quiet", action="store_true", help="do not stream text")
-    return ap
 
 
 def _load_prompts(args) -> list:
@@ -182,10 +195,23 @@ def main(argv=None) -> int:
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
-        prompts = _load_prompts(args)
+        if args.command == "serve":
+            from edge_runtime.agent import AgentConfig
+
+            agent = AgentConfig(config, args.host, args.port, args.report_interval, args.status_file, protocols[0])
+        else:
+            prompts = _load_prompts(args)
     except (ValueError, OSError) as exc:
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 2
+    if args.command == "serve":
+        from edge_runtime.agent import run_agent
+
+        try:
+            return run_agent(agent)
+        except (ValueError, OSError) as exc:
+            print(f"hat-edge serve: {exc}", file=sys.stderr)
+            return 2
     from edge_runtime.client import CloudError, CloudUnavailable
     from edge_runtime.runtime import EdgeRuntime
 

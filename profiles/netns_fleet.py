@@ -52,10 +52,11 @@ def _run(*cmd: str) -> None:
 class LocalFleet:
     """K namespace devices reachable by ssh as root at 10.<net>.<i>.2, key-only, from the root namespace."""
 
-    def __init__(self, k: int, prefix: str = "hs", net: int = 77):
+    def __init__(self, k: int, prefix: str = "hs", net: int = 77, directory: Optional[str | os.PathLike] = None):
         self.k, self.prefix, self.net = k, prefix, net
         self.devices: List[Device] = []
-        self.dir = Path(tempfile.mkdtemp(prefix="hatspec-fleet-"))
+        self.dir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="hatspec-fleet-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.key = self.dir / "id_ed25519"
 
     def __enter__(self) -> "LocalFleet":
@@ -110,6 +111,40 @@ class LocalFleet:
             time.sleep(0.2)
         log = (self.dir / f"sshd_{self.devices.index(dev) + 1}.log").read_text(errors="replace")
         raise RuntimeError(f"device {dev.name} did not accept ssh within {timeout:.0f} s: {log[-500:]}")
+
+    def save(self) -> Path:
+        """Write this fleet's state (devices, sshd pids, key) to <dir>/fleet.json, so `attach` can stop it later from
+        another process (`hat-fleet local up` / `hat-fleet local down`)."""
+        import json
+
+        path = self.dir / "fleet.json"
+        path.write_text(json.dumps({"k": self.k, "prefix": self.prefix, "net": self.net,
+                                    "devices": [vars(d) for d in self.devices]}, indent=1))
+        return path
+
+    @classmethod
+    def attach(cls, directory: str | os.PathLike) -> "LocalFleet":
+        """The fleet a previous process started and saved in `directory`."""
+        import json
+
+        state = json.loads((Path(directory) / "fleet.json").read_text())
+        fleet = cls(state["k"], state["prefix"], state["net"], directory=directory)
+        fleet.devices = [Device(**d) for d in state["devices"]]
+        return fleet
+
+    def inventory(self, python: str, cloud_port: int = 5555, **edge_vars) -> dict:
+        """An Ansible-style inventory (scripts/fleet.py's format) of these devices, the cloud on this host."""
+        hosts = {}
+        for i, dev in enumerate(self.devices, 1):
+            hosts[dev.name] = {"ansible_host": dev.address, "ansible_user": "root",
+                               "ansible_ssh_private_key_file": str(self.key),
+                               "ansible_ssh_common_args": " ".join(self.ssh_options()[2:]),
+                               "ansible_python_interpreter": "/usr/bin/python3",
+                               "hatspec_server": f"tcp://10.{self.net}.{i}.1:{cloud_port}"}
+        return {"all": {"vars": {"hatspec_python": python}, "children": {
+            "cloud": {"hosts": {"cloud": {"ansible_connection": "local",
+                                          "hatspec_bind": f"tcp://0.0.0.0:{cloud_port}"}}},
+            "edge": {"vars": {"hatspec_run_dir": f"{DEVICE_ROOT}/run", **edge_vars}, "hosts": hosts}}}}
 
     def ssh_options(self) -> List[str]:
         return ["-i", str(self.key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
