@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
 
 from edge_runtime.config import EdgeConfig
 from hat_split.sampling import SamplingParams
@@ -35,6 +34,8 @@ class AgentConfig:
     report_interval_s: float = 10.0
     status_file: str = ""
     default_protocol: str = "sd"
+    mode_cycle: tuple = ()  # nvpmodel modes (ids or names of the device profile) to switch among ...
+    mode_every: int = 0  # ... every this many requests (HAT's testbed); () / 0: never switch
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -42,6 +43,10 @@ class AgentConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.report_interval_s > 0:
             raise ValueError("report_interval_s must be > 0")
+        if bool(self.mode_cycle) != (self.mode_every > 0):
+            raise ValueError("a mode cycle needs both the modes and how many requests between switches")
+        if self.mode_cycle and not self.edge.device_profile:
+            raise ValueError("a mode cycle names modes of a device profile: give the device profile")
 
 
 class Agent:
@@ -57,6 +62,13 @@ class Agent:
         self._lock = threading.Lock()  # one generation at a time; reports wait for it
         self._stop = threading.Event()
         self._status_lock = threading.Lock()  # the report loop and request threads both rewrite the status file
+        self.cycle = None
+        if config.mode_cycle:
+            from profiles.device_profiles import get_profile
+            from profiles.jetson_control import ModeCycler
+
+            profile = get_profile(config.edge.device_profile)
+            self.cycle = ModeCycler([profile.mode(str(m)).id for m in config.mode_cycle], config.mode_every)
         self._write_status()
         self.runtime = EdgeRuntime(config.edge)
         self.httpd = ThreadingHTTPServer((config.host, config.port), _handler(self))
@@ -76,6 +88,7 @@ class Agent:
                 "model": c.model, "backend": c.backend, "precision": c.precision if c.backend != "torch" else c.dtype,
                 "server": c.server, "http": self.address if hasattr(self, "httpd") else "",
                 "requests": self.requests, "failures": self.failures, "last_report": self.last_report,
+                "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches, "error": self.cycle.error},
                 "started": self.config.started, "time": time.time()}
 
     def _write_status(self) -> None:
@@ -121,6 +134,8 @@ class Agent:
                 self.failures += 1
                 raise
             self.requests += 1
+            if self.cycle is not None and self.cycle.after_request():
+                self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
         self._write_status()
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                 "protocol": result.protocol, **result.summary()}

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--report-interval", type=float, default=10.0, metavar="S",
                    help="seconds between state reports to the cloud (power mode, drafting delay)")
     v.add_argument("--status-file", default="", metavar="PATH", help="rewrite the agent's status JSON here")
+    v.add_argument("--mode-cycle", default="", metavar="MODES",
+                   help="nvpmodel modes of --device-profile to switch among, comma separated (HAT's testbed; root)")
+    v.add_argument("--mode-every", type=int, default=0, metavar="N", help="requests between mode switches")
     return ap
 
 
@@ -198,7 +201,8 @@ def main(argv=None) -> int:
         if args.command == "serve":
             from edge_runtime.agent import AgentConfig
 
-            agent = AgentConfig(config, args.host, args.port, args.report_interval, args.status_file, protocols[0])
+            agent = AgentConfig(config, args.host, args.port, args.report_interval, args.status_file, protocols[0],
+                                tuple(m.strip() for m in args.mode_cycle.split(",") if m.strip()), args.mode_every)
         else:
             prompts = _load_prompts(args)
     except (ValueError, OSError) as exc:

@@ -167,3 +167,33 @@ def detect_board(root: str = "/", modes: Optional[NvpModes] = None) -> BoardInfo
     if profile and modes is not None and "MAXN_SUPER" in modes.modes.values() and profile.startswith("orin-n"):
         profile += "-super"
     return BoardInfo(model, compatible, l4t, profile)
+
+
+class ModeCycler:
+    """HAT's testbed (paper 004, §4.1): a device switching nvpmodel modes every few requests. After every `every`
+    requests `after_request()` moves to the next mode of `modes` (ids); a switch that fails (not a Jetson, not root,
+    a mode needing a reboot) is recorded in `error` and the cycle stops trying, so a device never stalls on it."""
+
+    def __init__(self, modes: List[int], every: int, run: Runner = run_tool):
+        if not modes or every < 1:
+            raise ValueError("a mode cycle needs at least one mode and every >= 1")
+        self.modes, self.every, self.run = list(modes), every, run
+        self.requests = 0
+        self.index = -1
+        self.current: Optional[str] = None
+        self.error = ""
+        self.switches = 0
+
+    def after_request(self) -> Optional[str]:
+        """Count a request; switch when due. Returns the new mode's name, or None."""
+        self.requests += 1
+        if self.error or self.requests % self.every:
+            return None
+        self.index = (self.index + 1) % len(self.modes)
+        try:
+            self.current, _ = set_mode(self.modes[self.index], run=self.run)
+        except JetsonControlError as exc:
+            self.error = str(exc)
+            return None
+        self.switches += 1
+        return self.current

@@ -18,7 +18,8 @@ host and an `edge` group, with `ansible_host`, `ansible_user`, `ansible_port`, `
   status files), hatspec_model (cloud: the target; device: the draft for the torch backend), hatspec_cloud_args;
   cloud: hatspec_bind; edge: hatspec_server (the endpoint the device dials), hatspec_bundle_dir, hatspec_backend,
   hatspec_precision, hatspec_profile (profiles/devices), hatspec_power_mode (id or name in that profile),
-  hatspec_protocol, hatspec_edge_args, hatspec_port.
+  hatspec_protocol, hatspec_edge_args, hatspec_port, hatspec_mode_cycle / hatspec_mode_every (switch power modes every
+  N requests, as HAT's testbed does).
 """
 from __future__ import annotations
 
@@ -118,15 +119,18 @@ def load_inventory(path: str) -> Inventory:
         if not (dev.get("hatspec_bundle_dir") or dev.get("hatspec_model")):
             raise InventoryError(f"{path}: device {dev.name}: give hatspec_bundle_dir or hatspec_model")
         profile = dev.get("hatspec_profile")
+        modes = ([dev.get("hatspec_power_mode")] if dev.get("hatspec_power_mode") is not None else []) + \
+            list(dev.get("hatspec_mode_cycle") or [])
+        if modes and not profile:
+            raise InventoryError(f"{path}: device {dev.name}: power modes (hatspec_power_mode, hatspec_mode_cycle) "
+                                 "need hatspec_profile")
         if profile:
             try:
                 p = get_profile(str(profile))
-                if dev.get("hatspec_power_mode") is not None:
-                    p.mode(str(dev.get("hatspec_power_mode")))
+                for m in modes:
+                    p.mode(str(m))
             except ProfileError as exc:
                 raise InventoryError(f"{path}: device {dev.name}: {exc}") from None
-        elif dev.get("hatspec_power_mode") is not None:
-            raise InventoryError(f"{path}: device {dev.name}: hatspec_power_mode needs hatspec_profile")
     if not hosts["cloud"][0].get("hatspec_model"):
         raise InventoryError(f"{path}: the cloud needs hatspec_model (the target model)")
     return Inventory(hosts["cloud"][0], hosts["edge"])
@@ -175,6 +179,9 @@ def edge_argv(dev: Host) -> List[str]:
         argv += ["--model", str(dev.get("hatspec_model"))]
     if dev.get("hatspec_profile"):
         argv += ["--device-profile", str(dev.get("hatspec_profile"))]
+    if dev.get("hatspec_mode_cycle"):
+        argv += ["--mode-cycle", ",".join(str(m) for m in dev.get("hatspec_mode_cycle")),
+                 "--mode-every", str(dev.get("hatspec_mode_every", 4))]
     return argv + [str(a) for a in dev.get("hatspec_edge_args", [])]
 
 
@@ -210,7 +217,9 @@ def up(inv: Inventory, timeout_s: float = 600.0, log=print) -> dict:
     if rc not in (0, 3):
         raise RuntimeError(f"cloud {cloud.name}: could not start: {text}")
     log(f"cloud {cloud.name}: {text}")
-    if not _wait(lambda: (_status_file(cloud, "cloud") or {}).get("endpoint") is not None, timeout_s):
+    _wait(lambda: (_status_file(cloud, "cloud") or {}).get("endpoint") is not None or not _alive(cloud, "cloud"),
+          timeout_s)
+    if (_status_file(cloud, "cloud") or {}).get("endpoint") is None:
         _, tail = cloud.run(f"tail -n 20 {_q(cloud.run_dir)}/cloud.log")
         raise RuntimeError(f"cloud {cloud.name} did not start serving within {timeout_s:.0f} s:\n{tail}")
     out[cloud.name] = "serving"
@@ -227,9 +236,12 @@ def up(inv: Inventory, timeout_s: float = 600.0, log=print) -> dict:
         rc, text = dev.run(_start_script(dev, "edge", edge_argv(dev)))
         if rc not in (0, 3):
             return dev.name, {**record, "state": "failed", "error": text}
-        ok = _wait(lambda: (_status_file(dev, "edge") or {}).get("state") == "ready", timeout_s)
+        def settled() -> bool:  # ready, or the agent already exited (its log says why)
+            return (_status_file(dev, "edge") or {}).get("state") == "ready" or not _alive(dev, "edge")
+
+        _wait(settled, timeout_s)
         status = _status_file(dev, "edge") or {}
-        if not ok:
+        if status.get("state") != "ready":
             _, tail = dev.run(f"tail -n 20 {_q(dev.run_dir)}/edge.log")
             return dev.name, {**record, "state": status.get("state", "not started"), "error": tail}
         return dev.name, {**record, "state": "ready", "pid": status.get("pid")}
@@ -240,9 +252,10 @@ def up(inv: Inventory, timeout_s: float = 600.0, log=print) -> dict:
             log(f"device {name}: {record['state']}" + (f" (power mode: {record['power_mode']})"
                                                         if "power_mode" in record else "")
                 + (f"\n{record['error']}" if record.get("error") else ""))
-    failed = [n for n, r in out.items() if isinstance(r, dict) and r["state"] != "ready"]
+    failed = {n: r for n, r in out.items() if isinstance(r, dict) and r["state"] != "ready"}
     if failed:
-        raise RuntimeError(f"device(s) {', '.join(failed)} did not come up (see above; `hat-fleet logs`)")
+        raise RuntimeError("device(s) did not come up:\n" + "\n".join(
+            f"{n}: {r['state']}: {r.get('error', '')[-800:]}" for n, r in failed.items()))
     return out
 
 

@@ -136,6 +136,8 @@ def run(args) -> int:
         original = None
         report["device"]["mode_at_start"] = {"unavailable": str(exc)}
     modes = _modes(args, profile)
+    if original is None and any(m is not None for m, _ in modes):  # modes cannot be switched here: measure what is
+        modes = [(None, "current")] + modes  # (each named mode is then recorded with the reason)
     decoders = _decoders(args, backends)
     tokenizer = decoders[0][2]
     ids = tokenizer(PROMPT)["input_ids"]

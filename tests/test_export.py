@@ -10,7 +10,6 @@ import types
 
 import numpy as np
 import pytest
-import torch
 
 from edge_runtime.drafter import Drafter
 from edge_runtime.part_lm import PartChainLM

@@ -38,6 +38,11 @@ def test_inventory_reads_hosts_and_builds_the_commands(tmp_path):
     assert argv[argv.index("--bundle") + 1] == "/opt/hatspec/bundle" and "--device-profile" in argv
     assert argv[argv.index("--precision") + 1] == "int4"
     assert F.cloud_argv(inv.cloud)[4:6] == ["--model", "qwen"]
+    cycling = json.loads(json.dumps(INVENTORY))
+    cycling["all"]["children"]["edge"]["hosts"]["xavier-1"].update(hatspec_mode_cycle=[2, "MODE_30W_ALL"],
+                                                                     hatspec_mode_every=3)
+    argv = F.edge_argv(F.load_inventory(_write(tmp_path, cycling)).devices[1])
+    assert argv[argv.index("--mode-cycle") + 1] == "2,MODE_30W_ALL" and argv[argv.index("--mode-every") + 1] == "3"
     assert inv.cloud.command("true")[-2] == "ops@10.0.0.1"
 
 
@@ -49,6 +54,8 @@ def test_inventory_reads_hosts_and_builds_the_commands(tmp_path):
     (lambda i: i["all"]["children"]["edge"]["hosts"]["orin-1"].update(hatspec_profile="jetson-9000"),
      "unknown device profile"),
     (lambda i: i["all"]["children"]["cloud"]["hosts"]["gpu-box"].pop("hatspec_model"), "the cloud needs hatspec_model"),
+    (lambda i: i["all"]["children"]["edge"]["hosts"]["xavier-1"].update(hatspec_mode_cycle=[2, "MODE_50W"]),
+     "xavier-1: agx-xavier-32gb has no power mode 'MODE_50W'"),
     (lambda i: i["all"]["children"]["edge"].pop("vars"), "orin-1: give hatspec_bundle_dir or hatspec_model"),
 ])
 def test_a_bad_inventory_is_refused_with_the_host_named(tmp_path, edit, error):

@@ -163,7 +163,7 @@ def test_sampler_falls_back_to_psutil_here_with_the_reasons_recorded():
     assert "power" in info["unavailable"] and "not estimated" in info["unavailable"]["power"]
     with sampler:
         t0 = time.perf_counter()
-        sum(i * i for i in range(2_000_000))
+        time.sleep(0.3)  # the sampler thread reads every 20 ms meanwhile
         t1 = time.perf_counter()
     w = sampler.window(t0, t1)
     assert w["samples"] >= 2 and w["power_mw"] is None and w["energy_j"] is None and w["cpu_pct"] is not None
@@ -253,7 +253,7 @@ def test_set_mode_switches_verifies_and_refuses_a_reboot(tmp_path, monkeypatch):
     """A stand-in nvpmodel keeping the mode in a file, with AGX Xavier's modes (MODE_10W asks for a reboot)."""
     state = tmp_path / "mode"
     state.write_text("7")
-    tool = _script(tmp_path / "nvpmodel", f"""import sys
+    _script(tmp_path / "nvpmodel", f"""import sys
 names = {{0: "MAXN", 1: "MODE_10W", 2: "MODE_15W", 7: "MODE_15W_DESKTOP"}}
 state = {str(state)!r}
 if sys.argv[1] == "-q":
@@ -295,3 +295,47 @@ def test_board_detection_reads_the_device_tree(tmp_path):
     assert J.detect_board(str(tmp_path), super_modes).profile == "orin-nano-8gb-super"
     with pytest.raises(J.JetsonControlError, match="not a Jetson"):
         J.detect_board(str(tmp_path / "nothing"))
+
+
+@pytest.mark.real_models
+@pytest.mark.skipif(_on_a_jetson(), reason="on a Jetson the modes can be switched (as root)")
+def test_sweep_measures_what_it_can_and_marks_the_rest_unavailable(smollm2, tmp_path):
+    """Off a Jetson: the current mode is measured (speed and latency from a real draft), every named mode gets the
+    reason it cannot be set, and power is None with the sampler's reason — nothing is filled in."""
+    import json
+
+    from profiles.profile_cli import main
+
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--profile", "agx-xavier-32gb", "--modes", "MODE_15W,MODE_10W", "--backends", "torch",
+                 "--model", "smollm2-135m", "--draft-lengths", "1,3", "--rounds", "2", "--prompt-tokens", "16",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    current, m15, m10 = report["modes"]
+    assert current["mode"] == "current" and [c["draft_len"] for c in current["cells"]] == [1, 3]
+    for c in current["cells"]:
+        assert c["tokens"] == 2 * c["draft_len"] and c["tokens_per_s"] > 0 and c["latency_p90_ms"] > 0
+        assert c["power_mw"] is None and c["energy_per_token_j"] is None
+    assert "needs a reboot" in m10["unavailable"] and not m10["cells"]  # MODE_10W power-gates the GPU
+    assert "not a Jetson" in m15["unavailable"] or "root" in m15["unavailable"]
+    assert "power" in report["sampler"]["unavailable"] and (tmp_path / "sweep.png").exists()
+
+
+def test_mode_cycle_switches_every_n_requests_and_stops_on_failure(tmp_path, monkeypatch):
+    state = tmp_path / "mode"
+    state.write_text("2")
+    _script(tmp_path / "nvpmodel", f"""import sys
+names = {{0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"}}
+if sys.argv[1] == "-q":
+    m = int(open({str(state)!r}).read()); print(f"NV Power Mode: {{names[m]}}"); print(m)
+else:
+    open({str(state)!r}, "w").write(sys.argv[2])
+""")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(J, "is_root", lambda: True)
+    cycle = J.ModeCycler([1, 3], every=2)
+    seen = [cycle.after_request() for _ in range(6)]
+    assert seen == [None, "MODE_15W", None, "MODE_50W", None, "MODE_15W"] and cycle.switches == 3
+    monkeypatch.setattr(J, "is_root", lambda: False)
+    assert [cycle.after_request() for _ in range(4)] == [None] * 4 and "needs root" in cycle.error
+    assert cycle.switches == 3
