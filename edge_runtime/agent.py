@@ -5,8 +5,10 @@ What it does:
 - every `report_interval_s` it reads the board's power mode and sends the device's state — profile, power mode,
   drafting delay γ, link estimates — to the cloud (protocol Report; HAT §3.2), and rewrites `status_file` (JSON,
   atomically) with what `hat-fleet status` shows: state, pid, model, backend, requests served, last report, cloud load;
-- serves HTTP on a device-local address: `GET /hatspec/status` (the same JSON) and `POST /hatspec/generate`
-  (JSON {"prompt", "protocol", "max_tokens", "temperature", "top_p", "seed", "chat"} → the generation's summary);
+- serves HTTP on a device-local address: the OpenAI API (edge_runtime.openai_api: `/v1/models`, `/v1/completions`,
+  `/v1/chat/completions`, streamed or not, stop sequences, cancellation when the client goes away, the protocol per
+  request in the `hatspec` field), `GET /hatspec/status` (the status JSON) and `POST /hatspec/generate` (JSON
+  {"prompt", "protocol", "max_tokens", "temperature", "top_p", "seed", "chat"} → the generation's summary);
   generations run one at a time (a device has one draft model);
 - SIGTERM / SIGINT stop it cleanly: the server closes, the status file says "stopped".
 """
@@ -19,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Optional
 
 from edge_runtime.config import EdgeConfig
 from hat_split.sampling import SamplingParams
@@ -58,6 +61,7 @@ class Agent:
         self.error = ""
         self.requests = 0
         self.failures = 0
+        self.last: dict = {}  # the last request: protocol, finish reason (eos, length, stop, cancelled), tokens
         self.last_report: dict = {}
         self._lock = threading.Lock()  # one generation at a time; reports wait for it
         self._stop = threading.Event()
@@ -87,7 +91,8 @@ class Agent:
                 "power_mode_error": m.mode_error if m else "", "draft_s": m.draft_s if m else 0.0,
                 "model": c.model, "backend": c.backend, "precision": c.precision if c.backend != "torch" else c.dtype,
                 "server": c.server, "http": self.address if hasattr(self, "httpd") else "",
-                "requests": self.requests, "failures": self.failures, "last_report": self.last_report,
+                "requests": self.requests, "failures": self.failures, "last_request": self.last,
+                "last_report": self.last_report,
                 "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches, "error": self.cycle.error},
                 "started": self.config.started, "time": time.time()}
 
@@ -140,10 +145,80 @@ class Agent:
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                 "protocol": result.protocol, **result.summary()}
 
+    def completion(self, body: Any, chat: bool, send: Optional[Callable[[dict], None]] = None,
+                   client_gone: Callable[[], bool] = lambda: False) -> Optional[dict]:
+        """An OpenAI completion or chat completion. With `send`, the response is streamed as events through it
+        (a failing send, like a client that went away, cancels the generation); without, it is returned."""
+        from edge_runtime import openai_api as O
+        from edge_runtime.protocols import ROUNDS
+        from profiles.prompts import encode_chat
+
+        req = O.parse_request(body, chat, tuple(sorted(ROUNDS)), self.config.default_protocol)
+        if req.stream != (send is not None):
+            raise O.ApiError("internal: stream flag and transport disagree", status=500, kind="server_error")
+        tok = self.runtime.tokenizer
+        if chat:
+            if getattr(tok, "chat_template", None) is None:
+                raise O.ApiError(f"model {self.runtime.model_name} has no chat template: use /v1/completions",
+                                 "messages")
+            ids = encode_chat(tok, O.chat_messages(req.messages), add_generation_prompt=True)
+        else:
+            ids = self.runtime.encode_prompt(req.prompt)
+        rid, model = O.new_id(chat), self.runtime.model_name
+        matcher = O.StopMatcher(req.stop)
+        cancelled = []
+
+        def emit(event: dict) -> None:
+            if send is not None and not cancelled:
+                try:
+                    send(event)
+                except OSError:
+                    cancelled.append(True)
+
+        def on_text(delta: str) -> None:
+            out = matcher.feed(delta)
+            if out:
+                emit(O.chunk(req, rid, model, out))
+
+        def should_stop() -> str:
+            if matcher.stopped:
+                return "stop"
+            return "cancelled" if cancelled or client_gone() else ""
+
+        if chat:
+            emit(O.chunk(req, rid, model, None, role=True))
+        params = SamplingParams(req.temperature, 0, req.top_p)
+        with self._lock:
+            try:
+                result = self.runtime.generate(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text,
+                                               should_stop)
+            except Exception:
+                self.failures += 1
+                raise
+            self.requests += 1
+            if self.cycle is not None and self.cycle.after_request():
+                self.runtime.monitor.refresh_mode(max_age_s=0.0)
+            self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
+        self._write_status()
+        text, stopped = O.cut_at_stop(result.text, req.stop)
+        reason = "stop" if stopped else result.finish_reason
+        extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
+                 "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s,
+                 "up_bytes": result.up_bytes, "down_bytes": result.down_bytes}
+        if send is None:
+            return O.response(req, rid, model, text, reason, len(ids), result.n, extra)
+        if len(text) > matcher.emitted:
+            emit(O.chunk(req, rid, model, text[matcher.emitted:]))
+        emit(O.chunk(req, rid, model, None, reason))
+        if req.include_usage:
+            emit(O.usage_chunk(req, rid, model, len(ids), result.n))
+        return None
+
     def serve_forever(self) -> None:
-        """Serve HTTP on a thread; report on this one until stopped."""
-        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
-        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        """Serve HTTP on a thread; report on this one until stopped (SIGTERM / SIGINT when it is the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+            signal.signal(signal.SIGINT, lambda *_: self._stop.set())
         thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         thread.start()
         try:
@@ -162,7 +237,11 @@ class Agent:
 
 
 def _handler(agent: Agent):
+    from edge_runtime import openai_api as O
+
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # chunked streams; every response says its length or ends its chunks
+
         def log_message(self, fmt, *args):  # the agent's log is for the agent, not for every request line
             pass
 
@@ -174,27 +253,94 @@ def _handler(agent: Agent):
             self.end_headers()
             self.wfile.write(body)
 
+        def _body(self) -> Any:
+            n = int(self.headers.get("Content-Length") or 0)
+            if not 0 < n <= MAX_BODY_BYTES:
+                raise O.ApiError(f"a JSON body of 1..{MAX_BODY_BYTES} bytes is required", status=413 if n else 400)
+            try:
+                return json.loads(self.rfile.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise O.ApiError(f"the body is not JSON: {exc}") from None
+
+        def _client_gone(self) -> bool:
+            """True when the client closed its connection (it sends nothing else while it waits)."""
+            import select
+            import socket
+
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
         def do_GET(self):
             if self.path == "/hatspec/status":
                 self._json(200, agent.status())
+            elif self.path == "/v1/models":
+                self._json(200, O.models(agent.runtime.model_name))
             else:
-                self._json(404, {"error": f"no route {self.path}"})
+                self._json(404, O.ApiError(f"no route {self.path}", status=404).body())
 
         def do_POST(self):
-            if self.path != "/hatspec/generate":
-                return self._json(404, {"error": f"no route {self.path}"})
+            routes = {"/v1/completions": False, "/v1/chat/completions": True}
             try:
-                n = int(self.headers.get("Content-Length", "0"))
-                if not 0 < n <= MAX_BODY_BYTES:
-                    raise ValueError(f"a JSON body of 1..{MAX_BODY_BYTES} bytes is required")
-                body = json.loads(self.rfile.read(n))
-                if not isinstance(body, dict):
-                    raise ValueError("the body must be a JSON object")
-                self._json(200, agent.generate(body))
-            except (ValueError, json.JSONDecodeError) as exc:
-                self._json(400, {"error": str(exc)})
+                if self.path == "/hatspec/generate":
+                    return self._json(200, agent.generate(self._body()))
+                if self.path not in routes:
+                    raise O.ApiError(f"no route {self.path}", status=404)
+                body = self._body()
+                if isinstance(body, dict) and body.get("stream") is True:
+                    return self._stream(body, routes[self.path])
+                self._json(200, agent.completion(body, routes[self.path], client_gone=self._client_gone))
+            except O.ApiError as exc:
+                self._json(exc.status, exc.body())
+            except ValueError as exc:
+                self._json(400, O.ApiError(str(exc)).body())
+            except Exception as exc:  # the cloud or the model failed: the device says so, it does not hang
+                self._json(502, O.ApiError(f"{type(exc).__name__}: {exc}", status=502, kind="server_error").body())
+
+        def _stream(self, body: dict, chat: bool) -> None:
+            started = []
+
+            def send(event: dict) -> None:
+                if not started:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    started.append(True)
+                self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+            try:
+                agent.completion(body, chat, send, self._client_gone)  # its last event carries the finish reason
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+            except O.ApiError as exc:
+                if started:
+                    self._end_with_error(exc.body())
+                else:
+                    self._json(exc.status, exc.body())
+            except OSError:
+                pass  # the client went away mid-stream: the generation was cancelled
             except Exception as exc:
-                self._json(502, {"error": f"{type(exc).__name__}: {exc}"})
+                error = O.ApiError(f"{type(exc).__name__}: {exc}", status=502, kind="server_error")
+                if started:
+                    self._end_with_error(error.body())
+                else:
+                    self._json(502, error.body())
+
+        def _end_with_error(self, body: dict) -> None:
+            try:
+                self._chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+            except OSError:
+                pass
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
 
     return Handler
 

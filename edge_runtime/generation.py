@@ -91,6 +91,8 @@ class Generation:
     seed: int  # one seed per request: the device and the cloud derive independent streams from it
     session_id: int
     on_tokens: Callable[[List[int]], None] = lambda tokens: None
+    should_stop: Callable[[], str] = lambda: ""  # checked after each commit: a finish reason ("stop", "cancelled") ends
+    # the request there (the session is still closed properly: every committed token is one the cloud verified)
     generated: List[int] = field(default_factory=list)
     step: int = 0
     cloud_position: int = 0  # committed tokens the cloud holds
@@ -130,7 +132,10 @@ class Generation:
         return bool(self.finish_reason)
 
     def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> List[int]:
-        """Commit tokens (truncated at EOS or the length limit); returns what was committed."""
+        """Commit tokens (truncated at EOS or the length limit); returns what was committed. Nothing is committed once
+        the request has finished (EOS, length, or should_stop mid-round)."""
+        if self.finish_reason:
+            return []
         out: List[int] = []
         for t in tokens[: self.remaining]:
             out.append(t)
@@ -145,6 +150,8 @@ class Generation:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self.on_tokens(out)
+        if not self.finish_reason:
+            self.finish_reason = self.should_stop()
         return out
 
     def request(self, msg: P.Message) -> P.Message:

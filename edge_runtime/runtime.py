@@ -116,7 +116,11 @@ class EdgeRuntime:
 
     def generate(self, prompt: Union[str, List[int]], protocol: str = "sd", params: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, seed: Optional[int] = None, chat: bool = False,
-                 on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+                 on_text: Optional[Callable[[str], None]] = None,
+                 should_stop: Optional[Callable[[], str]] = None) -> GenerationResult:
+        """One request. `prompt`: text (a chat user turn with `chat`) or token ids; `on_text` gets the text as it is
+        accepted; `should_stop()` is asked after every accepted chunk and ends the request with the reason it
+        returns (a stop sequence, a client that went away)."""
         if protocol not in ROUNDS:
             raise ValueError(f"unknown protocol {protocol!r}; known: {sorted(ROUNDS)}")
         ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
@@ -138,6 +142,8 @@ class EdgeRuntime:
             session_id=next(self._session_ids),
             on_tokens=stream,
         )
+        if should_stop is not None:
+            gen.should_stop = should_stop
         result = run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
         link = self.client.link_state if self.client is not None else None
         self.monitor.observe(result, link.draft_s if protocol == "hat" and link is not None else None)

@@ -1,0 +1,138 @@
+"""The device's OpenAI-compatible endpoint (issue 9), driven by the real `openai` client: a `hat-cloud serve` process
+with smollm2-135m and an agent holding smollm2-135m as its draft (same model both sides, so every exact protocol at
+temperature 0 gives the whole model's greedy tokens)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from edge_runtime import openai_api as O
+
+openai = pytest.importorskip("openai", reason="the openai client is not installed (test extra)")
+
+
+def test_request_checking_names_the_field():
+    ok = O.parse_request({"prompt": "x", "max_tokens": 5, "stop": "\n", "hatspec": {"protocol": "llm"}}, False,
+                         ("sd", "llm"), "sd")
+    assert (ok.max_tokens, ok.stop, ok.protocol, ok.temperature) == (5, ["\n"], "llm", 1.0)
+    for body, chat, param in [({"prompt": "x", "n": 2}, False, "n"),
+                              ({"prompt": "x", "presence_penalty": 0.5}, False, "presence_penalty"),
+                              ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
+                              ({"prompt": "x", "temperature": 3}, False, "temperature"),
+                              ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, False, "stop"),
+                              ({"prompt": "x", "hatspec": {"protocol": "carrier-pigeon"}}, False, "hatspec"),
+                              ({"prompt": "x", "frobnicate": 1}, False, "frobnicate"),
+                              ({"messages": [{"role": "robot", "content": "hi"}]}, True, "messages"),
+                              ({"messages": "hi"}, True, "messages"), ({"prompt": ""}, False, "prompt")]:
+        with pytest.raises(O.ApiError) as info:
+            O.parse_request(body, chat, ("sd", "llm"), "sd")
+        assert info.value.param == param and info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_stop_matcher_holds_back_what_may_become_a_stop():
+    m = O.StopMatcher(["\n\n", "END"])
+    out = [m.feed(d) for d in ["def f", "(x):\n", "    return", " x\n", "\nmore"]]
+    assert out == ["def f", "(x):", "\n    return", " x", ""] and m.stopped and m.text == "def f(x):\n    return x"
+    m = O.StopMatcher(["END"])
+    assert [m.feed(d) for d in ["abE", "N", "x", "EN"]] == ["ab", "", "ENx", ""] and m.flush() == "EN"
+    assert O.cut_at_stop("a\nb", ["\n"]) == ("a", True) and O.cut_at_stop("ab", ["\n"]) == ("ab", False)
+
+
+@pytest.fixture(scope="module")
+def endpoint(smollm2_module):
+    from cloud_runtime.process import CloudProcess
+    from edge_runtime.agent import Agent, AgentConfig
+    from edge_runtime.config import EdgeConfig
+
+    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
+        agent = Agent(AgentConfig(EdgeConfig(model="smollm2-135m", server=cloud.endpoint, threads=1,
+                                             device_id="openai-test"), port=0, report_interval_s=30.0))
+        thread = threading.Thread(target=agent.serve_forever, daemon=True)
+        thread.start()
+        client = openai.OpenAI(base_url=agent.address + "/v1", api_key="unused", max_retries=0, timeout=300)
+        yield client, agent
+        agent.stop()
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def smollm2_module():
+    from hat_split.registry import is_installed
+
+    if not is_installed("smollm2-135m"):
+        pytest.skip("smollm2-135m is not installed")
+    from hat_split.loading import load_model
+
+    return load_model("smollm2-135m", dtype="float32")
+
+
+FIB = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def _greedy_text(loaded, ids, n):
+    from tests.test_hat import greedy_reference
+
+    return loaded.tokenizer.decode(greedy_reference(loaded.model, ids, n), skip_special_tokens=True)
+
+
+@pytest.mark.real_models
+def test_completion_and_chat_through_the_openai_client(endpoint, smollm2_module):
+    client, agent = endpoint
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    want = _greedy_text(smollm2_module, smollm2_module.tokenizer(FIB)["input_ids"], 16)
+    for protocol in ("sd", "llm"):
+        r = client.completions.create(model="smollm2-135m", prompt=FIB, max_tokens=16, temperature=0,
+                                      extra_body={"hatspec": {"protocol": protocol}})
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 16 and r.model_extra["hatspec"]["protocol"] == protocol
+    from profiles.prompts import encode_chat
+
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
+    ids = encode_chat(smollm2_module.tokenizer, messages, add_generation_prompt=True)
+    assert chat.choices[0].message.content == _greedy_text(smollm2_module, ids, 12).split("<|im_end|>")[0]
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="hatspec.protocol"):
+        client.completions.create(model="m", prompt="x", extra_body={"hatspec": {"protocol": "smoke-signals"}})
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model="m", prompt="x", n=2)
+
+
+@pytest.mark.real_models
+def test_streaming_and_stop_sequences(endpoint):
+    client, agent = endpoint
+    full = client.completions.create(model="m", prompt=FIB, max_tokens=24, temperature=0).choices[0].text
+    events = list(client.completions.create(model="m", prompt=FIB, max_tokens=24, temperature=0, stream=True))
+    assert "".join(e.choices[0].text for e in events) == full and len(events) > 3
+    assert events[-1].choices[0].finish_reason == "length"
+    assert "\n" in full
+    stopped = client.completions.create(model="m", prompt=FIB, max_tokens=24, temperature=0, stop=["\n"])
+    assert stopped.choices[0].text == full.split("\n")[0] and stopped.choices[0].finish_reason == "stop"
+    assert agent.last["finish"] == "stop" and agent.last["tokens"] < 24  # generation ended at the stop
+    messages = [{"role": "user", "content": "Count to five."}]
+    answer = client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
+    answer = answer.choices[0].message.content
+    word = answer.split()[1]  # stop at the answer's second word
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stop=[word], stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer[:answer.find(word)] and chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop" and chunks[-1].usage.total_tokens
+
+
+@pytest.mark.real_models
+def test_a_client_that_goes_away_cancels_the_generation(endpoint):
+    client, agent = endpoint
+    before = agent.requests
+    stream = client.completions.create(model="m", prompt=FIB, max_tokens=400, temperature=0, stream=True)
+    got = [next(iter(stream)) for _ in range(2)]
+    stream.close()  # the connection goes away mid-answer
+    assert got
+    deadline = time.monotonic() + 60
+    while agent.requests == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent.last["finish"] == "cancelled" and agent.last["tokens"] < 400
+    r = client.completions.create(model="m", prompt="x = ", max_tokens=4, temperature=0)  # still serving
+    assert r.usage.completion_tokens == 4
