@@ -14,6 +14,7 @@ import sys
 
 from cloud_runtime.config import CloudConfig
 from hat_split.registry import MODEL_DTYPES
+from hat_split.security import LinkSecurity
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
 
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="middle-part KV cache positions, all sessions (default %(default)s)")
     s.add_argument("--stats-json", default="", metavar="PATH",
                    help="on exit, write the server's counters and its recent batched steps here")
+    k = s.add_argument_group("link security (CurveZMQ unless --plaintext)")
+    k.add_argument("--curve-secret", default="", metavar="FILE", help="the cloud's secret key (hat-keys generate)")
+    k.add_argument("--curve-allow", default="", metavar="DIR", help="directory of the device public keys accepted")
+    k.add_argument("--plaintext", action="store_true", help="no encryption or device authentication (a lab only)")
     s.add_argument("--status-file", default="", metavar="PATH",
                    help="while serving, rewrite the counters and every device's reported state here (hat-fleet)")
     s.add_argument("--status-interval", type=float, default=d["status_interval_s"].default, metavar="S")
@@ -69,6 +74,8 @@ def main(argv=None) -> int:
             pipeline=args.pipeline,
             stats_json=args.stats_json,
             status_file=args.status_file,
+            security=LinkSecurity("plaintext") if args.plaintext else LinkSecurity("curve", args.curve_secret,
+                                                                                    allow_dir=args.curve_allow),
             status_interval_s=args.status_interval,
         )
     except ValueError as exc:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from hat_split.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from hat_split.registry import MODEL_DTYPES
+from hat_split.security import LinkSecurity
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class CloudConfig:
     token_budget: int = 512  # split protocols: positions per batched step, all sessions (cloud_runtime.scheduler)
     prefill_floor: int = 64  # of each step, kept for waiting prompt work
     kv_positions: int = 1 << 18  # middle-part KV cache positions, all sessions together
+    security: LinkSecurity = LinkSecurity()  # CurveZMQ with an allow-list unless plaintext is asked for
     stats_json: str = ""  # on exit, write the server's counters and per-step log here (benchmarks)
     status_file: str = ""  # while serving, rewrite the same report here every status_interval_s (hat-fleet status)
     status_interval_s: float = 5.0
@@ -31,6 +33,7 @@ class CloudConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("CloudConfig.model must name a model")
+        self.security.check("cloud")
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}")
         for name in ("session_timeout_s", "status_interval_s"):

@@ -10,6 +10,7 @@ import time
 from typing import List, Optional
 
 from cloud_runtime.cli import READY_LINE
+from hat_split.security import LinkSecurity, cli_args
 
 
 def free_port() -> int:
@@ -22,12 +23,13 @@ class CloudProcess:
     """Context manager: a cloud server process on 127.0.0.1:<port>; `endpoint` once ready."""
 
     def __init__(self, model: str, port: Optional[int] = None, extra_args: List[str] = (), ready_timeout_s: float = 900.0,
-                 threads: int = 0, log_path: Optional[str] = None):
+                 threads: int = 0, log_path: Optional[str] = None, security: Optional[LinkSecurity] = None):
+        """security: the link's keys; None passes --plaintext (say so where it is meant: benchmarks, tests)."""
         self.model = model
         self.port = port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "cloud_runtime.cli", "serve", "--model", model, "--bind", self.endpoint,
-                     "--threads", str(threads), *extra_args]
+                     "--threads", str(threads), *cli_args(security, "cloud"), *extra_args]
         self.ready_timeout_s = ready_timeout_s
         self.log_path = log_path
         self.ready_info = ""

@@ -83,6 +83,7 @@ class CloudServer:
                                      executor, self.load, config.max_draft_len + 1)
         self._fingerprint = ""  # model_fingerprint of the loaded model, computed on the first OpenSplit
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
+        self.zap = None  # cloud_runtime.zap.ZapAllowList when the link is CurveZMQ
         self._status_at = -1e9  # monotonic time of the last status file
         self.devices: Dict[bytes, dict] = {}  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
         self.stats = ServerStats()
@@ -105,6 +106,16 @@ class CloudServer:
     # -- lifetime -------------------------------------------------------------------------------------------------
     def __enter__(self) -> "CloudServer":
         sock = self._ctx.socket(zmq.ROUTER)
+        security = self.config.security
+        if security.curve:  # CurveZMQ: encrypted, and only devices in the allow-list get through (ZAP)
+            from cloud_runtime.zap import DOMAIN, ZapAllowList
+            from hat_split.security import load_secret
+
+            public, secret = load_secret(security.secret_key)
+            self.zap = ZapAllowList(self._ctx, security.allow_dir)
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.zap_domain = DOMAIN.encode()
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a peer whose single frame exceeds this; the application check answers smaller excess.
@@ -120,6 +131,9 @@ class CloudServer:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self.zap is not None:
+            self.zap.close()
+            self.zap = None
         self.sessions.clear()
         self.batcher.executor.close()
 
@@ -167,6 +181,8 @@ class CloudServer:
         own = (b.stage_s[0] if b.stage_s else 0.0) + self.stats.head_s  # this process's model time (a pipeline: stage 0's)
         return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.executor.stages,
                 "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
+                "security": {"mode": self.config.security.mode, **({"accepted": self.zap.accepted,
+                                                                     "refused": self.zap.refused} if self.zap else {})},
                 "overhead": 1.0 - own / self.stats.busy_s if self.stats.busy_s > 0 and b.steps else None}
 
     def write_status(self) -> None:

@@ -11,6 +11,7 @@ from edge_runtime.config import (
     BACKENDS, CHUNKING_MODES, OVERLAP_MODES, PRECISIONS, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
 )
 from hat_split.hidden_codec import HIDDEN_FORMATS
+from hat_split.security import LinkSecurity
 from edge_runtime.policy import POLICIES
 from hat_split.calibration import THRESHOLD_RULES
 from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
@@ -56,6 +57,9 @@ def _add_edge_args(g, d) -> None:
     g.add_argument("--dist-dtype", default=d["dist_dtype"].default, choices=["float16", "float32"])
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"].default)
+    g.add_argument("--curve-secret", default="", metavar="FILE", help="this device's secret key (hat-keys generate)")
+    g.add_argument("--curve-server-key", default="", metavar="FILE", help="the cloud's public key (NAME.key)")
+    g.add_argument("--plaintext", action="store_true", help="no encryption or authentication of the link (a lab)")
     g.add_argument("--device-id", default=d["device_id"].default, help="this device's name in the cloud's logs")
     g.add_argument("--device-profile", default="", help="this board's profile (hat-profile list), reported to the "
                                                       "cloud with its power mode and drafting delay")
@@ -194,6 +198,8 @@ def main(argv=None) -> int:
                             overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, backend=args.backend,
                             bundle=args.bundle, precision=args.precision, device_profile=args.device_profile,
                             device_id=args.device_id,
+                            security=LinkSecurity("plaintext") if args.plaintext else
+                            LinkSecurity("curve", args.curve_secret, args.curve_server_key),
                             providers=tuple(p for p in args.providers.split(",") if p), split=_split_config(args))
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:

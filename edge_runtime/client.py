@@ -49,8 +49,11 @@ class CloudClient:
     """Context manager: connects, says Hello (retrying with backoff), then `request()` one message at a time."""
 
     def __init__(self, server: str, hello: P.Hello, connect_timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.5, request_timeout_s: float = 120.0):
+                 backoff_s: float = 0.5, request_timeout_s: float = 120.0, security=None):
+        """security: hat_split.security.LinkSecurity (CurveZMQ keys); None: a plaintext socket."""
         self.server = server
+        self.security = security
+        self._monitor = None
         self.hello = hello
         self.connect_timeout_s = connect_timeout_s
         self.retries = retries
@@ -80,8 +83,28 @@ class CloudClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.hello.device_id}-{uuid.uuid4().hex[:8]}".encode())
+        if self.security is not None and self.security.curve:
+            from hat_split.security import load_public, load_secret
+
+            sock.curve_publickey, sock.curve_secretkey = load_secret(self.security.secret_key)
+            sock.curve_serverkey = load_public(self.security.server_key)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         sock.connect(self.server)
         self._sock = sock
+
+    def _handshake_failure(self) -> Optional[str]:
+        """Why the security handshake failed, if the socket monitor saw it fail."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return ("the cloud refused this device's key: add its public key (NAME.key) to the cloud's allow-list "
+                        "(hat-keys allow)")
+            return ("the security handshake failed: the cloud and this device disagree on CurveZMQ (one side "
+                    "plaintext?) or on the cloud's public key")
+        return None
 
     def connect(self) -> P.Welcome:
         """Handshake; raises CloudUnavailable after `retries` silent attempts, CloudError if refused."""
@@ -91,6 +114,10 @@ class CloudClient:
             try:
                 reply = self._roundtrip(self.hello, self.connect_timeout_s)
             except CloudUnavailable:
+                failure = self._handshake_failure()
+                if failure:
+                    self.close()
+                    raise CloudError(P.Error("unauthorized", failure)) from None
                 if attempt == self.retries:
                     break
                 time.sleep(delay)
@@ -186,6 +213,10 @@ class CloudClient:
         return bool(self._sock is not None and self._sock.poll(0, zmq.POLLIN))
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

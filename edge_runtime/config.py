@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hat_split.security import LinkSecurity
+
 import numpy as np
 
 from hat_split.calibration import Calibration
@@ -134,6 +136,7 @@ class EdgeConfig:
     model: str  # registry short name, HF directory or .gguf path of the draft (small) model
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
     device_id: str = "edge-0"  # shown in the cloud's logs
+    security: LinkSecurity = LinkSecurity()  # CurveZMQ keys (checked when connecting); plaintext only when asked
     device_profile: str = ""  # profiles/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
     draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
     draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ

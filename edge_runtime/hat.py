@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-import numpy as np
 
 from edge_runtime.generation import Generation
 from edge_runtime.split_drafter import SplitDrafter

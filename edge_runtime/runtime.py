@@ -102,8 +102,9 @@ class EdgeRuntime:
         if self.client is None:
             c = self.config
             hello = P.Hello(c.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")
+            c.security.check("device")
             client = CloudClient(c.server, hello, c.connect_timeout_s, c.connect_retries, c.backoff_s,
-                                 c.request_timeout_s)
+                                 c.request_timeout_s, c.security)
             client.monitor = self.monitor
             client.connect()
             self.client = client

@@ -322,7 +322,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) ->
         msg = _decoder.decode(head[PREAMBLE_LEN:])
     except msgspec.ValidationError as exc:
         raise ProtocolError("malformed", f"invalid header: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a string field that is not UTF-8 raises the latter
         raise ProtocolError("malformed", f"undecodable header: {exc}") from None
     used: set = set()
     return _resolve(msg, frames, used)

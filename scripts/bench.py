@@ -32,6 +32,9 @@ from scripts.bench_hat import add_parser as add_hat_parser
 from scripts.bench_hat import run as run_hat
 from scripts.bench_qs import add_parser as add_qs_parser
 from scripts.bench_qs import run as run_qs
+from scripts.fuzz import add_parser as add_fuzz_parser
+from scripts.fuzz import run as run_fuzz
+from hat_split.security import LinkSecurity
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hat_parser(sub)
     add_fleet_parser(sub)
     add_edge_parser(sub)
+    add_fuzz_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -147,7 +151,8 @@ def speculative(args) -> int:
                 report["runs"].update({f"hf_{k}": v for k, v in json.load(f).items()})
         print("hat-bench: hatspec over loopback ...", flush=True)
         with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
-            cfg = EdgeConfig(model=args.draft, server=cloud.endpoint, dtype=args.draft_dtype,
+            cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                             model=args.draft, server=cloud.endpoint, dtype=args.draft_dtype,
                              weight_quant=args.weight_quant)
             with EdgeRuntime(cfg) as rt:
                 rt.generate(ids[0], "sd", SamplingParams(0.0), 2)  # warm-up both processes
@@ -248,9 +253,10 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command in ("qs", "hat", "fleet", "edge"):
+    if args.command in ("qs", "hat", "fleet", "edge", "fuzz"):
         try:
-            return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge}[args.command](args)
+            return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge,
+                    "fuzz": run_fuzz}[args.command](args)
         except ValueError as exc:
             print(f"hat-bench {args.command}: {exc}", file=sys.stderr)
             return 2

@@ -26,6 +26,7 @@ from typing import Dict, List
 import numpy as np
 
 from scripts.bench_args import names, numbers
+from hat_split.security import LinkSecurity
 
 # name -> (protocol, UncertaintyConfig overrides)
 VARIANTS: Dict[str, tuple] = {
@@ -100,7 +101,8 @@ def run_models(args, variants, ids, base_unc) -> dict:
     params = SamplingParams(args.temperature, 0, args.top_p)
     out: dict = {"loopback": {}, "emulated": {}}
     with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
-        cfg = EdgeConfig(model=args.draft, server=cloud.endpoint, weight_quant=args.weight_quant, uncertainty=base_unc)
+        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                         model=args.draft, server=cloud.endpoint, weight_quant=args.weight_quant, uncertainty=base_unc)
         with EdgeRuntime(cfg) as rt:
             rt.generate(ids[0], "hlm", params, 2, seed=0)  # warm-up of both processes
             out["loopback"] = _generate_all(rt, variants, ids, params, args.max_new_tokens, args.seed, base_unc,

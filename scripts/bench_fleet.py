@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from scripts.bench_args import adapter_dir, names, numbers
+from hat_split.security import LinkSecurity
 
 SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" the SplitConfig fields, cloud arguments)
     "U-shape": ("ushape", {"split": {"chunking": "off"}}, ["--token-budget", "65536", "--prefill-floor", "0"]),
@@ -115,7 +116,8 @@ def _serve(index: int, conn, loaded, model: str, m: int, adapter: str, cmd: dict
         edge = dict(cmd["edge"])
         split = SplitConfig(m=m, adapter=adapter, up_bps=8 * link.rate("up"), down_bps=8 * link.rate("down"),
                             slowdown=slowdown, **edge.pop("split"))
-        cfg = EdgeConfig(model=model, server=emu.address, device_id=f"device-{index}", threads=1, dtype="float32",
+        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                         model=model, server=emu.address, device_id=f"device-{index}", threads=1, dtype="float32",
                          split=split, request_timeout_s=600.0, **edge)
         with EdgeRuntime(cfg, loaded) as rt:
             rt.generate(cmd["warm_up"], cmd["protocol"], params, 4, seed=index)  # connect; the cloud's g() learns

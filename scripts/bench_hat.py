@@ -30,6 +30,7 @@ from typing import Dict, List
 import numpy as np
 
 from scripts.bench_args import adapter_dir, names
+from hat_split.security import LinkSecurity
 
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
     "U-shape": ("ushape", {"chunking": "off"}),
@@ -156,7 +157,8 @@ def run(args) -> int:
                 with contextlib.ExitStack() as stack:
                     rts = {}
                     for backend, precision in backends:
-                        cfg = EdgeConfig(model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
+                        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                                         model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
                                          split=base, backend=backend, precision=precision or "fp32",
                                          bundle=args.bundle if backend != "torch" else "")
                         rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(EdgeRuntime(cfg))

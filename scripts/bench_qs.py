@@ -19,6 +19,7 @@ import time
 from typing import Dict, List
 
 import numpy as np
+from hat_split.security import LinkSecurity
 
 METHODS = ("llm", "slm", "sq", "qs_static", "qs_heuristic", "qs_dqn")
 SPARSE = ("ksqs", "csqs")
@@ -189,7 +190,8 @@ def run(args) -> int:
                 markov = MarkovLink(link, rates, args.p_switch, args.markov_step_s, args.delay_ms / 1e3,
                                     args.seed + r_i)
                 markov.start()
-                cfg = EdgeConfig(model=args.draft, server=link.address, weight_quant=args.weight_quant, qs=base)
+                cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                                 model=args.draft, server=link.address, weight_quant=args.weight_quant, qs=base)
                 with EdgeRuntime(cfg) as rt:
                     ids = [rt.encode_prompt(p.text, p.chat) for p in prompts]
                     rt.generate(ids[0], "qs", SamplingParams(1.0), 2, seed=0)  # warm-up

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from typing import Dict, List
+from hat_split.security import cli_args, ephemeral
 
 DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm"
 
@@ -119,7 +120,10 @@ def main(argv=None) -> int:
             json.dump([p.to_json() for p in prompts], f)
         print(f"hat-demo: starting the cloud ({args.target}) ...", flush=True)
         t0 = time.perf_counter()
-        with CloudProcess(args.target, threads=args.threads, log_path=os.path.join(tmp, "cloud.log")) as cloud:
+        # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
+        cloud_keys, device_keys = ephemeral(os.path.join(tmp, "keys"), ["demo-device"])
+        with CloudProcess(args.target, threads=args.threads, log_path=os.path.join(tmp, "cloud.log"),
+                          security=cloud_keys) as cloud:
             print(f"hat-demo: {cloud.ready_info}", flush=True)
             upstream = ("127.0.0.1", cloud.port)
             with LinkEmulator(profile, upstream=upstream) as link:
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
                        "--server", link.address, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
                        "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
                        "--top-p", str(args.top_p), "--draft-len", str(args.draft_len), "--seed", str(args.seed),
-                       "--threads", str(args.threads), "--weight-quant", args.weight_quant, "--json", edge_json]
+                       "--threads", str(args.threads), "--weight-quant", args.weight_quant, "--json", edge_json,
+                       *cli_args(device_keys["demo-device"], "device")]
                 rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
                 wire = link.stats()
             if rc != 0:

@@ -19,7 +19,8 @@ host and an `edge` group, with `ansible_host`, `ansible_user`, `ansible_port`, `
   cloud: hatspec_bind; edge: hatspec_server (the endpoint the device dials), hatspec_bundle_dir, hatspec_backend,
   hatspec_precision, hatspec_profile (profiles/devices), hatspec_power_mode (id or name in that profile),
   hatspec_protocol, hatspec_edge_args, hatspec_port, hatspec_mode_cycle / hatspec_mode_every (switch power modes every
-  N requests, as HAT's testbed does).
+  N requests, as HAT's testbed does); link security: hatspec_curve_secret (each host's secret key), hatspec_curve_allow
+  (cloud: the allow-list directory), hatspec_curve_server_key (device: the cloud's public key), or hatspec_plaintext.
 """
 from __future__ import annotations
 
@@ -131,6 +132,11 @@ def load_inventory(path: str) -> Inventory:
                     p.mode(str(m))
             except ProfileError as exc:
                 raise InventoryError(f"{path}: device {dev.name}: {exc}") from None
+    for host, role, keys in [(hosts["cloud"][0], "cloud", ("hatspec_curve_secret", "hatspec_curve_allow"))] + \
+            [(d, "device", ("hatspec_curve_secret", "hatspec_curve_server_key")) for d in hosts["edge"]]:
+        if not host.get("hatspec_plaintext") and not all(host.get(k) for k in keys):
+            raise InventoryError(f"{path}: {role} {host.name}: the link is CurveZMQ: give {' and '.join(keys)} "
+                                 "(hat-keys generate), or hatspec_plaintext: true")
     if not hosts["cloud"][0].get("hatspec_model"):
         raise InventoryError(f"{path}: the cloud needs hatspec_model (the target model)")
     return Inventory(hosts["cloud"][0], hosts["edge"])
@@ -160,15 +166,26 @@ def _stop_script(host: Host, name: str, grace_s: float) -> str:
             f"else echo stopped $p; fi; rm -f {name}.pid")
 
 
+def _security_args(host: Host, role: str) -> List[str]:
+    """CurveZMQ key flags from hatspec_curve_secret and hatspec_curve_allow (cloud) / hatspec_curve_server_key
+    (device), or --plaintext where hatspec_plaintext is true."""
+    if host.get("hatspec_plaintext"):
+        return ["--plaintext"]
+    other = ("--curve-allow", "hatspec_curve_allow") if role == "cloud" else \
+        ("--curve-server-key", "hatspec_curve_server_key")
+    return ["--curve-secret", str(host.get("hatspec_curve_secret")), other[0], str(host.get(other[1]))]
+
+
 def cloud_argv(cloud: Host) -> List[str]:
     return [cloud.python, "-m", "cloud_runtime.cli", "serve", "--model", str(cloud.get("hatspec_model")),
             "--bind", str(cloud.get("hatspec_bind", "tcp://0.0.0.0:5555")),
             "--status-file", f"{cloud.run_dir}/cloud.status.json", "--status-interval", "1",
-            *[str(a) for a in cloud.get("hatspec_cloud_args", [])]]
+            *_security_args(cloud, "cloud"), *[str(a) for a in cloud.get("hatspec_cloud_args", [])]]
 
 
 def edge_argv(dev: Host) -> List[str]:
     argv = [dev.python, "-m", "edge_runtime.cli", "serve", "--server", str(dev.get("hatspec_server")),
+            *_security_args(dev, "device"),
             "--device-id", dev.name, "--status-file", f"{dev.run_dir}/edge.status.json",
             "--port", str(dev.get("hatspec_port", 8642)), "--report-interval",
             str(dev.get("hatspec_report_interval", 5)), "--protocol", str(dev.get("hatspec_protocol", "sd"))]
@@ -358,6 +375,19 @@ def _print_status(report: dict) -> None:
               f"{cloud_view.get('power_mode', '-') or '-'} γ={1e3 * cloud_view.get('draft_s', 0.0):.1f} ms")
 
 
+def local_keys(inv: dict, directory: Path) -> None:
+    """CurveZMQ keys for a local fleet's cloud and devices (in `directory`), written into its inventory."""
+    from hat_split.security import ephemeral
+
+    edge = inv["all"]["children"]["edge"]["hosts"]
+    cloud_keys, device_keys = ephemeral(directory, list(edge))
+    inv["all"]["children"]["cloud"]["hosts"]["cloud"].update(hatspec_curve_secret=cloud_keys.secret_key,
+                                                             hatspec_curve_allow=cloud_keys.allow_dir)
+    for name, host in edge.items():
+        host.update(hatspec_curve_secret=device_keys[name].secret_key,
+                    hatspec_curve_server_key=device_keys[name].server_key)
+
+
 def _local(args) -> int:
     import yaml
 
@@ -383,6 +413,7 @@ def _local(args) -> int:
     fleet.save()
     inv = fleet.inventory(sys.executable, hatspec_model=args.model, hatspec_profile=args.profile,
                           hatspec_power_mode=get_profile(args.profile).default.name)
+    local_keys(inv, Path(args.dir) / "keys")
     inv["all"]["children"]["cloud"]["hosts"]["cloud"].update(hatspec_model=args.model,
                                                              hatspec_run_dir=str(Path(args.dir) / "cloud"))
     path = Path(args.dir) / "inventory.yml"

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models for plumbing, the real packaged pair loaded once per session."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -29,20 +30,29 @@ def tiny_pair():
     return CausalLM(tiny_model(1, layers=1)), CausalLM(tiny_model(2, layers=2))
 
 
-@pytest.fixture
-def tiny_server(tiny_pair):
-    """A CloudServer over the tiny target, serving from a thread on a free loopback port."""
+@contextlib.contextmanager
+def serving(lm, security=None, **config):
+    """A CloudServer over `lm` serving from a thread on a free loopback port (plaintext unless `security`)."""
     from cloud_runtime.config import CloudConfig
     from cloud_runtime.server import CloudServer
+    from hat_split.security import LinkSecurity
 
-    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024, max_message_bytes=1 << 20)
+    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024,
+                      security=security or LinkSecurity.plaintext(), **config)
     stop = threading.Event()
-    with CloudServer(cfg, tiny_pair[1], "tiny-target", "tiny-vocab") as server:
+    with CloudServer(cfg, lm, "tiny-target", "tiny-vocab") as server:
         thread = threading.Thread(target=server.serve_forever, kwargs={"until": stop.is_set}, daemon=True)
         thread.start()
         yield server
         stop.set()
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def tiny_server(tiny_pair):
+    """The tiny target served from a thread."""
+    with serving(tiny_pair[1], max_message_bytes=1 << 20) as server:
+        yield server
 
 
 def real_models_available() -> bool:

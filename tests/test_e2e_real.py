@@ -33,7 +33,7 @@ def _edge(tmp_path, cloud, prompts, *args):
     prompts_file.write_text(json.dumps(prompts))
     out = tmp_path / "edge.json"
     cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", DRAFT, "--server", cloud.endpoint,
-           "--prompts-file", str(prompts_file), "--json", str(out), *args]
+           "--prompts-file", str(prompts_file), "--json", str(out), "--plaintext", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())["results"], proc.stdout

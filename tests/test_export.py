@@ -341,7 +341,7 @@ def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, t
                str(tmp_path / "b"), "--precision", "fp32", "--server", cloud.endpoint, "--prompts-file",
                str(tmp_path / "p.json"), "--protocol", "ushape,hat", "--m", "2", "--hidden-format", "float32",
                "--chunk-tokens", "7", "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json",
-               str(tmp_path / "out.json")]
+               str(tmp_path / "out.json"), "--plaintext"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out.json").read_text())["results"]

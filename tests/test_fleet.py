@@ -12,7 +12,7 @@ import yaml
 
 from scripts import fleet as F
 
-INVENTORY = {"all": {"vars": {"hatspec_python": "python3"}, "children": {
+INVENTORY = {"all": {"vars": {"hatspec_python": "python3", "hatspec_plaintext": True}, "children": {
     "cloud": {"hosts": {"gpu-box": {"ansible_host": "10.0.0.1", "ansible_user": "ops", "hatspec_model": "qwen"}}},
     "edge": {"vars": {"hatspec_bundle_dir": "/opt/hatspec/bundle", "hatspec_precision": "int4"}, "hosts": {
         "orin-1": {"ansible_host": "10.0.0.11", "ansible_port": 2222, "hatspec_server": "tcp://10.0.0.1:5555",
@@ -57,6 +57,7 @@ def test_inventory_reads_hosts_and_builds_the_commands(tmp_path):
     (lambda i: i["all"]["children"]["edge"]["hosts"]["xavier-1"].update(hatspec_mode_cycle=[2, "MODE_50W"]),
      "xavier-1: agx-xavier-32gb has no power mode 'MODE_50W'"),
     (lambda i: i["all"]["children"]["edge"].pop("vars"), "orin-1: give hatspec_bundle_dir or hatspec_model"),
+    (lambda i: i["all"]["vars"].pop("hatspec_plaintext"), "cloud gpu-box: the link is CurveZMQ: give"),
 ])
 def test_a_bad_inventory_is_refused_with_the_host_named(tmp_path, edit, error):
     inv = json.loads(json.dumps(INVENTORY))
@@ -88,6 +89,7 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
         inv_dict["all"]["children"]["cloud"]["hosts"]["cloud"].update(
             hatspec_model="smollm2-135m", hatspec_run_dir=str(tmp_path / "cloud"),
             hatspec_bind="tcp://0.0.0.0:5599", hatspec_cloud_args=["--threads", "1", "--dtype", "float32"])
+        F.local_keys(inv_dict, tmp_path / "keys")  # the fleet's link is CurveZMQ with an allow-list
         path = _write(tmp_path, inv_dict)
         inv = F.load_inventory(path)
         try:

@@ -393,7 +393,8 @@ def _split_across_processes(smollm2, tmp_path, cloud_args):
         cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", "smollm2-135m", "--server",
                cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat,sd,llm",
                "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
-               "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json")]
+               "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json"),
+               "--plaintext"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
         info = cloud.ready_info
     assert proc.returncode == 0, proc.stderr[-3000:]

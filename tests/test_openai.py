@@ -9,6 +9,7 @@ import time
 import pytest
 
 from edge_runtime import openai_api as O
+from hat_split.security import LinkSecurity
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (test extra)")
 
@@ -47,7 +48,8 @@ def endpoint(smollm2_module):
     from edge_runtime.config import EdgeConfig
 
     with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
-        agent = Agent(AgentConfig(EdgeConfig(model="smollm2-135m", server=cloud.endpoint, threads=1,
+        agent = Agent(AgentConfig(EdgeConfig(security=LinkSecurity.plaintext(),
+                                             model="smollm2-135m", server=cloud.endpoint, threads=1,
                                              device_id="openai-test"), port=0, report_interval_s=30.0))
         thread = threading.Thread(target=agent.serve_forever, daemon=True)
         thread.start()

@@ -19,6 +19,7 @@ from hat_split.sampling import SamplingParams
 from hat_split.sqs import ConformalThreshold, LatticeWire, force_token, quantize_row
 from tests.markov_lm import MarkovLM, chain_probability
 from tests.test_sampling import SEED, empirical, tv, tv_bound
+from hat_split.security import LinkSecurity
 
 V = 4
 START = 0
@@ -30,7 +31,8 @@ DRAFT = np.array([[0.45, 0.30, 0.15, 0.10], [0.20, 0.45, 0.05, 0.30], [0.60, 0.1
 
 @pytest.fixture(scope="module")
 def markov_server():
-    cfg = CloudConfig(model="markov", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=4096)
+    cfg = CloudConfig(model="markov", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=4096,
+                      security=LinkSecurity.plaintext())
     stop = threading.Event()
     with CloudServer(cfg, MarkovLM(TARGET), "markov-target", "markov-vocab") as server:
         thread = threading.Thread(target=server.serve_forever, kwargs={"until": stop.is_set}, daemon=True)
@@ -44,7 +46,7 @@ def _generate(server, protocol, n_seqs, T, qs=QSConfig(ell=2, k=2, alpha=0.1, et
               params=SamplingParams(1.0), seed=0):
     """n_seqs sequences of T tokens, each its own request (own seed) on one connection."""
     out = np.empty((n_seqs, T), dtype=np.int64)
-    config = EdgeConfig(model="markov", draft_len=draft_len, qs=qs)
+    config = EdgeConfig(security=LinkSecurity.plaintext(), model="markov", draft_len=draft_len, qs=qs)
     results = []
     with CloudClient(server.endpoint, P.Hello("t", "markov", V, "markov-vocab")) as client:
         draft = MarkovLM(DRAFT)

@@ -10,6 +10,7 @@ import pytest
 from edge_runtime.policy import HeuristicPolicy, QNetwork, RoundState, expected_new_tokens, make_policy
 from edge_runtime.policy_env import PolicyEnv, Trace, TwoStateChannel, action_grid
 from scripts.train_policy import round_cost, train_dqn
+from hat_split.security import LinkSecurity
 
 VOCAB = 512
 ELLS = (2, 1024)
@@ -106,7 +107,8 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
         host, port = cloud.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
         with LinkEmulator(fast, (host, int(port))) as link:
             with CloudClient(link.address, P.Hello("t", "tiny", VOCAB, "")) as client:
-                config = EdgeConfig(model="tiny", qs=QSConfig(policy="dqn", policy_file=str(trained_policy)))
+                config = EdgeConfig(security=LinkSecurity.plaintext(),
+                                    model="tiny", qs=QSConfig(policy="dqn", policy_file=str(trained_policy)))
                 params = SamplingParams(1.0)
                 switched = []
 

@@ -1,0 +1,110 @@
+"""CurveZMQ on the device-cloud link (issue 9): an allow-listed device is served, an unknown or plaintext one is
+refused (and the refusal logged), nothing readable crosses the wire, and plaintext happens only when asked for."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from cloud_runtime.config import CloudConfig
+from edge_runtime.client import CloudClient, CloudError
+from hat_split import protocol as P
+from hat_split.keys_cli import main as keys_main
+from hat_split.security import LinkSecurity, ephemeral
+from tests.conftest import serving
+
+PROMPT = np.arange(300, 340, dtype=np.int32)  # 40 distinctive token ids of the tiny vocabulary
+
+
+def _server(tiny_pair, security):
+    return serving(tiny_pair[1], security)
+
+
+@contextlib.contextmanager
+def _recording_proxy(upstream: str):
+    """A TCP relay that keeps every byte it forwards (both directions)."""
+    host, port = upstream.split("//")[1].rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    wire = bytearray()
+    lock = threading.Lock()
+
+    def pump(a, b):
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                with lock:
+                    wire.extend(data)
+                b.sendall(data)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                server = socket.create_connection((host, int(port)))
+                for a, b in ((client, server), (server, client)):
+                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", wire
+    listener.close()
+
+
+def _hello(name: str) -> P.Hello:
+    return P.Hello(name, "tiny", 512, "tiny-vocab")
+
+
+def _session(endpoint: str, name: str, security) -> P.Message:
+    with CloudClient(endpoint, _hello(name), connect_timeout_s=2.0, retries=2, backoff_s=0.1,
+                     security=security) as client:
+        return client.request(P.OpenSession(1, "sd", PROMPT))
+
+
+def test_allow_listed_device_served_others_refused_and_logged(tiny_pair, tmp_path, caplog):
+    cloud, devices = ephemeral(tmp_path / "keys", ["orin-1", "orin-2"])
+    _, stranger = ephemeral(tmp_path / "other", ["stranger"])  # a well-formed key the cloud never allowed
+    stranger = LinkSecurity("curve", stranger["stranger"].secret_key, devices["orin-1"].server_key)
+    with _server(tiny_pair, cloud) as server, caplog.at_level(logging.WARNING, logger="cloud_runtime.zap"):
+        assert isinstance(_session(server.endpoint, "orin-1", devices["orin-1"]), P.SessionOpened)
+        with pytest.raises(CloudError, match="refused this device's key"):
+            _session(server.endpoint, "stranger", stranger)
+        with pytest.raises(CloudError, match="security handshake failed"):
+            _session(server.endpoint, "plain", None)  # a plaintext device against the encrypted cloud
+        refused = server.report()["security"]["refused"]
+        assert refused and refused[0]["reason"] == "key not in the allow-list" and refused[0]["key"]
+        assert any("refused a device" in r.getMessage() for r in caplog.records)
+        # revoking a key takes effect for new connections, without a restart
+        assert keys_main(["revoke", "orin-2", "--allow-dir", cloud.allow_dir]) == 0
+        with pytest.raises(CloudError, match="refused this device's key"):
+            _session(server.endpoint, "orin-2", devices["orin-2"])
+        assert server.report()["security"]["accepted"] >= 1
+
+
+def test_traffic_is_not_readable_on_the_wire(tiny_pair, tmp_path):
+    cloud, devices = ephemeral(tmp_path / "keys", ["orin-1"])
+    marker = PROMPT.tobytes()[:16]  # four consecutive prompt token ids as they would be framed
+    with _server(tiny_pair, cloud) as server, _recording_proxy(server.endpoint) as (address, wire):
+        assert isinstance(_session(address, "orin-1", devices["orin-1"]), P.SessionOpened)
+        assert len(wire) > PROMPT.nbytes
+        assert marker not in wire and b"OpenSession" not in wire and b"tiny-vocab" not in wire
+    with _server(tiny_pair, LinkSecurity.plaintext()) as server, _recording_proxy(server.endpoint) as (address, wire):
+        assert isinstance(_session(address, "plain", None), P.SessionOpened)
+        assert marker in wire and b"OpenSession" in wire  # the control: plaintext is readable
+
+
+def test_plaintext_only_when_asked_for(tmp_path):
+    with pytest.raises(ValueError, match="unless --plaintext is given; the cloud needs --curve-secret and "
+                                         "--curve-allow"):
+        CloudConfig(model="tiny")
+    with pytest.raises(ValueError, match="the device needs --curve-secret and --curve-server-key"):
+        LinkSecurity().check("device")
+    with pytest.raises(ValueError, match="does not exist"):
+        LinkSecurity("curve", str(tmp_path / "nope.key_secret"), str(tmp_path / "c.key")).check("device")
+    from cloud_runtime.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--model", "m", "--plaintext"]).plaintext
