@@ -8,7 +8,7 @@ import json
 import sys
 
 from edge_runtime.config import (
-    BACKENDS, CHUNKING_MODES, OVERLAP_MODES, PRECISIONS, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
+    BACKENDS, CHUNKING_MODES, LINK_POLICIES, OVERLAP_MODES, PRECISIONS, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
 )
 from hat_split.hidden_codec import HIDDEN_FORMATS
 from hat_split.security import LinkSecurity
@@ -60,6 +60,12 @@ def _add_edge_args(g, d) -> None:
     g.add_argument("--curve-secret", default="", metavar="FILE", help="this device's secret key (hat-keys generate)")
     g.add_argument("--curve-server-key", default="", metavar="FILE", help="the cloud's public key (NAME.key)")
     g.add_argument("--plaintext", action="store_true", help="no encryption or authentication of the link (a lab)")
+    g.add_argument("--link-policy", default=d["link_policy"].default, choices=LINK_POLICIES,
+                   help="when the link drops mid-answer: wait (pause, reconnect, resume), degrade (the device goes on "
+                        "alone meanwhile, tokens marked), fail")
+    g.add_argument("--heartbeat", type=float, default=d["heartbeat_s"].default, metavar="S",
+                   help="a link silent this long counts as dropped (ZMTP heartbeats)")
+    g.add_argument("--reconnect-timeout", type=float, default=d["reconnect_timeout_s"].default, metavar="S")
     g.add_argument("--device-id", default=d["device_id"].default, help="this device's name in the cloud's logs")
     g.add_argument("--device-profile", default="", help="this board's profile (hat-profile list), reported to the "
                                                       "cloud with its power mode and drafting delay")
@@ -197,7 +203,8 @@ def main(argv=None) -> int:
                             weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
                             overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, backend=args.backend,
                             bundle=args.bundle, precision=args.precision, device_profile=args.device_profile,
-                            device_id=args.device_id,
+                            device_id=args.device_id, link_policy=args.link_policy, heartbeat_s=args.heartbeat,
+                            reconnect_timeout_s=args.reconnect_timeout,
                             security=LinkSecurity("plaintext") if args.plaintext else
                             LinkSecurity("curve", args.curve_secret, args.curve_server_key),
                             providers=tuple(p for p in args.providers.split(",") if p), split=_split_config(args))

@@ -22,6 +22,10 @@ class CloudUnavailable(RuntimeError):
     """The cloud did not answer within the configured attempts or timeout."""
 
 
+class LinkDown(CloudUnavailable):
+    """The connection to the cloud dropped (reset, or ZMTP heartbeats unanswered) while a reply was awaited."""
+
+
 class CloudError(RuntimeError):
     """The cloud answered with an Error message."""
 
@@ -49,10 +53,11 @@ class CloudClient:
     """Context manager: connects, says Hello (retrying with backoff), then `request()` one message at a time."""
 
     def __init__(self, server: str, hello: P.Hello, connect_timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.5, request_timeout_s: float = 120.0, security=None):
+                 backoff_s: float = 0.5, request_timeout_s: float = 120.0, security=None, heartbeat_s: float = 3.0):
         """security: hat_split.security.LinkSecurity (CurveZMQ keys); None: a plaintext socket."""
         self.server = server
         self.security = security
+        self.heartbeat_s = heartbeat_s  # a connection silent this long (no data, no heartbeat answer) is dropped
         self._monitor = None
         self.hello = hello
         self.connect_timeout_s = connect_timeout_s
@@ -88,23 +93,35 @@ class CloudClient:
 
             sock.curve_publickey, sock.curve_secretkey = load_secret(self.security.secret_key)
             sock.curve_serverkey = load_public(self.security.server_key)
+        # ZMTP heartbeats: a link that stops carrying bytes is noticed within heartbeat_s instead of a request timeout
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * self.heartbeat_s / 3))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.heartbeat_s))
+        self._handshake_events: List[int] = []
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
         sock.connect(self.server)
         self._sock = sock
 
-    def _handshake_failure(self) -> Optional[str]:
-        """Why the security handshake failed, if the socket monitor saw it fail."""
+    def _monitor_event(self) -> int:
+        """Read one socket event; handshake failures are kept for `_handshake_failure`."""
         from zmq.utils.monitor import recv_monitor_message
 
+        event = recv_monitor_message(self._monitor)["event"]
+        if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            self._handshake_events.append(event)  # (no-detail failures are connections reset mid-handshake)
+        return event
+
+    def _handshake_failure(self) -> Optional[str]:
+        """Why the security handshake failed, if the socket monitor saw it fail."""
         while self._monitor is not None and self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return ("the cloud refused this device's key: add its public key (NAME.key) to the cloud's allow-list "
-                        "(hat-keys allow)")
-            return ("the security handshake failed: the cloud and this device disagree on CurveZMQ (one side "
-                    "plaintext?) or on the cloud's public key")
-        return None
+            self._monitor_event()
+        if not self._handshake_events:
+            return None
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in self._handshake_events:
+            return ("the cloud refused this device's key: add its public key (NAME.key) to the cloud's allow-list "
+                    "(hat-keys allow)")
+        return ("the security handshake failed: the cloud and this device disagree on CurveZMQ (one side "
+                "plaintext?) or on the cloud's public key")
 
     def connect(self) -> P.Welcome:
         """Handshake; raises CloudUnavailable after `retries` silent attempts, CloudError if refused."""
@@ -198,7 +215,20 @@ class CloudClient:
         return self._receive(timeout_s)
 
     def _receive(self, timeout_s: float) -> P.Message:
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
+            if self._sock in ready:
+                break
+            if self._monitor is not None and self._monitor in ready:
+                if self._monitor_event() == zmq.EVENT_DISCONNECTED and self.welcome is not None:
+                    raise LinkDown(f"the connection to the cloud at {self.server} dropped while a reply was due")
+                continue
             raise CloudUnavailable(f"the cloud at {self.server} did not answer within {timeout_s:.1f} s")
         reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]
         self.last_reply_at = time.perf_counter()

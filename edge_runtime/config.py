@@ -13,6 +13,7 @@ from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.uncertainty import PerturbationConfig
 
 OVERLAP_MODES = ("auto", "on", "off")
+LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (edge_runtime.generation.resume)
 PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq", "ushape",
              "hat")  # edge_runtime.protocols
 CHUNKING_MODES = ("auto", "off")
@@ -159,6 +160,10 @@ class EdgeConfig:
     bundle: str = ""  # hat-export bundle directory (onnxruntime / tensorrt)
     precision: str = "fp32"  # which of the bundle's artifacts: fp32 | fp16 | int8 | int4
     providers: tuple = ()  # onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU
+    link_policy: str = "wait"  # link drops mid-answer: "wait" (pause, reconnect, resume from the history), "degrade"
+    # (keep generating with the device's own model meanwhile, those tokens marked), "fail" (raise)
+    reconnect_timeout_s: float = 300.0  # give up resuming after this long
+    heartbeat_s: float = 3.0  # ZMTP heartbeats: a link silent this long counts as dropped (then link_policy applies)
     overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
     # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
 
@@ -197,9 +202,11 @@ class EdgeConfig:
             raise ValueError(f"token_draft must be one of {', '.join(TOKEN_DRAFTS)}, got {self.token_draft!r}")
         if self.token_draft == "adapter" and not self.split.adapter and self.backend == "torch":
             raise ValueError("token_draft 'adapter' needs split.adapter (a hat-distill directory, --adapter)")
+        if self.link_policy not in LINK_POLICIES:
+            raise ValueError(f"link_policy must be one of {', '.join(LINK_POLICIES)}, got {self.link_policy!r}")
         if self.overlap_prefill not in OVERLAP_MODES:
             raise ValueError(f"overlap_prefill must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_prefill!r}")
-        for name in ("connect_timeout_s", "backoff_s", "request_timeout_s"):
+        for name in ("connect_timeout_s", "backoff_s", "request_timeout_s", "reconnect_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.device_profile:

@@ -43,6 +43,12 @@ class Drafter:
         if len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
+    def rollback(self) -> None:
+        """Forget cached positions past the committed sequence (drafts of a round that never got its verdict)."""
+        keep = max(0, len(self.tokens) - 1)
+        if self.kv.length > keep:
+            self.lm.crop(self.kv, keep)
+
     def _next_logits(self, extra: List[int]) -> np.ndarray:
         """Logits `# [1, vocab]` of the position after tokens + extra (feeds what the cache lacks)."""
         feed = (self.tokens + extra)[self.kv.length:]

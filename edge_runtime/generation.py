@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from edge_runtime.client import CloudClient, LinkCounters
+from edge_runtime.client import CloudClient, CloudUnavailable, LinkCounters, LinkDown
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from hat_split import dist_codec
@@ -51,6 +51,8 @@ class GenerationResult:
     prefill_chunks: int = 0  # hat / ushape: prompt chunks uploaded
     pd_steps: int = 0  # hat: draft steps spent on parallel-drafting candidates
     pd_hits: int = 0  # hat: rounds that started from a parallel-drafted continuation
+    interruptions: int = 0  # link drops the request survived (reconnected and resumed from its history)
+    degraded: List[int] = field(default_factory=list)  # indices of tokens made by the device alone (link down)
 
     @property
     def n(self) -> int:
@@ -114,6 +116,8 @@ class Generation:
     prefill_chunks: int = 0
     pd_steps: int = 0
     pd_hits: int = 0
+    interruptions: int = 0  # link drops survived (edge_runtime.generation.resume)
+    degraded: List[int] = field(default_factory=list)  # indices of tokens the device made alone while the link was down
     rng: np.random.Generator = field(init=False)  # the device's stream: draft sampling, local sampling
     uncertainty_rng: np.random.Generator = field(init=False)  # temperature perturbation (its own stream)
     skip_rng: np.random.Generator = field(init=False)  # randhlm's coin
@@ -265,10 +269,14 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     else:
         cloud_prefill_s = _open_tokens(gen, prompt, remote)
     device_prefill_s = gen.drafter.compute_s
+    linked = True  # False: the request ended while the link was down (degrade): nothing to close in the cloud
     while not gen.done:
-        round_fn(gen)
+        try:
+            round_fn(gen)
+        except LinkDown as exc:
+            linked = resume(gen, prompt, exc)
     t1 = time.perf_counter()
-    if remote:
+    if remote and linked:
         CLOSERS.get(gen.protocol, _close)(gen, prompt)
     link = gen.client.counters.since(before) if remote else LinkCounters()
     return GenerationResult(
@@ -298,7 +306,59 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
         prefill_chunks=gen.prefill_chunks,
         pd_steps=gen.pd_steps,
         pd_hits=gen.pd_hits,
+        interruptions=gen.interruptions,
+        degraded=list(gen.degraded),
     )
+
+
+def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
+    """The link dropped mid-answer: reconnect with backoff and reopen the session from the device's own history, so
+    nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps generating with the device's model (those
+    tokens are marked in `degraded`). Returns False when the answer finished before the cloud came back (degrade).
+    The split protocols (their cloud state is hidden states, not tokens) and the `fail` policy re-raise."""
+    from edge_runtime.protocols import SPLIT_PROTOCOLS
+
+    policy = gen.config.link_policy
+    if policy == "fail" or gen.protocol in SPLIT_PROTOCOLS:
+        raise exc
+    gen.interruptions += 1
+    gen.drafter.rollback()  # drafts of the lost round
+    deadline = time.monotonic() + gen.config.reconnect_timeout_s
+    delay = gen.config.backoff_s
+    while True:
+        try:
+            gen.client.connect()
+            _reopen(gen, prompt)
+            return True
+        except CloudUnavailable as err:
+            if time.monotonic() > deadline:
+                raise CloudUnavailable(f"the link stayed down for {gen.config.reconnect_timeout_s:.0f} s: {err}") \
+                    from None
+        if policy == "degrade":
+            t_end = time.monotonic() + delay
+            while not gen.done and time.monotonic() < t_end:
+                gen.degraded.append(len(gen.generated))
+                gen.commit([gen.drafter.sample_local(gen.rng)])
+            if gen.done:
+                return False
+        else:
+            time.sleep(delay)
+        delay = min(2 * delay, 5.0)
+
+
+def _reopen(gen: Generation, prompt: List[int]) -> None:
+    """A new session holding the whole committed sequence (prompt + generated, degraded tokens included)."""
+    history = list(prompt) + gen.generated
+    sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
+    monitor = gen.client.monitor
+    opened = gen.client.request(P.OpenSession(gen.session_id, gen.protocol, np.asarray(history, np.int32), sampling,
+                                              gen.seed, gen.client.base_rtt_s,
+                                              monitor.state() if monitor else P.DeviceState()))
+    if not isinstance(opened, P.SessionOpened):
+        raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
+    gen.cloud_position = opened.position
+    gen.pending = []
+    gen.step = 0  # the new session counts its requests from 1
 
 
 def _open_tokens(gen: Generation, prompt: List[int], remote: bool) -> float:

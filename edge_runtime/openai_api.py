@@ -102,6 +102,8 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ApiError("seed must be an integer", "seed")
+    if seed is not None:
+        seed %= 2**63  # any integer a client sends (negative ones too) names one non-negative stream
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("stream must be true or false", "stream")

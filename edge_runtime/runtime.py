@@ -104,7 +104,7 @@ class EdgeRuntime:
             hello = P.Hello(c.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")
             c.security.check("device")
             client = CloudClient(c.server, hello, c.connect_timeout_s, c.connect_retries, c.backoff_s,
-                                 c.request_timeout_s, c.security)
+                                 c.request_timeout_s, c.security, c.heartbeat_s)
             client.monitor = self.monitor
             client.connect()
             self.client = client
@@ -129,6 +129,8 @@ class EdgeRuntime:
             self.connect()
             self.monitor.refresh_mode()
         stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         seed = seed if seed is not None else random.SystemRandom().randrange(2**62)
         gen = Generation(
             config=self.config,

@@ -151,7 +151,7 @@ class OpenSession(msgspec.Struct, tag=True):
     protocol: str
     prompt: Any  # [n] int32 token ids
     sampling: Sampling = Sampling()
-    seed: Optional[int] = None
+    seed: Optional[NonNeg] = None  # the session's random streams (numpy SeedSequence entropy: never negative)
     link_rtt_s: float = 0.0  # the device's measured round trip of a tiny message: the cloud's uplink-rate baseline
     device: DeviceState = DeviceState()
 

@@ -31,13 +31,13 @@ def tiny_pair():
 
 
 @contextlib.contextmanager
-def serving(lm, security=None, **config):
-    """A CloudServer over `lm` serving from a thread on a free loopback port (plaintext unless `security`)."""
+def serving(lm, security=None, bind="tcp://127.0.0.1:0", **config):
+    """A CloudServer over `lm` serving from a thread (a free loopback port by default; plaintext unless `security`)."""
     from cloud_runtime.config import CloudConfig
     from cloud_runtime.server import CloudServer
     from hat_split.security import LinkSecurity
 
-    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024,
+    cfg = CloudConfig(model="tiny", bind=bind, poll_ms=20, max_context=1024,
                       security=security or LinkSecurity.plaintext(), **config)
     stop = threading.Event()
     with CloudServer(cfg, lm, "tiny-target", "tiny-vocab") as server:
