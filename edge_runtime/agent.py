@@ -204,12 +204,14 @@ class Agent:
         reason = "stop" if stopped else result.finish_reason
         extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
                  "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s,
-                 "up_bytes": result.up_bytes, "down_bytes": result.down_bytes}
+                 "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
+                 "interruptions": result.interruptions, "degraded": result.degraded}  # degraded: token indices the
+        # device made alone while the link was down (link_policy degrade): not from the cloud's model
         if send is None:
             return O.response(req, rid, model, text, reason, len(ids), result.n, extra)
         if len(text) > matcher.emitted:
             emit(O.chunk(req, rid, model, text[matcher.emitted:]))
-        emit(O.chunk(req, rid, model, None, reason))
+        emit({**O.chunk(req, rid, model, None, reason), "hatspec": extra})
         if req.include_usage:
             emit(O.usage_chunk(req, rid, model, len(ids), result.n))
         return None
