@@ -446,25 +446,29 @@ class CloudServer:
         return None
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
-        session = self.sessions.get((identity, msg.session_id))
+        """Everything is checked before anything changes: a refused CloseSession leaves the session intact."""
+        key = (identity, msg.session_id)
+        session = self.sessions.get(key)
         if session is None:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
-        self.batcher.close((identity, msg.session_id))
         if isinstance(session, MiddleSession):  # no tokens to digest: report the positions held
-            del self.sessions[(identity, msg.session_id)]
+            self.batcher.close(key)
+            del self.sessions[key]
             return P.Closed(msg.session_id, session.step, session.compute_s, session.position, 0)
+        new: List[int] = []
         if msg.new_tokens is not None:  # the device's last skipped tokens: append (no compute) before the digest
-            new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size)
+            new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size).tolist()
             if msg.position != len(session.tokens):
                 raise P.ProtocolError(
                     "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens")
-            session.tokens.extend(new.tolist())
-        length = len(session.tokens) if msg.length is None else msg.length
-        if length > len(session.tokens):
-            raise P.ProtocolError("desync", f"device holds {length} tokens, the cloud only {len(session.tokens)}")
-        del self.sessions[(identity, msg.session_id)]
-        return P.Closed(msg.session_id, session.step, session.compute_s, len(session.tokens),
-                        P.sequence_digest(session.tokens[:length]))
+        tokens = session.tokens + new
+        length = len(tokens) if msg.length is None else msg.length
+        if length > len(tokens):
+            raise P.ProtocolError("desync", f"device holds {length} tokens, the cloud only {len(tokens)}")
+        session.tokens = tokens
+        self.batcher.close(key)
+        del self.sessions[key]
+        return P.Closed(msg.session_id, session.step, session.compute_s, len(tokens), P.sequence_digest(tokens[:length]))
 
     # -- split protocols (HAT) ------------------------------------------------------------------------------------
     def _open_split(self, identity: bytes, msg: P.OpenSplit) -> P.Message:

@@ -272,3 +272,19 @@ def test_the_monitor_measures_drafting_delay_and_never_invents_a_mode():
 
     if shutil.which("nvpmodel") is None:
         assert m.refresh_mode() == "" and "not a Jetson" in m.mode_error
+
+
+def test_a_refused_close_leaves_the_session_intact(tiny_server):
+    """Found by the fuzzer: a CloseSession refused for desync used to drop the session from the batched steps while
+    keeping it open, so the next request on it failed inside the server."""
+    from edge_runtime.client import CloudClient, CloudError
+
+    with CloudClient(tiny_server.endpoint, P.Hello("closer", "tiny", 512, "tiny-vocab")) as client:
+        opened = client.request(P.OpenSession(1, "sd", ARR))
+        with pytest.raises(CloudError, match="desync"):
+            client.request(P.CloseSession(1, None, None, opened.position + 5))
+        reply = client.request(P.Generate(1, 1, opened.position, ARR[:0], 2))
+        assert isinstance(reply, P.Generated) and len(reply.tokens) == 2
+        closed = client.request(P.CloseSession(1, None, None, opened.position + 2))
+        assert isinstance(closed, P.Closed) and closed.n_tokens == opened.position + 2
+    assert tiny_server.stats.errors_by_code.get("internal", 0) == 0
