@@ -187,14 +187,10 @@ class CloudServer:
 
     def write_status(self) -> None:
         """The report, written atomically to config.status_file (a reader never sees half a file)."""
-        import json
-        import os
+        from hat_split.atomic import write_json
 
-        path = self.config.status_file
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"time": time.time(), "model": self.model_name, "endpoint": self.endpoint, **self.report()}, f)
-        os.replace(tmp, path)
+        write_json(self.config.status_file,
+                   {"time": time.time(), "model": self.model_name, "endpoint": self.endpoint, **self.report()})
 
     def drain(self) -> None:
         """Handle every message already waiting, so that one batched step sees all of them."""

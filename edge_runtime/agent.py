@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
 from edge_runtime.config import EdgeConfig
+from hat_split.atomic import write_json
 from hat_split.sampling import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
@@ -101,10 +102,7 @@ class Agent:
         if not path:
             return
         with self._status_lock:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.status(), f)
-            os.replace(tmp, path)
+            write_json(path, self.status())
 
     def report(self) -> None:
         """Send the device's state to the cloud now; the outcome goes into the status."""
@@ -120,6 +118,21 @@ class Agent:
                 self.runtime.close()  # reconnect on the next attempt
         self._write_status()
 
+    def _run(self, *args):
+        """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances."""
+        with self._lock:
+            try:
+                result = self.runtime.generate(*args)
+            except Exception:
+                self.failures += 1
+                raise
+            self.requests += 1
+            if self.cycle is not None and self.cycle.after_request():
+                self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
+            self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
+        self._write_status()
+        return result
+
     def generate(self, body: dict) -> dict:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -132,16 +145,7 @@ class Agent:
         seed = body.get("seed")
         if seed is not None and not isinstance(seed, int):
             raise ValueError("'seed' must be an integer")
-        with self._lock:
-            try:
-                result = self.runtime.generate(prompt, protocol, params, max_tokens, seed, bool(body.get("chat")))
-            except Exception:
-                self.failures += 1
-                raise
-            self.requests += 1
-            if self.cycle is not None and self.cycle.after_request():
-                self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
-        self._write_status()
+        result = self._run(prompt, protocol, params, max_tokens, seed, bool(body.get("chat")))
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                 "protocol": result.protocol, **result.summary()}
 
@@ -188,18 +192,7 @@ class Agent:
         if chat:
             emit(O.chunk(req, rid, model, None, role=True))
         params = SamplingParams(req.temperature, 0, req.top_p)
-        with self._lock:
-            try:
-                result = self.runtime.generate(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text,
-                                               should_stop)
-            except Exception:
-                self.failures += 1
-                raise
-            self.requests += 1
-            if self.cycle is not None and self.cycle.after_request():
-                self.runtime.monitor.refresh_mode(max_age_s=0.0)
-            self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
-        self._write_status()
+        result = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop)
         text, stopped = O.cut_at_stop(result.text, req.stop)
         reason = "stop" if stopped else result.finish_reason
         extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,

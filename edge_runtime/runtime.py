@@ -52,7 +52,7 @@ class EdgeRuntime:
         self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
         self._adapter = None
         self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
-        self._torch_parts = {}  # protocol is hat → edge_runtime.split_parts.TorchSplitParts (its fingerprint is costly)
+        self._split_parts = {}  # protocol is hat → edge_runtime.split_parts (torch or the bundle's), built once
         self._session_ids = itertools.count(1)
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         if config.backend != "torch":  # exported artifacts: no torch model on the device
@@ -65,7 +65,6 @@ class EdgeRuntime:
             self.tokenizer, self.vocab_size = self.bundle.tokenizer, man.model["vocab"]
             self.model_name, self.fingerprint = man.model["name"], man.model["vocab_fingerprint"]
             self.eos_ids = frozenset(man.model.get("eos_ids", []))
-            self._split_parts = {}  # protocol → edge_runtime.split_parts.BundleSplitParts, opened on first use
             self.lm = self._bundle_draft()
             return
         if config.threads:
@@ -208,13 +207,10 @@ class EdgeRuntime:
         from edge_runtime.split_parts import TorchSplitParts
 
         hat = protocol == "hat"
-        if self.bundle is not None:
-            if hat not in self._split_parts:
+        if hat not in self._split_parts:
+            if self.bundle is not None:
                 self._split_parts[hat] = self.bundle.split_parts(adapter=hat)
-            parts = self._split_parts[hat]
-        else:
-            split, adapter = self._parts(adapter=hat)
-            if hat not in self._torch_parts:
-                self._torch_parts[hat] = TorchSplitParts(split, adapter if hat else None)
-            parts = self._torch_parts[hat]
-        return SplitDrafter(parts, params, seed, slowdown=self.config.split.slowdown)
+            else:
+                split, adapter = self._parts(adapter=hat)
+                self._split_parts[hat] = TorchSplitParts(split, adapter if hat else None)
+        return SplitDrafter(self._split_parts[hat], params, seed, slowdown=self.config.split.slowdown)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -85,10 +84,10 @@ def sha256(path: Path, chunk: int = 1 << 20) -> str:
 
 def write(bundle: Path, manifest: Manifest) -> Path:
     """Write manifest.json atomically (a reader never sees half a manifest)."""
+    from hat_split.atomic import write_json
+
     path = Path(bundle) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(manifest), indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, asdict(manifest), indent=1)
     return path
 
 

@@ -59,13 +59,17 @@ class LocalFleet:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = self.dir / "id_ed25519"
 
-    def __enter__(self) -> "LocalFleet":
+    def start(self) -> "LocalFleet":
+        """Make the devices; on any failure, remove what was made."""
         try:
             self._start()
         except BaseException:
             self.close()
             raise
         return self
+
+    def __enter__(self) -> "LocalFleet":
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()

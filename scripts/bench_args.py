@@ -29,3 +29,17 @@ def adapter_dir(given: str, model: str, m: int, needed: bool) -> str:
     if needed and not os.path.exists(os.path.join(path, "adapter.json")):
         raise ValueError(f"no adapter at {path!r}: run hat-distill --model {model} --m {m} first")
     return path
+
+
+def save_figure(fig, axes, path: str, legend_fontsize: int = 8) -> str:
+    """Legends on the axes that have labelled lines, tight layout, PNG at 110 dpi; returns "" (no note)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    for ax in np.ravel(axes):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=legend_fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ""

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from scripts.bench_args import adapter_dir, names, numbers
+from scripts.bench_args import adapter_dir, names, numbers, save_figure
 from hat_split.security import LinkSecurity
 
 SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" the SplitConfig fields, cloud arguments)
@@ -403,10 +403,4 @@ def plot(path: str, report: dict) -> str:
         axes[1, 2].plot([p for p, _ in pipe], [s["ttft_mean_s"] for _, s in pipe], "o-", label="TTFT mean")
         axes[1, 2].plot([p for p, _ in pipe], [s["tbt_mean_s"] for _, s in pipe], "s-", label="TBT mean")
     axes[1, 2].set(title="HAT vs pipeline length (Fig. 11-12)", xlabel="stages P", ylabel="s")
-    for ax in axes.flat:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return ""
+    return save_figure(fig, axes, path, 8)

@@ -404,12 +404,7 @@ def _local(args) -> int:
     if reason:
         print(f"hat-fleet local: {reason}", file=sys.stderr)
         return 1
-    fleet = LocalFleet(args.k, directory=args.dir)
-    try:
-        fleet._start()
-    except BaseException:
-        fleet.close()
-        raise
+    fleet = LocalFleet(args.k, directory=args.dir).start()  # left running: `local down` stops it
     fleet.save()
     inv = fleet.inventory(sys.executable, hatspec_model=args.model, hatspec_profile=args.profile,
                           hatspec_power_mode=get_profile(args.profile).default.name)

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from scripts.bench_args import numbers
+from scripts.bench_args import numbers, save_figure
 
 PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
           "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n")
@@ -216,10 +216,4 @@ def plot(path: str, report: dict) -> str:
     unavailable = report.get("sampler", {}).get("unavailable", {}).get("power")
     axes[1].set(xlabel="draft length L", ylabel="J / token",
                 title="energy per token" + (" (power not measurable here)" if unavailable else ""))
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return ""
+    return save_figure(fig, axes, path, 7)
