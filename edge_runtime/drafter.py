@@ -27,6 +27,7 @@ class Drafter:
     kv: KVState = field(init=False)
     last_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last draft() call
     last_q: List[np.ndarray] = field(init=False, default_factory=list)  # per draft: `# [vocab]` it was sampled from
+    can_generate_alone = True  # generation.resume under link_policy "degrade"
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()

@@ -263,13 +263,16 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     cloud_prefill_s = 0.0
     before = gen.client.counters.snapshot() if remote else LinkCounters()
     t0 = time.perf_counter()
-    if gen.protocol in OPENERS:  # split protocols: their own session and chunked prefill (edge_runtime.hat)
-        OPENERS[gen.protocol](gen, prompt)
-        cloud_prefill_s = gen.cloud_compute_s
-    else:
-        cloud_prefill_s = _open_tokens(gen, prompt, remote)
-    device_prefill_s = gen.drafter.compute_s
     linked = True  # False: the request ended while the link was down (degrade): nothing to close in the cloud
+    try:
+        if gen.protocol in OPENERS:  # split protocols: their own session and chunked prefill (edge_runtime.hat)
+            OPENERS[gen.protocol](gen, prompt)
+            cloud_prefill_s = gen.cloud_compute_s
+        else:
+            cloud_prefill_s = _open_tokens(gen, prompt, remote)
+    except LinkDown as exc:  # the link dropped during the prompt: the same recovery as mid-answer
+        linked = resume(gen, prompt, exc)
+    device_prefill_s = gen.drafter.compute_s
     while not gen.done:
         try:
             round_fn(gen)
@@ -315,26 +318,31 @@ def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
     """The link dropped mid-answer: reconnect with backoff and reopen the session from the device's own history, so
     nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps generating with the device's model (those
     tokens are marked in `degraded`). Returns False when the answer finished before the cloud came back (degrade).
-    The split protocols (their cloud state is hidden states, not tokens) and the `fail` policy re-raise."""
-    from edge_runtime.protocols import SPLIT_PROTOCOLS
+
+    Token protocols reopen with the committed tokens (OpenSession); the split protocols replay the history's shallow
+    states, recomputed on the device (edge_runtime.hat.reopen_split). A device that cannot generate alone (U-shape:
+    no draft) waits under either policy. The `fail` policy re-raises."""
+    from edge_runtime.protocols import REOPENERS
 
     policy = gen.config.link_policy
-    if policy == "fail" or gen.protocol in SPLIT_PROTOCOLS:
+    if policy == "fail":
         raise exc
     gen.interruptions += 1
-    gen.drafter.rollback()  # drafts of the lost round
+    gen.drafter.rollback()  # drafts of the lost round; caches back to the committed sequence
+    alone = policy == "degrade" and gen.drafter.can_generate_alone
+    reopen = REOPENERS.get(gen.protocol, _reopen)
     deadline = time.monotonic() + gen.config.reconnect_timeout_s
     delay = gen.config.backoff_s
     while True:
         try:
             gen.client.connect()
-            _reopen(gen, prompt)
+            reopen(gen, prompt)
             return True
         except CloudUnavailable as err:
             if time.monotonic() > deadline:
                 raise CloudUnavailable(f"the link stayed down for {gen.config.reconnect_timeout_s:.0f} s: {err}") \
                     from None
-        if policy == "degrade":
+        if alone:
             t_end = time.monotonic() + delay
             while not gen.done and time.monotonic() < t_end:
                 gen.degraded.append(len(gen.generated))
@@ -374,7 +382,12 @@ def _open_tokens(gen: Generation, prompt: List[int], remote: bool) -> float:
     if overlap:
         gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
     if remote:
-        opened = gen.client.receive()
+        try:
+            opened = gen.client.receive()
+        except LinkDown:
+            if not overlap:  # resume needs the draft ready (it may generate alone)
+                gen.drafter.start(prompt)
+            raise
         if not isinstance(opened, P.SessionOpened):
             raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
         gen.cloud_position = opened.position

@@ -113,7 +113,7 @@ def open_split(gen: Generation, prompt: List[int]) -> None:
         raise RuntimeError(f"the cloud's hidden size {opened.hidden_size} is not the device's {split.hidden_size}")
     chunk = c.chunk_tokens if c.chunk_tokens > 0 else (opened.chunk_size if c.chunking == "auto" else 0)
     ends = chunk_plan(len(prompt), chunk)
-    gen.prefill_chunks = len(ends)
+    gen.prefill_chunks += len(ends)
     all_deep = split.tail > 0  # tail layers on the device need every position's deep state
     sent, start = [], 0
     for i, end in enumerate(ends):
@@ -133,6 +133,20 @@ def open_split(gen: Generation, prompt: List[int]) -> None:
         logits = dev.target_logits(deep, len(prompt) - 1, 1)
     gen.rounds += 1
     gen.commit([dev.sample_target(logits)])
+
+
+def reopen_split(gen: Generation, prompt: List[int]) -> None:
+    """After a link drop (generation.resume): a new split session replaying the whole committed sequence's shallow
+    states, recomputed by the device's input part, chunked like a prompt; the first token it yields is the next one of
+    the answer. Nothing but hidden states crosses the link, as in the first open. Greedy, the answer is token for token
+    the uninterrupted one; sampled, it stays a sample of the target (the first token after the drop is sampled from
+    the target directly rather than through a verification)."""
+    dev: SplitDrafter = gen.drafter
+    spent, prefill = dev.compute_s, dev.prefill_s
+    gen.step = 0  # the new session counts its requests from 1
+    open_split(gen, list(prompt) + gen.generated)
+    dev.compute_s += spent
+    dev.prefill_s += prefill
 
 
 def round_ushape(gen: Generation) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from edge_runtime.generation import Generation, round_hlm, round_llm, round_sd, round_slm
-from edge_runtime.hat import close_split, open_split, round_hat, round_ushape
+from edge_runtime.hat import close_split, open_split, reopen_split, round_hat, round_ushape
 from edge_runtime.qs import round_qs
 from edge_runtime.uhlm import round_cuhlm, round_randhlm, round_uhlm
 
@@ -27,4 +27,5 @@ ROUNDS: Dict[str, Callable[[Generation], None]] = {
 SPLIT_PROTOCOLS = ("ushape", "hat")  # tokens never leave the device; the drafter is an edge_runtime.split_drafter
 OPENERS = {name: open_split for name in SPLIT_PROTOCOLS}  # their own session open and (chunked) prefill
 CLOSERS = {name: close_split for name in SPLIT_PROTOCOLS}
+REOPENERS = {name: reopen_split for name in SPLIT_PROTOCOLS}  # after a link drop (generation.resume)
 LOCAL_PROTOCOLS = ("slm",)  # need no cloud

@@ -100,6 +100,27 @@ class SplitDrafter:
         self._timed(t0)
         return logits
 
+    # -- after a link drop (generation.resume) ----------------------------------------------------------------------
+    @property
+    def can_generate_alone(self) -> bool:
+        """HAT's device has a whole draft model (output ∘ Λ ∘ input); U-shape's has no way to predict a token."""
+        return self.parts.has_adapter
+
+    def rollback(self) -> None:
+        """Back to the committed sequence: drafts in flight, forks and half-sent prompt chunks are forgotten, and the
+        caches are rebuilt over T[:-1] on the device (the cost of a prompt prefill)."""
+        spent, prefill = self.compute_s, self.prefill_s
+        self.start(self.tokens)
+        if len(self.tokens) > 1:
+            self.lam_prefill(self.prompt_states(len(self.tokens) - 1))
+        self.compute_s += spent
+        self.prefill_s += prefill
+
+    def sample_local(self, rng: Any = None) -> int:
+        """One token from the draft w_S alone (the link is down, policy degrade); the caller commits it. Its
+        randomness is position-keyed like every draft's (`rng` is the token drafter's interface, unused)."""
+        return self.draft(1, 0.0).drafts[0]
+
     # -- decode ----------------------------------------------------------------------------------------------------
     def last_state(self) -> Any:
         """U-shape: the shallow state `# [1, 1, hidden]` of the last committed token."""

@@ -109,3 +109,99 @@ def test_a_cloud_restarted_mid_session_lets_the_device_finish(tiny_pair):
     finally:
         state["thread"].join()
         second["ctx"].__exit__(None, None, None)
+
+
+# -- the split protocols: only hidden states cross the link, so the device replays its history's shallow states -------
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_pair):
+    from hat_split.adapter import Adapter
+
+    return Adapter(tiny_pair[1].model, 1).eval().requires_grad_(False)
+
+
+def _generate_split(endpoint, model, adapter, protocol, policy="wait", on_tokens=None, tap=None):
+    from edge_runtime.config import SplitConfig
+    from edge_runtime.split_drafter import SplitDrafter
+    from edge_runtime.split_parts import TorchSplitParts
+    from hat_split.partition import SplitModel
+
+    params = SamplingParams(0.0)
+    parts = TorchSplitParts(SplitModel(model, 1), adapter if protocol == "hat" else None)
+    with CloudClient(endpoint, P.Hello("faulty-split", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5, retries=1,
+                     backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0) as client:
+        client.tap = tap
+        config = EdgeConfig(model="tiny", security=LinkSecurity.plaintext(), link_policy=policy, backoff_s=0.2,
+                            reconnect_timeout_s=60, split=SplitConfig(m=1, eta=0.0, max_draft=4, chunk_tokens=3))
+        gen = Generation(config, SplitDrafter(parts, params, 0), client, protocol, params, N, frozenset(), 0, 1)
+        if on_tokens is not None:
+            gen.on_tokens = on_tokens
+        return run(gen, PROMPT, lambda toks: "")
+
+
+def _link(server):
+    host, port = server.endpoint.split("//")[1].rsplit(":", 1)
+    return LinkEmulator("loopback", (host, int(port)))
+
+
+@pytest.mark.parametrize("protocol", ["ushape", "hat"])
+def test_split_protocols_resume_after_a_cut_with_the_uninterrupted_answer(tiny_server, tiny_pair, tiny_adapter,
+                                                                          protocol):
+    model = tiny_pair[1].model
+    reference = _generate_split(tiny_server.endpoint, model, tiny_adapter, protocol)
+    with _link(tiny_server) as link:
+        hook = _cut_after(link, 8, 3.0, "stall")  # longer than the heartbeat
+        got = _generate_split(link.address, model, tiny_adapter, protocol, "wait", hook)
+        hook.state["timer"].join()
+    assert got.tokens == reference.tokens and got.n == N
+    assert got.interruptions >= 1 and got.degraded == []
+    assert got.prefill_chunks > reference.prefill_chunks  # the history went up again, in chunks
+
+
+def test_hat_under_degrade_drafts_alone_and_ushape_waits(tiny_server, tiny_pair, tiny_adapter):
+    model = tiny_pair[1].model
+    reference = _generate_split(tiny_server.endpoint, model, tiny_adapter, "hat")
+    with _link(tiny_server) as link:
+        hook = _cut_after(link, 8, 1.5)
+        got = _generate_split(link.address, model, tiny_adapter, "hat", "degrade", hook)
+        hook.state["timer"].join()
+        assert got.n == N and got.interruptions >= 1 and got.degraded
+        first = got.degraded[0]
+        assert 8 <= first and got.tokens[:first] == reference.tokens[:first]
+        assert got.degraded == list(range(first, first + len(got.degraded)))
+        # U-shape has no draft to generate with: under degrade it waits, and its answer is the uninterrupted one
+        ushape = _generate_split(tiny_server.endpoint, model, tiny_adapter, "ushape")
+        hook = _cut_after(link, 8, 1.5)
+        got = _generate_split(link.address, model, tiny_adapter, "ushape", "degrade", hook)
+        hook.state["timer"].join()
+    assert got.tokens == ushape.tokens and got.interruptions >= 1 and got.degraded == []
+
+
+@pytest.mark.parametrize("protocol", ["sd", "hat"])
+def test_a_cut_while_the_prompt_is_on_the_link_is_survived(tiny_server, tiny_pair, tiny_adapter, protocol):
+    """The link is cut the moment the session's opening message goes up: the device never saw its first token."""
+    draft, target = tiny_pair
+    opening = (P.OpenSession, P.OpenSplit)
+    with _link(tiny_server) as link:
+        cut = {}
+
+        def tap(direction, frames):
+            if direction == "up" and not cut and isinstance(P.decode(frames), opening):
+                link.cut("reset")
+                cut["timer"] = threading.Timer(2.0, link.restore)
+                cut["timer"].start()
+
+        if protocol == "sd":
+            reference = _generate(tiny_server.endpoint, draft)
+            with CloudClient(link.address, P.Hello("faulty", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5,
+                             retries=1, backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0) as client:
+                client.tap = tap
+                params = SamplingParams(0.0)
+                config = EdgeConfig(model="tiny", security=LinkSecurity.plaintext(), backoff_s=0.2,
+                                    reconnect_timeout_s=60)
+                got = run(Generation(config, Drafter(draft, params), client, "sd", params, N, frozenset(), 0, 1),
+                          PROMPT, lambda toks: "")
+        else:
+            reference = _generate_split(tiny_server.endpoint, target.model, tiny_adapter, "hat")
+            got = _generate_split(link.address, target.model, tiny_adapter, "hat", tap=tap)
+        cut["timer"].join()
+    assert got.tokens == reference.tokens and got.interruptions >= 1
