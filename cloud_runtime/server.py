@@ -180,6 +180,7 @@ class CloudServer:
         b = self.batcher.stats
         own = (b.stage_s[0] if b.stage_s else 0.0) + self.stats.head_s  # this process's model time (a pipeline: stage 0's)
         return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.executor.stages,
+                "sessions": {"open": len(self.sessions), "kv_positions": self.batcher.scheduler.kv_used},
                 "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
                 "security": {"mode": self.config.security.mode, **({"accepted": self.zap.accepted,
                                                                      "refused": self.zap.refused} if self.zap else {})},

@@ -54,7 +54,9 @@ class AgentConfig:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig):
+    def __init__(self, config: AgentConfig, loaded=None):
+        """loaded: a model already in memory (hat_split.loading.load_model) for EdgeRuntime, e.g. one shared by
+        several emulated devices in one process (`hat-bench soak`); None loads config.edge.model."""
         from edge_runtime.runtime import EdgeRuntime
 
         self.config = config
@@ -75,7 +77,7 @@ class Agent:
             profile = get_profile(config.edge.device_profile)
             self.cycle = ModeCycler([profile.mode(str(m)).id for m in config.mode_cycle], config.mode_every)
         self._write_status()
-        self.runtime = EdgeRuntime(config.edge)
+        self.runtime = EdgeRuntime(config.edge, loaded)
         self.httpd = ThreadingHTTPServer((config.host, config.port), _handler(self))
         self.httpd.daemon_threads = True
 
@@ -166,6 +168,11 @@ class Agent:
                 raise O.ApiError(f"model {self.runtime.model_name} has no chat template: use /v1/completions",
                                  "messages")
             ids = encode_chat(tok, O.chat_messages(req.messages), add_generation_prompt=True)
+        elif isinstance(req.prompt, list):
+            ids = list(req.prompt)
+            if max(ids) >= self.runtime.vocab_size:
+                raise O.ApiError(f"prompt token id {max(ids)} is outside the vocabulary of {self.runtime.vocab_size}",
+                                 "prompt")
         else:
             ids = self.runtime.encode_prompt(req.prompt)
         rid, model = O.new_id(chat), self.runtime.model_name
@@ -200,6 +207,8 @@ class Agent:
                  "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
                  "interruptions": result.interruptions, "degraded": result.degraded}  # degraded: token indices the
         # device made alone while the link was down (link_policy degrade): not from the cloud's model
+        if req.return_tokens:
+            extra["tokens"] = list(result.tokens)
         if send is None:
             return O.response(req, rid, model, text, reason, len(ids), result.n, extra)
         if len(text) > matcher.emitted:

@@ -3,8 +3,9 @@
 Routes (edge_runtime.agent serves them): `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`,
 streaming (`"stream": true`, server-sent events ending in `data: [DONE]`) or not. Supported: `max_tokens` (chat also
 `max_completion_tokens`), `temperature` (0..2), `top_p` (0..1], `stop` (a string or up to 4), `seed`, `n` = 1,
-`stream_options.include_usage`, and the extension `hatspec` = {"protocol": "sd" | "hat" | ...} choosing the
-device-cloud protocol per request (the openai client sends it with `extra_body`). Fields that would change the output
+`stream_options.include_usage`, a completion prompt as text or as an array of token ids, and the extension
+`hatspec` = {"protocol": "sd" | "hat" | ..., "tokens": bool} choosing the device-cloud protocol per request and asking
+for the generated token ids (the openai client sends it with `extra_body`). Fields that would change the output
 distribution and that hatspec does not implement (penalties, logit_bias, logprobs, n > 1, tools, ...) are refused
 with a 400 naming the field, rather than silently ignored.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 MAX_STOPS = 4
 MAX_TOKENS_LIMIT = 8192
@@ -38,7 +39,7 @@ class ApiError(ValueError):
 @dataclass
 class CompletionRequest:
     chat: bool
-    prompt: Optional[str]  # completions
+    prompt: Union[str, List[int], None]  # completions: text, or token ids (OpenAI's array-of-tokens form)
     messages: Optional[List[dict]]  # chat
     max_tokens: int
     temperature: float
@@ -48,6 +49,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     protocol: str
+    return_tokens: bool = False  # hatspec.tokens: the generated token ids in the response's hatspec object
 
 
 def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_protocol: str,
@@ -82,10 +84,13 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
                 raise ApiError(f"messages[{i}].content must be a string or text parts", "messages")
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError("prompt must be a non-empty string (one prompt per request)", "prompt")
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in prompt)
+        if not (isinstance(prompt, str) or is_ids) or not prompt:
+            raise ApiError("prompt must be a non-empty string or a non-empty array of token ids (one prompt per "
+                           "request)", "prompt")
     max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(max_key)
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
@@ -111,13 +116,15 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
     ext = body.get("hatspec") or {}
-    if not isinstance(ext, dict) or set(ext) - {"protocol"}:
-        raise ApiError("hatspec must be an object with at most a protocol", "hatspec")
+    if not isinstance(ext, dict) or set(ext) - {"protocol", "tokens"}:
+        raise ApiError("hatspec must be an object with at most a protocol and tokens", "hatspec")
+    if not isinstance(ext.get("tokens", False), bool):
+        raise ApiError("hatspec.tokens must be true or false", "hatspec")
     protocol = ext.get("protocol", default_protocol)
     if protocol not in protocols:
         raise ApiError(f"hatspec.protocol {protocol!r} is not one of {', '.join(protocols)}", "hatspec")
     return CompletionRequest(chat, prompt, messages, max_tokens, temperature, top_p, stop, seed, stream,
-                             bool(options.get("include_usage")), protocol)
+                             bool(options.get("include_usage")), protocol, ext.get("tokens", False))
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:

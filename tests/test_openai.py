@@ -18,6 +18,8 @@ def test_request_checking_names_the_field():
     ok = O.parse_request({"prompt": "x", "max_tokens": 5, "stop": "\n", "hatspec": {"protocol": "llm"}}, False,
                          ("sd", "llm"), "sd")
     assert (ok.max_tokens, ok.stop, ok.protocol, ok.temperature) == (5, ["\n"], "llm", 1.0)
+    ids = O.parse_request({"prompt": [[3, 0, 7]], "hatspec": {"tokens": True}}, False, ("sd",), "sd")
+    assert ids.prompt == [3, 0, 7] and ids.return_tokens
     for body, chat, param in [({"prompt": "x", "n": 2}, False, "n"),
                               ({"prompt": "x", "presence_penalty": 0.5}, False, "presence_penalty"),
                               ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
@@ -26,7 +28,10 @@ def test_request_checking_names_the_field():
                               ({"prompt": "x", "hatspec": {"protocol": "carrier-pigeon"}}, False, "hatspec"),
                               ({"prompt": "x", "frobnicate": 1}, False, "frobnicate"),
                               ({"messages": [{"role": "robot", "content": "hi"}]}, True, "messages"),
-                              ({"messages": "hi"}, True, "messages"), ({"prompt": ""}, False, "prompt")]:
+                              ({"messages": "hi"}, True, "messages"), ({"prompt": ""}, False, "prompt"),
+                              ({"prompt": [1, -2]}, False, "prompt"), ({"prompt": [1, True]}, False, "prompt"),
+                              ({"prompt": []}, False, "prompt"), ({"prompt": [[1], [2]]}, False, "prompt"),
+                              ({"prompt": "x", "hatspec": {"tokens": "yes"}}, False, "hatspec")]:
         with pytest.raises(O.ApiError) as info:
             O.parse_request(body, chat, ("sd", "llm"), "sd")
         assert info.value.param == param and info.value.body()["error"]["type"] == "invalid_request_error"
@@ -89,6 +94,12 @@ def test_completion_and_chat_through_the_openai_client(endpoint, smollm2_module)
                                       extra_body={"hatspec": {"protocol": protocol}})
         assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == 16 and r.model_extra["hatspec"]["protocol"] == protocol
+    ids = smollm2_module.tokenizer(FIB)["input_ids"]  # the prompt as token ids; the answer's ids come back
+    r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=0,
+                                  extra_body={"hatspec": {"tokens": True}})
+    assert r.choices[0].text == want and smollm2_module.tokenizer.decode(r.model_extra["hatspec"]["tokens"]) == want
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="m", prompt=[1, 10 ** 7])
     from profiles.prompts import encode_chat
 
     messages = [{"role": "user", "content": "Name a prime number."}]
