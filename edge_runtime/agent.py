@@ -15,8 +15,10 @@ What it does:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +30,18 @@ from hat_split.atomic import write_json
 from hat_split.sampling import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
+log = logging.getLogger("hatspec.agent")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that resets its connection (common after a streamed answer) is not an error of the agent."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("client %s went away: %r", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
 
 
 @dataclass
@@ -78,8 +92,7 @@ class Agent:
             self.cycle = ModeCycler([profile.mode(str(m)).id for m in config.mode_cycle], config.mode_every)
         self._write_status()
         self.runtime = EdgeRuntime(config.edge, loaded)
-        self.httpd = ThreadingHTTPServer((config.host, config.port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((config.host, config.port), _handler(self))
 
     @property
     def address(self) -> str:
@@ -121,8 +134,11 @@ class Agent:
         self._write_status()
 
     def _run(self, *args):
-        """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances."""
+        """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances.
+        Returns (result, seconds spent waiting for the generation before it, if any)."""
+        t0 = time.perf_counter()
         with self._lock:
+            queued = time.perf_counter() - t0
             try:
                 result = self.runtime.generate(*args)
             except Exception:
@@ -133,7 +149,7 @@ class Agent:
                 self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
             self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
         self._write_status()
-        return result
+        return result, queued
 
     def generate(self, body: dict) -> dict:
         prompt = body.get("prompt")
@@ -147,9 +163,9 @@ class Agent:
         seed = body.get("seed")
         if seed is not None and not isinstance(seed, int):
             raise ValueError("'seed' must be an integer")
-        result = self._run(prompt, protocol, params, max_tokens, seed, bool(body.get("chat")))
+        result, queued = self._run(prompt, protocol, params, max_tokens, seed, bool(body.get("chat")))
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                "protocol": result.protocol, **result.summary()}
+                "protocol": result.protocol, "queue_s": queued, **result.summary()}
 
     def completion(self, body: Any, chat: bool, send: Optional[Callable[[dict], None]] = None,
                    client_gone: Callable[[], bool] = lambda: False) -> Optional[dict]:
@@ -199,11 +215,11 @@ class Agent:
         if chat:
             emit(O.chunk(req, rid, model, None, role=True))
         params = SamplingParams(req.temperature, 0, req.top_p)
-        result = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop)
+        result, queued = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop)
         text, stopped = O.cut_at_stop(result.text, req.stop)
         reason = "stop" if stopped else result.finish_reason
         extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
-                 "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s,
+                 "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s, "queue_s": queued,
                  "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
                  "interruptions": result.interruptions, "degraded": result.degraded}  # degraded: token indices the
         # device made alone while the link was down (link_policy degrade): not from the cloud's model

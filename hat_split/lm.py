@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, List, Sequence
 
 import numpy as np
 
@@ -103,6 +103,18 @@ class CausalLM:
         if n_logits == 0:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         return out.logits[0, -n_logits:].float().numpy()  # [n_logits, vocab]
+
+    def greedy(self, ids: Sequence[int], n: int, eos: Sequence[int] = ()) -> List[int]:
+        """The model's own greedy continuation of `ids`: n tokens, or fewer ending with one of `eos` (the reference
+        every exact protocol must reproduce at temperature 0)."""
+        state, out = self.new_state(), []
+        logits = self.forward(state, ids)
+        while len(out) < n:
+            out.append(int(logits[-1].argmax()))
+            if out[-1] in eos:
+                break
+            logits = self.forward(state, [out[-1]])
+        return out
 
     def crop(self, state: KVState, length: int) -> None:
         """Drop cached positions >= length (rejected drafts)."""

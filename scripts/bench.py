@@ -34,6 +34,8 @@ from scripts.bench_qs import add_parser as add_qs_parser
 from scripts.bench_qs import run as run_qs
 from scripts.fuzz import add_parser as add_fuzz_parser
 from scripts.fuzz import run as run_fuzz
+from scripts.soak import add_parser as add_soak_parser
+from scripts.soak import run as run_soak
 from hat_split.security import LinkSecurity
 
 
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_parser(sub)
     add_edge_parser(sub)
     add_fuzz_parser(sub)
+    add_soak_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -253,10 +256,10 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command in ("qs", "hat", "fleet", "edge", "fuzz"):
+    if args.command in ("qs", "hat", "fleet", "edge", "fuzz", "soak"):
         try:
             return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge,
-                    "fuzz": run_fuzz}[args.command](args)
+                    "fuzz": run_fuzz, "soak": run_soak}[args.command](args)
         except ValueError as exc:
             print(f"hat-bench {args.command}: {exc}", file=sys.stderr)
             return 2

@@ -362,13 +362,7 @@ def greedy_reference(model, ids, n):
     """The whole model's n greedy tokens after `ids`, through hat_split.lm's cached forward."""
     from hat_split.lm import CausalLM
 
-    lm = CausalLM(model)
-    state, ref = lm.new_state(), []
-    logits = lm.forward(state, ids)
-    for _ in range(n):
-        ref.append(int(logits[-1].argmax()))
-        logits = lm.forward(state, [ref[-1]])
-    return ref
+    return CausalLM(model).greedy(ids, n)
 
 
 def _split_across_processes(smollm2, tmp_path, cloud_args):
