@@ -260,9 +260,15 @@ class CloudServer:
         log.info("error %s: %s", code, message)
         return P.Error(code, message, getattr(msg, "session_id", None), getattr(msg, "step", None))
 
+    def _working(self, key: Tuple[bytes, int]) -> bool:
+        """The session has a request queued or being computed (it is waiting on the cloud, not idle)."""
+        return key in self.batcher.scheduler.sessions and self.batcher.held(key)[1] > 0
+
     def expire_idle(self, now: float) -> None:
+        """Free sessions silent for session_timeout_s since their last reply (never one the cloud still owes an
+        answer: under load a request can wait longer than the timeout), and forget peers with no session left."""
         limit = self.config.session_timeout_s
-        for key in [k for k, s in self.sessions.items() if now - s.last_active > limit]:
+        for key in [k for k, s in self.sessions.items() if now - s.last_active > limit and not self._working(k)]:
             log.info("session %s of %r idle for over %.0f s: freed", key[1], key[0], limit)
             del self.sessions[key]
             self.batcher.close(key)

@@ -8,19 +8,22 @@ hat...) register a round function here; nothing else changes.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from edge_runtime.client import CloudClient, CloudUnavailable, LinkCounters, LinkDown
+from edge_runtime.client import CloudClient, CloudError, CloudUnavailable, LinkCounters, LinkDown
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from hat_split import dist_codec
 from hat_split import protocol as P
 from hat_split.rng import session_rng
 from hat_split.sampling import SamplingParams
+
+log = logging.getLogger("hatspec.edge")
 
 
 @dataclass
@@ -272,15 +275,28 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
             cloud_prefill_s = _open_tokens(gen, prompt, remote)
     except LinkDown as exc:  # the link dropped during the prompt: the same recovery as mid-answer
         linked = resume(gen, prompt, exc)
+    except CloudError as exc:
+        if not forgotten(exc):
+            raise
+        linked = resume(gen, prompt, exc)
     device_prefill_s = gen.drafter.compute_s
     while not gen.done:
         try:
             round_fn(gen)
         except LinkDown as exc:
             linked = resume(gen, prompt, exc)
+        except CloudError as exc:
+            if not forgotten(exc):
+                raise
+            linked = resume(gen, prompt, exc)
     t1 = time.perf_counter()
     if remote and linked:
-        CLOSERS.get(gen.protocol, _close)(gen, prompt)
+        try:
+            CLOSERS.get(gen.protocol, _close)(gen, prompt)
+        except (LinkDown, CloudError) as exc:  # the answer is complete: a cloud that cannot close frees it later
+            if isinstance(exc, CloudError) and not forgotten(exc):
+                raise
+            log.warning("session %d was not closed (%s): the cloud frees it after its timeout", gen.session_id, exc)
     link = gen.client.counters.since(before) if remote else LinkCounters()
     return GenerationResult(
         protocol=gen.protocol,
@@ -314,8 +330,13 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     )
 
 
+def forgotten(exc: CloudError) -> bool:
+    """The cloud no longer holds the session: it expired there, or the cloud restarted between two requests."""
+    return exc.error.code == "no_session"
+
+
 def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
-    """The link dropped mid-answer: reconnect with backoff and reopen the session from the device's own history, so
+    """The link dropped mid-answer, or the cloud forgot the session: reconnect with backoff and reopen the session from the device's own history, so
     nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps generating with the device's model (those
     tokens are marked in `degraded`). Returns False when the answer finished before the cloud came back (degrade).
 

@@ -205,3 +205,23 @@ def test_a_cut_while_the_prompt_is_on_the_link_is_survived(tiny_server, tiny_pai
             got = _generate_split(link.address, target.model, tiny_adapter, "hat", tap=tap)
         cut["timer"].join()
     assert got.tokens == reference.tokens and got.interruptions >= 1
+
+
+def test_a_session_the_cloud_forgot_is_reopened_from_the_history(tiny_pair):
+    """The device goes silent mid-answer for longer than the cloud's session timeout (the link stays up): the cloud
+    frees the session, the device's next request is answered `no_session`, and it reopens from its history."""
+    draft, target = tiny_pair
+    with serving(target, session_timeout_s=1.0) as server:
+        reference = _generate(server.endpoint, draft)
+        state = {"n": 0}
+
+        def hook(tokens):
+            state["n"] += len(tokens)
+            if state["n"] >= 10 and "slept" not in state:
+                state["slept"] = True
+                time.sleep(2.5)  # silent past the timeout; the server's loop frees the session meanwhile
+
+        expired = server.stats.sessions_expired
+        got = _generate(server.endpoint, draft, "wait", hook)
+        assert server.stats.sessions_expired > expired and server.stats.errors_by_code.get("no_session", 0) >= 1
+    assert got.tokens == reference.tokens and got.interruptions == 1
