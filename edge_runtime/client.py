@@ -97,8 +97,10 @@ class CloudClient:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * self.heartbeat_s / 3))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.heartbeat_s))
         self._handshake_events: List[int] = []
+        self._established = False  # the ZMTP handshake (CurveZMQ and ZAP included) succeeded: the cloud is there
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
+                                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
+                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.server)
         self._sock = sock
 
@@ -109,7 +111,15 @@ class CloudClient:
         event = recv_monitor_message(self._monitor)["event"]
         if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
             self._handshake_events.append(event)  # (no-detail failures are connections reset mid-handshake)
+        self._established = (self._established or event == zmq.EVENT_HANDSHAKE_SUCCEEDED) and \
+            event != zmq.EVENT_DISCONNECTED
         return event
+
+    def _connected(self) -> bool:
+        """The connection is up and accepted (events seen so far): a silent cloud is busy, not absent."""
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor_event()
+        return self._established
 
     def _handshake_failure(self) -> Optional[str]:
         """Why the security handshake failed, if the socket monitor saw it fail."""
@@ -129,7 +139,13 @@ class CloudClient:
         for attempt in range(1, self.retries + 1):
             self._open_socket()
             try:
-                reply = self._roundtrip(self.hello, self.connect_timeout_s)
+                try:
+                    reply = self._roundtrip(self.hello, self.connect_timeout_s)
+                except CloudUnavailable:
+                    if not self._connected():
+                        raise
+                    # connected and accepted, yet no Welcome: a loaded cloud answers between its compute steps
+                    reply = self._receive(self.request_timeout_s)
             except CloudUnavailable:
                 failure = self._handshake_failure()
                 if failure:
@@ -167,7 +183,8 @@ class CloudClient:
         best = math.inf
         for _ in range(RTT_PROBES):
             t0 = time.perf_counter()
-            if isinstance(self._roundtrip(self.hello, self.connect_timeout_s), P.Welcome):
+            if isinstance(self._roundtrip(self.hello, self.request_timeout_s), P.Welcome):  # (connected: a slow
+                # answer is a loaded cloud; a probe given up on would leave its late reply to the next request)
                 best = min(best, time.perf_counter() - t0)
         return 0.0 if best == math.inf else best
 
@@ -204,7 +221,7 @@ class CloudClient:
 
     def _rehello(self) -> None:
         """Say Hello again on the open connection before a request after a long silence."""
-        reply = self._roundtrip(self.hello, self.connect_timeout_s)
+        reply = self._roundtrip(self.hello, self.request_timeout_s)
         if not isinstance(reply, P.Welcome):
             raise CloudError(reply if isinstance(reply, P.Error) else
                              P.Error("unexpected", f"expected Welcome, got {type(reply).__name__}"))

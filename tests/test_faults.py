@@ -17,6 +17,7 @@ from hat_split import protocol as P
 from hat_split.sampling import SamplingParams
 from hat_split.security import LinkSecurity
 from profiles.link_emulator import LinkEmulator
+from cloud_runtime.process import free_port
 from tests.conftest import serving
 
 PROMPT = [5, 17, 99, 3, 250, 7]
@@ -225,3 +226,45 @@ def test_a_session_the_cloud_forgot_is_reopened_from_the_history(tiny_pair):
         got = _generate(server.endpoint, draft, "wait", hook)
         assert server.stats.sessions_expired > expired and server.stats.errors_by_code.get("no_session", 0) >= 1
     assert got.tokens == reference.tokens and got.interruptions == 1
+
+
+def test_a_cloud_slow_to_welcome_is_waited_for_not_given_up(tiny_server):
+    """Connected and accepted but busy (a loaded cloud answers between compute steps): the handshake waits past the
+    connect timeout instead of failing. A proxy delays every reply by 1.5 s; the connect timeout is 0.5 s."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    port = front.bind_to_random_port("tcp://127.0.0.1")
+    back.connect(tiny_server.endpoint)
+    stop = threading.Event()
+
+    def relay():
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        poller.register(back, zmq.POLLIN)
+        while not stop.is_set():
+            ready = dict(poller.poll(100))
+            if front in ready:
+                peer, *frames = front.recv_multipart()
+                back.send_multipart(frames)
+            if back in ready:
+                reply = back.recv_multipart()
+                time.sleep(1.5)
+                front.send_multipart([peer, *reply])
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    try:
+        with CloudClient(f"tcp://127.0.0.1:{port}", P.Hello("slow", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5,
+                         retries=1, request_timeout_s=10) as client:
+            assert client.welcome is not None
+        with pytest.raises(Exception, match="no answer from the cloud"):  # nobody listening: still fails fast
+            with CloudClient(f"tcp://127.0.0.1:{free_port()}", P.Hello("x", "tiny", 512, "tiny-vocab"),
+                             connect_timeout_s=0.3, retries=1, request_timeout_s=10):
+                pass
+    finally:
+        stop.set()
+        thread.join()
+        front.close(0)
+        back.close(0)
