@@ -165,7 +165,15 @@ class CloudClient:
             if reply.protocol_version != P.PROTOCOL_VERSION:
                 raise CloudError(P.Error("version", f"cloud speaks v{reply.protocol_version}"))
             self.welcome = reply
-            self.base_rtt_s = self._probe_rtt()
+            try:
+                self.base_rtt_s = self._probe_rtt()
+            except LinkDown:  # dropped right after the Welcome: this attempt failed
+                self.welcome = None
+                if attempt == self.retries:
+                    break
+                time.sleep(delay)
+                delay *= 2
+                continue
             return reply
         self.close()
         raise CloudUnavailable(

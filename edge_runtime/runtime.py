@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
+import time
 from typing import Callable, List, Optional, Union
 
-from edge_runtime.client import CloudClient
+from edge_runtime.client import CloudClient, CloudUnavailable
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, GenerationResult, run
@@ -16,6 +18,8 @@ from hat_split import protocol as P
 from hat_split.lm import CausalLM
 from hat_split.partition import holds_all_layers
 from hat_split.sampling import SamplingParams
+
+log = logging.getLogger("hatspec.edge")
 
 
 class TextStream:
@@ -54,6 +58,7 @@ class EdgeRuntime:
         self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
         self._split_parts = {}  # protocol is hat → edge_runtime.split_parts (torch or the bundle's), built once
         self._session_ids = itertools.count(1)
+        self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         if config.backend != "torch":  # exported artifacts: no torch model on the device
             from edge_runtime.backends import open_bundle
@@ -107,7 +112,31 @@ class EdgeRuntime:
             client.monitor = self.monitor
             client.connect()
             self.client = client
+            self._reached = True
         return self.client.welcome
+
+    def _connect_for_request(self) -> None:
+        """Connect before a request. Under link_policy wait or degrade, a cloud that has served this runtime before
+        and is unreachable now (a dropped link, a restarting cloud) is retried with backoff for reconnect_timeout_s,
+        as a drop mid-answer would be. A cloud never reached (a wrong address) and a refusal (CloudError) fail at
+        once with their message."""
+        c = self.config
+        if not self._reached:
+            self.connect()
+            return
+        deadline = time.monotonic() + c.reconnect_timeout_s
+        delay = c.backoff_s
+        while True:
+            try:
+                self.connect()
+                return
+            except CloudUnavailable as exc:
+                self.close()
+                if c.link_policy == "fail" or time.monotonic() + delay > deadline:
+                    raise CloudUnavailable(f"{exc} (retried for {c.reconnect_timeout_s:.0f} s)") from None
+                log.info("cloud unreachable before a request (%s): retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
         from profiles.prompts import encode
@@ -125,7 +154,7 @@ class EdgeRuntime:
             raise ValueError(f"unknown protocol {protocol!r}; known: {sorted(ROUNDS)}")
         ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if protocol not in LOCAL_PROTOCOLS:
-            self.connect()
+            self._connect_for_request()
             self.monitor.refresh_mode()
         stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
         if seed is not None and not 0 <= seed < 2**63:

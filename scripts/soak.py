@@ -21,7 +21,9 @@ CausalLM.greedy; exact protocols must reproduce it at temperature 0):
 - the streamed text equals the text of the returned token ids, and usage counts them (nothing lost or repeated on
   the way to the client);
 - tokens equal the reference (under `degrade`, up to the first token the device made alone); a difference is
-  classified as duplicated (a run of tokens repeated), lost (a run skipped) or other;
+  classified as duplicated (a run of tokens repeated), lost (a run skipped) or other, and for "other" the margin
+  between the reference's top two logits there is recorded (a near tie flips with float rounding: the cloud batches,
+  the reference runs alone);
 - memory: RSS slope per process over the load, and open sessions / KV positions after a drain of twice the session
   timeout (they must return to 0).
 Writes JSON and a PNG beside it.
@@ -42,6 +44,7 @@ from scripts.bench_args import adapter_dir, names, numbers, save_figure
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
 POLICIES = ("wait", "degrade")
+NEAR_TIE = 0.01  # logits: a reference whose top two are this close may flip with float rounding (batched vs alone)
 
 
 def add_parser(sub) -> None:
@@ -254,6 +257,7 @@ def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_en
         "lost_tokens": sum(m == "lost" for m in matches),
         "delivery_inconsistent": sum(not r["verdict"]["delivered"] for r in done),
         "reference_exact": sum(m == "exact" for m in matches), "reference_other": sum(m == "other" for m in matches),
+        "reference_other_near_tie": sum(r["verdict"]["reference"].get("near_tie", False) for r in done),
         "interrupted_requests": len(hit), "interruptions": sum(r["verdict"]["interruptions"] for r in done),
         "degraded_requests": sum(bool(r["verdict"]["degraded"]) for r in done),
         "degraded_tokens": sum(r["verdict"]["degraded"] for r in done),
@@ -513,8 +517,15 @@ def _verify(args, records: List[dict], prompts) -> None:
         key = (rec["prompt"], rec["max_tokens"])
         if key not in refs:
             refs[key] = lm.greedy(prompts[rec["prompt"]], rec["max_tokens"], eos)
-        rec["verdict"] = check(rec, refs[key], rec["max_tokens"], eos,
-                               lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+        rec["verdict"] = v = check(rec, refs[key], rec["max_tokens"], eos,
+                                   lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+        if v["completed"] and v["reference"]["match"] == "other":  # how close the reference's choice was there
+            at = v["reference"]["at"]
+            logits = lm.forward(lm.new_state(), list(prompts[rec["prompt"]]) + refs[key][:at])[-1]
+            top = np.argsort(-logits)[:2]
+            got = rec["response"]["hatspec"]["tokens"][at]
+            v["reference"].update(margin=float(logits[top[0]] - logits[top[1]]),
+                                  near_tie=bool(got == int(top[1]) and logits[top[0]] - logits[top[1]] < NEAR_TIE))
 
 
 def _f(x: Optional[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
@@ -525,7 +536,9 @@ def print_summary(report: dict) -> None:
     s = report["summary"]
     print(f"\n requests {s['requests']}: completed {s['completed']}, lost {s['lost']}, duplicated {s['duplicated']}, "
           f"lost-token runs {s['lost_tokens']}, delivery inconsistent {s['delivery_inconsistent']}")
-    print(f" equal to the model's greedy answer: {s['reference_exact']} (other: {s['reference_other']}); "
+    print(f" equal to the model's greedy answer: {s['reference_exact']} (other: {s['reference_other']}, of which "
+          f"{s['reference_other_near_tie']} where the reference's top two logits differ by < {NEAR_TIE} and the "
+          f"answer took the second); "
           f"by policy {s['by_policy']}")
     print(f" cuts {s['cuts']} ({s['cuts_by_mode']}, long {s['cuts_long']}, during a request "
           f"{s['cuts_during_a_request']}); requests interrupted {s['interrupted_requests']} "

@@ -268,3 +268,32 @@ def test_a_cloud_slow_to_welcome_is_waited_for_not_given_up(tiny_server):
         thread.join()
         front.close(0)
         back.close(0)
+
+
+@pytest.mark.real_models
+def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
+    """The runtime has been served, then the link is cut between two requests: the next request reconnects with
+    backoff once the link is back instead of failing. A cloud never reached still fails at once."""
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.lm import CausalLM
+    from hat_split.loading import vocab_fingerprint
+
+    with serving(CausalLM(smollm2.model), vocab=vocab_fingerprint(smollm2.tokenizer)) as server, _link(server) as link:
+        config = EdgeConfig(model="smollm2-135m", server=link.address, security=LinkSecurity.plaintext(),
+                            backoff_s=0.2, connect_timeout_s=0.5, connect_retries=1, heartbeat_s=1.0,
+                            reconnect_timeout_s=60)
+        with EdgeRuntime(config, smollm2) as rt:
+            first = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            rt.close()  # as the agent does after a failed report
+            link.cut("reset")
+            threading.Timer(2.0, link.restore).start()
+            t0 = time.monotonic()
+            second = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            assert second.tokens == first.tokens and time.monotonic() - t0 > 1.5
+    never = EdgeConfig(model="smollm2-135m", server=f"tcp://127.0.0.1:{free_port()}",
+                       security=LinkSecurity.plaintext(), connect_timeout_s=0.3, connect_retries=1)
+    with EdgeRuntime(never, smollm2) as rt:
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="no answer from the cloud"):
+            rt.generate(PROMPT, "sd", SamplingParams(0.0), 4)
+        assert time.monotonic() - t0 < 5
