@@ -266,35 +266,27 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     cloud_prefill_s = 0.0
     before = gen.client.counters.snapshot() if remote else LinkCounters()
     t0 = time.perf_counter()
-    linked = True  # False: the request ended while the link was down (degrade): nothing to close in the cloud
-    try:
+
+    def open_session() -> None:
+        nonlocal cloud_prefill_s
         if gen.protocol in OPENERS:  # split protocols: their own session and chunked prefill (edge_runtime.hat)
             OPENERS[gen.protocol](gen, prompt)
             cloud_prefill_s = gen.cloud_compute_s
         else:
             cloud_prefill_s = _open_tokens(gen, prompt, remote)
-    except LinkDown as exc:  # the link dropped during the prompt: the same recovery as mid-answer
-        linked = resume(gen, prompt, exc)
-    except CloudError as exc:
-        if not forgotten(exc):
-            raise
-        linked = resume(gen, prompt, exc)
+
+    # a drop while the prompt is on the link is resumed like one mid-answer; False: the request ended while the link
+    # was down (degrade), nothing to close in the cloud
+    linked = _resuming(gen, prompt, open_session)
     device_prefill_s = gen.drafter.compute_s
     while not gen.done:
-        try:
-            round_fn(gen)
-        except LinkDown as exc:
-            linked = resume(gen, prompt, exc)
-        except CloudError as exc:
-            if not forgotten(exc):
-                raise
-            linked = resume(gen, prompt, exc)
+        linked = _resuming(gen, prompt, lambda: round_fn(gen))
     t1 = time.perf_counter()
     if remote and linked:
         try:
             CLOSERS.get(gen.protocol, _close)(gen, prompt)
         except (LinkDown, CloudError) as exc:  # the answer is complete: a cloud that cannot close frees it later
-            if isinstance(exc, CloudError) and not forgotten(exc):
+            if not recoverable(exc):
                 raise
             log.warning("session %d was not closed (%s): the cloud frees it after its timeout", gen.session_id, exc)
     link = gen.client.counters.since(before) if remote else LinkCounters()
@@ -330,14 +322,25 @@ def run(gen: Generation, prompt: List[int], decode_text: Callable[[List[int]], s
     )
 
 
-def forgotten(exc: CloudError) -> bool:
-    """The cloud no longer holds the session: it expired there, or the cloud restarted between two requests."""
-    return exc.error.code == "no_session"
+def recoverable(exc: Exception) -> bool:
+    """A dropped link, or a cloud that no longer holds the session (it expired there, or the cloud restarted)."""
+    return isinstance(exc, LinkDown) or isinstance(exc, CloudError) and exc.error.code == "no_session"
+
+
+def _resuming(gen: Generation, prompt: List[int], step: Callable[[], None]) -> bool:
+    """Run one step of the request; if it fails recoverably, resume. Whether the cloud holds the session after."""
+    try:
+        step()
+        return True
+    except (LinkDown, CloudError) as exc:
+        if not recoverable(exc):
+            raise
+        return resume(gen, prompt, exc)
 
 
 def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
-    """The link dropped mid-answer, or the cloud forgot the session: reconnect with backoff and reopen the session from the device's own history, so
-    nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps generating with the device's model (those
+    """The link dropped mid-answer, or the cloud forgot the session: reconnect with backoff and reopen the session
+    from the device's own history, so nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps generating with the device's model (those
     tokens are marked in `degraded`). Returns False when the answer finished before the cloud came back (degrade).
 
     Token protocols reopen with the committed tokens (OpenSession); the split protocols replay the history's shallow
@@ -392,28 +395,31 @@ def _reopen(gen: Generation, prompt: List[int]) -> None:
 
 def _open_tokens(gen: Generation, prompt: List[int], remote: bool) -> float:
     """Token protocols: the prompt goes to the cloud in OpenSession; the device prefills its draft meanwhile (or
-    after, on a shared host). Returns the cloud's prefill compute seconds."""
-    cloud_prefill_s = 0.0
-    if remote:
-        sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
-        monitor = gen.client.monitor
-        gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling, gen.seed,
-                                      gen.client.base_rtt_s, monitor.state() if monitor else P.DeviceState()))
+    after, on a shared host). Returns the cloud's prefill compute seconds. If the link drops on the way (a re-Hello
+    in send, or the reply), the draft is still started on this prompt: resuming may generate with it."""
     overlap = not remote or gen.config.overlaps_prefill
-    if overlap:
-        gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
-    if remote:
-        try:
-            opened = gen.client.receive()
-        except LinkDown:
-            if not overlap:  # resume needs the draft ready (it may generate alone)
-                gen.drafter.start(prompt)
-            raise
-        if not isinstance(opened, P.SessionOpened):
-            raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
-        gen.cloud_position = opened.position
-        gen.cloud_compute_s += opened.compute_s
-        cloud_prefill_s = opened.compute_s
+    started = False
+    try:
+        if remote:
+            sampling = P.Sampling(gen.params.temperature, gen.params.top_k, gen.params.top_p)
+            monitor = gen.client.monitor
+            gen.client.send(P.OpenSession(gen.session_id, gen.protocol, np.asarray(prompt, np.int32), sampling,
+                                          gen.seed, gen.client.base_rtt_s,
+                                          monitor.state() if monitor else P.DeviceState()))
+        if overlap:
+            gen.drafter.start(prompt)  # the device's prefill runs while the cloud's does
+            started = True
+        if not remote:
+            return 0.0
+        opened = gen.client.receive()
+    except (LinkDown, CloudError):
+        if not started:
+            gen.drafter.start(prompt)
+        raise
+    if not isinstance(opened, P.SessionOpened):
+        raise RuntimeError(f"unexpected answer to OpenSession: {opened!r}")
+    gen.cloud_position = opened.position
+    gen.cloud_compute_s += opened.compute_s
     if not overlap:
         gen.drafter.start(prompt)  # same host: two concurrent prefills would oversubscribe the cores
-    return cloud_prefill_s
+    return opened.compute_s

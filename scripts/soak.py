@@ -536,6 +536,8 @@ def print_summary(report: dict) -> None:
     s = report["summary"]
     print(f"\n requests {s['requests']}: completed {s['completed']}, lost {s['lost']}, duplicated {s['duplicated']}, "
           f"lost-token runs {s['lost_tokens']}, delivery inconsistent {s['delivery_inconsistent']}")
+    for error in s["lost_errors"]:
+        print(f" lost: {error}")
     print(f" equal to the model's greedy answer: {s['reference_exact']} (other: {s['reference_other']}, of which "
           f"{s['reference_other_near_tie']} where the reference's top two logits differ by < {NEAR_TIE} and the "
           f"answer took the second); "

@@ -4,6 +4,7 @@ lost or repeated. `wait` pauses (greedy output identical to an uninterrupted run
 the device's own model meanwhile and marks those tokens."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -278,7 +279,8 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
     from hat_split.lm import CausalLM
     from hat_split.loading import vocab_fingerprint
 
-    with serving(CausalLM(smollm2.model), vocab=vocab_fingerprint(smollm2.tokenizer)) as server, _link(server) as link:
+    with serving(CausalLM(smollm2.model), vocab=vocab_fingerprint(smollm2.tokenizer), session_timeout_s=2.0) as server, \
+            _link(server) as link:
         config = EdgeConfig(model="smollm2-135m", server=link.address, security=LinkSecurity.plaintext(),
                             backoff_s=0.2, connect_timeout_s=0.5, connect_retries=1, heartbeat_s=1.0,
                             reconnect_timeout_s=60)
@@ -290,6 +292,18 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             t0 = time.monotonic()
             second = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
             assert second.tokens == first.tokens and time.monotonic() - t0 > 1.5
+            # the link drops between requests while the runtime still holds its connection: under degrade the
+            # device starts the answer alone, from this prompt, and the cloud finishes it
+            rt.config = dataclasses.replace(rt.config, link_policy="degrade")
+            link.cut("reset")
+            threading.Timer(2.0, link.restore).start()
+            time.sleep(1.2)  # past half the session timeout: the request's first send says Hello again, and fails
+            third = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            assert third.n == 12 and third.interruptions == 1 and third.degraded[0] == 0
+            assert third.degraded == list(range(len(third.degraded)))
+            if len(third.degraded) < 12:  # the cloud came back before the end: its tokens are the target's
+                n = len(third.degraded)
+                assert third.tokens[:n] == CausalLM(smollm2.model).greedy(PROMPT, n)  # the same model drafts
     never = EdgeConfig(model="smollm2-135m", server=f"tcp://127.0.0.1:{free_port()}",
                        security=LinkSecurity.plaintext(), connect_timeout_s=0.3, connect_retries=1)
     with EdgeRuntime(never, smollm2) as rt:
