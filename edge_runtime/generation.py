@@ -340,8 +340,9 @@ def _resuming(gen: Generation, prompt: List[int], step: Callable[[], None]) -> b
 
 def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
     """The link dropped mid-answer, or the cloud forgot the session: reconnect with backoff and reopen the session
-    from the device's own history, so nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps generating with the device's model (those
-    tokens are marked in `degraded`). Returns False when the answer finished before the cloud came back (degrade).
+    from the device's own history, so nothing is lost or repeated. `wait` pauses meanwhile; `degrade` keeps
+    generating with the device's model (those tokens are marked in `degraded`). Returns False when the answer
+    finished before the cloud came back (degrade).
 
     Token protocols reopen with the committed tokens (OpenSession); the split protocols replay the history's shallow
     states, recomputed on the device (edge_runtime.hat.reopen_split). A device that cannot generate alone (U-shape:

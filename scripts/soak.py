@@ -478,7 +478,8 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
         if wait > 0:
             time.sleep(wait)
         rec = {"id": k, "arrival_s": at, "device": devices[device]["name"], "policy": devices[device]["policy"],
-               "link": devices[device]["link"], "prompt": prompt, "protocol": protocols[int(rng.integers(len(protocols)))],
+               "link": devices[device]["link"], "prompt": prompt,
+               "protocol": protocols[int(rng.integers(len(protocols)))],
                "max_tokens": args.max_tokens}
         records.append(rec)
         t = threading.Thread(target=request, args=(rec, devices[device]), daemon=True)

@@ -279,8 +279,8 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
     from hat_split.lm import CausalLM
     from hat_split.loading import vocab_fingerprint
 
-    with serving(CausalLM(smollm2.model), vocab=vocab_fingerprint(smollm2.tokenizer), session_timeout_s=2.0) as server, \
-            _link(server) as link:
+    vocab = vocab_fingerprint(smollm2.tokenizer)
+    with serving(CausalLM(smollm2.model), vocab=vocab, session_timeout_s=2.0) as server, _link(server) as link:
         config = EdgeConfig(model="smollm2-135m", server=link.address, security=LinkSecurity.plaintext(),
                             backoff_s=0.2, connect_timeout_s=0.5, connect_retries=1, heartbeat_s=1.0,
                             reconnect_timeout_s=60)
