@@ -140,8 +140,7 @@ class Batcher:
             p = self._pending.pop(id(work), None)
             if p is None:
                 continue
-            if hasattr(p.session, "last_active"):
-                p.session.last_active = time.monotonic()  # the device's silence counts from its answer
+            p.session.last_active = time.monotonic()  # the device's silence counts from its answer
             try:
                 reply = p.finish(out, p)
             except P.ProtocolError as exc:  # e.g. the next token's work does not fit any more

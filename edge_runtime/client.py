@@ -9,12 +9,13 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import zmq
 
 from hat_split import protocol as P
 
+RECONNECT_BACKOFF_MAX_S = 5.0  # the longest wait between two reconnection attempts after a drop
 RTT_PROBES = 3  # tiny round trips after the handshake; their minimum is the uplink estimate's baseline
 
 
@@ -25,6 +26,14 @@ class CloudUnavailable(RuntimeError):
 class LinkDown(CloudUnavailable):
     """The connection to the cloud dropped (reset, or ZMTP heartbeats unanswered) while a reply was awaited."""
 
+
+
+def reconnect_delays(first_s: float) -> Iterator[float]:
+    """Waits between reconnection attempts after a drop: first_s, doubling, at most RECONNECT_BACKOFF_MAX_S."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(2 * delay, RECONNECT_BACKOFF_MAX_S)
 
 class CloudError(RuntimeError):
     """The cloud answered with an Error message."""

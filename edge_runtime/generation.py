@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from edge_runtime.client import CloudClient, CloudError, CloudUnavailable, LinkCounters, LinkDown
+from edge_runtime.client import (CloudClient, CloudError, CloudUnavailable, LinkCounters, LinkDown,
+                                 reconnect_delays)
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from hat_split import dist_codec
@@ -357,8 +358,7 @@ def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
     alone = policy == "degrade" and gen.drafter.can_generate_alone
     reopen = REOPENERS.get(gen.protocol, _reopen)
     deadline = time.monotonic() + gen.config.reconnect_timeout_s
-    delay = gen.config.backoff_s
-    while True:
+    for delay in reconnect_delays(gen.config.backoff_s):
         try:
             gen.client.connect()
             reopen(gen, prompt)
@@ -376,7 +376,6 @@ def resume(gen: Generation, prompt: List[int], exc: Exception) -> bool:
                 return False
         else:
             time.sleep(delay)
-        delay = min(2 * delay, 5.0)
 
 
 def _reopen(gen: Generation, prompt: List[int]) -> None:

@@ -141,12 +141,8 @@ def reopen_split(gen: Generation, prompt: List[int]) -> None:
     the answer. Nothing but hidden states crosses the link, as in the first open. Greedy, the answer is token for token
     the uninterrupted one; sampled, it stays a sample of the target (the first token after the drop is sampled from
     the target directly rather than through a verification)."""
-    dev: SplitDrafter = gen.drafter
-    spent, prefill = dev.compute_s, dev.prefill_s
     gen.step = 0  # the new session counts its requests from 1
     open_split(gen, list(prompt) + gen.generated)
-    dev.compute_s += spent
-    dev.prefill_s += prefill
 
 
 def round_ushape(gen: Generation) -> None:

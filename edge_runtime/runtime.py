@@ -8,7 +8,7 @@ import random
 import time
 from typing import Callable, List, Optional, Union
 
-from edge_runtime.client import CloudClient, CloudUnavailable
+from edge_runtime.client import CloudClient, CloudUnavailable, reconnect_delays
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, GenerationResult, run
@@ -125,8 +125,7 @@ class EdgeRuntime:
             self.connect()
             return
         deadline = time.monotonic() + c.reconnect_timeout_s
-        delay = c.backoff_s
-        while True:
+        for delay in reconnect_delays(c.backoff_s):
             try:
                 self.connect()
                 return
@@ -136,7 +135,6 @@ class EdgeRuntime:
                     raise CloudUnavailable(f"{exc} (retried for {c.reconnect_timeout_s:.0f} s)") from None
                 log.info("cloud unreachable before a request (%s): retrying in %.1f s", exc, delay)
                 time.sleep(delay)
-                delay = min(2 * delay, 5.0)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
         from profiles.prompts import encode

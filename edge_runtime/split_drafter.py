@@ -52,8 +52,8 @@ class SplitDrafter:
     params: SamplingParams
     seed: Optional[int]
     tokens: List[int] = field(default_factory=list)
-    compute_s: float = 0.0  # device model time of this request
-    prefill_s: float = 0.0
+    compute_s: float = 0.0  # device model time of this request (a drafter serves one request; restarts after a
+    prefill_s: float = 0.0  # dropped link add to it)
     slowdown: float = 1.0  # > 1: sleep so that each computation takes this many times as long (a slower board)
 
     def __post_init__(self) -> None:
@@ -69,7 +69,6 @@ class SplitDrafter:
         if not prompt:
             raise ValueError("the prompt is empty")
         self.tokens = list(prompt)
-        self.compute_s = self.prefill_s = 0.0
         self._reset()
 
     def prompt_states(self, end: int) -> Any:
@@ -109,12 +108,9 @@ class SplitDrafter:
     def rollback(self) -> None:
         """Back to the committed sequence: drafts in flight, forks and half-sent prompt chunks are forgotten, and the
         caches are rebuilt over T[:-1] on the device (the cost of a prompt prefill)."""
-        spent, prefill = self.compute_s, self.prefill_s
         self.start(self.tokens)
         if len(self.tokens) > 1:
             self.lam_prefill(self.prompt_states(len(self.tokens) - 1))
-        self.compute_s += spent
-        self.prefill_s += prefill
 
     def sample_local(self, rng: Any = None) -> int:
         """One token from the draft w_S alone (the link is down, policy degrade); the caller commits it. Its

@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from scripts.bench_args import names, numbers
+from scripts.bench_args import NO_MATPLOTLIB, names, numbers, pyplot
 from hat_split.security import LinkSecurity
 
 # name -> (protocol, UncertaintyConfig overrides)
@@ -237,13 +237,9 @@ def emulated_summary(args, emulated: dict, tau_slm: float, tau_llm: float) -> di
 
 
 def plot(path: str, summary: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'hatspec[bench]'): no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, fading in zip(axes, ("rayleigh", "rician")):
         for name, e in summary["variants"].items():

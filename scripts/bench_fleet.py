@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from scripts.bench_args import adapter_dir, names, numbers, save_figure
+from scripts.bench_args import NO_MATPLOTLIB, adapter_dir, names, numbers, pyplot, save_figure
 from hat_split.security import LinkSecurity
 
 SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" the SplitConfig fields, cloud arguments)
@@ -347,13 +347,9 @@ def print_tables(report: dict) -> None:
 
 
 def plot(path: str, report: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     runs = report["runs"]
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     sweep = [e for e in runs if e["experiment"] == "sweep"]

@@ -29,7 +29,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from scripts.bench_args import adapter_dir, names
+from scripts.bench_args import NO_MATPLOTLIB, adapter_dir, names, pyplot
 from hat_split.security import LinkSecurity
 
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
@@ -226,13 +226,9 @@ def print_tables(report: dict) -> None:
 
 
 def plot(path: str, tables: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     links = list(tables)
     rows = list(next(iter(tables.values())))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))

@@ -19,7 +19,9 @@ import time
 from typing import Dict, List
 
 import numpy as np
+
 from hat_split.security import LinkSecurity
+from scripts.bench_args import NO_MATPLOTLIB, pyplot
 
 METHODS = ("llm", "slm", "sq", "qs_static", "qs_heuristic", "qs_dqn")
 SPARSE = ("ksqs", "csqs")
@@ -243,13 +245,9 @@ def _print_tables(tables: dict) -> None:
 
 
 def plot(path: str, tables: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     regimes = list(tables["fig4"])
     fig, axes = plt.subplots(1, len(regimes) + 2, figsize=(5 * (len(regimes) + 2), 4))
     for ax, regime in zip(axes, regimes):

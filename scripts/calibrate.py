@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from scripts.bench_args import NO_MATPLOTLIB, pyplot
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hat-calibrate", description=__doc__,
@@ -108,13 +110,9 @@ def record_pair(d_lm, t_lm, prompts, params, pert, max_new_tokens, draft_len, k_
 
 def plot(path: str, u: np.ndarray, beta: np.ndarray, cal) -> str:
     """u vs β with the fitted line and both thresholds, and the density of u. Returns a note when it cannot plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'hatspec[bench]'): no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, (ax, hx) = plt.subplots(1, 2, figsize=(10, 4))
     ax.scatter(u, beta, s=6, alpha=0.3, label="tokens")
     grid = np.linspace(0, 1, 50)

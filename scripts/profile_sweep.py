@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from scripts.bench_args import numbers, save_figure
+from scripts.bench_args import NO_MATPLOTLIB, numbers, pyplot, save_figure
 
 PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
           "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n")
@@ -194,13 +194,9 @@ def run(args) -> int:
 
 
 def plot(path: str, report: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for entry in report["modes"]:
         series: Dict[str, List[dict]] = {}

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from scripts.bench_args import adapter_dir, names, numbers, save_figure
+from scripts.bench_args import NO_MATPLOTLIB, adapter_dir, names, numbers, pyplot, save_figure
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
 POLICIES = ("wait", "degrade")
@@ -560,13 +560,9 @@ def print_summary(report: dict) -> None:
 
 
 def plot(path: str, report: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     mem = report["memory"]
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     for name in report["summary"]["memory"]:
