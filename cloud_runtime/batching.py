@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 from cloud_runtime.runner import Engine
 from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal
-from hat_split import protocol as P
-from hat_split.chunking import DelayModel
+from hat_split.wire import messages as P
+from hat_split.math.chunking import DelayModel
 
 log = logging.getLogger("hatspec.cloud")
 STEP_LOG = 4096  # batches whose size and time the stats keep (for the fleet benchmark's per-step figures)

@@ -13,8 +13,8 @@ import signal
 import sys
 
 from cloud_runtime.config import CloudConfig
-from hat_split.registry import MODEL_DTYPES
-from hat_split.security import LinkSecurity
+from hat_split.models.registry import MODEL_DTYPES
+from hat_split.net.security import LinkSecurity
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
 
@@ -100,8 +100,8 @@ def serve(config: CloudConfig) -> int:
     import torch
 
     from cloud_runtime.server import CloudServer
-    from hat_split.lm import CausalLM
-    from hat_split.loading import load_model, vocab_fingerprint
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import load_model, vocab_fingerprint
 
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hat_split.protocol import DEFAULT_MAX_MESSAGE_BYTES
-from hat_split.registry import MODEL_DTYPES
-from hat_split.security import LinkSecurity
+from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES
+from hat_split.models.registry import MODEL_DTYPES
+from hat_split.net.security import LinkSecurity
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class CloudConfig:
     max_generate: int = 256  # tokens one Generate request may ask for
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused unread
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default (all cores)
-    dtype: str = "auto"  # model dtype; "auto": bfloat16 where matmuls have it in hardware (hat_split.loading.resolve_dtype)
+    dtype: str = "auto"  # model dtype; "auto": bfloat16 where matmuls have it in hardware (hat_split.models.loading.resolve_dtype)
     poll_ms: int = 200  # how often the loop wakes to expire idle sessions when no message arrives
     token_budget: int = 512  # split protocols: positions per batched step, all sessions (cloud_runtime.scheduler)
     prefill_floor: int = 64  # of each step, kept for waiting prompt work

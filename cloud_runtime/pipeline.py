@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from cloud_runtime.runner import Job, StageRunner
-from hat_split.partition import free_layers
+from hat_split.models.partition import free_layers
 
 log = logging.getLogger("hatspec.cloud")
 IDLE_TIMEOUT = timedelta(days=30)  # a stage waits this long for its next batch (an idle server is not an error)

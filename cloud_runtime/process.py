@@ -10,7 +10,7 @@ import time
 from typing import List, Optional
 
 from cloud_runtime.cli import READY_LINE
-from hat_split.security import LinkSecurity, cli_args
+from hat_split.net.security import LinkSecurity, cli_args
 
 
 def free_port() -> int:

@@ -1,5 +1,5 @@
 """Runs the scheduler's batches (cloud_runtime.scheduler) on a model: one forward per layer range and step over the
-ragged segments of many sessions (hat_split.partition.Stack.forward_batch), each on its own KV cache.
+ragged segments of many sessions (hat_split.models.partition.Stack.forward_batch), each on its own KV cache.
 
 Three pieces, from the inside out:
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from cloud_runtime.scheduler import Batch, Scheduler, Work
-from hat_split.partition import PartCache, Stack
+from hat_split.models.partition import PartCache, Stack
 
 CROP, CLOSE = "crop", "close"
 

@@ -1,12 +1,12 @@
 """The cloud's ZeroMQ ROUTER server: one loop, many devices, one session per device request.
 
-Every request is decoded and validated before any compute (hat_split.protocol); anything wrong is answered with an
+Every request is decoded and validated before any compute (hat_split.wire.messages); anything wrong is answered with an
 `Error` naming the problem and the loop carries on with the next message. Valid model work is queued, not computed
 on arrival: the loop drains every waiting message, then runs one batched step of many sessions' work
 (cloud_runtime.batching: token protocols' tokens through every layer, split protocols' hidden states through the
 middle ones; in this process or pipeline stages) and answers the requests it finished. Sessions keep their KV caches
 between rounds and are dropped after `session_timeout_s` of silence, freeing their memory. A model whose layout the
-partition does not know (hat_split.partition.check_family) serves token protocols one request at a time instead.
+partition does not know (hat_split.models.partition.check_family) serves token protocols one request at a time instead.
 
 Flow control is request/response: a device has at most one request in flight, so the ROUTER never queues more than
 one reply per device. ROUTER_MANDATORY makes a reply to a vanished device fail loudly (it is then dropped) rather
@@ -26,15 +26,15 @@ from cloud_runtime.batching import Batcher, Pending
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.runner import LocalExecutor
 from cloud_runtime.scheduler import SchedulerConfig
-from cloud_runtime.session import TargetSession
+from hat_split.models.target import TargetSession
 from cloud_runtime.split_session import MiddleSession
-from hat_split import protocol as P
-from hat_split.chunking import DelayModel, chunk_size
-from hat_split.dist_codec import decode_dist
-from hat_split.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
-from hat_split.lm import CausalLM
-from hat_split.partition import check_family, embed, head_logits, model_fingerprint
-from hat_split.sampling import SamplingParams
+from hat_split.wire import messages as P
+from hat_split.math.chunking import DelayModel, chunk_size
+from hat_split.wire.dist_codec import decode_dist
+from hat_split.wire.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
+from hat_split.models.lm import CausalLM
+from hat_split.models.partition import check_family, embed, head_logits, model_fingerprint
+from hat_split.math.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.cloud")
 
@@ -109,7 +109,7 @@ class CloudServer:
         security = self.config.security
         if security.curve:  # CurveZMQ: encrypted, and only devices in the allow-list get through (ZAP)
             from cloud_runtime.zap import DOMAIN, ZapAllowList
-            from hat_split.security import load_secret
+            from hat_split.net.security import load_secret
 
             public, secret = load_secret(security.secret_key)
             self.zap = ZapAllowList(self._ctx, security.allow_dir)
@@ -188,7 +188,7 @@ class CloudServer:
 
     def write_status(self) -> None:
         """The report, written atomically to config.status_file (a reader never sees half a file)."""
-        from hat_split.atomic import write_json
+        from hat_split.files.atomic import write_json
 
         write_json(self.config.status_file,
                    {"time": time.time(), "model": self.model_name, "endpoint": self.endpoint, **self.report()})

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 class MiddleSession:
     session_id: int
     protocol: str
-    hidden_format: str  # how deep states go back (hat_split.hidden_codec)
+    hidden_format: str  # how deep states go back (hat_split.wire.hidden_codec)
     start: int  # the middle layers [start, stop)
     stop: int
     position: int = 0  # positions computed (the cache's length, wherever its layers live), as of the last reply

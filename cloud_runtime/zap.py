@@ -15,7 +15,7 @@ from typing import Dict, List
 import zmq
 from zmq.utils import z85
 
-from hat_split.security import allowed_keys, fingerprint
+from hat_split.net.security import allowed_keys, fingerprint
 
 log = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"

@@ -1,5 +1,5 @@
 """`hat-edge generate`: generate on the device together with the cloud, streaming accepted text.
-`hat-edge serve`: the long-running agent (edge_runtime.agent) a fleet starts on every device."""
+`hat-edge serve`: the long-running agent (edge_runtime.api.agent) a fleet starts on every device."""
 from __future__ import annotations
 
 import argparse
@@ -10,11 +10,11 @@ import sys
 from edge_runtime.config import (
     BACKENDS, CHUNKING_MODES, LINK_POLICIES, OVERLAP_MODES, PRECISIONS, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
 )
-from hat_split.hidden_codec import HIDDEN_FORMATS
-from hat_split.security import LinkSecurity
-from edge_runtime.policy import POLICIES
-from hat_split.calibration import THRESHOLD_RULES
-from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
+from hat_split.wire.hidden_codec import HIDDEN_FORMATS
+from hat_split.net.security import LinkSecurity
+from edge_runtime.policy.policies import POLICIES
+from hat_split.math.calibration import THRESHOLD_RULES
+from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +165,7 @@ def _uncertainty_config(args) -> UncertaintyConfig:
     """Papers' defaults, then the calibration file, then explicit flags."""
     base = UncertaintyConfig()
     if args.calibration:
-        from hat_split.calibration import load
+        from hat_split.math.calibration import load
 
         base = base.calibrated(load(args.calibration), args.threshold_rule)
     flags = {"u_threshold": args.u_threshold, "samples": args.perturb_samples, "theta_max": args.theta_max,
@@ -185,7 +185,7 @@ def _split_config(args) -> SplitConfig:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from hat_split.sampling import SamplingParams
+    from hat_split.math.sampling import SamplingParams
 
     try:
         protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
         if args.command == "serve":
-            from edge_runtime.agent import AgentConfig
+            from edge_runtime.api.agent import AgentConfig
 
             agent = AgentConfig(config, args.host, args.port, args.report_interval, args.status_file, protocols[0],
                                 tuple(m.strip() for m in args.mode_cycle.split(",") if m.strip()), args.mode_every)
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        from edge_runtime.agent import run_agent
+        from edge_runtime.api.agent import run_agent
 
         try:
             return run_agent(agent)

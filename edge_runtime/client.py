@@ -1,6 +1,6 @@
 """The device's ZeroMQ DEALER client: handshake with bounded retries, one request in flight, byte counters.
 
-Bytes are counted from the frames actually sent and received (hat_split.protocol.frame_bytes), so every bytes-per-token
+Bytes are counted from the frames actually sent and received (hat_split.wire.messages.frame_bytes), so every bytes-per-token
 figure in hatspec is measured, not computed from a formula.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, Iterator, List, Optional
 
 import zmq
 
-from hat_split import protocol as P
+from hat_split.wire import messages as P
 
 RECONNECT_BACKOFF_MAX_S = 5.0  # the longest wait between two reconnection attempts after a drop
 RTT_PROBES = 3  # tiny round trips after the handshake; their minimum is the uplink estimate's baseline
@@ -63,7 +63,7 @@ class CloudClient:
 
     def __init__(self, server: str, hello: P.Hello, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.5, request_timeout_s: float = 120.0, security=None, heartbeat_s: float = 3.0):
-        """security: hat_split.security.LinkSecurity (CurveZMQ keys); None: a plaintext socket."""
+        """security: hat_split.net.security.LinkSecurity (CurveZMQ keys); None: a plaintext socket."""
         self.server = server
         self.security = security
         self.heartbeat_s = heartbeat_s  # a connection silent this long (no data, no heartbeat answer) is dropped
@@ -98,7 +98,7 @@ class CloudClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.hello.device_id}-{uuid.uuid4().hex[:8]}".encode())
         if self.security is not None and self.security.curve:
-            from hat_split.security import load_public, load_secret
+            from hat_split.net.security import load_public, load_secret
 
             sock.curve_publickey, sock.curve_secretkey = load_secret(self.security.secret_key)
             sock.curve_serverkey = load_public(self.security.server_key)

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hat_split.security import LinkSecurity
+from hat_split.net.security import LinkSecurity
 
 import numpy as np
 
-from hat_split.calibration import Calibration
-from hat_split.dist_codec import WIRE_DTYPES
-from hat_split.registry import MODEL_DTYPES, WEIGHT_QUANTS
-from hat_split.uncertainty import PerturbationConfig
+from hat_split.math.calibration import Calibration
+from hat_split.wire.dist_codec import WIRE_DTYPES
+from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
+from hat_split.math.uncertainty import PerturbationConfig
 
 OVERLAP_MODES = ("auto", "on", "off")
 LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (edge_runtime.generation.resume)
@@ -78,8 +78,8 @@ class QSConfig:
     policy_file: str = ""  # dqn: the trained network
 
     def __post_init__(self) -> None:
-        from edge_runtime.policy import POLICIES
-        from hat_split.dist_codec import MAX_ELL, MAX_SPARSE_K
+        from edge_runtime.policy.policies import POLICIES
+        from hat_split.wire.dist_codec import MAX_ELL, MAX_SPARSE_K
 
         if not 1 <= self.ell <= MAX_ELL:
             raise ValueError(f"ell must be in 1..{MAX_ELL}, got {self.ell}")
@@ -102,7 +102,7 @@ class SplitConfig:
     m: int = 2  # layers of the device's input part (HAT: 2 of 32); the model is the runtime's `model`
     tail: int = 0  # last layers kept on the device with the head
     adapter: str = ""  # hat-distill artifact directory (protocol hat needs one)
-    hidden_format: str = "float16"  # hidden states on the wire: float16 | float32 | int8 (hat_split.hidden_codec)
+    hidden_format: str = "float16"  # hidden states on the wire: float16 | float32 | int8 (hat_split.wire.hidden_codec)
     eta: float = 0.6  # drafting threshold η (eq. 5)
     max_draft: int = 8  # longest draft per round
     chunking: str = "auto"  # prompt chunking: "auto" (the cloud's eq. 3 answer) | "off" (one chunk)
@@ -114,7 +114,7 @@ class SplitConfig:
     slowdown: float = 1.0  # > 1 emulates a slower board: device compute is stretched to this many times its time
 
     def __post_init__(self) -> None:
-        from hat_split.hidden_codec import HIDDEN_FORMATS
+        from hat_split.wire.hidden_codec import HIDDEN_FORMATS
 
         if self.m < 1 or self.tail < 0:
             raise ValueError("m must be >= 1 (embeddings alone reveal the tokens) and tail >= 0")
@@ -138,7 +138,7 @@ class EdgeConfig:
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
     device_id: str = "edge-0"  # shown in the cloud's logs
     security: LinkSecurity = LinkSecurity()  # CurveZMQ keys (checked when connecting); plaintext only when asked
-    device_profile: str = ""  # profiles/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
+    device_profile: str = ""  # profiles/device/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
     draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
     draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
     dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values
@@ -210,7 +210,7 @@ class EdgeConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.device_profile:
-            from profiles.device_profiles import ProfileError, get_profile
+            from profiles.device.device_profiles import ProfileError, get_profile
 
             try:
                 get_profile(self.device_profile)

@@ -3,7 +3,7 @@
 Drafting feeds whatever committed tokens the cache lacks, then one token per draft step; after the cloud's verdict the
 cache is cropped to the accepted prefix (rejected drafts are forgotten, accepted ones are kept and never recomputed).
 Each draft token is sampled from the quantized distribution that is sent with it (a wire: float16 values,
-hat_split.dist_codec, or a lattice point, hat_split.sqs), so the cloud verifies against exactly the distribution the
+hat_split.wire.dist_codec, or a lattice point, hat_split.wire.sqs), so the cloud verifies against exactly the distribution the
 device sampled from.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import List, Tuple
 
 import numpy as np
 
-from hat_split import dist_codec
-from hat_split.lm import CausalLM, KVState
-from hat_split.sampling import SamplingParams, sample, softmax_prob, warp
+from hat_split.wire import dist_codec
+from hat_split.models.lm import CausalLM, KVState
+from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
 
 
 @dataclass

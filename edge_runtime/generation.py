@@ -19,10 +19,10 @@ from edge_runtime.client import (CloudClient, CloudError, CloudUnavailable, Link
                                  reconnect_delays)
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
-from hat_split import dist_codec
-from hat_split import protocol as P
-from hat_split.rng import session_rng
-from hat_split.sampling import SamplingParams
+from hat_split.wire import dist_codec
+from hat_split.wire import messages as P
+from hat_split.math.rng import session_rng
+from hat_split.math.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.edge")
 

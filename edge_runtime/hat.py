@@ -23,9 +23,9 @@ from typing import List
 
 from edge_runtime.generation import Generation
 from edge_runtime.split_drafter import SplitDrafter
-from hat_split import protocol as P
-from hat_split.chunking import ema, parallel_steps
-from hat_split.hidden_codec import bytes_per_position, decode_hidden, encode_hidden
+from hat_split.wire import messages as P
+from hat_split.math.chunking import ema, parallel_steps
+from hat_split.wire.hidden_codec import bytes_per_position, decode_hidden, encode_hidden
 
 
 @dataclass

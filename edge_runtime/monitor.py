@@ -7,13 +7,13 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from hat_split import protocol as P
-from hat_split.chunking import ema
+from hat_split.wire import messages as P
+from hat_split.math.chunking import ema
 
 
 @dataclass
 class DeviceMonitor:
-    profile: str = ""  # profiles/devices name, "" when not configured
+    profile: str = ""  # profiles/device/devices name, "" when not configured
     power_mode: str = ""  # the mode the board reports; "" off a Jetson (nothing is invented)
     draft_s: float = 0.0  # γ: moving average (α as HAT's) of seconds per draft token
     mode_error: str = ""  # why the mode could not be read, when it could not
@@ -23,7 +23,7 @@ class DeviceMonitor:
         """Read the power mode from nvpmodel (at most every max_age_s); keeps the reason when it cannot."""
         if time.monotonic() - self.mode_read_at < max_age_s and self.mode_read_at:
             return self.power_mode
-        from profiles.jetson_control import JetsonControlError, query_mode
+        from profiles.device.jetson_control import JetsonControlError, query_mode
 
         self.mode_read_at = time.monotonic()
         try:

@@ -1,9 +1,9 @@
 """Quantize-and-sample protocols: `qs` (QS-SD), `ksqs` and `csqs` (SQS-SD), and `sq`, the lossy sample-then-quantize
 baseline.
 
-A round: the policy picks (L, ℓ) from the state (edge_runtime.policy), the drafter drafts up to L tokens — or, with a
+A round: the policy picks (L, ℓ) from the state (edge_runtime.policy.policies), the drafter drafts up to L tokens — or, with a
 bit budget B, the longest draft whose rows fit in B bits (SQS §4) — each from its lattice-quantized distribution
-(hat_split.sqs.LatticeWire), the rows go to the cloud as one enumerative bit stream ("lattice" payload), and the
+(hat_split.wire.sqs.LatticeWire), the rows go to the cloud as one enumerative bit stream ("lattice" payload), and the
 verdict commits the accepted drafts plus the cloud's token. `csqs` then rolls its threshold back to the accepted
 prefix (SQS Algorithm 1). The state of the request (wire, threshold, policy, confidences) lives in
 `gen.protocol_state`; every round is logged in `gen.round_log` (L, ℓ, bits, accepted, the rate the cloud measured).
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_runtime.generation import Generation, cap_draft_len, send_verify
-from edge_runtime.policy import DEFAULT_RATE_BPS, RoundState, StaticPolicy, make_policy
-from hat_split.sqs import ConformalThreshold, LatticeWire
+from edge_runtime.policy.policies import DEFAULT_RATE_BPS, RoundState, StaticPolicy, make_policy
+from hat_split.wire.sqs import ConformalThreshold, LatticeWire
 
 SUPPORT_OF = {"qs": "full", "ksqs": "topk", "csqs": "conformal", "sq": "full"}
 

@@ -14,10 +14,10 @@ from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, GenerationResult, run
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS, SPLIT_PROTOCOLS
-from hat_split import protocol as P
-from hat_split.lm import CausalLM
-from hat_split.partition import holds_all_layers
-from hat_split.sampling import SamplingParams
+from hat_split.wire import messages as P
+from hat_split.models.lm import CausalLM
+from hat_split.models.partition import holds_all_layers
+from hat_split.math.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.edge")
 
@@ -49,19 +49,19 @@ class EdgeRuntime:
     """Context manager owning the draft model and, lazily, the cloud client."""
 
     def __init__(self, config: EdgeConfig, loaded=None):
-        from hat_split.loading import eos_ids, load_model, quantize_weights, vocab_fingerprint
+        from hat_split.models.loading import eos_ids, load_model, quantize_weights, vocab_fingerprint
 
         self.config = config
         self.client: Optional[CloudClient] = None
-        self._split = None  # hat_split.partition.SplitModel of this runtime's model, built on first use
+        self._split = None  # hat_split.models.partition.SplitModel of this runtime's model, built on first use
         self._adapter = None
-        self._adapter_lm = None  # hat_split.draft_lm.AdapterLM when token_draft is "adapter"
-        self._split_parts = {}  # protocol is hat → edge_runtime.split_parts (torch or the bundle's), built once
+        self._adapter_lm = None  # hat_split.models.draft_lm.AdapterLM when token_draft is "adapter"
+        self._split_parts = {}  # protocol is hat → edge_runtime.backends.split_parts (torch or the bundle's), built once
         self._session_ids = itertools.count(1)
         self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         if config.backend != "torch":  # exported artifacts: no torch model on the device
-            from edge_runtime.backends import open_bundle
+            from edge_runtime.backends.loader import open_bundle
 
             if loaded is not None:
                 raise ValueError(f"backend {config.backend} runs a bundle; it takes no pre-loaded torch model")
@@ -137,7 +137,7 @@ class EdgeRuntime:
                 time.sleep(delay)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
-        from profiles.prompts import encode
+        from profiles.testbed.prompts import encode
 
         return encode(self.tokenizer, prompt, chat)
 
@@ -191,8 +191,8 @@ class EdgeRuntime:
 
     def _parts(self, adapter: bool):
         """This runtime's model cut at split.m (and, when asked, its distilled Λ), built once."""
-        from hat_split.adapter import load_adapter
-        from hat_split.partition import SplitModel
+        from hat_split.models.adapter import load_adapter
+        from hat_split.models.partition import SplitModel
 
         c = self.config.split
         if self._split is None:
@@ -206,7 +206,7 @@ class EdgeRuntime:
     def _bundle_draft(self):
         """A bundle's draft chain for the token protocols, opened and warmed up now if the bundle has it; a bundle of
         split parts only (hat-export --parts hat) opens it on demand, so asking a token protocol says what is missing."""
-        from export.manifest import BundleError
+        from hat_split.files.bundle import BundleError
 
         try:
             lm = self.bundle.draft_lm()
@@ -222,7 +222,7 @@ class EdgeRuntime:
         if self.config.token_draft == "model":
             return self.lm
         if self._adapter_lm is None:
-            from hat_split.draft_lm import AdapterLM
+            from hat_split.models.draft_lm import AdapterLM
 
             self._adapter_lm = AdapterLM(*self._parts(adapter=True), slowdown=self.config.split.slowdown)
             self._adapter_lm.warm_up()
@@ -231,7 +231,7 @@ class EdgeRuntime:
     def _split_drafter(self, protocol: str, params: SamplingParams, seed: int):
         """The device's parts of this runtime's model (and Λ for `hat`), in torch or from the bundle."""
         from edge_runtime.split_drafter import SplitDrafter
-        from edge_runtime.split_parts import TorchSplitParts
+        from edge_runtime.backends.split_parts import TorchSplitParts
 
         hat = protocol == "hat"
         if hat not in self._split_parts:

@@ -2,7 +2,7 @@
 
 Cache convention (one request; T = the committed sequence, prompt + generated):
 - at every round start the input part and Λ cover T[:-1] and so does the cloud's middle part; the last committed token
-  is fed first in the next round (as in hat_split.lm);
+  is fed first in the next round (as in hat_split.models.lm);
 - a HAT round drafts d1..dL with w_S = output ∘ Λ ∘ input: input part on [T[-1], d1, ..., dL] (L + 1 shallow states,
   the upload), Λ and the draft's output part on the first L of them; drafting stops after the first token whose
   draft probability is below η (eq. 5) or at the length limit;
@@ -13,7 +13,7 @@ Cache convention (one request; T = the committed sequence, prompt + generated):
 Parallel drafting (§3.5) forks the caches (cache tensors are never written in place, so a fork is a shallow copy) and
 drafts continuations of the top-k alternatives to the last draft token while the cloud works; a continuation whose
 first token is the one the verification emits becomes the next round's draft. Randomness is position-keyed
-(hat_split.rng.keyed_uniform), so a reused continuation is token for token what a fresh draft would have been.
+(hat_split.math.rng.keyed_uniform), so a reused continuation is token for token what a fresh draft would have been.
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from edge_runtime.split_parts import PartCacheLike, SplitParts, TorchSplitParts
-from hat_split.lm import board_time
-from hat_split.rng import keyed_uniform
-from hat_split.sampling import SamplingParams, sample, softmax_prob, warp
-from hat_split.verify import speculative_verify
+from edge_runtime.backends.split_parts import PartCacheLike, SplitParts, TorchSplitParts
+from hat_split.models.lm import board_time
+from hat_split.math.rng import keyed_uniform
+from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
+from hat_split.math.verify import speculative_verify
 
 
 @dataclass
@@ -48,7 +48,7 @@ class DraftState:
 
 @dataclass
 class SplitDrafter:
-    parts: SplitParts  # edge_runtime.split_parts: torch, or a bundle's graphs; no adapter: U-shape only
+    parts: SplitParts  # edge_runtime.backends.split_parts: torch, or a bundle's graphs; no adapter: U-shape only
     params: SamplingParams
     seed: Optional[int]
     tokens: List[int] = field(default_factory=list)
@@ -265,7 +265,7 @@ class SplitDrafter:
 def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
                         eta: float, max_draft: int, eos: frozenset = frozenset()) -> Dict[str, float]:
     """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round."""
-    from hat_split.partition import PartCache
+    from hat_split.models.partition import PartCache
 
     dev = SplitDrafter(TorchSplitParts(split, adapter), SamplingParams(temperature=0.0), seed=0)
     rounds = accepted = produced = 0

@@ -2,7 +2,7 @@
 
 One round = one device token. The device drafts it exactly as `hlm` does (same draws from the device stream, so a
 never-skipping `uhlm` reproduces `hlm` token for token), measures its uncertainty u by temperature perturbation on a
-separate stream (hat_split.uncertainty), and either
+separate stream (hat_split.math.uncertainty), and either
 - skips: commits the draft token locally; it joins `gen.pending`, which the next upload (or the session close)
   carries as `new_tokens`, so the cloud's sequence and KV cache catch up and never diverge; or
 - uploads: sends the token with its distribution — dense float16 (`uhlm`, `randhlm`: U-HLM transmits the full
@@ -19,10 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 from edge_runtime.generation import Generation, send_verify
-from hat_split import dist_codec, topk_codec
-from hat_split.sampling import sample
-from hat_split.uncertainty import perturbation_uncertainty
-from hat_split.vocab_size_policy import online_k
+from hat_split.wire import dist_codec
+from hat_split.math import topk_codec
+from hat_split.math.sampling import sample
+from hat_split.math.uncertainty import perturbation_uncertainty
+from hat_split.math.vocab_size_policy import online_k
 
 
 def _draft_one(gen: Generation, measure: bool = True) -> tuple[int, np.ndarray, float]:

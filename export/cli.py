@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def validation_prompts(tokenizer, n: int, min_tokens: int = 40, max_tokens: int = 160) -> List[List[int]]:
     """n real prompts as token ids (held out from the distillation and benchmark sets by offset)."""
-    from profiles.prompts import encode, humaneval_prompts, sharegpt_prompts
+    from profiles.testbed.prompts import encode, humaneval_prompts, sharegpt_prompts
 
     pool = humaneval_prompts(n, offset=150) + sharegpt_prompts(4 * n, offset=5000, min_chars=200, max_chars=2000)
     out = []
@@ -71,7 +71,7 @@ def validation_prompts(tokenizer, n: int, min_tokens: int = 40, max_tokens: int 
 
 def _onnx(args) -> int:
     from export.onnx_export import export_bundle
-    from hat_split.loading import load_model
+    from hat_split.models.loading import load_model
 
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     parts = PART_SETS[args.parts]
@@ -80,8 +80,8 @@ def _onnx(args) -> int:
     if "adapter" in parts:
         if not args.adapter:
             raise ValueError("--parts hat needs --adapter DIR (a hat-distill output)")
-        from hat_split.adapter import load_adapter
-        from hat_split.partition import SplitModel
+        from hat_split.models.adapter import load_adapter
+        from hat_split.models.partition import SplitModel
 
         adapter = load_adapter(args.adapter, SplitModel(loaded.model, args.m, args.tail))
     prompts = validation_prompts(loaded.tokenizer, args.prompts)
@@ -95,11 +95,11 @@ def _onnx(args) -> int:
 
 
 def _tensorrt(args) -> int:
-    from export import manifest as M
+    from hat_split.files import bundle as M
     from export.tensorrt_build import build_bundle
-    from hat_split.loading import load_model
+    from hat_split.models.loading import load_model
 
-    from edge_runtime.trt_backend import tensorrt_version
+    from edge_runtime.backends.trt_backend import tensorrt_version
 
     tensorrt_version()  # says so before a model is loaded when TensorRT is absent
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
@@ -109,8 +109,8 @@ def _tensorrt(args) -> int:
     if any(a.part == "adapter" for a in man.artifacts):
         if not args.adapter:
             raise ValueError("the bundle holds Λ: give --adapter DIR (the one it was exported with)")
-        from hat_split.adapter import load_adapter
-        from hat_split.partition import SplitModel
+        from hat_split.models.adapter import load_adapter
+        from hat_split.models.partition import SplitModel
 
         adapter = load_adapter(args.adapter, SplitModel(loaded.model, man.model["m"], man.model["tail"]))
     man = build_bundle(Path(args.bundle), loaded, adapter, precisions, validation_prompts(loaded.tokenizer, args.prompts),
@@ -121,12 +121,12 @@ def _tensorrt(args) -> int:
 
 
 def _verify(args) -> int:
-    from export import manifest as M
+    from hat_split.files import bundle as M
 
     fingerprint = vocab = None
     if args.model:
-        from hat_split.loading import load_model, vocab_fingerprint
-        from hat_split.partition import model_fingerprint
+        from hat_split.models.loading import load_model, vocab_fingerprint
+        from hat_split.models.partition import model_fingerprint
 
         loaded = load_model(args.model, dtype="float32")
         fingerprint, vocab = model_fingerprint(loaded.model), vocab_fingerprint(loaded.tokenizer)

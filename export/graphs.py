@@ -4,7 +4,7 @@ A part is: token embeddings (or hidden states in), the model's layers [start, st
 adapter) after them, and optionally final norm + head. Its KV cache goes in as tensors and comes out grown by the new
 positions (`present = past ++ new`); positions and the additive causal mask (and, for Gemma 3's local layers, the
 sliding-window mask) are inputs, so one graph serves a prefill, a chunk on top of a cache and a single step. The runtime
-(hat_split.onnx_lm) builds the masks with hat_split.masks and crops caches by slicing; no torch on the device.
+(hat_split.onnx_lm) builds the masks with hat_split.math.masks and crops caches by slicing; no torch on the device.
 
 Graph inputs, in order: `x` (int64 `# [1, n]` ids or `# [1, n, hidden]` states), `position_ids` int64 `# [1, n]`,
 `mask` `# [1, 1, n, past + n]` (then `mask_sliding` when a sliding layer is in the part), `logit_index` int64 `# [k]`
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from hat_split.partition import SLIDING, Stack, head_logits, layer_types
+from hat_split.models.partition import SLIDING, Stack, head_logits, layer_types
 
 PART_KINDS = ("draft", "input", "adapter", "output")
 
@@ -50,7 +50,7 @@ class PartSpec:
         raise ValueError(f"unknown part {kind!r}; known: {', '.join(PART_KINDS)}")
 
     def cached_layers(self, n_layers: int) -> List[int]:
-        """Cache keys of the part's attention layers (Λ's key is n_layers, as in hat_split.adapter)."""
+        """Cache keys of the part's attention layers (Λ's key is n_layers, as in hat_split.models.adapter)."""
         return list(range(self.start, self.stop)) + ([n_layers] if self.adapter else [])
 
     def mask_kinds(self, config: Any, adapter_type: Optional[str] = None) -> List[str]:
@@ -137,7 +137,7 @@ def example_inputs(model: Any, spec: PartSpec, adapter: Any = None, n: int = 3, 
     """Inputs for tracing (sizes > 1 so that no dimension is specialised): n new positions on a cache of `past`."""
     import torch
 
-    from hat_split.partition import additive_mask
+    from hat_split.models.partition import additive_mask
 
     cfg = model.config
     dtype = dtype or next(model.parameters()).dtype
@@ -158,7 +158,7 @@ def example_inputs(model: Any, spec: PartSpec, adapter: Any = None, n: int = 3, 
 
 
 class TorchPart:
-    """A PartGraph run eagerly in torch behind the part-runner interface (edge_runtime.part_lm): the reference that
+    """A PartGraph run eagerly in torch behind the part-runner interface (edge_runtime.backends.part_lm): the reference that
     artifacts are validated against, and proof that the graphs compute what the model does."""
 
     providers = ["torch"]
@@ -167,7 +167,7 @@ class TorchPart:
         import numpy as np
         import torch
 
-        from edge_runtime.part_lm import PartIO
+        from edge_runtime.backends.part_lm import PartIO
 
         self.graph = PartGraph(model, spec, adapter).eval()
         self.names = spec.input_names(model.config, adapter.layer_type if adapter is not None else None)

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
-from export import manifest as M
+from hat_split.files import bundle as M
 from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs
 from export.validate import Schedule, THRESHOLDS, compare, verdict
 
@@ -123,18 +123,18 @@ def _io(path: Path) -> tuple:
 def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequence[str], m: int = 0, tail: int = 0,
                   adapter: Any = None, adapter_dir: str = "", prompts: Sequence[Sequence[int]] = (),
                   device_profile: str = "any", threads: int = 0, progress: bool = True) -> M.Manifest:
-    """Export `parts` of `loaded` (hat_split.loading.LoadedModel; its tokenizer may be None) in `precisions` into the bundle directory `out`,
+    """Export `parts` of `loaded` (hat_split.models.loading.LoadedModel; its tokenizer may be None) in `precisions` into the bundle directory `out`,
     validate each artifact on `prompts` and write the manifest. Returns it; artifacts that failed are in it, marked."""
     import onnx
     import onnxruntime
     import torch
     from tqdm import tqdm
 
-    from edge_runtime.onnx_backend import OrtPart
-    from edge_runtime.part_lm import PartChainLM
-    from hat_split import protocol
-    from hat_split.loading import eos_ids, output_size, vocab_fingerprint
-    from hat_split.partition import model_fingerprint
+    from edge_runtime.backends.onnx_backend import OrtPart
+    from edge_runtime.backends.part_lm import PartChainLM
+    from hat_split.wire import messages as protocol
+    from hat_split.models.loading import eos_ids, output_size, vocab_fingerprint
+    from hat_split.models.partition import model_fingerprint
 
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad:

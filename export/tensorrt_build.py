@@ -87,12 +87,12 @@ def build_engine(onnx_path: Path, engine_path: Path, precision: str, max_context
 def build_bundle(bundle: Path, loaded: Any, adapter: Any, precisions: Sequence[str], prompts, max_context: int,
                  max_chunk: int) -> Any:
     """Engines for every ONNX part of `precisions` in the bundle, validated against torch like the ONNX artifacts."""
-    from edge_runtime.part_lm import PartChainLM
-    from edge_runtime.trt_backend import TrtPart, tensorrt_version
-    from export import manifest as M
+    from edge_runtime.backends.part_lm import PartChainLM
+    from edge_runtime.backends.trt_backend import TrtPart, tensorrt_version
+    from hat_split.files import bundle as M
     from export.graphs import PartSpec, TorchPart
     from export.validate import THRESHOLDS, Schedule, compare, verdict
-    from hat_split.partition import model_fingerprint
+    from hat_split.models.partition import model_fingerprint
 
     tensorrt_version()
     man = M.load(bundle, model_fingerprint=model_fingerprint(loaded.model))

@@ -4,7 +4,7 @@ The reference is the torch model in float32 through the same part graphs (export
 equal to the model itself); the candidate is the artifact chain of one precision. Both chains get the same feeds and
 every part's output is compared after every feed: the largest |Δ| relative to the reference's largest magnitude, and
 for logits the agreement of the argmax. An artifact whose figures miss its precision's thresholds is marked failed
-and a runtime refuses it (export.manifest.Manifest.usable).
+and a runtime refuses it (hat_split.files.bundle.Manifest.usable).
 """
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from profiles import device_profiles as D
-    from profiles import jetson_control as J
-    from profiles.power import BackendUnavailable
+    from profiles.device import device_profiles as D
+    from profiles.device import jetson_control as J
+    from profiles.device.power import BackendUnavailable
 
     parser = argparse.ArgumentParser(prog="hat-profile", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--seconds", type=float, default=3.0)
     s.add_argument("--interval-s", type=float, default=0.5)
     s = sub.add_parser("sweep", help="power mode × draft backend × draft length: speed and energy (JSON + PNG)")
-    from scripts.profile_sweep import add_arguments
+    from profiles.bench.profile_sweep import add_arguments
 
     add_arguments(s)
     args = parser.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 name, mode = J.set_mode(m.id, reboot=args.reboot)
                 print(f"now {mode} {name}")
         elif args.command == "sample":
-            from profiles.power import open_sampler
+            from profiles.device.power import open_sampler
 
             sampler = open_sampler(interval_s=args.interval_s)
             print(json.dumps(sampler.describe(), indent=1))
@@ -102,7 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps({k: v for k, v in vars(r).items() if v not in (None, {}, [])}))
             print(json.dumps({"window": sampler.window(t0, t1)}))
         elif args.command == "sweep":
-            from scripts.profile_sweep import run
+            from profiles.bench.profile_sweep import run
 
             return run(args)
     except (D.ProfileError, J.JetsonControlError, BackendUnavailable, ValueError) as exc:

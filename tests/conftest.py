@@ -25,7 +25,7 @@ def tiny_model(seed: int, layers: int = 2):
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(draft, target) CausalLMs sharing the tiny vocabulary."""
-    from hat_split.lm import CausalLM
+    from hat_split.models.lm import CausalLM
 
     return CausalLM(tiny_model(1, layers=1)), CausalLM(tiny_model(2, layers=2))
 
@@ -36,7 +36,7 @@ def serving(lm, security=None, bind="tcp://127.0.0.1:0", vocab="tiny-vocab", **c
     `vocab`: the vocabulary fingerprint it declares)."""
     from cloud_runtime.config import CloudConfig
     from cloud_runtime.server import CloudServer
-    from hat_split.security import LinkSecurity
+    from hat_split.net.security import LinkSecurity
 
     cfg = CloudConfig(model="tiny", bind=bind, poll_ms=20, max_context=1024,
                       security=security or LinkSecurity.plaintext(), **config)
@@ -57,7 +57,7 @@ def tiny_server(tiny_pair):
 
 
 def real_models_available() -> bool:
-    from hat_split.registry import is_installed
+    from hat_split.models.registry import is_installed
 
     return all(is_installed(n) for n in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"))
 
@@ -71,10 +71,10 @@ requires_real_pair = pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (float32), the model the HAT tests cut; skipped when not installed."""
-    from hat_split.registry import is_installed
+    from hat_split.models.registry import is_installed
 
     if os.environ.get("HATSPEC_SKIP_REAL") == "1" or not is_installed("smollm2-135m"):
         pytest.skip("smollm2-135m is not installed (run `hat-models install smollm2-135m`)")
-    from hat_split.loading import load_model
+    from hat_split.models.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32")

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hat_split.lm import KVState
+from hat_split.models.lm import KVState
 
 
 class MarkovLM:

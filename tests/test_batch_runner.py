@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hat_split.partition import PartCache, Stack  # noqa: E402
+from hat_split.models.partition import PartCache, Stack  # noqa: E402
 from tests.test_hat import _family  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_batched_forward_refuses_bad_batches():
 def test_batched_middle_part_of_a_real_model(smollm2):
     """smollm2's middle part (layers 2-29) on real tokens' shallow states: batched = alone up to float noise relative
     to the deep states' scale, and the same next-token argmax everywhere."""
-    from hat_split.partition import SplitModel
+    from hat_split.models.partition import SplitModel
 
     split = SplitModel(smollm2.model, 2)
     ids = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hat_split.verify import ideal_speedup
-from scripts.bench import parse_variants, summarise, variant_name
+from hat_split.math.verify import ideal_speedup
+from profiles.bench.bench import parse_variants, summarise, variant_name
 
 
 def _row(tokens, total_s, drafted=0, accepted=0, rejected=0, rounds=0):
@@ -59,8 +59,8 @@ def _hlm_row(n, total_s, uploads, skipped, up_bytes, ks=()):
 def test_cuhlm_summary_counts_tr_tsr_k_and_payload():
     import argparse
 
-    from scripts.bench_cuhlm import format_table
-    from scripts.bench_cuhlm import summarise as summarise_cuhlm
+    from profiles.bench.bench_cuhlm import format_table
+    from profiles.bench.bench_cuhlm import summarise as summarise_cuhlm
 
     args = argparse.Namespace(snr_db="-10,10", bandwidth_mhz=10.0, rician_k_db=10.0, seed=0)
     runs = {
@@ -83,7 +83,7 @@ def test_cuhlm_summary_counts_tr_tsr_k_and_payload():
 
 
 def test_hat_bench_summary_rows_and_changes_against_ushape():
-    from scripts.bench_hat import summarise
+    from profiles.bench.bench_hat import summarise
 
     def row(ttft, tbt, n, rounds, drafted=0, accepted=0, tokens=None, chunks=1):
         return {"ttft_s": ttft, "tbt_s": tbt, "n_tokens": n, "rounds": rounds, "drafted": drafted,

@@ -1,4 +1,4 @@
-"""U-HLM / CU-HLM calibration math (hat_split.calibration) and how the edge takes a calibration file."""
+"""U-HLM / CU-HLM calibration math (hat_split.math.calibration) and how the edge takes a calibration file."""
 import json
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 from edge_runtime.cli import _uncertainty_config, build_parser
 from edge_runtime.config import UncertaintyConfig
-from hat_split import calibration as C
-from hat_split.vocab_size_policy import offline_k, tail_l1
+from hat_split.math import calibration as C
+from hat_split.math.vocab_size_policy import offline_k, tail_l1
 
 
 def test_rejection_probability():
@@ -105,9 +105,9 @@ def test_bad_calibration_files_are_refused(tmp_path, content, match):
 
 def test_recording_on_a_tiny_pair_matches_the_models(tiny_pair):
     """Records come from the exact HLM path: x_d and y_d are the two models' probabilities of the drafted token."""
-    from scripts.calibrate import record_pair
-    from hat_split.sampling import SamplingParams, warp
-    from hat_split.uncertainty import PerturbationConfig
+    from edge_runtime.training.calibrate import record_pair
+    from hat_split.math.sampling import SamplingParams, warp
+    from hat_split.math.uncertainty import PerturbationConfig
 
     draft, target = tiny_pair
     prompts = [[5, 17, 99, 3], [250, 7, 8]]

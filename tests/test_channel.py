@@ -1,12 +1,12 @@
-"""Block-fading channel model (profiles.channel) and the accuracy metric's cosine."""
+"""Block-fading channel model (profiles.testbed.channel) and the accuracy metric's cosine."""
 import math
 
 import numpy as np
 import pytest
 
-from profiles.channel import Channel, token_throughput, uplink_times
-from profiles.prompts import HUMANEVAL_SPLIT, calibration_prompts, evaluation_prompts
-from scripts.accuracy import cosine
+from profiles.testbed.channel import Channel, token_throughput, uplink_times
+from profiles.testbed.prompts import HUMANEVAL_SPLIT, calibration_prompts, evaluation_prompts
+from profiles.bench.accuracy import cosine
 
 
 @pytest.mark.parametrize("fading", ["rayleigh", "rician"])

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from edge_runtime.drafter import Drafter
-from edge_runtime.part_lm import PartChainLM
-from export import manifest as M
+from edge_runtime.backends.part_lm import PartChainLM
+from hat_split.files import bundle as M
 from export.graphs import PartSpec, TorchPart
-from hat_split.adapter import Adapter
-from hat_split.draft_lm import AdapterLM
-from hat_split.lm import CausalLM
-from hat_split.partition import SplitModel
-from hat_split.sampling import SamplingParams
+from hat_split.models.adapter import Adapter
+from hat_split.models.draft_lm import AdapterLM
+from hat_split.models.lm import CausalLM
+from hat_split.models.partition import SplitModel
+from hat_split.math.sampling import SamplingParams
 from tests.test_hat import V, _family
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
@@ -122,7 +122,7 @@ def test_bundle_manifest_records_and_validates_every_artifact(llama_bundle):
 def test_generation_through_onnxruntime_is_token_identical_to_torch(llama_bundle):
     """Temperature 0, fp32: drafting token by token with the onnxruntime chain (whole draft, and HAT's split draft)
     gives exactly torch's tokens."""
-    from edge_runtime.onnx_backend import OrtPart
+    from edge_runtime.backends.onnx_backend import OrtPart
 
     out, model, adapter = llama_bundle
     params = SamplingParams(0.0)
@@ -159,8 +159,8 @@ def target_bundle(tmp_path_factory, tiny_pair):
 
 
 def _bundle_parts(out, hat=True):
-    from edge_runtime.onnx_backend import OrtPart
-    from edge_runtime.split_parts import BundleSplitParts
+    from edge_runtime.backends.onnx_backend import OrtPart
+    from edge_runtime.backends.split_parts import BundleSplitParts
 
     parts = {k: OrtPart(out / f"{k}.fp32.onnx", ["CPUExecutionProvider"]) for k in ("input", "adapter", "output")}
     return BundleSplitParts(parts["input"], parts["output"], parts["adapter"] if hat else None, M.load(out).model)
@@ -170,7 +170,7 @@ def test_split_drafting_and_forks_on_onnxruntime_equal_torch(target_bundle):
     """The device's HAT machinery on exported parts — prefill, drafting, parallel-drafting forks, verification and
     the crop after it — gives torch's distributions and tokens."""
     from edge_runtime.split_drafter import SplitDrafter
-    from edge_runtime.split_parts import TorchSplitParts
+    from edge_runtime.backends.split_parts import TorchSplitParts
 
     out, model, adapter = target_bundle
     bundle = _bundle_parts(out)
@@ -358,7 +358,7 @@ def test_backend_settings_are_checked():
         EdgeConfig(model="m", backend="tflite", bundle="b")
     with pytest.raises(ValueError, match="precision must be one of"):
         EdgeConfig(model="m", backend="onnxruntime", bundle="b", precision="int2")
-    from edge_runtime.onnx_backend import choose_providers
+    from edge_runtime.backends.onnx_backend import choose_providers
 
     assert choose_providers()[-1] == "CPUExecutionProvider"
     with pytest.raises(ValueError, match="not in this onnxruntime build"):

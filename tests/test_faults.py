@@ -14,10 +14,10 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, run
-from hat_split import protocol as P
-from hat_split.sampling import SamplingParams
-from hat_split.security import LinkSecurity
-from profiles.link_emulator import LinkEmulator
+from hat_split.wire import messages as P
+from hat_split.math.sampling import SamplingParams
+from hat_split.net.security import LinkSecurity
+from profiles.testbed.link_emulator import LinkEmulator
 from cloud_runtime.process import free_port
 from tests.conftest import serving
 
@@ -116,7 +116,7 @@ def test_a_cloud_restarted_mid_session_lets_the_device_finish(tiny_pair):
 # -- the split protocols: only hidden states cross the link, so the device replays its history's shallow states -------
 @pytest.fixture(scope="module")
 def tiny_adapter(tiny_pair):
-    from hat_split.adapter import Adapter
+    from hat_split.models.adapter import Adapter
 
     return Adapter(tiny_pair[1].model, 1).eval().requires_grad_(False)
 
@@ -124,8 +124,8 @@ def tiny_adapter(tiny_pair):
 def _generate_split(endpoint, model, adapter, protocol, policy="wait", on_tokens=None, tap=None):
     from edge_runtime.config import SplitConfig
     from edge_runtime.split_drafter import SplitDrafter
-    from edge_runtime.split_parts import TorchSplitParts
-    from hat_split.partition import SplitModel
+    from edge_runtime.backends.split_parts import TorchSplitParts
+    from hat_split.models.partition import SplitModel
 
     params = SamplingParams(0.0)
     parts = TorchSplitParts(SplitModel(model, 1), adapter if protocol == "hat" else None)
@@ -276,8 +276,8 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
     """The runtime has been served, then the link is cut between two requests: the next request reconnects with
     backoff once the link is back instead of failing. A cloud never reached still fails at once."""
     from edge_runtime.runtime import EdgeRuntime
-    from hat_split.lm import CausalLM
-    from hat_split.loading import vocab_fingerprint
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import vocab_fingerprint
 
     vocab = vocab_fingerprint(smollm2.tokenizer)
     with serving(CausalLM(smollm2.model), vocab=vocab, session_timeout_s=2.0) as server, _link(server) as link:

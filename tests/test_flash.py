@@ -1,4 +1,4 @@
-"""hat-flash (issue 7): bundles onto namespace "devices" over real ssh (profiles.netns_fleet), one by one and as a
+"""hat-flash (issue 7): bundles onto namespace "devices" over real ssh (profiles.testbed.netns_fleet), one by one and as a
 fleet through the Ansible playbook; verified on the device, idempotent, and refused when the bundle is damaged."""
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import types
 
 import pytest
 
-from export import manifest as M
+from hat_split.files import bundle as M
 
 pytestmark = pytest.mark.netns
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from profiles.netns_fleet import LocalFleet, unavailable
+    from profiles.testbed.netns_fleet import LocalFleet, unavailable
 
     why = unavailable()
     if why:
@@ -46,7 +46,7 @@ def _device_sums(fleet, dev, path):
 
 
 def test_flash_two_devices_lands_verified_files_and_a_second_flash_sends_nothing(fleet, bundle):
-    from export.flash import Target, bundle_files, flash
+    from export.deploy.flash import Target, bundle_files, flash
 
     files = bundle_files(bundle)
     targets = [Target.parse(f"root@{d.address}:/opt/hatspec/bundle", fleet.ssh_options()) for d in fleet.devices]
@@ -66,7 +66,7 @@ def test_flash_two_devices_lands_verified_files_and_a_second_flash_sends_nothing
 
 
 def test_a_damaged_bundle_is_refused_before_anything_is_sent(fleet, bundle, tmp_path, capsys):
-    from export.flash_cli import main
+    from export.deploy.flash_cli import main
 
     bad = tmp_path / "bad"
     shutil.copytree(bundle, bad)
@@ -85,7 +85,7 @@ def test_a_damaged_bundle_is_refused_before_anything_is_sent(fleet, bundle, tmp_
 def test_fleet_flash_through_ansible_is_verified_and_idempotent(fleet, bundle, tmp_path):
     if shutil.which("ansible-playbook") is None:
         pytest.skip("ansible-core is not installed (the fleet extra)")
-    from export.flash import bundle_files, flash_fleet
+    from export.deploy.flash import bundle_files, flash_fleet
 
     inv = tmp_path / "inventory.yml"
     hosts = "".join(f"    {d.name}:\n      ansible_host: {d.address}\n" for d in fleet.devices)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from scripts import fleet as F
+from export.deploy import fleet as F
 
 INVENTORY = {"all": {"vars": {"hatspec_python": "python3", "hatspec_plaintext": True}, "children": {
     "cloud": {"hosts": {"gpu-box": {"ansible_host": "10.0.0.1", "ansible_user": "ops", "hatspec_model": "qwen"}}},
@@ -67,7 +67,7 @@ def test_a_bad_inventory_is_refused_with_the_host_named(tmp_path, edit, error):
 
 
 def _fleet_reason():
-    from profiles.netns_fleet import unavailable
+    from profiles.testbed.netns_fleet import unavailable
 
     return unavailable()
 
@@ -80,7 +80,7 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
     cannot be set off a Jetson: recorded, not fatal), each agent reports its profile to the cloud; a request served
     by one agent shows in `status` (its drafting delay reaches the cloud); `down` leaves no agent or cloud process,
     and closing the local fleet leaves no namespace."""
-    from profiles.netns_fleet import LocalFleet
+    from profiles.testbed.netns_fleet import LocalFleet
 
     with LocalFleet(3, prefix="hsf", net=79, directory=tmp_path / "fleet") as local:
         inv_dict = local.inventory(sys.executable, cloud_port=5599, hatspec_model="smollm2-135m",

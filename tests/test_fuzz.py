@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hat_split import protocol as P
-from scripts.fuzz import MUTATIONS, fuzz, fuzz_decoder
+from hat_split.wire import messages as P
+from profiles.bench.fuzz import MUTATIONS, fuzz, fuzz_decoder
 
 
 @settings(max_examples=400, deadline=None)

@@ -8,8 +8,8 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, run
-from hat_split import protocol as P
-from hat_split.sampling import SamplingParams
+from hat_split.wire import messages as P
+from hat_split.math.sampling import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 7]
 

@@ -15,13 +15,13 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, SplitConfig
 from edge_runtime.generation import Generation, run
 from edge_runtime.split_drafter import SplitDrafter
-from edge_runtime.split_parts import TorchSplitParts
-from hat_split import protocol as P
-from hat_split.adapter import Adapter, adapter_stack, load_adapter, save_adapter
-from hat_split.chunking import DelayModel, chunk_size, parallel_steps, prefill_finish
-from hat_split.hidden_codec import decode_hidden, encode_hidden
-from hat_split.partition import PartCache, SplitModel, head_logits
-from hat_split.sampling import SamplingParams
+from edge_runtime.backends.split_parts import TorchSplitParts
+from hat_split.wire import messages as P
+from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
+from hat_split.math.chunking import DelayModel, chunk_size, parallel_steps, prefill_finish
+from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
+from hat_split.models.partition import PartCache, SplitModel, head_logits
+from hat_split.math.sampling import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 7, 41, 8, 300, 12, 77]
 V = 300
@@ -204,9 +204,9 @@ def test_draft_distributions_equal_the_uncached_draft_model(tmp_path):
 
 
 def test_the_split_draft_as_a_token_model_equals_the_uncached_draft():
-    """AdapterLM (hat_split.draft_lm): w_S with CausalLM's interface; chunked feeding, crops and re-feeds give the
+    """AdapterLM (hat_split.models.draft_lm): w_S with CausalLM's interface; chunked feeding, crops and re-feeds give the
     uncached logits, and a device config asking for it without an adapter is refused."""
-    from hat_split.draft_lm import AdapterLM
+    from hat_split.models.draft_lm import AdapterLM
 
     model = _target()
     split = SplitModel(model, 1)
@@ -238,7 +238,7 @@ def test_sd_drafting_with_the_split_draft_gives_the_targets_tokens(tiny_server, 
     """Token protocol `sd` with w_S as its draft (a device holding only its parts): the cloud's whole model verifies,
     so temperature 0 gives the target's greedy tokens, and drafts are accepted at all."""
     from edge_runtime.drafter import Drafter
-    from hat_split.draft_lm import AdapterLM
+    from hat_split.models.draft_lm import AdapterLM
 
     model = tiny_pair[1].model
     params = SamplingParams(0.0)
@@ -297,8 +297,8 @@ def test_split_protocols_greedy_equal_the_full_model(tiny_server, tiny_pair, tin
 
 def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tiny_adapter):
     """Over a link with 15 ms of delay each way, so the device has time to draft candidates while it waits."""
-    from profiles.link_emulator import LinkEmulator
-    from profiles.links import LinkProfile
+    from profiles.testbed.link_emulator import LinkEmulator
+    from profiles.testbed.links import LinkProfile
 
     model = tiny_pair[1].model
     hits = []
@@ -359,8 +359,8 @@ FIB = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
 def greedy_reference(model, ids, n):
-    """The whole model's n greedy tokens after `ids`, through hat_split.lm's cached forward."""
-    from hat_split.lm import CausalLM
+    """The whole model's n greedy tokens after `ids`, through hat_split.models.lm's cached forward."""
+    from hat_split.models.lm import CausalLM
 
     return CausalLM(model).greedy(ids, n)
 

@@ -1,4 +1,4 @@
-"""Lattice quantization (hat_split.lattice) and its enumerative bit streams (hat_split.enumerative)."""
+"""Lattice quantization (hat_split.math.lattice) and its enumerative bit streams (hat_split.math.enumerative)."""
 import itertools
 import math
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hat_split import enumerative as E
-from hat_split import lattice as L
+from hat_split.math import enumerative as E
+from hat_split.math import lattice as L
 
 
 def _compositions(k, ell):

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from edge_runtime import openai_api as O
-from hat_split.security import LinkSecurity
+from edge_runtime.api import openai_api as O
+from hat_split.net.security import LinkSecurity
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (test extra)")
 
@@ -49,7 +49,7 @@ def test_stop_matcher_holds_back_what_may_become_a_stop():
 @pytest.fixture(scope="module")
 def endpoint(smollm2_module):
     from cloud_runtime.process import CloudProcess
-    from edge_runtime.agent import Agent, AgentConfig
+    from edge_runtime.api.agent import Agent, AgentConfig
     from edge_runtime.config import EdgeConfig
 
     with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
@@ -66,11 +66,11 @@ def endpoint(smollm2_module):
 
 @pytest.fixture(scope="module")
 def smollm2_module():
-    from hat_split.registry import is_installed
+    from hat_split.models.registry import is_installed
 
     if not is_installed("smollm2-135m"):
         pytest.skip("smollm2-135m is not installed")
-    from hat_split.loading import load_model
+    from hat_split.models.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32")
 
@@ -100,7 +100,7 @@ def test_completion_and_chat_through_the_openai_client(endpoint, smollm2_module)
     assert r.choices[0].text == want and smollm2_module.tokenizer.decode(r.model_extra["hatspec"]["tokens"]) == want
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model="m", prompt=[1, 10 ** 7])
-    from profiles.prompts import encode_chat
+    from profiles.testbed.prompts import encode_chat
 
     messages = [{"role": "user", "content": "Name a prime number."}]
     chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from profiles import device_profiles as D
-from profiles import jetson_control as J
-from profiles import power
-from profiles.tegrastats import TegrastatsParseError, parse_line
+from profiles.device import device_profiles as D
+from profiles.device import jetson_control as J
+from profiles.device import power
+from profiles.device.tegrastats import TegrastatsParseError, parse_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tegrastats.txt"
 

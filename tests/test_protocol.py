@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import zmq
 
-from hat_split import dist_codec
-from hat_split import protocol as P
+from hat_split.wire import dist_codec
+from hat_split.wire import messages as P
 
 ARR = np.arange(5, dtype=np.int32)
 DIST = dist_codec.pack(np.eye(2, 8, dtype=np.float16), "sparse")
@@ -141,7 +141,7 @@ def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, ti
     from edge_runtime.config import EdgeConfig
     from edge_runtime.drafter import Drafter
     from edge_runtime.generation import Generation, run
-    from hat_split.sampling import SamplingParams
+    from hat_split.math.sampling import SamplingParams
 
     bad = _raw_socket(tiny_server)
     hello = P.Hello("bad", "tiny", 512, "tiny-vocab")
@@ -268,7 +268,7 @@ def test_the_monitor_measures_drafting_delay_and_never_invents_a_mode():
     assert m.draft_s == pytest.approx(0.02)
     m.observe(SimpleNamespace(protocol="hat"), split_draft_s=0.03)
     assert m.draft_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.03)
-    from profiles.jetson_control import shutil
+    from profiles.device.jetson_control import shutil
 
     if shutil.which("nvpmodel") is None:
         assert m.refresh_mode() == "" and "not a Jetson" in m.mode_error

@@ -13,13 +13,14 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, QSConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, run
-from hat_split import dist_codec, enumerative
-from hat_split import protocol as P
-from hat_split.sampling import SamplingParams
-from hat_split.sqs import ConformalThreshold, LatticeWire, force_token, quantize_row
+from hat_split.wire import dist_codec
+from hat_split.math import enumerative
+from hat_split.wire import messages as P
+from hat_split.math.sampling import SamplingParams
+from hat_split.wire.sqs import ConformalThreshold, LatticeWire, force_token, quantize_row
 from tests.markov_lm import MarkovLM, chain_probability
 from tests.test_sampling import SEED, empirical, tv, tv_bound
-from hat_split.security import LinkSecurity
+from hat_split.net.security import LinkSecurity
 
 V = 4
 START = 0

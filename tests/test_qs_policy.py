@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from edge_runtime.policy import HeuristicPolicy, QNetwork, RoundState, expected_new_tokens, make_policy
-from edge_runtime.policy_env import PolicyEnv, Trace, TwoStateChannel, action_grid
-from scripts.train_policy import round_cost, train_dqn
-from hat_split.security import LinkSecurity
+from edge_runtime.policy.policies import HeuristicPolicy, QNetwork, RoundState, expected_new_tokens, make_policy
+from edge_runtime.policy.env import PolicyEnv, Trace, TwoStateChannel, action_grid
+from edge_runtime.policy.train import round_cost, train_dqn
+from hat_split.net.security import LinkSecurity
 
 VOCAB = 512
 ELLS = (2, 1024)
@@ -91,11 +91,11 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     from edge_runtime.config import EdgeConfig, QSConfig
     from edge_runtime.drafter import Drafter
     from edge_runtime.generation import Generation, run
-    from hat_split import protocol as P
-    from hat_split.lm import CausalLM
-    from hat_split.sampling import SamplingParams
-    from profiles.link_emulator import LinkEmulator
-    from profiles.links import LinkProfile
+    from hat_split.wire import messages as P
+    from hat_split.models.lm import CausalLM
+    from hat_split.math.sampling import SamplingParams
+    from profiles.testbed.link_emulator import LinkEmulator
+    from profiles.testbed.links import LinkProfile
     from tests.test_registry import _tiny_model_and_tokenizer
 
     model, tok = _tiny_model_and_tokenizer(VOCAB)

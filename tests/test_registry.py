@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hat_split import registry
-from hat_split.registry import MODELS, ModelSpec
+from hat_split.models import registry
+from hat_split.models.registry import MODELS, ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_cache_dir_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_registry_and_loading_import_without_torch() -> None:
-    code = ("import sys, hat_split.registry, hat_split.loading, hat_split.registry_cli; "
+    code = ("import sys, hat_split.models.registry, hat_split.models.loading, hat_split.models.registry_cli; "
             "bad = [m for m in ('torch', 'transformers', 'gguf') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -296,7 +296,7 @@ VOCAB = {"<eos>": 0, "a": 1, "b": 2, "ab": 3}
 
 
 def test_vocab_fingerprint_is_stable_and_sensitive() -> None:
-    from hat_split.loading import vocab_fingerprint
+    from hat_split.models.loading import vocab_fingerprint
 
     fp = vocab_fingerprint(FakeTok(VOCAB, [0]))
     assert len(fp) == 64 and int(fp, 16) >= 0
@@ -307,7 +307,7 @@ def test_vocab_fingerprint_is_stable_and_sensitive() -> None:
 
 
 def test_check_pair_accepts_same_vocab_and_refuses_different() -> None:
-    from hat_split.loading import check_pair, vocab_fingerprint
+    from hat_split.models.loading import check_pair, vocab_fingerprint
 
     draft = FakeLoaded("small", FakeTok(VOCAB, [0]), 8)
     target = FakeLoaded("big", FakeTok(VOCAB, [0]), 8)
@@ -349,7 +349,7 @@ def _tiny_model_and_tokenizer(vocab_size: int = 64):  # type: ignore[no-untyped-
 def test_load_local_hf_directory(tmp_path: Path) -> None:
     import torch
 
-    from hat_split.loading import load_model
+    from hat_split.models.loading import load_model
 
     model, tok = _tiny_model_and_tokenizer()
     model.save_pretrained(tmp_path / "tiny")
@@ -372,7 +372,7 @@ def test_gguf_conversion_cache_roundtrip(tmp_path: Path, cache: Path, monkeypatc
     """
     import torch
 
-    from hat_split import loading
+    from hat_split.models import loading
 
     model, tok = _tiny_model_and_tokenizer()
     reads = []
@@ -410,7 +410,7 @@ def test_gguf_conversion_cache_roundtrip(tmp_path: Path, cache: Path, monkeypatc
 
 
 def test_cli_list_and_path(fake_model: str, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hat_split.registry_cli import main
+    from hat_split.models.registry_cli import main
 
     assert main(["list"]) == 0
     out = capsys.readouterr().out
@@ -441,7 +441,7 @@ def _need_real(name: str) -> None:
 def test_real_smollm2_gguf_then_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from hat_split.loading import check_pair, load_model
+    from hat_split.models.loading import check_pair, load_model
 
     _need_real("smollm2-135m")
     _need_real("qwen2.5-coder-0.5b")

@@ -1,4 +1,4 @@
-"""Tests for hat_split.sampling and hat_split.verify, three ways (STYLE.md lesson 4), all on CPU:
+"""Tests for hat_split.math.sampling and hat_split.math.verify, three ways (STYLE.md lesson 4), all on CPU:
 
 1. statistical: speculative decoding's output frequencies converge to the target p, and not to decoys;
 2. hand-built distributions with exact expected answers;
@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from hat_split.sampling import SamplingParams, sample, sample_rng, softmax_prob, warp
-from hat_split.verify import (
+from hat_split.math.sampling import SamplingParams, sample, sample_rng, softmax_prob, warp
+from hat_split.math.verify import (
     VerifyResult,
     acceptance_rate,
     expected_accepted,

@@ -12,9 +12,9 @@ import pytest
 
 from cloud_runtime.config import CloudConfig
 from edge_runtime.client import CloudClient, CloudError
-from hat_split import protocol as P
-from hat_split.keys_cli import main as keys_main
-from hat_split.security import LinkSecurity, ephemeral
+from hat_split.wire import messages as P
+from hat_split.net.keys_cli import main as keys_main
+from hat_split.net.security import LinkSecurity, ephemeral
 from tests.conftest import serving
 
 PROMPT = np.arange(300, 340, dtype=np.int32)  # 40 distinctive token ids of the tiny vocabulary

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts.soak import compare, slope_mb_per_min
+from profiles.bench.soak import compare, slope_mb_per_min
 
 REF = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -29,8 +29,8 @@ def test_slope_is_in_mb_per_minute():
 
 @pytest.mark.real_models
 def test_a_short_soak_loses_and_repeats_nothing(tmp_path):
-    from hat_split.registry import is_installed
-    from scripts.bench import main
+    from hat_split.models.registry import is_installed
+    from profiles.bench.bench import main
 
     if not is_installed("smollm2-135m"):
         pytest.skip("smollm2-135m is not installed")

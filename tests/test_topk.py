@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hat_split import topk_codec as T
-from hat_split.vocab_size_policy import offline_k, online_k, softplus, tail_l1
+from hat_split.math import topk_codec as T
+from hat_split.math.vocab_size_policy import offline_k, online_k, softplus, tail_l1
 
 V = 151936
 

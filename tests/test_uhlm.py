@@ -8,10 +8,10 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.generation import Generation, run
-from hat_split import protocol as P
-from hat_split import topk_codec
-from hat_split.sampling import SamplingParams, sample_rng
-from hat_split.verify import verify_rng
+from hat_split.wire import messages as P
+from hat_split.math import topk_codec
+from hat_split.math.sampling import SamplingParams, sample_rng
+from hat_split.math.verify import verify_rng
 
 PROMPT = [5, 17, 99, 3, 250, 7]
 
@@ -48,7 +48,7 @@ def peaky_draft(tiny_pair):
 
     import torch
 
-    from hat_split.lm import CausalLM
+    from hat_split.models.lm import CausalLM
 
     model = copy.deepcopy(tiny_pair[0].model)
     with torch.no_grad():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hat_split.uncertainty import (
+from hat_split.math.uncertainty import (
     PerturbationConfig, match_probabilities, perturbation_uncertainty, sampled_uncertainty_reference,
 )
 

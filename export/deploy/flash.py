@@ -1,0 +1,178 @@
+"""`hat-flash`: put a bundle on devices over ssh, verified on the device, idempotent.
+
+One device: the bundle is checked here first (hat_split.files.bundle.load); the device's copy is checked with `sha256sum`
+over ssh; only files that are missing or differ are sent (scp) into `<dir>/.incoming/`, checked again there, and
+moved into place with the manifest last, so a device never holds a manifest whose files are not all verified. A
+second flash of the same bundle sends nothing. A fleet (an Ansible inventory) runs export/deploy/flash.yml, which does the
+same per host with Ansible's own checksummed copies and then checks every sha256 on the device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from hat_split.files import bundle as M
+
+DEFAULT_DIR = "/opt/hatspec/bundle"
+_RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+                    r"\s+failed=(?P<failed>\d+)", re.M)
+_TARGET = re.compile(r"^(?:(?P<user>[^@:\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?(?::(?P<path>/\S*))?$")
+
+
+class FlashError(RuntimeError):
+    """A flash that did not land verified, and why."""
+
+
+@dataclass(frozen=True)
+class Target:
+    host: str
+    user: str = ""
+    port: int = 22
+    path: str = DEFAULT_DIR
+    ssh_options: tuple = ()  # extra ssh arguments (-i KEY, -o Option=value, ...)
+
+    @staticmethod
+    def parse(text: str, ssh_options: Sequence[str] = ()) -> "Target":
+        """`[user@]host[:port][:/absolute/path]`, e.g. `root@10.0.0.7:2222:/opt/hatspec/bundle`."""
+        m = _TARGET.match(text.strip())
+        if not m:
+            raise ValueError(f"bad device {text!r}: expected [user@]host[:port][:/absolute/path]")
+        return Target(m["host"].strip("[]"), m["user"] or "", int(m["port"] or 22), m["path"] or DEFAULT_DIR,
+                      tuple(ssh_options))
+
+    @property
+    def login(self) -> str:
+        return f"{self.user}@{self.host}" if self.user else self.host
+
+    def ssh(self, command: str) -> List[str]:
+        return ["ssh", "-p", str(self.port), "-o", "BatchMode=yes", *self.ssh_options, self.login, command]
+
+    def scp(self, local: Path, remote_rel: str) -> List[str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        login = f"{self.user}@{host}" if self.user else host
+        return ["scp", "-q", "-P", str(self.port), "-o", "BatchMode=yes", *self.ssh_options, str(local),
+                f"{login}:{self.path}/{remote_rel}"]
+
+
+@dataclass
+class FlashResult:
+    target: str
+    files: int  # files the bundle has
+    sent_files: List[str] = field(default_factory=list)
+    sent_bytes: int = 0
+    verified: bool = False
+
+
+def bundle_files(bundle: Path) -> Dict[str, str]:
+    """Every file of a verified bundle, relative path -> sha256, the manifest last."""
+    man = M.load(bundle)
+    files = dict(man.tokenizer)
+    for a in man.artifacts:
+        files.update(a.files)
+    files[M.MANIFEST] = M.sha256(bundle / M.MANIFEST)
+    return files
+
+
+def _call(cmd: List[str], what: str, timeout: float = 600) -> str:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise FlashError(f"{what}: no answer within {timeout:.0f} s") from None
+    if r.returncode != 0:
+        raise FlashError(f"{what} failed (exit {r.returncode}): {r.stderr.strip()[-400:] or r.stdout.strip()[-400:]}")
+    return r.stdout
+
+
+def remote_sums(target: Target, rels: Sequence[str], subdir: str = "") -> Dict[str, str]:
+    """sha256 of those files on the device (absent files are left out)."""
+    root = target.path + (f"/{subdir}" if subdir else "")
+    names = " ".join(shlex.quote(r) for r in rels)
+    out = _call(target.ssh(f"cd {shlex.quote(root)} 2>/dev/null && sha256sum -- {names} 2>/dev/null; true"),
+                f"checksums on {target.login}")
+    sums = {}
+    for line in out.splitlines():
+        digest, _, name = line.partition("  ")
+        if len(digest) == 64 and name:
+            sums[name] = digest
+    return sums
+
+
+def flash(bundle: Path, target: Target, progress: bool = True) -> FlashResult:
+    """Put `bundle` at target.path, verified; returns what was sent."""
+    from tqdm import tqdm
+
+    bundle = Path(bundle)
+    files = bundle_files(bundle)
+    result = FlashResult(f"{target.login}:{target.path}", len(files))
+    have = remote_sums(target, list(files))
+    todo = [rel for rel, digest in files.items() if have.get(rel) != digest]
+    if todo:
+        dirs = sorted({os.path.dirname(r) for r in todo} - {""})
+        mk = " ".join(shlex.quote(f"{target.path}/.incoming/{d}") for d in ["."] + dirs)
+        _call(target.ssh(f"mkdir -p {mk}"), f"mkdir on {target.login}")
+        total = sum((bundle / r).stat().st_size for r in todo)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"flash {target.host}", disable=not progress) as bar:
+            for rel in todo:
+                _call(target.scp(bundle / rel, f".incoming/{rel}"), f"sending {rel} to {target.login}", 3600)
+                size = (bundle / rel).stat().st_size
+                result.sent_files.append(rel)
+                result.sent_bytes += size
+                bar.update(size)
+        landed = remote_sums(target, todo, ".incoming")
+        bad = [r for r in todo if landed.get(r) != files[r]]
+        if bad:
+            raise FlashError(f"{', '.join(bad)} arrived damaged on {target.login} (checksum differs); nothing was "
+                             "moved into place, flash again")
+        moves = [f"mkdir -p {shlex.quote(d)}" for d in dirs]
+        moves += [f"mv -f {shlex.quote('.incoming/' + r)} {shlex.quote(r)}" for r in todo if r != M.MANIFEST]
+        if M.MANIFEST in todo:
+            moves.append(f"mv -f .incoming/{M.MANIFEST} {M.MANIFEST}")
+        _call(target.ssh(f"cd {shlex.quote(target.path)} && " + " && ".join(moves) + " && rm -rf .incoming"),
+              f"moving files into place on {target.login}")
+    final = remote_sums(target, list(files))
+    bad = [r for r, d in files.items() if final.get(r) != d]
+    if bad:
+        raise FlashError(f"{target.login}:{target.path} does not hold a verified bundle after flashing: "
+                         f"{', '.join(bad[:5])} differ")
+    result.verified = True
+    return result
+
+
+def flash_fleet(bundle: Path, inventory: Path, limit: str = "", extra_ssh: str = "") -> dict:
+    """Flash every host of an Ansible inventory with export/deploy/flash.yml; returns Ansible's per-host recap."""
+    import shutil
+
+    if shutil.which("ansible-playbook") is None:
+        raise FlashError("a fleet flash needs ansible-playbook: pip install ansible-core (the `fleet` extra)")
+    bundle = Path(bundle).resolve()
+    files = bundle_files(bundle)
+    playbook = Path(__file__).resolve().parent / "flash.yml"
+    extra = {"bundle": str(bundle), "files": [{"path": r, "sha256": d} for r, d in files.items()]}
+    cmd = ["ansible-playbook", "-i", str(inventory), str(playbook), "-e", json.dumps(extra)]
+    if limit:
+        cmd += ["--limit", limit]
+    if extra_ssh:
+        cmd += ["--ssh-extra-args", extra_ssh]
+    env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING=os.environ.get("ANSIBLE_HOST_KEY_CHECKING", "True"),
+               ANSIBLE_PYTHON_INTERPRETER="auto_silent", ANSIBLE_NOCOLOR="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
+             for m in _RECAP.finditer(r.stdout)}
+    bad = {h: s for h, s in recap.items() if s["unreachable"] or s["failed"]}
+    if r.returncode != 0 or bad or not recap:
+        why = [line.strip()[:300] for line in r.stdout.splitlines() if line.startswith(("fatal:", "failed:"))]
+        hosts = ", ".join(bad) or "the inventory"
+        raise FlashError(f"fleet flash failed on {hosts} (ansible-playbook exit {r.returncode}): "
+                         + ("; ".join(why[:6]) or (r.stderr or r.stdout).strip()[-600:]))
+    return {h: {"changed": s["changed"], "ok": s["ok"]} for h, s in recap.items()}
+
+
+def default_ssh_options(key: Optional[str]) -> List[str]:
+    """Trust a device's host key on first contact (a new Jetson), refuse a changed one; an identity when given."""
+    return ["-o", "StrictHostKeyChecking=accept-new"] + (["-i", key] if key else [])

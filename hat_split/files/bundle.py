@@ -1,0 +1,148 @@
+"""A bundle: the exported artifacts of one model for one device profile, and `manifest.json` describing them.
+
+The manifest records the model (name, weight fingerprint, vocabulary fingerprint, shape), every artifact (part, file
+and its external-data file, sha256 and size, inputs and outputs with dtypes and shapes, opset, precision,
+quantization, validation figures and verdict), the hatspec and wire-protocol versions, and the device profile the
+bundle targets. Loading a bundle checks all of it and refuses, with the reason, a bundle that was tampered with, is
+incomplete, was made by an incompatible hatspec, or does not match what the caller expects.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+FORMAT = "hatspec-bundle/1"
+MANIFEST = "manifest.json"
+
+
+class BundleError(ValueError):
+    """A bundle that must not be used, and why."""
+
+
+@dataclass
+class Artifact:
+    part: str  # draft | input | adapter | output (export.graphs.PartSpec)
+    precision: str  # fp32 | fp16 | int8 | int4 (weights; int8 / int4 are weight-only, activations in fp32)
+    backend: str  # onnx | tensorrt
+    files: Dict[str, str]  # relative path -> sha256 (the graph, its external data, an engine)
+    sizes: Dict[str, int]  # relative path -> bytes
+    path: str  # the file a runtime opens
+    inputs: List[Dict[str, Any]]  # [{name, dtype, shape}] with symbolic dims as strings
+    outputs: List[Dict[str, Any]]
+    layers: List[int]  # [start, stop) of the model's layers
+    adapter: bool
+    opset: int = 0
+    quantization: Dict[str, Any] = field(default_factory=dict)  # method, bits, block size, accuracy level
+    validation: Dict[str, Any] = field(default_factory=dict)  # figures per regime, thresholds
+    status: str = "unvalidated"  # validated | failed | unvalidated
+    build: Dict[str, Any] = field(default_factory=dict)  # tensorrt: version, profiles, flags
+
+
+@dataclass
+class Manifest:
+    model: Dict[str, Any]  # name, fingerprint, vocab_fingerprint, family, layers, hidden, vocab, m, tail, adapter
+    device_profile: str
+    hatspec_version: str
+    protocol_version: int
+    created: str
+    tools: Dict[str, str]  # versions of torch, onnx, onnxruntime, tensorrt used
+    artifacts: List[Artifact] = field(default_factory=list)
+    tokenizer: Dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    format: str = FORMAT
+
+    def find(self, part: str, precision: str, backend: str = "onnx") -> Artifact:
+        for a in self.artifacts:
+            if (a.part, a.precision, a.backend) == (part, precision, backend):
+                return a
+        have = ", ".join(sorted(f"{a.part}/{a.precision}/{a.backend}" for a in self.artifacts)) or "nothing"
+        raise BundleError(f"the bundle has no {part}/{precision}/{backend} artifact (it has {have})")
+
+    def usable(self, part: str, precision: str, backend: str = "onnx", allow_unvalidated: bool = False) -> Artifact:
+        """The artifact a runtime may open: validated against torch (or explicitly allowed otherwise)."""
+        a = self.find(part, precision, backend)
+        if a.status != "validated" and not allow_unvalidated:
+            raise BundleError(f"artifact {part}/{precision}/{backend} is {a.status}: it did not pass validation "
+                              f"against torch ({a.validation.get('reason', 'not run')})")
+        return a
+
+    def replace(self, artifact: Artifact) -> None:
+        self.artifacts = [a for a in self.artifacts
+                          if (a.part, a.precision, a.backend) != (artifact.part, artifact.precision, artifact.backend)]
+        self.artifacts.append(artifact)
+
+
+def sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write(bundle: Path, manifest: Manifest) -> Path:
+    """Write manifest.json atomically (a reader never sees half a manifest)."""
+    from hat_split.files.atomic import write_json
+
+    path = Path(bundle) / MANIFEST
+    write_json(path, asdict(manifest), indent=1)
+    return path
+
+
+def read(bundle: Path) -> Manifest:
+    """The manifest, structurally checked (no file checksums: `load` does those)."""
+    path = Path(bundle) / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{bundle} is not a bundle: no {MANIFEST}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{path} is unreadable: {exc}") from exc
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        fmt = raw.get("format") if isinstance(raw, dict) else None
+        raise BundleError(f"{path}: format {fmt!r} is not {FORMAT!r} (a newer or foreign bundle)")
+    try:
+        arts = [Artifact(**a) for a in raw.pop("artifacts")]
+        return Manifest(artifacts=arts, **raw)
+    except (TypeError, KeyError) as exc:
+        raise BundleError(f"{path} is malformed: {exc}") from exc
+
+
+def check_files(bundle: Path, files: Dict[str, str]) -> None:
+    """Every listed file exists, stays inside the bundle and has its recorded sha256."""
+    root = Path(bundle).resolve()
+    for rel, digest in files.items():
+        path = (root / rel).resolve()
+        if root not in path.parents:
+            raise BundleError(f"manifest entry {rel!r} points outside the bundle")
+        if not path.is_file():
+            raise BundleError(f"{rel} is missing from the bundle {bundle}")
+        got = sha256(path)
+        if got != digest:
+            raise BundleError(f"{rel} does not match its checksum (sha256 {got[:16]}…, manifest {digest[:16]}…): "
+                              "the file was modified or damaged; export or flash the bundle again")
+
+
+def load(bundle: Path, model_fingerprint: Optional[str] = None, vocab_fingerprint: Optional[str] = None,
+         device_profile: Optional[str] = None) -> Manifest:
+    """Read and verify a bundle: format, protocol version, checksums of every file, and (when given) that it is for
+    this model / vocabulary / device profile."""
+    from hat_split.wire.messages import PROTOCOL_VERSION
+
+    man = read(bundle)
+    if man.protocol_version != PROTOCOL_VERSION:
+        raise BundleError(f"the bundle was made for hatspec protocol v{man.protocol_version}; this hatspec speaks "
+                          f"v{PROTOCOL_VERSION}: export it again with this version")
+    if model_fingerprint is not None and man.model.get("fingerprint") != model_fingerprint:
+        raise BundleError(f"the bundle holds {man.model.get('name')!r} (weights {man.model.get('fingerprint')}), not "
+                          f"the expected model (weights {model_fingerprint})")
+    if vocab_fingerprint is not None and man.model.get("vocab_fingerprint") != vocab_fingerprint:
+        raise BundleError("the bundle's vocabulary differs from the expected one: its tokens would mean other text")
+    if device_profile is not None and man.device_profile not in (device_profile, "any"):
+        raise BundleError(f"the bundle targets device profile {man.device_profile!r}, not {device_profile!r}")
+    check_files(bundle, man.tokenizer)
+    for a in man.artifacts:
+        check_files(bundle, a.files)
+    return man

@@ -1,0 +1,130 @@
+"""HAT's draft adapter Λ and the draft model w_S = output part ∘ Λ ∘ input part (paper 004, §3.4).
+
+Λ has the structure of one decoder self-attention block of the model it is cut from: the pre-attention norm, the
+self-attention (with the family's own rotary embedding, grouped KV heads and, for Gemma 3, q/k norms), the
+post-attention norm where the family has one (Gemma's sandwich norm) and the residual. It is built by copying layer m
+(the first middle layer), which is a starting point for distillation, not the result. Its trained parameter count is
+what the paper's Table 4 reports (67M for Vicuna-7B: 4 · 4096²).
+
+Λ runs as an extra layer of a `Stack` with its own PartCache, keyed by a layer index past the model's last, so its KV
+cache never collides with the model's layers.
+
+Artifact: a directory with `adapter.safetensors` (Λ's weights) and `adapter.json` (format, base model name and
+fingerprint, cut, layer type, parameter count, training record). `load_adapter` refuses an adapter made for another
+model or cut with the reason.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict
+
+from hat_split.models.partition import SplitModel, Stack, layer_types, model_fingerprint
+
+ADAPTER_FORMAT = 1
+WEIGHTS = "adapter.safetensors"
+META = "adapter.json"
+
+
+def _module_base():
+    import torch
+
+    return torch.nn.Module
+
+
+class Adapter(_module_base()):
+    """Λ: norm → self-attention (→ post-norm) + residual, shaped like layer m of `model`."""
+
+    def __init__(self, model: Any, m: int):
+        super().__init__()
+        layers = model.model.layers
+        if not 0 <= m < len(layers):
+            raise ValueError(f"adapter template layer {m} outside the model's {len(layers)} layers")
+        template = layers[m]
+        self.layer_type = layer_types(model.config)[m]
+        self.input_layernorm = copy.deepcopy(template.input_layernorm)
+        self.self_attn = copy.deepcopy(template.self_attn)
+        self.self_attn.layer_idx = len(layers)  # its own key in a PartCache
+        sandwich = hasattr(template, "pre_feedforward_layernorm")  # Gemma: a norm between attention and residual
+        self.post_attention_layernorm = copy.deepcopy(template.post_attention_layernorm) if sandwich else None
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None,
+                past_key_values=None, use_cache=True, **kwargs):
+        residual = hidden_states
+        out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                position_embeddings=position_embeddings, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache)
+        if self.post_attention_layernorm is not None:
+            out = self.post_attention_layernorm(out)
+        return residual + out
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def adapter_stack(split: SplitModel, adapter: Adapter) -> Stack:
+    """Λ as a Stack of its own (no model layers, one extra layer) on the split model's rotary embedding."""
+    return Stack(split.model, split.m, split.m, extra_layers=[(adapter, adapter.layer_type)])
+
+
+def save_adapter(path: str | os.PathLike[str], adapter: Adapter, split: SplitModel, base_model: str,
+                 record: Dict[str, Any]) -> Path:
+    """Write the artifact directory (weights first, metadata last: a directory with adapter.json is complete)."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in adapter.state_dict().items()}
+    save_file(state, str(out / WEIGHTS))
+    meta = {
+        "format": ADAPTER_FORMAT,
+        "base_model": base_model,
+        "fingerprint": model_fingerprint(split.model),
+        "model_type": split.model.config.model_type,
+        "m": split.m,
+        "tail": split.tail,
+        "layer_type": adapter.layer_type,
+        "params": adapter.n_params(),
+        "record": record,
+    }
+    tmp = out / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(out / META)
+    return out
+
+
+def read_adapter_meta(path: str | os.PathLike[str]) -> Dict[str, Any]:
+    meta_path = Path(path) / META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path} is not an adapter directory (no {META}); make one with `hat-distill`")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != ADAPTER_FORMAT:
+        raise ValueError(f"{meta_path}: adapter format {meta.get('format')} is not {ADAPTER_FORMAT}")
+    return meta
+
+
+def load_adapter(path: str | os.PathLike[str], split: SplitModel) -> Adapter:
+    """Λ from an artifact, checked against the split model it will run on."""
+    from safetensors.torch import load_file
+
+    meta = read_adapter_meta(path)
+    fp = model_fingerprint(split.model)
+    if meta["fingerprint"] != fp:
+        raise ValueError(f"adapter {path} was distilled for {meta['base_model']!r} (fingerprint "
+                         f"{meta['fingerprint'][:12]}), this model's is {fp[:12]}: distil one for this model")
+    if (meta["m"], meta["tail"]) != (split.m, split.tail):
+        raise ValueError(f"adapter {path} was distilled for the cut m={meta['m']}, tail={meta['tail']}; "
+                         f"this split is m={split.m}, tail={split.tail}")
+    adapter = Adapter(split.model, split.m)
+    state = load_file(str(Path(path) / WEIGHTS))
+    missing, unexpected = adapter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"adapter {path}: weights do not fit (missing {missing}, unexpected {unexpected})")
+    adapter.to(split.dtype).eval()
+    for p in adapter.parameters():
+        p.requires_grad_(False)
+    return adapter

@@ -1,0 +1,124 @@
+"""A causal LM with an explicit, croppable KV cache: the compute both halves share.
+
+This is the only place where the token protocols touch torch. Everything above it (verification, codecs, the wire
+protocol, the scheduler) sees numpy arrays. One `CausalLM` wraps one loaded Hugging Face model; each generation
+session owns a `KVState`, so one model can serve many sessions (the cloud) or one (the device).
+
+Cache convention used everywhere in hatspec: a session's committed sequence is `tokens`; its KV cache covers a prefix
+`tokens[:cache_len]`. Feeding `tokens[cache_len:]` (plus any draft tokens) brings the cache up to date and yields the
+logits for the next positions. After a verification the cache is cropped back to the accepted prefix, so rejected
+draft positions never leak into later steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence
+
+import numpy as np
+
+
+def check_feed(n: int, n_logits: int) -> None:
+    """A forward of n tokens returning the logits of the last n_logits positions: refuse what cannot be done."""
+    if n == 0:
+        raise ValueError("forward needs at least one token")
+    if not 0 <= n_logits <= n:
+        raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+
+
+def check_crop(state: "KVState", length: int) -> None:
+    """A cache can be cropped to any length it holds, no further."""
+    if not 0 <= length <= state.length:
+        raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
+
+
+def board_time(seconds: float, slowdown: float) -> float:
+    """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time."""
+    if slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * seconds)
+        return seconds * slowdown
+    return seconds
+
+
+@dataclass
+class KVState:
+    """One session's KV cache and how many positions it covers."""
+
+    cache: Any = None  # transformers DynamicCache, created on first use
+    length: int = 0  # number of positions held in the cache
+    forward_s: float = 0.0  # accumulated model time of this session (seconds)
+    forward_tokens: int = 0  # accumulated tokens fed through the model
+
+
+@dataclass
+class CausalLM:
+    """A loaded causal LM (`transformers` model) plus the helpers to run it on a KVState."""
+
+    model: Any
+    vocab_size: int = field(init=False)  # size of the logits' last dim (may exceed the tokenizer's vocab)
+
+    def __post_init__(self) -> None:
+        from hat_split.models.loading import output_size
+
+        self.vocab_size = output_size(self.model)
+
+    def warm_up(self) -> None:
+        """One throwaway forward: pages in memory-mapped weights and first-call allocations before timing starts."""
+        self.forward(self.new_state(), [0, 0], n_logits=1)
+
+    def new_state(self) -> KVState:
+        return KVState()
+
+    def forward(self, state: KVState, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        """Append `tokens` to the cache; return the logits of the last `n_logits` positions.
+
+        tokens: the positions state.length .. state.length + len(tokens) - 1.
+        Returns float32 `# [n_logits, vocab]` (n_logits <= len(tokens); 0 returns an empty array and skips the head).
+        A multi-token chunk on top of an existing cache gets a causal mask aligned to the cache's end (transformers
+        builds it from the cache position), so chunked and one-by-one feeding agree up to float rounding.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        n = len(tokens)
+        check_feed(n, n_logits)
+        if state.cache is None:  # full layers everywhere: a sliding-window layer cannot crop back past its window,
+            state.cache = DynamicCache()  # and the model's own masks apply the window (Gemma 3's local layers)
+        ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]
+        positions = torch.arange(state.length, state.length + n, dtype=torch.long)  # [n]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                past_key_values=state.cache,
+                use_cache=True,
+                cache_position=positions,
+                position_ids=positions[None],
+                logits_to_keep=max(n_logits, 1),
+            )
+        state.cache = out.past_key_values
+        state.length += n
+        state.forward_s += time.perf_counter() - t0
+        state.forward_tokens += n
+        if n_logits == 0:
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
+        return out.logits[0, -n_logits:].float().numpy()  # [n_logits, vocab]
+
+    def greedy(self, ids: Sequence[int], n: int, eos: Sequence[int] = ()) -> List[int]:
+        """The model's own greedy continuation of `ids`: n tokens, or fewer ending with one of `eos` (the reference
+        every exact protocol must reproduce at temperature 0)."""
+        state, out = self.new_state(), []
+        logits = self.forward(state, ids)
+        while len(out) < n:
+            out.append(int(logits[-1].argmax()))
+            if out[-1] in eos:
+                break
+            logits = self.forward(state, [out[-1]])
+        return out
+
+    def crop(self, state: KVState, length: int) -> None:
+        """Drop cached positions >= length (rejected drafts)."""
+        check_crop(state, length)
+        if length < state.length:
+            state.cache.crop(length - state.length)  # transformers 5: a negative count removes that many
+            state.length = length

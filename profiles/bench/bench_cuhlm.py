@@ -1,0 +1,334 @@
+"""`hat-bench cuhlm`: U-HLM and CU-HLM against their baselines on the real pair, in one run (CU-HLM Table I, Fig. 10).
+
+Phases, all on the same evaluation prompts (disjoint from `hat-calibrate`'s), same seeds:
+  1. every variant over loopback TCP with a real `hat-cloud serve` process: LLM, SLM, HLM, Rand-HLM, U-HLM, CU-HLM
+     offline / online / exact; bytes are counted from the real frames;
+  2. a few variants again over the link emulator at the ergodic uplink rate of chosen average SNRs (Rayleigh, W), to
+     set measured transport beside the channel model;
+  3. with the cloud gone: the target scores the generated sequences once (teacher forcing) for the true skip rate, and
+     all-MiniLM-L6-v2 embeds responses and references for the accuracy metric.
+Reported per variant: accuracy (mean cosine vs the dataset's reference answer, and relative to LLM), transmission
+rate TR (uploads per token), true skip rate TSR (mean acceptance probability min(1, y_d/x_d) of skipped tokens), skip
+rate, k mean / min / max, uplink bytes per token and as % of HLM, measured tokens/s, and the throughput of eq. 6 vs
+average SNR under Rayleigh and Rician fading from the real per-round payload bits and the measured compute times.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from profiles.bench.bench_args import NO_MATPLOTLIB, names, numbers, pyplot
+from hat_split.net.security import LinkSecurity
+
+# name -> (protocol, UncertaintyConfig overrides)
+VARIANTS: Dict[str, tuple] = {
+    "llm": ("llm", {}),
+    "slm": ("slm", {}),
+    "hlm": ("hlm", {}),
+    "randhlm": ("randhlm", {}),
+    "uhlm": ("uhlm", {}),
+    "cuhlm_offline": ("cuhlm", {"k_mode": "offline"}),
+    "cuhlm_online": ("cuhlm", {"k_mode": "online"}),
+    "cuhlm_exact": ("cuhlm", {"k_mode": "online", "exact": True}),
+}
+SKIPPING = ("randhlm", "uhlm", "cuhlm")
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("cuhlm", help="U-HLM / CU-HLM vs LLM, SLM, HLM, Rand-HLM: accuracy, TR, TSR, k, payload, "
+                                     "throughput vs SNR")
+    s.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    s.add_argument("--target", default="qwen2.5-coder-1.5b")
+    s.add_argument("--prompts", type=int, default=8, help="evaluation prompts with reference answers")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {', '.join(VARIANTS)}")
+    s.add_argument("--calibration", help="a hat-calibrate file (else the papers' line, threshold 0.5 and k* 30)")
+    s.add_argument("--threshold-rule", default="risk-prone", choices=["risk-prone", "risk-averse", "risk-budget"])
+    s.add_argument("--u-threshold", type=float, help="skip threshold; overrides the calibrated one")
+    s.add_argument("--snr-db", default="-20,-15,-10,-5,0,5,10", help="average SNRs for the channel model")
+    s.add_argument("--bandwidth-mhz", type=float, default=10.0, help="uplink bandwidth W")
+    s.add_argument("--rician-k-db", type=float, default=10.0)
+    s.add_argument("--emulate-snr-db", default="0,10", help="SNRs also run over the link emulator ('' = none)")
+    s.add_argument("--emulate-variants", default="hlm,uhlm,cuhlm_online")
+    s.add_argument("--emulate-prompts", type=int, default=2)
+    s.add_argument("--weight-quant", default="int8", choices=["none", "int8"])
+    s.add_argument("--target-dtype", default="auto")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="runs/bench_cuhlm.json", help="JSON report (PNG beside it)")
+
+
+
+
+def _variant_names(text: str) -> List[str]:
+    return names(text, VARIANTS, "variant")
+
+
+def _generate_all(rt, variants, ids, params, max_new, seed, base_unc, label) -> Dict[str, list]:
+    runs: Dict[str, list] = {}
+    for name in variants:
+        protocol, overrides = VARIANTS[name]
+        rt.config = dataclasses.replace(rt.config, uncertainty=dataclasses.replace(base_unc, **overrides))
+        rows = []
+        for i, x in enumerate(ids):
+            r = rt.generate(x, protocol, params, max_new, seed=seed * 1000 + i)
+            rows.append(r.to_json())
+            print(f"  {label} {name:14s} prompt {i + 1}/{len(ids)}: {r.n} tokens in {r.total_s:.1f} s, "
+                  f"skipped {r.skipped}, up {r.up_bytes} B", flush=True)
+        runs[name] = rows
+    return runs
+
+
+def run_models(args, variants, ids, base_unc) -> dict:
+    """Phases 1 and 2: the loopback runs and the emulated-link runs."""
+    from cloud_runtime.process import CloudProcess
+    from edge_runtime.config import EdgeConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+    from profiles.testbed.channel import Channel
+    from profiles.testbed.link_emulator import LinkEmulator
+    from profiles.testbed.links import LinkProfile
+
+    params = SamplingParams(args.temperature, 0, args.top_p)
+    out: dict = {"loopback": {}, "emulated": {}}
+    with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
+        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                         model=args.draft, server=cloud.endpoint, weight_quant=args.weight_quant, uncertainty=base_unc)
+        with EdgeRuntime(cfg) as rt:
+            rt.generate(ids[0], "hlm", params, 2, seed=0)  # warm-up of both processes
+            out["loopback"] = _generate_all(rt, variants, ids, params, args.max_new_tokens, args.seed, base_unc,
+                                            "loopback")
+            loaded = rt.loaded
+        for snr in numbers(args.emulate_snr_db):
+            ch = Channel("rayleigh", snr, args.bandwidth_mhz * 1e6)
+            rate = ch.mean_rate() / 8  # bytes/s
+            profile = LinkProfile(f"rayleigh-{snr:g}dB", rate, rate, 0.0, 0.0, "ergodic rate of the channel model")
+            with LinkEmulator(profile, upstream=("127.0.0.1", cloud.port)) as link:
+                ecfg = dataclasses.replace(cfg, server=link.address, weight_quant="none")  # `loaded` is quantized
+                with EdgeRuntime(ecfg, loaded=loaded) as rt:
+                    runs = _generate_all(rt, _variant_names(args.emulate_variants), ids[: args.emulate_prompts], params,
+                                         args.max_new_tokens, args.seed, base_unc, f"{snr:g} dB")
+            out["emulated"][f"{snr:g}"] = {"up_rate_bytes_per_s": rate, "runs": runs}
+    return out
+
+
+def true_skip_probs(args, ids, runs: Dict[str, list]) -> Dict[str, List[float]]:
+    """Per skipping variant: min(1, y_d / x_d) of each skipped token, y_d from one teacher-forced target pass."""
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import load_model
+    from hat_split.math.sampling import SamplingParams, warp
+
+    params = SamplingParams(args.temperature, 0, args.top_p)
+    todo = {n: rows for n, rows in runs.items() if VARIANTS[n][0] in SKIPPING}
+    if not todo:
+        return {}
+    lm = CausalLM(load_model(args.target, dtype=args.target_dtype).model)
+    out: Dict[str, List[float]] = {}
+    for name, rows in todo.items():
+        probs: List[float] = []
+        for x, row in zip(ids, rows):
+            if not row["skip_log"]:
+                continue
+            toks = row["tokens"]
+            logits = lm.forward(lm.new_state(), list(x) + toks[:-1], n_logits=len(toks))  # row i predicts toks[i]
+            for index, x_d in row["skip_log"]:
+                i = int(index)
+                y_d = float(warp(logits[i:i + 1], params)[0, toks[i]])
+                probs.append(min(1.0, y_d / x_d) if x_d > 0 else 1.0)
+        out[name] = probs
+    return out
+
+
+def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy: Dict[str, List[float]]) -> dict:
+    from profiles.testbed.channel import Channel, token_throughput
+
+    def total(rows, key):
+        return sum(r[key] for r in rows)
+
+    hlm_like = [r for n, rows in runs.items() if VARIANTS[n][0] not in ("llm", "slm") for r in rows]
+    # shared compute constants (the paper's τ_SLM, τ_LLM): per draft token on the device, per upload on the cloud
+    tau_slm = (total(hlm_like, "device_compute_s") - total(hlm_like, "device_prefill_s")) / max(
+        total(hlm_like, "n_tokens"), 1) if hlm_like else float("nan")
+    tau_llm = (total(hlm_like, "cloud_compute_s") - total(hlm_like, "cloud_prefill_s")) / max(
+        total(hlm_like, "rounds"), 1) if hlm_like else float("nan")
+    if "slm" in runs and not hlm_like:
+        tau_slm = sum(r["total_s"] - r["ttft_s"] for r in runs["slm"]) / max(total(runs["slm"], "n_tokens"), 1)
+    hlm_bpt = total(runs["hlm"], "up_bytes") / total(runs["hlm"], "n_tokens") if "hlm" in runs else None
+    llm_acc = float(np.mean(accuracy["llm"])) if "llm" in accuracy else None
+    rng = np.random.default_rng(args.seed)
+    snrs = numbers(args.snr_db)
+    summary: dict = {"tau_slm_s": tau_slm, "tau_llm_s": tau_llm, "variants": {}}
+    for name, rows in runs.items():
+        protocol = VARIANTS[name][0]
+        n = total(rows, "n_tokens")
+        uploads = total(rows, "rounds") if protocol not in ("llm", "slm") else None
+        ks = [k for r in rows for k in r["upload_ks"]]
+        acc = float(np.mean(accuracy[name])) if name in accuracy else None
+        e = {
+            "tokens": n,
+            "tokens_per_s": n / total(rows, "total_s"),
+            "accuracy": acc,
+            "accuracy_vs_llm": acc / llm_acc if acc is not None and llm_acc else None,
+            "transmission_rate": uploads / n if uploads is not None else None,
+            "skip_rate": total(rows, "skipped") / n,
+            "true_skip_rate": float(np.mean(tsr[name])) if tsr.get(name) else None,
+            "alpha": total(rows, "accepted") / total(rows, "drafted") if total(rows, "drafted") else None,
+            "k_mean": float(np.mean(ks)) if ks else None,
+            "k_min": int(min(ks)) if ks else None,
+            "k_max": int(max(ks)) if ks else None,
+            "up_bytes_per_token": total(rows, "up_bytes") / n,
+            "payload_vs_hlm": total(rows, "up_bytes") / n / hlm_bpt if hlm_bpt else None,
+            "throughput_vs_snr": {},  # tokens / total expected latency (a wall clock's view)
+            "throughput_vs_snr_per_round": {},  # the papers' mean of per-round eq. 6 throughput
+        }
+        for fading, per_round in itertools.product(("rayleigh", "rician"), (False, True)):
+            curve = []
+            for snr in snrs:
+                if protocol == "llm":
+                    curve.append(1.0 / tau_llm)
+                    continue
+                if protocol == "slm":
+                    curve.append(1.0 / tau_slm)
+                    continue
+                ch = Channel(fading, snr, args.bandwidth_mhz * 1e6, args.rician_k_db)
+                tps = []
+                for r in rows:
+                    bits = [8 * b for b in r["round_up_bytes"]]
+                    tps.append(token_throughput(r["n_tokens"], bits, tau_slm, tau_llm, ch, rng, per_round=per_round))
+                curve.append(float(np.mean(tps)))
+            key = "throughput_vs_snr_per_round" if per_round else "throughput_vs_snr"
+            e[key][fading] = dict(zip([f"{s:g}" for s in snrs], curve))
+        summary["variants"][name] = e
+    return summary
+
+
+def emulated_summary(args, emulated: dict, tau_slm: float, tau_llm: float) -> dict:
+    """Measured tokens/s over the emulated link beside the model's prediction at the same (non-fading) rate."""
+    from profiles.testbed.channel import Channel, token_throughput
+
+    out = {}
+    rng = np.random.default_rng(args.seed)
+    for snr, block in emulated.items():
+        rate_bits = block["up_rate_bytes_per_s"] * 8
+        flat = Channel("none", 10 * math.log10(2 ** (rate_bits / (args.bandwidth_mhz * 1e6)) - 1),
+                       args.bandwidth_mhz * 1e6)
+        rows_out = {}
+        for name, rows in block["runs"].items():
+            n = sum(r["n_tokens"] for r in rows)
+            decode_s = sum(r["total_s"] - r["ttft_s"] for r in rows)
+            predicted = float(np.mean([token_throughput(r["n_tokens"], [8 * b for b in r["round_up_bytes"]], tau_slm,
+                                                        tau_llm, flat, rng, draws=1, per_round=False)
+                                      for r in rows]))
+            rows_out[name] = {"measured_tokens_per_s": n / sum(r["total_s"] for r in rows),  # prompt included
+                              "measured_decode_tokens_per_s": (n - len(rows)) / decode_s if decode_s > 0 else None,
+                              "model_decode_tokens_per_s_at_this_rate": predicted,  # n / Σ latency
+                              "up_bytes_per_token": sum(r["up_bytes"] for r in rows) / n}
+        out[snr] = {"up_rate_bytes_per_s": block["up_rate_bytes_per_s"], "variants": rows_out}
+    return out
+
+
+def plot(path: str, summary: dict) -> str:
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, fading in zip(axes, ("rayleigh", "rician")):
+        for name, e in summary["variants"].items():
+            curve = e["throughput_vs_snr"][fading]
+            ax.semilogy([float(s) for s in curve], list(curve.values()), marker="o", label=name)
+        ax.set_title(f"{fading} fading" + (" (K = 10 dB)" if fading == "rician" else ""))
+        ax.set_xlabel("average SNR (dB)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("token throughput (tokens / total latency, eq. 5-6)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return ""
+
+
+def format_table(summary: dict) -> str:
+    cols = [("variant", None, "{}"), ("acc", "accuracy", "{:.3f}"), ("vs LLM", "accuracy_vs_llm", "{:.1%}"),
+            ("TR", "transmission_rate", "{:.1%}"), ("TSR", "true_skip_rate", "{:.1%}"), ("α", "alpha", "{:.2f}"),
+            ("k mean", "k_mean", "{:.0f}"), ("k range", None, "{}"), ("up B/tok", "up_bytes_per_token", "{:.0f}"),
+            ("% of HLM", "payload_vs_hlm", "{:.3%}"), ("tok/s", "tokens_per_s", "{:.2f}")]
+    rows = [[c for c, _, _ in cols]]
+    for name, e in summary["variants"].items():
+        row = []
+        for c, key, fmt in cols:
+            if c == "variant":
+                row.append(name)
+            elif c == "k range":
+                row.append(f"{e['k_min']}-{e['k_max']}" if e["k_min"] is not None else "-")
+            else:
+                v = e[key]
+                row.append("-" if v is None else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def run(args) -> int:
+    from edge_runtime.config import UncertaintyConfig
+    from hat_split.models.loading import load_tokenizer, resolve_dtype
+    from profiles.testbed.prompts import evaluation_prompts
+
+    try:
+        variants = _variant_names(args.variants)
+        _variant_names(args.emulate_variants)
+        numbers(args.snr_db), numbers(args.emulate_snr_db)
+        base_unc = UncertaintyConfig()
+        if args.calibration:
+            from hat_split.math.calibration import load
+
+            base_unc = base_unc.calibrated(load(args.calibration), args.threshold_rule)
+        if args.u_threshold is not None:
+            base_unc = dataclasses.replace(base_unc, u_threshold=args.u_threshold)
+        if args.prompts < 1 or args.max_new_tokens < 1 or not args.temperature >= 0:
+            raise ValueError("--prompts and --max-new-tokens must be >= 1, --temperature >= 0")
+        prompts = evaluation_prompts(args.prompts)
+    except (ValueError, RuntimeError) as exc:
+        print(f"hat-bench cuhlm: {exc}", file=sys.stderr)
+        return 2
+    args.target_dtype = resolve_dtype(args.target_dtype)
+    tok = load_tokenizer(args.draft)
+    from profiles.testbed.prompts import encode
+
+    ids = [encode(tok, p.text, p.chat) for p in prompts]
+    t0 = time.perf_counter()
+    print(f"hat-bench cuhlm: {len(prompts)} prompts, variants {', '.join(variants)}; u_th = {base_unc.u_threshold:.3f}, "
+          f"β = {base_unc.beta_a:.3f}·u + {base_unc.beta_b:.3f}, k* = {base_unc.k_offline}", flush=True)
+    models = run_models(args, variants, ids, base_unc)
+    runs = models["loopback"]
+    print("hat-bench cuhlm: scoring skipped tokens with the target ...", flush=True)
+    tsr = true_skip_probs(args, ids, runs)
+    print("hat-bench cuhlm: embedding responses and references ...", flush=True)
+    from profiles.bench.accuracy import Embedder
+
+    emb = Embedder()
+    refs = [p.reference for p in prompts]
+    accuracy = {name: emb.similarity([r["text"] for r in rows], refs).tolist() for name, rows in runs.items()}
+    summary = summarise(args, runs, tsr, accuracy)
+    summary["emulated"] = emulated_summary(args, models["emulated"], summary["tau_slm_s"], summary["tau_llm_s"])
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "func"},
+              "uncertainty": dataclasses.asdict(base_unc), "prompts": [p.to_json() for p in prompts],
+              "summary": summary, "accuracy_per_prompt": accuracy, "true_skip_probs": tsr, "runs": runs,
+              "emulated_runs": models["emulated"], "wall_s": time.perf_counter() - t0}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    note = plot(os.path.splitext(args.out)[0] + ".png", summary)
+    print(format_table(summary))
+    print(f"τ_SLM {summary['tau_slm_s'] * 1e3:.1f} ms, τ_LLM {summary['tau_llm_s'] * 1e3:.1f} ms")
+    print(json.dumps(summary["emulated"], indent=1))
+    print(f"hat-bench cuhlm: report saved to {args.out}" + (f" ({note})" if note else ""))
+    return 0

@@ -1,0 +1,248 @@
+"""`hat-bench hat`: HAT's ablation (paper 004, Table 5) and its speculative-decoding table (Table 4) on a real model
+with its distilled adapter, over emulated WiFi links, in one run.
+
+Rows (protocol, prompt chunking, parallel drafting), as Table 5:
+  U-shape (ushape, one chunk), +SD (hat, one chunk, no PD), +PC (ushape, chunked), +SD+PC (hat, chunked, no PD),
+  +SD+PD (hat, one chunk, PD), HAT (hat, chunked, PD); and HAT int8: HAT with 8-bit hidden states on the wire.
+Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
+Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
+interleaved prompt by prompt so that drift of the machine hits every row alike. Cloud and device each get
+`--threads` torch threads; the link emulator shapes both directions to the named profile. A warm-up request per link
+gives the cloud's delay model and the device's link estimates their first observations, as a running fleet has.
+
+Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time / (tokens − 1)), their change against
+U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
+token, prompt chunks, parallel-drafting hits; whether each request's tokens equal U-shape's (greedy: they must, up to
+float ties); Table 4: accept length, trained parameters of Λ, decode speedup (TBT of U-shape / TBT of +SD).
+`--backends torch,onnxruntime:int8,...` runs the device's parts on several backends side by side (a hat-export
+`--bundle` of the same model and Λ for onnxruntime / TensorRT), interleaved prompt by prompt, one table per link and
+backend. Writes JSON and a PNG beside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from profiles.bench.bench_args import NO_MATPLOTLIB, adapter_dir, names, pyplot
+from hat_split.net.security import LinkSecurity
+
+VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
+    "U-shape": ("ushape", {"chunking": "off"}),
+    "+SD": ("hat", {"chunking": "off", "parallel_draft": False}),
+    "+PC": ("ushape", {"chunking": "auto"}),
+    "+SD+PC": ("hat", {"chunking": "auto", "parallel_draft": False}),
+    "+SD+PD": ("hat", {"chunking": "off", "parallel_draft": True}),
+    "HAT": ("hat", {"chunking": "auto", "parallel_draft": True}),
+    "HAT int8": ("hat", {"chunking": "auto", "parallel_draft": True, "hidden_format": "int8"}),
+}
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("hat", help="HAT Table 5 ablation and Table 4 over emulated WiFi links")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--m", type=int, default=2, help="layers of the device's input part")
+    s.add_argument("--adapter", default="", help="hat-distill artifact (default runs/adapters/<model>-m<m>)")
+    s.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT conversation prompts")
+    s.add_argument("--min-prompt-tokens", type=int, default=300)
+    s.add_argument("--max-prompt-tokens", type=int, default=2000)
+    s.add_argument("--max-new-tokens", type=int, default=128, help="HAT §4.1: 128")
+    s.add_argument("--links", default="wifi-near,wifi-far", help="link profiles (hat-link --list)")
+    s.add_argument("--variants", default=",".join(VARIANTS))
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
+    s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud and of the device, each")
+    s.add_argument("--dtype", default="float32", help="model dtype on both sides")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--backends", default="torch",
+                   help="what runs the device's parts, comma separated, each torch (--model, --adapter) or "
+                        "onnxruntime:PRECISION / tensorrt:PRECISION (a --bundle's artifacts); several run side by "
+                        "side, interleaved prompt by prompt, one table per link and backend")
+    s.add_argument("--bundle", default="", help="hat-export bundle with input, adapter and output parts")
+    s.add_argument("--out", default="runs/bench_hat.json")
+
+
+def parse_backends(text: str, bundle: str) -> List[tuple]:
+    """`torch,onnxruntime:int8` → [("torch", ""), ("onnxruntime", "int8")]; ValueError on an unknown backend or a
+    bundle backend without --bundle."""
+    out = []
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        backend, _, precision = item.partition(":")
+        if backend not in ("torch", "onnxruntime", "tensorrt"):
+            raise ValueError(f"unknown backend {backend!r} in --backends; choose torch, onnxruntime:P, tensorrt:P")
+        if backend != "torch" and not bundle:
+            raise ValueError(f"backend {backend} runs a hat-export bundle: give --bundle DIR")
+        out.append((backend, precision))
+    if not out:
+        raise ValueError("give at least one backend")
+    return out
+
+
+def backend_label(backend: str, precision: str, dtype: str) -> str:
+    return f"{backend} {precision or 'fp32'}" if backend != "torch" else f"torch {dtype}"
+
+
+def _request_row(r) -> dict:
+    row = r.to_json()
+    row["tbt_s"] = (r.total_s - r.ttft_s) / (r.n - 1) if r.n > 1 else float("nan")
+    return row
+
+
+def summarise(runs: Dict[str, List[dict]]) -> dict:
+    """Per row: means over requests, and changes against U-shape where it ran."""
+    out: dict = {}
+    for name, rows in runs.items():
+        rounds = sum(r["rounds"] for r in rows)
+        decode_rounds = rounds - len(rows)  # the first token of each request comes from the prefill round
+        n = sum(r["n_tokens"] for r in rows)
+        s = {"ttft_s": float(np.mean([r["ttft_s"] for r in rows])),
+             "tbt_s": float(np.nanmean([r["tbt_s"] for r in rows])),
+             "tokens": n,
+             "tokens_per_round": (n - len(rows)) / max(decode_rounds, 1),
+             "up_bytes_per_token": sum(r["up_bytes"] for r in rows) / max(n, 1),
+             "down_bytes_per_token": sum(r["down_bytes"] for r in rows) / max(n, 1),
+             "prefill_chunks": float(np.mean([r["prefill_chunks"] for r in rows])),
+             "cloud_compute_s": float(np.mean([r["cloud_compute_s"] for r in rows])),
+             "device_compute_s": float(np.mean([r["device_compute_s"] for r in rows]))}
+        if any(r["drafted"] for r in rows):
+            s["accept_length"] = sum(r["accepted"] for r in rows) / max(decode_rounds, 1)
+            s["drafts_per_round"] = sum(r["drafted"] for r in rows) / max(decode_rounds, 1)
+            s["pd_hit_rate"] = sum(r["pd_hits"] for r in rows) / max(decode_rounds, 1)
+            s["pd_steps_per_round"] = sum(r["pd_steps"] for r in rows) / max(decode_rounds, 1)
+        out[name] = s
+    base = out.get("U-shape")
+    if base:
+        for name, s in out.items():
+            s["ttft_change"] = s["ttft_s"] / base["ttft_s"] - 1.0
+            s["tbt_change"] = s["tbt_s"] / base["tbt_s"] - 1.0
+            same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs[name], runs["U-shape"]))
+            s["same_tokens_as_ushape"] = f"{same}/{len(runs[name])}"
+    return out
+
+
+def run(args) -> int:
+    from cloud_runtime.process import CloudProcess
+    from edge_runtime.config import EdgeConfig, SplitConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+    from profiles.testbed.link_emulator import LinkEmulator
+    from profiles.testbed.links import get_link_profile
+    from profiles.testbed.prompts import long_chat_prompts
+
+    variants = names(args.variants, VARIANTS, "variant")
+    links = [get_link_profile(name) for name in args.links.split(",") if name]
+    if not links:
+        raise ValueError("give at least one link profile")
+    backends = parse_backends(args.backends, args.bundle)
+    needs_adapter = any(b == "torch" for b, _ in backends) and any(VARIANTS[v][0] == "hat" for v in variants)
+    adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)  # a bundle brings its own Λ
+    adapter_meta: dict = {}
+    if os.path.exists(os.path.join(adapter, "adapter.json")):
+        with open(os.path.join(adapter, "adapter.json"), encoding="utf-8") as f:
+            adapter_meta = json.load(f)
+    params = SamplingParams(args.temperature)
+    report: dict = {"args": vars(args), "adapter": adapter, "adapter_record": adapter_meta.get("record"),
+                    "trained_parameters": adapter_meta.get("params"), "links": {}, "tables": {}}
+    t_start = time.perf_counter()
+    with CloudProcess(args.model, extra_args=["--dtype", args.dtype], threads=args.threads) as cloud:
+        for link in links:
+            with LinkEmulator(link, upstream=("127.0.0.1", cloud.port)) as emu:
+                base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
+                                   down_bps=8 * link.rate("down"))
+                with contextlib.ExitStack() as stack:
+                    rts = {}
+                    for backend, precision in backends:
+                        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
+                                         model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
+                                         split=base, backend=backend, precision=precision or "fp32",
+                                         bundle=args.bundle if backend != "torch" else "")
+                        rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(EdgeRuntime(cfg))
+                    if "prompts" not in report:
+                        ids = long_chat_prompts(next(iter(rts.values())).tokenizer, args.prompts + 1,
+                                                args.min_prompt_tokens, args.max_prompt_tokens)
+                        report["prompts"] = {"tokens": [len(x) for x in ids[1:]], "warm_up_tokens": len(ids[0])}
+                    hat_split = dataclasses.replace(base, **VARIANTS["HAT"][1])
+                    for rt in rts.values():
+                        for _ in range(2):  # warm-up: the cloud's g() gets a prefill and decode steps, the device β
+                            rt.config = dataclasses.replace(rt.config, split=hat_split)
+                            rt.generate(ids[0], "hat", params, 16, seed=args.seed)
+                    runs: Dict[str, Dict[str, List[dict]]] = {b: {v: [] for v in variants} for b in rts}
+                    for i, x in enumerate(ids[1:]):
+                        for label, rt in rts.items():
+                            for v in variants:
+                                protocol, fields = VARIANTS[v]
+                                rt.config = dataclasses.replace(rt.config, split=dataclasses.replace(base, **fields))
+                                r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
+                                runs[label][v].append(_request_row(r))
+                                row = runs[label][v][-1]
+                                print(f"  {link.name} {label} prompt {i + 1}/{args.prompts} ({len(x)} tok) {v:9s}: "
+                                      f"TTFT {row['ttft_s'] * 1e3:7.1f} ms, TBT {row['tbt_s'] * 1e3:6.1f} ms, {r.n} "
+                                      f"tokens, {r.prefill_chunks} chunk(s), accepted {r.accepted}/{r.drafted} in "
+                                      f"{r.rounds} rounds", flush=True)
+            for label, by_variant in runs.items():
+                key = link.name if len(runs) == 1 else f"{link.name} {label}"
+                report["links"][key] = {"profile": dataclasses.asdict(link), "backend": label, "runs": by_variant}
+                report["tables"][key] = summarise(by_variant)
+    report["seconds"] = time.perf_counter() - t_start
+    report["table4"] = table4(report)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, ensure_ascii=False)
+    print_tables(report)
+    note = plot(os.path.splitext(args.out)[0] + ".png", report["tables"])
+    print(f"hat-bench hat: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))
+    return 0
+
+
+def table4(report: dict) -> dict:
+    """Per link: accept length and decode speedup of +SD over U-shape, with Λ's trained parameters."""
+    out = {}
+    for link, t in report["tables"].items():
+        if "+SD" in t and "U-shape" in t and report["trained_parameters"]:
+            out[link] = {"accept_length": t["+SD"]["accept_length"], "tokens_per_round": t["+SD"]["tokens_per_round"],
+                         "decode_speedup": t["U-shape"]["tbt_s"] / t["+SD"]["tbt_s"],
+                         "trained_parameters": report["trained_parameters"]}
+    return out
+
+
+def print_tables(report: dict) -> None:
+    for link, t in report["tables"].items():
+        print(f"\n[{link}] prompts {report['prompts']['tokens']} tokens")
+        print(f"  {'row':9s} {'TTFT ms':>8s} {'Δ':>6s} {'TBT ms':>7s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
+              f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
+        for name, s in t.items():
+            print(f"  {name:9s} {s['ttft_s'] * 1e3:8.1f} {100 * s.get('ttft_change', 0):+5.0f}% {s['tbt_s'] * 1e3:7.1f} "
+                  f"{100 * s.get('tbt_change', 0):+5.0f}% {s.get('accept_length', 0):6.2f} {s['tokens_per_round']:6.2f} "
+                  f"{s['up_bytes_per_token']:9.0f} {s['prefill_chunks']:6.1f} {s.get('pd_hit_rate', 0):6.2f} "
+                  f"{s.get('same_tokens_as_ushape', '')}")
+    for link, row in report["table4"].items():
+        print(f"[Table 4, {link}] accept length {row['accept_length']:.2f}, tokens/round {row['tokens_per_round']:.2f}, "
+              f"decode speedup {row['decode_speedup']:.2f}x, trained parameters {row['trained_parameters']:,}")
+
+
+def plot(path: str, tables: dict) -> str:
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    links = list(tables)
+    rows = list(next(iter(tables.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(links)
+    for j, link in enumerate(links):
+        xs = np.arange(len(rows)) + j * width
+        axes[0].bar(xs, [tables[link][r]["ttft_s"] * 1e3 for r in rows], width, label=link)
+        axes[1].bar(xs, [tables[link][r]["tbt_s"] * 1e3 for r in rows], width, label=link)
+    for ax, title in zip(axes, ("TTFT (ms)", "TBT (ms)")):
+        ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2)
+        ax.set_xticklabels(rows, rotation=20)
+        ax.set_title(f"{title}, HAT Table 5 rows")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ""

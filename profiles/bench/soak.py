@@ -1,0 +1,594 @@
+"""`hat-bench soak`: many devices under Poisson load for minutes while their links are cut at random (issue 9).
+
+What runs, all real:
+- one `hat-cloud serve` process with the model (CurveZMQ with an allow-list of every device's key unless
+  `--plaintext`; a short `--session-timeout`, so that a device silent through a long cut has its session and KV
+  memory freed while it is away);
+- `--hosts` device host processes, each holding the device's parts of the model once and `--devices / --hosts`
+  emulated devices: each its own `hat-edge serve` agent (edge_runtime.api.agent: OpenAI endpoint, state reports, its own
+  key, its own link policy) behind its own link emulator (profiles.testbed.link_emulator; WiFi near/mid/far and LTE, round
+  robin). Devices share weights, not state: each has its own runtime, caches, cloud connection and sessions;
+- the driver: requests arrive as one Poisson process at `--rate`, each at a random device, as streamed
+  `/v1/completions` over HTTP (greedy, the protocol drawn per request from `--protocols`, the prompt as token ids,
+  `hatspec.tokens` asking for the generated ids); a chaos thread cuts links (reset or stall, mostly devices with a
+  request in flight, a share of them longer than the cloud's session timeout) and restores them; a sampler records
+  every process's RSS and the cloud's open sessions and KV positions.
+
+Afterwards every answer is checked against the model's own greedy continuation of its prompt (hat_split.models.lm
+CausalLM.greedy; exact protocols must reproduce it at temperature 0):
+- completed: the stream ended with a finish reason and `[DONE]`; lost: anything else (HTTP error, broken stream,
+  timeout);
+- the streamed text equals the text of the returned token ids, and usage counts them (nothing lost or repeated on
+  the way to the client);
+- tokens equal the reference (under `degrade`, up to the first token the device made alone); a difference is
+  classified as duplicated (a run of tokens repeated), lost (a run skipped) or other, and for "other" the margin
+  between the reference's top two logits there is recorded (a near tie flips with float rounding: the cloud batches,
+  the reference runs alone);
+- memory: RSS slope per process over the load, and open sessions / KV positions after a drain of twice the session
+  timeout (they must return to 0).
+Writes JSON and a PNG beside it.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from profiles.bench.bench_args import NO_MATPLOTLIB, adapter_dir, names, numbers, pyplot, save_figure
+
+LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
+POLICIES = ("wait", "degrade")
+NEAR_TIE = 0.01  # logits: a reference whose top two are this close may flip with float rounding (batched vs alone)
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("soak", help="devices under Poisson load with random link cuts: lost/duplicated text, memory")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--m", type=int, default=2, help="layers of the device's input part (split protocols)")
+    s.add_argument("--adapter", default="", help="hat-distill artifact (default runs/adapters/<model>-m<m>)")
+    s.add_argument("--draft", default="adapter", choices=["adapter", "model"],
+                   help="what drafts for the token protocols: HAT's w_S (the device holds only its parts) or the "
+                        "whole model")
+    s.add_argument("--protocols", default="hat,sd", help="drawn per request")
+    s.add_argument("--policies", default="wait,degrade", help="link policies, round robin over the devices")
+    s.add_argument("--links", default=",".join(LINKS), help="link profiles, round robin over the devices")
+    s.add_argument("--devices", type=int, default=30)
+    s.add_argument("--hosts", type=int, default=3, help="device host processes (devices share their weights)")
+    s.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    s.add_argument("--rate", type=float, default=0.2, help="fleet request rate, requests/s")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--prompts", type=int, default=24, help="pool of held-out ShareGPT prompts")
+    s.add_argument("--min-prompt-tokens", type=int, default=32)
+    s.add_argument("--max-prompt-tokens", type=int, default=384)
+    s.add_argument("--cut-rate", type=float, default=0.1, help="link cuts per second over the fleet")
+    s.add_argument("--cut-seconds", default="0.5,8", help="a cut lasts uniformly this long (min,max)")
+    s.add_argument("--long-cuts", type=float, default=0.1, help="share of cuts lasting --long-cut-seconds")
+    s.add_argument("--long-cut-seconds", type=float, default=45.0)
+    s.add_argument("--session-timeout", type=float, default=30.0, help="the cloud's (seconds)")
+    s.add_argument("--heartbeat", type=float, default=3.0, help="the devices' ZMTP heartbeat (seconds)")
+    s.add_argument("--report-interval", type=float, default=10.0, help="each agent's state report (seconds)")
+    s.add_argument("--sample-every", type=float, default=5.0, help="memory samples (seconds)")
+    s.add_argument("--request-timeout", type=float, default=900.0, help="a client gives up after this (seconds)")
+    s.add_argument("--plaintext", action="store_true", help="no CurveZMQ (default: every link encrypted)")
+    s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="runs/soak.json")
+
+
+# -- a device host process -------------------------------------------------------------------------------------
+def _host_main(conn, spec: dict) -> None:
+    """Loads the model once, starts its agents (each behind its own link emulator), reports their addresses, and
+    serves until the driver sends None."""
+    import torch
+
+    from edge_runtime.api.agent import Agent, AgentConfig
+    from edge_runtime.config import EdgeConfig, SplitConfig
+    from hat_split.models.loading import load_model
+    from hat_split.models.partition import free_layers
+    from hat_split.net.security import LinkSecurity
+    from profiles.testbed.link_emulator import LinkEmulator
+    from profiles.testbed.links import get_link_profile
+
+    torch.set_num_threads(1)
+    agents, links, threads = [], [], []
+    try:
+        loaded = load_model(spec["model"], dtype="float32", quiet=True)
+        if spec["draft"] == "adapter":  # the device holds its parts only: the middle layers run in the cloud
+            free_layers(loaded.model, range(spec["m"] + 1, loaded.model.config.num_hidden_layers))
+        table = []
+        for d in spec["devices"]:
+            link = get_link_profile(d["link"])
+            emu = LinkEmulator(link, upstream=("127.0.0.1", spec["port"]), control=("127.0.0.1", 0))
+            links.append(emu)
+            security = LinkSecurity(**d["security"]) if d["security"] else LinkSecurity.plaintext()
+            split = SplitConfig(m=spec["m"], adapter=spec["adapter"], up_bps=8 * link.rate("up"),
+                                down_bps=8 * link.rate("down"), parallel_draft=False)
+            edge = EdgeConfig(model=spec["model"], server=emu.address, device_id=d["name"], threads=1,
+                              dtype="float32", split=split, security=security, link_policy=d["policy"],
+                              heartbeat_s=spec["heartbeat"], request_timeout_s=120.0, reconnect_timeout_s=600.0,
+                              token_draft=spec["draft"], draft_len=8, draft_stop_prob=0.6 if spec["draft"] ==
+                              "adapter" else 0.0)
+            agent = Agent(AgentConfig(edge, port=0, report_interval_s=spec["report_interval"]), loaded)
+            agents.append(agent)
+            t = threading.Thread(target=agent.serve_forever, daemon=True, name=d["name"])
+            t.start()
+            threads.append(t)
+            table.append({**{k: d[k] for k in ("name", "link", "policy")}, "http": agent.address,
+                          "control": list(emu.control_address)})
+        conn.send(("ready", table))
+        conn.recv()  # None: stop
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the run with it
+        import traceback
+
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(timeout=30)
+        for emu in links:
+            emu.close()
+
+
+# -- one client request ----------------------------------------------------------------------------------------
+def stream_completion(http_address: str, body: dict, timeout_s: float) -> dict:
+    """POST a streamed /v1/completions; what arrived, with client-side times (seconds since the request was sent)."""
+    host, port = http_address.split("//")[1].rsplit(":", 1)
+    out: dict = {"deltas": [], "times": [], "finish": None, "hatspec": None, "usage": None, "done": False,
+                 "finals": 0, "error": None}
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            out["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
+            return out
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                out["done"] = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out["error"] = str(event["error"])
+                continue
+            if event.get("usage"):
+                out["usage"] = event["usage"]
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    out["deltas"].append(choice["text"])
+                    out["times"].append(time.perf_counter() - t0)
+                if choice.get("finish_reason"):
+                    out["finish"] = choice["finish_reason"]
+                    out["finals"] += 1
+            if "hatspec" in event:
+                out["hatspec"] = event["hatspec"]
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+        out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+# -- checking an answer (pure) ---------------------------------------------------------------------------------
+def compare(got: Sequence[int], ref: Sequence[int], upto: Optional[int] = None) -> dict:
+    """Tokens against the reference (up to index `upto` when the rest is not the reference's to decide): "exact", or
+    where they part and how: "duplicated" (a run of earlier tokens repeated), "lost" (a run of the reference
+    skipped), "other" (a different token)."""
+    n = len(got) if upto is None else min(upto, len(got))
+    ref_n = len(ref) if upto is None else min(upto, len(ref))
+    d = next((i for i in range(min(n, ref_n)) if got[i] != ref[i]), min(n, ref_n))
+    if d == n == ref_n:
+        return {"match": "exact"}
+    if upto is None and d == len(got) < len(ref):
+        return {"match": "lost", "at": d, "run": len(ref) - d}  # ended early
+    if upto is None and d == len(ref) < len(got):
+        return {"match": "duplicated", "at": d, "run": len(got) - d}  # went on past the reference's end
+    for k in range(1, 9):
+        if d >= k and list(got[d:d + k]) == list(got[d - k:d]) and list(got[d + k:n]) == list(ref[d:n - k]):
+            return {"match": "duplicated", "at": d, "run": k}
+        if list(got[d:n]) == list(ref[d + k:n + k]):
+            return {"match": "lost", "at": d, "run": k}
+    return {"match": "other", "at": d}
+
+
+def check(rec: dict, ref: List[int], max_tokens: int, eos: Sequence[int], decode) -> dict:
+    """One request's verdict: completed or lost, delivery consistent, tokens against the reference."""
+    r = rec["response"]
+    completed = r["error"] is None and r["done"] and r["finals"] == 1 and r["hatspec"] is not None
+    out = {"completed": completed, "error": r["error"], "finals": r["finals"]}
+    if not completed:
+        return out
+    tokens = r["hatspec"].get("tokens", [])
+    degraded = r["hatspec"].get("degraded", [])
+    full = len(tokens) == max_tokens or (tokens and tokens[-1] in eos)
+    out.update(
+        tokens=len(tokens), interruptions=r["hatspec"].get("interruptions", 0), degraded=len(degraded),
+        queue_s=r["hatspec"].get("queue_s", 0.0),
+        delivered=("".join(r["deltas"]) == decode(tokens)) and (r["usage"] or {}).get("completion_tokens") ==
+        len(tokens) and full,
+        reference=compare(tokens, ref, degraded[0] if degraded else None))
+    return out
+
+
+def _pct(values: List[float], qs=(50, 90, 99)) -> Dict[str, Optional[float]]:
+    return {f"p{q}": (float(np.percentile(values, q)) if values else None) for q in qs} | \
+        {"mean": float(np.mean(values)) if values else None, "n": len(values)}
+
+
+def slope_mb_per_min(samples: List[tuple]) -> Optional[float]:
+    """Least-squares slope of (seconds, MB) samples, in MB per minute."""
+    if len(samples) < 3:
+        return None
+    t, mb = np.array(samples, dtype=float).T
+    return float(np.polyfit(t / 60.0, mb, 1)[0])
+
+
+def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_end_s: float) -> dict:
+    done = [r for r in records if r["verdict"]["completed"]]
+    matches = [r["verdict"]["reference"]["match"] for r in done]
+    ttft = [r["response"]["times"][0] for r in done if r["response"]["times"]]
+    tbt = [(r["response"]["times"][-1] - r["response"]["times"][0]) / (r["verdict"]["tokens"] - 1)
+           for r in done if r["verdict"]["tokens"] > 1 and r["response"]["times"]]
+    hit = [r for r in done if r["verdict"]["interruptions"]]
+    calm = [r for r in done if not r["verdict"]["interruptions"]]
+    mem: Dict[str, dict] = {}
+    for name in sorted({k for m in memory for k in m["rss_mb"]}):
+        series = [(m["t"], m["rss_mb"][name]) for m in memory if name in m["rss_mb"]]
+        under_load = [(t, v) for t, v in series if t <= load_end_s]
+        mem[name] = {"first_mb": series[0][1], "last_mb": series[-1][1], "max_mb": max(v for _, v in series),
+                     "slope_mb_per_min": slope_mb_per_min(under_load),
+                     "slope_second_half_mb_per_min": slope_mb_per_min(under_load[len(under_load) // 2:])}
+    return {
+        "requests": len(records), "completed": len(done), "lost": len(records) - len(done),
+        "lost_errors": [r["verdict"]["error"] for r in records if not r["verdict"]["completed"]][:20],
+        "duplicated": sum(m == "duplicated" for m in matches) + sum(r["verdict"]["finals"] > 1 for r in records),
+        "lost_tokens": sum(m == "lost" for m in matches),
+        "delivery_inconsistent": sum(not r["verdict"]["delivered"] for r in done),
+        "reference_exact": sum(m == "exact" for m in matches), "reference_other": sum(m == "other" for m in matches),
+        "reference_other_near_tie": sum(r["verdict"]["reference"].get("near_tie", False) for r in done),
+        "interrupted_requests": len(hit), "interruptions": sum(r["verdict"]["interruptions"] for r in done),
+        "degraded_requests": sum(bool(r["verdict"]["degraded"]) for r in done),
+        "degraded_tokens": sum(r["verdict"]["degraded"] for r in done),
+        "tokens": sum(r["verdict"]["tokens"] for r in done),
+        "cuts": len(cuts), "cuts_long": sum(c["long"] for c in cuts),
+        "cuts_by_mode": {m: sum(c["mode"] == m for c in cuts) for m in ("reset", "stall")},
+        "cuts_during_a_request": sum(c["busy"] for c in cuts),
+        "ttft_s": _pct(ttft), "tbt_s": _pct(tbt),
+        "queue_s": _pct([r["verdict"]["queue_s"] for r in done]),  # waiting behind the device's earlier request
+        "ttft_after_queue_s": _pct([r["response"]["times"][0] - r["verdict"]["queue_s"] for r in done
+                                    if r["response"]["times"]]),
+        "ttft_s_interrupted": _pct([r["response"]["times"][0] for r in hit if r["response"]["times"]]),
+        "ttft_s_uninterrupted": _pct([r["response"]["times"][0] for r in calm if r["response"]["times"]]),
+        "by_protocol": {p: sum(r["protocol"] == p for r in done) for p in sorted({r["protocol"] for r in records})},
+        "by_policy": {p: {"completed": sum(r["policy"] == p for r in done),
+                          "exact": sum(r["policy"] == p and r["verdict"]["reference"]["match"] == "exact"
+                                       for r in done)} for p in sorted({r["policy"] for r in records})},
+        "memory": mem,
+    }
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+class _Sampler(threading.Thread):
+    def __init__(self, pids: Dict[str, int], status_path: str, every_s: float, t0: float, in_flight):
+        super().__init__(daemon=True)
+        self.pids, self.status_path, self.every_s, self.t0, self.in_flight = pids, status_path, every_s, t0, in_flight
+        self.samples: List[dict] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        procs = {name: psutil.Process(pid) for name, pid in self.pids.items()}
+        while True:
+            rss = {}
+            for name, p in procs.items():
+                try:
+                    rss[name] = p.memory_info().rss / 2 ** 20
+                except psutil.Error:
+                    pass
+            cloud = {}
+            try:
+                with open(self.status_path, encoding="utf-8") as f:
+                    status = json.load(f)
+                cloud = {**status.get("sessions", {}), "expired": status["server"]["sessions_expired"],
+                         "errors": status["server"]["errors_by_code"]}
+            except (OSError, ValueError, KeyError):
+                pass
+            self.samples.append({"t": time.perf_counter() - self.t0, "rss_mb": rss, "cloud": cloud,
+                                 "in_flight": self.in_flight()})
+            if self.stop.wait(self.every_s):
+                return
+
+
+def run(args) -> int:
+    import multiprocessing as mp
+
+    from cloud_runtime.process import CloudProcess
+    from hat_split.models.loading import load_tokenizer
+    from hat_split.net.security import ephemeral
+    from profiles.testbed.links import get_link_profile
+    from profiles.testbed.prompts import long_chat_prompts
+
+    protocols = names(args.protocols, ("hat", "ushape", "sd", "hlm", "llm", "uhlm", "cuhlm", "qs"), "protocol")
+    policies = names(args.policies, POLICIES, "link policy")
+    links = [get_link_profile(x).name for x in args.links.split(",") if x]
+    cut_lo, cut_hi = numbers(args.cut_seconds)
+    if not (args.devices >= 1 and 1 <= args.hosts <= args.devices and args.duration > 0 and args.rate > 0
+            and args.cut_rate >= 0 and 0 < cut_lo <= cut_hi and 0 <= args.long_cuts <= 1 and links):
+        raise ValueError("need devices >= hosts >= 1, duration and rate > 0, cut rate >= 0, 0 < cut min <= max, "
+                         "long-cut share in [0, 1] and at least one link")
+    needs_adapter = "hat" in protocols or args.draft == "adapter"
+    adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)
+    rng = np.random.default_rng(args.seed)
+
+    tok = load_tokenizer(args.model)
+    prompts = long_chat_prompts(tok, args.prompts, args.min_prompt_tokens, args.max_prompt_tokens)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    names_ = [f"soak-{i:02d}" for i in range(args.devices)]
+    report: dict = {"args": vars(args), "adapter": adapter, "prompt_tokens": [len(p) for p in prompts]}
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hatspec-soak-") as tmp:
+        if args.plaintext:
+            cloud_sec, device_sec = None, {n: None for n in names_}
+        else:
+            cloud_sec, device_sec = ephemeral(tmp, names_)
+        status_path = os.path.join(tmp, "cloud-status.json")
+        extra = ["--dtype", "float32", "--session-timeout", str(args.session_timeout), "--max-sessions",
+                 str(2 * args.devices + 8), "--status-file", status_path, "--status-interval", "1"]
+        print(f"hat-bench soak: cloud ({args.model}), {args.devices} devices in {args.hosts} host processes, "
+              f"{'plaintext' if args.plaintext else 'CurveZMQ'}", flush=True)
+        with CloudProcess(args.model, extra_args=extra, threads=args.threads, security=cloud_sec) as cloud:
+            ctx = mp.get_context("spawn")
+            hosts, conns, devices = [], [], []
+            for h in range(args.hosts):
+                mine = [{"name": n, "link": links[i % len(links)], "policy": policies[i % len(policies)],
+                         "security": None if device_sec[n] is None else vars(device_sec[n])}
+                        for i, n in enumerate(names_) if i % args.hosts == h]
+                spec = {"model": args.model, "m": args.m, "adapter": adapter, "draft": args.draft,
+                        "port": cloud.port, "heartbeat": args.heartbeat, "report_interval": args.report_interval,
+                        "devices": mine}
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_host_main, args=(child, spec), daemon=True)
+                p.start()
+                hosts.append(p)
+                conns.append(parent)
+            try:
+                for c in conns:
+                    if not c.poll(900):
+                        raise RuntimeError("a device host did not start within 900 s")
+                    kind, value = c.recv()
+                    if kind != "ready":
+                        raise RuntimeError(f"a device host failed:\n{value}")
+                    devices += value
+                devices.sort(key=lambda d: d["name"])
+                report["devices"] = devices
+                records = _load(args, devices, prompts, protocols, rng, cloud, hosts, status_path, report)
+            finally:
+                for c in conns:
+                    try:
+                        c.send(None)
+                    except OSError:
+                        pass
+                for p in hosts:
+                    p.join(timeout=60)
+                    if p.is_alive():
+                        p.kill()
+    print("hat-bench soak: checking every answer against the model's greedy continuation", flush=True)
+    _verify(args, records, prompts)
+    report["summary"] = summarise(records, report["cuts"], report["memory"], report["load_end_s"])
+    report["requests"] = [{k: v for k, v in r.items() if k != "response"} | {"times": r["response"]["times"]}
+                          for r in records]
+    report["seconds"] = time.perf_counter() - t_start
+    from hat_split.files.atomic import write_json
+
+    write_json(args.out, report)
+    print_summary(report)
+    note = plot(os.path.splitext(args.out)[0] + ".png", report)
+    print(f"hat-bench soak: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))
+    s = report["summary"]
+    return 0 if s["lost"] == 0 and s["duplicated"] == 0 and s["lost_tokens"] == 0 \
+        and s["delivery_inconsistent"] == 0 else 1
+
+
+def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, status_path: str, report: dict):
+    """Warm-up, then arrivals, cuts and memory samples; returns one record per request."""
+    from profiles.testbed.link_emulator import send_control
+    from profiles.bench.bench_fleet import poisson_arrivals
+
+    def request(rec: dict, device: dict) -> None:
+        body = {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "hatspec": {"protocol": rec["protocol"], "tokens": True}}
+        with lock:
+            busy[device["name"]] += 1
+        try:
+            rec["response"] = stream_completion(device["http"], body, args.request_timeout)
+        finally:
+            with lock:
+                busy[device["name"]] -= 1
+
+    lock = threading.Lock()
+    busy = {d["name"]: 0 for d in devices}
+    # warm-up: one short request per device, all at once (every device connected, every cloud path compiled)
+    warm = [{"prompt": i % len(prompts), "max_tokens": 4, "protocol": protocols[i % len(protocols)]}
+            for i in range(len(devices))]
+    threads = [threading.Thread(target=request, args=(w, d)) for w, d in zip(warm, devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = [(d["name"], w["response"]["error"]) for w, d in zip(warm, devices) if w["response"]["error"]
+           or not w["response"]["done"]]
+    if bad:
+        raise RuntimeError(f"warm-up failed on {len(bad)} devices, e.g. {bad[0]}")
+    print(f"hat-bench soak: {len(devices)} devices warm; load for {args.duration:.0f} s", flush=True)
+
+    t0 = time.perf_counter()
+    pids = {"cloud": cloud.proc.pid, **{f"host-{i}": p.pid for i, p in enumerate(hosts)}, "driver": os.getpid()}
+    sampler = _Sampler(pids, status_path, args.sample_every, t0, lambda: sum(busy.values()))
+    sampler.start()
+    stop_chaos = threading.Event()
+    cuts: List[dict] = []
+    restores: List[threading.Timer] = []
+    cut_until = {d["name"]: 0.0 for d in devices}
+
+    def chaos() -> None:
+        crng = np.random.default_rng(args.seed + 1)
+        while args.cut_rate > 0 and not stop_chaos.wait(float(crng.exponential(1.0 / args.cut_rate))):
+            now = time.perf_counter() - t0
+            free = [d for d in devices if cut_until[d["name"]] <= now]
+            with lock:
+                in_flight = [d for d in free if busy[d["name"]]]
+            if not free:
+                continue
+            pool = in_flight if in_flight and crng.random() < 0.8 else free
+            d = pool[int(crng.integers(len(pool)))]
+            long = bool(crng.random() < args.long_cuts)
+            seconds = args.long_cut_seconds if long else float(crng.uniform(*numbers(args.cut_seconds)))
+            mode = "reset" if crng.random() < 0.5 else "stall"
+            address = tuple(d["control"])
+            send_control(address, f"cut {mode}")
+            cut_until[d["name"]] = now + seconds
+            cuts.append({"t": now, "device": d["name"], "mode": mode, "seconds": seconds, "long": long,
+                         "busy": d in in_flight})
+            timer = threading.Timer(seconds, send_control, args=(address, "restore"))
+            timer.daemon = True
+            timer.start()
+            restores.append(timer)
+
+    chaos_thread = threading.Thread(target=chaos, daemon=True)
+    chaos_thread.start()
+    arrivals = poisson_arrivals(args.rate, args.duration, len(devices), len(prompts), args.seed)
+    records, threads = [], []
+    for k, (at, device, prompt) in enumerate(arrivals):
+        wait = t0 + at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        rec = {"id": k, "arrival_s": at, "device": devices[device]["name"], "policy": devices[device]["policy"],
+               "link": devices[device]["link"], "prompt": prompt,
+               "protocol": protocols[int(rng.integers(len(protocols)))],
+               "max_tokens": args.max_tokens}
+        records.append(rec)
+        t = threading.Thread(target=request, args=(rec, devices[device]), daemon=True)
+        t.start()
+        threads.append(t)
+    stop_chaos.set()
+    chaos_thread.join()
+    for timer in restores:
+        timer.join()  # every link restored
+    load_end = time.perf_counter() - t0
+    deadline = time.monotonic() + args.request_timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for rec in records:
+        rec.setdefault("response", {"error": "no answer before the driver stopped waiting", "done": False,
+                                    "finals": 0, "deltas": [], "times": [], "hatspec": None, "usage": None})
+    drained = time.perf_counter() - t0
+    print(f"hat-bench soak: {len(records)} requests answered or given up at {drained:.0f} s; draining "
+          f"{2 * args.session_timeout:.0f} s", flush=True)
+    time.sleep(2 * args.session_timeout + 2)  # idle sessions expire; memory should settle
+    sampler.stop.set()
+    sampler.join()
+    report.update(cuts=cuts, memory=sampler.samples, load_end_s=load_end, answered_s=drained, arrivals=len(arrivals))
+    return records
+
+
+def _verify(args, records: List[dict], prompts) -> None:
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import eos_ids, load_model
+
+    loaded = load_model(args.model, dtype="float32", quiet=True)
+    lm = CausalLM(loaded.model)
+    eos = eos_ids(loaded.model, loaded.tokenizer)
+    refs: Dict[tuple, List[int]] = {}
+    for rec in records:
+        key = (rec["prompt"], rec["max_tokens"])
+        if key not in refs:
+            refs[key] = lm.greedy(prompts[rec["prompt"]], rec["max_tokens"], eos)
+        rec["verdict"] = v = check(rec, refs[key], rec["max_tokens"], eos,
+                                   lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+        if v["completed"] and v["reference"]["match"] == "other":  # how close the reference's choice was there
+            at = v["reference"]["at"]
+            logits = lm.forward(lm.new_state(), list(prompts[rec["prompt"]]) + refs[key][:at])[-1]
+            top = np.argsort(-logits)[:2]
+            got = rec["response"]["hatspec"]["tokens"][at]
+            v["reference"].update(margin=float(logits[top[0]] - logits[top[1]]),
+                                  near_tie=bool(got == int(top[1]) and logits[top[0]] - logits[top[1]] < NEAR_TIE))
+
+
+def _f(x: Optional[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
+    return "-" if x is None else fmt.format(x * scale)
+
+
+def print_summary(report: dict) -> None:
+    s = report["summary"]
+    print(f"\n requests {s['requests']}: completed {s['completed']}, lost {s['lost']}, duplicated {s['duplicated']}, "
+          f"lost-token runs {s['lost_tokens']}, delivery inconsistent {s['delivery_inconsistent']}")
+    for error in s["lost_errors"]:
+        print(f" lost: {error}")
+    print(f" equal to the model's greedy answer: {s['reference_exact']} (other: {s['reference_other']}, of which "
+          f"{s['reference_other_near_tie']} where the reference's top two logits differ by < {NEAR_TIE} and the "
+          f"answer took the second); "
+          f"by policy {s['by_policy']}")
+    print(f" cuts {s['cuts']} ({s['cuts_by_mode']}, long {s['cuts_long']}, during a request "
+          f"{s['cuts_during_a_request']}); requests interrupted {s['interrupted_requests']} "
+          f"({s['interruptions']} drops), degraded {s['degraded_requests']} ({s['degraded_tokens']} tokens)")
+    for key in ("ttft_s", "queue_s", "ttft_after_queue_s", "ttft_s_uninterrupted", "ttft_s_interrupted", "tbt_s"):
+        v = s[key]
+        print(f" {key:22s} mean {_f(v['mean'])} P50 {_f(v['p50'])} P90 {_f(v['p90'])} P99 {_f(v['p99'])} ms "
+              f"(n={v['n']})")
+    for name, m in s["memory"].items():
+        print(f" RSS {name:8s} first {m['first_mb']:.0f} MB, last {m['last_mb']:.0f}, max {m['max_mb']:.0f}; slope "
+              f"{_f(m['slope_mb_per_min'], 1, '{:+.2f}')} MB/min (second half "
+              f"{_f(m['slope_second_half_mb_per_min'], 1, '{:+.2f}')})")
+    last = report["memory"][-1]["cloud"] if report["memory"] else {}
+    print(f" cloud after the drain: {last.get('open', '-')} sessions open, {last.get('kv_positions', '-')} KV "
+          f"positions, {last.get('expired', '-')} sessions expired in all")
+
+
+def plot(path: str, report: dict) -> str:
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    mem = report["memory"]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    for name in report["summary"]["memory"]:
+        pts = [(m["t"], m["rss_mb"][name]) for m in mem if name in m["rss_mb"]]
+        axes[0, 0].plot([t for t, _ in pts], [v for _, v in pts], label=name)
+    for c in report["cuts"]:
+        axes[0, 0].axvline(c["t"], color="red" if c["long"] else "grey", alpha=0.25, lw=0.8)
+    axes[0, 0].set(title="RSS over time (grey: link cuts, red: long cuts)", xlabel="s", ylabel="MB")
+    ts = [m["t"] for m in mem]
+    axes[0, 1].plot(ts, [m["cloud"].get("open", np.nan) for m in mem], label="cloud sessions open")
+    axes[0, 1].plot(ts, [m["in_flight"] for m in mem], label="requests in flight")
+    ax2 = axes[0, 1].twinx()
+    ax2.plot(ts, [m["cloud"].get("kv_positions", np.nan) for m in mem], color="green", alpha=0.6)
+    ax2.set_ylabel("KV positions held (green)")
+    axes[0, 1].axvline(report["load_end_s"], color="black", ls="--", lw=0.8)
+    axes[0, 1].set(title="sessions and KV over time (dashed: arrivals end)", xlabel="s")
+    reqs = [r for r in report["requests"] if r["verdict"]["completed"] and r["times"]]
+    for label, sel in (("uninterrupted", lambda r: not r["verdict"]["interruptions"]),
+                       ("interrupted", lambda r: r["verdict"]["interruptions"])):
+        v = sorted(r["times"][0] for r in reqs if sel(r))
+        if v:
+            axes[1, 0].step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
+        v = sorted((r["times"][-1] - r["times"][0]) / (r["verdict"]["tokens"] - 1) for r in reqs
+                   if sel(r) and r["verdict"]["tokens"] > 1)
+        if v:
+            axes[1, 1].step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
+    axes[1, 0].set(title="TTFT at the client (CDF)", xlabel="s", ylabel="fraction", xscale="log")
+    axes[1, 1].set(title="TBT at the client (CDF, per request)", xlabel="s/token", ylabel="fraction", xscale="log")
+    return save_figure(fig, axes, path, 8)
