@@ -21,6 +21,20 @@ import time
 
 import numpy as np
 
+from edge_runtime.drafter import Drafter
+from edge_runtime.policy.env import PolicyEnv, RoundCost, Trace, TwoStateChannel, action_grid, throughput
+from edge_runtime.policy.policies import N_FEATURES, HeuristicPolicy, QNetwork
+from hat_split.math.enumerative import composition_bits, field_bits
+from hat_split.math.lattice import nearest
+from hat_split.math.rng import session_rng
+from hat_split.math.sampling import SamplingParams
+from hat_split.models.chat import encode
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import load_pair
+from hat_split.models.target import TargetSession
+from hat_split.wire import messages as P
+from profiles.testbed.prompts import calibration_prompts
+
 DEFAULT_ELLS = (4, 16, 64, 256)
 DEFAULT_LENGTHS = (1, 2, 3, 4, 6, 8)
 
@@ -69,11 +83,6 @@ def _ints(text: str) -> tuple:
 # -- record ------------------------------------------------------------------------------------------------------------
 def record_traces(d_lm, t_lm, prompts, params, ells, max_len, max_new_tokens, eos=frozenset(), seed=0, log=print):
     """One Trace per prompt (token id lists) from the real pair."""
-    from hat_split.models.target import TargetSession
-    from edge_runtime.drafter import Drafter
-    from edge_runtime.policy.env import Trace
-    from hat_split.math.lattice import nearest
-    from hat_split.math.rng import session_rng
 
     traces = []
     for i, ids in enumerate(prompts):
@@ -119,8 +128,6 @@ def save_traces(path: str, traces, ells, meta: dict) -> None:
 
 
 def load_traces(path: str):
-    from edge_runtime.policy.env import Trace
-
     try:
         with np.load(path, allow_pickle=False) as f:
             n = sum(1 for k in f.files if k.startswith("accept"))
@@ -131,11 +138,6 @@ def load_traces(path: str):
 
 
 def cmd_record(args) -> int:
-    from hat_split.models.lm import CausalLM
-    from hat_split.models.loading import load_pair
-    from hat_split.math.sampling import SamplingParams
-    from profiles.testbed.prompts import calibration_prompts, encode
-
     ells = _ints(args.ells)
     prompts = calibration_prompts(args.prompts)
     draft, target, eos = load_pair(args.draft, args.target, args.weight_quant, args.target_dtype)
@@ -154,9 +156,6 @@ def cmd_record(args) -> int:
 # -- train -------------------------------------------------------------------------------------------------------------
 def round_cost(vocab_size: int, ells, rtt_s: float):
     """The real Verify frame's fixed bytes and each resolution's row bits (hat_split.math.enumerative)."""
-    from edge_runtime.policy.env import RoundCost
-    from hat_split.wire import messages as P
-    from hat_split.math.enumerative import composition_bits, field_bits
 
     empty = P.DistPayload("lattice", np.zeros(0, np.uint8), bits=0, ell=max(ells), k=vocab_size)
     frame = P.frame_bytes(P.encode(P.Verify(1, 1, 1000, np.zeros(0, np.int32), np.zeros(0, np.int32), empty, 0.01)))
@@ -167,7 +166,6 @@ def round_cost(vocab_size: int, ells, rtt_s: float):
 def train_dqn(env, steps: int, gamma: float, hidden: int, seed: int, log=print):
     """Double DQN (van Hasselt et al.): the online net picks the next action, the target net values it."""
     import torch
-    from edge_runtime.policy.policies import N_FEATURES, QNetwork
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -235,8 +233,6 @@ def train_dqn(env, steps: int, gamma: float, hidden: int, seed: int, log=print):
 
 def evaluate(env, net, ells, lengths, episodes, static=(4, 2)) -> dict:
     """Throughput (tokens/s) of the DQN, the static (L, ℓ) and the heuristic on the same held-out traces."""
-    from edge_runtime.policy.policies import HeuristicPolicy
-    from edge_runtime.policy.env import throughput
 
     index = {(int(L), int(e)): i for i, (L, e) in enumerate(env.actions)}
     out = {"dqn": throughput(env, lambda s: int(np.argmax(net.q_values(s.features()))), episodes)}
@@ -250,8 +246,6 @@ def evaluate(env, net, ells, lengths, episodes, static=(4, 2)) -> dict:
 
 
 def cmd_train(args) -> int:
-    from edge_runtime.policy.env import PolicyEnv, TwoStateChannel, action_grid
-
     traces, ells, meta = load_traces(args.traces)
     lengths = _ints(args.lengths)
     if len(traces) < 2:

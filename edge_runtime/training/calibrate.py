@@ -18,7 +18,18 @@ import time
 
 import numpy as np
 
-from profiles.bench.bench_args import NO_MATPLOTLIB, pyplot
+from edge_runtime.drafter import Drafter
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot
+from hat_split.math import calibration as C
+from hat_split.math.calibration import OfflineKAccumulator
+from hat_split.math.rng import session_rng
+from hat_split.math.sampling import SamplingParams
+from hat_split.math.uncertainty import PerturbationConfig, perturbation_uncertainty
+from hat_split.models.chat import encode
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import load_pair
+from hat_split.models.target import TargetSession
+from profiles.testbed.prompts import calibration_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,11 +64,6 @@ def _check(args) -> None:
 
 def record(args):
     """Load the pair and run it on the calibration prompts; returns (u, x_d, y_d, accumulator, seconds)."""
-    from hat_split.models.lm import CausalLM
-    from hat_split.models.loading import load_pair
-    from hat_split.math.sampling import SamplingParams
-    from hat_split.math.uncertainty import PerturbationConfig
-    from profiles.testbed.prompts import calibration_prompts, encode
 
     prompts = calibration_prompts(args.prompts)
     draft, target, eos = load_pair(args.draft, args.target, args.weight_quant, args.target_dtype)
@@ -72,11 +78,6 @@ def record(args):
 def record_pair(d_lm, t_lm, prompts, params, pert, max_new_tokens, draft_len, k_max, eos=frozenset(), seed=0,
                 names=None):
     """Records of every examined draft token over `prompts` (token id lists): u, x_d, y_d `# [N]` and the k* sums."""
-    from hat_split.models.target import TargetSession
-    from edge_runtime.drafter import Drafter
-    from hat_split.math.calibration import OfflineKAccumulator
-    from hat_split.math.rng import session_rng
-    from hat_split.math.uncertainty import perturbation_uncertainty
 
     acc = OfflineKAccumulator(k_max)
     us, xs, ys = [], [], []
@@ -143,7 +144,6 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"hat-calibrate: {exc}", file=sys.stderr)
         return 2
-    from hat_split.math import calibration as C
 
     try:
         u, x_d, y_d, acc, seconds = record(args)

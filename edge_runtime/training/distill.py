@@ -20,7 +20,13 @@ import time
 from pathlib import Path
 from typing import List
 
-from profiles.testbed.prompts import DISTILL_SPLIT
+from edge_runtime.split_drafter import local_accept_length
+from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
+from hat_split.models.chat import encode_chat
+from hat_split.models.distill import student_loss, teacher
+from hat_split.models.loading import load_model
+from hat_split.models.partition import SplitModel
+from profiles.testbed.prompts import DISTILL_SPLIT, long_chat_prompts, sharegpt_conversations
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 CHECKPOINT = "checkpoint.pt"
@@ -53,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversation: int = 4) -> List[List[int]]:
     """n_windows token windows of exactly seq_len tokens from conversations offset, offset + 1, ..."""
-    from profiles.testbed.prompts import encode_chat, sharegpt_conversations
 
     out: List[List[int]] = []
     at = offset
@@ -79,8 +84,6 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def evaluate_windows(split, lam, batches, w_ce: float) -> dict:
-    from hat_split.models.distill import student_loss, teacher
-
     import torch
 
     sums = {"loss": 0.0, "smooth_l1": 0.0, "ce": 0.0, "top1": 0.0}
@@ -106,10 +109,6 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
-    from hat_split.models.distill import student_loss, teacher
-    from hat_split.models.loading import load_model
-    from hat_split.models.partition import SplitModel
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8:
         raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8")
@@ -189,8 +188,6 @@ def run(args) -> int:
 
 def acceptance(split, adapter, tokenizer, args) -> dict:
     """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round."""
-    from edge_runtime.split_drafter import local_accept_length
-    from profiles.testbed.prompts import long_chat_prompts
 
     prompts = long_chat_prompts(tokenizer, args.eval_prompts, 32, 512)
     eos = tokenizer.eos_token_id

@@ -5,6 +5,9 @@ and its external-data file, sha256 and size, inputs and outputs with dtypes and 
 quantization, validation figures and verdict), the hatspec and wire-protocol versions, and the device profile the
 bundle targets. Loading a bundle checks all of it and refuses, with the reason, a bundle that was tampered with, is
 incomplete, was made by an incompatible hatspec, or does not match what the caller expects.
+
+The names of a part's graph inputs and outputs are part of the contract as well (below): the exporter
+(export.graphs) writes graphs with them and the device's runners (edge_runtime.backends) feed and read them.
 """
 from __future__ import annotations
 
@@ -12,10 +15,35 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+from hat_split.files.atomic import write_json
+from hat_split.wire.messages import PROTOCOL_VERSION
 
 FORMAT = "hatspec-bundle/1"
 MANIFEST = "manifest.json"
+
+# A part's graph inputs, in this order (a name absent from a graph is an input the part does not take):
+X = "x"  # int64 token ids `# [1, n]` (a part with the embeddings) or states `# [1, n, hidden]`
+POSITION_IDS = "position_ids"  # int64 `# [1, n]`: absolute positions of the n new tokens
+MASK = "mask"  # additive causal mask `# [1, 1, n, past + n]` (hat_split.math.masks)
+MASK_SLIDING = "mask_sliding"  # the same within the sliding window, when a part has a sliding-window layer
+LOGIT_INDEX = "logit_index"  # int64 `# [k]`: the positions whose logits a part with the head returns
+PAST_KEY, PAST_VALUE = "past_key_", "past_value_"  # + layer: cache `# [1, kv_heads, past, head_dim]` per layer
+# ... and its outputs: the states or the logits first, then each cached layer's grown cache (past ++ new).
+HIDDEN = "hidden"  # `# [1, n, hidden]`
+LOGITS = "logits"  # float32 `# [1, k, vocab]`
+PRESENT_KEY, PRESENT_VALUE = "present_key_", "present_value_"  # + layer: `# [1, kv_heads, past + n, head_dim]`
+
+
+def past_names(layer: int) -> Tuple[str, str]:
+    """The cache inputs of one layer: (key, value)."""
+    return f"{PAST_KEY}{layer}", f"{PAST_VALUE}{layer}"
+
+
+def present_names(layer: int) -> Tuple[str, str]:
+    """The grown cache outputs of one layer: (key, value)."""
+    return f"{PRESENT_KEY}{layer}", f"{PRESENT_VALUE}{layer}"
 
 
 class BundleError(ValueError):
@@ -84,7 +112,6 @@ def sha256(path: Path, chunk: int = 1 << 20) -> str:
 
 def write(bundle: Path, manifest: Manifest) -> Path:
     """Write manifest.json atomically (a reader never sees half a manifest)."""
-    from hat_split.files.atomic import write_json
 
     path = Path(bundle) / MANIFEST
     write_json(path, asdict(manifest), indent=1)
@@ -129,7 +156,6 @@ def load(bundle: Path, model_fingerprint: Optional[str] = None, vocab_fingerprin
          device_profile: Optional[str] = None) -> Manifest:
     """Read and verify a bundle: format, protocol version, checksums of every file, and (when given) that it is for
     this model / vocabulary / device profile."""
-    from hat_split.wire.messages import PROTOCOL_VERSION
 
     man = read(bundle)
     if man.protocol_version != PROTOCOL_VERSION:

@@ -12,6 +12,7 @@ targets). w_ce = 0.1 as in the paper. Only Λ is trained; the head, norms and ta
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Dict
 
@@ -44,8 +45,6 @@ def teacher(split: SplitModel, tokens: Any) -> Teacher:
 
 
 def _features(split: SplitModel, hidden: Any, train: bool) -> Any:
-    import contextlib
-
     import torch
 
     if len(split.output):

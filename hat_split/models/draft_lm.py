@@ -17,6 +17,7 @@ import numpy as np
 
 from hat_split.models.adapter import Adapter, adapter_stack
 from hat_split.models.lm import KVState, board_time, check_crop, check_feed
+from hat_split.models.loading import output_size
 from hat_split.models.partition import PartCache, SplitModel
 
 
@@ -28,8 +29,6 @@ class AdapterLM:
     vocab_size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        from hat_split.models.loading import output_size
-
         self.stack = adapter_stack(self.split, self.adapter)
         self.vocab_size = output_size(self.split.model)
 

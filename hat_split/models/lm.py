@@ -17,6 +17,8 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
+from hat_split.models.loading import output_size
+
 
 def check_feed(n: int, n_logits: int) -> None:
     """A forward of n tokens returning the logits of the last n_logits positions: refuse what cannot be done."""
@@ -58,8 +60,6 @@ class CausalLM:
     vocab_size: int = field(init=False)  # size of the logits' last dim (may exceed the tokenizer's vocab)
 
     def __post_init__(self) -> None:
-        from hat_split.models.loading import output_size
-
         self.vocab_size = output_size(self.model)
 
     def warm_up(self) -> None:

@@ -22,20 +22,34 @@ tokenizer-like interface, and importing this module needs neither.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, List
 
 from hat_split.models.registry import (
-    HF_META, MODEL_DTYPES, MODELS, WEIGHT_QUANTS, ModelSpec, cache_is_valid, get_model_spec, gguf_cache_path, gguf_path, hf_cache_path,
-    is_installed, part_paths, source_signature,
+    HF_META,
+    MODEL_DTYPES,
+    MODELS,
+    WEIGHT_QUANTS,
+    ModelSpec,
+    cache_is_valid,
+    get_model_spec,
+    gguf_cache_path,
+    gguf_path,
+    hf_cache_path,
+    is_installed,
+    part_paths,
+    source_signature,
 )
 
 CACHE_FORMAT = 1  # bump when the layout of a converted cache dir changes; older dirs are then re-converted
@@ -165,7 +179,6 @@ def _progress_bars(show: bool) -> Iterator[None]:
     if show:
         yield
         return
-    import functools
 
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
@@ -255,7 +268,6 @@ def quantize_weights(model: Any, scheme: str) -> Any:
         raise ValueError(f"unknown weight quantization {scheme!r}; choose from {', '.join(WEIGHT_QUANTS)}")
     if scheme == "none":
         return model
-    import warnings
 
     import torch
 
@@ -315,8 +327,6 @@ def _load_gguf_tokenizer(gguf: Path, config: Any = None) -> Any:
 
 
 def _load_gguf_model(gguf: Path, config: Any = None) -> Any:
-    import importlib.util
-
     import torch
     from transformers import AutoModelForCausalLM
 

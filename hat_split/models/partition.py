@@ -20,11 +20,14 @@ Shapes: hidden states are `# [1, n, hidden]` torch tensors in the model's dtype;
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hat_split.math.masks import allowed
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "gemma3_text", "gemma3")  # model_type values whose layout is checked here
 FULL = "full_attention"
@@ -77,8 +80,6 @@ def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: O
     """Mask `# [1, 1, n, width]` of a torch dtype: 0 where query i (position past + i) may attend key j, the dtype's
     min elsewhere (hat_split.math.masks.allowed: causal, sliding window, padding slots hidden)."""
     import torch
-
-    from hat_split.math.masks import allowed
 
     mask = torch.zeros((n, past + n if width is None else width), dtype=dtype)
     mask.masked_fill_(~torch.from_numpy(allowed(past, n, window, width)), torch.finfo(dtype).min)
@@ -165,8 +166,6 @@ class Stack:
         return [out[i:i + 1, :n] for i, n in enumerate(lengths)]
 
     def _run(self, cache: Any, hidden: Any, mask_for: Any, positions: Any, train: bool) -> Any:
-        import contextlib
-
         import torch
 
         layers = self.layers
@@ -295,7 +294,6 @@ def embed(model: Any, tokens: Sequence[int]) -> Any:
 
 def head_logits(model: Any, hidden: Any, train: bool = False) -> Any:
     """Final norm + LM head (+ Gemma's soft-capping when configured): `# [b, n, hidden]` → float32 `# [b, n, vocab]`."""
-    import contextlib
 
     import torch
 
@@ -305,7 +303,6 @@ def head_logits(model: Any, hidden: Any, train: bool = False) -> Any:
 
 def lm_head_logits(model: Any, normed: Any, train: bool = False) -> Any:
     """The LM head (+ soft-capping) on already normed features `# [b, n, hidden]` → float32 `# [b, n, vocab]`."""
-    import contextlib
 
     import torch
 

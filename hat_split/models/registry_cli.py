@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import sys
 import time
 from typing import Any, Sequence
 
 from hat_split.models import registry
+from hat_split.models.loading import load_model
 
 LIST_COLUMNS = ["name", "arch", "layers", "hidden", "vocab", "quant", "installed", "assembled", "cached"]
 
@@ -54,8 +56,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _have_torch() -> bool:
-    import importlib.util
-
     return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf"))
 
 
@@ -79,7 +79,6 @@ def _cmd_install(args: argparse.Namespace) -> int:
             if registry.is_cached(name):
                 line += f"; already converted in {registry.hf_cache_path(name)}"
             else:
-                from hat_split.models.loading import load_model
 
                 lm = load_model(name, quiet=args.quiet)
                 line += (f"; first load {lm.load_seconds:.1f} s (from GGUF), cache written in {lm.save_seconds:.1f} s"
@@ -91,8 +90,6 @@ def _cmd_install(args: argparse.Namespace) -> int:
 
 
 def _timed_load(name: str, use_cache: bool) -> dict[str, Any]:
-    from hat_split.models.loading import load_model
-
     lm = load_model(name, use_cache=use_cache, quiet=True)
     out = {"seconds": round(lm.load_seconds, 3), "from_cache": lm.from_cache, "source": lm.source,
            "params": int(sum(p.numel() for p in lm.model.parameters()))}

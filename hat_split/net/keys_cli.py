@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from hat_split.net import security as S
+
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hat_split.net import security as S
-
     ap = argparse.ArgumentParser(prog="hat-keys", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="a new key pair")

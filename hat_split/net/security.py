@@ -8,6 +8,7 @@ certificates (`NAME.key` public, `NAME.key_secret` secret, written with mode 060
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -95,7 +96,6 @@ def allowed_keys(directory: str) -> Dict[bytes, str]:
 def ephemeral(directory: str | os.PathLike, devices: List[str]) -> Tuple[LinkSecurity, Dict[str, LinkSecurity]]:
     """Keys for one cloud and `devices` in `directory` (a demo, a test, a local fleet): the cloud's setting and each
     device's, every device in the allow-list."""
-    import shutil
 
     d = Path(directory)
     _, cloud_secret = generate(d, "cloud")

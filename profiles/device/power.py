@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -95,8 +96,6 @@ class TegrastatsBackend:
     name = "tegrastats"
 
     def __init__(self, interval_s: float = 0.1, command: Sequence[str] = ("tegrastats",)):
-        import shutil
-
         if shutil.which(command[0]) is None:
             raise BackendUnavailable(f"{command[0]} is not on PATH (not a Jetson)")
         ms = max(1, int(interval_s * 1000))
