@@ -1,41 +1,48 @@
 """Continuous batching of every protocol's model work (HAT §2.1, §3.3) inside the cloud server.
 
-Each request is validated on arrival and becomes scheduler work (cloud_runtime.scheduler) on its session: "decode"
+The handlers (cloud_runtime.handlers) validate each request and queue its model work here on its session: "decode"
 when it is a decode / verify segment (at most max_draft_len + 1 positions), "prefill" otherwise (a prompt or a HAT
 prompt chunk, which the scheduler may split further over steps). Split protocols send hidden states for the middle
 layers; token protocols' tokens are embedded and run through every layer. The server drains its socket, then
 `step()` computes one batch of many sessions' segments — one forward per layer range (cloud_runtime.runner), in this
-process or through pipeline stages (cloud_runtime.pipeline) — and each finished work's `Pending.finish` builds the
-reply (Deep, Verdict, SessionOpened, Generated). Each batch that comes back feeds HAT's state monitoring (eq. 1-2)
-with its real token count and compute time.
+process or through pipeline stages (cloud_runtime.pipeline) — and returns each finished work with the numpy rows its
+request needs: a token work's logits of its last positions, a split work's last deep states. The handlers turn those
+into replies (Deep, Verdict, SessionOpened, Generated). Each batch that comes back feeds HAT's state monitoring
+(eq. 1-2) with its real token count and compute time.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from cloud_runtime.runner import Engine
+import numpy as np
+
+from cloud_runtime.runner import Engine, ModelEnds
 from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal
-from hat_split.wire import messages as P
 from hat_split.math.chunking import DelayModel
+from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.cloud")
 STEP_LOG = 4096  # batches whose size and time the stats keep (for the fleet benchmark's per-step figures)
 
 
 @dataclass
-class Pending:
-    """How to answer a queued work: `finish(output states, self)` returns the reply, or None after queueing more work
-    for the same request (`llm` decodes token by token) with this Pending."""
+class Finished:
+    """What one step gave back: works `done` with their rows (None where the request wants none), works `failed`
+    with the reason (their batch failed), and the sessions `dropped` with that batch."""
 
-    identity: bytes
-    msg: Any
-    session: Any  # the server's session object; its compute_s gets this work's share of each step
-    finish: Callable[[Any, "Pending"], Optional[P.Message]]
-    uplink_bps: float = 0.0
-    compute_s: float = 0.0  # compute time of the steps this request took part in
+    done: List[Tuple[Any, Optional[np.ndarray]]] = field(default_factory=list)
+    failed: List[Tuple[Any, str]] = field(default_factory=list)
+    dropped: List[Hashable] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    tag: Any  # the caller's handle for the request (cloud_runtime.handlers.Pending)
+    logits: int  # token work: logits rows of its last positions to return
+    states: int  # split work: deep states of its last positions to return
 
 
 @dataclass
@@ -45,11 +52,12 @@ class StepStats:
     segments: int = 0
     max_segments: int = 0
     forward_s: float = 0.0  # model time of the batches (a pipeline: launch to return)
-    step_s: float = 0.0  # whole step() time: scheduling, forward (this process's part), reply encoding
+    step_s: float = 0.0  # whole step() time: scheduling, forward (this process's part), logits of finished works
+    head_s: float = 0.0  # model time outside the batched steps: token protocols' embeddings, final norm and head
     stage_s: List[float] = field(default_factory=list)  # model time per pipeline stage
     step_log: List[Tuple[int, int, float]] = field(default_factory=list)  # recent (tokens, segments, compute_s)
 
-    def observe(self, tokens: int, segments: int, compute_s: float, stage_s) -> None:
+    def observe(self, tokens: int, segments: int, compute_s: float, stage_s: Sequence[float]) -> None:
         self.steps += 1
         self.tokens += tokens
         self.segments += segments
@@ -61,13 +69,18 @@ class StepStats:
 
 
 class Batcher:
-    """The server's side of the engine (cloud_runtime.runner.Engine): queued works carry how to answer them."""
+    """The server's side of the engine (cloud_runtime.runner.Engine): token ids and wire states in, numpy rows out.
 
-    def __init__(self, config: SchedulerConfig, executor: Any, load: DelayModel, decode_limit: int):
+    A work's `tag` is the caller's handle for its request: it gets the compute time of every step the work takes part
+    in (`tag.compute_s`) and its session its share by positions (`tag.session.compute_s`); nothing else of it is
+    read here."""
+
+    def __init__(self, config: SchedulerConfig, executor: Any, ends: ModelEnds, load: DelayModel, decode_limit: int):
         self.engine = Engine(Scheduler(config), executor)
+        self.ends = ends
         self.load = load
         self.decode_limit = decode_limit  # positions up to which work is decode / verify
-        self._pending: Dict[int, Pending] = {}  # id(work) → how to answer it
+        self._queued: Dict[int, _Queued] = {}  # id(work) → its request and the rows it wants back
         self.stats = StepStats()
 
     @property
@@ -75,8 +88,22 @@ class Batcher:
         return self.engine.scheduler
 
     @property
-    def executor(self) -> Any:
-        return self.engine.executor
+    def stages(self) -> int:
+        return self.engine.executor.stages
+
+    @property
+    def wake_socket(self) -> Any:
+        """A ZeroMQ socket readable when a batch is back from pipeline stages (None: batches finish in step())."""
+        return getattr(self.engine.executor, "wake_socket", None)
+
+    @property
+    def launches(self) -> int:
+        """Batches launched so far."""
+        return self.engine.launches
+
+    @property
+    def kv_used(self) -> int:
+        return self.scheduler.kv_used
 
     def open(self, key: Hashable, start: int, stop: int) -> None:
         """A session of layers [start, stop) (the full model for token protocols); replaces an open one."""
@@ -88,12 +115,13 @@ class Batcher:
             raise P.ProtocolError(exc.code, exc.message) from None
 
     def close(self, key: Hashable) -> None:
+        """Forget a session (nothing happens for one never opened)."""
         for w in self.engine.close(key):
-            self._pending.pop(id(w), None)
+            self._queued.pop(id(w), None)
 
     def held(self, key: Hashable) -> Tuple[int, int]:
-        """(positions computed, positions queued) of a session."""
-        return self.engine.held(key)
+        """(positions computed, positions queued) of a session; (0, 0) for one not open."""
+        return self.engine.held(key) if key in self.scheduler.sessions else (0, 0)
 
     def crop(self, key: Hashable, length: int) -> None:
         try:
@@ -101,14 +129,26 @@ class Batcher:
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
 
-    def submit(self, key: Hashable, states: Any, pending: Pending) -> None:
-        """Queue `states # [1, n, hidden]` (a torch tensor in the model's dtype) as decode or prefill work."""
+    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any) -> None:
+        """Queue token ids of a token-protocol session (their embeddings through every layer); the work comes back
+        with the logits `# [logits, vocab]` of its last `logits` positions (None for 0)."""
+        t0 = time.perf_counter()
+        states = self.ends.embed(tokens)  # [1, n, hidden]
+        self.stats.head_s += time.perf_counter() - t0
+        self._submit(key, states, _Queued(tag, logits, 0))
+
+    def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Any) -> None:
+        """Queue a split session's shallow states `# [n, hidden]` (float32) for its middle layers; the work comes
+        back with its last `want` deep states `# [want, hidden]` float32 (None for 0)."""
+        self._submit(key, self.ends.states_in(states), _Queued(tag, 0, want))
+
+    def _submit(self, key: Hashable, states: Any, queued: _Queued) -> None:
         kind = "decode" if states.shape[1] <= self.decode_limit else "prefill"
         try:
             work = self.engine.submit(key, kind, states)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
-        self._pending[id(work)] = pending
+        self._queued[id(work)] = queued
 
     @property
     def busy(self) -> bool:
@@ -118,9 +158,8 @@ class Batcher:
     def can_launch(self) -> bool:
         return self.engine.can_launch
 
-    def step(self) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
-        """Launch and collect batches: (identity, reply) for every request finished, and the sessions dropped because
-        their batch failed (each of their queued works answered with an Error)."""
+    def step(self) -> Finished:
+        """Launch and collect batches; every work finished comes back with its rows."""
         t0 = time.perf_counter()
         try:
             finished, reports = self.engine.step()
@@ -131,40 +170,48 @@ class Batcher:
             self.load.observe(batch.tokens, report.compute_s)
             self.stats.observe(batch.tokens, len(batch.segments), report.compute_s, report.stage_s)
             for seg in batch.segments:
-                p = self._pending.get(id(seg.work))
-                if p is not None:
-                    p.compute_s += report.compute_s
-                    p.session.compute_s += report.compute_s * seg.n / batch.tokens
-        replies = []
-        for work, out in finished:
-            p = self._pending.pop(id(work), None)
-            if p is None:
-                continue
-            p.session.last_active = time.monotonic()  # the device's silence counts from its answer
-            try:
-                reply = p.finish(out, p)
-            except P.ProtocolError as exc:  # e.g. the next token's work does not fit any more
-                reply = P.Error(exc.code, exc.message, getattr(p.msg, "session_id", None), getattr(p.msg, "step", None))
-            except Exception as exc:
-                log.exception("finishing a %s failed", type(p.msg).__name__)
-                reply = P.Error("internal", f"{type(exc).__name__}: {exc}", getattr(p.msg, "session_id", None),
-                                getattr(p.msg, "step", None))
-            if reply is not None:
-                replies.append((p.identity, reply))
+                q = self._queued.get(id(seg.work))
+                if q is not None:
+                    q.tag.compute_s += report.compute_s
+                    q.tag.session.compute_s += report.compute_s * seg.n / batch.tokens
+        out = Finished()
+        for work, states in finished:
+            q = self._queued.pop(id(work), None)
+            if q is not None:
+                out.done.append((q.tag, self._rows(q, states)))
         if reports or finished:
             self.stats.step_s += time.perf_counter() - t0
-        return replies, []
+        return out
 
-    def _fail(self, why: str) -> Tuple[List[Tuple[bytes, P.Message]], List[Hashable]]:
-        out, dropped = [], []
+    def _rows(self, q: _Queued, out: Any) -> Optional[np.ndarray]:
+        """What the request wants of a work's output states `# [1, n, hidden]`; the head's time counts as its
+        compute."""
+        if q.states:
+            return self.ends.states_out(out, q.states)  # [want, hidden]
+        if not q.logits:
+            return None
+        t0 = time.perf_counter()
+        logits = self.ends.logits(out, q.logits)  # [logits, vocab]
+        dt = time.perf_counter() - t0
+        self.stats.head_s += dt
+        q.tag.compute_s += dt
+        q.tag.session.compute_s += dt
+        return logits
+
+    def _fail(self, why: str) -> Finished:
+        out = Finished()
         for batch in self.engine.abandon():
             for key in dict.fromkeys(seg.session for seg in batch.segments):
-                if key in dropped or key not in self.scheduler.sessions:
+                if key in out.dropped or key not in self.scheduler.sessions:
                     continue
                 for w in self.scheduler.sessions[key].queue:
-                    p = self._pending.get(id(w))
-                    if p is not None:
-                        out.append((p.identity, P.Error("internal", why, p.msg.session_id, p.msg.step)))
+                    q = self._queued.get(id(w))
+                    if q is not None:
+                        out.failed.append((q.tag, why))
                 self.close(key)
-                dropped.append(key)
-        return out, dropped
+                out.dropped.append(key)
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the executor (a pipeline's stages)."""
+        self.engine.executor.close()

@@ -1,5 +1,7 @@
 """`hat-cloud serve`: load the target model and serve devices over ZeroMQ.
 
+The server's settings are one `CloudConfig` (cloud_runtime.config): from the flags, or from a TOML file
+(`--config FILE`, keys as CloudConfig's fields, `[security]` a table) with the flags typed on the command line on top.
 With `--pipeline P` the middle layers run in P pipeline stages, one process each: started without torchrun, the
 command starts itself again under `torchrun --standalone --nproc-per-node P`; rank 0 serves, the others are stages
 (cloud_runtime.pipeline)."""
@@ -11,12 +13,26 @@ import logging
 import os
 import signal
 import sys
+from typing import Optional, Sequence
 
+from cloud_runtime import pipeline
 from cloud_runtime.config import CloudConfig
+from cloud_runtime.server import CloudServer
+from hat_split.files.config_file import add_config_argument, given_flags, load_config
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.registry import MODEL_DTYPES
 from hat_split.net.security import LinkSecurity
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
+
+# argparse dest -> CloudConfig key (dotted: a table); the flags given override the --config file's keys
+FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeout_s", "max_sessions": "max_sessions",
+             "max_draft_len": "max_draft_len", "max_context": "max_context", "token_budget": "token_budget",
+             "prefill_floor": "prefill_floor", "kv_positions": "kv_positions", "stats_json": "stats_json",
+             "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
+             "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
+             "curve_allow": "security.allow_dir", "plaintext": "security.mode"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,18 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the target model to devices")
     d = CloudConfig.__dataclass_fields__
-    s.add_argument("--model", required=True, help="registry name (see `hat-models list`), HF directory or .gguf file")
+    add_config_argument(s, "cloud")
+    s.add_argument("--model", default="",
+                   help="registry name (see `hat-models list`), HF directory or .gguf file (required without --config)")
     s.add_argument("--bind", default=d["bind"].default, help="ZeroMQ endpoint to bind (default %(default)s)")
     s.add_argument("--session-timeout", type=float, default=d["session_timeout_s"].default, help="seconds")
     s.add_argument("--max-sessions", type=int, default=d["max_sessions"].default)
     s.add_argument("--max-draft-len", type=int, default=d["max_draft_len"].default)
     s.add_argument("--max-context", type=int, default=d["max_context"].default)
     s.add_argument("--token-budget", type=int, default=d["token_budget"].default,
-                   help="positions per batched middle-part step, all devices (default %(default)s)")
+                   help="positions per batched step, all devices (default %(default)s)")
     s.add_argument("--prefill-floor", type=int, default=d["prefill_floor"].default,
                    help="positions of each step kept for waiting prompts (default %(default)s)")
     s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
-                   help="middle-part KV cache positions, all sessions (default %(default)s)")
+                   help="KV cache positions of the batched steps, all sessions (default %(default)s)")
     s.add_argument("--stats-json", default="", metavar="PATH",
                    help="on exit, write the server's counters and its recent batched steps here")
     k = s.add_argument_group("link security (CurveZMQ unless --plaintext)")
@@ -54,31 +72,31 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
+def cloud_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> CloudConfig:
+    """The --config file with the flags typed on this command line on top of it, or the flags alone (ValueError,
+    naming the key, for what cannot be served)."""
+    values = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items()}
+    values["security.mode"] = "plaintext" if args.plaintext else "curve"
+    if args.config:
+        given = given_flags(parser, argv)
+        return load_config(CloudConfig, args.config, {FLAG_KEYS[d]: values[FLAG_KEYS[d]] for d in given
+                                                       if d in FLAG_KEYS})
+    if not args.model:
+        parser.error("serve: --model is required (or a --config file naming the model)")
+    security = LinkSecurity(values.pop("security.mode"), values.pop("security.secret_key"),
+                            allow_dir=values.pop("security.allow_dir"))
+    return CloudConfig(security=security, **values)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
     try:
-        config = CloudConfig(
-            model=args.model,
-            bind=args.bind,
-            session_timeout_s=args.session_timeout,
-            max_sessions=args.max_sessions,
-            max_draft_len=args.max_draft_len,
-            max_context=args.max_context,
-            threads=args.threads,
-            dtype=args.dtype,
-            token_budget=args.token_budget,
-            prefill_floor=args.prefill_floor,
-            kv_positions=args.kv_positions,
-            pipeline=args.pipeline,
-            stats_json=args.stats_json,
-            status_file=args.status_file,
-            security=LinkSecurity("plaintext") if args.plaintext else LinkSecurity("curve", args.curve_secret,
-                                                                                    allow_dir=args.curve_allow),
-            status_interval_s=args.status_interval,
-        )
-    except ValueError as exc:
+        config = cloud_config(parser, args, argv)
+    except ValueError as exc:  # a ConfigError names the file and the key
         print(f"hat-cloud: {exc}", file=sys.stderr)
         return 2
     if config.pipeline > 1 and "WORLD_SIZE" not in os.environ:
@@ -86,7 +104,7 @@ def main(argv=None) -> int:
     return serve(config)
 
 
-def relaunch_under_torchrun(config: CloudConfig, argv) -> None:
+def relaunch_under_torchrun(config: CloudConfig, argv: Sequence[str]) -> None:
     """Replace this process by torchrun starting `pipeline` copies of this command (never returns)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // config.pipeline)))
@@ -99,16 +117,10 @@ def relaunch_under_torchrun(config: CloudConfig, argv) -> None:
 def serve(config: CloudConfig) -> int:
     import torch
 
-    from cloud_runtime.server import CloudServer
-    from hat_split.models.lm import CausalLM
-    from hat_split.models.loading import load_model, vocab_fingerprint
-
     if config.threads:
         torch.set_num_threads(config.threads)
     rank, back = 0, None
     if config.pipeline > 1:
-        from cloud_runtime import pipeline
-
         try:
             rank, back = pipeline.init(config.pipeline)
         except RuntimeError as exc:

@@ -15,6 +15,7 @@ that rank 0's receiver thread never shares a communicator with its sends.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgspec
+import numpy as np
 import zmq
 
 from cloud_runtime.runner import Job, StageRunner
@@ -46,13 +48,12 @@ def stage_bounds(n_layers: int, stages: int) -> List[int]:
 
 def init(stages: int) -> Tuple[int, Any]:
     """Join torchrun's process group (gloo); returns (rank, the [0, P−1] group outputs come back on)."""
-    import os
-
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if world != stages:
-        raise RuntimeError(f"--pipeline {stages} needs {stages} processes under torchrun; WORLD_SIZE is {world or 'unset'}")
+        raise RuntimeError(f"--pipeline {stages} needs {stages} processes under torchrun; WORLD_SIZE is "
+                           f"{world or 'unset'}")
     dist.init_process_group("gloo", timeout=IDLE_TIMEOUT)
     back = dist.new_group([0, stages - 1], timeout=IDLE_TIMEOUT)
     return dist.get_rank(), back
@@ -70,7 +71,6 @@ def keep_stage(model: Any, lo: int, hi: int) -> None:
 # -- the wire between stages --------------------------------------------------------------------------------------
 def _send(desc: Dict[str, Any], x: Optional[Any], dst: int, group: Any = None) -> List[Any]:
     """Start sending a descriptor and the states `# [1, total, hidden]` (None: none); returns the handles to wait."""
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -135,10 +135,6 @@ class PipelineExecutor:
         self._thread = threading.Thread(target=self._receive, name="pipeline-return", daemon=True)
         self._thread.start()
         torch.distributed.barrier()  # every stage has loaded its layers
-
-    @property
-    def dtype(self) -> Any:
-        return self._dtype
 
     @property
     def stages(self) -> int:

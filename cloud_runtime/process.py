@@ -22,8 +22,9 @@ def free_port() -> int:
 class CloudProcess:
     """Context manager: a cloud server process on 127.0.0.1:<port>; `endpoint` once ready."""
 
-    def __init__(self, model: str, port: Optional[int] = None, extra_args: List[str] = (), ready_timeout_s: float = 900.0,
-                 threads: int = 0, log_path: Optional[str] = None, security: Optional[LinkSecurity] = None):
+    def __init__(self, model: str, port: Optional[int] = None, extra_args: List[str] = (),
+                 ready_timeout_s: float = 900.0, threads: int = 0, log_path: Optional[str] = None,
+                 security: Optional[LinkSecurity] = None):
         """security: the link's keys; None passes --plaintext (say so where it is meant: benchmarks, tests)."""
         self.model = model
         self.port = port or free_port()

@@ -14,6 +14,10 @@ Three pieces, from the inside out:
   executor has room for and collects the batches that came back; a work's output is returned when its last segment
   has come back (a prompt chunked over several steps comes back whole). Each returned batch reports its token count
   and compute time, which is what HAT's state monitoring (eq. 1-2) observes.
+
+Around them, `ModelEnds` is where work enters and leaves the layers on the serving process: token ids become input
+embeddings, final states become logits rows (final norm + LM head), and split protocols' states cross between the
+wire's float32 arrays and the model's dtype. Nothing outside this module and the pipeline touches the model.
 """
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from cloud_runtime.scheduler import Batch, Scheduler, Work
-from hat_split.models.partition import PartCache, Stack
+from hat_split.models.partition import PartCache, Stack, embed, head_logits
 
 CROP, CLOSE = "crop", "close"
 
@@ -57,10 +63,6 @@ class StageRunner:
         self.hi = model.config.num_hidden_layers if hi is None else hi
         self.caches: Dict[int, PartCache] = {}
         self._stacks: Dict[Tuple[int, int], Stack] = {}
-
-    @property
-    def dtype(self) -> Any:
-        return next(self.model.parameters()).dtype
 
     def apply(self, ops: Sequence[Tuple[str, int, int]]) -> None:
         """Cache operations, in order: (CROP, sid, length) forgets positions >= length, (CLOSE, sid, 0) the cache."""
@@ -103,27 +105,49 @@ class StageRunner:
         return cache
 
 
+class ModelEnds:
+    """The target's embeddings and head, on the process that serves (a pipeline's rank 0 keeps them)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+
+    def embed(self, tokens: Sequence[int]) -> Any:
+        """Input embeddings `# [1, n, hidden]` of token ids, in the model's dtype."""
+        return embed(self.model, tokens)
+
+    def logits(self, out: Any, n: int) -> np.ndarray:
+        """Float32 logits `# [n, vocab]` of the last n positions of final hidden states `out # [1, positions, hidden]`
+        (final norm + LM head)."""
+        return head_logits(self.model, out[:, out.shape[1] - n:])[0].numpy()
+
+    def states_in(self, x: np.ndarray) -> Any:
+        """Shallow states from the wire `# [n, hidden]` (float32) as the layers' input `# [1, n, hidden]`."""
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)[None]
+
+    @staticmethod
+    def states_out(out: Any, n: int) -> np.ndarray:
+        """The last n deep states of `out # [1, positions, hidden]` as float32 `# [n, hidden]` for the wire."""
+        return out[0, out.shape[1] - n:].float().numpy()
+
+
 class LocalExecutor:
-    """Every layer in this process: a batch is computed when launched. Without a model (one whose layers the
-    partition does not know) nothing can be launched."""
+    """Every layer in this process: a batch is computed when launched."""
 
     depth = 1  # batches in flight
 
     def __init__(self, model: Any):
-        self.runner = StageRunner(model) if model is not None else None
+        self.runner = StageRunner(model)
         self._done: List[Tuple[int, List[Any], float, Tuple[float, ...]]] = []
-
-    @property
-    def dtype(self) -> Any:
-        return self.runner.dtype
 
     @property
     def stages(self) -> int:
         return 1
 
     def apply(self, ops: Sequence[Tuple[str, int, int]]) -> None:
-        if self.runner is not None:
-            self.runner.apply(ops)
+        self.runner.apply(ops)
 
     def launch(self, step: int, jobs: Sequence[Job], xs: Sequence[Any]) -> None:
         outs, compute_s = self.runner.run(jobs, xs)

@@ -12,7 +12,8 @@ chunks) or a short decode / verify segment. Each step `plan()` packs one batch u
 
 A session's works run in order, one segment per session per step (the runner appends each segment to that session's
 KV cache). With `max_in_flight` > 1 (a pipeline of stages) the next batches are planned before the earlier ones come
-back: a segment starts where the session's planned positions end, and batches are completed in the order planned. Memory is a pool of `kv_capacity` positions: a session holds its context plus the work it has queued;
+back: a segment starts where the session's planned positions end, and batches are completed in the order planned.
+Memory is a pool of `kv_capacity` positions: a session holds its context plus the work it has queued;
 `open` and `submit` refuse what does not fit, and what exceeds `max_context` or `max_sessions`, with a
 `SchedulerRefusal` naming the numbers; a refusal changes nothing. `crop` gives back rejected draft positions,
 `close` everything a session held.

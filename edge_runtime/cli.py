@@ -1,35 +1,62 @@
 """`hat-edge generate`: generate on the device together with the cloud, streaming accepted text.
-`hat-edge serve`: the long-running agent (edge_runtime.api.agent) a fleet starts on every device."""
+`hat-edge serve`: the long-running agent (edge_runtime.api.agent) a fleet starts on every device.
+
+Both take `--config FILE` (TOML): `generate` an EdgeConfig, `serve` an AgentConfig (the EdgeConfig is its [edge]
+table). Flags typed on the command line override the file's keys."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
 import sys
+from typing import Any, Dict, List, Set
 
-from edge_runtime.config import (
-    BACKENDS, CHUNKING_MODES, LINK_POLICIES, OVERLAP_MODES, PRECISIONS, PROTOCOLS, TOKEN_DRAFTS, EdgeConfig, QSConfig, SplitConfig, UncertaintyConfig,
-)
-from hat_split.wire.hidden_codec import HIDDEN_FORMATS
-from hat_split.net.security import LinkSecurity
+from edge_runtime.api.agent import AgentConfig, run_agent
+from edge_runtime.client import CloudError, CloudUnavailable
+from edge_runtime.config import (BACKENDS, CHUNKING_MODES, LINK_POLICIES, OVERLAP_MODES, PRECISIONS, TOKEN_DRAFTS,
+                                 EdgeConfig, EngineConfig, LinkConfig, QSConfig, SplitConfig, UncertaintyConfig)
 from edge_runtime.policy.policies import POLICIES
-from hat_split.math.calibration import THRESHOLD_RULES
+from edge_runtime.runtime import EdgeRuntime
+from hat_split.files.config_file import add_config_argument, given_flags, load_config, with_overrides
+from hat_split.math.calibration import THRESHOLD_RULES, load
+from hat_split.math.sampling import SamplingParams
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
+from hat_split.protocols import NAMES
+from hat_split.wire.hidden_codec import HIDDEN_FORMATS
+
+FLAG_KEYS = {  # argparse dest → the EdgeConfig key (dotted: nested table) it sets
+    "server": "link.server", "device_id": "link.device_id", "connect_timeout": "link.connect_timeout_s",
+    "retries": "link.connect_retries", "heartbeat": "link.heartbeat_s", "reconnect_timeout": "link.reconnect_timeout_s",
+    "link_policy": "link.link_policy", "curve_secret": "link.security.secret_key",
+    "curve_server_key": "link.security.server_key",
+    "backend": "engine.backend", "bundle": "engine.bundle", "precision": "engine.precision",
+    "threads": "engine.threads", "dtype": "engine.dtype", "weight_quant": "engine.weight_quant",
+    "token_draft": "engine.token_draft",
+    "device_profile": "device_profile", "draft_len": "draft_len", "draft_stop_prob": "draft_stop_prob",
+    "dist_dtype": "dist_dtype", "overlap_prefill": "overlap_prefill",
+    "ell": "qs.ell", "k": "qs.k", "alpha": "qs.alpha", "eta": "qs.eta", "beta": "qs.beta",
+    "budget_bits": "qs.budget_bits", "policy": "qs.policy", "policy_file": "qs.policy_file",
+    "m": "split.m", "tail": "split.tail", "adapter": "split.adapter", "hidden_format": "split.hidden_format",
+    "hat_eta": "split.eta", "max_draft": "split.max_draft", "chunking": "split.chunking",
+    "chunk_tokens": "split.chunk_tokens", "pd_topk": "split.pd_topk", "up_bps": "split.up_bps",
+    "down_bps": "split.down_bps",
+}
+AGENT_KEYS = {"host": "host", "port": "port", "report_interval": "report_interval_s", "status_file": "status_file",
+              "mode_every": "mode_every"}  # argparse dest → the AgentConfig key it sets
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hat-edge", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    d = EdgeConfig.__dataclass_fields__
     g.add_argument("prompt", nargs="*", help="prompt text (or use --prompts-file)")
     g.add_argument("--prompts-file", help='a JSON list of prompts (strings or {"text": ..., "chat": bool}), or a '
                    "text file with one prompt per line")
-    _add_edge_args(g, d)
+    _add_edge_args(g)
     g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
     v = sub.add_parser("serve", help="the long-running agent: state reports to the cloud, HTTP on the device")
-    _add_edge_args(v, d)
+    _add_edge_args(v)
     v.add_argument("--host", default="127.0.0.1", help="HTTP address (default: this device only)")
     v.add_argument("--port", type=int, default=8642)
     v.add_argument("--report-interval", type=float, default=10.0, metavar="S",
@@ -41,13 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _add_edge_args(g, d) -> None:
+def _add_edge_args(g) -> None:
     """The draft, the link and the protocols' settings: shared by generate and serve."""
+    d = {**EdgeConfig.__dataclass_fields__, **LinkConfig.__dataclass_fields__, **EngineConfig.__dataclass_fields__}
+    add_config_argument(g, "device (generate: EdgeConfig; serve: AgentConfig with an [edge] table)")
     g.add_argument("--model", default="", help="draft model: registry name, HF directory or .gguf file (the torch "
                                                 "backend; a --bundle names its own)")
     g.add_argument("--server", default=d["server"].default, help="cloud endpoint (default %(default)s)")
     g.add_argument("--protocol", default="sd",
-                   help=f"one of {', '.join(PROTOCOLS)}; several separated by commas run one after another")
+                   help=f"one of {', '.join(NAMES)}; several separated by commas run one after another (serve: "
+                        "the default of requests that name none)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -161,12 +191,9 @@ def _load_prompts(args) -> list:
     return prompts
 
 
-def _uncertainty_config(args) -> UncertaintyConfig:
-    """Papers' defaults, then the calibration file, then explicit flags."""
-    base = UncertaintyConfig()
+def _uncertainty_config(args, base: UncertaintyConfig = UncertaintyConfig()) -> UncertaintyConfig:
+    """`base` (the papers' defaults, or the config file's), then the calibration file, then explicit flags."""
     if args.calibration:
-        from hat_split.math.calibration import load
-
         base = base.calibrated(load(args.calibration), args.threshold_rule)
     flags = {"u_threshold": args.u_threshold, "samples": args.perturb_samples, "theta_max": args.theta_max,
              "random_skip_prob": args.skip_prob, "k_mode": args.k_mode, "k_offline": args.k_offline,
@@ -176,62 +203,80 @@ def _uncertainty_config(args) -> UncertaintyConfig:
     return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
-def _split_config(args) -> SplitConfig:
-    return SplitConfig(m=args.m, tail=args.tail, adapter=args.adapter, hidden_format=args.hidden_format,
-                       eta=args.hat_eta, max_draft=args.max_draft, chunking=args.chunking,
-                       chunk_tokens=args.chunk_tokens, parallel_draft=not args.no_parallel_draft,
-                       pd_topk=args.pd_topk, up_bps=args.up_bps, down_bps=args.down_bps)
+def _flag_values(args) -> Dict[str, Dict[str, Any]]:
+    """What each EdgeConfig flag sets: argparse dest → {dotted key: value}."""
+    out = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items()}
+    out["model"] = {"model": args.model or args.bundle}
+    out["plaintext"] = {"link.security.mode": "plaintext" if args.plaintext else "curve"}
+    out["providers"] = {"engine.providers": tuple(p for p in args.providers.split(",") if p)}
+    out["no_parallel_draft"] = {"split.parallel_draft": not args.no_parallel_draft}
+    return out
+
+
+def _overrides(values: Dict[str, Dict[str, Any]], dests: Set[str], prefix: str = "") -> Dict[str, Any]:
+    return {prefix + key: value for dest in sorted(dests & set(values)) for key, value in values[dest].items()}
+
+
+def _edge_config(args) -> EdgeConfig:
+    """The device's config from the flags alone (no --config)."""
+    if not (args.model or args.bundle):
+        raise ValueError("give --model (torch backend) or --bundle (onnxruntime / tensorrt), or --config FILE")
+    values = _flag_values(args)
+    config = with_overrides(EdgeConfig(model=args.model or args.bundle), _overrides(values, set(values)),
+                            "the command line")
+    return dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
+
+
+def _agent_values(args, protocols: List[str]) -> Dict[str, Dict[str, Any]]:
+    """What each AgentConfig flag sets: argparse dest → {key: value}."""
+    out = {dest: {key: getattr(args, dest)} for dest, key in AGENT_KEYS.items()}
+    out["protocol"] = {"default_protocol": protocols[0]}
+    out["mode_cycle"] = {"mode_cycle": tuple(m.strip() for m in args.mode_cycle.split(",") if m.strip())}
+    return out
+
+
+def _configs(args, given: Set[str], protocols: List[str]):
+    """generate: the EdgeConfig; serve: the AgentConfig. From --config with the typed flags on top, else the flags."""
+    if args.command == "serve":
+        agent_values = _agent_values(args, protocols)
+        if args.config:
+            overrides = {**_overrides(_flag_values(args), given, "edge."), **_overrides(agent_values, given)}
+            agent = load_config(AgentConfig, args.config, overrides)
+            edge = agent.edge
+            return dataclasses.replace(agent, edge=dataclasses.replace(
+                edge, uncertainty=_uncertainty_config(args, edge.uncertainty)))
+        return AgentConfig(_edge_config(args), **_overrides(agent_values, set(agent_values)))
+    if args.config:
+        config = load_config(EdgeConfig, args.config, _overrides(_flag_values(args), given))
+        return dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
+    return _edge_config(args)
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from hat_split.math.sampling import SamplingParams
-
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
     try:
         protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
-        unknown = [p for p in protocols if p not in PROTOCOLS]
+        unknown = [p for p in protocols if p not in NAMES]
         if unknown or not protocols:
-            raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(PROTOCOLS)}")
-        unc = _uncertainty_config(args)
-        qs = QSConfig(args.ell, args.k, args.alpha, args.eta, args.beta, args.budget_bits, args.policy,
-                      args.policy_file)
-        if not (args.model or args.bundle):
-            raise ValueError("give --model (torch backend) or --bundle (onnxruntime / tensorrt)")
-        config = EdgeConfig(model=args.model or args.bundle, server=args.server, draft_len=args.draft_len,
-                            dist_dtype=args.dist_dtype, connect_timeout_s=args.connect_timeout,
-                            connect_retries=args.retries, threads=args.threads, dtype=args.dtype,
-                            weight_quant=args.weight_quant, draft_stop_prob=args.draft_stop_prob, uncertainty=unc, qs=qs,
-                            overlap_prefill=args.overlap_prefill, token_draft=args.token_draft, backend=args.backend,
-                            bundle=args.bundle, precision=args.precision, device_profile=args.device_profile,
-                            device_id=args.device_id, link_policy=args.link_policy, heartbeat_s=args.heartbeat,
-                            reconnect_timeout_s=args.reconnect_timeout,
-                            security=LinkSecurity("plaintext") if args.plaintext else
-                            LinkSecurity("curve", args.curve_secret, args.curve_server_key),
-                            providers=tuple(p for p in args.providers.split(",") if p), split=_split_config(args))
+            raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(NAMES)}")
+        configured = _configs(args, given_flags(parser, argv) if args.config else set(), protocols)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
-        if args.command == "serve":
-            from edge_runtime.api.agent import AgentConfig
-
-            agent = AgentConfig(config, args.host, args.port, args.report_interval, args.status_file, protocols[0],
-                                tuple(m.strip() for m in args.mode_cycle.split(",") if m.strip()), args.mode_every)
-        else:
+        if args.command != "serve":
             prompts = _load_prompts(args)
     except (ValueError, OSError) as exc:
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        from edge_runtime.api.agent import run_agent
-
         try:
-            return run_agent(agent)
+            return run_agent(configured)
         except (ValueError, OSError) as exc:
             print(f"hat-edge serve: {exc}", file=sys.stderr)
             return 2
-    from edge_runtime.client import CloudError, CloudUnavailable
-    from edge_runtime.runtime import EdgeRuntime
-
+    config = configured
     text_out = sys.stderr if args.json == "-" else sys.stdout
     results = []
     try:
@@ -255,7 +300,7 @@ def main(argv=None) -> int:
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        doc = json.dumps({"model": args.model, "server": args.server, "results": results}, indent=1)
+        doc = json.dumps({"model": config.model, "server": config.link.server, "results": results}, indent=1)
         if args.json == "-":
             print(doc)
         else:

@@ -1,7 +1,8 @@
 """The device's ZeroMQ DEALER client: handshake with bounded retries, one request in flight, byte counters.
 
-Bytes are counted from the frames actually sent and received (hat_split.wire.messages.frame_bytes), so every bytes-per-token
-figure in hatspec is measured, not computed from a formula.
+Bytes are counted from the frames actually sent and received (hat_split.wire.messages.frame_bytes), so every
+bytes-per-token figure in hatspec is measured, not computed from a formula. The client is built from the device's
+LinkConfig whole; what a request does with a dropped link is its session's business (edge_runtime.sessions).
 """
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Type, TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from edge_runtime.config import LinkConfig
+from hat_split.net.security import load_public, load_secret
 from hat_split.wire import messages as P
+
+M = TypeVar("M", bound=P.Message)
 
 RECONNECT_BACKOFF_MAX_S = 5.0  # the longest wait between two reconnection attempts after a drop
 RTT_PROBES = 3  # tiny round trips after the handshake; their minimum is the uplink estimate's baseline
@@ -27,13 +33,20 @@ class LinkDown(CloudUnavailable):
     """The connection to the cloud dropped (reset, or ZMTP heartbeats unanswered) while a reply was awaited."""
 
 
-
 def reconnect_delays(first_s: float) -> Iterator[float]:
     """Waits between reconnection attempts after a drop: first_s, doubling, at most RECONNECT_BACKOFF_MAX_S."""
     delay = first_s
     while True:
         yield delay
         delay = min(2 * delay, RECONNECT_BACKOFF_MAX_S)
+
+
+def expect(reply: P.Message, kind: Type[M], request: Type[P.Message]) -> M:
+    """`reply` when it is the `kind` of message that answers a `request`; a RuntimeError saying so otherwise."""
+    if not isinstance(reply, kind):
+        raise RuntimeError(f"unexpected answer to {request.__name__}: {reply!r}")
+    return reply
+
 
 class CloudError(RuntimeError):
     """The cloud answered with an Error message."""
@@ -54,33 +67,24 @@ class LinkCounters:
 
     def since(self, earlier: "LinkCounters") -> "LinkCounters":
         return LinkCounters(
-            self.up_bytes - earlier.up_bytes, self.down_bytes - earlier.down_bytes, self.round_trips - earlier.round_trips
+            self.up_bytes - earlier.up_bytes, self.down_bytes - earlier.down_bytes,
+            self.round_trips - earlier.round_trips
         )
 
 
 class CloudClient:
     """Context manager: connects, says Hello (retrying with backoff), then `request()` one message at a time."""
 
-    def __init__(self, server: str, hello: P.Hello, connect_timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.5, request_timeout_s: float = 120.0, security=None, heartbeat_s: float = 3.0):
-        """security: hat_split.net.security.LinkSecurity (CurveZMQ keys); None: a plaintext socket."""
-        self.server = server
-        self.security = security
-        self.heartbeat_s = heartbeat_s  # a connection silent this long (no data, no heartbeat answer) is dropped
-        self._monitor = None
+    def __init__(self, link: LinkConfig, hello: P.Hello):
+        """link: the device's LinkConfig (endpoint, CurveZMQ keys or plaintext, timeouts, retries, heartbeats)."""
+        self.link = link
         self.hello = hello
-        self.connect_timeout_s = connect_timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.request_timeout_s = request_timeout_s
+        self._monitor = None
         self.counters = LinkCounters()
         self.welcome: Optional[P.Welcome] = None
         self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
         self.last_reply_at = 0.0  # perf_counter() when the last reply arrived
         self.last_sent_at = 0.0  # perf_counter() when the last request left
-        self.link_state = None  # the split protocols' moving averages of this link (edge_runtime.hat.LinkState),
-        # kept across requests so a request starts from what the previous ones measured
-        self.monitor = None  # edge_runtime.monitor.DeviceMonitor: the device state sent with session openings
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
@@ -97,26 +101,23 @@ class CloudClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.hello.device_id}-{uuid.uuid4().hex[:8]}".encode())
-        if self.security is not None and self.security.curve:
-            from hat_split.net.security import load_public, load_secret
-
-            sock.curve_publickey, sock.curve_secretkey = load_secret(self.security.secret_key)
-            sock.curve_serverkey = load_public(self.security.server_key)
+        security = self.link.security
+        if security.curve:
+            sock.curve_publickey, sock.curve_secretkey = load_secret(security.secret_key)
+            sock.curve_serverkey = load_public(security.server_key)
         # ZMTP heartbeats: a link that stops carrying bytes is noticed within heartbeat_s instead of a request timeout
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * self.heartbeat_s / 3))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.heartbeat_s))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * self.link.heartbeat_s / 3))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.link.heartbeat_s))
         self._handshake_events: List[int] = []
         self._established = False  # the ZMTP handshake (CurveZMQ and ZAP included) succeeded: the cloud is there
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
                                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        sock.connect(self.server)
+        sock.connect(self.link.server)
         self._sock = sock
 
     def _monitor_event(self) -> int:
         """Read one socket event; handshake failures are kept for `_handshake_failure`."""
-        from zmq.utils.monitor import recv_monitor_message
-
         event = recv_monitor_message(self._monitor)["event"]
         if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
             self._handshake_events.append(event)  # (no-detail failures are connections reset mid-handshake)
@@ -144,23 +145,24 @@ class CloudClient:
 
     def connect(self) -> P.Welcome:
         """Handshake; raises CloudUnavailable after `retries` silent attempts, CloudError if refused."""
-        delay = self.backoff_s
-        for attempt in range(1, self.retries + 1):
+        link = self.link
+        delay = link.backoff_s
+        for attempt in range(1, link.connect_retries + 1):
             self._open_socket()
             try:
                 try:
-                    reply = self._roundtrip(self.hello, self.connect_timeout_s)
+                    reply = self._roundtrip(self.hello, link.connect_timeout_s)
                 except CloudUnavailable:
                     if not self._connected():
                         raise
                     # connected and accepted, yet no Welcome: a loaded cloud answers between its compute steps
-                    reply = self._receive(self.request_timeout_s)
+                    reply = self._receive(link.request_timeout_s)
             except CloudUnavailable:
                 failure = self._handshake_failure()
                 if failure:
                     self.close()
                     raise CloudError(P.Error("unauthorized", failure)) from None
-                if attempt == self.retries:
+                if attempt == link.connect_retries:
                     break
                 time.sleep(delay)
                 delay *= 2
@@ -178,7 +180,7 @@ class CloudClient:
                 self.base_rtt_s = self._probe_rtt()
             except LinkDown:  # dropped right after the Welcome: this attempt failed
                 self.welcome = None
-                if attempt == self.retries:
+                if attempt == link.connect_retries:
                     break
                 time.sleep(delay)
                 delay *= 2
@@ -186,8 +188,8 @@ class CloudClient:
             return reply
         self.close()
         raise CloudUnavailable(
-            f"no answer from the cloud at {self.server} after {self.retries} attempts "
-            f"({self.connect_timeout_s:.1f} s each): is `hat-cloud serve` running and reachable?"
+            f"no answer from the cloud at {self.link.server} after {link.connect_retries} attempts "
+            f"({link.connect_timeout_s:.1f} s each): is `hat-cloud serve` running and reachable?"
         )
 
     def _probe_rtt(self) -> float:
@@ -200,7 +202,7 @@ class CloudClient:
         best = math.inf
         for _ in range(RTT_PROBES):
             t0 = time.perf_counter()
-            if isinstance(self._roundtrip(self.hello, self.request_timeout_s), P.Welcome):  # (connected: a slow
+            if isinstance(self._roundtrip(self.hello, self.link.request_timeout_s), P.Welcome):  # (connected: a slow
                 # answer is a loaded cloud; a probe given up on would leave its late reply to the next request)
                 best = min(best, time.perf_counter() - t0)
         return 0.0 if best == math.inf else best
@@ -225,7 +227,7 @@ class CloudClient:
 
     def receive(self) -> P.Message:
         """Second half of `request`."""
-        reply = self._receive(self.request_timeout_s)
+        reply = self._receive(self.link.request_timeout_s)
         if isinstance(reply, P.Error):
             raise CloudError(reply)
         return reply
@@ -238,7 +240,7 @@ class CloudClient:
 
     def _rehello(self) -> None:
         """Say Hello again on the open connection before a request after a long silence."""
-        reply = self._roundtrip(self.hello, self.request_timeout_s)
+        reply = self._roundtrip(self.hello, self.link.request_timeout_s)
         if not isinstance(reply, P.Welcome):
             raise CloudError(reply if isinstance(reply, P.Error) else
                              P.Error("unexpected", f"expected Welcome, got {type(reply).__name__}"))
@@ -261,9 +263,9 @@ class CloudClient:
                 break
             if self._monitor is not None and self._monitor in ready:
                 if self._monitor_event() == zmq.EVENT_DISCONNECTED and self.welcome is not None:
-                    raise LinkDown(f"the connection to the cloud at {self.server} dropped while a reply was due")
+                    raise LinkDown(f"the connection to the cloud at {self.link.server} dropped while a reply was due")
                 continue
-            raise CloudUnavailable(f"the cloud at {self.server} did not answer within {timeout_s:.1f} s")
+            raise CloudUnavailable(f"the cloud at {self.link.server} did not answer within {timeout_s:.1f} s")
         reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]
         self.last_reply_at = time.perf_counter()
         self.counters.down_bytes += P.frame_bytes(reply)

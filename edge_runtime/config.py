@@ -1,21 +1,24 @@
-"""The device's one typed configuration."""
+"""The device's one typed configuration, passed whole: `EdgeConfig`, with its link (`LinkConfig`: how to reach the
+cloud and what to do when the link drops), its engine (`EngineConfig`: what runs the draft) and each protocol
+family's settings (`UncertaintyConfig`, `QSConfig`, `SplitConfig`) as nested tables. `hat-edge --config FILE` reads it
+from TOML (hat_split.files.config_file)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hat_split.net.security import LinkSecurity
-
 import numpy as np
 
+from edge_runtime.policy.policies import POLICIES
 from hat_split.math.calibration import Calibration
-from hat_split.wire.dist_codec import WIRE_DTYPES
-from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.math.uncertainty import PerturbationConfig
+from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
+from hat_split.net.security import LinkSecurity
+from hat_split.wire.dist_codec import MAX_ELL, MAX_SPARSE_K, WIRE_DTYPES
+from hat_split.wire.hidden_codec import HIDDEN_FORMATS
+from profiles.device.device_profiles import ProfileError, get_profile
 
 OVERLAP_MODES = ("auto", "on", "off")
-LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (edge_runtime.generation.resume)
-PROTOCOLS = ("sd", "hlm", "llm", "slm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq", "ushape",
-             "hat")  # edge_runtime.protocols
+LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (sessions.base.Session.resume)
 CHUNKING_MODES = ("auto", "off")
 TOKEN_DRAFTS = ("model", "adapter")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -78,9 +81,6 @@ class QSConfig:
     policy_file: str = ""  # dqn: the trained network
 
     def __post_init__(self) -> None:
-        from edge_runtime.policy.policies import POLICIES
-        from hat_split.wire.dist_codec import MAX_ELL, MAX_SPARSE_K
-
         if not 1 <= self.ell <= MAX_ELL:
             raise ValueError(f"ell must be in 1..{MAX_ELL}, got {self.ell}")
         if not 1 <= self.k <= MAX_SPARSE_K:
@@ -114,8 +114,6 @@ class SplitConfig:
     slowdown: float = 1.0  # > 1 emulates a slower board: device compute is stretched to this many times its time
 
     def __post_init__(self) -> None:
-        from hat_split.wire.hidden_codec import HIDDEN_FORMATS
-
         if self.m < 1 or self.tail < 0:
             raise ValueError("m must be >= 1 (embeddings alone reveal the tokens) and tail >= 0")
         if self.hidden_format not in HIDDEN_FORMATS:
@@ -133,85 +131,111 @@ class SplitConfig:
 
 
 @dataclass(frozen=True)
-class EdgeConfig:
-    model: str  # registry short name, HF directory or .gguf path of the draft (small) model
+class LinkConfig:
+    """How the device reaches the cloud (edge_runtime.client.CloudClient is built from it whole) and what a request
+    does when the link drops (edge_runtime.sessions.base.Session.resume)."""
+
     server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
     device_id: str = "edge-0"  # shown in the cloud's logs
     security: LinkSecurity = LinkSecurity()  # CurveZMQ keys (checked when connecting); plaintext only when asked
-    device_profile: str = ""  # profiles/device/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
-    draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
-    draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
-    dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values
-    dist_format: str = "auto"  # "dense" | "sparse" | "auto" (smaller of the two); `hlm` always sends dense
-    llm_chunk: int = 8  # tokens per Generate round for `llm` (trades streaming granularity for round trips)
     connect_timeout_s: float = 5.0  # wait for the handshake reply per attempt
     connect_retries: int = 3  # handshake attempts before giving up with a clear error
-    backoff_s: float = 0.5  # first retry delay, doubled per attempt
+    backoff_s: float = 0.5  # first retry delay, doubled per attempt (also between reconnections after a drop)
     request_timeout_s: float = 120.0  # one verify/generate round trip (a slow CPU target needs seconds)
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
-    uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
-    qs: QSConfig = QSConfig()  # qs / ksqs / csqs / sq
-    split: SplitConfig = SplitConfig()  # ushape / hat
-    weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
-    token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
-    # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
+    heartbeat_s: float = 3.0  # ZMTP heartbeats: a link silent this long counts as dropped (then link_policy applies)
+    link_policy: str = "wait"  # link drops mid-answer: "wait" (pause, reconnect, resume from the history), "degrade"
+    # (keep generating with the device's own model meanwhile, those tokens marked), "fail" (raise)
+    reconnect_timeout_s: float = 300.0  # give up resuming after this long
+
+    def __post_init__(self) -> None:
+        if not self.server.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"server must be a ZeroMQ endpoint like tcp://host:5555, got {self.server!r}")
+        if self.connect_retries < 1:
+            raise ValueError("connect_retries must be >= 1")
+        if self.link_policy not in LINK_POLICIES:
+            raise ValueError(f"link_policy must be one of {', '.join(LINK_POLICIES)}, got {self.link_policy!r}")
+        for name in ("connect_timeout_s", "backoff_s", "request_timeout_s", "reconnect_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def is_local(self) -> bool:
+        """The server is on this machine (ipc, inproc, loopback or localhost TCP)."""
+        return server_is_local(self.server)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What runs the draft on the device, and how: torch on the model, or a hat-export bundle's graphs."""
+
     backend: str = "torch"  # what runs the draft: torch (the model) | onnxruntime | tensorrt (a hat-export bundle)
     bundle: str = ""  # hat-export bundle directory (onnxruntime / tensorrt)
     precision: str = "fp32"  # which of the bundle's artifacts: fp32 | fp16 | int8 | int4
     providers: tuple = ()  # onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU
-    link_policy: str = "wait"  # link drops mid-answer: "wait" (pause, reconnect, resume from the history), "degrade"
-    # (keep generating with the device's own model meanwhile, those tokens marked), "fail" (raise)
-    reconnect_timeout_s: float = 300.0  # give up resuming after this long
-    heartbeat_s: float = 3.0  # ZMTP heartbeats: a link silent this long counts as dropped (then link_policy applies)
-    overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
-    # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
-
-    @property
-    def overlaps_prefill(self) -> bool:
-        if self.overlap_prefill != "auto":
-            return self.overlap_prefill == "on"
-        return not server_is_local(self.server)
+    dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
+    token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
+    # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("EdgeConfig.model must name a model")
-        if not self.server.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"server must be a ZeroMQ endpoint like tcp://host:5555, got {self.server!r}")
-        if not 1 <= self.draft_len <= 64:
-            raise ValueError(f"draft_len must be in 1..64, got {self.draft_len}")
-        if self.dist_dtype not in WIRE_DTYPES:
-            raise ValueError(f"dist_dtype must be one of {WIRE_DTYPES}, got {self.dist_dtype!r}")
-        if self.dist_format not in ("dense", "sparse", "auto"):
-            raise ValueError(f"dist_format must be dense, sparse or auto, got {self.dist_format!r}")
-        if self.llm_chunk < 1 or self.connect_retries < 1 or self.threads < 0:
-            raise ValueError("llm_chunk and connect_retries must be >= 1, threads >= 0")
-        if not 0.0 <= self.draft_stop_prob < 1.0:
-            raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
-        if self.weight_quant not in WEIGHT_QUANTS:
-            raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend != "torch" and not self.bundle:
             raise ValueError(f"backend {self.backend} runs a hat-export bundle: give bundle (--bundle DIR)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0")
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
         if self.token_draft not in TOKEN_DRAFTS:
             raise ValueError(f"token_draft must be one of {', '.join(TOKEN_DRAFTS)}, got {self.token_draft!r}")
-        if self.token_draft == "adapter" and not self.split.adapter and self.backend == "torch":
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    model: str  # registry short name, HF directory or .gguf path of the draft (small) model
+    device_profile: str = ""  # profiles/device/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
+    draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
+    draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
+    dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values
+    dist_format: str = "auto"  # "dense" | "sparse" | "auto" (smaller of the two); `hlm` always sends dense
+    llm_chunk: int = 8  # tokens per Generate round for `llm` (trades streaming granularity for round trips)
+    overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
+    # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
+    link: LinkConfig = LinkConfig()  # the cloud's address, security, timeouts, retries and what a drop does
+    engine: EngineConfig = EngineConfig()  # what runs the draft (torch or a bundle) and how
+    uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
+    qs: QSConfig = QSConfig()  # qs / ksqs / csqs / sq
+    split: SplitConfig = SplitConfig()  # ushape / hat
+
+    @property
+    def overlaps_prefill(self) -> bool:
+        if self.overlap_prefill != "auto":
+            return self.overlap_prefill == "on"
+        return not self.link.is_local
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EdgeConfig.model must name a model")
+        if not 1 <= self.draft_len <= 64:
+            raise ValueError(f"draft_len must be in 1..64, got {self.draft_len}")
+        if self.dist_dtype not in WIRE_DTYPES:
+            raise ValueError(f"dist_dtype must be one of {WIRE_DTYPES}, got {self.dist_dtype!r}")
+        if self.dist_format not in ("dense", "sparse", "auto"):
+            raise ValueError(f"dist_format must be dense, sparse or auto, got {self.dist_format!r}")
+        if self.llm_chunk < 1:
+            raise ValueError("llm_chunk must be >= 1")
+        if not 0.0 <= self.draft_stop_prob < 1.0:
+            raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
+        if self.engine.token_draft == "adapter" and not self.split.adapter and self.engine.backend == "torch":
             raise ValueError("token_draft 'adapter' needs split.adapter (a hat-distill directory, --adapter)")
-        if self.link_policy not in LINK_POLICIES:
-            raise ValueError(f"link_policy must be one of {', '.join(LINK_POLICIES)}, got {self.link_policy!r}")
         if self.overlap_prefill not in OVERLAP_MODES:
             raise ValueError(f"overlap_prefill must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_prefill!r}")
-        for name in ("connect_timeout_s", "backoff_s", "request_timeout_s", "reconnect_timeout_s", "heartbeat_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
         if self.device_profile:
-            from profiles.device.device_profiles import ProfileError, get_profile
-
             try:
                 get_profile(self.device_profile)
             except ProfileError as exc:

@@ -27,7 +27,7 @@ class Drafter:
     kv: KVState = field(init=False)
     last_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last draft() call
     last_q: List[np.ndarray] = field(init=False, default_factory=list)  # per draft: `# [vocab]` it was sampled from
-    can_generate_alone = True  # generation.resume under link_policy "degrade"
+    can_generate_alone = True  # sessions.base.Session.resume under link_policy "degrade"
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -86,7 +86,7 @@ class Drafter:
             rows.append(row)
             if stop_below > 0 and softmax_prob(logits, np.array([token]))[0] < stop_below:
                 break
-        self.last_logits = np.concatenate(raw, axis=0)  # [len, vocab]: for uncertainty measures (edge_runtime.uhlm)
+        self.last_logits = np.concatenate(raw, axis=0)  # [len, vocab]: for uncertainty measures (rounds.uhlm)
         return drafts, rows
 
     def sample_local(self, rng: np.random.Generator) -> int:

@@ -1,14 +1,16 @@
 """The device's view of itself for HAT's state monitoring (§3.2): its profile, its power mode as the board reports
 it, and its drafting delay γ measured from its own requests; sent to the cloud with every OpenSession / OpenSplit
-and in `Report` messages (EdgeRuntime.report)."""
+and in `Report` messages (EdgeRuntime.report). The runtime holds one and hands it to every session it opens."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-from hat_split.wire import messages as P
+from hat_split import protocols
 from hat_split.math.chunking import ema
+from hat_split.wire import messages as P
+from profiles.device.jetson_control import JetsonControlError, query_mode
 
 
 @dataclass
@@ -23,8 +25,6 @@ class DeviceMonitor:
         """Read the power mode from nvpmodel (at most every max_age_s); keeps the reason when it cannot."""
         if time.monotonic() - self.mode_read_at < max_age_s and self.mode_read_at:
             return self.power_mode
-        from profiles.device.jetson_control import JetsonControlError, query_mode
-
         self.mode_read_at = time.monotonic()
         try:
             self.power_mode, self.mode_error = query_mode()[0], ""
@@ -34,11 +34,13 @@ class DeviceMonitor:
 
     def observe(self, result, split_draft_s: Optional[float] = None) -> None:
         """Fold one finished request's drafting delay into γ: the split protocols measure it per draft (their
-        LinkState); token protocols from the decode-phase draft compute over the tokens drafted."""
+        edge_runtime.sessions.split.LinkState); the others from the decode-phase draft compute over the tokens drafted
+        (or made, for the local family)."""
         gamma = split_draft_s
         if gamma is None:
             decode_s = result.device_compute_s - result.device_prefill_s
-            steps = result.drafted or (result.n if result.protocol == "slm" else 0)
+            local = protocols.get(result.protocol).family == "local"
+            steps = result.drafted or (result.n if local else 0)
             gamma = decode_s / steps if steps and decode_s > 0 else None
         if gamma:
             self.draft_s = ema(self.draft_s or None, gamma)

@@ -1,15 +1,25 @@
-"""Every protocol the device speaks, by name: its round function (see edge_runtime.generation for the contract), and
-for the split protocols their own session opening and closing."""
+"""The device's side of every protocol in hat_split.protocols: a record's `round` names its round function here, and
+its family picks the session class. `new_session` is the one way a request becomes a session."""
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Optional
 
-from edge_runtime.generation import Generation, round_hlm, round_llm, round_sd, round_slm
-from edge_runtime.hat import close_split, open_split, reopen_split, round_hat, round_ushape
-from edge_runtime.qs import round_qs
-from edge_runtime.uhlm import round_cuhlm, round_randhlm, round_uhlm
+from edge_runtime.client import CloudClient
+from edge_runtime.config import EdgeConfig
+from edge_runtime.monitor import DeviceMonitor
+from edge_runtime.rounds.hat import round_hat, round_ushape
+from edge_runtime.rounds.local import round_slm
+from edge_runtime.rounds.qs import round_qs
+from edge_runtime.rounds.token import round_hlm, round_llm, round_sd
+from edge_runtime.rounds.uhlm import round_cuhlm, round_randhlm, round_uhlm
+from edge_runtime.sessions.base import Session
+from edge_runtime.sessions.local import LocalSession
+from edge_runtime.sessions.split import LinkState, SplitSession
+from edge_runtime.sessions.token import TokenSession
+from hat_split import protocols
+from hat_split.math.sampling import SamplingParams
 
-ROUNDS: Dict[str, Callable[[Generation], None]] = {
+ROUNDS: Dict[str, Callable] = {  # keyed by hat_split.protocols.Protocol.round
     "sd": round_sd,
     "hlm": round_hlm,
     "llm": round_llm,
@@ -17,15 +27,31 @@ ROUNDS: Dict[str, Callable[[Generation], None]] = {
     "uhlm": round_uhlm,
     "randhlm": round_randhlm,
     "cuhlm": round_cuhlm,
-    "qs": round_qs,  # QS-SD: the whole vocabulary on the lattice
-    "ksqs": round_qs,  # K-SQS: top-K support
-    "csqs": round_qs,  # C-SQS: conformal threshold support
-    "sq": round_qs,  # sample, then quantize: the lossy prior art (biased; for comparison)
-    "ushape": round_ushape,  # HAT's baseline: hidden states up and down for every token
-    "hat": round_hat,  # HAT: Λ drafts, the middle part verifies over hidden states
+    "qs": round_qs,  # qs, ksqs, csqs, sq: the support rule and sampling order differ (edge_runtime.rounds.qs)
+    "ushape": round_ushape,
+    "hat": round_hat,
 }
-SPLIT_PROTOCOLS = ("ushape", "hat")  # tokens never leave the device; the drafter is an edge_runtime.split_drafter
-OPENERS = {name: open_split for name in SPLIT_PROTOCOLS}  # their own session open and (chunked) prefill
-CLOSERS = {name: close_split for name in SPLIT_PROTOCOLS}
-REOPENERS = {name: reopen_split for name in SPLIT_PROTOCOLS}  # after a link drop (generation.resume)
-LOCAL_PROTOCOLS = ("slm",)  # need no cloud
+assert {p.round for p in protocols.PROTOCOLS.values()} == set(ROUNDS), "a protocol's round is missing on the device"
+
+
+def new_session(config: EdgeConfig, drafter, client: Optional[CloudClient], protocol: str, params: SamplingParams,
+                max_new_tokens: int, eos_ids: frozenset, seed: int, session_id: int,
+                on_tokens: Callable[[List[int]], None] = lambda tokens: None,
+                should_stop: Callable[[], str] = lambda: "", monitor: Optional[DeviceMonitor] = None,
+                link_state: Optional[LinkState] = None) -> Session:
+    """The session of one request under `protocol` (a ValueError names the known ones): a LocalSession, a
+    TokenSession or a SplitSession by the protocol's family, stepped by its round function.
+
+    drafter: edge_runtime.drafter.Drafter, or edge_runtime.split_drafter.SplitDrafter for the split family; client:
+    the connection (unused by the local family); monitor: the device state sent with session openings; link_state:
+    the connection's estimates kept across requests (split family; default: fresh ones from config.split)."""
+    record = protocols.get(protocol)
+    request = dict(protocol=record, round_fn=ROUNDS[record.round], params=params, max_new_tokens=max_new_tokens,
+                   eos_ids=eos_ids, seed=seed, session_id=session_id, on_tokens=on_tokens, should_stop=should_stop)
+    if record.family == "local":
+        return LocalSession(config, drafter, None, **request)
+    if record.family == "token":
+        return TokenSession(config, drafter, client, **request, monitor=monitor)
+    if link_state is None:
+        link_state = LinkState(config.split.up_bps, config.split.down_bps)
+    return SplitSession(config, drafter, client, **request, link_state=link_state, monitor=monitor)

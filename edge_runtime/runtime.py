@@ -1,4 +1,5 @@
-"""The device runtime: the draft model loaded once, a cloud connection opened when a protocol needs one."""
+"""The device runtime: the draft model loaded once, a cloud connection opened when a protocol needs one, and what
+outlives a request — the device monitor and the connection's link estimates — handed to each request's session."""
 from __future__ import annotations
 
 import itertools
@@ -8,16 +9,24 @@ import random
 import time
 from typing import Callable, List, Optional, Union
 
-from edge_runtime.client import CloudClient, CloudUnavailable, reconnect_delays
+from edge_runtime.backends.loader import open_bundle
+from edge_runtime.backends.split_parts import TorchSplitParts
+from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
-from edge_runtime.generation import Generation, GenerationResult, run
 from edge_runtime.monitor import DeviceMonitor
-from edge_runtime.protocols import LOCAL_PROTOCOLS, ROUNDS, SPLIT_PROTOCOLS
-from hat_split.wire import messages as P
-from hat_split.models.lm import CausalLM
-from hat_split.models.partition import holds_all_layers
+from edge_runtime.protocols import new_session
+from edge_runtime.sessions.base import GenerationResult
+from edge_runtime.sessions.split import LinkState
+from edge_runtime.split_drafter import SplitDrafter
+from hat_split import protocols
+from hat_split.files.bundle import BundleError
 from hat_split.math.sampling import SamplingParams
+from hat_split.models.chat import encode
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import eos_ids, load_model, quantize_weights, vocab_fingerprint
+from hat_split.models.partition import SplitModel, holds_all_layers
+from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
 
@@ -49,22 +58,20 @@ class EdgeRuntime:
     """Context manager owning the draft model and, lazily, the cloud client."""
 
     def __init__(self, config: EdgeConfig, loaded=None):
-        from hat_split.models.loading import eos_ids, load_model, quantize_weights, vocab_fingerprint
-
         self.config = config
         self.client: Optional[CloudClient] = None
         self._split = None  # hat_split.models.partition.SplitModel of this runtime's model, built on first use
         self._adapter = None
         self._adapter_lm = None  # hat_split.models.draft_lm.AdapterLM when token_draft is "adapter"
-        self._split_parts = {}  # protocol is hat → edge_runtime.backends.split_parts (torch or the bundle's), built once
+        self._split_parts = {}  # protocol is hat → backends.split_parts (torch or the bundle's), built once
         self._session_ids = itertools.count(1)
         self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
-        if config.backend != "torch":  # exported artifacts: no torch model on the device
-            from edge_runtime.backends.loader import open_bundle
-
+        self.link_state: Optional[LinkState] = None  # the split protocols' estimates of this connection
+        engine = config.engine
+        if engine.backend != "torch":  # exported artifacts: no torch model on the device
             if loaded is not None:
-                raise ValueError(f"backend {config.backend} runs a bundle; it takes no pre-loaded torch model")
+                raise ValueError(f"backend {engine.backend} runs a bundle; it takes no pre-loaded torch model")
             self.loaded, self.bundle = None, open_bundle(config)
             man = self.bundle.manifest
             self.tokenizer, self.vocab_size = self.bundle.tokenizer, man.model["vocab"]
@@ -72,14 +79,14 @@ class EdgeRuntime:
             self.eos_ids = frozenset(man.model.get("eos_ids", []))
             self.lm = self._bundle_draft()
             return
-        if config.threads:
+        if engine.threads:
             import torch
 
-            torch.set_num_threads(config.threads)
+            torch.set_num_threads(engine.threads)
         if loaded is None:
-            loaded = load_model(config.model, dtype=config.dtype)
-            quantize_weights(loaded.model, config.weight_quant)
-        elif config.weight_quant != "none":
+            loaded = load_model(config.model, dtype=engine.dtype)
+            quantize_weights(loaded.model, engine.weight_quant)
+        elif engine.weight_quant != "none":
             raise ValueError("weight_quant applies when the runtime loads the model; quantize a pre-loaded one first")
         self.loaded, self.bundle = loaded, None
         self.tokenizer = self.loaded.tokenizer
@@ -104,14 +111,13 @@ class EdgeRuntime:
 
     def connect(self) -> P.Welcome:
         if self.client is None:
-            c = self.config
-            hello = P.Hello(c.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")
-            c.security.check("device")
-            client = CloudClient(c.server, hello, c.connect_timeout_s, c.connect_retries, c.backoff_s,
-                                 c.request_timeout_s, c.security, c.heartbeat_s)
-            client.monitor = self.monitor
+            link = self.config.link
+            hello = P.Hello(link.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")
+            link.security.check("device")
+            client = CloudClient(link, hello)
             client.connect()
             self.client = client
+            self.link_state = None  # estimates belong to one connection: a new one measures afresh
             self._reached = True
         return self.client.welcome
 
@@ -120,25 +126,23 @@ class EdgeRuntime:
         and is unreachable now (a dropped link, a restarting cloud) is retried with backoff for reconnect_timeout_s,
         as a drop mid-answer would be. A cloud never reached (a wrong address) and a refusal (CloudError) fail at
         once with their message."""
-        c = self.config
+        link = self.config.link
         if not self._reached:
             self.connect()
             return
-        deadline = time.monotonic() + c.reconnect_timeout_s
-        for delay in reconnect_delays(c.backoff_s):
+        deadline = time.monotonic() + link.reconnect_timeout_s
+        for delay in reconnect_delays(link.backoff_s):
             try:
                 self.connect()
                 return
             except CloudUnavailable as exc:
                 self.close()
-                if c.link_policy == "fail" or time.monotonic() + delay > deadline:
-                    raise CloudUnavailable(f"{exc} (retried for {c.reconnect_timeout_s:.0f} s)") from None
+                if link.link_policy == "fail" or time.monotonic() + delay > deadline:
+                    raise CloudUnavailable(f"{exc} (retried for {link.reconnect_timeout_s:.0f} s)") from None
                 log.info("cloud unreachable before a request (%s): retrying in %.1f s", exc, delay)
                 time.sleep(delay)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
-        from profiles.testbed.prompts import encode
-
         return encode(self.tokenizer, prompt, chat)
 
     def generate(self, prompt: Union[str, List[int]], protocol: str = "sd", params: SamplingParams = SamplingParams(),
@@ -148,51 +152,40 @@ class EdgeRuntime:
         """One request. `prompt`: text (a chat user turn with `chat`) or token ids; `on_text` gets the text as it is
         accepted; `should_stop()` is asked after every accepted chunk and ends the request with the reason it
         returns (a stop sequence, a client that went away)."""
-        if protocol not in ROUNDS:
-            raise ValueError(f"unknown protocol {protocol!r}; known: {sorted(ROUNDS)}")
+        record = protocols.get(protocol)  # a ValueError naming the known ones
         ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
-        if protocol not in LOCAL_PROTOCOLS:
+        if record.needs_cloud:
             self._connect_for_request()
             self.monitor.refresh_mode()
         stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
         if seed is not None and not 0 <= seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         seed = seed if seed is not None else random.SystemRandom().randrange(2**62)
-        gen = Generation(
-            config=self.config,
-            drafter=self._split_drafter(protocol, params, seed) if protocol in SPLIT_PROTOCOLS
-            else Drafter(self._token_lm(), params, self.config.dist_dtype),
-            client=self.client,
-            protocol=protocol,
-            params=params,
-            max_new_tokens=max_new_tokens,
-            eos_ids=self.eos_ids,
-            seed=seed,
-            session_id=next(self._session_ids),
-            on_tokens=stream,
-        )
-        if should_stop is not None:
-            gen.should_stop = should_stop
-        result = run(gen, ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
-        link = self.client.link_state if self.client is not None else None
-        self.monitor.observe(result, link.draft_s if protocol == "hat" and link is not None else None)
+        split = record.family == "split"
+        if split:
+            drafter = self._split_drafter(record.round == "hat", params, seed)
+            if self.link_state is None:
+                self.link_state = LinkState(self.config.split.up_bps, self.config.split.down_bps)
+        else:
+            drafter = Drafter(self._token_lm(), params, self.config.dist_dtype)
+        session = new_session(self.config, drafter, self.client, protocol, params, max_new_tokens, self.eos_ids, seed,
+                              next(self._session_ids), on_tokens=stream, should_stop=should_stop or (lambda: ""),
+                              monitor=self.monitor, link_state=self.link_state if split else None)
+        result = session.run(ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
+        self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result
 
     def report(self) -> P.CloudState:
         """Send the device's current state (power mode read now, γ so far) to the cloud; the cloud's state back."""
         self.connect()
         self.monitor.refresh_mode(max_age_s=0.0)
-        link = self.client.link_state
+        link = self.link_state
         state = link.device(self.monitor) if link is not None else self.monitor.state()
-        reply = self.client.request(P.Report(state))
-        if not isinstance(reply, P.Reported):
-            raise RuntimeError(f"unexpected answer to Report: {reply!r}")
-        return reply.cloud
+        return expect(self.client.request(P.Report(state)), P.Reported, P.Report).cloud
 
     def _parts(self, adapter: bool):
         """This runtime's model cut at split.m (and, when asked, its distilled Λ), built once."""
-        from hat_split.models.adapter import load_adapter
-        from hat_split.models.partition import SplitModel
+        from hat_split.models.adapter import load_adapter  # torch
 
         c = self.config.split
         if self._split is None:
@@ -206,8 +199,6 @@ class EdgeRuntime:
     def _bundle_draft(self):
         """A bundle's draft chain for the token protocols, opened and warmed up now if the bundle has it; a bundle of
         split parts only (hat-export --parts hat) opens it on demand, so asking a token protocol says what is missing."""
-        from hat_split.files.bundle import BundleError
-
         try:
             lm = self.bundle.draft_lm()
         except BundleError:
@@ -219,21 +210,17 @@ class EdgeRuntime:
         """The token protocols' draft: the whole model, or the split draft output ∘ Λ ∘ input (token_draft)."""
         if self.bundle is not None:  # a bundle's chain is chosen by token_draft at open
             return self.lm if self.lm is not None else self.bundle.draft_lm()  # the latter says what is missing
-        if self.config.token_draft == "model":
+        if self.config.engine.token_draft == "model":
             return self.lm
         if self._adapter_lm is None:
-            from hat_split.models.draft_lm import AdapterLM
+            from hat_split.models.draft_lm import AdapterLM  # torch
 
             self._adapter_lm = AdapterLM(*self._parts(adapter=True), slowdown=self.config.split.slowdown)
             self._adapter_lm.warm_up()
         return self._adapter_lm
 
-    def _split_drafter(self, protocol: str, params: SamplingParams, seed: int):
+    def _split_drafter(self, hat: bool, params: SamplingParams, seed: int) -> SplitDrafter:
         """The device's parts of this runtime's model (and Λ for `hat`), in torch or from the bundle."""
-        from edge_runtime.split_drafter import SplitDrafter
-        from edge_runtime.backends.split_parts import TorchSplitParts
-
-        hat = protocol == "hat"
         if hat not in self._split_parts:
             if self.bundle is not None:
                 self._split_parts[hat] = self.bundle.split_parts(adapter=hat)

@@ -25,6 +25,7 @@ import numpy as np
 
 from edge_runtime.backends.split_parts import PartCacheLike, SplitParts, TorchSplitParts
 from hat_split.models.lm import board_time
+from hat_split.models.partition import PartCache
 from hat_split.math.rng import keyed_uniform
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
 from hat_split.math.verify import speculative_verify
@@ -99,7 +100,7 @@ class SplitDrafter:
         self._timed(t0)
         return logits
 
-    # -- after a link drop (generation.resume) ----------------------------------------------------------------------
+    # -- after a link drop (sessions.base.Session.resume) ---------------------------------------------------------
     @property
     def can_generate_alone(self) -> bool:
         """HAT's device has a whole draft model (output ∘ Λ ∘ input); U-shape's has no way to predict a token."""
@@ -265,8 +266,6 @@ class SplitDrafter:
 def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
                         eta: float, max_draft: int, eos: frozenset = frozenset()) -> Dict[str, float]:
     """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round."""
-    from hat_split.models.partition import PartCache
-
     dev = SplitDrafter(TorchSplitParts(split, adapter), SamplingParams(temperature=0.0), seed=0)
     rounds = accepted = produced = 0
     for prompt in prompts:

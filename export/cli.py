@@ -1,7 +1,8 @@
 """`hat-export`: build and check the bundles devices run.
 
-    hat-export onnx --model NAME --parts draft|hat|ushape [--m M --adapter DIR] --precision fp32,fp16,int8,int4 --out DIR
+    hat-export onnx --model NAME --parts draft|hat|ushape [--m M --adapter DIR] --precision fp32,int8 --out DIR
     hat-export tensorrt DIR --model NAME [--adapter DIR] --precision fp16 [--max-context N --max-chunk N]
+    hat-export onnx|tensorrt --config export.toml [flags]   (an ExportConfig, docs/CONFIG.md; flags given win)
     hat-export verify DIR [--model NAME] [--device-profile NAME]
 
 `onnx` exports the parts, validates every artifact against torch on real prompts (a prefill, chunks, single steps)
@@ -11,40 +12,72 @@ and runtimes refuse it). `verify` checks a bundle's checksums and compatibility 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List, Optional, Sequence
 
-PART_SETS = {"draft": ["draft"], "hat": ["input", "adapter", "output"], "ushape": ["input", "output"]}
+from edge_runtime.backends.trt_backend import tensorrt_version
+from export.config import PART_SETS, ExportConfig, TensorRTConfig
+from hat_split.files import bundle as M
+from hat_split.files.config_file import add_config_argument, config_from_dict, given_flags, load_config
+from hat_split.models.chat import encode
+from hat_split.models.loading import load_model, vocab_fingerprint
+from hat_split.models.partition import SplitModel, model_fingerprint
+from profiles.testbed.prompts import humaneval_prompts, sharegpt_prompts
+
+# argparse dest -> ExportConfig key (dotted: a key of its [tensorrt] table), per command; the flags given override
+# the --config file's keys
+FLAG_KEYS: Dict[str, Dict[str, str]] = {
+    "onnx": {"model": "model", "out": "out", "parts": "parts", "m": "m", "tail": "tail", "adapter": "adapter",
+             "precision": "precisions", "device_profile": "device_profile", "prompts": "prompts",
+             "threads": "threads"},
+    "tensorrt": {"bundle": "out", "model": "model", "adapter": "adapter", "precision": "tensorrt.precisions",
+                 "max_context": "tensorrt.max_context", "max_chunk": "tensorrt.max_chunk", "prompts": "prompts"},
+}
+
+
+def _default(cls: type, name: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hat-export", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("onnx", help="export, validate and record ONNX artifacts")
-    o.add_argument("--model", required=True, help="registry name, HF directory or .gguf file")
-    o.add_argument("--parts", default="draft", choices=sorted(PART_SETS),
+    add_config_argument(o, "export")
+    o.add_argument("--model", default="", help="registry name, HF directory or .gguf file (required without --config)")
+    o.add_argument("--parts", default=_default(ExportConfig, "parts"), choices=sorted(PART_SETS),
                    help="draft: the whole model as a draft; hat: input part, Λ and output part; ushape: input and "
                         "output parts")
-    o.add_argument("--m", type=int, default=2, help="hat / ushape: layers of the input part")
-    o.add_argument("--tail", type=int, default=0, help="hat / ushape: layers kept beside the head")
+    o.add_argument("--m", type=int, default=_default(ExportConfig, "m"), help="hat / ushape: layers of the input part")
+    o.add_argument("--tail", type=int, default=_default(ExportConfig, "tail"),
+                   help="hat / ushape: layers kept beside the head")
     o.add_argument("--adapter", default="", help="hat: a hat-distill adapter directory")
-    o.add_argument("--precision", default="fp32,int8,int4", help="comma list of fp32, fp16, int8, int4")
-    o.add_argument("--out", required=True, help="bundle directory (created; an existing bundle of the same model "
-                                                 "gains or replaces artifacts)")
-    o.add_argument("--device-profile", default="any", help="the device profile the bundle targets")
-    o.add_argument("--prompts", type=int, default=4, help="real prompts to validate on (half HumanEval, half "
-                                                          "ShareGPT)")
-    o.add_argument("--threads", type=int, default=0, help="onnxruntime threads during validation (0: default)")
+    o.add_argument("--precision", default=",".join(_default(ExportConfig, "precisions")),
+                   help="comma list of fp32, fp16, int8, int4")
+    o.add_argument("--out", default="", help="bundle directory (created; an existing bundle of the same model gains or "
+                                             "replaces artifacts; required without --config)")
+    o.add_argument("--device-profile", default=_default(ExportConfig, "device_profile"),
+                   help="the device profile the bundle targets")
+    o.add_argument("--prompts", type=int, default=_default(ExportConfig, "prompts"),
+                   help="real prompts to validate on (half HumanEval, half ShareGPT)")
+    o.add_argument("--threads", type=int, default=_default(ExportConfig, "threads"),
+                   help="onnxruntime threads during validation (0: default)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     t = sub.add_parser("tensorrt", help="build TensorRT engines from a bundle's ONNX artifacts and validate them")
-    t.add_argument("bundle")
-    t.add_argument("--model", required=True, help="the bundle's model (the torch reference for validation)")
+    add_config_argument(t, "export")
+    t.add_argument("bundle", nargs="?", default="", help="the bundle directory (required without --config)")
+    t.add_argument("--model", default="", help="the bundle's model (the torch reference for validation)")
     t.add_argument("--adapter", default="", help="the adapter the bundle's hat parts were exported with")
-    t.add_argument("--precision", default="fp16", help="comma list of fp32, fp16")
-    t.add_argument("--max-context", type=int, default=2048, help="longest cache + new positions an engine accepts")
-    t.add_argument("--max-chunk", type=int, default=256, help="most new positions per call (a prompt chunk)")
-    t.add_argument("--prompts", type=int, default=4)
+    t.add_argument("--precision", default=",".join(_default(TensorRTConfig, "precisions")),
+                   help="comma list of fp32, fp16")
+    t.add_argument("--max-context", type=int, default=_default(TensorRTConfig, "max_context"),
+                   help="longest cache + new positions an engine accepts")
+    t.add_argument("--max-chunk", type=int, default=_default(TensorRTConfig, "max_chunk"),
+                   help="most new positions per call (a prompt chunk)")
+    t.add_argument("--prompts", type=int, default=_default(ExportConfig, "prompts"))
     v = sub.add_parser("verify", help="check a bundle's checksums and compatibility, and list it")
     v.add_argument("bundle")
     v.add_argument("--model", default="", help="also check it holds this model (its weights and vocabulary)")
@@ -52,10 +85,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def export_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> ExportConfig:
+    """The command's ExportConfig: the --config file with the flags typed on this command line on top of it, or the
+    flags alone."""
+    keys = FLAG_KEYS[args.cmd]
+    values = {key: _csv(getattr(args, dest)) if dest == "precision" else getattr(args, dest)
+              for dest, key in keys.items()}
+    if args.config:
+        given = given_flags(parser, argv)
+        return load_config(ExportConfig, args.config, {keys[d]: values[keys[d]] for d in keys if d in given})
+    data: Dict[str, Any] = {}
+    for key, value in values.items():
+        table, _, name = key.rpartition(".")  # "tensorrt.max_chunk": max_chunk of the [tensorrt] table
+        (data.setdefault(table, {}) if table else data)[name] = value
+    return config_from_dict(ExportConfig, data, source="the command line")
+
+
+def _csv(text: str) -> List[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
 def validation_prompts(tokenizer, n: int, min_tokens: int = 40, max_tokens: int = 160) -> List[List[int]]:
     """n real prompts as token ids (held out from the distillation and benchmark sets by offset)."""
-    from profiles.testbed.prompts import encode, humaneval_prompts, sharegpt_prompts
-
     pool = humaneval_prompts(n, offset=150) + sharegpt_prompts(4 * n, offset=5000, min_chars=200, max_chars=2000)
     out = []
     for p in pool:
@@ -69,65 +120,47 @@ def validation_prompts(tokenizer, n: int, min_tokens: int = 40, max_tokens: int 
     return out
 
 
-def _onnx(args) -> int:
-    from export.onnx_export import export_bundle
-    from hat_split.models.loading import load_model
+def _onnx(config: ExportConfig, args: argparse.Namespace) -> int:
+    from export.onnx_export import export_bundle  # torch, onnx, onnxruntime: the export extra
+    from hat_split.models.adapter import load_adapter  # torch
 
-    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
-    parts = PART_SETS[args.parts]
+    if "adapter" in config.part_kinds and not config.adapter:
+        raise ValueError("--parts hat needs --adapter DIR (a hat-distill output)")
+    loaded = load_model(config.model, dtype="float32")
     adapter = None
-    loaded = load_model(args.model, dtype="float32")
-    if "adapter" in parts:
-        if not args.adapter:
-            raise ValueError("--parts hat needs --adapter DIR (a hat-distill output)")
-        from hat_split.models.adapter import load_adapter
-        from hat_split.models.partition import SplitModel
-
-        adapter = load_adapter(args.adapter, SplitModel(loaded.model, args.m, args.tail))
-    prompts = validation_prompts(loaded.tokenizer, args.prompts)
-    man = export_bundle(loaded, Path(args.out), parts, precisions, args.m, args.tail, adapter, args.adapter, prompts,
-                        args.device_profile, args.threads, progress=not args.quiet)
+    if "adapter" in config.part_kinds:
+        adapter = load_adapter(config.adapter, SplitModel(loaded.model, config.m, config.tail))
+    prompts = validation_prompts(loaded.tokenizer, config.prompts)
+    man = export_bundle(loaded, config, adapter, prompts, progress=not args.quiet)
     _print(man)
-    failed = [a for a in man.artifacts if a.status == "failed" and a.precision in precisions and a.part in parts]
+    failed = [a for a in man.artifacts
+              if a.status == "failed" and a.precision in config.precisions and a.part in config.part_kinds]
     for a in failed:
         print(f"hat-export: {a.part}/{a.precision} FAILED validation: {a.validation['reason']}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _tensorrt(args) -> int:
-    from hat_split.files import bundle as M
-    from export.tensorrt_build import build_bundle
-    from hat_split.models.loading import load_model
-
-    from edge_runtime.backends.trt_backend import tensorrt_version
+def _tensorrt(config: ExportConfig, args: argparse.Namespace) -> int:
+    from export.tensorrt_build import build_bundle  # torch
+    from hat_split.models.adapter import load_adapter  # torch
 
     tensorrt_version()  # says so before a model is loaded when TensorRT is absent
-    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
-    man = M.read(Path(args.bundle))
-    loaded = load_model(args.model, dtype="float32")
+    man = M.read(Path(config.out))
+    loaded = load_model(config.model, dtype="float32")
     adapter = None
     if any(a.part == "adapter" for a in man.artifacts):
-        if not args.adapter:
+        if not config.adapter:
             raise ValueError("the bundle holds Λ: give --adapter DIR (the one it was exported with)")
-        from hat_split.models.adapter import load_adapter
-        from hat_split.models.partition import SplitModel
-
-        adapter = load_adapter(args.adapter, SplitModel(loaded.model, man.model["m"], man.model["tail"]))
-    man = build_bundle(Path(args.bundle), loaded, adapter, precisions, validation_prompts(loaded.tokenizer, args.prompts),
-                       args.max_context, args.max_chunk)
+        adapter = load_adapter(config.adapter, SplitModel(loaded.model, man.model["m"], man.model["tail"]))
+    man = build_bundle(loaded, config, adapter, validation_prompts(loaded.tokenizer, config.prompts))
     _print(man)
     failed = [a for a in man.artifacts if a.backend == "tensorrt" and a.status == "failed"]
     return 1 if failed else 0
 
 
-def _verify(args) -> int:
-    from hat_split.files import bundle as M
-
+def _verify(args: argparse.Namespace) -> int:
     fingerprint = vocab = None
     if args.model:
-        from hat_split.models.loading import load_model, vocab_fingerprint
-        from hat_split.models.partition import model_fingerprint
-
         loaded = load_model(args.model, dtype="float32")
         fingerprint, vocab = model_fingerprint(loaded.model), vocab_fingerprint(loaded.tokenizer)
     man = M.load(Path(args.bundle), fingerprint, vocab, args.device_profile)
@@ -152,11 +185,16 @@ def _print(man) -> None:
               f"{a.status:11s} {fig}")
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
-        return {"onnx": _onnx, "tensorrt": _tensorrt, "verify": _verify}[args.cmd](args)
-    except (ValueError, RuntimeError, OSError) as exc:  # BundleError is a ValueError
+        if args.cmd == "verify":
+            return _verify(args)
+        config = export_config(parser, args, argv)
+        return {"onnx": _onnx, "tensorrt": _tensorrt}[args.cmd](config, args)
+    except (ValueError, RuntimeError, OSError) as exc:  # BundleError and ConfigError are ValueErrors
         print(f"hat-export: error: {exc}", file=sys.stderr)
         return 2
 

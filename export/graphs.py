@@ -4,23 +4,27 @@ A part is: token embeddings (or hidden states in), the model's layers [start, st
 adapter) after them, and optionally final norm + head. Its KV cache goes in as tensors and comes out grown by the new
 positions (`present = past ++ new`); positions and the additive causal mask (and, for Gemma 3's local layers, the
 sliding-window mask) are inputs, so one graph serves a prefill, a chunk on top of a cache and a single step. The runtime
-(hat_split.onnx_lm) builds the masks with hat_split.math.masks and crops caches by slicing; no torch on the device.
+(edge_runtime.backends.part_lm) builds the masks with hat_split.math.masks and crops caches by slicing; no torch on
+the device.
 
 Graph inputs, in order: `x` (int64 `# [1, n]` ids or `# [1, n, hidden]` states), `position_ids` int64 `# [1, n]`,
 `mask` `# [1, 1, n, past + n]` (then `mask_sliding` when a sliding layer is in the part), `logit_index` int64 `# [k]`
 (parts with a head: the positions whose logits are wanted), then `past_key_<i>`, `past_value_<i>` per cached layer i
 `# [1, kv_heads, past, head_dim]`. Outputs: `hidden` `# [1, n, hidden]` or `logits` float32 `# [1, k, vocab]`, then
-`present_key_<i>`, `present_value_<i>`.
+`present_key_<i>`, `present_value_<i>`. The names are the bundle contract's (hat_split.files.bundle), which the
+device's runners read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from hat_split.models.partition import SLIDING, Stack, head_logits, layer_types
+import numpy as np
+import torch
 
-PART_KINDS = ("draft", "input", "adapter", "output")
-
+from edge_runtime.backends.part_lm import PartIO
+from hat_split.files import bundle as B
+from hat_split.models.partition import SLIDING, Stack, additive_mask, head_logits, layer_types
 
 @dataclass(frozen=True)
 class PartSpec:
@@ -47,7 +51,7 @@ class PartSpec:
             return PartSpec("adapter", m, m, True, False, False)
         if kind == "output":
             return PartSpec("output", n_layers - tail, n_layers, False, False, True)
-        raise ValueError(f"unknown part {kind!r}; known: {', '.join(PART_KINDS)}")
+        raise ValueError(f"unknown part {kind!r}; known: {', '.join(B.PARTS)}")
 
     def cached_layers(self, n_layers: int) -> List[int]:
         """Cache keys of the part's attention layers (Λ's key is n_layers, as in hat_split.models.adapter)."""
@@ -61,17 +65,17 @@ class PartSpec:
         return sorted(kinds, key=lambda k: k == SLIDING)
 
     def input_names(self, config: Any, adapter_type: Optional[str] = None) -> List[str]:
-        names = ["x", "position_ids"] + ["mask_sliding" if k == SLIDING else "mask"
+        names = [B.X, B.POSITION_IDS] + [B.MASK_SLIDING if k == SLIDING else B.MASK
                                          for k in self.mask_kinds(config, adapter_type)]
-        names += ["logit_index"] if self.logits_out else []
+        names += [B.LOGIT_INDEX] if self.logits_out else []
         for i in self.cached_layers(config.num_hidden_layers):
-            names += [f"past_key_{i}", f"past_value_{i}"]
+            names += B.past_names(i)
         return names
 
     def output_names(self, config: Any) -> List[str]:
-        names = ["logits" if self.logits_out else "hidden"]
+        names = [B.LOGITS if self.logits_out else B.HIDDEN]
         for i in self.cached_layers(config.num_hidden_layers):
-            names += [f"present_key_{i}", f"present_value_{i}"]
+            names += B.present_names(i)
         return names
 
 
@@ -84,21 +88,13 @@ class KVIO:
         self.present: Dict[int, Tuple[Any, Any]] = {}
 
     def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
-        import torch
-
         k0, v0 = self.past[layer_idx]
         k, v = torch.cat([k0, key], dim=-2), torch.cat([v0, value], dim=-2)
         self.present[layer_idx] = (k, v)
         return k, v
 
 
-def _module():
-    import torch
-
-    return torch.nn.Module
-
-
-class PartGraph(_module()):
+class PartGraph(torch.nn.Module):
     """The export module of one PartSpec over a loaded model (and Λ). forward takes and returns flat tensors."""
 
     def __init__(self, model: Any, spec: PartSpec, adapter: Any = None):
@@ -112,8 +108,6 @@ class PartGraph(_module()):
         self.cached = spec.cached_layers(model.config.num_hidden_layers)
 
     def forward(self, x, position_ids, *rest):
-        import torch
-
         masks = dict(zip(self.kinds, rest[:len(self.kinds)]))
         rest = rest[len(self.kinds):]
         logit_index = None
@@ -135,10 +129,6 @@ class PartGraph(_module()):
 def example_inputs(model: Any, spec: PartSpec, adapter: Any = None, n: int = 3, past: int = 4,
                    dtype: Any = None) -> Tuple[Any, ...]:
     """Inputs for tracing (sizes > 1 so that no dimension is specialised): n new positions on a cache of `past`."""
-    import torch
-
-    from hat_split.models.partition import additive_mask
-
     cfg = model.config
     dtype = dtype or next(model.parameters()).dtype
     window = getattr(cfg, "sliding_window", None)
@@ -158,17 +148,12 @@ def example_inputs(model: Any, spec: PartSpec, adapter: Any = None, n: int = 3, 
 
 
 class TorchPart:
-    """A PartGraph run eagerly in torch behind the part-runner interface (edge_runtime.backends.part_lm): the reference that
-    artifacts are validated against, and proof that the graphs compute what the model does."""
+    """A PartGraph run eagerly in torch behind the part-runner interface (edge_runtime.backends.part_lm): the
+    reference that artifacts are validated against, and proof that the graphs compute what the model does."""
 
     providers = ["torch"]
 
     def __init__(self, model: Any, spec: PartSpec, adapter: Any = None):
-        import numpy as np
-        import torch
-
-        from edge_runtime.backends.part_lm import PartIO
-
         self.graph = PartGraph(model, spec, adapter).eval()
         self.names = spec.input_names(model.config, adapter.layer_type if adapter is not None else None)
         dtype = {torch.float32: np.float32, torch.float16: np.float16}[next(model.parameters()).dtype]
@@ -177,8 +162,6 @@ class TorchPart:
                                       for n, t in zip(self.names, example)])
 
     def run(self, feed):
-        import torch
-
         with torch.inference_mode():
             outs = self.graph(*[torch.from_numpy(feed[n]) for n in self.names])
         return [o.numpy() for o in outs]

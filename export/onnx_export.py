@@ -14,15 +14,23 @@ import os
 import shutil
 import time
 import warnings
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
-from hat_split.files import bundle as M
+import torch
+
+from edge_runtime.backends.onnx_backend import OrtPart
+from edge_runtime.backends.part_lm import PartChainLM
+from export.config import ExportConfig
 from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs
-from export.validate import Schedule, THRESHOLDS, compare, verdict
+from export.validate import THRESHOLDS, Schedule, compare, verdict
+from hat_split.files import bundle as M
+from hat_split.models.loading import eos_ids, output_size, vocab_fingerprint
+from hat_split.models.partition import model_fingerprint
+from hat_split.wire.messages import PROTOCOL_VERSION
 
 OPSET = 18  # the torch.export-based exporter's lowest; TensorRT 8.5 (JetPack 5) parses up to 17 (unverified here)
-PRECISIONS = tuple(THRESHOLDS)
 QUANT_BLOCK = 32
 # MatMulNBits' compute type: 4 = int8 products of the activations (quantized per block at run time) with the weights.
 # On this CPU it is what makes weight-only int8 fast at all (69 vs 4.7 tok/s for smollm2's draft; int4 79 tok/s).
@@ -36,8 +44,6 @@ def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, untie: bo
     quantizers cannot use (no constant weight), so the largest matmul of a small model would stay float; the graph
     that quantization starts from gets a copy of its own. fp32 / fp16 artifacts keep the one table.
     """
-    import torch
-
     if untie and spec.logits_out and model.lm_head.weight is model.model.embed_tokens.weight:
         tied = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(tied.detach().clone(), requires_grad=False)
@@ -63,15 +69,15 @@ def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, untie: bo
 
 def _static(name: str, dim: int) -> bool:
     """Dimensions fixed: the batch of 1, the hidden size of states, heads and head size of caches."""
-    if name == "logit_index":
+    if name == M.LOGIT_INDEX:
         return False
     if dim == 0:
         return True
-    if name == "x":
+    if name == M.X:
         return dim == 2
-    if name.startswith(("past_key_", "past_value_")):
+    if name.startswith((M.PAST_KEY, M.PAST_VALUE)):
         return dim in (1, 3)
-    if name.startswith("mask"):
+    if name in (M.MASK, M.MASK_SLIDING):
         return dim == 1
     return False
 
@@ -120,25 +126,17 @@ def _io(path: Path) -> tuple:
     return rows(g.input), rows(g.output), opset
 
 
-def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequence[str], m: int = 0, tail: int = 0,
-                  adapter: Any = None, adapter_dir: str = "", prompts: Sequence[Sequence[int]] = (),
-                  device_profile: str = "any", threads: int = 0, progress: bool = True) -> M.Manifest:
-    """Export `parts` of `loaded` (hat_split.models.loading.LoadedModel; its tokenizer may be None) in `precisions` into the bundle directory `out`,
-    validate each artifact on `prompts` and write the manifest. Returns it; artifacts that failed are in it, marked."""
+def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompts: Sequence[Sequence[int]] = (),
+                  progress: bool = True) -> M.Manifest:
+    """Export `config.parts` of `loaded` (hat_split.models.loading.LoadedModel; its tokenizer may be None) in
+    `config.precisions` into the bundle directory `config.out`, validate each artifact on `prompts` (token ids) and
+    write the manifest. `adapter`: Λ (hat_split.models.adapter) for the hat parts, loaded from `config.adapter`.
+    Returns the manifest; artifacts that failed are in it, marked."""
     import onnx
     import onnxruntime
-    import torch
     from tqdm import tqdm
 
-    from edge_runtime.backends.onnx_backend import OrtPart
-    from edge_runtime.backends.part_lm import PartChainLM
-    from hat_split.wire import messages as protocol
-    from hat_split.models.loading import eos_ids, output_size, vocab_fingerprint
-    from hat_split.models.partition import model_fingerprint
-
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad:
-        raise ValueError(f"unknown precision(s) {', '.join(bad)}; known: {', '.join(PRECISIONS)}")
+    parts, precisions, m, tail = config.part_kinds, config.precisions, config.m, config.tail
     model = loaded.model
     n = model.config.num_hidden_layers
     specs = [PartSpec.of(kind, n, m, tail) for kind in parts]
@@ -146,7 +144,7 @@ def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequ
         raise ValueError("the adapter part needs a hat-distill adapter (--adapter)")
     if not prompts:
         raise ValueError("validation needs prompts")
-    out = Path(out)
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     fingerprint = model_fingerprint(model)
     man = M.read(out) if (out / M.MANIFEST).exists() else None
@@ -155,15 +153,15 @@ def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequ
                             "directory")
     vocab = output_size(model)
     if man is None:
+        tok = loaded.tokenizer
         man = M.Manifest(
-            model={"name": loaded.name,
-                   "fingerprint": fingerprint,
-                   "vocab_fingerprint": vocab_fingerprint(loaded.tokenizer) if loaded.tokenizer is not None else "",
+            model={"name": loaded.name, "fingerprint": fingerprint,
+                   "vocab_fingerprint": vocab_fingerprint(tok) if tok is not None else "",
                    "family": model.config.model_type, "layers": n, "hidden": model.config.hidden_size,
-                   "vocab": vocab, "m": m, "tail": tail, "eos_ids": eos_ids(model, loaded.tokenizer) if loaded.tokenizer is not None else [],
+                   "vocab": vocab, "m": m, "tail": tail, "eos_ids": eos_ids(model, tok) if tok is not None else [],
                    "sliding_window": getattr(model.config, "sliding_window", None) or 0},
-            device_profile=device_profile, hatspec_version=hatspec_version(),
-            protocol_version=protocol.PROTOCOL_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            device_profile=config.device_profile, hatspec_version=hatspec_version(),
+            protocol_version=PROTOCOL_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             tools={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__})
     split_parts = any(s.name != "draft" for s in specs)
     if split_parts and any(a.part != "draft" for a in man.artifacts) and \
@@ -173,7 +171,7 @@ def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequ
     if split_parts:
         man.model["m"], man.model["tail"] = m, tail
     if adapter is not None:
-        man.model["adapter"] = os.path.basename(os.path.normpath(adapter_dir)) if adapter_dir else "given"
+        man.model["adapter"] = os.path.basename(os.path.normpath(config.adapter)) if config.adapter else "given"
     if loaded.tokenizer is not None:  # a device needs no model directory: the bundle brings its tokenizer
         loaded.tokenizer.save_pretrained(str(out / "tokenizer"))
         man.tokenizer = {str(p.relative_to(out)): M.sha256(p) for p in sorted((out / "tokenizer").rglob("*"))
@@ -208,7 +206,7 @@ def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequ
                 paths.append(path)
                 bar.update()
             bar.set_postfix_str(f"{prec}: validate")
-            chain = PartChainLM([OrtPart(p, ["CPUExecutionProvider"], threads) for p in paths], vocab, window)
+            chain = PartChainLM([OrtPart(p, ["CPUExecutionProvider"], config.threads) for p in paths], vocab, window)
             figures = compare(reference, chain, prompts, Schedule())
             bar.update(len(specs))
             for s, path, part, fig in zip(specs, paths, chain.parts, figures):
@@ -231,8 +229,6 @@ def export_bundle(loaded: Any, out: Path, parts: Sequence[str], precisions: Sequ
 
 
 def hatspec_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("hatspec")
     except PackageNotFoundError:

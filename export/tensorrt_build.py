@@ -16,7 +16,17 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
-DECODE_MAX = 8
+import torch
+
+from edge_runtime.backends.part_lm import PartChainLM
+from edge_runtime.backends.trt_backend import TrtPart, tensorrt_version
+from export.config import ExportConfig
+from export.graphs import PartSpec, TorchPart
+from export.validate import THRESHOLDS, Schedule, compare, verdict
+from hat_split.files import bundle as M
+from hat_split.models.partition import model_fingerprint
+
+DECODE_MAX = 8  # new positions: the top of the "decode" profile (a draft step, a short verification)
 
 
 def _flags(trt: Any, strongly_typed: bool) -> int:
@@ -31,12 +41,12 @@ def _flags(trt: Any, strongly_typed: bool) -> int:
 def profile_shapes(name: str, shape: Sequence, n_range: tuple, max_context: int) -> tuple:
     """(min, opt, max) of one input under a profile whose new positions n span n_range = (lo, opt, hi)."""
     lo, opt, hi = n_range
-    if name in ("x", "position_ids"):
+    if name in (M.X, M.POSITION_IDS):
         rest = [int(d) for d in shape[2:]]
         return tuple((1, k, *rest) for k in (lo, opt, hi))
-    if name == "logit_index":
+    if name == M.LOGIT_INDEX:
         return (1,), (opt,), (hi,)
-    if name.startswith("mask"):
+    if name in (M.MASK, M.MASK_SLIDING):
         return (1, 1, lo, lo), (1, 1, opt, max_context // 2), (1, 1, hi, max_context)
     heads, head_dim = int(shape[1]), int(shape[3])  # past_key_i / past_value_i
     return (1, heads, 0, head_dim), (1, heads, max_context // 2, head_dim), (1, heads, max_context - lo, head_dim)
@@ -75,8 +85,6 @@ def build_engine(onnx_path: Path, engine_path: Path, precision: str, max_context
     if blob is None:
         raise RuntimeError(f"TensorRT failed to build an engine from {onnx_path.name} (see its log above)")
     engine_path.write_bytes(bytes(blob))
-    import torch
-
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown"
     cc = ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else "unknown"
     return {"tensorrt": trt.__version__, "strongly_typed": strongly_typed, "profiles": ranges,
@@ -84,31 +92,25 @@ def build_engine(onnx_path: Path, engine_path: Path, precision: str, max_context
             "build_s": time.perf_counter() - t0, "from": onnx_path.name}
 
 
-def build_bundle(bundle: Path, loaded: Any, adapter: Any, precisions: Sequence[str], prompts, max_context: int,
-                 max_chunk: int) -> Any:
-    """Engines for every ONNX part of `precisions` in the bundle, validated against torch like the ONNX artifacts."""
-    from edge_runtime.backends.part_lm import PartChainLM
-    from edge_runtime.backends.trt_backend import TrtPart, tensorrt_version
-    from hat_split.files import bundle as M
-    from export.graphs import PartSpec, TorchPart
-    from export.validate import THRESHOLDS, Schedule, compare, verdict
-    from hat_split.models.partition import model_fingerprint
-
+def build_bundle(loaded: Any, config: ExportConfig, adapter: Any, prompts: Sequence[Sequence[int]]) -> M.Manifest:
+    """Engines for every ONNX part of `config.tensorrt.precisions` in the bundle `config.out`, validated against torch
+    (on `prompts`, token ids) like the ONNX artifacts; `adapter`: the Λ the bundle's hat parts were exported with."""
     tensorrt_version()
+    trt_config, bundle = config.tensorrt, Path(config.out)
     man = M.load(bundle, model_fingerprint=model_fingerprint(loaded.model))
-    order = {"draft": 0, "input": 1, "adapter": 2, "output": 3}
     model = loaded.model
     n = model.config.num_hidden_layers
-    for prec in precisions:
+    for prec in trt_config.precisions:
         onnx_parts = sorted((a for a in man.artifacts if a.backend == "onnx" and a.precision == prec),
-                            key=lambda a: order[a.part])
+                            key=lambda a: M.PARTS.index(a.part))
         chains = [[a for a in onnx_parts if a.part == "draft"], [a for a in onnx_parts if a.part != "draft"]]
         for chain in [c for c in chains if c]:
             specs = [PartSpec.of(a.part, n, man.model["m"], man.model["tail"]) for a in chain]
             builds, runners = [], []
             for a in chain:
                 engine = bundle / f"{a.part}.{prec}.engine"
-                builds.append(build_engine(bundle / a.path, engine, prec, max_context, max_chunk))
+                builds.append(build_engine(bundle / a.path, engine, prec, trt_config.max_context,
+                                           trt_config.max_chunk, trt_config.workspace_gb))
                 runners.append(TrtPart(engine))
             window = man.model.get("sliding_window") or None
             reference = PartChainLM([TorchPart(model, s, adapter) for s in specs], man.model["vocab"], window)

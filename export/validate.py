@@ -82,7 +82,8 @@ def verdict(figures: dict, precision: str, logits: bool) -> tuple:
     limits = THRESHOLDS[precision]
     for regime, f in figures.items():
         if f["max_rel_diff"] > limits["rel"]:
-            return False, f"{regime}: max |Δ| is {f['max_rel_diff']:.3g} of the reference's scale (limit {limits['rel']})"
+            return False, (f"{regime}: max |Δ| is {f['max_rel_diff']:.3g} of the reference's scale (limit "
+                           f"{limits['rel']})")
         if logits and f.get("argmax_agreement", 1.0) < limits["agree"]:
             return False, (f"{regime}: argmax agrees with torch on {100 * f['argmax_agreement']:.1f} % of positions "
                            f"(limit {100 * limits['agree']:.0f} %)")

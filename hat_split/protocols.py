@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 FAMILIES = ("token", "split", "local")
+SUPPORTS = ("full", "topk", "conformal")  # hat_split.wire.sqs.LatticeWire's support rules
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,15 @@ class Protocol:
     round: str  # the device's round function for it (edge_runtime.protocols.ROUNDS is keyed by this)
     exact: bool  # the output follows the target's distribution exactly (local and cloud-only: True trivially)
     summary: str  # one line: what crosses the uplink per round (README, --help)
+    support: str = ""  # the `qs` round's lattice support (SUPPORTS): the whole vocabulary, the top K, or a conformal
+    # threshold (QS-SD; SQS-SD §3-4); "" for every other round
+    sample_first: bool = False  # the `qs` round samples, then quantizes (the biased prior art) instead of the reverse
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"protocol {self.name!r}: family must be one of {FAMILIES}, got {self.family!r}")
+        if (self.round == "qs") != (self.support in SUPPORTS):
+            raise ValueError(f"protocol {self.name!r}: the qs round, and only it, names a support from {SUPPORTS}")
 
     @property
     def needs_cloud(self) -> bool:
@@ -46,10 +52,11 @@ _TABLE: Tuple[Protocol, ...] = (
     Protocol("uhlm", "token", "uhlm", False, "as hlm, skipped when the draft's uncertainty is low (U-HLM)"),
     Protocol("randhlm", "token", "randhlm", False, "as hlm, skipped at random (U-HLM's baseline)"),
     Protocol("cuhlm", "token", "cuhlm", False, "as uhlm, top-k(t) probabilities as packed bits (CU-HLM)"),
-    Protocol("qs", "token", "qs", True, "L draft tokens + lattice-quantized distributions (QS-SD)"),
-    Protocol("ksqs", "token", "qs", True, "the same on the top-K support (K-SQS)"),
-    Protocol("csqs", "token", "qs", True, "the same on a conformal-threshold support (C-SQS)"),
-    Protocol("sq", "token", "qs", False, "sample, then quantize (the lossy prior art, for comparison)"),
+    Protocol("qs", "token", "qs", True, "L draft tokens + lattice-quantized distributions (QS-SD)", "full"),
+    Protocol("ksqs", "token", "qs", True, "the same on the top-K support (K-SQS)", "topk"),
+    Protocol("csqs", "token", "qs", True, "the same on a conformal-threshold support (C-SQS)", "conformal"),
+    Protocol("sq", "token", "qs", False, "sample, then quantize (the lossy prior art, for comparison)", "full",
+             sample_first=True),
     Protocol("ushape", "split", "ushape", True, "every token's hidden state up and back (HAT's baseline)"),
     Protocol("hat", "split", "hat", True, "hidden states of the chunked prompt and of the adapter's drafts (HAT)"),
 )

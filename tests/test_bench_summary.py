@@ -49,6 +49,17 @@ def test_confidence_stopped_variant_has_no_closed_form():
     assert e["mean_drafts_per_round"] == pytest.approx(9 / 4) and e["overhead_free_speedup"] > 0
 
 
+def test_without_a_target_run_there_is_no_speedup_but_the_rest_is_summarised():
+    toks = list(range(10))  # --skip-hf and no llm in --protocols: nothing to divide by
+    runs = {"hatspec_slm": [_row(toks, 1.0)],
+            "hatspec_sd_g4": [_row(toks, 2.0, drafted=8, accepted=6, rejected=1, rounds=2)]}
+    s = summarise(runs, [(4, 0.0)])
+    e = s["hatspec_sd_g4"]
+    assert s["baseline"] is None and s["c"] is None
+    assert e["speedup"] is None and e["efficiency"] is None and e["efficiency_vs_overhead_free"] is None
+    assert e["alpha"] == pytest.approx(6 / 7)
+
+
 def _hlm_row(n, total_s, uploads, skipped, up_bytes, ks=()):
     return {"n_tokens": n, "total_s": total_s, "ttft_s": 0.1, "rounds": uploads, "drafted": uploads,
             "accepted": uploads - 1, "skipped": skipped, "up_bytes": up_bytes, "upload_ks": list(ks),

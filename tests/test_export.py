@@ -14,6 +14,7 @@ import pytest
 from edge_runtime.drafter import Drafter
 from edge_runtime.backends.part_lm import PartChainLM
 from hat_split.files import bundle as M
+from export.config import ExportConfig
 from export.graphs import PartSpec, TorchPart
 from hat_split.models.adapter import Adapter
 from hat_split.models.draft_lm import AdapterLM
@@ -74,10 +75,11 @@ def llama_bundle(tmp_path_factory):
     model = _family("llama")
     adapter = Adapter(model, 2).eval().requires_grad_(False)
     out = tmp_path_factory.mktemp("bundle")
-    export_bundle(_loaded(model, "tiny-llama"), out, ["draft"], ["fp32", "int8", "int4"], prompts=PROMPTS,
+    export_bundle(_loaded(model, "tiny-llama"),
+                  ExportConfig("tiny-llama", str(out), "draft", precisions=("fp32", "int8", "int4")), prompts=PROMPTS,
                   progress=False)
-    export_bundle(_loaded(model, "tiny-llama"), out, ["input", "adapter", "output"], ["fp32"], m=2, adapter=adapter,
-                  prompts=PROMPTS, progress=False)
+    export_bundle(_loaded(model, "tiny-llama"), ExportConfig("tiny-llama", str(out), "hat", m=2, precisions=("fp32",)),
+                  adapter, prompts=PROMPTS, progress=False)
     return out, model, adapter
 
 
@@ -89,7 +91,8 @@ def test_onnx_parts_of_each_family_match_torch(tmp_path, family):
 
     model = _family(family)
     adapter = Adapter(model, 2).eval().requires_grad_(False)
-    man = export_bundle(_loaded(model, f"tiny-{family}"), tmp_path, ["input", "adapter", "output"], ["fp32"], m=2,
+    man = export_bundle(_loaded(model, f"tiny-{family}"),
+                        ExportConfig(f"tiny-{family}", str(tmp_path), "hat", m=2, precisions=("fp32",)),
                         adapter=adapter, prompts=PROMPTS, progress=False)
     for a in man.artifacts:
         assert a.status == "validated", (a.part, a.validation)
@@ -153,7 +156,8 @@ def target_bundle(tmp_path_factory, tiny_pair):
     model = tiny_pair[1].model
     adapter = Adapter(model, 1).eval().requires_grad_(False)
     out = tmp_path_factory.mktemp("target-bundle")
-    export_bundle(_loaded(model, "tiny-target"), out, ["input", "adapter", "output"], ["fp32"], m=1, adapter=adapter,
+    export_bundle(_loaded(model, "tiny-target"),
+                  ExportConfig("tiny-target", str(out), "hat", m=1, precisions=("fp32",)), adapter=adapter,
                   prompts=PROMPTS, progress=False)
     return out, model, adapter
 
@@ -270,8 +274,9 @@ def test_a_failing_artifact_is_marked_failed_not_good(tmp_path, monkeypatch):
 
     monkeypatch.setitem(validate.THRESHOLDS, "int4", {"rel": 1e-9, "agree": 1.0})
     model = _family("llama")
-    man = onnx_export.export_bundle(_loaded(model, "tiny-llama"), tmp_path, ["draft"], ["int4"], prompts=PROMPTS,
-                                    progress=False)
+    man = onnx_export.export_bundle(_loaded(model, "tiny-llama"),
+                                    ExportConfig("tiny-llama", str(tmp_path), "draft", precisions=("int4",)),
+                                    prompts=PROMPTS, progress=False)
     a = man.find("draft", "int4")
     assert a.status == "failed" and "limit" in a.validation["reason"]
     assert not (tmp_path / ".fp32-for-quantization").exists()  # the scratch fp32 graph is gone
@@ -292,20 +297,21 @@ def test_hat_export_tensorrt_says_when_tensorrt_is_absent(llama_bundle, capsys):
 def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, tmp_path):
     """The real model: its draft exported in fp32 and int4 validates on real prompts, and `hat-edge`'s runtime on the
     onnxruntime backend (the bundle alone: its tokenizer, no torch model) generates torch's tokens at temperature 0."""
-    from edge_runtime.config import EdgeConfig
+    from edge_runtime.config import EdgeConfig, EngineConfig
     from edge_runtime.runtime import EdgeRuntime
     from export.cli import validation_prompts
     from export.onnx_export import export_bundle
 
-    man = export_bundle(smollm2, tmp_path, ["draft"], ["fp32", "int4"], prompts=validation_prompts(smollm2.tokenizer, 2),
-                        progress=False)
+    man = export_bundle(smollm2, ExportConfig(smollm2.name, str(tmp_path), "draft", precisions=("fp32", "int4")),
+                        prompts=validation_prompts(smollm2.tokenizer, 2), progress=False)
     fp32, int4 = man.find("draft", "fp32"), man.find("draft", "int4")
     assert fp32.status == "validated", fp32.validation
     assert min(r["argmax_agreement"] for r in fp32.validation["regimes"].values()) == 1.0
     assert int4.validation["regimes"]["steps"]["argmax_agreement"] > 0.5  # real figures; the verdict may go either way
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     params = SamplingParams(0.0)
-    onnx_cfg = EdgeConfig(model=str(tmp_path), backend="onnxruntime", bundle=str(tmp_path), precision="fp32")
+    onnx_cfg = EdgeConfig(model=str(tmp_path), engine=EngineConfig(backend="onnxruntime", bundle=str(tmp_path),
+                                                                   precision="fp32"))
     with EdgeRuntime(onnx_cfg) as rt:
         assert rt.loaded is None and rt.lm.providers == [["CPUExecutionProvider"]]
         got = rt.generate(prompt, "slm", params, 24, seed=0)
@@ -330,7 +336,7 @@ def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, t
     from tests.test_hat import FIB, greedy_reference
 
     model = smollm2.model
-    man = export_bundle(smollm2, tmp_path / "b", ["input", "adapter", "output"], ["fp32"], m=2,
+    man = export_bundle(smollm2, ExportConfig(smollm2.name, str(tmp_path / "b"), "hat", m=2, precisions=("fp32",)),
                         adapter=Adapter(model, 2).eval().requires_grad_(False),
                         prompts=validation_prompts(smollm2.tokenizer, 2), progress=False)
     assert all(a.status == "validated" for a in man.artifacts), [a.validation for a in man.artifacts]
@@ -350,14 +356,14 @@ def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, t
 
 
 def test_backend_settings_are_checked():
-    from edge_runtime.config import EdgeConfig
+    from edge_runtime.config import EdgeConfig, EngineConfig
 
     with pytest.raises(ValueError, match="runs a hat-export bundle"):
-        EdgeConfig(model="m", backend="onnxruntime")
+        EdgeConfig(model="m", engine=EngineConfig(backend="onnxruntime"))
     with pytest.raises(ValueError, match="backend must be one of"):
-        EdgeConfig(model="m", backend="tflite", bundle="b")
+        EdgeConfig(model="m", engine=EngineConfig(backend="tflite", bundle="b"))
     with pytest.raises(ValueError, match="precision must be one of"):
-        EdgeConfig(model="m", backend="onnxruntime", bundle="b", precision="int2")
+        EdgeConfig(model="m", engine=EngineConfig(backend="onnxruntime", bundle="b", precision="int2"))
     from edge_runtime.backends.onnx_backend import choose_providers
 
     assert choose_providers()[-1] == "CPUExecutionProvider"

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from edge_runtime.client import CloudClient
-from edge_runtime.config import EdgeConfig
+from edge_runtime.config import EdgeConfig, LinkConfig
 from edge_runtime.drafter import Drafter
-from edge_runtime.generation import Generation, run
+from edge_runtime.protocols import new_session
 from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
 from hat_split.net.security import LinkSecurity
@@ -27,14 +27,15 @@ N = 40
 
 def _generate(endpoint, draft, policy="wait", on_tokens=None, protocol="sd"):
     params = SamplingParams(0.0)
-    with CloudClient(endpoint, P.Hello("faulty", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5, retries=1,
-                     backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0) as client:
-        config = EdgeConfig(model="tiny", security=LinkSecurity.plaintext(), link_policy=policy, backoff_s=0.2,
-                            reconnect_timeout_s=60)
-        gen = Generation(config, Drafter(draft, params), client, protocol, params, N, frozenset(), 0, 1)
+    with CloudClient(LinkConfig(endpoint, security=LinkSecurity.plaintext(), connect_timeout_s=0.5, connect_retries=1,
+                                backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0),
+                     P.Hello("faulty", "tiny", 512, "tiny-vocab")) as client:
+        config = EdgeConfig(model="tiny", link=LinkConfig(security=LinkSecurity.plaintext(), link_policy=policy,
+                                                          backoff_s=0.2, reconnect_timeout_s=60))
+        gen = new_session(config, Drafter(draft, params), client, protocol, params, N, frozenset(), 0, 1)
         if on_tokens is not None:
             gen.on_tokens = on_tokens
-        return run(gen, PROMPT, lambda toks: "")
+        return gen.run(PROMPT, lambda toks: "")
 
 
 def _cut_after(link, k, seconds, mode="reset"):
@@ -129,15 +130,17 @@ def _generate_split(endpoint, model, adapter, protocol, policy="wait", on_tokens
 
     params = SamplingParams(0.0)
     parts = TorchSplitParts(SplitModel(model, 1), adapter if protocol == "hat" else None)
-    with CloudClient(endpoint, P.Hello("faulty-split", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5, retries=1,
-                     backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0) as client:
+    with CloudClient(LinkConfig(endpoint, security=LinkSecurity.plaintext(), connect_timeout_s=0.5, connect_retries=1,
+                                backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0),
+                     P.Hello("faulty-split", "tiny", 512, "tiny-vocab")) as client:
         client.tap = tap
-        config = EdgeConfig(model="tiny", security=LinkSecurity.plaintext(), link_policy=policy, backoff_s=0.2,
-                            reconnect_timeout_s=60, split=SplitConfig(m=1, eta=0.0, max_draft=4, chunk_tokens=3))
-        gen = Generation(config, SplitDrafter(parts, params, 0), client, protocol, params, N, frozenset(), 0, 1)
+        config = EdgeConfig(model="tiny", link=LinkConfig(security=LinkSecurity.plaintext(), link_policy=policy,
+                                                          backoff_s=0.2, reconnect_timeout_s=60),
+                            split=SplitConfig(m=1, eta=0.0, max_draft=4, chunk_tokens=3))
+        gen = new_session(config, SplitDrafter(parts, params, 0), client, protocol, params, N, frozenset(), 0, 1)
         if on_tokens is not None:
             gen.on_tokens = on_tokens
-        return run(gen, PROMPT, lambda toks: "")
+        return gen.run(PROMPT, lambda toks: "")
 
 
 def _link(server):
@@ -194,14 +197,15 @@ def test_a_cut_while_the_prompt_is_on_the_link_is_survived(tiny_server, tiny_pai
 
         if protocol == "sd":
             reference = _generate(tiny_server.endpoint, draft)
-            with CloudClient(link.address, P.Hello("faulty", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5,
-                             retries=1, backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0) as client:
+            with CloudClient(LinkConfig(link.address, security=LinkSecurity.plaintext(), connect_timeout_s=0.5,
+                                        connect_retries=1, backoff_s=0.1, request_timeout_s=30, heartbeat_s=1.0),
+                             P.Hello("faulty", "tiny", 512, "tiny-vocab")) as client:
                 client.tap = tap
                 params = SamplingParams(0.0)
-                config = EdgeConfig(model="tiny", security=LinkSecurity.plaintext(), backoff_s=0.2,
-                                    reconnect_timeout_s=60)
-                got = run(Generation(config, Drafter(draft, params), client, "sd", params, N, frozenset(), 0, 1),
-                          PROMPT, lambda toks: "")
+                config = EdgeConfig(model="tiny", link=LinkConfig(security=LinkSecurity.plaintext(), backoff_s=0.2,
+                                                                  reconnect_timeout_s=60))
+                got = new_session(config, Drafter(draft, params), client, "sd", params, N, frozenset(), 0,
+                                  1).run(PROMPT, lambda toks: "")
         else:
             reference = _generate_split(tiny_server.endpoint, target.model, tiny_adapter, "hat")
             got = _generate_split(link.address, target.model, tiny_adapter, "hat", tap=tap)
@@ -257,11 +261,13 @@ def test_a_cloud_slow_to_welcome_is_waited_for_not_given_up(tiny_server):
     thread = threading.Thread(target=relay, daemon=True)
     thread.start()
     try:
-        with CloudClient(f"tcp://127.0.0.1:{port}", P.Hello("slow", "tiny", 512, "tiny-vocab"), connect_timeout_s=0.5,
-                         retries=1, request_timeout_s=10) as client:
+        with CloudClient(LinkConfig(f"tcp://127.0.0.1:{port}", security=LinkSecurity.plaintext(),
+                                    connect_timeout_s=0.5, connect_retries=1, request_timeout_s=10),
+                         P.Hello("slow", "tiny", 512, "tiny-vocab")) as client:
             assert client.welcome is not None
-        absent = CloudClient(f"tcp://127.0.0.1:{free_port()}", P.Hello("x", "tiny", 512, "tiny-vocab"),
-                             connect_timeout_s=0.3, retries=1, request_timeout_s=10)
+        absent = CloudClient(LinkConfig(f"tcp://127.0.0.1:{free_port()}", security=LinkSecurity.plaintext(),
+                                        connect_timeout_s=0.3, connect_retries=1, request_timeout_s=10),
+                             P.Hello("x", "tiny", 512, "tiny-vocab"))
         with pytest.raises(Exception, match="no answer from the cloud"):  # nobody listening: still fails fast
             absent.connect()
     finally:
@@ -281,9 +287,9 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
 
     vocab = vocab_fingerprint(smollm2.tokenizer)
     with serving(CausalLM(smollm2.model), vocab=vocab, session_timeout_s=2.0) as server, _link(server) as link:
-        config = EdgeConfig(model="smollm2-135m", server=link.address, security=LinkSecurity.plaintext(),
-                            backoff_s=0.2, connect_timeout_s=0.5, connect_retries=1, heartbeat_s=1.0,
-                            reconnect_timeout_s=60)
+        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(
+            link.address, security=LinkSecurity.plaintext(), backoff_s=0.2, connect_timeout_s=0.5, connect_retries=1,
+            heartbeat_s=1.0, reconnect_timeout_s=60))
         with EdgeRuntime(config, smollm2) as rt:
             first = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
             rt.close()  # as the agent does after a failed report
@@ -294,7 +300,7 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             assert second.tokens == first.tokens and time.monotonic() - t0 > 1.5
             # the link drops between requests while the runtime still holds its connection: under degrade the
             # device starts the answer alone, from this prompt, and the cloud finishes it
-            rt.config = dataclasses.replace(rt.config, link_policy="degrade")
+            rt.config = dataclasses.replace(rt.config, link=dataclasses.replace(rt.config.link, link_policy="degrade"))
             link.cut("reset")
             threading.Timer(2.0, link.restore).start()
             time.sleep(1.2)  # past half the session timeout: the request's first send says Hello again, and fails
@@ -304,8 +310,9 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             if len(third.degraded) < 12:  # the cloud came back before the end: its tokens are the target's
                 n = len(third.degraded)
                 assert third.tokens[:n] == CausalLM(smollm2.model).greedy(PROMPT, n)  # the same model drafts
-    never = EdgeConfig(model="smollm2-135m", server=f"tcp://127.0.0.1:{free_port()}",
-                       security=LinkSecurity.plaintext(), connect_timeout_s=0.3, connect_retries=1)
+    never = EdgeConfig(model="smollm2-135m", link=LinkConfig(f"tcp://127.0.0.1:{free_port()}",
+                                                             security=LinkSecurity.plaintext(), connect_timeout_s=0.3,
+                                                             connect_retries=1))
     with EdgeRuntime(never, smollm2) as rt:
         t0 = time.monotonic()
         with pytest.raises(Exception, match="no answer from the cloud"):

@@ -1,5 +1,5 @@
-"""hat-flash (issue 7): bundles onto namespace "devices" over real ssh (profiles.testbed.netns_fleet), one by one and as a
-fleet through the Ansible playbook; verified on the device, idempotent, and refused when the bundle is damaged."""
+"""hat-flash (issue 7): bundles onto namespace "devices" over real ssh (profiles.testbed.netns_fleet), one by one and
+as a fleet through the Ansible playbook; verified on the device, idempotent, and refused when the bundle is damaged."""
 from __future__ import annotations
 
 import shutil
@@ -29,13 +29,15 @@ def fleet():
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+    from export.config import ExportConfig
     from export.onnx_export import export_bundle
     from tests.test_export import PROMPTS
     from tests.test_hat import _family
 
     out = tmp_path_factory.mktemp("flash-bundle")
-    export_bundle(types.SimpleNamespace(model=_family("llama"), tokenizer=None, name="tiny-llama"), out, ["draft"],
-                  ["fp32", "int8"], prompts=PROMPTS, progress=False)
+    export_bundle(types.SimpleNamespace(model=_family("llama"), tokenizer=None, name="tiny-llama"),
+                  ExportConfig("tiny-llama", str(out), "draft", precisions=("fp32", "int8")), prompts=PROMPTS,
+                  progress=False)
     return out
 
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from edge_runtime.client import CloudClient
-from edge_runtime.config import EdgeConfig
+from edge_runtime.config import EdgeConfig, LinkConfig
 from edge_runtime.drafter import Drafter
-from edge_runtime.generation import Generation, run
+from edge_runtime.protocols import new_session
+from hat_split.net.security import LinkSecurity
 from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
 
@@ -15,11 +16,12 @@ PROMPT = [5, 17, 99, 3, 250, 7]
 
 
 def _run(server, draft_lm, protocol, params, n=24, seed=0, draft_len=4, stop=0.0):
-    with CloudClient(server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+    link = LinkConfig(server.endpoint, security=LinkSecurity.plaintext())
+    with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         config = EdgeConfig(model="tiny", draft_len=draft_len, llm_chunk=5, draft_stop_prob=stop)
-        gen = Generation(config, Drafter(draft_lm, params),
-                         client, protocol, params, n, frozenset(), seed, 1)
-        return run(gen, PROMPT, lambda toks: ""), gen
+        gen = new_session(config, Drafter(draft_lm, params),
+                          client, protocol, params, n, frozenset(), seed, 1)
+        return gen.run(PROMPT, lambda toks: ""), gen
 
 
 def _hf_greedy(lm, n):
@@ -59,9 +61,9 @@ def test_drafts_longer_than_the_clouds_limit_are_cut_to_it(tiny_server, tiny_pai
 
 def test_slm_is_the_draft_model_alone(tiny_pair):
     draft, _ = tiny_pair
-    gen = Generation(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), None, "slm", SamplingParams(0.0),
-                     16, frozenset(), 0, 1)
-    result = run(gen, PROMPT, lambda toks: "")
+    gen = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), None, "slm", SamplingParams(0.0),
+                      16, frozenset(), 0, 1)
+    result = gen.run(PROMPT, lambda toks: "")
     assert result.tokens == _hf_greedy(draft, 16) and result.up_bytes == 0 and result.round_trips == 0
 
 
@@ -76,10 +78,11 @@ def test_seeded_sampling_is_reproducible(tiny_server, tiny_pair):
 def test_eos_stops_generation(tiny_server, tiny_pair):
     ref = _hf_greedy(tiny_pair[1], 24)
     eos = ref[5]
-    with CloudClient(tiny_server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = Generation(EdgeConfig(model="tiny"), Drafter(tiny_pair[0], SamplingParams(0.0)), client, "sd",
-                         SamplingParams(0.0), 24, frozenset([eos]), 0, 1)
-        result = run(gen, PROMPT, lambda toks: "")
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+        gen = new_session(EdgeConfig(model="tiny"), Drafter(tiny_pair[0], SamplingParams(0.0)), client, "sd",
+                          SamplingParams(0.0), 24, frozenset([eos]), 0, 1)
+        result = gen.run(PROMPT, lambda toks: "")
     assert result.tokens == ref[: ref.index(eos) + 1] and result.finish_reason == "eos"
 
 

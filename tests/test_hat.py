@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from edge_runtime.client import CloudClient
-from edge_runtime.config import EdgeConfig, SplitConfig
-from edge_runtime.generation import Generation, run
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
+from edge_runtime.protocols import new_session
 from edge_runtime.split_drafter import SplitDrafter
 from edge_runtime.backends.split_parts import TorchSplitParts
 from hat_split.wire import messages as P
 from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
 from hat_split.math.chunking import DelayModel, chunk_size, parallel_steps, prefill_finish
+from hat_split.net.security import LinkSecurity
 from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
 from hat_split.models.partition import PartCache, SplitModel, head_logits
 from hat_split.math.sampling import SamplingParams
@@ -229,9 +230,9 @@ def test_the_split_draft_as_a_token_model_equals_the_uncached_draft():
     with pytest.raises(ValueError, match="at least one token"):
         lm.forward(state, [])
     with pytest.raises(ValueError, match="needs split.adapter"):
-        EdgeConfig(model="tiny", token_draft="adapter")
+        EdgeConfig(model="tiny", engine=EngineConfig(token_draft="adapter"))
     with pytest.raises(ValueError, match="token_draft must be one of"):
-        EdgeConfig(model="tiny", token_draft="layers")
+        EdgeConfig(model="tiny", engine=EngineConfig(token_draft="layers"))
 
 
 def test_sd_drafting_with_the_split_draft_gives_the_targets_tokens(tiny_server, tiny_pair, tiny_adapter):
@@ -243,10 +244,11 @@ def test_sd_drafting_with_the_split_draft_gives_the_targets_tokens(tiny_server, 
     model = tiny_pair[1].model
     params = SamplingParams(0.0)
     lm = AdapterLM(SplitModel(model, 1), tiny_adapter)
-    with CloudClient(tiny_server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = Generation(EdgeConfig(model="tiny", draft_len=3), Drafter(lm, params), client, "sd", params, 20,
-                         frozenset(), 0, 1)
-        res = run(gen, PROMPT, lambda toks: "")
+    link = LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext())
+    with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+        gen = new_session(EdgeConfig(model="tiny", draft_len=3), Drafter(lm, params), client, "sd", params, 20,
+                          frozenset(), 0, 1)
+        res = gen.run(PROMPT, lambda toks: "")
     assert res.tokens == _greedy(model, 20)
     assert res.drafted >= 3 and res.rounds < 20
 
@@ -263,11 +265,12 @@ def _run_split(server, model, protocol, params, n=20, seed=0, adapter=None, tap=
     """parts: the device's parts (default: torch's, of `model` cut at 1 with `adapter`)."""
     parts = parts or TorchSplitParts(SplitModel(model, 1), adapter)
     split_cfg = SplitConfig(m=1, hidden_format=split_kw.pop("hidden_format", "float32"), **split_kw)
-    with CloudClient(endpoint or server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+    link = LinkConfig(endpoint or server.endpoint, security=LinkSecurity.plaintext())
+    with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         client.tap = tap
-        gen = Generation(EdgeConfig(model="tiny", split=split_cfg), SplitDrafter(parts, params, seed),
-                         client, protocol, params, n, frozenset(), seed, 1)
-        return run(gen, PROMPT, lambda toks: "")
+        gen = new_session(EdgeConfig(model="tiny", split=split_cfg), SplitDrafter(parts, params, seed),
+                          client, protocol, params, n, frozenset(), seed, 1)
+        return gen.run(PROMPT, lambda toks: "")
 
 
 def _greedy(model, n):
@@ -335,7 +338,8 @@ def test_no_token_text_or_distribution_crosses_the_link(tiny_server, tiny_pair, 
 def test_split_session_refusals(tiny_server, tiny_pair):
     model = tiny_pair[1].model
     fp = SplitModel(model, 1).fingerprint()
-    with CloudClient(tiny_server.endpoint, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         for msg, code in [(P.OpenSplit(1, "hat", "f" * 32, 1, 2), "model_mismatch"),
                           (P.OpenSplit(1, "hat", fp, 0, 2), "invalid"),
                           (P.OpenSplit(1, "sd", fp, 1, 2), "invalid"),

@@ -50,12 +50,12 @@ def test_stop_matcher_holds_back_what_may_become_a_stop():
 def endpoint(smollm2_module):
     from cloud_runtime.process import CloudProcess
     from edge_runtime.api.agent import Agent, AgentConfig
-    from edge_runtime.config import EdgeConfig
+    from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 
     with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
-        agent = Agent(AgentConfig(EdgeConfig(security=LinkSecurity.plaintext(),
-                                             model="smollm2-135m", server=cloud.endpoint, threads=1,
-                                             device_id="openai-test"), port=0, report_interval_s=30.0))
+        link = LinkConfig(cloud.endpoint, security=LinkSecurity.plaintext(), device_id="openai-test")
+        agent = Agent(AgentConfig(EdgeConfig(model="smollm2-135m", link=link, engine=EngineConfig(threads=1)),
+                                  port=0, report_interval_s=30.0))
         thread = threading.Thread(target=agent.serve_forever, daemon=True)
         thread.start()
         client = openai.OpenAI(base_url=agent.address + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import zmq
 
+from edge_runtime.config import LinkConfig
+from hat_split.net.security import LinkSecurity
 from hat_split.wire import dist_codec
 from hat_split.wire import messages as P
 
@@ -140,7 +142,7 @@ def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, ti
     from edge_runtime.client import CloudClient
     from edge_runtime.config import EdgeConfig
     from edge_runtime.drafter import Drafter
-    from edge_runtime.generation import Generation, run
+    from edge_runtime.protocols import new_session
     from hat_split.math.sampling import SamplingParams
 
     bad = _raw_socket(tiny_server)
@@ -149,11 +151,12 @@ def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, ti
     reply = _ask(bad, _frames(P.CloseSession(1)))
     assert isinstance(reply, P.Error) and reply.code == "no_handshake"
     assert isinstance(_ask(bad, _frames(hello)), P.Welcome)
-    good = CloudClient(tiny_server.endpoint, P.Hello("good", "tiny", 512, "tiny-vocab"))
+    good = CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                       P.Hello("good", "tiny", 512, "tiny-vocab"))
     with good:
         cfg = EdgeConfig(model="tiny", draft_len=3)
-        gen = Generation(cfg, Drafter(tiny_pair[0], SamplingParams(0.0)), good, "sd", SamplingParams(0.0), 12,
-                         frozenset(), 7, 1)
+        gen = new_session(cfg, Drafter(tiny_pair[0], SamplingParams(0.0)), good, "sd", SamplingParams(0.0), 12,
+                          frozenset(), 7, 1)
         # interleave: every bad frame is answered, the good client's session goes on between them
         for name in sorted(BAD):
             frames, code = BAD[name]
@@ -182,7 +185,7 @@ def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, ti
         ]:
             reply = _ask(bad, _frames(msg))
             assert isinstance(reply, P.Error) and reply.code == code, (msg, reply)
-        result = run(gen, [1, 2, 3, 4], lambda toks: "")
+        result = gen.run([1, 2, 3, 4], lambda toks: "")
     assert result.n == 12 and result.round_trips >= 3
     assert tiny_server.stats.errors >= len(BAD) + len(semantic) + 5
     bad.close()
@@ -192,7 +195,8 @@ def test_vocab_mismatch_is_refused_at_handshake(tiny_server):
     from edge_runtime.client import CloudClient, CloudError
 
     with pytest.raises(CloudError, match="vocab"):
-        CloudClient(tiny_server.endpoint, P.Hello("d", "other", 512, "another-vocab")).connect()
+        CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                    P.Hello("d", "other", 512, "another-vocab")).connect()
 
 
 def test_unreachable_server_fails_fast_with_a_clear_error():
@@ -202,8 +206,8 @@ def test_unreachable_server_fails_fast_with_a_clear_error():
 
     t0 = time.monotonic()
     with pytest.raises(CloudUnavailable, match="after 2 attempts"):
-        CloudClient("tcp://127.0.0.1:9", P.Hello("d", "m", 1, ""), connect_timeout_s=0.3, retries=2,
-                    backoff_s=0.1).connect()
+        CloudClient(LinkConfig("tcp://127.0.0.1:9", security=LinkSecurity.plaintext(), connect_timeout_s=0.3,
+                               connect_retries=2, backoff_s=0.1), P.Hello("d", "m", 1, "")).connect()
     assert time.monotonic() - t0 < 5
 
 
@@ -228,7 +232,8 @@ def test_a_device_silent_past_the_cloud_timeout_says_hello_again(tiny_server):
 
     from edge_runtime.client import CloudClient, CloudError
 
-    with CloudClient(tiny_server.endpoint, P.Hello("quiet", "tiny", 512, "tiny-vocab")) as client:
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("quiet", "tiny", 512, "tiny-vocab")) as client:
         tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
         assert not tiny_server.peers
         with pytest.raises(CloudError, match="no_handshake"):  # silent for less than the margin: sent as is
@@ -245,8 +250,8 @@ def test_device_state_reaches_the_cloud(tiny_server):
     from edge_runtime.monitor import DeviceMonitor
 
     monitor = DeviceMonitor("agx-orin-64gb", power_mode="MODE_30W", draft_s=0.012)
-    with CloudClient(tiny_server.endpoint, P.Hello("orin-7", "tiny", 512, "tiny-vocab")) as client:
-        client.monitor = monitor
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("orin-7", "tiny", 512, "tiny-vocab")) as client:
         opened = client.request(P.OpenSession(1, "sd", ARR, device=monitor.state()))
         assert isinstance(opened, P.SessionOpened)
         (entry,) = [d for d in tiny_server.devices.values() if d["device_id"] == "orin-7"]
@@ -279,7 +284,8 @@ def test_a_refused_close_leaves_the_session_intact(tiny_server):
     keeping it open, so the next request on it failed inside the server."""
     from edge_runtime.client import CloudClient, CloudError
 
-    with CloudClient(tiny_server.endpoint, P.Hello("closer", "tiny", 512, "tiny-vocab")) as client:
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("closer", "tiny", 512, "tiny-vocab")) as client:
         opened = client.request(P.OpenSession(1, "sd", ARR))
         with pytest.raises(CloudError, match="desync"):
             client.request(P.CloseSession(1, None, None, opened.position + 5))

@@ -10,9 +10,9 @@ import pytest
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.server import CloudServer
 from edge_runtime.client import CloudClient
-from edge_runtime.config import EdgeConfig, QSConfig
+from edge_runtime.config import EdgeConfig, LinkConfig, QSConfig
 from edge_runtime.drafter import Drafter
-from edge_runtime.generation import Generation, run
+from edge_runtime.protocols import new_session
 from hat_split.wire import dist_codec
 from hat_split.math import enumerative
 from hat_split.wire import messages as P
@@ -47,14 +47,15 @@ def _generate(server, protocol, n_seqs, T, qs=QSConfig(ell=2, k=2, alpha=0.1, et
               params=SamplingParams(1.0), seed=0):
     """n_seqs sequences of T tokens, each its own request (own seed) on one connection."""
     out = np.empty((n_seqs, T), dtype=np.int64)
-    config = EdgeConfig(security=LinkSecurity.plaintext(), model="markov", draft_len=draft_len, qs=qs)
+    config = EdgeConfig(link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()), model="markov",
+                        draft_len=draft_len, qs=qs)
     results = []
-    with CloudClient(server.endpoint, P.Hello("t", "markov", V, "markov-vocab")) as client:
+    with CloudClient(config.link, P.Hello("t", "markov", V, "markov-vocab")) as client:
         draft = MarkovLM(DRAFT)
         for i in range(n_seqs):
-            gen = Generation(config, Drafter(draft, params), client, protocol, params, T, frozenset(),
-                             seed * 1_000_003 + i, i + 1)
-            result = run(gen, [START], lambda toks: "")
+            gen = new_session(config, Drafter(draft, params), client, protocol, params, T, frozenset(),
+                              seed * 1_000_003 + i, i + 1)
+            result = gen.run([START], lambda toks: "")
             out[i] = result.tokens
             results.append((result, gen))
     return out, results
@@ -224,7 +225,8 @@ def test_an_oversized_per_row_support_is_refused_before_decoding():
 
 
 def test_server_answers_a_broken_lattice_payload_with_an_error(markov_server):
-    with CloudClient(markov_server.endpoint, P.Hello("t", "markov", V, "markov-vocab")) as client:
+    with CloudClient(LinkConfig(markov_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("t", "markov", V, "markov-vocab")) as client:
         client.request(P.OpenSession(1, "qs", np.array([0, 1], np.int32), P.Sampling(1.0), 0))
         bad = _payload(bits=3)
         with pytest.raises(Exception, match="dist"):

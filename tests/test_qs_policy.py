@@ -88,9 +88,9 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     the cloud's measured rate follows, and the trained policy switches from ℓ = 1024 to ℓ = 2."""
     from cloud_runtime.process import CloudProcess
     from edge_runtime.client import CloudClient
-    from edge_runtime.config import EdgeConfig, QSConfig
+    from edge_runtime.config import EdgeConfig, LinkConfig, QSConfig
     from edge_runtime.drafter import Drafter
-    from edge_runtime.generation import Generation, run
+    from edge_runtime.protocols import new_session
     from hat_split.wire import messages as P
     from hat_split.models.lm import CausalLM
     from hat_split.math.sampling import SamplingParams
@@ -106,8 +106,9 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     with CloudProcess(str(tmp_path / "tiny"), extra_args=["--dtype", "float32"], threads=1) as cloud:
         host, port = cloud.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
         with LinkEmulator(fast, (host, int(port))) as link:
-            with CloudClient(link.address, P.Hello("t", "tiny", VOCAB, "")) as client:
-                config = EdgeConfig(security=LinkSecurity.plaintext(),
+            edge_link = LinkConfig(link.address, security=LinkSecurity.plaintext())
+            with CloudClient(edge_link, P.Hello("t", "tiny", VOCAB, "")) as client:
+                config = EdgeConfig(link=edge_link,
                                     model="tiny", qs=QSConfig(policy="dqn", policy_file=str(trained_policy)))
                 params = SamplingParams(1.0)
                 switched = []
@@ -115,11 +116,11 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
                 def on_tokens(tokens):
                     if len(gen.generated) >= 30 and not switched:
                         link.set_profile(slow)
-                        switched.append(gen.rounds)
+                        switched.append(gen.counters.rounds)
 
-                gen = Generation(config, Drafter(CausalLM(model), params), client, "qs", params, 60, frozenset(),
-                                 7, 1, on_tokens=on_tokens)
-                result = run(gen, [5, 6, 7, 8], lambda t: "")
+                gen = new_session(config, Drafter(CausalLM(model), params), client, "qs", params, 60, frozenset(),
+                                  7, 1, on_tokens=on_tokens)
+                result = gen.run([5, 6, 7, 8], lambda t: "")
     log = result.round_log
     assert switched, "the link never switched"
     n = switched[0]

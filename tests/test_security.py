@@ -12,6 +12,7 @@ import pytest
 
 from cloud_runtime.config import CloudConfig
 from edge_runtime.client import CloudClient, CloudError
+from edge_runtime.config import LinkConfig
 from hat_split.wire import messages as P
 from hat_split.net.keys_cli import main as keys_main
 from hat_split.net.security import LinkSecurity, ephemeral
@@ -60,8 +61,9 @@ def _hello(name: str) -> P.Hello:
 
 
 def _session(endpoint: str, name: str, security) -> P.Message:
-    with CloudClient(endpoint, _hello(name), connect_timeout_s=2.0, retries=2, backoff_s=0.1,
-                     security=security) as client:
+    link = LinkConfig(endpoint, security=security or LinkSecurity.plaintext(), connect_timeout_s=2.0,
+                      connect_retries=2, backoff_s=0.1)
+    with CloudClient(link, _hello(name)) as client:
         return client.request(P.OpenSession(1, "sd", PROMPT))
 
 

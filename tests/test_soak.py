@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from profiles.bench.soak import compare, slope_mb_per_min
+from profiles.bench.soak_check import compare, slope_mb_per_min
 
 REF = [1, 2, 3, 4, 5, 6, 7, 8]
 

@@ -17,17 +17,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
+from edge_runtime.api import openai_api as O
 from edge_runtime.config import EdgeConfig
+from edge_runtime.runtime import EdgeRuntime
+from hat_split import protocols
 from hat_split.files.atomic import write_json
 from hat_split.math.sampling import SamplingParams
+from hat_split.models.chat import encode_chat
+from profiles.device.device_profiles import get_profile
+from profiles.device.jetson_control import ModeCycler
 
 MAX_BODY_BYTES = 1 << 20
 log = logging.getLogger("hatspec.agent")
@@ -44,19 +52,21 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentConfig:
+    """`hat-edge serve`'s config; as TOML (`--config FILE`), the device's EdgeConfig is its [edge] table."""
+
     edge: EdgeConfig
     host: str = "127.0.0.1"  # apps on the device talk to it; not the network
-    port: int = 8642
-    report_interval_s: float = 10.0
-    status_file: str = ""
-    default_protocol: str = "sd"
+    port: int = 8642  # HTTP port (0: any free one, e.g. many emulated devices in one process)
+    report_interval_s: float = 10.0  # seconds between state reports to the cloud (power mode, drafting delay)
+    status_file: str = ""  # rewrite the agent's status JSON here (hat-fleet status reads it); "" = none
+    default_protocol: str = "sd"  # requests that name none (hat_split.protocols)
     mode_cycle: tuple = ()  # nvpmodel modes (ids or names of the device profile) to switch among ...
     mode_every: int = 0  # ... every this many requests (HAT's testbed); () / 0: never switch
-    started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
+        protocols.get(self.default_protocol)  # a ValueError naming the known ones
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.report_interval_s > 0:
@@ -71,9 +81,8 @@ class Agent:
     def __init__(self, config: AgentConfig, loaded=None):
         """loaded: a model already in memory (hat_split.models.loading.load_model) for EdgeRuntime, e.g. one shared by
         several emulated devices in one process (`hat-bench soak`); None loads config.edge.model."""
-        from edge_runtime.runtime import EdgeRuntime
-
         self.config = config
+        self.started = time.time()
         self.state = "starting"
         self.error = ""
         self.requests = 0
@@ -85,9 +94,6 @@ class Agent:
         self._status_lock = threading.Lock()  # the report loop and request threads both rewrite the status file
         self.cycle = None
         if config.mode_cycle:
-            from profiles.device.device_profiles import get_profile
-            from profiles.device.jetson_control import ModeCycler
-
             profile = get_profile(config.edge.device_profile)
             self.cycle = ModeCycler([profile.mode(str(m)).id for m in config.mode_cycle], config.mode_every)
         self._write_status()
@@ -102,15 +108,16 @@ class Agent:
     def status(self) -> dict:
         c = self.config.edge
         m = self.runtime.monitor if hasattr(self, "runtime") else None
-        return {"state": self.state, "error": self.error, "pid": os.getpid(), "device_id": c.device_id,
+        return {"state": self.state, "error": self.error, "pid": os.getpid(), "device_id": c.link.device_id,
                 "profile": c.device_profile, "power_mode": m.power_mode if m else "",
                 "power_mode_error": m.mode_error if m else "", "draft_s": m.draft_s if m else 0.0,
-                "model": c.model, "backend": c.backend, "precision": c.precision if c.backend != "torch" else c.dtype,
-                "server": c.server, "http": self.address if hasattr(self, "httpd") else "",
+                "model": c.model, "backend": c.engine.backend,
+                "precision": c.engine.precision if c.engine.backend != "torch" else c.engine.dtype,
+                "server": c.link.server, "http": self.address if hasattr(self, "httpd") else "",
                 "requests": self.requests, "failures": self.failures, "last_request": self.last,
                 "last_report": self.last_report,
                 "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches, "error": self.cycle.error},
-                "started": self.config.started, "time": time.time()}
+                "started": self.started, "time": time.time()}
 
     def _write_status(self) -> None:
         path = self.config.status_file
@@ -171,11 +178,7 @@ class Agent:
                    client_gone: Callable[[], bool] = lambda: False) -> Optional[dict]:
         """An OpenAI completion or chat completion. With `send`, the response is streamed as events through it
         (a failing send, like a client that went away, cancels the generation); without, it is returned."""
-        from edge_runtime.api import openai_api as O
-        from edge_runtime.protocols import ROUNDS
-        from profiles.testbed.prompts import encode_chat
-
-        req = O.parse_request(body, chat, tuple(sorted(ROUNDS)), self.config.default_protocol)
+        req = O.parse_request(body, chat, protocols.NAMES, self.config.default_protocol)
         if req.stream != (send is not None):
             raise O.ApiError("internal: stream flag and transport disagree", status=500, kind="server_error")
         tok = self.runtime.tokenizer
@@ -257,8 +260,6 @@ class Agent:
 
 
 def _handler(agent: Agent):
-    from edge_runtime.api import openai_api as O
-
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # chunked streams; every response says its length or ends its chunks
 
@@ -284,9 +285,6 @@ def _handler(agent: Agent):
 
         def _client_gone(self) -> bool:
             """True when the client closed its connection (it sends nothing else while it waits)."""
-            import select
-            import socket
-
             try:
                 readable, _, _ = select.select([self.connection], [], [], 0)
                 return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
@@ -367,6 +365,7 @@ def _handler(agent: Agent):
 
 def run_agent(config: AgentConfig) -> int:
     agent = Agent(config)
-    print(f"hat-edge serve: {config.edge.device_id} on {agent.address}, cloud {config.edge.server}", flush=True)
+    link = config.edge.link
+    print(f"hat-edge serve: {link.device_id} on {agent.address}, cloud {link.server}", flush=True)
     agent.serve_forever()
     return 0

@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict
 
-from edge_runtime.config import EdgeConfig, server_is_local
+from edge_runtime.backends.onnx_backend import OrtPart
 from edge_runtime.backends.part_lm import PartChainLM, PartRunner
 from edge_runtime.backends.split_parts import BundleSplitParts
+from edge_runtime.backends.trt_backend import TrtPart
+from edge_runtime.config import EdgeConfig
 from hat_split.files import bundle as M
+from hat_split.models.loading import vocab_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +29,16 @@ class Bundle:
 
     @property
     def kind(self) -> str:
-        return "onnx" if self.config.backend == "onnxruntime" else "tensorrt"
+        return "onnx" if self.config.engine.backend == "onnxruntime" else "tensorrt"
 
     def part(self, name: str) -> PartRunner:
         """The runner of one part at the configured precision; refuses a failed or unvalidated artifact."""
         if name not in self.runners:
-            c = self.config
+            c = self.config.engine
             path = self.root / self.manifest.usable(name, c.precision, self.kind).path
             if self.kind == "onnx":
-                from edge_runtime.backends.onnx_backend import OrtPart
-
-                self.runners[name] = OrtPart(path, c.providers or None, c.threads, spin=not server_is_local(c.server))
+                self.runners[name] = OrtPart(path, c.providers or None, c.threads, spin=not self.config.link.is_local)
             else:
-                from edge_runtime.backends.trt_backend import TrtPart
-
                 self.runners[name] = TrtPart(path)
         return self.runners[name]
 
@@ -49,16 +48,17 @@ class Bundle:
 
     def draft_lm(self) -> PartChainLM:
         """The token protocols' draft: the whole draft model (token_draft "model") or input part → Λ → output part."""
-        names = ["draft"] if self.config.token_draft == "model" else ["input", "adapter", "output"]
+        names = ["draft"] if self.config.engine.token_draft == "model" else ["input", "adapter", "output"]
         return PartChainLM([self.part(n) for n in names], self.manifest.model["vocab"], self.window,
                            self.config.split.slowdown)
 
     def split_parts(self, adapter: bool) -> BundleSplitParts:
         """The split protocols' parts: input and output, and Λ for `hat` (hat-export onnx --parts ushape|hat)."""
-        if self.config.precision in ("int8", "int4"):
+        precision = self.config.engine.precision
+        if precision in ("int8", "int4"):
             log.warning("split protocols on %s parts: the input and output parts are part of the target, so its "
                         "tokens are the quantized model's, not the original's (fp32 / fp16 keep them)",
-                        self.config.precision)
+                        precision)
         return BundleSplitParts(self.part("input"), self.part("output"), self.part("adapter") if adapter else None,
                                 self.manifest.model, self.window)
 
@@ -67,9 +67,7 @@ def open_bundle(config: EdgeConfig) -> Bundle:
     """Verify the bundle (checksums, protocol version, vocabulary) and load its tokenizer; parts open on first use."""
     from transformers import AutoTokenizer
 
-    from hat_split.models.loading import vocab_fingerprint
-
-    root = Path(config.bundle)
+    root = Path(config.engine.bundle)
     man = M.load(root)
     if not man.tokenizer:
         raise M.BundleError(f"{root} has no tokenizer: it was exported from a model without one")

@@ -13,13 +13,14 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from hat_split.files import bundle as B
 from hat_split.models.lm import KVState, board_time, check_crop, check_feed
 from hat_split.math.masks import additive
 
 
 @dataclass
 class PartIO:
-    """What a part's graph takes and gives, read from its declared inputs (export.graphs' naming)."""
+    """What a part's graph takes and gives, read from its declared inputs (named as hat_split.files.bundle says)."""
 
     names: List[str]  # inputs in graph order
     float_dtype: np.dtype  # dtype of states, masks and caches
@@ -32,20 +33,21 @@ class PartIO:
     def from_inputs(inputs: Sequence[Tuple[str, np.dtype, Sequence]]) -> "PartIO":
         """inputs: (name, numpy dtype, shape with symbolic dims as strings or None)."""
         by_name = {n: (d, s) for n, d, s in inputs}
-        for need in ("x", "position_ids"):
+        for need in (B.X, B.POSITION_IDS):
             if need not in by_name:
                 raise ValueError(f"the graph has no input {need!r}: not a hatspec part (inputs: {list(by_name)})")
-        cached = [int(n[len("past_key_"):]) for n, _, _ in inputs if n.startswith("past_key_")]
-        tokens_in = np.dtype(by_name["x"][0]).kind == "i"
-        floats = [d for n, d, _ in inputs if n == "x" and not tokens_in or n.startswith(("mask", "past_"))]
+        cached = [int(n[len(B.PAST_KEY):]) for n, _, _ in inputs if n.startswith(B.PAST_KEY)]
+        tokens_in = np.dtype(by_name[B.X][0]).kind == "i"
+        float_inputs = (B.MASK, B.PAST_KEY, B.PAST_VALUE)  # name prefixes: masks (mask_sliding too) and caches
+        floats = [d for n, d, _ in inputs if n == B.X and not tokens_in or n.startswith(float_inputs)]
         if not floats:
             raise ValueError("a part taking token ids has layers, so masks and caches: this graph has none")
         float_dtype = np.dtype(floats[0])
         kv = (0, 0)
         if cached:
-            shape = by_name[f"past_key_{cached[0]}"][1]
+            shape = by_name[B.past_names(cached[0])[0]][1]
             kv = (int(shape[1]), int(shape[3]))
-        return PartIO([n for n, _, _ in inputs], float_dtype, tokens_in, "logit_index" in by_name, cached, kv)
+        return PartIO([n for n, _, _ in inputs], float_dtype, tokens_in, B.LOGIT_INDEX in by_name, cached, kv)
 
 
 class PartRunner(Protocol):
@@ -114,18 +116,19 @@ def run_part(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int
     io = part.io
     n = x.shape[1]
     masks = {} if masks is None else masks
-    feed = {"x": x if io.tokens_in else x.astype(io.float_dtype, copy=False),
-            "position_ids": np.arange(past, past + n, dtype=np.int64)[None]}
-    for name, w in (("mask", None), ("mask_sliding", window)):
+    feed = {B.X: x if io.tokens_in else x.astype(io.float_dtype, copy=False),
+            B.POSITION_IDS: np.arange(past, past + n, dtype=np.int64)[None]}
+    for name, w in ((B.MASK, None), (B.MASK_SLIDING, window)):
         if name in io.names:
             key = (w, io.float_dtype)
             if key not in masks:
                 masks[key] = additive(past, n, w, io.float_dtype)
             feed[name] = masks[key]
     if io.logits_out:  # at least one row: no graph ever sees an empty tensor there
-        feed["logit_index"] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
+        feed[B.LOGIT_INDEX] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
     for j, layer in enumerate(io.cached):
-        feed[f"past_key_{layer}"], feed[f"past_value_{layer}"] = cache[2 * j], cache[2 * j + 1]
+        key, value = B.past_names(layer)
+        feed[key], feed[value] = cache[2 * j], cache[2 * j + 1]
     outs = part.run(feed)
     cache[:] = outs[1:]
     return outs[0]

@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Protocol, Sequence
 import numpy as np
 
 from edge_runtime.backends.part_lm import PartRunner, empty_cache, run_part
+from hat_split.models.partition import PartCache
 
 
 class PartCacheLike(Protocol):
@@ -72,8 +73,6 @@ class TorchSplitParts:
         self.has_adapter = self.adapter is not None
 
     def new_cache(self):
-        from hat_split.models.partition import PartCache
-
         return PartCache()
 
     def run_input(self, cache, tokens: Sequence[int]):

@@ -14,6 +14,7 @@ from typing import Dict, List
 import numpy as np
 
 from edge_runtime.backends.part_lm import PartIO, PartRunner
+from hat_split.files import bundle as B
 
 
 def tensorrt_version() -> str:
@@ -51,7 +52,7 @@ class TrtPart(PartRunner):
         for k in range(self.engine.num_optimization_profiles):
             ctx = self.engine.create_execution_context()
             ctx.set_optimization_profile_async(k, torch.cuda.current_stream().cuda_stream)
-            lo, _, hi = self.engine.get_tensor_profile_shape("x", k)
+            lo, _, hi = self.engine.get_tensor_profile_shape(B.X, k)
             self.contexts.append((int(lo[1]), int(hi[1]), ctx))
         self.providers = [f"tensorrt {trt.__version__}"]
 
@@ -64,7 +65,7 @@ class TrtPart(PartRunner):
 
     def run(self, feed: Dict[str, np.ndarray]) -> List:
         torch = self.torch
-        n = feed["x"].shape[1]
+        n = feed[B.X].shape[1]
         ctx = self._context(n)
         keep = []
         for name in self.inputs:

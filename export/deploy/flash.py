@@ -1,10 +1,11 @@
 """`hat-flash`: put a bundle on devices over ssh, verified on the device, idempotent.
 
-One device: the bundle is checked here first (hat_split.files.bundle.load); the device's copy is checked with `sha256sum`
-over ssh; only files that are missing or differ are sent (scp) into `<dir>/.incoming/`, checked again there, and
-moved into place with the manifest last, so a device never holds a manifest whose files are not all verified. A
-second flash of the same bundle sends nothing. A fleet (an Ansible inventory) runs export/deploy/flash.yml, which does the
-same per host with Ansible's own checksummed copies and then checks every sha256 on the device.
+One device: the bundle is checked here first (hat_split.files.bundle.load); the device's copy is checked with
+`sha256sum` over ssh; only files that are missing or differ are sent (scp) into `<dir>/.incoming/`, checked again
+there, and moved into place with the manifest last, so a device never holds a manifest whose files are not all
+verified. A second flash of the same bundle sends nothing. A fleet (an Ansible inventory) runs
+export/deploy/flash.yml, which does the same per host with Ansible's own checksummed copies and then checks every
+sha256 on the device. The ssh and scp command lines come from hat_split.net.ssh.
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.files import bundle as M
+from hat_split.net.ssh import login, scp_argv, ssh_argv
 
 DEFAULT_DIR = "/opt/hatspec/bundle"
 _RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
@@ -48,16 +51,42 @@ class Target:
 
     @property
     def login(self) -> str:
-        return f"{self.user}@{self.host}" if self.user else self.host
+        return login(self.host, self.user)
 
     def ssh(self, command: str) -> List[str]:
-        return ["ssh", "-p", str(self.port), "-o", "BatchMode=yes", *self.ssh_options, self.login, command]
+        return ssh_argv(self.host, command, user=self.user, port=self.port, options=self.ssh_options)
 
     def scp(self, local: Path, remote_rel: str) -> List[str]:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        login = f"{self.user}@{host}" if self.user else host
-        return ["scp", "-q", "-P", str(self.port), "-o", "BatchMode=yes", *self.ssh_options, str(local),
-                f"{login}:{self.path}/{remote_rel}"]
+        return scp_argv(local, self.host, f"{self.path}/{remote_rel}", user=self.user, port=self.port,
+                        options=self.ssh_options)
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """`hat-flash`: which bundle goes to which devices, and how ssh reaches them (docs/CONFIG.md)."""
+
+    bundle: str  # a hat-export bundle directory (checked before anything is sent)
+    devices: Tuple[str, ...] = ()  # [user@]host[:port][:/absolute/path] each (default path /opt/hatspec/bundle)
+    inventory: str = ""  # an Ansible inventory: flash its hosts through flash.yml instead of `devices`
+    limit: str = ""  # Ansible host pattern within the inventory; "": every host
+    identity: str = ""  # ssh private key file; "": ssh's own (the agent, ~/.ssh/id_*)
+    ssh_options: Tuple[str, ...] = ()  # more `ssh -o` options, e.g. "ConnectTimeout=10" (a slow link to the device)
+
+    def __post_init__(self) -> None:
+        if not self.bundle:
+            raise ValueError("bundle must be given: the hat-export bundle directory to flash")
+        if bool(self.devices) == bool(self.inventory):
+            raise ValueError("give devices or --inventory (one of the two)")
+        for text in self.devices:
+            Target.parse(text)
+
+    def ssh_args(self) -> List[str]:
+        """The ssh arguments every connection gets: host keys trusted on first contact, the identity, the options."""
+        return default_ssh_options(self.identity or None) + [a for o in self.ssh_options for a in ("-o", o)]
+
+    def targets(self) -> List[Target]:
+        args = self.ssh_args()
+        return [Target.parse(text, args) for text in self.devices]
 
 
 @dataclass
@@ -105,7 +134,7 @@ def remote_sums(target: Target, rels: Sequence[str], subdir: str = "") -> Dict[s
 
 def flash(bundle: Path, target: Target, progress: bool = True) -> FlashResult:
     """Put `bundle` at target.path, verified; returns what was sent."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # the models extra
 
     bundle = Path(bundle)
     files = bundle_files(bundle)
@@ -146,8 +175,6 @@ def flash(bundle: Path, target: Target, progress: bool = True) -> FlashResult:
 
 def flash_fleet(bundle: Path, inventory: Path, limit: str = "", extra_ssh: str = "") -> dict:
     """Flash every host of an Ansible inventory with export/deploy/flash.yml; returns Ansible's per-host recap."""
-    import shutil
-
     if shutil.which("ansible-playbook") is None:
         raise FlashError("a fleet flash needs ansible-playbook: pip install ansible-core (the `fleet` extra)")
     bundle = Path(bundle).resolve()

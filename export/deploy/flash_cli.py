@@ -1,7 +1,8 @@
 """`hat-flash`: put a hat-export bundle on devices over ssh, verified on each device; a second flash sends nothing.
 
-    hat-flash BUNDLE DEVICE...            DEVICE = [user@]host[:port][:/absolute/path] (default path /opt/hatspec/bundle)
+    hat-flash BUNDLE DEVICE...            DEVICE = [user@]host[:port][:/absolute/path] (default /opt/hatspec/bundle)
     hat-flash BUNDLE --inventory INV.yml  a fleet, through export/deploy/flash.yml (ansible-playbook)
+    hat-flash --config flash.toml         a FlashConfig (docs/CONFIG.md); a bundle, devices or flags given here win
 """
 from __future__ import annotations
 
@@ -9,13 +10,24 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
+
+from export.deploy.flash import FlashConfig, FlashError, flash, flash_fleet
+from hat_split.files.bundle import BundleError
+from hat_split.files.config_file import add_config_argument, config_from_dict, given_flags, load_config
+
+# argparse dest -> FlashConfig key; the flags given override the --config file's keys
+FLAG_KEYS = {"bundle": "bundle", "devices": "devices", "inventory": "inventory", "limit": "limit",
+             "identity": "identity", "ssh_option": "ssh_options"}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hat-flash", description=__doc__.split("\n\n")[0])
-    p.add_argument("bundle", help="a hat-export bundle directory (checked before anything is sent)")
+    add_config_argument(p, "flash")
+    p.add_argument("bundle", nargs="?", default="",
+                   help="a hat-export bundle directory (checked before anything is sent; required without --config)")
     p.add_argument("devices", nargs="*", help="[user@]host[:port][:/absolute/path]")
-    p.add_argument("--inventory", help="an Ansible inventory: flash every host (or --limit)")
+    p.add_argument("--inventory", default="", help="an Ansible inventory: flash every host (or --limit)")
     p.add_argument("--limit", default="", help="Ansible host pattern within the inventory")
     p.add_argument("-i", "--identity", default="", help="ssh private key")
     p.add_argument("-o", "--ssh-option", action="append", default=[], help="extra ssh -o option (repeatable)")
@@ -24,32 +36,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    from export.deploy.flash import FlashError, Target, default_ssh_options, flash, flash_fleet
-    from hat_split.files.bundle import BundleError
+def flash_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> FlashConfig:
+    """The --config file with the flags typed on this command line on top of it, or the flags alone."""
+    values = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items()}
+    if args.config:
+        given = given_flags(parser, argv)
+        return load_config(FlashConfig, args.config, {FLAG_KEYS[d]: values[FLAG_KEYS[d]] for d in given
+                                                       if d in FLAG_KEYS})
+    return config_from_dict(FlashConfig, values, source="the command line")
 
-    args = _parser().parse_args(argv)
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
-        if bool(args.devices) == bool(args.inventory):
-            raise ValueError("give devices or --inventory (one of the two)")
-        opts = default_ssh_options(args.identity or None)
-        for o in args.ssh_option:
-            opts += ["-o", o]
-        if args.inventory:
-            report = flash_fleet(Path(args.bundle), Path(args.inventory), args.limit, " ".join(opts))
+        config = flash_config(parser, args, argv)
+        if config.inventory:
+            report = flash_fleet(Path(config.bundle), Path(config.inventory), config.limit,
+                                 " ".join(config.ssh_args()))
             for host, r in report.items():
                 print(f"hat-flash: {host}: verified, {r['changed']} changed")
         else:
             report = {}
-            for text in args.devices:
-                r = flash(Path(args.bundle), Target.parse(text, opts), progress=not args.quiet)
+            for target in config.targets():
+                r = flash(Path(config.bundle), target, progress=not args.quiet)
                 report[r.target] = r.__dict__
                 print(f"hat-flash: {r.target}: verified {r.files} files, sent {len(r.sent_files)} "
                       f"({r.sent_bytes / 2 ** 20:.1f} MB)")
         if args.json:
             print(json.dumps(report, indent=1))
         return 0
-    except (ValueError, FlashError, BundleError, OSError) as exc:
+    except (ValueError, FlashError, BundleError, OSError) as exc:  # a ConfigError is a ValueError
         print(f"hat-flash: error: {exc}", file=sys.stderr)
         return 2
 

@@ -14,8 +14,10 @@ inventory, over ssh.
 The inventory is an Ansible YAML inventory (the same file drives `hat-flash --inventory`): a `cloud` group with one
 host and an `edge` group, with `ansible_host`, `ansible_user`, `ansible_port`, `ansible_ssh_private_key_file`,
 `ansible_ssh_common_args` or `ansible_connection: local`, and hatspec's variables (docs/FLEET.md):
-  all / group / host vars: hatspec_python (the Python with hatspec on that host), hatspec_run_dir (pid, log and
-  status files), hatspec_model (cloud: the target; device: the draft for the torch backend), hatspec_cloud_args;
+  all / group / host vars: hatspec_config (a role's config file on that host, docs/CONFIG.md: `--config FILE`; the
+  variables below that the inventory sets override its keys, the fleet's defaults do not), hatspec_python (the
+  Python with hatspec on that host), hatspec_run_dir (pid, log and status files), hatspec_model (cloud: the target;
+  device: the draft for the torch backend), hatspec_cloud_args;
   cloud: hatspec_bind; edge: hatspec_server (the endpoint the device dials), hatspec_bundle_dir, hatspec_backend,
   hatspec_precision, hatspec_profile (profiles/device/devices), hatspec_power_mode (id or name in that profile),
   hatspec_protocol, hatspec_edge_args, hatspec_port, hatspec_mode_cycle / hatspec_mode_every (switch power modes every
@@ -33,9 +35,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-SSH_DEFAULTS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+from hat_split.net.security import ephemeral
+from hat_split.net.ssh import ssh_argv
+from profiles.device.device_profiles import ProfileError, get_profile
+from profiles.testbed.netns_fleet import LocalFleet, unavailable
+
+SSH_TIMEOUT = ("-o", "ConnectTimeout=10")  # s: an unreachable device fails a fleet command after this, not minutes
 
 
 class InventoryError(ValueError):
@@ -62,19 +69,20 @@ class Host:
     def run_dir(self) -> str:
         return str(self.get("hatspec_run_dir", "/tmp/hatspec-run"))
 
+    @property
+    def config(self) -> str:
+        """The role's config file on this host (hatspec_config), or ""."""
+        return str(self.get("hatspec_config", ""))
+
     def command(self, script: str) -> List[str]:
         """argv running the shell `script` on this host (ssh, or locally)."""
         if self.local:
             return ["sh", "-c", script]
-        target = f"{self.get('ansible_user')}@{self.get('ansible_host', self.name)}" if self.get("ansible_user") \
-            else str(self.get("ansible_host", self.name))
-        opts = list(SSH_DEFAULTS)
-        if self.get("ansible_port"):
-            opts += ["-p", str(self.get("ansible_port"))]
-        if self.get("ansible_ssh_private_key_file"):
-            opts += ["-i", str(self.get("ansible_ssh_private_key_file"))]
-        opts += shlex.split(str(self.get("ansible_ssh_common_args", "")))
-        return ["ssh", *opts, target, script]
+        port = self.get("ansible_port")
+        return ssh_argv(str(self.get("ansible_host", self.name)), script, user=str(self.get("ansible_user") or ""),
+                        port=int(port) if port else None,
+                        identity=str(self.get("ansible_ssh_private_key_file") or ""),
+                        options=[*SSH_TIMEOUT, *shlex.split(str(self.get("ansible_ssh_common_args", "")))])
 
     def run(self, script: str, timeout: float = 120.0) -> Tuple[int, str]:
         try:
@@ -91,10 +99,9 @@ class Inventory:
 
 
 def load_inventory(path: str) -> Inventory:
-    """Read and check an inventory; InventoryError naming the host and the problem."""
-    import yaml
-
-    from profiles.device.device_profiles import ProfileError, get_profile
+    """Read and check an inventory; InventoryError naming the host and the problem. A host with a config file
+    (hatspec_config) may leave what the file holds (endpoints, models, keys) out of the inventory."""
+    import yaml  # PyYAML comes with the fleet extra (ansible-core)
 
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -115,9 +122,9 @@ def load_inventory(path: str) -> Inventory:
     if len(hosts["cloud"]) != 1:
         raise InventoryError(f"{path}: the cloud group has {len(hosts['cloud'])} hosts; give exactly one")
     for dev in hosts["edge"]:
-        if not dev.get("hatspec_server"):
+        if not dev.get("hatspec_server") and not dev.config:
             raise InventoryError(f"{path}: device {dev.name}: hatspec_server (the cloud endpoint it dials) is missing")
-        if not (dev.get("hatspec_bundle_dir") or dev.get("hatspec_model")):
+        if not (dev.get("hatspec_bundle_dir") or dev.get("hatspec_model") or dev.config):
             raise InventoryError(f"{path}: device {dev.name}: give hatspec_bundle_dir or hatspec_model")
         profile = dev.get("hatspec_profile")
         modes = ([dev.get("hatspec_power_mode")] if dev.get("hatspec_power_mode") is not None else []) + \
@@ -134,10 +141,10 @@ def load_inventory(path: str) -> Inventory:
                 raise InventoryError(f"{path}: device {dev.name}: {exc}") from None
     for host, role, keys in [(hosts["cloud"][0], "cloud", ("hatspec_curve_secret", "hatspec_curve_allow"))] + \
             [(d, "device", ("hatspec_curve_secret", "hatspec_curve_server_key")) for d in hosts["edge"]]:
-        if not host.get("hatspec_plaintext") and not all(host.get(k) for k in keys):
+        if not host.get("hatspec_plaintext") and not all(host.get(k) for k in keys) and not host.config:
             raise InventoryError(f"{path}: {role} {host.name}: the link is CurveZMQ: give {' and '.join(keys)} "
                                  "(hat-keys generate), or hatspec_plaintext: true")
-    if not hosts["cloud"][0].get("hatspec_model"):
+    if not hosts["cloud"][0].get("hatspec_model") and not hosts["cloud"][0].config:
         raise InventoryError(f"{path}: the cloud needs hatspec_model (the target model)")
     return Inventory(hosts["cloud"][0], hosts["edge"])
 
@@ -173,27 +180,43 @@ def _security_args(host: Host, role: str) -> List[str]:
         return ["--plaintext"]
     other = ("--curve-allow", "hatspec_curve_allow") if role == "cloud" else \
         ("--curve-server-key", "hatspec_curve_server_key")
-    return ["--curve-secret", str(host.get("hatspec_curve_secret")), other[0], str(host.get(other[1]))]
+    return [a for flag, var in (("--curve-secret", "hatspec_curve_secret"), other) if host.get(var)
+            for a in (flag, str(host.get(var)))]
+
+
+def _flags(host: Host, table: Sequence[Tuple[str, str, object]]) -> List[str]:
+    """`flag value` for each (variable, flag, the fleet's default) of `table`; on a host with a config file only the
+    variables the inventory sets, so that the file's keys stand where the inventory says nothing."""
+    out: List[str] = []
+    for var, flag, default in table:
+        value = host.get(var, None if host.config else default)
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _config_args(host: Host) -> List[str]:
+    return ["--config", host.config] if host.config else []
 
 
 def cloud_argv(cloud: Host) -> List[str]:
-    return [cloud.python, "-m", "cloud_runtime.cli", "serve", "--model", str(cloud.get("hatspec_model")),
-            "--bind", str(cloud.get("hatspec_bind", "tcp://0.0.0.0:5555")),
+    return [cloud.python, "-m", "cloud_runtime.cli", "serve", *_config_args(cloud),
+            *_flags(cloud, [("hatspec_model", "--model", None), ("hatspec_bind", "--bind", "tcp://0.0.0.0:5555")]),
             "--status-file", f"{cloud.run_dir}/cloud.status.json", "--status-interval", "1",
             *_security_args(cloud, "cloud"), *[str(a) for a in cloud.get("hatspec_cloud_args", [])]]
 
 
 def edge_argv(dev: Host) -> List[str]:
-    argv = [dev.python, "-m", "edge_runtime.cli", "serve", "--server", str(dev.get("hatspec_server")),
-            *_security_args(dev, "device"),
+    argv = [dev.python, "-m", "edge_runtime.cli", "serve", *_config_args(dev),
+            *_flags(dev, [("hatspec_server", "--server", None)]), *_security_args(dev, "device"),
             "--device-id", dev.name, "--status-file", f"{dev.run_dir}/edge.status.json",
-            "--port", str(dev.get("hatspec_port", 8642)), "--report-interval",
-            str(dev.get("hatspec_report_interval", 5)), "--protocol", str(dev.get("hatspec_protocol", "sd"))]
+            *_flags(dev, [("hatspec_port", "--port", 8642), ("hatspec_report_interval", "--report-interval", 5),
+                          ("hatspec_protocol", "--protocol", "sd")])]
     if dev.get("hatspec_bundle_dir"):
-        argv += ["--backend", str(dev.get("hatspec_backend", "onnxruntime")), "--bundle",
-                 str(dev.get("hatspec_bundle_dir")), "--precision", str(dev.get("hatspec_precision", "fp32"))]
+        argv += _flags(dev, [("hatspec_backend", "--backend", "onnxruntime"), ("hatspec_bundle_dir", "--bundle", None),
+                             ("hatspec_precision", "--precision", "fp32")])
     else:
-        argv += ["--model", str(dev.get("hatspec_model"))]
+        argv += _flags(dev, [("hatspec_model", "--model", None)])
     if dev.get("hatspec_profile"):
         argv += ["--device-profile", str(dev.get("hatspec_profile"))]
     if dev.get("hatspec_mode_cycle"):
@@ -377,8 +400,6 @@ def _print_status(report: dict) -> None:
 
 def local_keys(inv: dict, directory: Path) -> None:
     """CurveZMQ keys for a local fleet's cloud and devices (in `directory`), written into its inventory."""
-    from hat_split.net.security import ephemeral
-
     edge = inv["all"]["children"]["edge"]["hosts"]
     cloud_keys, device_keys = ephemeral(directory, list(edge))
     inv["all"]["children"]["cloud"]["hosts"]["cloud"].update(hatspec_curve_secret=cloud_keys.secret_key,
@@ -389,10 +410,7 @@ def local_keys(inv: dict, directory: Path) -> None:
 
 
 def _local(args) -> int:
-    import yaml
-
-    from profiles.device.device_profiles import get_profile
-    from profiles.testbed.netns_fleet import LocalFleet, unavailable
+    import yaml  # the fleet extra
 
     if args.action == "down":
         fleet = LocalFleet.attach(args.dir)

@@ -22,6 +22,8 @@ from hat_split.wire.messages import PROTOCOL_VERSION
 
 FORMAT = "hatspec-bundle/1"
 MANIFEST = "manifest.json"
+PARTS = ("draft", "input", "adapter", "output")  # an artifact's part (export.graphs.PartSpec), in chain order
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # an artifact's weights (int8 / int4: weight-only, float activations)
 
 # A part's graph inputs, in this order (a name absent from a graph is an input the part does not take):
 X = "x"  # int64 token ids `# [1, n]` (a part with the embeddings) or states `# [1, n, hidden]`

@@ -4,7 +4,7 @@ Same prompts (token ids fixed once), greedy decoding, side by side:
   1. target alone (HF `generate`), draft alone (HF `generate`), HF assisted generation (`assistant_model=`) —
      in a child process that exits before the hatspec phase, so the machine's memory holds one set of models at a time;
   2. hatspec `sd` and `hlm` (and `llm`, `slm` for reference): a real `hat-cloud serve` process and the edge runtime in
-     this process, over loopback TCP.
+     this process, over loopback TCP (profiles.bench.testbed).
 Reports tokens/s, the measured acceptance rate α (accepted / examined draft positions: accepted + rounds that ended in
 a rejection; accepted / drafted is reported too), mean draft length γ, the cost ratio c (draft time per
 token / target time per token, both measured alone), the ideal speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) and the
@@ -22,6 +22,11 @@ import tempfile
 import time
 from typing import Dict, List, Tuple
 
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
+from hat_split.math.sampling import SamplingParams
+from hat_split.math.verify import ideal_speedup
+from hat_split.models.chat import encode
+from hat_split.models.loading import load_model, load_tokenizer, quantize_weights, resolve_dtype
 from profiles.bench.bench_cuhlm import add_parser as add_cuhlm_parser
 from profiles.bench.bench_cuhlm import run as run_cuhlm
 from profiles.bench.bench_edge import add_parser as add_edge_parser
@@ -36,7 +41,8 @@ from profiles.bench.fuzz import add_parser as add_fuzz_parser
 from profiles.bench.fuzz import run as run_fuzz
 from profiles.bench.soak import add_parser as add_soak_parser
 from profiles.bench.soak import run as run_soak
-from hat_split.net.security import LinkSecurity
+from profiles.bench.testbed import Testbed
+from profiles.testbed.prompts import demo_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +94,6 @@ def _hf_generate(model, ids: List[int], n: int, eos, **kw):
 
 def hf_phase(args) -> int:
     """Child process: HF baselines. Writes per-prompt tokens and times."""
-    from hat_split.models.loading import load_model, quantize_weights
-
     with open(args.ids, encoding="utf-8") as f:
         prompts = json.load(f)
     target = load_model(args.target, dtype=args.target_dtype)
@@ -116,13 +120,6 @@ def _rate(rows: List[dict]) -> float:
 
 
 def speculative(args) -> int:
-    from cloud_runtime.process import CloudProcess
-    from edge_runtime.config import EdgeConfig
-    from edge_runtime.runtime import EdgeRuntime
-    from hat_split.models.loading import load_tokenizer
-    from hat_split.math.sampling import SamplingParams
-    from profiles.testbed.prompts import demo_prompts, encode
-
     try:
         variants = parse_variants(args.draft_len)
     except ValueError as exc:
@@ -131,8 +128,6 @@ def speculative(args) -> int:
     prompts = demo_prompts(args.prompts)
     tok = load_tokenizer(args.draft)
     ids = [encode(tok, p.text, p.chat) for p in prompts]
-    from hat_split.models.loading import resolve_dtype
-
     args.target_dtype, args.draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
     report: dict = {"draft": args.draft, "target": args.target, "target_dtype": args.target_dtype,
                     "draft_dtype": args.draft_dtype, "max_new_tokens": args.max_new_tokens,
@@ -153,11 +148,10 @@ def speculative(args) -> int:
             with open(hf_out, encoding="utf-8") as f:
                 report["runs"].update({f"hf_{k}": v for k, v in json.load(f).items()})
         print("hat-bench: hatspec over loopback ...", flush=True)
-        with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
-            cfg = EdgeConfig(security=LinkSecurity.plaintext(),
-                             model=args.draft, server=cloud.endpoint, dtype=args.draft_dtype,
-                             weight_quant=args.weight_quant)
-            with EdgeRuntime(cfg) as rt:
+        with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+            cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
+                             engine=EngineConfig(dtype=args.draft_dtype, weight_quant=args.weight_quant))
+            with bed.runtime(cfg) as rt:
                 rt.generate(ids[0], "sd", SamplingParams(0.0), 2)  # warm-up both processes
                 for protocol in [p for p in args.protocols.split(",") if p]:
                     for variant in (variants if protocol == "sd" else [None]):
@@ -209,10 +203,9 @@ def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]]) -> dict:
 
     For a γ@η run the draft length varies; its ideal speedup uses the mean draft length per round as γ.
     """
-    from hat_split.math.verify import ideal_speedup
-
     rates = {name: _rate(rows) for name, rows in runs.items()}
-    base = "hf_target" if "hf_target" in runs else "hatspec_llm"
+    # the target alone: HF's, else ours; neither measured (--skip-hf without llm): no speedups
+    base = next((b for b in ("hf_target", "hatspec_llm") if b in runs), None)
     summary: dict = {"tokens_per_s": rates, "baseline": base}
     if "hf_draft" in runs and "hf_target" in runs:
         c = rates["hf_target"] / rates["hf_draft"]  # draft time per token / target time per token
@@ -230,22 +223,24 @@ def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]]) -> dict:
         rejected = sum(r["rejected"] for r in rows)
         rounds = sum(r["rounds"] for r in rows)
         alpha = accepted / (accepted + rejected) if drafted else 0.0  # per examined position (Leviathan's α)
-        speedup = rates[name] / rates[base]
+        speedup = rates[name] / rates[base] if base else None
         # closed form: fixed γ, i.i.d. acceptance; not defined for confidence-stopped (γ@η) drafts
         ideal = ideal_speedup(alpha, gamma, c) if c is not None and not eta else None
         # what this run's own rounds would give with zero overhead: tokens per round / (drafts per round · c + 1)
         realized = (accepted + rounds) / rounds / (drafted / rounds * c + 1) if c is not None else None
         entry = {"alpha": alpha, "acceptance_rate": accepted / drafted if drafted else 0.0, "gamma": gamma, "eta": eta,
                  "mean_drafts_per_round": drafted / rounds, "accepted_per_round": accepted / rounds,
-                 "speedup": speedup, "ideal_speedup": ideal, "efficiency": speedup / ideal if ideal else None,
-                 "overhead_free_speedup": realized, "efficiency_vs_overhead_free": speedup / realized if realized else None}
+                 "speedup": speedup, "ideal_speedup": ideal,
+                 "efficiency": speedup / ideal if ideal and speedup is not None else None,
+                 "overhead_free_speedup": realized,
+                 "efficiency_vs_overhead_free": speedup / realized if realized and speedup is not None else None}
         if "hf_target" in runs:
             same = [r["tokens"] == h["tokens"] for r, h in zip(rows, runs["hf_target"])]
             entry["identical_to_target_greedy"] = f"{sum(same)}/{len(same)}"
         if "hf_hf_assisted" in runs:
             entry["vs_hf_assisted"] = rates[name] / rates["hf_hf_assisted"]
         summary[name] = entry
-    if "hf_hf_assisted" in runs:
+    if "hf_hf_assisted" in runs and base:
         summary["hf_assisted_speedup"] = rates["hf_hf_assisted"] / rates[base]
     return summary
 

@@ -25,8 +25,19 @@ from typing import Dict, List
 
 import numpy as np
 
-from profiles.bench.bench_args import NO_MATPLOTLIB, names, numbers, pyplot
-from hat_split.net.security import LinkSecurity
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, UncertaintyConfig
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot
+from hat_split.math.calibration import load as load_calibration
+from hat_split.math.sampling import SamplingParams, warp
+from hat_split.models.chat import encode
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import load_model, load_tokenizer, resolve_dtype
+from profiles.bench.accuracy import Embedder
+from profiles.bench.bench_args import names, numbers
+from profiles.bench.testbed import Testbed
+from profiles.testbed.channel import Channel, token_throughput
+from profiles.testbed.links import LinkProfile
+from profiles.testbed.prompts import evaluation_prompts
 
 # name -> (protocol, UncertaintyConfig overrides)
 VARIANTS: Dict[str, tuple] = {
@@ -67,8 +78,6 @@ def add_parser(sub) -> None:
     s.add_argument("--out", default="runs/bench_cuhlm.json", help="JSON report (PNG beside it)")
 
 
-
-
 def _variant_names(text: str) -> List[str]:
     return names(text, VARIANTS, "variant")
 
@@ -90,20 +99,12 @@ def _generate_all(rt, variants, ids, params, max_new, seed, base_unc, label) -> 
 
 def run_models(args, variants, ids, base_unc) -> dict:
     """Phases 1 and 2: the loopback runs and the emulated-link runs."""
-    from cloud_runtime.process import CloudProcess
-    from edge_runtime.config import EdgeConfig
-    from edge_runtime.runtime import EdgeRuntime
-    from hat_split.math.sampling import SamplingParams
-    from profiles.testbed.channel import Channel
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import LinkProfile
-
     params = SamplingParams(args.temperature, 0, args.top_p)
     out: dict = {"loopback": {}, "emulated": {}}
-    with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
-        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
-                         model=args.draft, server=cloud.endpoint, weight_quant=args.weight_quant, uncertainty=base_unc)
-        with EdgeRuntime(cfg) as rt:
+    with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+        cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
+                         engine=EngineConfig(weight_quant=args.weight_quant), uncertainty=base_unc)
+        with bed.runtime(cfg) as rt:
             rt.generate(ids[0], "hlm", params, 2, seed=0)  # warm-up of both processes
             out["loopback"] = _generate_all(rt, variants, ids, params, args.max_new_tokens, args.seed, base_unc,
                                             "loopback")
@@ -112,9 +113,9 @@ def run_models(args, variants, ids, base_unc) -> dict:
             ch = Channel("rayleigh", snr, args.bandwidth_mhz * 1e6)
             rate = ch.mean_rate() / 8  # bytes/s
             profile = LinkProfile(f"rayleigh-{snr:g}dB", rate, rate, 0.0, 0.0, "ergodic rate of the channel model")
-            with LinkEmulator(profile, upstream=("127.0.0.1", cloud.port)) as link:
+            with bed.add_link(profile) as link:
                 ecfg = dataclasses.replace(cfg, server=link.address, weight_quant="none")  # `loaded` is quantized
-                with EdgeRuntime(ecfg, loaded=loaded) as rt:
+                with bed.runtime(ecfg, loaded=loaded) as rt:
                     runs = _generate_all(rt, _variant_names(args.emulate_variants), ids[: args.emulate_prompts], params,
                                          args.max_new_tokens, args.seed, base_unc, f"{snr:g} dB")
             out["emulated"][f"{snr:g}"] = {"up_rate_bytes_per_s": rate, "runs": runs}
@@ -123,10 +124,6 @@ def run_models(args, variants, ids, base_unc) -> dict:
 
 def true_skip_probs(args, ids, runs: Dict[str, list]) -> Dict[str, List[float]]:
     """Per skipping variant: min(1, y_d / x_d) of each skipped token, y_d from one teacher-forced target pass."""
-    from hat_split.models.lm import CausalLM
-    from hat_split.models.loading import load_model
-    from hat_split.math.sampling import SamplingParams, warp
-
     params = SamplingParams(args.temperature, 0, args.top_p)
     todo = {n: rows for n, rows in runs.items() if VARIANTS[n][0] in SKIPPING}
     if not todo:
@@ -149,8 +146,6 @@ def true_skip_probs(args, ids, runs: Dict[str, list]) -> Dict[str, List[float]]:
 
 
 def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy: Dict[str, List[float]]) -> dict:
-    from profiles.testbed.channel import Channel, token_throughput
-
     def total(rows, key):
         return sum(r[key] for r in rows)
 
@@ -213,8 +208,6 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
 
 def emulated_summary(args, emulated: dict, tau_slm: float, tau_llm: float) -> dict:
     """Measured tokens/s over the emulated link beside the model's prediction at the same (non-fading) rate."""
-    from profiles.testbed.channel import Channel, token_throughput
-
     out = {}
     rng = np.random.default_rng(args.seed)
     for snr, block in emulated.items():
@@ -278,19 +271,13 @@ def format_table(summary: dict) -> str:
 
 
 def run(args) -> int:
-    from edge_runtime.config import UncertaintyConfig
-    from hat_split.models.loading import load_tokenizer, resolve_dtype
-    from profiles.testbed.prompts import evaluation_prompts
-
     try:
         variants = _variant_names(args.variants)
         _variant_names(args.emulate_variants)
         numbers(args.snr_db), numbers(args.emulate_snr_db)
         base_unc = UncertaintyConfig()
         if args.calibration:
-            from hat_split.math.calibration import load
-
-            base_unc = base_unc.calibrated(load(args.calibration), args.threshold_rule)
+            base_unc = base_unc.calibrated(load_calibration(args.calibration), args.threshold_rule)
         if args.u_threshold is not None:
             base_unc = dataclasses.replace(base_unc, u_threshold=args.u_threshold)
         if args.prompts < 1 or args.max_new_tokens < 1 or not args.temperature >= 0:
@@ -301,8 +288,6 @@ def run(args) -> int:
         return 2
     args.target_dtype = resolve_dtype(args.target_dtype)
     tok = load_tokenizer(args.draft)
-    from profiles.testbed.prompts import encode
-
     ids = [encode(tok, p.text, p.chat) for p in prompts]
     t0 = time.perf_counter()
     print(f"hat-bench cuhlm: {len(prompts)} prompts, variants {', '.join(variants)}; u_th = {base_unc.u_threshold:.3f}, "
@@ -312,8 +297,6 @@ def run(args) -> int:
     print("hat-bench cuhlm: scoring skipped tokens with the target ...", flush=True)
     tsr = true_skip_probs(args, ids, runs)
     print("hat-bench cuhlm: embedding responses and references ...", flush=True)
-    from profiles.bench.accuracy import Embedder
-
     emb = Embedder()
     refs = [p.reference for p in prompts]
     accuracy = {name: emb.similarity([r["text"] for r in rows], refs).tolist() for name, rows in runs.items()}

@@ -20,7 +20,15 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
+from edge_runtime.backends.onnx_backend import OrtPart
+from edge_runtime.backends.part_lm import PartChainLM
+from export.cli import validation_prompts
+from hat_split.files import bundle as M
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import load_model, quantize_weights
+from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import names
+from profiles.bench.stats import percentile
 
 BACKENDS = ("torch-fp32", "torch-int8", "ort-fp32", "ort-int8", "ort-int4", "llamacpp")
 
@@ -55,12 +63,10 @@ def _lm_decoder(lm, info: dict) -> Decoder:
 
 
 def _llamacpp_decoder(model: str, threads: int, n_ctx: int) -> Decoder:
-    from llama_cpp import Llama
-
-    from hat_split.models.registry import gguf_path
+    import llama_cpp
 
     path = gguf_path(model)
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 logits_all=False, verbose=False)
 
     def last_logits():  # the row eval() wrote; `eval_logits` would copy every row into Python lists
@@ -74,8 +80,6 @@ def _llamacpp_decoder(model: str, threads: int, n_ctx: int) -> Decoder:
     def step(token):
         llm.eval([token])
         return last_logits()
-
-    import llama_cpp
 
     return Decoder(prefill, step, {"gguf": path.name, "llama_cpp_python": llama_cpp.__version__})
 
@@ -105,13 +109,6 @@ def measure(dec: Decoder, prompt: List[int], n: int) -> dict:
 
 def run(args) -> int:
     import torch
-
-    from edge_runtime.backends.onnx_backend import OrtPart
-    from edge_runtime.backends.part_lm import PartChainLM
-    from hat_split.files import bundle as M
-    from export.cli import validation_prompts
-    from hat_split.models.lm import CausalLM
-    from hat_split.models.loading import load_model, quantize_weights
 
     backends = names(args.backends, BACKENDS, "backend")
     if min(args.threads, args.prompt_tokens, args.new_tokens, args.repeats) < 1:
@@ -166,8 +163,8 @@ def run(args) -> int:
         tps = [args.new_tokens / sum(r["latency_s"]) for r in rs]
         report["backends"][b] = {
             "tokens_per_s": float(np.median(tps)), "tokens_per_s_rounds": tps,
-            "latency_mean_ms": 1e3 * float(lat.mean()), "latency_p50_ms": 1e3 * float(np.percentile(lat, 50)),
-            "latency_p90_ms": 1e3 * float(np.percentile(lat, 90)),
+            "latency_mean_ms": 1e3 * float(lat.mean()), "latency_p50_ms": 1e3 * percentile(lat, 50),
+            "latency_p90_ms": 1e3 * percentile(lat, 90),
             "prefill_ms": 1e3 * float(np.median([r["prefill_s"] for r in rs])),
             "same_tokens_as_torch_fp32": None if reference is None else rs[0]["tokens"] == reference,
             **decoders[b].info}

@@ -29,23 +29,35 @@ Writes JSON and a PNG beside it.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import time
+import traceback
 from typing import Dict, List, Optional
 
 import numpy as np
+import psutil
 
-from profiles.bench.bench_args import NO_MATPLOTLIB, adapter_dir, names, numbers, pyplot, save_figure
-from hat_split.net.security import LinkSecurity
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+from hat_split.math.sampling import SamplingParams
+from hat_split.models.loading import load_model, load_tokenizer
+from hat_split.models.partition import free_layers
+from profiles.bench.bench_args import adapter_dir, names, numbers
+from profiles.bench.stats import mean, percentile
+from profiles.bench.testbed import Testbed
+from profiles.testbed.links import get_link_profile
+from profiles.testbed.prompts import long_chat_prompts
 
-SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" the SplitConfig fields, cloud arguments)
+SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" / "engine" the SplitConfig / EngineConfig fields, cloud
+    # arguments)
     "U-shape": ("ushape", {"split": {"chunking": "off"}}, ["--token-budget", "65536", "--prefill-floor", "0"]),
     "U-Sarathi": ("ushape", {"split": {"chunking": "off"}}, []),
     "HAT": ("hat", {"split": {"chunking": "auto", "parallel_draft": True}}, []),
     "HAT-noPD": ("hat", {"split": {"chunking": "auto", "parallel_draft": False}}, []),
     # the same draft w_S as HAT, the same η = 0.6 and at most 8 drafts, but tokens (and their draft distributions) on
     # the wire and the whole model in the cloud; prompts are prefilled by the cloud in Sarathi chunks
-    "SD": ("sd", {"split": {}, "token_draft": "adapter", "draft_len": 8, "draft_stop_prob": 0.6,
+    "SD": ("sd", {"split": {}, "engine": {"token_draft": "adapter"}, "draft_len": 8, "draft_stop_prob": 0.6,
                   "overlap_prefill": "on"}, []),
 }
 LINKS = ("wifi-near", "wifi-mid", "wifi-far")
@@ -81,9 +93,6 @@ def _device_main(index: int, conn, model: str, m: int, adapter: str) -> None:
     """A device: its parts of the model (middle layers freed), then runs of requests as the driver commands."""
     import torch
 
-    from hat_split.models.loading import load_model
-    from hat_split.models.partition import free_layers
-
     torch.set_num_threads(1)
     loaded = load_model(model, dtype="float32", quiet=True)
     # the middle part runs in the cloud; layer m stays as the shape Λ (hat_split.models.adapter) is built on
@@ -96,55 +105,46 @@ def _device_main(index: int, conn, model: str, m: int, adapter: str) -> None:
         try:
             conn.send(("done", _serve(index, conn, loaded, model, m, adapter, cmd)))
         except Exception as exc:  # reported to the driver, which stops the run with it
-            import traceback
-
             conn.send(("error", f"device {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 def _serve(index: int, conn, loaded, model: str, m: int, adapter: str, cmd: dict) -> List[dict]:
-    from edge_runtime.config import EdgeConfig, SplitConfig
-    from edge_runtime.runtime import EdgeRuntime
-    from hat_split.math.sampling import SamplingParams
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import get_link_profile
-
     link = get_link_profile(LINKS[index % len(LINKS)])
     board, slowdown = BOARDS[(index // len(LINKS)) % len(BOARDS)]
     params = SamplingParams(0.0)
     rows = []
-    with LinkEmulator(link, upstream=("127.0.0.1", cmd["port"])) as emu:
+    with Testbed(upstream=("127.0.0.1", cmd["port"]), link=link) as bed:  # the cloud is the driver's
         edge = dict(cmd["edge"])
         split = SplitConfig(m=m, adapter=adapter, up_bps=8 * link.rate("up"), down_bps=8 * link.rate("down"),
                             slowdown=slowdown, **edge.pop("split"))
-        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
-                         model=model, server=emu.address, device_id=f"device-{index}", threads=1, dtype="float32",
-                         split=split, request_timeout_s=600.0, **edge)
-        with EdgeRuntime(cfg, loaded) as rt:
-            rt.generate(cmd["warm_up"], cmd["protocol"], params, 4, seed=index)  # connect; the cloud's g() learns
-            conn.send(("warm", None))
-            t0 = conn.recv()  # the fleet's common clock start (time.time())
-            for arrival, prompt_index in cmd["arrivals"]:
-                at = t0 + arrival
-                wait = at - time.time()
-                if wait > 0:
-                    time.sleep(wait)
-                started = time.time()
-                r = rt.generate(cmd["prompts"][prompt_index], cmd["protocol"], params, cmd["max_new_tokens"],
-                                seed=index)
-                queue_s = started - at
-                rows.append({"device": index, "link": link.name, "board": board, "arrival_s": arrival,
-                             "queue_s": queue_s, "ttft_s": queue_s + r.ttft_s,
-                             "tbt_s": (r.total_s - r.ttft_s) / (r.n - 1) if r.n > 1 else None,
-                             "prompt_tokens": r.prompt_tokens, "tokens": r.n, "rounds": r.rounds,
-                             "accepted": r.accepted, "drafted": r.drafted, "chunks": r.prefill_chunks,
-                             "cloud_compute_s": r.cloud_compute_s, "device_compute_s": r.device_compute_s,
-                             "finished_s": time.time() - t0})
+        link_cfg = LinkConfig(bed.endpoint, device_id=f"device-{index}", security=bed.security(),
+                              request_timeout_s=600.0)
+        engine = EngineConfig(threads=1, dtype="float32", **edge.pop("engine", {}))
+        cfg = EdgeConfig(model=model, link=link_cfg, engine=engine, split=split, **edge)
+        rt = bed.runtime(cfg, loaded)
+        rt.generate(cmd["warm_up"], cmd["protocol"], params, 4, seed=index)  # connect; the cloud's g() learns
+        conn.send(("warm", None))
+        t0 = conn.recv()  # the fleet's common clock start (time.time())
+        for arrival, prompt_index in cmd["arrivals"]:
+            at = t0 + arrival
+            wait = at - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            started = time.time()
+            r = rt.generate(cmd["prompts"][prompt_index], cmd["protocol"], params, cmd["max_new_tokens"],
+                            seed=index)
+            queue_s = started - at
+            rows.append({"device": index, "link": link.name, "board": board, "arrival_s": arrival,
+                         "queue_s": queue_s, "ttft_s": queue_s + r.ttft_s,
+                         "tbt_s": (r.total_s - r.ttft_s) / (r.n - 1) if r.n > 1 else None,
+                         "prompt_tokens": r.prompt_tokens, "tokens": r.n, "rounds": r.rounds,
+                         "accepted": r.accepted, "drafted": r.drafted, "chunks": r.prefill_chunks,
+                         "cloud_compute_s": r.cloud_compute_s, "device_compute_s": r.device_compute_s,
+                         "finished_s": time.time() - t0})
     return rows
 
 
 def _rss_mb() -> float:
-    import psutil
-
     return psutil.Process().memory_info().rss / 2 ** 20
 
 
@@ -153,8 +153,6 @@ class Fleet:
     """N device processes, started once and reused by every run."""
 
     def __init__(self, n: int, model: str, m: int, adapter: str):
-        import multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
@@ -213,10 +211,6 @@ def poisson_arrivals(rate: float, duration: float, n_devices: int, n_prompts: in
     return out
 
 
-def _pct(values: List[float], q: float) -> Optional[float]:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) -> dict:
     ttft = [r["ttft_s"] for r in rows]
     tbt = [r["tbt_s"] for r in rows if r["tbt_s"] is not None]
@@ -224,15 +218,15 @@ def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) ->
     compute = [c for _, _, c in log]
     out = {"requests": len(rows), "tokens": sum(r["tokens"] for r in rows),
            "makespan_s": max((r["finished_s"] for r in rows), default=0.0),
-           "ttft_mean_s": float(np.mean(ttft)) if ttft else None, "ttft_p50_s": _pct(ttft, 50),
-           "ttft_p90_s": _pct(ttft, 90), "tbt_mean_s": float(np.mean(tbt)) if tbt else None,
-           "tbt_p50_s": _pct(tbt, 50), "tbt_p90_s": _pct(tbt, 90),
-           "queue_mean_s": float(np.mean([r["queue_s"] for r in rows])) if rows else None,
-           "ttft_sla_met": float(np.mean([t <= ttft_sla for t in ttft])) if ttft else None,
-           "tbt_sla_met": float(np.mean([t <= tbt_sla for t in tbt])) if tbt else None,
-           "step_compute_mean_s": float(np.mean(compute)) if compute else None,
+           "ttft_mean_s": mean(ttft), "ttft_p50_s": percentile(ttft, 50),
+           "ttft_p90_s": percentile(ttft, 90), "tbt_mean_s": mean(tbt),
+           "tbt_p50_s": percentile(tbt, 50), "tbt_p90_s": percentile(tbt, 90),
+           "queue_mean_s": mean([r["queue_s"] for r in rows]),
+           "ttft_sla_met": mean([t <= ttft_sla for t in ttft]),
+           "tbt_sla_met": mean([t <= tbt_sla for t in tbt]),
+           "step_compute_mean_s": mean(compute),
            "step_compute_std_s": float(np.std(compute)) if compute else None,
-           "step_tokens_mean": float(np.mean([t for t, _, _ in log])) if log else None,
+           "step_tokens_mean": mean([t for t, _, _ in log]),
            "steps": cloud.get("steps", {}).get("steps"), "server_overhead": cloud.get("overhead"),
            "stage_compute_s": cloud.get("steps", {}).get("stage_s"),
            "ttft_sorted_s": sorted(ttft), "tbt_sorted_s": sorted(tbt)}
@@ -244,10 +238,6 @@ def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) ->
 
 
 def run(args) -> int:
-    from cloud_runtime.process import CloudProcess
-    from hat_split.models.loading import load_tokenizer
-    from profiles.testbed.prompts import long_chat_prompts
-
     systems = names(args.systems, SYSTEMS, "system")
     experiments = names(args.experiments, ("sweep", "scale", "pipeline"), "experiment")
     rates = numbers(args.rates)
@@ -293,8 +283,8 @@ def run(args) -> int:
             cmd = {"protocol": protocol, "edge": fields, "warm_up": warm_up, "prompts": prompts,
                    "max_new_tokens": args.max_new_tokens}
             t0 = time.perf_counter()
-            with CloudProcess(args.model, extra_args=extra, threads=args.threads) as cloud:
-                rows = fleet.run(n, dict(cmd, port=cloud.port), arrivals, timeout=args.duration * 20 + 600)
+            with Testbed(args.model, cloud_args=extra, threads=args.threads) as bed:
+                rows = fleet.run(n, dict(cmd, port=bed.cloud.port), arrivals, timeout=args.duration * 20 + 600)
             cloud_stats = {}
             if os.path.exists(stats_path):
                 with open(stats_path, encoding="utf-8") as f:

@@ -29,8 +29,13 @@ from typing import Dict, List
 
 import numpy as np
 
-from profiles.bench.bench_args import NO_MATPLOTLIB, adapter_dir, names, pyplot
-from hat_split.net.security import LinkSecurity
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot
+from hat_split.math.sampling import SamplingParams
+from profiles.bench.bench_args import adapter_dir, names
+from profiles.bench.testbed import Testbed
+from profiles.testbed.links import get_link_profile
+from profiles.testbed.prompts import long_chat_prompts
 
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
     "U-shape": ("ushape", {"chunking": "off"}),
@@ -126,14 +131,6 @@ def summarise(runs: Dict[str, List[dict]]) -> dict:
 
 
 def run(args) -> int:
-    from cloud_runtime.process import CloudProcess
-    from edge_runtime.config import EdgeConfig, SplitConfig
-    from edge_runtime.runtime import EdgeRuntime
-    from hat_split.math.sampling import SamplingParams
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import get_link_profile
-    from profiles.testbed.prompts import long_chat_prompts
-
     variants = names(args.variants, VARIANTS, "variant")
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
@@ -149,19 +146,19 @@ def run(args) -> int:
     report: dict = {"args": vars(args), "adapter": adapter, "adapter_record": adapter_meta.get("record"),
                     "trained_parameters": adapter_meta.get("params"), "links": {}, "tables": {}}
     t_start = time.perf_counter()
-    with CloudProcess(args.model, extra_args=["--dtype", args.dtype], threads=args.threads) as cloud:
+    with Testbed(args.model, cloud_args=["--dtype", args.dtype], threads=args.threads) as bed:
         for link in links:
-            with LinkEmulator(link, upstream=("127.0.0.1", cloud.port)) as emu:
+            with bed.add_link(link) as emu:
                 base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
                                    down_bps=8 * link.rate("down"))
                 with contextlib.ExitStack() as stack:
                     rts = {}
                     for backend, precision in backends:
-                        cfg = EdgeConfig(security=LinkSecurity.plaintext(),
-                                         model=args.model, server=emu.address, dtype=args.dtype, threads=args.threads,
-                                         split=base, backend=backend, precision=precision or "fp32",
-                                         bundle=args.bundle if backend != "torch" else "")
-                        rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(EdgeRuntime(cfg))
+                        engine = EngineConfig(backend=backend, bundle=args.bundle if backend != "torch" else "",
+                                              precision=precision or "fp32", dtype=args.dtype, threads=args.threads)
+                        cfg = EdgeConfig(model=args.model, link=LinkConfig(emu.address, security=bed.security()),
+                                         engine=engine, split=base)
+                        rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(bed.runtime(cfg))
                     if "prompts" not in report:
                         ids = long_chat_prompts(next(iter(rts.values())).tokenizer, args.prompts + 1,
                                                 args.min_prompt_tokens, args.max_prompt_tokens)

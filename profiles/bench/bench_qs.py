@@ -20,8 +20,14 @@ from typing import Dict, List
 
 import numpy as np
 
-from hat_split.net.security import LinkSecurity
-from profiles.bench.bench_args import NO_MATPLOTLIB, pyplot
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, QSConfig
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot
+from hat_split.math.sampling import SamplingParams
+from hat_split.wire import dist_codec
+from hat_split.wire.sqs import ConformalThreshold, LatticeWire
+from profiles.bench.testbed import Testbed
+from profiles.testbed.links import LinkProfile
+from profiles.testbed.prompts import evaluation_prompts
 
 METHODS = ("llm", "slm", "sq", "qs_static", "qs_heuristic", "qs_dqn")
 SPARSE = ("ksqs", "csqs")
@@ -65,8 +71,6 @@ class MarkovLink(threading.Thread):
         self._apply()
 
     def _apply(self) -> None:
-        from profiles.testbed.links import LinkProfile
-
         rate = self.rates[self.state] / 8
         self.link.set_profile(LinkProfile(f"markov-{self.state}", rate, 20e6 / 8, self.delay_s))
         self.log.append((time.monotonic(), self.rates[self.state]))
@@ -90,8 +94,6 @@ def _regimes(text: str) -> Dict[str, tuple]:
 
 
 def _run_method(rt, method, ids, params, args, base) -> list:
-    from edge_runtime.config import QSConfig
-
     protocol = {"llm": "llm", "slm": "slm", "sq": "sq", "ksqs": "ksqs", "csqs": "csqs"}.get(method, "qs")
     qs = {"qs_heuristic": dataclasses.replace(base, policy="heuristic"),
           "qs_dqn": dataclasses.replace(base, policy="dqn", policy_file=args.policy_file),
@@ -135,9 +137,6 @@ def _summary(rows: list) -> dict:
 
 def codec_timing(vocab: int = 151_936, repeats: int = 20) -> dict:
     """Encode (quantize + rank) and decode (unrank + dense row) of one distribution, best of `repeats`."""
-    from hat_split.wire import dist_codec
-    from hat_split.wire.sqs import ConformalThreshold, LatticeWire
-
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(vocab) * 4
     q = np.exp(logits - logits.max())
@@ -164,14 +163,6 @@ def codec_timing(vocab: int = 151_936, repeats: int = 20) -> dict:
 
 
 def run(args) -> int:
-    from cloud_runtime.process import CloudProcess
-    from edge_runtime.config import EdgeConfig, QSConfig
-    from edge_runtime.runtime import EdgeRuntime
-    from hat_split.math.sampling import SamplingParams
-    from hat_split.wire.sqs import ConformalThreshold
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.prompts import evaluation_prompts
-
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS + SPARSE]
     if bad:
@@ -186,15 +177,15 @@ def run(args) -> int:
     report: dict = {"args": vars(args), "codec": codec_timing(), "fig4": {}, "sqs": {}}
     print(json.dumps(report["codec"], indent=1, ensure_ascii=False), flush=True)
     t_start = time.perf_counter()
-    with CloudProcess(args.target, extra_args=["--dtype", args.target_dtype]) as cloud:
+    with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
         for r_i, (regime, rates) in enumerate(regimes.items()):
-            with LinkEmulator("loopback", upstream=("127.0.0.1", cloud.port)) as link:
+            with bed.add_link("loopback") as link:
                 markov = MarkovLink(link, rates, args.p_switch, args.markov_step_s, args.delay_ms / 1e3,
                                     args.seed + r_i)
                 markov.start()
-                cfg = EdgeConfig(security=LinkSecurity.plaintext(),
-                                 model=args.draft, server=link.address, weight_quant=args.weight_quant, qs=base)
-                with EdgeRuntime(cfg) as rt:
+                cfg = EdgeConfig(model=args.draft, link=LinkConfig(link.address, security=bed.security()),
+                                 engine=EngineConfig(weight_quant=args.weight_quant), qs=base)
+                with bed.runtime(cfg) as rt:
                     ids = [rt.encode_prompt(p.text, p.chat) for p in prompts]
                     rt.generate(ids[0], "qs", SamplingParams(1.0), 2, seed=0)  # warm-up
                     fig4: dict = {}

@@ -2,6 +2,7 @@
 
     cloud:  hat-cloud serve --model <target>                      (separate process, ZeroMQ ROUTER)
     link:   LinkEmulator(<profile>) relaying 127.0.0.1:<link> → cloud   (user-space: rate, delay, jitter)
+            (both, and the run's CurveZMQ keys, from profiles.bench.testbed.Testbed)
     edge:   hat-edge generate --model <draft> --server <link> --protocol sd,hlm,llm,slm --json ...   (separate process)
 
 Streams each answer as it is accepted, then prints and saves per protocol: tokens/s, time to first token, accepted
@@ -16,10 +17,15 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List
-from hat_split.net.security import cli_args, ephemeral
+
+from hat_split.models import registry
+from hat_split.net.security import cli_args
+from hat_split.protocols import NAMES as PROTOCOLS
+from profiles.bench.testbed import Testbed
+from profiles.testbed.links import get_link_profile
+from profiles.testbed.prompts import demo_prompts
 
 DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm"
 
@@ -91,13 +97,6 @@ def format_table(agg: Dict[str, dict]) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from cloud_runtime.process import CloudProcess
-    from edge_runtime.config import PROTOCOLS
-    from hat_split.models import registry
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import get_link_profile
-    from profiles.testbed.prompts import demo_prompts
-
     try:
         profile = get_link_profile(args.profile)
         protocols = [p for p in args.protocols.split(",") if p]
@@ -113,32 +112,27 @@ def main(argv=None) -> int:
 
     prompts = demo_prompts(args.prompts)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        prompts_file = os.path.join(tmp, "prompts.json")
-        edge_json = os.path.join(tmp, "edge.json")
+    print(f"hat-demo: starting the cloud ({args.target}) ...", flush=True)
+    t0 = time.perf_counter()
+    # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
+    with Testbed(args.target, threads=args.threads, link=profile, devices=["demo-device"], secure=True) as bed:
+        print(f"hat-demo: {bed.cloud.ready_info}", flush=True)
+        print(f"hat-demo: link {profile.name} ({profile.description}) at {bed.endpoint}", flush=True)
+        prompts_file = os.path.join(bed.dir, "prompts.json")
+        edge_json = os.path.join(bed.dir, "edge.json")
         with open(prompts_file, "w", encoding="utf-8") as f:
             json.dump([p.to_json() for p in prompts], f)
-        print(f"hat-demo: starting the cloud ({args.target}) ...", flush=True)
-        t0 = time.perf_counter()
-        # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
-        cloud_keys, device_keys = ephemeral(os.path.join(tmp, "keys"), ["demo-device"])
-        with CloudProcess(args.target, threads=args.threads, log_path=os.path.join(tmp, "cloud.log"),
-                          security=cloud_keys) as cloud:
-            print(f"hat-demo: {cloud.ready_info}", flush=True)
-            upstream = ("127.0.0.1", cloud.port)
-            with LinkEmulator(profile, upstream=upstream) as link:
-                print(f"hat-demo: link {profile.name} ({profile.description}) at {link.address}", flush=True)
-                cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", args.draft,
-                       "--server", link.address, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
-                       "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-                       "--top-p", str(args.top_p), "--draft-len", str(args.draft_len), "--seed", str(args.seed),
-                       "--threads", str(args.threads), "--weight-quant", args.weight_quant, "--json", edge_json,
-                       *cli_args(device_keys["demo-device"], "device")]
-                rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-                wire = link.stats()
-            if rc != 0:
-                print(f"hat-demo: the edge process failed (exit {rc})", file=sys.stderr)
-                return rc
+        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", args.draft,
+               "--server", bed.endpoint, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
+               "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+               "--top-p", str(args.top_p), "--draft-len", str(args.draft_len), "--seed", str(args.seed),
+               "--threads", str(args.threads), "--weight-quant", args.weight_quant, "--json", edge_json,
+               *cli_args(bed.security("demo-device"), "device")]
+        rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        wire = bed.link.stats()
+        if rc != 0:
+            print(f"hat-demo: the edge process failed (exit {rc})", file=sys.stderr)
+            return rc
         with open(edge_json, encoding="utf-8") as f:
             edge = json.load(f)
     agg = aggregate(edge["results"])

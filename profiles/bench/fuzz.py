@@ -6,24 +6,34 @@ Generate, CloseSession, OpenSplit, Hidden, Report, and replies a device never se
 truncated, frames dropped / duplicated / swapped / appended, oversized, garbage headers, wrong magic or version,
 fields of the wrong type or range, or replayed from earlier cases (same session ids and steps). Each case goes
   1. to `protocol.decode`: it must return a message or raise ProtocolError, nothing else;
-  2. over a real DEALER socket to a CloudServer (a small random model, in this process's thread): every case must be
-     answered, a bad one with an Error, and no handler may fail internally (`internal` errors count as bugs).
-Meanwhile a legitimate device (its own identity) generates with `sd` every `--check-every` cases; its tokens must equal
-the target's greedy tokens every time: fuzzing never corrupts another session. Writes JSON with the counts.
+  2. over a real DEALER socket to a `hat-cloud serve` process on a testbed (profiles.bench.testbed; a small random
+     model saved for the run): every case must be answered, a bad one with an Error, and no handler may fail
+     internally (`internal` errors count as bugs).
+Meanwhile a legitimate device (an edge runtime on the testbed, its own identity, the target as its draft) generates
+with `sd` every `--check-every` cases; its tokens must equal the target's greedy tokens every time: fuzzing never
+corrupts another session. Writes JSON with the counts.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
-import threading
+import tempfile
 import time
 from collections import Counter
 from typing import Any, Dict, List
 
+import msgspec
 import numpy as np
+import zmq
 
+from edge_runtime.config import EdgeConfig
+from edge_runtime.runtime import EdgeRuntime
+from hat_split.math.sampling import SamplingParams
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import vocab_fingerprint
 from hat_split.wire import messages as P
+from profiles.bench.testbed import Testbed
 
 VOCAB = 256
 MUTATIONS = ("valid", "flip", "truncate", "drop_frame", "extra_frame", "duplicate_frame", "swap_frames", "oversize",
@@ -38,8 +48,9 @@ def add_parser(sub) -> None:
     s.add_argument("--out", default="runs/fuzz.json")
 
 
-def valid_requests(rng: random.Random) -> List[P.Message]:
-    """One valid request of each kind (and replies a device never sends), with random ids and sizes."""
+def valid_requests(rng: random.Random, vocab: str) -> List[P.Message]:
+    """One valid request of each kind (and replies a device never sends), with random ids and sizes; `vocab`: the
+    served model's vocabulary fingerprint."""
     sid, step = rng.randrange(0, 50), rng.randrange(0, 20)
     n = rng.randrange(1, 6)
     toks = lambda k: np.asarray([rng.randrange(VOCAB) for _ in range(k)], np.int32)  # noqa: E731
@@ -47,7 +58,7 @@ def valid_requests(rng: random.Random) -> List[P.Message]:
     sparse = P.DistPayload("sparse", np.full(n, 1.0, np.float16), toks(n), np.arange(n + 1, dtype=np.int64))
     hidden = P.HiddenPayload("float16", np.zeros((n, 64), np.float16))
     return [
-        P.Hello(f"fuzz-{rng.randrange(9)}", "tiny", VOCAB, "tiny-vocab"),
+        P.Hello(f"fuzz-{rng.randrange(9)}", "tiny", VOCAB, vocab),
         P.OpenSession(sid, rng.choice(["sd", "hlm", "llm", "nope"]), toks(rng.randrange(1, 30)),
                       P.Sampling(rng.choice([0.0, 1.0]))),
         P.Verify(sid, step, rng.randrange(0, 40), toks(rng.randrange(0, 3)), toks(n), P.DistPayload("dense", dense)),
@@ -97,8 +108,6 @@ def mutate(frames: List[bytes], kind: str, rng: random.Random, history: List[Lis
     elif kind == "header_junk":
         frames[0] = frames[0][:4] + os.urandom(rng.randrange(1, 100))
     elif kind == "wrong_types":
-        import msgspec
-
         head = msgspec.msgpack.decode(frames[0][4:])
         if isinstance(head, dict):
             key = rng.choice([k for k in head if k != "type"] or ["type"])
@@ -115,34 +124,29 @@ def fuzz_decoder(frames: List[bytes]) -> str:
         return f"error:{exc.code}"
 
 
-def tiny_target(seed: int = 0):
-    """A small random Qwen2 (64 hidden, 2 layers, 256 tokens): plumbing only, its outputs mean nothing."""
+def tiny_target(path: str, seed: int = 0):
+    """A small random Qwen2 (64 hidden, 2 layers, 256 tokens) and a word-level tokenizer over its vocabulary, saved to
+    `path` for a cloud process: plumbing only, its outputs mean nothing. Returns (CausalLM, vocabulary fingerprint)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from hat_split.models.lm import CausalLM
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       tie_word_embeddings=False)
-    return CausalLM(Qwen2ForCausalLM(cfg).eval())
+    model = Qwen2ForCausalLM(cfg).eval()
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}, "<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return CausalLM(model), vocab_fingerprint(tokenizer)
 
 
-def legitimate_run(endpoint: str, lm, prompt: List[int], n: int) -> List[int]:
+def legitimate_run(rt: EdgeRuntime, prompt: List[int], n: int) -> List[int]:
     """A well-behaved device: sd with the target as its own draft, greedy (so its tokens are the target's)."""
-    from edge_runtime.client import CloudClient
-    from edge_runtime.config import EdgeConfig
-    from edge_runtime.drafter import Drafter
-    from edge_runtime.generation import Generation, run
-    from hat_split.math.sampling import SamplingParams
-    from hat_split.net.security import LinkSecurity
-
-    params = SamplingParams(0.0)
-    with CloudClient(endpoint, P.Hello("legit", "tiny", VOCAB, "tiny-vocab")) as client:
-        config = EdgeConfig(model="tiny", security=LinkSecurity.plaintext(), server=endpoint)
-        gen = Generation(config, Drafter(lm, params), client, "sd", params, n, frozenset(), 0, 1)
-        return run(gen, prompt, lambda toks: "").tokens
+    return rt.generate(prompt, "sd", SamplingParams(0.0), n, seed=0).tokens
 
 
 def greedy(lm, prompt: List[int], n: int) -> List[int]:
@@ -155,75 +159,77 @@ def greedy(lm, prompt: List[int], n: int) -> List[int]:
 
 
 def fuzz(cases: int, seed: int = 0, check_every: int = 2000, progress: bool = True) -> Dict[str, Any]:
-    import zmq
-
-    from cloud_runtime.config import CloudConfig
-    from cloud_runtime.server import CloudServer
-    from hat_split.net.security import LinkSecurity
-
     rng = random.Random(seed)
-    lm = tiny_target(seed)
-    prompt = [rng.randrange(VOCAB) for _ in range(12)]
-    reference = greedy(lm, prompt, 16)
-    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024,
-                      security=LinkSecurity.plaintext())
     report: Dict[str, Any] = {"cases": cases, "seed": seed, "decoder": Counter(), "server": Counter(),
                               "bugs": [], "unanswered": 0, "legit_checks": 0, "legit_mismatches": 0}
-    stop = threading.Event()
     t0 = time.perf_counter()
-    with CloudServer(cfg, lm, "tiny-target", "tiny-vocab") as server:
-        thread = threading.Thread(target=server.serve_forever, kwargs={"until": stop.is_set}, daemon=True)
-        thread.start()
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(server.endpoint)
-        history: List[List[bytes]] = []
-        pool: List[List[bytes]] = []
-        try:
-            for i in range(cases):
-                if i % 50 == 0:
-                    pool = [list(map(bytes, P.encode(m))) for m in valid_requests(rng)]
-                kind = rng.choice(MUTATIONS)
-                frames = mutate(rng.choice(pool), kind, rng, history)
-                try:
-                    report["decoder"][f"{kind} {fuzz_decoder(frames)}"] += 1
-                except Exception as exc:  # a decoder that raises anything but ProtocolError is a bug
-                    report["bugs"].append({"case": i, "where": "decoder", "kind": kind, "error": repr(exc)[:300]})
-                history = (history + [frames])[-64:]
-                sock.send_multipart(frames)
-                if not sock.poll(5000):
-                    report["unanswered"] += 1
-                    report["bugs"].append({"case": i, "where": "server", "kind": kind, "error": "no answer in 5 s"})
-                    sock.close(linger=0)  # a fresh identity: the old one may have a reply still to come
-                    sock = ctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(server.endpoint)
-                    continue
-                reply = P.decode(sock.recv_multipart())
-                outcome = f"error:{reply.code}" if isinstance(reply, P.Error) else f"ok:{type(reply).__name__}"
-                report["server"][f"{kind} {outcome}"] += 1
-                if isinstance(reply, P.Error) and reply.code == "internal":
-                    report["bugs"].append({"case": i, "where": "server", "kind": kind, "error": reply.message[:300]})
-                if check_every and (i + 1) % check_every == 0:
-                    report["legit_checks"] += 1
-                    if legitimate_run(server.endpoint, lm, prompt, 16) != reference:
-                        report["legit_mismatches"] += 1
-                    if progress:
-                        print(f"  {i + 1}/{cases} cases, {len(report['bugs'])} bugs, "
-                              f"{time.perf_counter() - t0:.0f} s", flush=True)
-            report["legit_checks"] += 1
-            if legitimate_run(server.endpoint, lm, prompt, 16) != reference:
-                report["legit_mismatches"] += 1
-            report["server_alive"] = thread.is_alive()
-            report["server_stats"] = server.report()["server"]
-        finally:
-            sock.close(linger=0)
-            stop.set()
-            thread.join(timeout=10)
+    with tempfile.TemporaryDirectory(prefix="hatspec-fuzz-") as tmp:
+        lm, vocab = tiny_target(os.path.join(tmp, "tiny"), seed)
+        prompt = [rng.randrange(VOCAB) for _ in range(12)]
+        reference = greedy(lm, prompt, 16)
+        stats_path = os.path.join(tmp, "stats.json")
+        cloud_args = ["--dtype", "float32", "--max-context", "1024", "--stats-json", stats_path]
+        with Testbed(os.path.join(tmp, "tiny"), cloud_args=cloud_args, threads=1) as bed:
+            legit = bed.runtime(EdgeConfig(model=os.path.join(tmp, "tiny"), link=bed.link_config("legit")))
+            _fuzz_cases(bed.endpoint, cases, rng, vocab, legit, prompt, reference, check_every, progress, report, t0)
+            report["server_alive"] = bed.cloud.proc.poll() is None
+        with open(stats_path, encoding="utf-8") as f:  # written by the cloud as it stopped
+            report["server_stats"] = json.load(f)["server"]
     report["seconds"] = time.perf_counter() - t0
     report["decoder"], report["server"] = dict(report["decoder"]), dict(report["server"])
     return report
+
+
+def _fuzz_cases(endpoint: str, cases: int, rng: random.Random, vocab: str, legit: EdgeRuntime, prompt: List[int],
+                reference: List[int], check_every: int, progress: bool, report: Dict[str, Any], t0: float) -> None:
+    """Every case to the decoder and over one DEALER socket to the server; the legitimate device between them."""
+    ctx = zmq.Context.instance()
+
+    def dealer() -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    def legit_check() -> None:
+        report["legit_checks"] += 1
+        if legitimate_run(legit, prompt, 16) != reference:
+            report["legit_mismatches"] += 1
+
+    sock = dealer()
+    history: List[List[bytes]] = []
+    pool: List[List[bytes]] = []
+    try:
+        for i in range(cases):
+            if i % 50 == 0:
+                pool = [list(map(bytes, P.encode(m))) for m in valid_requests(rng, vocab)]
+            kind = rng.choice(MUTATIONS)
+            frames = mutate(rng.choice(pool), kind, rng, history)
+            try:
+                report["decoder"][f"{kind} {fuzz_decoder(frames)}"] += 1
+            except Exception as exc:  # a decoder that raises anything but ProtocolError is a bug
+                report["bugs"].append({"case": i, "where": "decoder", "kind": kind, "error": repr(exc)[:300]})
+            history = (history + [frames])[-64:]
+            sock.send_multipart(frames)
+            if not sock.poll(5000):
+                report["unanswered"] += 1
+                report["bugs"].append({"case": i, "where": "server", "kind": kind, "error": "no answer in 5 s"})
+                sock.close(linger=0)  # a fresh identity: the old one may have a reply still to come
+                sock = dealer()
+                continue
+            reply = P.decode(sock.recv_multipart())
+            outcome = f"error:{reply.code}" if isinstance(reply, P.Error) else f"ok:{type(reply).__name__}"
+            report["server"][f"{kind} {outcome}"] += 1
+            if isinstance(reply, P.Error) and reply.code == "internal":
+                report["bugs"].append({"case": i, "where": "server", "kind": kind, "error": reply.message[:300]})
+            if check_every and (i + 1) % check_every == 0:
+                legit_check()
+                if progress:
+                    print(f"  {i + 1}/{cases} cases, {len(report['bugs'])} bugs, "
+                          f"{time.perf_counter() - t0:.0f} s", flush=True)
+        legit_check()
+    finally:
+        sock.close(linger=0)
 
 
 def run(args) -> int:

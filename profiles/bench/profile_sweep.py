@@ -20,7 +20,16 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from profiles.bench.bench_args import NO_MATPLOTLIB, numbers, pyplot, save_figure
+from edge_runtime.backends.loader import open_bundle
+from edge_runtime.config import EdgeConfig, EngineConfig
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import load_model
+from profiles.bench.bench_args import numbers
+from profiles.bench.stats import percentile
+from profiles.device import jetson_control as J
+from profiles.device.device_profiles import get_profile
+from profiles.device.power import open_sampler
 
 PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
           "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n")
@@ -47,15 +56,9 @@ def add_arguments(s) -> None:
 
 def _decoders(args, backends: List[Tuple[str, str]]):
     """(label, lm, tokenizer) per backend; the LMs have CausalLM's interface (forward / crop / new_state)."""
-    from edge_runtime.backends.loader import open_bundle
-    from edge_runtime.config import EdgeConfig
-
     out = []
     for backend, precision in backends:
         if backend == "torch":
-            from hat_split.models.lm import CausalLM
-            from hat_split.models.loading import load_model
-
             if args.threads:
                 import torch
 
@@ -63,11 +66,12 @@ def _decoders(args, backends: List[Tuple[str, str]]):
             loaded = load_model(args.model, dtype="float32")
             out.append(("torch fp32", CausalLM(loaded.model), loaded.tokenizer))
         else:
-            cfg = EdgeConfig(model=args.bundle, backend=backend, bundle=args.bundle, precision=precision or "fp32",
-                             threads=args.threads)
+            engine = EngineConfig(backend=backend, bundle=args.bundle, precision=precision or "fp32",
+                                  threads=args.threads)
+            cfg = EdgeConfig(model=args.bundle, engine=engine)
             bundle = open_bundle(cfg)
             lm = bundle.draft_lm()
-            out.append((f"{backend} {cfg.precision}", lm, bundle.tokenizer))
+            out.append((f"{backend} {cfg.engine.precision}", lm, bundle.tokenizer))
     return out
 
 
@@ -88,8 +92,8 @@ def draft_cell(lm, prompt: List[int], length: int, rounds: int) -> dict:
     t_end = time.perf_counter()
     a = np.asarray(lat)
     return {"t0": t_start, "t1": t_end, "tokens": len(lat), "tokens_per_s": len(lat) / float(a.sum()),
-            "latency_mean_ms": 1e3 * float(a.mean()), "latency_p50_ms": 1e3 * float(np.percentile(a, 50)),
-            "latency_p90_ms": 1e3 * float(np.percentile(a, 90))}
+            "latency_mean_ms": 1e3 * float(a.mean()), "latency_p50_ms": 1e3 * percentile(a, 50),
+            "latency_p90_ms": 1e3 * percentile(a, 90)}
 
 
 def _modes(args, profile) -> List[Tuple[Optional[int], str]]:
@@ -104,10 +108,6 @@ def _modes(args, profile) -> List[Tuple[Optional[int], str]]:
 
 
 def run(args) -> int:
-    from profiles.device import jetson_control as J
-    from profiles.device.device_profiles import get_profile
-    from profiles.device.power import open_sampler
-
     lengths = numbers(args.draft_lengths, int)
     if not lengths or min(lengths) < 1 or args.rounds < 1:
         raise ValueError("draft lengths and rounds must be >= 1")

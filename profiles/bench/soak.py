@@ -5,9 +5,10 @@ What runs, all real:
   `--plaintext`; a short `--session-timeout`, so that a device silent through a long cut has its session and KV
   memory freed while it is away);
 - `--hosts` device host processes, each holding the device's parts of the model once and `--devices / --hosts`
-  emulated devices: each its own `hat-edge serve` agent (edge_runtime.api.agent: OpenAI endpoint, state reports, its own
-  key, its own link policy) behind its own link emulator (profiles.testbed.link_emulator; WiFi near/mid/far and LTE, round
-  robin). Devices share weights, not state: each has its own runtime, caches, cloud connection and sessions;
+  emulated devices: each its own `hat-edge serve` agent (edge_runtime.api.agent: OpenAI endpoint, state reports, its
+  own key, its own link policy) behind its own link emulator (profiles.testbed.link_emulator; WiFi near/mid/far and
+  LTE, round robin), all on a testbed (profiles.bench.testbed) reaching the driver's. Devices share weights, not state:
+  each has its own runtime, caches, cloud connection and sessions;
 - the driver: requests arrive as one Poisson process at `--rate`, each at a random device, as streamed
   `/v1/completions` over HTTP (greedy, the protocol drawn per request from `--protocols`, the prompt as token ids,
   `hatspec.tokens` asking for the generated ids); a chaos thread cuts links (reset or stall, mostly devices with a
@@ -26,25 +27,38 @@ CausalLM.greedy; exact protocols must reproduce it at temperature 0):
   the reference runs alone);
 - memory: RSS slope per process over the load, and open sessions / KV positions after a drain of twice the session
   timeout (they must return to 0).
-Writes JSON and a PNG beside it.
+Writes JSON and a PNG beside it (profiles.bench.soak_check: the verdicts, the summary, the table and the figure).
 """
 from __future__ import annotations
 
 import http.client
 import json
+import multiprocessing as mp
 import os
-import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+import traceback
+from typing import Dict, List
 
 import numpy as np
+import psutil
 
-from profiles.bench.bench_args import NO_MATPLOTLIB, adapter_dir, names, numbers, pyplot, save_figure
+from edge_runtime.api.agent import AgentConfig
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
+from hat_split.files.atomic import write_json
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import eos_ids, load_model, load_tokenizer
+from hat_split.models.partition import free_layers
+from profiles.bench.bench_args import adapter_dir, names, numbers
+from profiles.bench.bench_fleet import poisson_arrivals
+from profiles.bench.soak_check import NEAR_TIE, check, plot, print_summary, summarise
+from profiles.bench.testbed import Testbed
+from profiles.testbed.link_emulator import send_control
+from profiles.testbed.links import get_link_profile
+from profiles.testbed.prompts import long_chat_prompts
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
 POLICIES = ("wait", "degrade")
-NEAR_TIE = 0.01  # logits: a reference whose top two are this close may flip with float rounding (batched vs alone)
 
 
 def add_parser(sub) -> None:
@@ -83,57 +97,35 @@ def add_parser(sub) -> None:
 
 # -- a device host process -------------------------------------------------------------------------------------
 def _host_main(conn, spec: dict) -> None:
-    """Loads the model once, starts its agents (each behind its own link emulator), reports their addresses, and
-    serves until the driver sends None."""
+    """Loads the model once, starts its agents (each behind its own link emulator, all on one testbed reaching the
+    driver's cloud), reports their addresses, and serves until the driver sends None."""
     import torch
 
-    from edge_runtime.api.agent import Agent, AgentConfig
-    from edge_runtime.config import EdgeConfig, SplitConfig
-    from hat_split.models.loading import load_model
-    from hat_split.models.partition import free_layers
-    from hat_split.net.security import LinkSecurity
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import get_link_profile
-
     torch.set_num_threads(1)
-    agents, links, threads = [], [], []
-    try:
-        loaded = load_model(spec["model"], dtype="float32", quiet=True)
-        if spec["draft"] == "adapter":  # the device holds its parts only: the middle layers run in the cloud
-            free_layers(loaded.model, range(spec["m"] + 1, loaded.model.config.num_hidden_layers))
-        table = []
-        for d in spec["devices"]:
-            link = get_link_profile(d["link"])
-            emu = LinkEmulator(link, upstream=("127.0.0.1", spec["port"]), control=("127.0.0.1", 0))
-            links.append(emu)
-            security = LinkSecurity(**d["security"]) if d["security"] else LinkSecurity.plaintext()
-            split = SplitConfig(m=spec["m"], adapter=spec["adapter"], up_bps=8 * link.rate("up"),
-                                down_bps=8 * link.rate("down"), parallel_draft=False)
-            edge = EdgeConfig(model=spec["model"], server=emu.address, device_id=d["name"], threads=1,
-                              dtype="float32", split=split, security=security, link_policy=d["policy"],
-                              heartbeat_s=spec["heartbeat"], request_timeout_s=120.0, reconnect_timeout_s=600.0,
-                              token_draft=spec["draft"], draft_len=8, draft_stop_prob=0.6 if spec["draft"] ==
-                              "adapter" else 0.0)
-            agent = Agent(AgentConfig(edge, port=0, report_interval_s=spec["report_interval"]), loaded)
-            agents.append(agent)
-            t = threading.Thread(target=agent.serve_forever, daemon=True, name=d["name"])
-            t.start()
-            threads.append(t)
-            table.append({**{k: d[k] for k in ("name", "link", "policy")}, "http": agent.address,
-                          "control": list(emu.control_address)})
-        conn.send(("ready", table))
-        conn.recv()  # None: stop
-    except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the run with it
-        import traceback
-
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        for a in agents:
-            a.stop()
-        for t in threads:
-            t.join(timeout=30)
-        for emu in links:
-            emu.close()
+    with Testbed(upstream=spec["upstream"], keys=spec["keys"]) as bed:
+        try:
+            loaded = load_model(spec["model"], dtype="float32", quiet=True)
+            if spec["draft"] == "adapter":  # the device holds its parts only: the middle layers run in the cloud
+                free_layers(loaded.model, range(spec["m"] + 1, loaded.model.config.num_hidden_layers))
+            table = []
+            for d in spec["devices"]:
+                link = get_link_profile(d["link"])
+                emu = bed.add_link(link, control=True)
+                split = SplitConfig(m=spec["m"], adapter=spec["adapter"], up_bps=8 * link.rate("up"),
+                                    down_bps=8 * link.rate("down"), parallel_draft=False)
+                link_cfg = LinkConfig(emu.address, device_id=d["name"], security=bed.security(d["name"]),
+                                      link_policy=d["policy"], heartbeat_s=spec["heartbeat"], request_timeout_s=120.0,
+                                      reconnect_timeout_s=600.0)
+                engine = EngineConfig(threads=1, dtype="float32", token_draft=spec["draft"])
+                edge = EdgeConfig(model=spec["model"], link=link_cfg, engine=engine, split=split, draft_len=8,
+                                  draft_stop_prob=0.6 if spec["draft"] == "adapter" else 0.0)
+                agent = bed.agent(AgentConfig(edge, port=0, report_interval_s=spec["report_interval"]), loaded)
+                table.append({**{k: d[k] for k in ("name", "link", "policy")}, "http": agent.address,
+                              "control": list(emu.control_address)})
+            conn.send(("ready", table))
+            conn.recv()  # None: stop
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the run with it
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 # -- one client request ----------------------------------------------------------------------------------------
@@ -181,104 +173,6 @@ def stream_completion(http_address: str, body: dict, timeout_s: float) -> dict:
     return out
 
 
-# -- checking an answer (pure) ---------------------------------------------------------------------------------
-def compare(got: Sequence[int], ref: Sequence[int], upto: Optional[int] = None) -> dict:
-    """Tokens against the reference (up to index `upto` when the rest is not the reference's to decide): "exact", or
-    where they part and how: "duplicated" (a run of earlier tokens repeated), "lost" (a run of the reference
-    skipped), "other" (a different token)."""
-    n = len(got) if upto is None else min(upto, len(got))
-    ref_n = len(ref) if upto is None else min(upto, len(ref))
-    d = next((i for i in range(min(n, ref_n)) if got[i] != ref[i]), min(n, ref_n))
-    if d == n == ref_n:
-        return {"match": "exact"}
-    if upto is None and d == len(got) < len(ref):
-        return {"match": "lost", "at": d, "run": len(ref) - d}  # ended early
-    if upto is None and d == len(ref) < len(got):
-        return {"match": "duplicated", "at": d, "run": len(got) - d}  # went on past the reference's end
-    for k in range(1, 9):
-        if d >= k and list(got[d:d + k]) == list(got[d - k:d]) and list(got[d + k:n]) == list(ref[d:n - k]):
-            return {"match": "duplicated", "at": d, "run": k}
-        if list(got[d:n]) == list(ref[d + k:n + k]):
-            return {"match": "lost", "at": d, "run": k}
-    return {"match": "other", "at": d}
-
-
-def check(rec: dict, ref: List[int], max_tokens: int, eos: Sequence[int], decode) -> dict:
-    """One request's verdict: completed or lost, delivery consistent, tokens against the reference."""
-    r = rec["response"]
-    completed = r["error"] is None and r["done"] and r["finals"] == 1 and r["hatspec"] is not None
-    out = {"completed": completed, "error": r["error"], "finals": r["finals"]}
-    if not completed:
-        return out
-    tokens = r["hatspec"].get("tokens", [])
-    degraded = r["hatspec"].get("degraded", [])
-    full = len(tokens) == max_tokens or (tokens and tokens[-1] in eos)
-    out.update(
-        tokens=len(tokens), interruptions=r["hatspec"].get("interruptions", 0), degraded=len(degraded),
-        queue_s=r["hatspec"].get("queue_s", 0.0),
-        delivered=("".join(r["deltas"]) == decode(tokens)) and (r["usage"] or {}).get("completion_tokens") ==
-        len(tokens) and full,
-        reference=compare(tokens, ref, degraded[0] if degraded else None))
-    return out
-
-
-def _pct(values: List[float], qs=(50, 90, 99)) -> Dict[str, Optional[float]]:
-    return {f"p{q}": (float(np.percentile(values, q)) if values else None) for q in qs} | \
-        {"mean": float(np.mean(values)) if values else None, "n": len(values)}
-
-
-def slope_mb_per_min(samples: List[tuple]) -> Optional[float]:
-    """Least-squares slope of (seconds, MB) samples, in MB per minute."""
-    if len(samples) < 3:
-        return None
-    t, mb = np.array(samples, dtype=float).T
-    return float(np.polyfit(t / 60.0, mb, 1)[0])
-
-
-def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_end_s: float) -> dict:
-    done = [r for r in records if r["verdict"]["completed"]]
-    matches = [r["verdict"]["reference"]["match"] for r in done]
-    ttft = [r["response"]["times"][0] for r in done if r["response"]["times"]]
-    tbt = [(r["response"]["times"][-1] - r["response"]["times"][0]) / (r["verdict"]["tokens"] - 1)
-           for r in done if r["verdict"]["tokens"] > 1 and r["response"]["times"]]
-    hit = [r for r in done if r["verdict"]["interruptions"]]
-    calm = [r for r in done if not r["verdict"]["interruptions"]]
-    mem: Dict[str, dict] = {}
-    for name in sorted({k for m in memory for k in m["rss_mb"]}):
-        series = [(m["t"], m["rss_mb"][name]) for m in memory if name in m["rss_mb"]]
-        under_load = [(t, v) for t, v in series if t <= load_end_s]
-        mem[name] = {"first_mb": series[0][1], "last_mb": series[-1][1], "max_mb": max(v for _, v in series),
-                     "slope_mb_per_min": slope_mb_per_min(under_load),
-                     "slope_second_half_mb_per_min": slope_mb_per_min(under_load[len(under_load) // 2:])}
-    return {
-        "requests": len(records), "completed": len(done), "lost": len(records) - len(done),
-        "lost_errors": [r["verdict"]["error"] for r in records if not r["verdict"]["completed"]][:20],
-        "duplicated": sum(m == "duplicated" for m in matches) + sum(r["verdict"]["finals"] > 1 for r in records),
-        "lost_tokens": sum(m == "lost" for m in matches),
-        "delivery_inconsistent": sum(not r["verdict"]["delivered"] for r in done),
-        "reference_exact": sum(m == "exact" for m in matches), "reference_other": sum(m == "other" for m in matches),
-        "reference_other_near_tie": sum(r["verdict"]["reference"].get("near_tie", False) for r in done),
-        "interrupted_requests": len(hit), "interruptions": sum(r["verdict"]["interruptions"] for r in done),
-        "degraded_requests": sum(bool(r["verdict"]["degraded"]) for r in done),
-        "degraded_tokens": sum(r["verdict"]["degraded"] for r in done),
-        "tokens": sum(r["verdict"]["tokens"] for r in done),
-        "cuts": len(cuts), "cuts_long": sum(c["long"] for c in cuts),
-        "cuts_by_mode": {m: sum(c["mode"] == m for c in cuts) for m in ("reset", "stall")},
-        "cuts_during_a_request": sum(c["busy"] for c in cuts),
-        "ttft_s": _pct(ttft), "tbt_s": _pct(tbt),
-        "queue_s": _pct([r["verdict"]["queue_s"] for r in done]),  # waiting behind the device's earlier request
-        "ttft_after_queue_s": _pct([r["response"]["times"][0] - r["verdict"]["queue_s"] for r in done
-                                    if r["response"]["times"]]),
-        "ttft_s_interrupted": _pct([r["response"]["times"][0] for r in hit if r["response"]["times"]]),
-        "ttft_s_uninterrupted": _pct([r["response"]["times"][0] for r in calm if r["response"]["times"]]),
-        "by_protocol": {p: sum(r["protocol"] == p for r in done) for p in sorted({r["protocol"] for r in records})},
-        "by_policy": {p: {"completed": sum(r["policy"] == p for r in done),
-                          "exact": sum(r["policy"] == p and r["verdict"]["reference"]["match"] == "exact"
-                                       for r in done)} for p in sorted({r["policy"] for r in records})},
-        "memory": mem,
-    }
-
-
 # -- the driver ------------------------------------------------------------------------------------------------
 class _Sampler(threading.Thread):
     def __init__(self, pids: Dict[str, int], status_path: str, every_s: float, t0: float, in_flight):
@@ -288,8 +182,6 @@ class _Sampler(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        import psutil
-
         procs = {name: psutil.Process(pid) for name, pid in self.pids.items()}
         while True:
             rss = {}
@@ -312,15 +204,49 @@ class _Sampler(threading.Thread):
                 return
 
 
+def _stop_hosts(conns: list, hosts: list) -> None:
+    """Ask every device host to stop (its agents and links close), then wait for it; kill one that hangs."""
+    for c in conns:
+        try:
+            c.send(None)
+        except OSError:
+            pass
+    for p in hosts:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+
+
+def _start_hosts(args, bed: Testbed, devices: List[str], links: List[str], policies: List[str], adapter: str):
+    """The device host processes (stopped by the testbed's teardown, before the cloud); (processes, every device's
+    name, link, policy, HTTP address and link control address, sorted by name) once all are serving."""
+    ctx = mp.get_context("spawn")
+    hosts: list = []
+    conns: list = []
+    bed.defer(_stop_hosts, conns, hosts)
+    for h in range(args.hosts):
+        mine = [{"name": n, "link": links[i % len(links)], "policy": policies[i % len(policies)]}
+                for i, n in enumerate(devices) if i % args.hosts == h]
+        spec = {"model": args.model, "m": args.m, "adapter": adapter, "draft": args.draft,
+                "upstream": bed.upstream, "keys": {d["name"]: bed.security(d["name"]) for d in mine},
+                "heartbeat": args.heartbeat, "report_interval": args.report_interval, "devices": mine}
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_host_main, args=(child, spec), daemon=True)
+        p.start()
+        hosts.append(p)
+        conns.append(parent)
+    table: List[dict] = []
+    for c in conns:
+        if not c.poll(900):
+            raise RuntimeError("a device host did not start within 900 s")
+        kind, value = c.recv()
+        if kind != "ready":
+            raise RuntimeError(f"a device host failed:\n{value}")
+        table += value
+    return hosts, sorted(table, key=lambda d: d["name"])
+
+
 def run(args) -> int:
-    import multiprocessing as mp
-
-    from cloud_runtime.process import CloudProcess
-    from hat_split.models.loading import load_tokenizer
-    from hat_split.net.security import ephemeral
-    from profiles.testbed.links import get_link_profile
-    from profiles.testbed.prompts import long_chat_prompts
-
     protocols = names(args.protocols, ("hat", "ushape", "sd", "hlm", "llm", "uhlm", "cuhlm", "qs"), "protocol")
     policies = names(args.policies, POLICIES, "link policy")
     links = [get_link_profile(x).name for x in args.links.split(",") if x]
@@ -340,60 +266,21 @@ def run(args) -> int:
     names_ = [f"soak-{i:02d}" for i in range(args.devices)]
     report: dict = {"args": vars(args), "adapter": adapter, "prompt_tokens": [len(p) for p in prompts]}
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="hatspec-soak-") as tmp:
-        if args.plaintext:
-            cloud_sec, device_sec = None, {n: None for n in names_}
-        else:
-            cloud_sec, device_sec = ephemeral(tmp, names_)
-        status_path = os.path.join(tmp, "cloud-status.json")
-        extra = ["--dtype", "float32", "--session-timeout", str(args.session_timeout), "--max-sessions",
-                 str(2 * args.devices + 8), "--status-file", status_path, "--status-interval", "1"]
-        print(f"hat-bench soak: cloud ({args.model}), {args.devices} devices in {args.hosts} host processes, "
-              f"{'plaintext' if args.plaintext else 'CurveZMQ'}", flush=True)
-        with CloudProcess(args.model, extra_args=extra, threads=args.threads, security=cloud_sec) as cloud:
-            ctx = mp.get_context("spawn")
-            hosts, conns, devices = [], [], []
-            for h in range(args.hosts):
-                mine = [{"name": n, "link": links[i % len(links)], "policy": policies[i % len(policies)],
-                         "security": None if device_sec[n] is None else vars(device_sec[n])}
-                        for i, n in enumerate(names_) if i % args.hosts == h]
-                spec = {"model": args.model, "m": args.m, "adapter": adapter, "draft": args.draft,
-                        "port": cloud.port, "heartbeat": args.heartbeat, "report_interval": args.report_interval,
-                        "devices": mine}
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=_host_main, args=(child, spec), daemon=True)
-                p.start()
-                hosts.append(p)
-                conns.append(parent)
-            try:
-                for c in conns:
-                    if not c.poll(900):
-                        raise RuntimeError("a device host did not start within 900 s")
-                    kind, value = c.recv()
-                    if kind != "ready":
-                        raise RuntimeError(f"a device host failed:\n{value}")
-                    devices += value
-                devices.sort(key=lambda d: d["name"])
-                report["devices"] = devices
-                records = _load(args, devices, prompts, protocols, rng, cloud, hosts, status_path, report)
-            finally:
-                for c in conns:
-                    try:
-                        c.send(None)
-                    except OSError:
-                        pass
-                for p in hosts:
-                    p.join(timeout=60)
-                    if p.is_alive():
-                        p.kill()
+    print(f"hat-bench soak: cloud ({args.model}), {args.devices} devices in {args.hosts} host processes, "
+          f"{'plaintext' if args.plaintext else 'CurveZMQ'}", flush=True)
+    cloud_args = ["--dtype", "float32", "--session-timeout", str(args.session_timeout), "--max-sessions",
+                  str(2 * args.devices + 8)]
+    with Testbed(args.model, cloud_args=cloud_args, threads=args.threads, devices=names_, secure=not args.plaintext,
+                 status_interval_s=1.0) as bed:
+        hosts, devices = _start_hosts(args, bed, names_, links, policies, adapter)
+        report["devices"] = devices
+        records = _load(args, devices, prompts, protocols, rng, bed.cloud, hosts, bed.status_path, report)
     print("hat-bench soak: checking every answer against the model's greedy continuation", flush=True)
     _verify(args, records, prompts)
     report["summary"] = summarise(records, report["cuts"], report["memory"], report["load_end_s"])
     report["requests"] = [{k: v for k, v in r.items() if k != "response"} | {"times": r["response"]["times"]}
                           for r in records]
     report["seconds"] = time.perf_counter() - t_start
-    from hat_split.files.atomic import write_json
-
     write_json(args.out, report)
     print_summary(report)
     note = plot(os.path.splitext(args.out)[0] + ".png", report)
@@ -405,8 +292,6 @@ def run(args) -> int:
 
 def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, status_path: str, report: dict):
     """Warm-up, then arrivals, cuts and memory samples; returns one record per request."""
-    from profiles.testbed.link_emulator import send_control
-    from profiles.bench.bench_fleet import poisson_arrivals
 
     def request(rec: dict, device: dict) -> None:
         body = {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
@@ -507,9 +392,6 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
 
 
 def _verify(args, records: List[dict], prompts) -> None:
-    from hat_split.models.lm import CausalLM
-    from hat_split.models.loading import eos_ids, load_model
-
     loaded = load_model(args.model, dtype="float32", quiet=True)
     lm = CausalLM(loaded.model)
     eos = eos_ids(loaded.model, loaded.tokenizer)
@@ -527,68 +409,3 @@ def _verify(args, records: List[dict], prompts) -> None:
             got = rec["response"]["hatspec"]["tokens"][at]
             v["reference"].update(margin=float(logits[top[0]] - logits[top[1]]),
                                   near_tie=bool(got == int(top[1]) and logits[top[0]] - logits[top[1]] < NEAR_TIE))
-
-
-def _f(x: Optional[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
-    return "-" if x is None else fmt.format(x * scale)
-
-
-def print_summary(report: dict) -> None:
-    s = report["summary"]
-    print(f"\n requests {s['requests']}: completed {s['completed']}, lost {s['lost']}, duplicated {s['duplicated']}, "
-          f"lost-token runs {s['lost_tokens']}, delivery inconsistent {s['delivery_inconsistent']}")
-    for error in s["lost_errors"]:
-        print(f" lost: {error}")
-    print(f" equal to the model's greedy answer: {s['reference_exact']} (other: {s['reference_other']}, of which "
-          f"{s['reference_other_near_tie']} where the reference's top two logits differ by < {NEAR_TIE} and the "
-          f"answer took the second); "
-          f"by policy {s['by_policy']}")
-    print(f" cuts {s['cuts']} ({s['cuts_by_mode']}, long {s['cuts_long']}, during a request "
-          f"{s['cuts_during_a_request']}); requests interrupted {s['interrupted_requests']} "
-          f"({s['interruptions']} drops), degraded {s['degraded_requests']} ({s['degraded_tokens']} tokens)")
-    for key in ("ttft_s", "queue_s", "ttft_after_queue_s", "ttft_s_uninterrupted", "ttft_s_interrupted", "tbt_s"):
-        v = s[key]
-        print(f" {key:22s} mean {_f(v['mean'])} P50 {_f(v['p50'])} P90 {_f(v['p90'])} P99 {_f(v['p99'])} ms "
-              f"(n={v['n']})")
-    for name, m in s["memory"].items():
-        print(f" RSS {name:8s} first {m['first_mb']:.0f} MB, last {m['last_mb']:.0f}, max {m['max_mb']:.0f}; slope "
-              f"{_f(m['slope_mb_per_min'], 1, '{:+.2f}')} MB/min (second half "
-              f"{_f(m['slope_second_half_mb_per_min'], 1, '{:+.2f}')})")
-    last = report["memory"][-1]["cloud"] if report["memory"] else {}
-    print(f" cloud after the drain: {last.get('open', '-')} sessions open, {last.get('kv_positions', '-')} KV "
-          f"positions, {last.get('expired', '-')} sessions expired in all")
-
-
-def plot(path: str, report: dict) -> str:
-    plt = pyplot()
-    if plt is None:
-        return NO_MATPLOTLIB
-    mem = report["memory"]
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
-    for name in report["summary"]["memory"]:
-        pts = [(m["t"], m["rss_mb"][name]) for m in mem if name in m["rss_mb"]]
-        axes[0, 0].plot([t for t, _ in pts], [v for _, v in pts], label=name)
-    for c in report["cuts"]:
-        axes[0, 0].axvline(c["t"], color="red" if c["long"] else "grey", alpha=0.25, lw=0.8)
-    axes[0, 0].set(title="RSS over time (grey: link cuts, red: long cuts)", xlabel="s", ylabel="MB")
-    ts = [m["t"] for m in mem]
-    axes[0, 1].plot(ts, [m["cloud"].get("open", np.nan) for m in mem], label="cloud sessions open")
-    axes[0, 1].plot(ts, [m["in_flight"] for m in mem], label="requests in flight")
-    ax2 = axes[0, 1].twinx()
-    ax2.plot(ts, [m["cloud"].get("kv_positions", np.nan) for m in mem], color="green", alpha=0.6)
-    ax2.set_ylabel("KV positions held (green)")
-    axes[0, 1].axvline(report["load_end_s"], color="black", ls="--", lw=0.8)
-    axes[0, 1].set(title="sessions and KV over time (dashed: arrivals end)", xlabel="s")
-    reqs = [r for r in report["requests"] if r["verdict"]["completed"] and r["times"]]
-    for label, sel in (("uninterrupted", lambda r: not r["verdict"]["interruptions"]),
-                       ("interrupted", lambda r: r["verdict"]["interruptions"])):
-        v = sorted(r["times"][0] for r in reqs if sel(r))
-        if v:
-            axes[1, 0].step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
-        v = sorted((r["times"][-1] - r["times"][0]) / (r["verdict"]["tokens"] - 1) for r in reqs
-                   if sel(r) and r["verdict"]["tokens"] > 1)
-        if v:
-            axes[1, 1].step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
-    axes[1, 0].set(title="TTFT at the client (CDF)", xlabel="s", ylabel="fraction", xscale="log")
-    axes[1, 1].set(title="TBT at the client (CDF, per request)", xlabel="s/token", ylabel="fraction", xscale="log")
-    return save_figure(fig, axes, path, 8)

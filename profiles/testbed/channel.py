@@ -1,11 +1,12 @@
-"""A block-fading wireless uplink (CU-HLM §II-B/C): Rayleigh or Rician gains, Shannon-rate uplink time, token throughput.
+"""A block-fading wireless uplink (CU-HLM §II-B/C): Rayleigh or Rician gains, Shannon-rate uplink time, token
+throughput.
 
 Pure numpy. The channel gain |h|² (mean 1) stays constant within one round and is drawn afresh per round. An upload of
-B bits in round t takes τ(t) = B / (W log2(1 + SNR·|h(t)|²)) seconds (eq. 5); a round costs τ_SLM on the device, plus
-τ(t) + τ_LLM when it uploads (eq. 6). Throughput over a sequence is given two ways: tokens / total expected latency (what a
-wall clock sees; under Rayleigh fading E[1/rate] grows without bound as the draws reach deeper fades, so it is a Monte
-Carlo mean over a fixed number of draws) and the papers' mean of the per-round throughput (each round's tokens / its
-latency), which assumes one token per round.
+B bits in round t takes τ(t) = B / (W log2(1 + SNR·|h(t)|²)) seconds (eq. 5); a round costs τ_SLM on the device,
+plus τ(t) + τ_LLM when it uploads (eq. 6). Throughput over a sequence is given two ways: tokens / total expected
+latency (what a wall clock sees; under Rayleigh fading E[1/rate] grows without bound as the draws reach deeper fades,
+so it is a Monte Carlo mean over a fixed number of draws) and the papers' mean of the per-round throughput (each
+round's tokens / its latency), which assumes one token per round.
 
 `mean_rate` gives the ergodic rate E[W log2(1 + SNR·|h|²)] that the link emulator can impose, so the simulated and the
 really transported runs can be set side by side at the same average SNR.

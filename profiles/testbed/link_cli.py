@@ -1,8 +1,9 @@
 """`hat-link`: run the link emulator, list the link profiles, or send a command to a running emulator.
 
     hat-link --list
-    hat-link --profile wifi-near --listen 127.0.0.1:5601 --upstream 127.0.0.1:5555 [--control 127.0.0.1:5602]
-    hat-link --netns dev1 --profile lte --upstream 127.0.0.1:5555   (root: tc tbf rates, the relay's delay and loss)
+    hat-link [serve] --profile wifi-near --listen 127.0.0.1:5601 --upstream 127.0.0.1:5555 [--control HOST:PORT]
+    hat-link [serve] --netns dev1 --profile lte --upstream 127.0.0.1:5555   (root: rates by tc tbf, delay by the relay)
+    hat-link serve --config link.toml [flags]   (a LinkEmulatorConfig, docs/CONFIG.md; flags given win)
     hat-link cut [stall|reset] --control 127.0.0.1:5602
     hat-link restore --control 127.0.0.1:5602
     hat-link profile lte --control 127.0.0.1:5602
@@ -16,49 +17,118 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
+from hat_split.files.config_file import add_config_argument, config_from_dict, given_flags, load_config
 from profiles.testbed.link_emulator import CUT_MODES, LinkEmulator, send_control
 from profiles.testbed.links import LINK_PROFILES
+from profiles.testbed.netns_link import NetnsLink
 
 COMMANDS = ("cut", "restore", "profile", "stats")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_address(text: str) -> tuple[str, int]:
+    """("HOST", PORT) of "HOST:PORT", or a ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, e.g. 127.0.0.1:5601, got {text!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class LinkEmulatorConfig:
+    """`hat-link serve`: one emulated link between devices and the cloud (docs/LINKS.md, docs/CONFIG.md)."""
+
+    upstream: str  # HOST:PORT of the real server (the cloud's endpoint without tcp://)
+    profile: str = "loopback"  # link profile (`hat-link --list`): rates, delay, jitter, loss; loopback only forwards
+    listen: str = "127.0.0.1:5601"  # HOST:PORT devices connect to instead of the server; port 0 picks a free one
+    control: str = ""  # HOST:PORT for line commands (cut, restore, profile, stats) from other processes; "": none
+    netns: str = ""  # root: the device's network namespace NAME behind a tc-tbf-shaped veth (rates in the kernel);
+    #                  "": the user-space relay alone
+    stats_interval_s: float = 5.0  # s between stats lines on stdout; 0: none
+    seed: Optional[int] = None  # seed of the jitter and loss draws, for a reproducible run; None: a fresh one
+    connect_timeout_s: float = 5.0  # s the relay waits for the upstream connection before resetting the device's
+
+    def __post_init__(self) -> None:
+        if self.profile not in LINK_PROFILES:
+            raise ValueError(f"unknown link profile {self.profile!r}; known: {', '.join(LINK_PROFILES)}")
+        for key in ("upstream", "listen") + (("control",) if self.control else ()):
+            try:
+                parse_address(getattr(self, key))
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+        if not self.stats_interval_s >= 0:
+            raise ValueError(f"stats_interval_s must be >= 0 s (0: no stats lines), got {self.stats_interval_s}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0 s, got {self.connect_timeout_s}")
+
+
+# argparse dest -> LinkEmulatorConfig key; the flags given override the --config file's keys
+FLAG_KEYS = {"profile": "profile", "listen": "listen", "upstream": "upstream", "control": "control",
+             "netns": "netns", "stats_interval": "stats_interval_s"}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:
         return _send(argv)
-    return _serve(argv)
+    return _serve(argv[1:] if argv[:1] == ["serve"] else argv)
 
 
-def _serve(argv: list[str]) -> int:
+def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hat-link", description="User-space link emulator (TCP relay); "
                                      f"also `hat-link {{{','.join(COMMANDS)}}} --control HOST:PORT`.")
     parser.add_argument("--list", action="store_true", help="print the link profiles and exit")
-    parser.add_argument("--profile", default="loopback", choices=list(LINK_PROFILES))
-    parser.add_argument("--listen", type=_address, default=("127.0.0.1", 5601), help="HOST:PORT devices connect to")
+    add_config_argument(parser, "link")
+    parser.add_argument("--profile", default=LinkEmulatorConfig.profile, choices=list(LINK_PROFILES))
+    parser.add_argument("--listen", type=_address, default=LinkEmulatorConfig.listen,
+                        help="HOST:PORT devices connect to")
     parser.add_argument("--upstream", type=_address, help="HOST:PORT of the real server")
     parser.add_argument("--control", type=_address, help="HOST:PORT for line commands (cut, restore, ...)")
-    parser.add_argument("--netns", default="", metavar="NAME",
+    parser.add_argument("--netns", default=LinkEmulatorConfig.netns, metavar="NAME",
                         help="root: put the device in network namespace NAME behind a tc-tbf-shaped veth (rates in "
                              "the kernel; delay, jitter and loss from the relay); run it there with ip netns exec")
-    parser.add_argument("--stats-interval", type=float, default=5.0, help="seconds between stats lines; 0 = none")
+    parser.add_argument("--stats-interval", type=float, default=LinkEmulatorConfig.stats_interval_s,
+                        help="seconds between stats lines; 0 = none")
+    return parser
+
+
+def link_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> LinkEmulatorConfig:
+    """The --config file with the flags typed on this command line on top of it, or the flags alone."""
+    values = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None}
+    if args.config:
+        given = given_flags(parser, argv)
+        return load_config(LinkEmulatorConfig, args.config, {FLAG_KEYS[d]: values[FLAG_KEYS[d]] for d in given
+                                                      if d in FLAG_KEYS})
+    if args.upstream is None:
+        parser.error("--upstream HOST:PORT is required to run the emulator")
+    return config_from_dict(LinkEmulatorConfig, values, source="the command line")
+
+
+def _serve(argv: Sequence[str]) -> int:
+    parser = _serve_parser()
     args = parser.parse_args(argv)
     if args.list:
         print(profile_table())
         return 0
-    if args.upstream is None:
-        parser.error("--upstream HOST:PORT is required to run the emulator")
-    if args.netns:
-        return _serve_netns(args)
-    with LinkEmulator(args.profile, args.upstream, args.listen, args.control) as link:
+    try:
+        config = link_config(parser, args, argv)
+    except ValueError as exc:  # a ConfigError: the file or a key of it
+        print(f"hat-link: {exc}", file=sys.stderr)
+        return 2
+    if config.netns:
+        return _serve_netns(config)
+    with LinkEmulator(config.profile, parse_address(config.upstream), parse_address(config.listen),
+                      parse_address(config.control) if config.control else None, seed=config.seed,
+                      connect_timeout_s=config.connect_timeout_s) as link:
         control = f", control {link.control_address[0]}:{link.control_address[1]}" if link.control_address else ""
-        print(f"hat-link {link.profile.name}: {link.address} -> {args.upstream[0]}:{args.upstream[1]}{control}; "
-              "Ctrl-C stops", flush=True)
+        print(f"hat-link {link.profile.name}: {link.address} -> {config.upstream}{control}; Ctrl-C stops", flush=True)
         try:
             before, t0 = link.stats(), time.monotonic()
             while True:
-                time.sleep(args.stats_interval or 3600)
-                if args.stats_interval:
+                time.sleep(config.stats_interval_s or 3600)
+                if config.stats_interval_s:
                     now, t1 = link.stats(), time.monotonic()
                     print(_stats_line(before, now, t1 - t0), flush=True)
                     before, t0 = now, t1
@@ -66,11 +136,9 @@ def _serve(argv: list[str]) -> int:
             return 0
 
 
-def _serve_netns(args) -> int:
-    from profiles.testbed.netns_link import NetnsLink
-
+def _serve_netns(config: LinkEmulatorConfig) -> int:
     try:
-        link = NetnsLink(args.profile, args.upstream, name=args.netns)
+        link = NetnsLink(config.profile, parse_address(config.upstream), name=config.netns)
     except RuntimeError as exc:
         print(f"hat-link: {exc}", file=sys.stderr)
         return 1
@@ -98,7 +166,7 @@ def _send(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     line = {"cut": f"cut {getattr(args, 'mode', '')}", "profile": f"profile {getattr(args, 'name', '')}"}
     try:
-        reply = send_control(args.control, line.get(args.command, args.command))
+        reply = send_control(parse_address(args.control), line.get(args.command, args.command))
     except (OSError, RuntimeError, ValueError) as e:
         print(f"hat-link {args.command}: {e}", file=sys.stderr)
         return 1
@@ -134,11 +202,13 @@ def _stats_line(before: dict, now: dict, seconds: float) -> str:
     return "  ".join(parts)
 
 
-def _address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, e.g. 127.0.0.1:5601, got {text!r}")
-    return host, int(port)
+def _address(text: str) -> str:
+    """argparse type: a HOST:PORT checked and kept as text (LinkEmulatorConfig's form)."""
+    try:
+        parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 if __name__ == "__main__":

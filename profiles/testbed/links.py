@@ -10,9 +10,10 @@ Terms, used the same way in the emulator and docs/LINKS.md:
 - loss: probability that one TCP segment is lost; TCP retransmits it, so a loss shows as a delay
   (profiles/testbed/link_emulator.py), never as missing bytes.
 
-Two ways to impose a profile: the user-space relay (profiles/testbed/link_emulator.py: rate, delay, jitter, loss, cuts; no root)
-and, as root, a network namespace whose veth link the kernel shapes with tc tbf (profiles/testbed/netns_link.py: the rate in
-the kernel, with real TCP congestion control) with the relay in front for delay, loss and cuts (this kernel has no
+Two ways to impose a profile: the user-space relay (profiles/testbed/link_emulator.py: rate, delay, jitter, loss,
+cuts; no root) and, as root, a network namespace whose veth link the kernel shapes with tc tbf
+(profiles/testbed/netns_link.py: the rate in the kernel, with real TCP congestion control) with the relay in front
+for delay, loss and cuts (this kernel has no
 netem).
 
 Sources of the figures are in the comment beside each profile. "MB" is 10**6 bytes throughout.

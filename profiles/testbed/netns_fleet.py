@@ -6,6 +6,7 @@ Needs root, `ip`, `unshare` and OpenSSH's sshd (scripts/bootstrap.sh installs op
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
+
+from hat_split.net.ssh import ssh_argv
 
 DEVICE_ROOT = "/opt/hatspec"  # every device's own directory for bundles (a private tmpfs per device)
 
@@ -119,8 +122,6 @@ class LocalFleet:
     def save(self) -> Path:
         """Write this fleet's state (devices, sshd pids, key) to <dir>/fleet.json, so `attach` can stop it later from
         another process (`hat-fleet local up` / `hat-fleet local down`)."""
-        import json
-
         path = self.dir / "fleet.json"
         path.write_text(json.dumps({"k": self.k, "prefix": self.prefix, "net": self.net,
                                     "devices": [vars(d) for d in self.devices]}, indent=1))
@@ -129,8 +130,6 @@ class LocalFleet:
     @classmethod
     def attach(cls, directory: str | os.PathLike) -> "LocalFleet":
         """The fleet a previous process started and saved in `directory`."""
-        import json
-
         state = json.loads((Path(directory) / "fleet.json").read_text())
         fleet = cls(state["k"], state["prefix"], state["net"], directory=directory)
         fleet.devices = [Device(**d) for d in state["devices"]]
@@ -151,11 +150,14 @@ class LocalFleet:
             "edge": {"vars": {"hatspec_run_dir": f"{DEVICE_ROOT}/run", **edge_vars}, "hosts": hosts}}}}
 
     def ssh_options(self) -> List[str]:
+        """ssh arguments for these devices: the fleet's key, and host keys neither checked nor kept (every fleet's
+        sshd has a fresh one)."""
         return ["-i", str(self.key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
                 "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=5"]
 
     def ssh(self, dev: Device) -> List[str]:
-        return ["ssh", *self.ssh_options(), f"root@{dev.address}"]
+        """The ssh command prefix of one device (as root); append the shell command."""
+        return ssh_argv(dev.address, user="root", options=self.ssh_options())
 
     def close(self) -> None:
         for dev in self.devices:

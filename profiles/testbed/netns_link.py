@@ -120,7 +120,8 @@ class NetnsLink:
             self.relay.close()
             self.relay = None
         if self._made:
-            for pid in subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True).stdout.split():
+            pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True).stdout
+            for pid in pids.split():
                 subprocess.run(["kill", "-9", pid], capture_output=True)
             subprocess.run(["ip", "link", "del", self.host_side], capture_output=True)
             subprocess.run(["ip", "netns", "del", self.name], capture_output=True)

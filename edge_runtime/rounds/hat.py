@@ -1,0 +1,71 @@
+"""Rounds of the split protocols over a SplitSession: `ushape` (one token per round trip) and `hat` (Λ drafts until
+η, the cloud's middle part computes the deep states, the device verifies; parallel drafting while it waits, §3.5)."""
+from __future__ import annotations
+
+import time
+from typing import Callable, List
+
+from edge_runtime.config import SplitConfig
+from edge_runtime.sessions.split import SplitSession
+from edge_runtime.split_drafter import DraftState, SplitDrafter
+from hat_split.math.chunking import ema, parallel_steps
+from hat_split.wire.hidden_codec import bytes_per_position
+
+
+def round_ushape(session: SplitSession) -> None:
+    """The last token's shallow state up, its deep state down, sample the next token on the device."""
+    dev = session.drafter
+    position = len(dev.tokens) - 1
+    deep = session.receive_deep(session.send_hidden(position, dev.last_state(), 1))
+    session.counters.rounds += 1
+    session.commit([dev.sample_target(dev.target_logits(deep, position, 1))])
+
+
+def round_hat(session: SplitSession) -> None:
+    """Draft until η, verify with the cloud's deep states on the device; parallel drafting while waiting."""
+    c = session.config.split
+    dev = session.drafter
+    st = session.link_state
+    limit = max(1, min(c.max_draft, session.remaining - 1))
+    t0 = time.perf_counter()
+    state = dev.draft(limit, c.eta)
+    L = len(state.drafts)
+    st.draft_s = ema(st.draft_s or None, (time.perf_counter() - t0) / max(L, 1))
+    upload = session.send_hidden(state.base, dev.upload_states(state), L + 1)
+    cands = []
+    if c.parallel_draft and c.pd_topk > 0:
+        cands = dev.candidates(state, c.pd_topk)
+        a = bytes_per_position(c.hidden_format, dev.parts.hidden_size)
+        steps = parallel_steps(L + 1, a, st.up_bps or 1e9, st.down_bps or 1e9, st.g_mu, st.draft_s,
+                               session.client.base_rtt_s) if st.draft_s > 0 else c.max_draft
+        session.counters.pd_steps += _draft_candidates(dev, cands, steps, c, session.client.ready)
+    deep = session.receive_deep(upload)
+    n, token = dev.verify(state, dev.target_logits(deep, state.base, L + 1))
+    counters = session.counters
+    if cands and dev.adopt(cands, token, n, L):
+        counters.pd_hits += 1
+    counters.rounds += 1
+    counters.drafted += L
+    counters.accepted += n
+    counters.rejected += n < L
+    session.commit(state.drafts[:n] + [token], n)
+
+
+def _draft_candidates(dev: SplitDrafter, cands: List[DraftState], steps: int, c: SplitConfig,
+                      stop: Callable[[], bool]) -> int:
+    """Round-robin one draft step per candidate (most probable first) until `steps` or the reply is waiting."""
+    done = 0
+    limit = c.max_draft
+    while done < steps and not stop():
+        progressed = False
+        for cand in cands:
+            if done >= steps or stop():
+                break
+            if cand.stopped or len(cand.drafts) >= limit:
+                continue
+            dev.extend(cand, limit, c.eta, steps=1)
+            done += 1
+            progressed = True
+        if not progressed:
+            break
+    return done

@@ -1,0 +1,163 @@
+"""The split family's session (`ushape`, HAT's baseline, and `hat`, paper 004): the session opening with prompt
+chunking (§3.3), the link estimates of state monitoring (§3.2), and the Hidden / Deep exchange its rounds use
+(edge_runtime.rounds.hat: decoding and parallel drafting, §3.5).
+
+Only hidden states cross the link: `OpenSplit` carries the model fingerprint, the layer range and the prompt's
+*length*; `Hidden` carries shallow states; `Deep` brings deep states back; the device's own output part turns them
+into target distributions and the device samples / verifies locally (edge_runtime.split_drafter).
+
+Prefill: the prompt's shallow states go up in chunks — all chunks are sent back to back, the cloud computes chunk i
+while chunk i + 1 is on the link, and the device runs its input part on chunk i + 1 and Λ on chunk i meanwhile. The
+chunk size is `SplitConfig.chunk_tokens` if set, else the cloud's answer to eq. 3 (from its delay model and the
+device's β_up), else the whole prompt. The first token comes from the target.
+
+Decode: `ushape` sends the last token's shallow state and samples the next token from the target, one per round trip.
+`hat` drafts until η (eq. 5), sends the L + 1 shallow states, and — with parallel drafting on — drafts continuations of
+the top-k alternatives to the last draft until the reply arrives (at most λ steps, eq. 6).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from edge_runtime.client import expect
+from edge_runtime.monitor import DeviceMonitor
+from edge_runtime.sessions.base import Session
+from edge_runtime.split_drafter import SplitDrafter
+from hat_split.math.chunking import ema
+from hat_split.wire import messages as P
+from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
+
+
+@dataclass
+class LinkState:
+    """The device's moving averages (α = 0.8) of what HAT's state monitoring needs from it. One per connection: the
+    runtime keeps it from request to request, so a request starts from what the previous ones measured."""
+
+    up_bps: float = 0.0  # β_up: the cloud's measurements of this device's uploads
+    down_bps: float = 0.0  # β_down: reply bytes over the reply's share of the round trip
+    draft_s: float = 0.0  # γ: seconds per draft token
+    g_mu: float = 0.0  # the cloud's last predicted step delay g(μ)
+
+    def device(self, monitor: Optional[DeviceMonitor] = None) -> P.DeviceState:
+        """This link's estimates with the device's own state when it has one."""
+        if monitor is None:
+            return P.DeviceState(self.up_bps, self.down_bps, self.draft_s)
+        return monitor.state(self.up_bps, self.down_bps, self.draft_s)
+
+
+@dataclass
+class Upload:
+    """One Hidden on the link, awaiting its Deep."""
+
+    sent_at: float  # perf_counter() when it left
+    up_bytes: int  # its frames' bytes
+    position: int  # of its first shallow state
+    want: int  # deep states asked for
+
+
+def chunk_plan(n: int, chunk: int) -> List[int]:
+    """Chunk end positions for a prompt of n positions in chunks of `chunk` (0: one chunk)."""
+    if n < 1:
+        raise ValueError("empty prompt")
+    if chunk <= 0 or chunk >= n:
+        return [n]
+    return list(range(chunk, n, chunk)) + [n]
+
+
+class SplitSession(Session):
+    drafter: SplitDrafter
+
+    def __init__(self, *args, link_state: LinkState, monitor: Optional[DeviceMonitor] = None, **kwargs):
+        """Session's arguments; link_state: the connection's estimates (updated by every Deep); monitor: the device's
+        state sent with the session opening (None: the link's estimates only)."""
+        super().__init__(*args, **kwargs)
+        self.link_state = link_state
+        self.monitor = monitor
+        self.step = 0  # Hidden messages of this cloud session
+        self.cloud_position = 0  # positions the cloud's middle part holds
+
+    def open(self, prompt: List[int]) -> None:
+        """OpenSplit, the chunked prefill, and the first token (from the target)."""
+        c = self.config.split
+        dev = self.drafter
+        dev.start(prompt)
+        split = dev.parts
+        self.client.send(P.OpenSplit(self.session_id, self.name, split.fingerprint, split.m, split.stop,
+                                     c.hidden_format, len(prompt), self.client.base_rtt_s,
+                                     self.link_state.device(self.monitor)))
+        opened = expect(self.client.receive(), P.SplitOpened, P.OpenSplit)
+        if opened.hidden_size != split.hidden_size:
+            raise RuntimeError(f"the cloud's hidden size {opened.hidden_size} is not the device's {split.hidden_size}")
+        chunk = c.chunk_tokens if c.chunk_tokens > 0 else (opened.chunk_size if c.chunking == "auto" else 0)
+        ends = chunk_plan(len(prompt), chunk)
+        self.counters.prefill_chunks += len(ends)
+        all_deep = split.tail > 0  # tail layers on the device need every position's deep state
+        uploads, start = [], 0
+        for i, end in enumerate(ends):
+            shallow = dev.prompt_states(end)
+            want = end - start if all_deep else (1 if end == len(prompt) else 0)
+            uploads.append(self.send_hidden(start, shallow, want, pipelined=i > 0))
+            dev.lam_prefill(shallow)  # device work while the chunk is on the link
+            start = end
+        deep = None
+        for upload in uploads:
+            deep = self.receive_deep(upload)
+            if all_deep:
+                logits = dev.target_logits(deep, upload.position, 1)
+        if not all_deep:
+            logits = dev.target_logits(deep, len(prompt) - 1, 1)
+        self.counters.rounds += 1
+        self.commit([dev.sample_target(logits)])
+
+    def reopen(self, prompt: List[int]) -> None:
+        """A new split session replaying the whole committed sequence's shallow states, recomputed by the device's
+        input part, chunked like a prompt; the first token it yields is the next one of the answer. Nothing but
+        hidden states crosses the link, as in the first open. Greedy, the answer is token for token the
+        uninterrupted one; sampled, it stays a sample of the target (the first token after the drop is sampled from
+        the target directly rather than through a verification)."""
+        self.step = 0  # the new session counts its requests from 1
+        self.open(list(prompt) + self.generated)
+
+    def close(self, prompt: List[int]) -> None:
+        """Close the session; the cloud reports the positions it held (it has no tokens to compare)."""
+        n = len(prompt) + len(self.generated)
+        closed = expect(self.client.request(P.CloseSession(self.session_id, None, None, n)), P.Closed, P.CloseSession)
+        if closed.n_tokens > n + self.config.split.max_draft:
+            raise RuntimeError(f"the cloud held {closed.n_tokens} positions for a {len(prompt)}+{len(self.generated)} "
+                               "token sequence")
+
+    # -- what rounds use -----------------------------------------------------------------------------------------
+    def send_hidden(self, position: int, states: Any, want: int, pipelined: bool = False) -> Upload:
+        """Send one Hidden: shallow states `# [1, n, hidden]` (the drafter's backend) of positions position.. ."""
+        self.step += 1
+        payload = encode_hidden(self.drafter.parts.to_wire(states), self.config.split.hidden_format)
+        idle = -1.0 if pipelined else max(0.0, time.perf_counter() - self.client.last_reply_at)
+        before = self.client.counters.up_bytes
+        self.client.send(P.Hidden(self.session_id, self.step, position, payload, want, idle))
+        up = self.client.counters.up_bytes - before
+        self.counters.round_up_bytes.append(up)
+        return Upload(time.perf_counter(), up, position, want)
+
+    def receive_deep(self, upload: Upload) -> Any:
+        """The Deep reply to an upload: updates the link estimates; returns deep states `# [1, want, hidden]` of the
+        drafter's backend (None when none were asked for)."""
+        down0 = self.client.counters.down_bytes
+        reply = expect(self.client.receive(), P.Deep, P.Hidden)
+        st = self.link_state
+        self.counters.cloud_compute_s += reply.compute_s
+        self.cloud_position = reply.position
+        st.g_mu = reply.cloud.step_s
+        if reply.uplink_bps > 0:
+            st.up_bps = ema(st.up_bps or None, reply.uplink_bps)
+        down_s = (self.client.last_reply_at - upload.sent_at - reply.compute_s - self.client.base_rtt_s
+                  - (8.0 * upload.up_bytes / st.up_bps if st.up_bps else 0.0))
+        if down_s > 1e-3:
+            st.down_bps = ema(st.down_bps or None, 8.0 * (self.client.counters.down_bytes - down0) / down_s)
+        if upload.want == 0:
+            return None
+        parts = self.drafter.parts
+        if reply.states is None:
+            raise RuntimeError("the cloud sent no deep states")
+        return parts.from_wire(decode_hidden(reply.states, upload.want, parts.hidden_size))

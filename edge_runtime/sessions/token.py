@@ -1,0 +1,123 @@
+"""The token family's session: the prompt goes up in OpenSession, rounds send token ids (and draft distributions) in
+Verify or ask for tokens with Generate, and CloseSession compares both sides' sequences by digest.
+
+The cloud's session holds `cloud_position` committed tokens; tokens committed on the device without an upload (the
+skips of uhlm, randhlm, cuhlm) wait in `pending` until the next upload or the close carries them.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from edge_runtime.client import CloudError, LinkDown, expect
+from edge_runtime.monitor import DeviceMonitor
+from edge_runtime.sessions.base import Session
+from hat_split.wire import messages as P
+
+
+class TokenSession(Session):
+    def __init__(self, *args, monitor: Optional[DeviceMonitor] = None, **kwargs):
+        """Session's arguments; monitor: the device's state sent with every session opening (None: an empty one)."""
+        super().__init__(*args, **kwargs)
+        self.monitor = monitor
+        self.step = 0  # requests of this cloud session (Verify / Generate carry step + 1)
+        self.cloud_position = 0  # committed tokens the cloud holds
+        self.pending: List[int] = []  # committed here, not yet sent to the cloud (skipped uploads)
+        self.uplink_bps = 0.0  # the cloud's latest measurement of this device's uploads (0: none yet)
+
+    def _open_message(self, tokens: Sequence[int]) -> P.OpenSession:
+        sampling = P.Sampling(self.params.temperature, self.params.top_k, self.params.top_p)
+        return P.OpenSession(self.session_id, self.name, np.asarray(tokens, np.int32), sampling, self.seed,
+                             self.client.base_rtt_s, self.monitor.state() if self.monitor else P.DeviceState())
+
+    def open(self, prompt: List[int]) -> None:
+        """The prompt goes to the cloud in OpenSession; the device prefills its draft meanwhile (or after, on a shared
+        host). If the link drops on the way (a re-Hello in send, or the reply), the draft is still started on this
+        prompt: resuming may generate with it."""
+        overlap = self.config.overlaps_prefill
+        started = False
+        try:
+            self.client.send(self._open_message(prompt))
+            if overlap:
+                self.drafter.start(prompt)  # the device's prefill runs while the cloud's does
+                started = True
+            opened = expect(self.client.receive(), P.SessionOpened, P.OpenSession)
+        except (LinkDown, CloudError):
+            if not started:
+                self.drafter.start(prompt)
+            raise
+        self.cloud_position = opened.position
+        self.counters.cloud_compute_s += opened.compute_s
+        if not overlap:
+            self.drafter.start(prompt)  # same host: two concurrent prefills would oversubscribe the cores
+
+    def reopen(self, prompt: List[int]) -> None:
+        """A new session holding the whole committed sequence (prompt + generated, degraded tokens included)."""
+        opened = expect(self.client.request(self._open_message(list(prompt) + self.generated)), P.SessionOpened,
+                        P.OpenSession)
+        self.cloud_position = opened.position
+        self.pending = []
+        self.step = 0  # the new session counts its requests from 1
+
+    def close(self, prompt: List[int]) -> None:
+        """Close the session, handing over tokens the cloud has not seen (skipped ones); check both sequences agree."""
+        pending = list(self.pending)
+        mine = list(prompt) + self.generated
+        msg = P.CloseSession(self.session_id, self.cloud_position if pending else None,
+                             np.asarray(pending, np.int32) if pending else None, len(mine))
+        closed = expect(self.client.request(msg), P.Closed, P.CloseSession)
+        if closed.n_tokens < len(mine) or closed.digest != P.sequence_digest(mine):
+            raise RuntimeError(f"device and cloud sequences diverged: device {len(mine)} tokens, cloud "
+                               f"{closed.n_tokens}")
+
+    # -- what rounds use -----------------------------------------------------------------------------------------
+    def request(self, msg: P.Message) -> P.Message:
+        """One round's request and its reply; the request frame's bytes are logged for the channel models."""
+        self.step += 1
+        before = self.client.counters.up_bytes
+        reply = self.client.request(msg)
+        self.counters.round_up_bytes.append(self.client.counters.up_bytes - before)
+        return reply
+
+    def cap_draft_len(self, draft_len: int) -> int:
+        """At most the cloud's limit (stated in its Welcome), and no draft past the last token the request needs."""
+        return max(1, min(draft_len, self.client.welcome.max_draft_len, self.remaining - 1))
+
+    def verify(self, drafts: List[int], payload: P.DistPayload, new_tokens: Sequence[int] = ()) -> P.Verdict:
+        """Send drafts with their distributions (after `new_tokens` the cloud has not seen); commit the verdict."""
+        n = len(drafts)
+        msg = P.Verify(
+            session_id=self.session_id,
+            step=self.step + 1,
+            position=self.cloud_position,
+            new_tokens=np.asarray(new_tokens, np.int32),
+            draft=np.asarray(drafts, np.int32),
+            dist=payload,
+            idle_s=max(0.0, time.perf_counter() - self.client.last_reply_at),
+        )
+        verdict = expect(self.request(msg), P.Verdict, P.Verify)
+        if verdict.n_accepted > n:
+            raise RuntimeError(f"the cloud accepted {verdict.n_accepted} of {n} drafts")
+        c = self.counters
+        c.rounds += 1
+        c.drafted += n
+        c.accepted += verdict.n_accepted
+        c.rejected += verdict.n_accepted < n
+        c.cloud_compute_s += verdict.compute_s
+        self.cloud_position = verdict.position
+        if verdict.uplink_bps > 0:
+            self.uplink_bps = verdict.uplink_bps
+        self.commit(drafts[: verdict.n_accepted] + [verdict.token], verdict.n_accepted)
+        return verdict
+
+    def generate(self, n: int) -> None:
+        """Cloud only: the target decodes up to n tokens on its own; commit them."""
+        msg = P.Generate(self.session_id, self.step + 1, self.cloud_position, np.zeros(0, np.int32),
+                         min(n, self.remaining))
+        reply = expect(self.request(msg), P.Generated, P.Generate)
+        self.counters.rounds += 1
+        self.counters.cloud_compute_s += reply.compute_s
+        self.cloud_position = reply.position
+        self.commit([int(t) for t in reply.tokens])

@@ -1,0 +1,87 @@
+"""`ExportConfig`: what `hat-export onnx` and `hat-export tensorrt` build, as one typed config (a TOML file per bundle,
+docs/CONFIG.md).
+
+No torch, onnx or TensorRT: a config file is checked before any of them is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+from hat_split.files.bundle import PRECISIONS
+
+# The part sets a bundle is exported as (`parts`), each the parts of export.graphs.PartSpec it holds, in chain order.
+PART_SETS: Dict[str, Tuple[str, ...]] = {"draft": ("draft",), "hat": ("input", "adapter", "output"),
+                                         "ushape": ("input", "output")}
+# TensorRT parses fp32 and fp16 graphs only: int8 / int4 use onnxruntime's MatMulNBits.
+TENSORRT_PRECISIONS = ("fp32", "fp16")
+
+
+def _check_precisions(key: str, precisions: Tuple[str, ...], known: Tuple[str, ...], why: str = "") -> None:
+    if not precisions:
+        raise ValueError(f"{key} must name at least one precision of {', '.join(known)}")
+    bad = [p for p in precisions if p not in known]
+    if bad:
+        raise ValueError(f"unknown precision(s) {', '.join(bad)} in {key}; known: {', '.join(known)}{why}")
+
+
+@dataclass(frozen=True)
+class TensorRTConfig:
+    """`hat-export tensorrt`: engines built on the device from the bundle's ONNX artifacts (export.tensorrt_build)."""
+
+    precisions: Tuple[str, ...] = ("fp16",)  # fp32 | fp16: the ONNX artifacts engines are built from (fp16 halves
+    #                                          memory and doubles tensor-core throughput on a Jetson)
+    max_context: int = 2048  # positions: the longest cache + new positions an engine accepts (its profiles' top)
+    max_chunk: int = 256  # positions: most new positions in one call (a prompt chunk); the "prefill" profile's top
+    workspace_gb: float = 4.0  # GiB of scratch memory the builder may use per engine (TensorRT's WORKSPACE pool)
+
+    def __post_init__(self) -> None:
+        _check_precisions("tensorrt.precisions", self.precisions, TENSORRT_PRECISIONS,
+                          " (int8 / int4 use onnxruntime's MatMulNBits, which TensorRT cannot parse)")
+        if not 1 <= self.max_chunk <= self.max_context:
+            raise ValueError(f"tensorrt: max_chunk must be in 1..max_context={self.max_context} positions, got "
+                             f"{self.max_chunk}")
+        if not self.workspace_gb > 0:
+            raise ValueError(f"tensorrt: workspace_gb must be > 0 GiB, got {self.workspace_gb}")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """One bundle: which model, which parts in which precisions, validated how; `[tensorrt]` for its engines."""
+
+    model: str  # registry name, HF directory or .gguf file: the weights exported and the torch reference
+    out: str  # the bundle directory (created; an existing bundle of the same model gains or replaces artifacts)
+    parts: str = "draft"  # draft: the whole model as a draft; hat: input part, Λ and output part; ushape: input and
+    #                       output parts (PART_SETS)
+    m: int = 2  # layers in the input part (hat / ushape): HAT's cut; 2 keeps the device's share of the model small
+    tail: int = 0  # layers kept beside the head in the output part (hat / ushape); 0: final norm and head only
+    adapter: str = ""  # hat: the hat-distill output directory Λ is loaded from ("" for draft / ushape)
+    precisions: Tuple[str, ...] = ("fp32", "int8", "int4")  # weights of the ONNX artifacts: fp32 | fp16 | int8 |
+    #                                                         int4 (int8 / int4 weight-only: smaller, faster drafts)
+    device_profile: str = "any"  # the device profile the bundle targets (profiles/device/devices); any: every device
+    prompts: int = 4  # real prompts every artifact is validated on (half HumanEval, half ShareGPT); more: slower
+    threads: int = 0  # onnxruntime intra-op threads while validating; 0: onnxruntime's default (every core)
+    tensorrt: TensorRTConfig = field(default_factory=TensorRTConfig)  # `hat-export tensorrt` of this bundle
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be given: the model to export (a registry name, HF directory or .gguf file)")
+        if not self.out:
+            raise ValueError("out must be given: the bundle directory")
+        if self.parts not in PART_SETS:
+            raise ValueError(f"parts must be one of {', '.join(PART_SETS)}, got {self.parts!r}")
+        _check_precisions("precisions", self.precisions, PRECISIONS)
+        if self.parts != "draft" and self.m < 1:
+            raise ValueError(f"m must be >= 1 layer for the {self.parts} parts (layer 0 stays on the device), got "
+                             f"{self.m}")
+        if self.tail < 0:
+            raise ValueError(f"tail must be >= 0 layers, got {self.tail}")
+        if self.prompts < 1:
+            raise ValueError(f"prompts must be >= 1 (every artifact is validated), got {self.prompts}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: onnxruntime's default), got {self.threads}")
+
+    @property
+    def part_kinds(self) -> Tuple[str, ...]:
+        """The export.graphs part kinds of `parts`, in chain order."""
+        return PART_SETS[self.parts]
