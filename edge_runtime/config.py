@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edge_runtime.policy.policies import POLICIES
+from hat_split.files.bundle import PRECISIONS
 from hat_split.math.calibration import Calibration
 from hat_split.math.uncertainty import PerturbationConfig
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
@@ -22,7 +23,6 @@ LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (s
 CHUNKING_MODES = ("auto", "off")
 TOKEN_DRAFTS = ("model", "adapter")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "int8", "int4")  # export.validate.THRESHOLDS
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 from edge_runtime.backends.onnx_backend import OrtPart
 from edge_runtime.backends.part_lm import PartChainLM
 from export.cli import validation_prompts
+from export.config import ExportConfig
 from hat_split.files import bundle as M
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, quantize_weights
@@ -136,7 +137,8 @@ def run(args) -> int:
             from export.onnx_export import export_bundle
 
             print(f"hat-bench edge: exporting {args.model} ({', '.join(missing)}) into {bundle}", flush=True)
-            export_bundle(loaded, bundle, ["draft"], missing, prompts=validation_prompts(loaded.tokenizer, 4))
+            export_bundle(loaded, ExportConfig(args.model, str(bundle), "draft", precisions=tuple(missing)),
+                          prompts=validation_prompts(loaded.tokenizer, 4))
         man = M.load(bundle)
         for b, p in zip(ort, precisions):
             a = man.find("draft", p)
