@@ -18,11 +18,10 @@ from typing import Optional, Sequence
 from cloud_runtime import pipeline
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.server import CloudServer
-from hat_split.files.config_file import add_config_argument, given_flags, load_config
+from hat_split.files.config_file import add_config_argument, config_from_command_line
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.registry import MODEL_DTYPES
-from hat_split.net.security import LinkSecurity
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
 
@@ -75,17 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cloud_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> CloudConfig:
     """The --config file with the flags typed on this command line on top of it, or the flags alone (ValueError,
     naming the key, for what cannot be served)."""
-    values = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items()}
-    values["security.mode"] = "plaintext" if args.plaintext else "curve"
-    if args.config:
-        given = given_flags(parser, argv)
-        return load_config(CloudConfig, args.config, {FLAG_KEYS[d]: values[FLAG_KEYS[d]] for d in given
-                                                       if d in FLAG_KEYS})
-    if not args.model:
+    values = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items()}
+    values["plaintext"] = {"security.mode": "plaintext" if args.plaintext else "curve"}
+    if not args.config and not args.model:
         parser.error("serve: --model is required (or a --config file naming the model)")
-    security = LinkSecurity(values.pop("security.mode"), values.pop("security.secret_key"),
-                            allow_dir=values.pop("security.allow_dir"))
-    return CloudConfig(security=security, **values)
+    return config_from_command_line(CloudConfig, parser, args, argv, values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from edge_runtime.backends.trt_backend import tensorrt_version
 from export.config import PART_SETS, ExportConfig, TensorRTConfig
 from hat_split.files import bundle as M
-from hat_split.files.config_file import add_config_argument, config_from_dict, given_flags, load_config
+from hat_split.files.config_file import add_config_argument, config_from_command_line
 from hat_split.models.chat import encode
 from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.partition import SplitModel, model_fingerprint
@@ -89,16 +89,9 @@ def export_config(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
     """The command's ExportConfig: the --config file with the flags typed on this command line on top of it, or the
     flags alone."""
     keys = FLAG_KEYS[args.cmd]
-    values = {key: _csv(getattr(args, dest)) if dest == "precision" else getattr(args, dest)
+    values = {dest: {key: _csv(getattr(args, dest)) if dest == "precision" else getattr(args, dest)}
               for dest, key in keys.items()}
-    if args.config:
-        given = given_flags(parser, argv)
-        return load_config(ExportConfig, args.config, {keys[d]: values[keys[d]] for d in keys if d in given})
-    data: Dict[str, Any] = {}
-    for key, value in values.items():
-        table, _, name = key.rpartition(".")  # "tensorrt.max_chunk": max_chunk of the [tensorrt] table
-        (data.setdefault(table, {}) if table else data)[name] = value
-    return config_from_dict(ExportConfig, data, source="the command line")
+    return config_from_command_line(ExportConfig, parser, args, argv, values)
 
 
 def _csv(text: str) -> List[str]:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from export.deploy.flash import FlashConfig, FlashError, flash, flash_fleet
 from hat_split.files.bundle import BundleError
-from hat_split.files.config_file import add_config_argument, config_from_dict, given_flags, load_config
+from hat_split.files.config_file import add_config_argument, config_from_command_line
 
 # argparse dest -> FlashConfig key; the flags given override the --config file's keys
 FLAG_KEYS = {"bundle": "bundle", "devices": "devices", "inventory": "inventory", "limit": "limit",
@@ -38,12 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def flash_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> FlashConfig:
     """The --config file with the flags typed on this command line on top of it, or the flags alone."""
-    values = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items()}
-    if args.config:
-        given = given_flags(parser, argv)
-        return load_config(FlashConfig, args.config, {FLAG_KEYS[d]: values[FLAG_KEYS[d]] for d in given
-                                                       if d in FLAG_KEYS})
-    return config_from_dict(FlashConfig, values, source="the command line")
+    values = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items()}
+    return config_from_command_line(FlashConfig, parser, args, argv, values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

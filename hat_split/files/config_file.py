@@ -36,6 +36,15 @@ def _where(source: str) -> str:
     return f" in {source}" if source else ""
 
 
+# a scalar annotation: what to call it in an error, and which TOML values it accepts (a bool is no number)
+_SCALARS = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
 def _check(key: str, tp: Any, value: Any, source: str) -> Any:
     """`value` as the annotation `tp` wants it, or a ConfigError naming `key`."""
     origin = typing.get_origin(tp)
@@ -74,22 +83,11 @@ def _check(key: str, tp: Any, value: Any, source: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key!r}{_where(source)} must be a table, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key!r}{_where(source)} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key!r}{_where(source)} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key!r}{_where(source)} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key!r}{_where(source)} must be a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        what, ok = _SCALARS[tp]
+        if not ok(value):
+            raise ConfigError(f"{key!r}{_where(source)} must be {what}, got {value!r}")
+        return float(value) if tp is float else value
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{key!r}{_where(source)} must be {tp.__name__}, got {value!r}")
     return value
@@ -239,6 +237,20 @@ def with_overrides(config: T, overrides: Mapping[str, Any], source: str = "") ->
     for key, value in overrides.items():
         _set_dotted(data, key, value)
     return config_from_dict(type(config), data, source=source)
+
+
+def config_from_command_line(cls: Type[T], parser: argparse.ArgumentParser, args: argparse.Namespace,
+                             argv: Iterable[str], values: Mapping[str, Mapping[str, Any]]) -> T:
+    """A role's config from its command line: with `--config FILE`, the file plus what the flags the user typed set;
+    without, what every flag sets. `values`: argparse dest -> {dotted config key: value} that flag sets."""
+    if args.config:
+        given = given_flags(parser, argv)
+        return load_config(cls, args.config, {k: v for dest in given if dest in values for k, v in values[dest].items()})
+    data: Dict[str, Any] = {}
+    for keys in values.values():
+        for key, value in keys.items():
+            _set_dotted(data, key, value)
+    return config_from_dict(cls, data, source="the command line")
 
 
 def add_config_argument(parser: argparse.ArgumentParser, role: str = "") -> None:

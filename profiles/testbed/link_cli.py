@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hat_split.files.config_file import add_config_argument, config_from_dict, given_flags, load_config
+from hat_split.files.config_file import add_config_argument, config_from_command_line
 from profiles.testbed.link_emulator import CUT_MODES, LinkEmulator, send_control
 from profiles.testbed.links import LINK_PROFILES
 from profiles.testbed.netns_link import NetnsLink
@@ -96,14 +96,10 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def link_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> LinkEmulatorConfig:
     """The --config file with the flags typed on this command line on top of it, or the flags alone."""
-    values = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None}
-    if args.config:
-        given = given_flags(parser, argv)
-        return load_config(LinkEmulatorConfig, args.config, {FLAG_KEYS[d]: values[FLAG_KEYS[d]] for d in given
-                                                      if d in FLAG_KEYS})
-    if args.upstream is None:
+    values = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None}
+    if not args.config and args.upstream is None:
         parser.error("--upstream HOST:PORT is required to run the emulator")
-    return config_from_dict(LinkEmulatorConfig, values, source="the command line")
+    return config_from_command_line(LinkEmulatorConfig, parser, args, argv, values)
 
 
 def _serve(argv: Sequence[str]) -> int:
