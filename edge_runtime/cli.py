@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help='a JSON list of prompts (strings or {"text": ..., "chat": bool}), or a '
                    "text file with one prompt per line")
     _add_edge_args(g)
-    g.add_argument("--json", metavar="PATH", help="write a machine-readable result ('-' for stdout, text then on stderr)")
+    g.add_argument("--json", metavar="PATH",
+                   help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
     v = sub.add_parser("serve", help="the long-running agent: state reports to the cloud, HTTP on the device")
     _add_edge_args(v)
@@ -128,7 +129,8 @@ def _add_edge_args(g) -> None:
                                                      f"default {ud['u_threshold'].default})")
     u.add_argument("--perturb-samples", type=int, help=f"M temperatures (default {ud['samples'].default})")
     u.add_argument("--theta-max", type=float, help=f"temperatures ~ U[0, θmax] (default {ud['theta_max'].default})")
-    u.add_argument("--skip-prob", type=float, help=f"randhlm skip probability (default {ud['random_skip_prob'].default})")
+    u.add_argument("--skip-prob", type=float,
+                   help=f"randhlm skip probability (default {ud['random_skip_prob'].default})")
     u.add_argument("--beta-line", type=float, nargs=2, metavar=("A", "B"),
                    help=f"rejection model β = A·u + B (default {ud['beta_a'].default} {ud['beta_b'].default})")
     u.add_argument("--k-mode", choices=["online", "offline"], help=f"default {ud['k_mode'].default}")
@@ -149,7 +151,8 @@ def _add_edge_args(g) -> None:
     q.add_argument("--policy", choices=POLICIES, default="static",
                    help="(L, ℓ) per round: static (--draft-len, --ell), heuristic (QS-SD §V) or dqn")
     q.add_argument("--policy-file", default="", help="dqn: a hat-train-policy network (.npz)")
-    h = g.add_argument_group("ushape / hat (HAT: the model is cut; --model is the large model, the cloud runs its middle)")
+    h = g.add_argument_group("ushape / hat (HAT: the model is cut; --model is the large model, "
+                             "the cloud runs its middle)")
     hd = SplitConfig.__dataclass_fields__
     h.add_argument("--m", type=int, default=hd["m"].default,
                    help="layers of the device's input part (default %(default)s; a --bundle brings its own cut)")

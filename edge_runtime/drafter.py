@@ -3,8 +3,8 @@
 Drafting feeds whatever committed tokens the cache lacks, then one token per draft step; after the cloud's verdict the
 cache is cropped to the accepted prefix (rejected drafts are forgotten, accepted ones are kept and never recomputed).
 Each draft token is sampled from the quantized distribution that is sent with it (a wire: float16 values,
-hat_split.wire.dist_codec, or a lattice point, hat_split.wire.sqs), so the cloud verifies against exactly the distribution the
-device sampled from.
+hat_split.wire.dist_codec, or a lattice point, hat_split.wire.sqs), so the cloud verifies against exactly the
+distribution the device sampled from.
 """
 from __future__ import annotations
 

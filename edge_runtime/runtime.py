@@ -192,13 +192,15 @@ class EdgeRuntime:
             self._split = SplitModel(self.loaded.model, c.m, c.tail)
         if adapter and self._adapter is None:
             if not c.adapter:
-                raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with hat-distill)")
+                raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR "
+                                 "(make one with hat-distill)")
             self._adapter = load_adapter(c.adapter, self._split)
         return self._split, self._adapter
 
     def _bundle_draft(self):
         """A bundle's draft chain for the token protocols, opened and warmed up now if the bundle has it; a bundle of
-        split parts only (hat-export --parts hat) opens it on demand, so asking a token protocol says what is missing."""
+        split parts only (hat-export --parts hat) opens it on demand,
+        so asking a token protocol says what is missing."""
         try:
             lm = self.bundle.draft_lm()
         except BundleError:

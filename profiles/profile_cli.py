@@ -16,12 +16,13 @@ import sys
 import time
 from typing import List, Optional
 
+from profiles.bench.profile_sweep import add_arguments, run
+from profiles.device import device_profiles as D
+from profiles.device import jetson_control as J
+from profiles.device.power import BackendUnavailable, open_sampler
+
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from profiles.device import device_profiles as D
-    from profiles.device import jetson_control as J
-    from profiles.device.power import BackendUnavailable
-
     parser = argparse.ArgumentParser(prog="hat-profile", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the packaged device profiles")
@@ -39,8 +40,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--seconds", type=float, default=3.0)
     s.add_argument("--interval-s", type=float, default=0.5)
     s = sub.add_parser("sweep", help="power mode × draft backend × draft length: speed and energy (JSON + PNG)")
-    from profiles.bench.profile_sweep import add_arguments
-
     add_arguments(s)
     args = parser.parse_args(argv)
     try:
@@ -90,8 +89,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 name, mode = J.set_mode(m.id, reboot=args.reboot)
                 print(f"now {mode} {name}")
         elif args.command == "sample":
-            from profiles.device.power import open_sampler
-
             sampler = open_sampler(interval_s=args.interval_s)
             print(json.dumps(sampler.describe(), indent=1))
             with sampler:
@@ -102,8 +99,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps({k: v for k, v in vars(r).items() if v not in (None, {}, [])}))
             print(json.dumps({"window": sampler.window(t0, t1)}))
         elif args.command == "sweep":
-            from profiles.bench.profile_sweep import run
-
             return run(args)
     except (D.ProfileError, J.JetsonControlError, BackendUnavailable, ValueError) as exc:
         print(f"hat-profile {args.command}: {exc}", file=sys.stderr)

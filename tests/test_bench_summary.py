@@ -1,4 +1,5 @@
-"""hat-bench's arithmetic on hand-made runs: variant parsing, α per examined position, ideal and overhead-free speedup."""
+"""hat-bench's arithmetic on hand-made runs: variant parsing, α per examined position,
+ideal and overhead-free speedup."""
 from __future__ import annotations
 
 import pytest

@@ -302,9 +302,11 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             # device starts the answer alone, from this prompt, and the cloud finishes it
             rt.config = dataclasses.replace(rt.config, link=dataclasses.replace(rt.config.link, link_policy="degrade"))
             link.cut("reset")
-            threading.Timer(2.0, link.restore).start()
+            restore = threading.Timer(2.0, link.restore)
+            restore.start()
             time.sleep(1.2)  # past half the session timeout: the request's first send says Hello again, and fails
             third = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            restore.join()  # the link is restored before the emulator closes, even when the device finished alone
             assert third.n == 12 and third.interruptions == 1 and third.degraded[0] == 0
             assert third.degraded == list(range(len(third.degraded)))
             if len(third.degraded) < 12:  # the cloud came back before the end: its tokens are the target's

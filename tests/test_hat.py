@@ -205,8 +205,8 @@ def test_draft_distributions_equal_the_uncached_draft_model(tmp_path):
 
 
 def test_the_split_draft_as_a_token_model_equals_the_uncached_draft():
-    """AdapterLM (hat_split.models.draft_lm): w_S with CausalLM's interface; chunked feeding, crops and re-feeds give the
-    uncached logits, and a device config asking for it without an adapter is refused."""
+    """AdapterLM (hat_split.models.draft_lm): w_S with CausalLM's interface; chunked feeding, crops and re-feeds give
+    the uncached logits, and a device config asking for it without an adapter is refused."""
     from hat_split.models.draft_lm import AdapterLM
 
     model = _target()

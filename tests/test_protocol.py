@@ -71,7 +71,8 @@ BAD = {
     "unknown_type": ([P.MAGIC + bytes([P.PROTOCOL_VERSION]) + msgspec.msgpack.encode({"type": "Nope"})], "malformed"),
     "negative_id": ([P.MAGIC + bytes([P.PROTOCOL_VERSION]) +
                      msgspec.msgpack.encode({"type": "CloseSession", "session_id": -1})], "malformed"),
-    "truncated_tensor": (_frames(P.OpenSession(1, "sd", ARR))[:1] + [bytes(_frames(P.OpenSession(1, "sd", ARR))[1][:7])],
+    "truncated_tensor": (_frames(P.OpenSession(1, "sd", ARR))[:1] +
+                         [bytes(_frames(P.OpenSession(1, "sd", ARR))[1][:7])],
                          "malformed"),
     "missing_tensor_frame": (_frames(P.OpenSession(1, "sd", ARR))[:1], "malformed"),
     "oversized": (_frames(P.OpenSession(1, "sd", np.zeros(1 << 19, np.int32))), "oversized"),

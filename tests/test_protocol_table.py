@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_runtime.protocols import ROUNDS
 from hat_split import protocols
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,3 +36,7 @@ def test_the_readme_table_lists_every_protocol_once():
     table = table[: table.index("\n\n", table.index("|"))]
     rows = re.findall(r"^\| `([a-z]+)` \|", table, re.M)
     assert sorted(rows) == sorted(protocols.NAMES)
+
+
+def test_the_device_has_a_round_for_every_record():
+    assert set(ROUNDS) == {p.round for p in protocols.PROTOCOLS.values()}

@@ -108,7 +108,8 @@ def test_sample_then_quantize_is_biased(markov_server):
     z_sq = (empirical(sq[:, 0], V) - TARGET[START]) / sd
     z_qs = (empirical(qs[:, 0], V) - TARGET[START]) / sd
     z_law = (empirical(sq[:, 0], V) - biased) / np.sqrt(biased * (1 - biased) / n)
-    print(f"sq law {biased.round(3)}; z vs target: sq {z_sq.round(1)}, qs {z_qs.round(1)}; sq vs its law {z_law.round(1)}")
+    print(f"sq law {biased.round(3)}; z vs target: sq {z_sq.round(1)}, qs {z_qs.round(1)}; "
+          f"sq vs its law {z_law.round(1)}")
     assert np.abs(z_qs).max() < 5 and np.abs(z_law).max() < 5
     assert np.abs(z_sq).max() > 7
 

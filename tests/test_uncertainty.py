@@ -43,7 +43,8 @@ def test_grows_with_entropy():
     base[0, 0] = base.max() + 1.0
     means = []
     for scale in (8.0, 3.0, 1.0, 0.3):  # sharper → flatter
-        u = [perturbation_uncertainty(base * scale, np.array([0]), CFG, np.random.default_rng(s))[0] for s in range(200)]
+        u = [perturbation_uncertainty(base * scale, np.array([0]), CFG, np.random.default_rng(s))[0]
+             for s in range(200)]
         means.append(np.mean(u))
     assert all(a < b for a, b in zip(means, means[1:])), means
 

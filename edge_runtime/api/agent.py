@@ -116,7 +116,8 @@ class Agent:
                 "server": c.link.server, "http": self.address if hasattr(self, "httpd") else "",
                 "requests": self.requests, "failures": self.failures, "last_request": self.last,
                 "last_report": self.last_report,
-                "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches, "error": self.cycle.error},
+                "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches,
+                                                               "error": self.cycle.error},
                 "started": self.started, "time": time.time()}
 
     def _write_status(self) -> None:

@@ -1,9 +1,10 @@
 """A draft model made of exported parts (export.graphs), with CausalLM's interface and no torch.
 
 One `PartChainLM` runs one part (a whole draft model) or a chain of them (HAT's input part → Λ → output part, the
-split draft w_S) through a backend's part runners (edge_runtime.backends.onnx_backend, edge_runtime.backends.trt_backend, or
-TorchPart for validation). Each part's KV cache is a list of arrays, grown by the graph's `present` outputs and
-cropped by slicing, so the Drafter (edge_runtime.drafter) keeps its cache convention unchanged.
+split draft w_S) through a backend's part runners (edge_runtime.backends.onnx_backend,
+edge_runtime.backends.trt_backend, or TorchPart for validation). Each part's KV cache is a list of arrays, grown by the
+graph's `present` outputs and cropped by slicing, so the Drafter (edge_runtime.drafter) keeps its cache convention
+unchanged.
 """
 from __future__ import annotations
 

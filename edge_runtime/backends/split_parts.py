@@ -7,8 +7,8 @@ them:
 
 - `TorchSplitParts`: a `SplitModel` (and its `Adapter`) in torch; states are torch tensors of the model's dtype.
 - `BundleSplitParts`: a hat-export bundle's `input`, `adapter` and `output` graphs run by onnxruntime or TensorRT part
-  runners (edge_runtime.backends.part_lm); states are numpy arrays of the graphs' float dtype, caches are `ArrayCache`s. No
-  torch on the device.
+  runners (edge_runtime.backends.part_lm); states are numpy arrays of the graphs' float dtype, caches are `ArrayCache`s.
+  No torch on the device.
 
 Both compute the same functions (export.validate checks the graphs against torch), so a bundle's device speaks the same
 protocol to the same cloud as a torch device with the same weights (the fingerprint in OpenSplit is the model's).

@@ -267,7 +267,8 @@ def cmd_train(args) -> int:
               evaluate(held, net, ells, lengths, list(range(len(held.traces))) * 20,
                        static=(4, min(2, len(ells) - 1))).items()}
     net.meta["held_out_tokens_per_s"] = scores
-    low, high = np.array([0.9, 0.9, 1.0, math.log10(args.low_rate)]), np.array([0.9, 0.9, 1.0, math.log10(args.high_rate)])
+    low, high = (np.array([0.9, 0.9, 1.0, math.log10(args.low_rate)]),
+                 np.array([0.9, 0.9, 1.0, math.log10(args.high_rate)]))
     net.meta["action_at_low_rate"] = net.actions[int(np.argmax(net.q_values(low)))].tolist()
     net.meta["action_at_high_rate"] = net.actions[int(np.argmax(net.q_values(high)))].tolist()
     net.save(args.out)

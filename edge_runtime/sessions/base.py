@@ -4,8 +4,9 @@ A session is opened on a prompt, stepped by its protocol's round function (edge_
 asks the cloud once, and commits what it produced through `commit`), reopened from its own history when the link
 drops or the cloud forgets it, and closed. Its family (hat_split.protocols) picks the class: `TokenSession` (token
 ids cross the link), `SplitSession` (hidden states cross; HAT) or `LocalSession` (nothing crosses);
-edge_runtime.protocols.new_session builds the right one. `run()` does all of it and returns a `GenerationResult`: the session's `Counters` plus what the
-request measured at its end (wall time, time to first token, link bytes counted from the real frames).
+edge_runtime.protocols.new_session builds the right one. `run()` does all of it and returns a `GenerationResult`: the
+session's `Counters` plus what the request measured at its end (wall time, time to first token, link bytes counted from
+the real frames).
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """`hat-calibrate`: measure how the draft's uncertainty predicts rejection, on real prompts kept apart from evaluation.
 
 Both models run in this process, on the path an HLM generation takes: the draft proposes a few tokens, the target
-verifies them exactly (hat_split.math.verify through the cloud's own `TargetSession`), the accepted text goes on. For every
-examined draft token (accepted ones and the first rejected one of each round) it records the uncertainty u (temperature
-perturbation of the draft's logits, U-HLM eq. 8-9), the draft probability x_d and the target probability y_d, and adds
-the token's tail-to-distortion ratios for CU-HLM's offline k*. hat_split.math.calibration turns the records into the rejection
-line, Δ, the two thresholds, the risk and its bound, and k*; the result is saved as JSON for `hat-edge --calibration`,
-the raw records as .npz, and a plot of u against β with the fit (the papers' Fig. 2 / 5) as PNG.
+verifies them exactly (hat_split.math.verify through the cloud's own `TargetSession`), the accepted text goes on. For
+every examined draft token (accepted ones and the first rejected one of each round) it records the uncertainty u
+(temperature perturbation of the draft's logits, U-HLM eq. 8-9), the draft probability x_d and the target probability
+y_d, and adds the token's tail-to-distortion ratios for CU-HLM's offline k*. hat_split.math.calibration turns the
+records into the rejection line, Δ, the two thresholds, the risk and its bound, and k*; the result is saved as JSON for
+`hat-edge --calibration`, the raw records as .npz, and a plot of u against β with the fit (the papers' Fig. 2 / 5) as
+PNG.
 """
 from __future__ import annotations
 

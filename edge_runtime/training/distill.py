@@ -134,7 +134,8 @@ def run(args) -> int:
             if not ckpt.is_file():
                 raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
             state = torch.load(ckpt, weights_only=False)
-            if state["args"]["model"] != args.model or state["args"]["m"] != args.m or state["args"]["tail"] != args.tail:
+            if (state["args"]["model"] != args.model or state["args"]["m"] != args.m
+                    or state["args"]["tail"] != args.tail):
                 raise ValueError(f"{ckpt} is for {state['args']['model']} m={state['args']['m']}, not this run")
             adapter.load_state_dict(state["adapter"])
             opt.load_state_dict(state["optimizer"])

@@ -245,7 +245,8 @@ def config_from_command_line(cls: Type[T], parser: argparse.ArgumentParser, args
     without, what every flag sets. `values`: argparse dest -> {dotted config key: value} that flag sets."""
     if args.config:
         given = given_flags(parser, argv)
-        return load_config(cls, args.config, {k: v for dest in given if dest in values for k, v in values[dest].items()})
+        return load_config(cls, args.config, {k: v for dest in given if dest in values
+                                              for k, v in values[dest].items()})
     data: Dict[str, Any] = {}
     for keys in values.values():
         for key, value in keys.items():

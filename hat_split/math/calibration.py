@@ -1,4 +1,5 @@
-"""U-HLM / CU-HLM calibration from recorded tokens: the rejection model, the skip thresholds, the risk and k*. Pure numpy.
+"""U-HLM / CU-HLM calibration from recorded tokens: the rejection model, the skip thresholds, the risk and k*.
+Pure numpy.
 
 Input: one record per examined draft token — its uncertainty u (U-HLM eq. 8-9), the draft probability x_d and the
 target probability y_d of that token — and, for CU-HLM's offline k*, the tail-to-distortion ratios of each token.

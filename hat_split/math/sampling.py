@@ -31,8 +31,8 @@ The rule is the speculative sampling of Leviathan, Kalman & Matias, "Fast infere
 speculative decoding", ICML 2023 (Algorithm 1, Appendix A.1 for the proof of exactness), and Chen et al.,
 "Accelerating large language model decoding with speculative sampling", arXiv:2302.01318, 2023 (Algorithm 2).
 QS-SD §II.3 restates it as eqs. (1)-(3), and eq. (4) is the resulting guarantee P(X = x) = p(x). The verification
-itself is in `hat_split.math.verify`; this module holds what both sides need to turn logits into the distributions p and q
-and to draw from them.
+itself is in `hat_split.math.verify`; this module holds what both sides need to turn logits into the distributions p and
+q and to draw from them.
 
 What is here
 ------------

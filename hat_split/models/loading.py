@@ -209,8 +209,8 @@ def load_model(name_or_path: str | os.PathLike[str], dtype: Any = "float32", dev
                tokenizer_only: bool = False, use_cache: bool = True, quiet: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
-    name_or_path: a registry name (`hat_split.models.registry.MODELS`), a Hugging Face directory (with config.json), or a
-        .gguf file. A registry model's GGUF is assembled on first use (its packages must be installed).
+    name_or_path: a registry name (`hat_split.models.registry.MODELS`), a Hugging Face directory (with config.json), or
+        a .gguf file. A registry model's GGUF is assembled on first use (its packages must be installed).
     dtype: torch dtype or its name ('float32', 'bfloat16', 'float16', or 'auto': see `resolve_dtype`). GGUF files
         are dequantised to float32, cached as float32, and cast afterwards.
     tokenizer_only: load just the tokenizer (from the cache if valid, else from the GGUF metadata: a few seconds);

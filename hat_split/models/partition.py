@@ -1,4 +1,5 @@
-"""Cut one causal LM into HAT's three parts: input (embeddings + first m layers), middle, output (last layers + norm + head).
+"""Cut one causal LM into HAT's three parts: input (embeddings + first m layers), middle,
+output (last layers + norm + head).
 
 HAT (paper 004, §3.1, Fig. 2): the input and output parts stay on the device, the middle part runs in the cloud, and
 only hidden states cross the link. Each part is a `Stack` — a contiguous range of the model's own decoder layers run
@@ -101,7 +102,8 @@ class Stack:
     model: Any  # the loaded *ForCausalLM
     start: int
     stop: int
-    extra_layers: List[Tuple[Any, str]] = field(default_factory=list)  # (layer, type) run after the model's own (adapter)
+    # (layer, type) run after the model's own (adapter)
+    extra_layers: List[Tuple[Any, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = self.model.config.num_hidden_layers
@@ -140,8 +142,6 @@ class Stack:
     def forward_batch(self, caches: Sequence[PartCache], hiddens: Sequence[Any]) -> List[Any]:
         """One forward for several sessions: `hiddens[i] # [1, n_i, hidden]` at positions caches[i].length .. ;
         returns each session's `# [1, n_i, hidden]`. Equal to forwarding each session alone."""
-        import torch
-
         if len(caches) != len(hiddens) or not caches:
             raise ValueError("forward_batch needs one cache per segment, and at least one segment")
         if len({id(c) for c in caches}) != len(caches):
@@ -176,7 +176,8 @@ class Stack:
                 if kind not in masks:
                     masks[kind] = mask_for(kind, window if kind == SLIDING else None)
                     rotary = self.model.model.rotary_emb
-                    rope[kind] = rotary(hidden, positions, kind) if self._rotary_takes_type else rotary(hidden, positions)
+                    rope[kind] = (rotary(hidden, positions, kind) if self._rotary_takes_type
+                                  else rotary(hidden, positions))
             for layer, kind in layers:
                 out = layer(hidden, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions,
                             past_key_values=cache, use_cache=True)
@@ -349,7 +350,8 @@ def check_family(model: Any) -> None:
     missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
     if kind not in SUPPORTED_FAMILIES or missing or not hasattr(model, "lm_head"):
         detail = f" (missing {', '.join(missing)})" if missing else ""
-        raise ValueError(f"cannot split a {kind!r} model{detail}: supported families are {', '.join(SUPPORTED_FAMILIES)}")
+        raise ValueError(f"cannot split a {kind!r} model{detail}: supported families are "
+                         f"{', '.join(SUPPORTED_FAMILIES)}")
 
 
 def model_fingerprint(model: Any) -> str:

@@ -4,7 +4,8 @@ A device drafting with `qs`, `ksqs` or `csqs` turns each draft distribution q `#
 1. a support X — the whole vocabulary (`qs`, QS-SD), the K most probable tokens (`ksqs`, K-SQS) or {x : q(x) ≥ β_n}
    (`csqs`, C-SQS eq. 6);
 2. the lattice point nearest to q renormalised on X (hat_split.math.lattice.nearest): integer counts summing to ℓ;
-3. the draft token is sampled from q̂ = counts / ℓ, and exactly (X, counts) is sent (hat_split.math.enumerative bit fields).
+3. the draft token is sampled from q̂ = counts / ℓ, and exactly (X, counts) is sent (hat_split.math.enumerative bit
+   fields).
 The cloud verifies against q̂ itself, so the output follows the LLM exactly at any ℓ and K (QS-SD Proposition 1).
 
 `sq` is the lossy prior art (sample, then quantize): the token is drawn from q and q̂ is quantized afterwards, with

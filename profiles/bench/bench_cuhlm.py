@@ -290,7 +290,8 @@ def run(args) -> int:
     tok = load_tokenizer(args.draft)
     ids = [encode(tok, p.text, p.chat) for p in prompts]
     t0 = time.perf_counter()
-    print(f"hat-bench cuhlm: {len(prompts)} prompts, variants {', '.join(variants)}; u_th = {base_unc.u_threshold:.3f}, "
+    print(f"hat-bench cuhlm: {len(prompts)} prompts, variants {', '.join(variants)}; "
+          f"u_th = {base_unc.u_threshold:.3f}, "
           f"β = {base_unc.beta_a:.3f}·u + {base_unc.beta_b:.3f}, k* = {base_unc.k_offline}", flush=True)
     models = run_models(args, variants, ids, base_unc)
     runs = models["loopback"]

@@ -322,7 +322,8 @@ def _line(e: dict) -> str:
     s = e["summary"]
     over = s["server_overhead"]
     return (f"  {e['experiment']:8s} {e['system']:9s} N={e['devices']:2d} rate={e['rate']:.2f}/s P={e['pipeline']} "
-            f"{s['requests']:3d}/{e['arrivals']:3d} req  TTFT mean/P50/P90 {_ms(s['ttft_mean_s'])}{_ms(s['ttft_p50_s'])}"
+            f"{s['requests']:3d}/{e['arrivals']:3d} req  "
+            f"TTFT mean/P50/P90 {_ms(s['ttft_mean_s'])}{_ms(s['ttft_p50_s'])}"
             f"{_ms(s['ttft_p90_s'])} ms  TBT {_ms(s['tbt_mean_s'])}{_ms(s['tbt_p50_s'])}{_ms(s['tbt_p90_s'])} ms  "
             f"step {_ms(s['step_compute_mean_s'])}±{_ms(s['step_compute_std_s']).strip()} ms "
             f"({s['step_tokens_mean'] or 0:.0f} tok)  overhead "

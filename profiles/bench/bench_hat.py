@@ -213,12 +213,14 @@ def print_tables(report: dict) -> None:
         print(f"  {'row':9s} {'TTFT ms':>8s} {'Δ':>6s} {'TBT ms':>7s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
               f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
         for name, s in t.items():
-            print(f"  {name:9s} {s['ttft_s'] * 1e3:8.1f} {100 * s.get('ttft_change', 0):+5.0f}% {s['tbt_s'] * 1e3:7.1f} "
-                  f"{100 * s.get('tbt_change', 0):+5.0f}% {s.get('accept_length', 0):6.2f} {s['tokens_per_round']:6.2f} "
+            print(f"  {name:9s} {s['ttft_s'] * 1e3:8.1f} {100 * s.get('ttft_change', 0):+5.0f}% "
+                  f"{s['tbt_s'] * 1e3:7.1f} {100 * s.get('tbt_change', 0):+5.0f}% {s.get('accept_length', 0):6.2f} "
+                  f"{s['tokens_per_round']:6.2f} "
                   f"{s['up_bytes_per_token']:9.0f} {s['prefill_chunks']:6.1f} {s.get('pd_hit_rate', 0):6.2f} "
                   f"{s.get('same_tokens_as_ushape', '')}")
     for link, row in report["table4"].items():
-        print(f"[Table 4, {link}] accept length {row['accept_length']:.2f}, tokens/round {row['tokens_per_round']:.2f}, "
+        print(f"[Table 4, {link}] accept length {row['accept_length']:.2f}, "
+              f"tokens/round {row['tokens_per_round']:.2f}, "
               f"decode speedup {row['decode_speedup']:.2f}x, trained parameters {row['trained_parameters']:,}")
 
 

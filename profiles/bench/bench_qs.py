@@ -106,7 +106,8 @@ def _run_method(rt, method, ids, params, args, base) -> list:
         r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed * 1000 + i)
         rows.append(r.to_json())
     s = _summary(rows)
-    print(f"  {method:13s} T={params.temperature:g}: {s['tokens_per_s']:.2f} tok/s, resampling {s['resampling_rate']:.2f}"
+    print(f"  {method:13s} T={params.temperature:g}: {s['tokens_per_s']:.2f} tok/s, "
+          f"resampling {s['resampling_rate']:.2f}"
           f", {s.get('payload_bits_per_draft', 0):.0f} bits/draft", flush=True)
     return rows
 
@@ -145,7 +146,8 @@ def codec_timing(vocab: int = 151_936, repeats: int = 20) -> dict:
     for name, wire in (("qs K=V ℓ=100", LatticeWire(vocab, 100, "full")),
                        ("ksqs K=16 ℓ=100", LatticeWire(vocab, 100, "topk", 16)),
                        ("ksqs K=64 ℓ=100", LatticeWire(vocab, 100, "topk", 64)),
-                       ("csqs β=0.001 ℓ=100", LatticeWire(vocab, 100, "conformal", 16, ConformalThreshold(beta=0.001)))):
+                       ("csqs β=0.001 ℓ=100", LatticeWire(vocab, 100, "conformal", 16,
+                                                          ConformalThreshold(beta=0.001)))):
         enc, dec = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -203,7 +205,8 @@ def run(args) -> int:
     th = ConformalThreshold(base.alpha, base.eta, base.beta)
     report["tables"] = tables = {"fig4": {}, "sqs": {}}
     for regime, block in report["fig4"].items():
-        tables["fig4"][regime] = {t: {m: _summary(rows) for m, rows in runs.items()} for t, runs in block["runs"].items()}
+        tables["fig4"][regime] = {t: {m: _summary(rows) for m, rows in runs.items()}
+                                  for t, runs in block["runs"].items()}
     for t, runs in report["sqs"].items():
         tables["sqs"][t] = {m: _summary(rows) for m, rows in runs.items()}
         cs = tables["sqs"][t].get("csqs")
@@ -223,7 +226,8 @@ def _print_tables(tables: dict) -> None:
         print(f"\n[{regime} rate] tokens/s (mean L, ℓ; measured uplink kbit/s)")
         for t, by_m in by_t.items():
             cells = [f"{m} {s['tokens_per_s']:.2f}" + (f" (L {s['mean_L']:.1f}, ℓ {s['mean_ell']:.0f}; "
-                                                        f"{s['measured_uplink_bps'] / 1e3:.0f})" if "mean_L" in s else "")
+                                                        f"{s['measured_uplink_bps'] / 1e3:.0f})"
+                                                        if "mean_L" in s else "")
                      for m, s in by_m.items()]
             print(f"  T={t}: " + " | ".join(cells))
     print("\n[ksqs / csqs] latency/token s, latency/round s, resampling rate, bits/draft (formula, payload, frame)")

@@ -172,7 +172,8 @@ def run(args) -> int:
                         w = sampler.window(cell.pop("t0"), cell.pop("t1"))
                         cell.update(backend=backend, draft_len=length, power_mw=w["power_mw"],
                                     cpu_pct=w["cpu_pct"], samples=w["samples"],
-                                    energy_per_token_j=None if w["energy_j"] is None else w["energy_j"] / cell["tokens"])
+                                    energy_per_token_j=(None if w["energy_j"] is None
+                                                        else w["energy_j"] / cell["tokens"]))
                         entry["cells"].append(cell)
                         power = "-" if cell["power_mw"] is None else f"{cell['power_mw']:.0f} mW"
                         print(f"  mode {label:12s} {backend:18s} L={length:2d}: {cell['tokens_per_s']:7.1f} tok/s, "

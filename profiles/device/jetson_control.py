@@ -1,8 +1,8 @@
 """nvpmodel and jetson_clocks: query and set a Jetson's power mode and clocks, with clear errors where they cannot run.
 
 Output formats (JetPack 4 to 7) the parsers read:
-- `nvpmodel -q`: `NV Power Mode: <NAME>` then the id on its own line; JetPack 4 Xavier prints `NV Fan Mode:<mode>` first;
-  without root it may add `NVPM ERROR: ...: 13` lines for files it cannot open, yet still report the mode.
+- `nvpmodel -q`: `NV Power Mode: <NAME>` then the id on its own line; JetPack 4 Xavier prints `NV Fan Mode:<mode>`
+  first; without root it may add `NVPM ERROR: ...: 13` lines for files it cannot open, yet still report the mode.
 - `nvpmodel -p --verbose`: `NVPM VERB: PM_CONFIG: DEFAULT=<NAME>(<id>)` and one `NVPM VERB: POWER_MODEL: ID=<id>
   NAME=<NAME>` per mode.
 - `nvpmodel -m <id>`: silent on success; `NVPM ERROR ...` lines on failure (the exit status is not always non-zero, so

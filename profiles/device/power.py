@@ -63,7 +63,8 @@ class JtopBackend:
         try:
             from jtop import jtop  # jetson-stats; optional extra `jetson`
         except ImportError:
-            raise BackendUnavailable("jetson-stats is not installed (pip install 'hatspec[jetson]'; AGPL-3.0)") from None
+            raise BackendUnavailable("jetson-stats is not installed "
+                                     "(pip install 'hatspec[jetson]'; AGPL-3.0)") from None
         self._jetson = jtop(interval=interval_s)
         try:
             self._jetson.start()
