@@ -31,7 +31,7 @@ FLAG_KEYS = {  # argparse dest → the EdgeConfig key (dotted: nested table) it 
     "curve_server_key": "link.security.server_key",
     "backend": "engine.backend", "bundle": "engine.bundle", "precision": "engine.precision",
     "threads": "engine.threads", "dtype": "engine.dtype", "weight_quant": "engine.weight_quant",
-    "token_draft": "engine.token_draft",
+    "token_draft": "engine.token_draft", "n_ctx": "engine.n_ctx", "n_batch": "engine.n_batch",
     "device_profile": "device_profile", "draft_len": "draft_len", "draft_stop_prob": "draft_stop_prob",
     "dist_dtype": "dist_dtype", "overlap_prefill": "overlap_prefill",
     "ell": "qs.ell", "k": "qs.k", "alpha": "qs.alpha", "eta": "qs.eta", "beta": "qs.beta",
@@ -101,14 +101,19 @@ def _add_edge_args(g) -> None:
     g.add_argument("--device-profile", default="", help="this board's profile (hat-profile list), reported to the "
                                                       "cloud with its power mode and drafting delay")
     g.add_argument("--retries", type=int, default=d["connect_retries"].default)
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    g.add_argument("--threads", type=int, default=0, help="torch or llama.cpp threads (0: their default)")
     g.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES, help="draft model dtype")
     g.add_argument("--weight-quant", default=d["weight_quant"].default, choices=WEIGHT_QUANTS,
                    help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
     g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,
                    help="η: end a draft after a token whose draft probability is below η (0: always --draft-len)")
     g.add_argument("--backend", default=d["backend"].default, choices=BACKENDS,
-                   help="what runs the draft: torch (--model), or onnxruntime / tensorrt (a hat-export --bundle)")
+                   help="what runs the draft: torch (--model), onnxruntime / tensorrt (a hat-export --bundle), or "
+                        "llamacpp (--model's GGUF file on llama.cpp; token protocols)")
+    g.add_argument("--n-ctx", type=int, default=d["n_ctx"].default,
+                   help="llamacpp: KV positions of the draft's context (default %(default)s)")
+    g.add_argument("--n-batch", type=int, default=d["n_batch"].default,
+                   help="llamacpp: tokens per llama_decode (default %(default)s)")
     g.add_argument("--bundle", default="", help="hat-export bundle directory for --backend onnxruntime / tensorrt")
     g.add_argument("--precision", default=d["precision"].default, choices=PRECISIONS,
                    help="which of the bundle's artifacts (default %(default)s)")
@@ -276,7 +281,7 @@ def main(argv=None) -> int:
     if args.command == "serve":
         try:
             return run_agent(configured)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, ImportError) as exc:  # ImportError: an engine's optional package is missing
             print(f"hat-edge serve: {exc}", file=sys.stderr)
             return 2
     config = configured
@@ -299,7 +304,7 @@ def main(argv=None) -> int:
     except (CloudUnavailable, CloudError) as exc:
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 3
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:  # ImportError: says which package to install
         print(f"hat-edge: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -22,7 +22,8 @@ OVERLAP_MODES = ("auto", "on", "off")
 LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (sessions.base.Session.resume)
 CHUNKING_MODES = ("auto", "off")
 TOKEN_DRAFTS = ("model", "adapter")
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "llamacpp")
+BUNDLE_BACKENDS = ("onnxruntime", "tensorrt")  # run a hat-export bundle's graphs
 
 
 @dataclass(frozen=True)
@@ -168,20 +169,23 @@ class LinkConfig:
 class EngineConfig:
     """What runs the draft on the device, and how: torch on the model, or a hat-export bundle's graphs."""
 
-    backend: str = "torch"  # what runs the draft: torch (the model) | onnxruntime | tensorrt (a hat-export bundle)
+    backend: str = "torch"  # what runs the draft: torch (the model) | onnxruntime | tensorrt (a hat-export bundle) |
+    # llamacpp (the model's GGUF file, quantised as shipped, on llama.cpp: token protocols only)
     bundle: str = ""  # hat-export bundle directory (onnxruntime / tensorrt)
     precision: str = "fp32"  # which of the bundle's artifacts: fp32 | fp16 | int8 | int4
     providers: tuple = ()  # onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU
     dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads, or llama.cpp threads (llamacpp); 0 keeps their default (every core)
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
     token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
     # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
+    n_ctx: int = 4096  # llamacpp: KV positions of the draft's context (the longest prompt + answer)
+    n_batch: int = 512  # llamacpp: tokens per llama_decode (a longer prompt is fed in several)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend != "torch" and not self.bundle:
+        if self.backend in BUNDLE_BACKENDS and not self.bundle:
             raise ValueError(f"backend {self.backend} runs a hat-export bundle: give bundle (--bundle DIR)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
@@ -193,6 +197,11 @@ class EngineConfig:
             raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}, got {self.weight_quant!r}")
         if self.token_draft not in TOKEN_DRAFTS:
             raise ValueError(f"token_draft must be one of {', '.join(TOKEN_DRAFTS)}, got {self.token_draft!r}")
+        if self.backend == "llamacpp" and self.token_draft != "model":
+            raise ValueError("backend llamacpp drafts with the whole model (token_draft model): the adapter's draft "
+                             "runs on torch or a bundle")
+        if self.n_ctx < 8 or self.n_batch < 1:
+            raise ValueError(f"n_ctx must be >= 8 positions and n_batch >= 1 tokens, got {self.n_ctx}, {self.n_batch}")
 
 
 @dataclass(frozen=True)

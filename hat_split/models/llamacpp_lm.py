@@ -1,0 +1,187 @@
+"""A causal LM on llama.cpp (llama-cpp-python's low-level API): the GGUF file runs quantised, as llama.cpp runs it.
+
+The same interface as hat_split.models.lm.CausalLM (`new_state`, `forward`, `crop`, `greedy`, `vocab_size`), so a
+drafter or a verifier can run on either engine. One llama.cpp context serves every state: each `KVState` holds one
+sequence id of that context (its `cache`), a forward appends the state's tokens to its sequence in one
+`llama_decode` per `n_batch` chunk and returns the full logits rows asked for (exact speculative sampling needs the
+whole row), and a crop removes the sequence's positions from the KV cache (`llama_memory_seq_rm`): the prefix is
+never recomputed. A state's sequence id goes back to the pool when the state is garbage-collected.
+
+llama-cpp-python is optional (scripts/install_llamacpp.sh builds it for this machine's CPU); importing this module
+needs it, and `require_llama_cpp()` says how to install it.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence, Union
+
+import numpy as np
+
+from hat_split.models.lm import CausalLM, KVState, check_crop, check_feed
+from hat_split.models.registry import MODELS, gguf_path
+
+INSTALL_HINT = "llama-cpp-python is not installed: bash scripts/install_llamacpp.sh builds it for this CPU"
+
+
+def require_llama_cpp():
+    """The llama_cpp module, or an ImportError that says how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    quiet = logging.getLogger("llama-cpp-python")  # the bindings print llama.cpp's log through it: errors only,
+    if quiet.level == logging.NOTSET:  # unless the application set a level
+        quiet.setLevel(logging.ERROR)
+    return llama_cpp
+
+
+def model_gguf(model: Union[str, Path]) -> Path:
+    """The GGUF file llama.cpp runs for `model`: a registry name's assembled file, or a .gguf path as given."""
+    if str(model) in MODELS:
+        return gguf_path(str(model))
+    if str(model).endswith(".gguf"):
+        return Path(model)
+    raise ValueError(f"llama.cpp runs GGUF files: give a registry model ({', '.join(MODELS)}) or a .gguf path, "
+                     f"not {str(model)!r}")
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    """How the llama.cpp context is made (the role's config passes these whole)."""
+
+    n_ctx: int = 4096  # KV positions of every sequence together (kv_unified): the longest prompt + answer, summed
+    #                    over the sequences held at once
+    n_batch: int = 512  # tokens per llama_decode: a longer chunk is fed in several calls
+    n_threads: int = 0  # CPU threads; 0 = every core this process may use
+    n_seq_max: int = 1  # states held at once (sequence ids): 1 on a device, one per session in a cloud
+    flash_attn: bool = True  # llama.cpp's fused attention: faster on long contexts; its rounding differs slightly
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 8 or self.n_batch < 1 or self.n_threads < 0 or self.n_seq_max < 1:
+            raise ValueError("llama.cpp needs n_ctx >= 8, n_batch >= 1, n_threads >= 0 and n_seq_max >= 1")
+
+
+class LlamaCppLM:
+    """A GGUF model on llama.cpp with per-state sequences on one context."""
+
+    def __init__(self, gguf: Union[str, Path], settings: LlamaCppSettings = LlamaCppSettings()):
+        L = require_llama_cpp()
+        self._L = L
+        self.path = Path(gguf)
+        self.settings = settings
+        if not self.path.is_file():
+            raise ValueError(f"{self.path} does not exist")
+        with self.path.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ValueError(f"{self.path} is not a GGUF file")
+        L.llama_backend_init()
+        mparams = L.llama_model_default_params()
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path} as a model")
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = settings.n_ctx
+        cparams.n_batch = cparams.n_ubatch = settings.n_batch
+        cparams.n_seq_max = settings.n_seq_max
+        cparams.kv_unified = True  # every sequence may use the whole n_ctx
+        cparams.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
+                                   else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        threads = settings.n_threads or len(os.sched_getaffinity(0))
+        cparams.n_threads = cparams.n_threads_batch = threads
+        self._ctx = L.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise ValueError(f"llama.cpp could not make a context of {settings.n_ctx} positions for {self.path}")
+        self._memory = L.llama_get_memory(self._ctx)
+        self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))  # width of a logits row
+        self._batch = L.llama_batch_init(settings.n_batch, 0, 1)
+        self._free: List[int] = list(range(settings.n_seq_max))
+        self._closed = False
+
+    # -- states ----------------------------------------------------------------------------------------------------
+    def new_state(self) -> KVState:
+        """An empty state on a free sequence id (RuntimeError when n_seq_max states are alive)."""
+        if not self._free:
+            raise RuntimeError(f"all {self.settings.n_seq_max} llama.cpp sequences are in use (n_seq_max)")
+        seq = self._free.pop(0)
+        self._L.llama_memory_seq_rm(self._memory, seq, -1, -1)
+        state = KVState(cache=seq)
+        weakref.finalize(state, self._release, seq)
+        return state
+
+    def _release(self, seq: int) -> None:
+        if not self._closed:
+            self._L.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._free.append(seq)
+
+    # -- compute ---------------------------------------------------------------------------------------------------
+    def forward(self, state: KVState, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        """Append `tokens` to the state's sequence; return float32 `# [n_logits, vocab]`, the logits of the last
+        n_logits positions (0: an empty array)."""
+        n = len(tokens)
+        check_feed(n, n_logits)
+        if state.length + n > self.settings.n_ctx:
+            raise ValueError(f"a context of {state.length + n} positions is longer than the {self.settings.n_ctx} "
+                             "configured (n_ctx)")
+        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
+        L, b, step = self._L, self._batch, self.settings.n_batch
+        out = np.empty((n_logits, self.vocab_size), dtype=np.float32)
+        first_logit = n - n_logits
+        t0 = time.perf_counter()
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            for i, t in enumerate(tokens[lo:hi]):
+                b.token[i] = int(t)
+                b.pos[i] = state.length + lo + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = state.cache
+                b.logits[i] = lo + i >= first_logit
+            b.n_tokens = hi - lo
+            rc = L.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed ({rc}) at positions {state.length + lo}..{state.length + hi}")
+            for i in range(max(lo, first_logit), hi):
+                row = L.llama_get_logits_ith(self._ctx, i - lo)
+                out[i - first_logit] = np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)),
+                                                             shape=(self.vocab_size,))
+        state.length += n
+        state.forward_s += time.perf_counter() - t0
+        state.forward_tokens += n
+        return out
+
+    def crop(self, state: KVState, length: int) -> None:
+        """Drop the state's positions >= length from the KV cache (rejected drafts)."""
+        check_crop(state, length)
+        if length < state.length:
+            if not self._L.llama_memory_seq_rm(self._memory, state.cache, length, -1):
+                raise RuntimeError(f"llama.cpp could not remove positions {length}.. of sequence {state.cache}")
+            state.length = length
+
+    def eog_ids(self) -> List[int]:
+        """The tokens that end a generation, as the GGUF file declares them (end of sequence, end of turn)."""
+        vocab = self._L.llama_model_get_vocab(self._model)
+        return [t for t in range(self.vocab_size) if self._L.llama_vocab_is_eog(vocab, t)]
+
+    greedy = CausalLM.greedy  # the same reference loop over new_state / forward
+    warm_up = CausalLM.warm_up
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._L.llama_batch_free(self._batch)
+            self._L.llama_free(self._ctx)
+            self._L.llama_model_free(self._model)
+
+    def __enter__(self) -> "LlamaCppLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
