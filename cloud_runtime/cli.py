@@ -13,15 +13,17 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Optional, Sequence
 
 from cloud_runtime import pipeline
-from cloud_runtime.config import CloudConfig
+from cloud_runtime.config import ENGINES, CloudConfig
 from cloud_runtime.server import CloudServer
 from hat_split.files.config_file import add_config_argument, config_from_command_line
+from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
 from hat_split.models.lm import CausalLM
-from hat_split.models.loading import load_model, vocab_fingerprint
-from hat_split.models.registry import MODEL_DTYPES
+from hat_split.models.loading import load_model, load_tokenizer, vocab_fingerprint
+from hat_split.models.registry import MODEL_DTYPES, MODELS, get_model_spec
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
 
@@ -31,7 +33,8 @@ FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeo
              "prefill_floor": "prefill_floor", "kv_positions": "kv_positions", "stats_json": "stats_json",
              "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
              "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
-             "curve_allow": "security.allow_dir", "plaintext": "security.mode"}
+             "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",
+             "n_batch": "n_batch"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--status-interval", type=float, default=d["status_interval_s"].default, metavar="S")
     s.add_argument("--pipeline", type=int, default=d["pipeline"].default,
                    help="pipeline stages for the middle layers, one process each under torchrun (default %(default)s)")
-    s.add_argument("--threads", type=int, default=d["threads"].default, help="torch threads (0: torch default)")
+    s.add_argument("--threads", type=int, default=d["threads"].default,
+                   help="torch or llama.cpp threads (0: their default)")
+    s.add_argument("--engine", default=d["engine"].default, choices=ENGINES,
+                   help="torch (every protocol) or llamacpp (the model's GGUF file on llama.cpp; token protocols)")
+    s.add_argument("--n-ctx", type=int, default=d["n_ctx"].default,
+                   help="llamacpp: KV positions of all sessions together (default %(default)s)")
+    s.add_argument("--n-batch", type=int, default=d["n_batch"].default,
+                   help="llamacpp: positions per llama_decode (default %(default)s)")
     s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
                    help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
     s.add_argument("-v", "--verbose", action="store_true")
@@ -108,6 +118,8 @@ def relaunch_under_torchrun(config: CloudConfig, argv: Sequence[str]) -> None:
 
 
 def serve(config: CloudConfig) -> int:
+    if config.engine == "llamacpp":
+        return serve_llamacpp(config)
     import torch
 
     if config.threads:
@@ -138,12 +150,33 @@ def serve(config: CloudConfig) -> int:
     lm.warm_up()  # so the first device's TTFT is not the disk's
     executor = pipeline.PipelineExecutor(loaded.model, config.pipeline, back) if config.pipeline > 1 else None
     server = CloudServer(config, lm, name, vocab_fingerprint(loaded.tokenizer), executor)
+    return run_server(config, server, f"model={name} dtype={str(loaded.model.dtype).removeprefix('torch.')} "
+                                      f"load_s={loaded.load_seconds:.1f} pipeline={config.pipeline}")
+
+
+def serve_llamacpp(config: CloudConfig) -> int:
+    """The target's GGUF file on llama.cpp: token protocols, every session a sequence of one context."""
+    t0 = time.perf_counter()
+    try:
+        lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(config.n_ctx, config.n_batch, config.threads,
+                                                                   n_seq_max=config.max_sessions + 1))
+        tokenizer = load_tokenizer(config.model)
+    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
+        print(f"hat-cloud: cannot load model {config.model!r} on llama.cpp: {exc}", file=sys.stderr)
+        return 2
+    lm.warm_up()
+    name = get_model_spec(config.model).name if config.model in MODELS else str(config.model)
+    server = CloudServer(config, lm, name, vocab_fingerprint(tokenizer))
+    return run_server(config, server, f"model={name} engine=llamacpp n_ctx={config.n_ctx} "
+                                      f"load_s={time.perf_counter() - t0:.1f} pipeline=1")
+
+
+def run_server(config: CloudConfig, server: CloudServer, details: str) -> int:
+    """Serve until SIGTERM or Ctrl-C, after printing the ready line with `details`; the stats file at the end."""
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         with server:
-            print(f"{READY_LINE} endpoint={server.endpoint} model={name} "
-                  f"dtype={str(loaded.model.dtype).removeprefix('torch.')} load_s={loaded.load_seconds:.1f} "
-                  f"pipeline={config.pipeline}", flush=True)
+            print(f"{READY_LINE} endpoint={server.endpoint} {details}", flush=True)
             server.serve_forever()
     except KeyboardInterrupt:
         pass
@@ -156,7 +189,6 @@ def serve(config: CloudConfig) -> int:
             with open(config.stats_json, "w", encoding="utf-8") as f:
                 json.dump(server.report(), f)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

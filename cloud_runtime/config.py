@@ -9,6 +9,8 @@ from hat_split.models.registry import MODEL_DTYPES
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES
 
+ENGINES = ("torch", "llamacpp")
+
 
 @dataclass(frozen=True)
 class CloudConfig:
@@ -20,7 +22,7 @@ class CloudConfig:
     max_context: int = 8192  # tokens (positions) per session, prompt + generated (bounds KV memory)
     max_generate: int = 256  # tokens one Generate request may ask for (bounds one request's time)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # bytes: larger requests are refused unread
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default (all cores)
+    threads: int = 0  # torch intra-op threads, or llama.cpp's; 0 keeps their default (all cores)
     dtype: str = "auto"  # model dtype; "auto": bfloat16 where matmuls have it in hardware (hat_split.models.loading)
     poll_ms: int = 200  # milliseconds: how often the idle loop wakes to expire sessions and write the status file
     token_budget: int = 512  # positions per batched step, all sessions (cloud_runtime.scheduler): bounds step latency
@@ -31,6 +33,10 @@ class CloudConfig:
     status_file: str = ""  # path: while serving, rewrite the same report here (hat-fleet status); "" none
     status_interval_s: float = 5.0  # seconds between two status files (each costs a report and a write)
     pipeline: int = 1  # stages of the layers, one torch.distributed process each (cloud_runtime.pipeline)
+    engine: str = "torch"  # what runs the target: torch (every protocol) | llamacpp (the model's GGUF file on
+    # llama.cpp, quantised as shipped: the token protocols, every session's work in one llama_decode per step)
+    n_ctx: int = 16384  # llamacpp: KV positions of all sessions together (the llama.cpp context's size: memory)
+    n_batch: int = 512  # llamacpp: positions per llama_decode (a longer step is fed in several)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -53,5 +59,11 @@ class CloudConfig:
                              f"got {self.prefill_floor}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "llamacpp" and self.pipeline > 1:
+            raise ValueError("pipeline stages run on the torch engine; a llama.cpp cloud runs in one process")
+        if self.n_ctx < 8 or self.n_batch < 1:
+            raise ValueError(f"n_ctx must be >= 8 positions and n_batch >= 1, got {self.n_ctx}, {self.n_batch}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")

@@ -43,6 +43,10 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
     """What the handlers need to know of the target; a model without layers (tests' Markov chains) or of an unknown
     family gets a reason the split protocols are refused."""
     model = getattr(lm, "model", None)
+    if model is None and hasattr(lm, "forward_many"):  # hat_split.models.llamacpp_lm: a GGUF file, no layers here
+        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0,
+                          split_refusal="the split protocols (ushape, hat) run on the torch engine; this cloud runs "
+                                        "llama.cpp (hat-cloud serve --engine torch)")
     try:
         check_family(model)
     except ValueError as exc:

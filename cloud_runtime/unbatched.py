@@ -1,5 +1,7 @@
-"""A target whose layout the partition does not know (hat_split.models.partition.check_family), served one request at
-a time on each session's own HF cache (hat_split.models.lm: `forward` on a `KVState`, `crop`).
+"""A target the batched steps do not run, on each session's own cache (`new_state`, `forward` on a `KVState`,
+`crop`): a torch model whose layout the partition does not know (hat_split.models.partition.check_family), one
+request at a time on its HF cache; or a llama.cpp target (hat_split.models.llamacpp_lm), whose `forward_many` puts
+every session's queued work of a step into one batch (one sequence id each, one `llama_decode` per n_batch positions).
 
 It takes the handlers' work through the same calls as the batched path (cloud_runtime.batching.Batcher): token ids
 in, the logits rows the request wants out, at the server's next `step()`. Split protocols are refused before any
@@ -37,7 +39,7 @@ class UnbatchedRunner:
         self.lm = lm  # hat_split.models.lm.CausalLM, or anything with new_state / forward / crop (tests' chains)
         self.caches: Dict[Hashable, Any] = {}  # session key → KVState
         self._queue: List[_Work] = []
-        self.launches = 0  # works computed so far
+        self.launches = 0  # forwards computed so far (one per work, or one per batch of sessions)
         self.stats = StepStats()  # no batched steps: only forward_s (model time) counts
 
     @property
@@ -75,29 +77,57 @@ class UnbatchedRunner:
         return bool(self._queue)
 
     def step(self) -> Finished:
-        """Compute every queued work; a session whose forward fails is dropped."""
+        """Compute every queued work, in arrival order: one forward_many call per round of distinct sessions when the
+        model batches, else one forward per work. The sessions of a failed forward are dropped (their caches are in
+        an unknown state)."""
         out = Finished()
         queue, self._queue = self._queue, []
-        for work in queue:
-            if work.key in out.dropped:
-                out.failed.append((work.tag, "the session's earlier work failed"))
-                continue
-            t0 = time.perf_counter()
-            try:
-                logits = self.lm.forward(self.caches[work.key], work.tokens, n_logits=work.logits)  # [logits, vocab]
-            except Exception as exc:  # the cache is in an unknown state: drop the session
-                log.exception("forward failed")
+        while queue:
+            batch, seen, rest = [], set(), []
+            for work in queue:  # a session's second work waits for the next round (it continues the first)
+                (rest if work.key in seen or not self._batches and batch else batch).append(work)
+                seen.add(work.key)
+            queue = rest
+            batch = [w for w in batch if not self._refuse_dropped(w, out)]
+            if batch:
+                self._compute(batch, out)
+        return out
+
+    @property
+    def _batches(self) -> bool:
+        return hasattr(self.lm, "forward_many")
+
+    @staticmethod
+    def _refuse_dropped(work: _Work, out: Finished) -> bool:
+        if work.key in out.dropped:
+            out.failed.append((work.tag, "the session's earlier work failed"))
+            return True
+        return False
+
+    def _compute(self, batch: List[_Work], out: Finished) -> None:
+        t0 = time.perf_counter()
+        caches = [self.caches[w.key] for w in batch]
+        try:
+            if self._batches:
+                rows = self.lm.forward_many(caches, [w.tokens for w in batch], [w.logits for w in batch])
+            else:
+                rows = [self.lm.forward(caches[0], batch[0].tokens, n_logits=batch[0].logits)]  # [logits, vocab]
+        except Exception as exc:  # the caches are in an unknown state: drop the sessions
+            log.exception("forward failed")
+            for work in batch:
                 out.failed.append((work.tag, f"{type(exc).__name__}: {exc}"))
                 self.close(work.key)
                 out.dropped.append(work.key)
-                continue
-            dt = time.perf_counter() - t0
-            self.launches += 1
-            self.stats.forward_s += dt
-            work.tag.compute_s += dt
-            work.tag.session.compute_s += dt
+            return
+        dt = time.perf_counter() - t0
+        self.launches += 1
+        self.stats.forward_s += dt
+        total = sum(len(w.tokens) for w in batch)
+        for work, logits in zip(batch, rows):
+            share = dt * len(work.tokens) / total  # the forward's time, shared by its tokens
+            work.tag.compute_s += share
+            work.tag.session.compute_s += share
             out.done.append((work.tag, logits if work.logits else None))
-        return out
 
     def shutdown(self) -> None:
         self.caches.clear()

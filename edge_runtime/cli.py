@@ -107,7 +107,7 @@ def _add_edge_args(g) -> None:
                    help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
     g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,
                    help="η: end a draft after a token whose draft probability is below η (0: always --draft-len)")
-    g.add_argument("--backend", default=d["backend"].default, choices=BACKENDS,
+    g.add_argument("--backend", "--engine", dest="backend", default=d["backend"].default, choices=BACKENDS,
                    help="what runs the draft: torch (--model), onnxruntime / tensorrt (a hat-export --bundle), or "
                         "llamacpp (--model's GGUF file on llama.cpp; token protocols)")
     g.add_argument("--n-ctx", type=int, default=d["n_ctx"].default,

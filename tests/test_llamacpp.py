@@ -4,10 +4,12 @@ same file, states are independent sequences of one context, and bad input is ref
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
 
+from cloud_runtime.process import CloudProcess
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 from edge_runtime.runtime import EdgeRuntime
 from hat_split.math.sampling import SamplingParams
@@ -133,3 +135,56 @@ def test_the_device_config_refuses_what_llama_cpp_cannot_run():
         EngineConfig(backend="llamacpp", n_ctx=4)
     with pytest.raises(ValueError, match="llama.cpp runs GGUF files"):
         model_gguf("some/hf-directory")
+
+
+def test_several_states_in_one_forward_equal_each_alone(lm, ids):
+    alone = [lm.forward(lm.new_state(), ids, n_logits=3), lm.forward(lm.new_state(), ids[:7], n_logits=1)]
+    a, b = lm.new_state(), lm.new_state()
+    together = lm.forward_many([a, b], [ids, ids[:7]], [3, 1])
+    for got, want in zip(together, alone):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+        assert (got.argmax(1) == want.argmax(1)).all()
+    assert (a.length, b.length) == (len(ids), 7)
+    with pytest.raises(ValueError, match="once per forward_many"):
+        lm.forward_many([a, a], [[1], [2]], [1, 1])
+
+
+def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(gguf, smollm2, ids):
+    """Two devices at once on a llama.cpp target served from a thread: `sd` gives each the target's own greedy
+    tokens, whatever else shares its steps; a split protocol is refused with the reason."""
+    target = LlamaCppLM(gguf, LlamaCppSettings(n_ctx=2048, n_batch=64, n_threads=2, n_seq_max=8))
+    prompts = [ids, list(smollm2.tokenizer("def quicksort(xs):\n")["input_ids"])]
+    reference = [target.greedy(p, 20) for p in prompts]
+    with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
+        config = EdgeConfig(model="smollm2-135m", engine=EngineConfig(backend="llamacpp", n_ctx=1024, threads=1),
+                            link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()), draft_len=3)
+        results = [None, None]
+
+        def device(i):
+            with EdgeRuntime(config) as rt:
+                results[i] = rt.generate(prompts[i], "sd", SamplingParams(0.0), 20, seed=i).tokens
+
+        threads = [threading.Thread(target=device, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == reference
+        with EdgeRuntime(EdgeConfig(model="smollm2-135m", link=config.link), smollm2) as rt:
+            with pytest.raises(Exception, match="run on the torch engine; this cloud runs llama.cpp"):
+                rt.generate(ids, "ushape", SamplingParams(0.0), 4, seed=0)
+
+
+def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(gguf, smollm2, ids):
+    """`hat-cloud serve --engine llamacpp` in its own process, the device on llama.cpp: `sd` and `hlm` at
+    temperature 0 return exactly the llama.cpp target's greedy continuation."""
+    with LlamaCppLM(gguf, LlamaCppSettings(n_ctx=1024, n_batch=512, n_threads=2)) as alone:
+        reference = alone.greedy(ids, 24)
+    with CloudProcess("smollm2-135m", extra_args=["--engine", "llamacpp", "--n-ctx", "2048"], threads=1,
+                      ready_timeout_s=300) as cloud:
+        assert "engine=llamacpp" in cloud.ready_info
+        config = EdgeConfig(model="smollm2-135m", engine=EngineConfig(backend="llamacpp", n_ctx=1024, threads=1),
+                            link=LinkConfig(cloud.endpoint, security=LinkSecurity.plaintext()))
+        with EdgeRuntime(config) as rt:
+            for protocol in ("sd", "hlm", "llm"):
+                assert rt.generate(ids, protocol, SamplingParams(0.0), 24, seed=0).tokens == reference, protocol

@@ -124,38 +124,59 @@ class LlamaCppLM:
     def forward(self, state: KVState, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
         """Append `tokens` to the state's sequence; return float32 `# [n_logits, vocab]`, the logits of the last
         n_logits positions (0: an empty array)."""
-        n = len(tokens)
-        check_feed(n, n_logits)
-        if state.length + n > self.settings.n_ctx:
-            raise ValueError(f"a context of {state.length + n} positions is longer than the {self.settings.n_ctx} "
-                             "configured (n_ctx)")
-        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
+        return self.forward_many([state], [tokens], [n_logits])[0]
+
+    def forward_many(self, states: Sequence[KVState], feeds: Sequence[Sequence[int]],
+                     n_logits: Sequence[int]) -> List[np.ndarray]:
+        """Several states' chunks in as few `llama_decode` calls as n_batch allows (one batch, one sequence id per
+        state): a cloud's step of many sessions. Returns each state's `# [n_logits_i, vocab]`; nothing changes when a
+        feed is refused."""
+        if not len(states) == len(feeds) == len(n_logits):
+            raise ValueError("forward_many needs one feed and one n_logits per state")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("a state may appear once per forward_many")
+        for state, tokens, k in zip(states, feeds, n_logits):
+            check_feed(len(tokens), k)
+            bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
+            if state.length + len(tokens) > self.settings.n_ctx:
+                raise ValueError(f"a context of {state.length + len(tokens)} positions is longer than the "
+                                 f"{self.settings.n_ctx} configured (n_ctx)")
+        # every position as (state index, index in its feed); rows wanted: the last n_logits of each feed
+        items = [(i, j) for i, tokens in enumerate(feeds) for j in range(len(tokens))]
+        outs = [np.empty((k, self.vocab_size), dtype=np.float32) for k in n_logits]
         L, b, step = self._L, self._batch, self.settings.n_batch
-        out = np.empty((n_logits, self.vocab_size), dtype=np.float32)
-        first_logit = n - n_logits
         t0 = time.perf_counter()
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            for i, t in enumerate(tokens[lo:hi]):
-                b.token[i] = int(t)
-                b.pos[i] = state.length + lo + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = state.cache
-                b.logits[i] = lo + i >= first_logit
-            b.n_tokens = hi - lo
+        for lo in range(0, len(items), step):
+            chunk = items[lo:lo + step]
+            wanted = []
+            for slot, (i, j) in enumerate(chunk):
+                first = len(feeds[i]) - n_logits[i]
+                b.token[slot] = int(feeds[i][j])
+                b.pos[slot] = states[i].length + j
+                b.n_seq_id[slot] = 1
+                b.seq_id[slot][0] = states[i].cache
+                b.logits[slot] = j >= first
+                if j >= first:
+                    wanted.append((slot, i, j - first))
+            b.n_tokens = len(chunk)
             rc = L.llama_decode(self._ctx, b)
+            if rc == 1:  # the states' caches are then in an unknown state: their owner drops them
+                raise RuntimeError(f"the KV cache is full: every state together holds at most n_ctx = "
+                                   f"{self.settings.n_ctx} positions")
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed ({rc}) at positions {state.length + lo}..{state.length + hi}")
-            for i in range(max(lo, first_logit), hi):
-                row = L.llama_get_logits_ith(self._ctx, i - lo)
-                out[i - first_logit] = np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)),
-                                                             shape=(self.vocab_size,))
-        state.length += n
-        state.forward_s += time.perf_counter() - t0
-        state.forward_tokens += n
-        return out
+                raise RuntimeError(f"llama_decode failed ({rc})")
+            for slot, i, row in wanted:
+                ptr = ctypes.cast(L.llama_get_logits_ith(self._ctx, slot), ctypes.POINTER(ctypes.c_float))
+                outs[i][row] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+        dt = time.perf_counter() - t0
+        total = max(1, len(items))
+        for state, tokens in zip(states, feeds):
+            state.length += len(tokens)
+            state.forward_s += dt * len(tokens) / total  # the step's time, shared by tokens
+            state.forward_tokens += len(tokens)
+        return outs
 
     def crop(self, state: KVState, length: int) -> None:
         """Drop the state's positions >= length from the KV cache (rejected drafts)."""
