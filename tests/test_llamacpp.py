@@ -12,12 +12,13 @@ import pytest
 from cloud_runtime.process import CloudProcess
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 from edge_runtime.runtime import EdgeRuntime
-from hat_split.math.sampling import SamplingParams
+from hat_split.math.sampling import SamplingParams, warp
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import vocab_fingerprint
 from hat_split.models.registry import gguf_path
 from hat_split.net.security import LinkSecurity
 from tests.conftest import serving
+from tests.test_sampling import tv, tv_bound
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
 
@@ -188,3 +189,28 @@ def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(g
         with EdgeRuntime(config) as rt:
             for protocol in ("sd", "hlm", "llm"):
                 assert rt.generate(ids, protocol, SamplingParams(0.0), 24, seed=0).tokens == reference, protocol
+
+
+def test_the_first_sampled_token_follows_the_llama_cpp_targets_softmax(gguf, smollm2):
+    """Temperature 1, a torch draft (dequantised weights: its q differs from the quantised target's p) verified by a
+    llama.cpp target: over N requests the first token's frequencies approach p (TV within the bound of
+    tests/test_sampling.py) and not a sharper decoy."""
+    ids = list(smollm2.tokenizer("My favourite colour is")["input_ids"])
+    target = LlamaCppLM(gguf, LlamaCppSettings(n_ctx=1024, n_batch=64, n_threads=2, n_seq_max=4))
+    p = warp(target.forward(target.new_state(), ids)[-1], SamplingParams(1.0))  # [vocab]
+    decoy = warp(target.forward(target.new_state(), ids)[-1], SamplingParams(0.5))
+    cells = [int(t) for t in np.argsort(-p)[:7]]  # the likeliest tokens, one cell each; the rest one cell
+    n = 400
+    with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
+        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()),
+                            draft_len=2)
+        with EdgeRuntime(config, smollm2) as rt:
+            first = [rt.generate(ids, "sd", SamplingParams(1.0), 1, seed=s).tokens[0] for s in range(n)]
+
+    def cell_of(dist):
+        return np.append(dist[cells], 1.0 - dist[cells].sum())
+
+    counts = np.array([sum(t == c for t in first) for c in cells] + [sum(t not in cells for t in first)]) / n
+    bound = tv_bound(n, len(cells) + 1)
+    assert tv(counts, cell_of(p)) <= bound
+    assert tv(counts, cell_of(p)) < tv(counts, cell_of(decoy))
