@@ -1,9 +1,12 @@
 """`hat-demo`: a cloud process and an edge process generating together over an emulated link, on real models.
 
-    cloud:  hat-cloud serve --model <target>                      (separate process, ZeroMQ ROUTER)
+    cloud:  hat-cloud serve --model <target> --engine <engine>    (separate process, ZeroMQ ROUTER)
     link:   LinkEmulator(<profile>) relaying 127.0.0.1:<link> → cloud   (user-space: rate, delay, jitter)
             (both, and the run's CurveZMQ keys, from profiles.bench.testbed.Testbed)
     edge:   hat-edge generate --model <draft> --server <link> --protocol sd,hlm,llm,slm --json ...   (separate process)
+
+Both sides run the fastest engine installed (`--engine auto`): llama.cpp on the GGUF files when llama-cpp-python is
+there (the bootstrap builds it), else torch; the demo prints which.
 
 Streams each answer as it is accepted, then prints and saves per protocol: tokens/s, time to first token, accepted
 drafts per round, uplink/downlink bytes per generated token (counted from the real frames by the edge, and on the
@@ -12,6 +15,7 @@ emulated wire by the relay), and round trips per token.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -41,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--engine", default="auto", choices=["auto", "torch", "llamacpp"],
+                    help="what runs both models (default %(default)s: llama.cpp when installed, else torch)")
     ap.add_argument("--weight-quant", default="int8", choices=["none", "int8"],
-                    help="the draft's weights (default %(default)s: ~2x faster drafting on CPU)")
+                    help="torch engine: the draft's weights (default %(default)s: ~2x faster drafting on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
     ap.add_argument("--out", default="runs/demo.json", help="where to save the JSON report (default %(default)s)")
@@ -95,8 +101,16 @@ def format_table(agg: Dict[str, dict]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
+def pick_engine(asked: str) -> str:
+    """The engine both sides run: llamacpp when asked or, for auto, when llama-cpp-python is installed; else torch."""
+    if asked != "auto":
+        return asked
+    return "llamacpp" if importlib.util.find_spec("llama_cpp") is not None else "torch"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    engine = pick_engine(args.engine)
     try:
         profile = get_link_profile(args.profile)
         protocols = [p for p in args.protocols.split(",") if p]
@@ -112,10 +126,14 @@ def main(argv=None) -> int:
 
     prompts = demo_prompts(args.prompts)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    missing = args.engine == "auto" and engine == "torch"
+    print(f"hat-demo: engines: cloud {engine}, device {engine}"
+          f"{' (llama-cpp-python is not installed: bash scripts/install_llamacpp.sh)' if missing else ''}", flush=True)
     print(f"hat-demo: starting the cloud ({args.target}) ...", flush=True)
     t0 = time.perf_counter()
     # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
-    with Testbed(args.target, threads=args.threads, link=profile, devices=["demo-device"], secure=True) as bed:
+    with Testbed(args.target, cloud_args=["--engine", engine], threads=args.threads, link=profile,
+                 devices=["demo-device"], secure=True) as bed:
         print(f"hat-demo: {bed.cloud.ready_info}", flush=True)
         print(f"hat-demo: link {profile.name} ({profile.description}) at {bed.endpoint}", flush=True)
         prompts_file = os.path.join(bed.dir, "prompts.json")
@@ -126,7 +144,8 @@ def main(argv=None) -> int:
                "--server", bed.endpoint, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
                "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
                "--top-p", str(args.top_p), "--draft-len", str(args.draft_len), "--seed", str(args.seed),
-               "--threads", str(args.threads), "--weight-quant", args.weight_quant, "--json", edge_json,
+               "--threads", str(args.threads), "--backend", engine, "--json", edge_json,
+               *(["--weight-quant", args.weight_quant] if engine == "torch" else []),
                *cli_args(bed.security("demo-device"), "device")]
         rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         wire = bed.link.stats()
@@ -140,6 +159,7 @@ def main(argv=None) -> int:
         "draft": args.draft,
         "target": args.target,
         "link_profile": profile.name,
+        "engine": {"cloud": engine, "device": engine},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "draft_len", "seed")},
         "prompts": [p.to_json() for p in prompts],
         "per_protocol": agg,
@@ -150,7 +170,7 @@ def main(argv=None) -> int:
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     print(f"\n=== per protocol, {len(prompts)} real prompts, link {profile.name}, draft {args.draft}, "
-          f"target {args.target} ===")
+          f"target {args.target}, engine {engine} ===")
     print(format_table(agg))
     print(f"\nhat-demo: report saved to {args.out}")
     return 0
