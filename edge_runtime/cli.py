@@ -9,15 +9,27 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List
 
 from edge_runtime.api.agent import AgentConfig, run_agent
 from edge_runtime.client import CloudError, CloudUnavailable
-from edge_runtime.config import (BACKENDS, CHUNKING_MODES, LINK_POLICIES, OVERLAP_MODES, PRECISIONS, TOKEN_DRAFTS,
-                                 EdgeConfig, EngineConfig, LinkConfig, QSConfig, SplitConfig, UncertaintyConfig)
+from edge_runtime.config import (
+    BACKENDS,
+    CHUNKING_MODES,
+    LINK_POLICIES,
+    OVERLAP_MODES,
+    PRECISIONS,
+    TOKEN_DRAFTS,
+    EdgeConfig,
+    EngineConfig,
+    LinkConfig,
+    QSConfig,
+    SplitConfig,
+    UncertaintyConfig,
+)
 from edge_runtime.policy.policies import POLICIES
 from edge_runtime.runtime import EdgeRuntime
-from hat_split.files.config_file import add_config_argument, given_flags, load_config, with_overrides
+from hat_split.files.config_file import add_config_argument, config_from_command_line
 from hat_split.math.calibration import THRESHOLD_RULES, load
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
@@ -221,43 +233,30 @@ def _flag_values(args) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def _overrides(values: Dict[str, Dict[str, Any]], dests: Set[str], prefix: str = "") -> Dict[str, Any]:
-    return {prefix + key: value for dest in sorted(dests & set(values)) for key, value in values[dest].items()}
-
-
-def _edge_config(args) -> EdgeConfig:
-    """The device's config from the flags alone (no --config)."""
-    if not (args.model or args.bundle):
+def _require_model(args) -> None:
+    if not (args.config or args.model or args.bundle):
         raise ValueError("give --model (torch backend) or --bundle (onnxruntime / tensorrt), or --config FILE")
-    values = _flag_values(args)
-    config = with_overrides(EdgeConfig(model=args.model or args.bundle), _overrides(values, set(values)),
-                            "the command line")
-    return dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
 
 
 def _agent_values(args, protocols: List[str]) -> Dict[str, Dict[str, Any]]:
-    """What each AgentConfig flag sets: argparse dest → {key: value}."""
-    out = {dest: {key: getattr(args, dest)} for dest, key in AGENT_KEYS.items()}
+    """What each AgentConfig flag sets: argparse dest → {key: value}; the EdgeConfig flags set its [edge] table."""
+    out = {dest: {f"edge.{key}": value for key, value in keys.items()} for dest, keys in _flag_values(args).items()}
+    out.update({dest: {key: getattr(args, dest)} for dest, key in AGENT_KEYS.items()})
     out["protocol"] = {"default_protocol": protocols[0]}
     out["mode_cycle"] = {"mode_cycle": tuple(m.strip() for m in args.mode_cycle.split(",") if m.strip())}
     return out
 
 
-def _configs(args, given: Set[str], protocols: List[str]):
-    """generate: the EdgeConfig; serve: the AgentConfig. From --config with the typed flags on top, else the flags."""
+def _configs(parser: argparse.ArgumentParser, args, argv: List[str], protocols: List[str]):
+    """generate: the EdgeConfig; serve: the AgentConfig. From --config with the typed flags on top, else the flags;
+    then the uncertainty settings a calibration file gives."""
+    _require_model(args)
     if args.command == "serve":
-        agent_values = _agent_values(args, protocols)
-        if args.config:
-            overrides = {**_overrides(_flag_values(args), given, "edge."), **_overrides(agent_values, given)}
-            agent = load_config(AgentConfig, args.config, overrides)
-            edge = agent.edge
-            return dataclasses.replace(agent, edge=dataclasses.replace(
-                edge, uncertainty=_uncertainty_config(args, edge.uncertainty)))
-        return AgentConfig(_edge_config(args), **_overrides(agent_values, set(agent_values)))
-    if args.config:
-        config = load_config(EdgeConfig, args.config, _overrides(_flag_values(args), given))
-        return dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
-    return _edge_config(args)
+        agent = config_from_command_line(AgentConfig, parser, args, argv, _agent_values(args, protocols))
+        return dataclasses.replace(agent, edge=dataclasses.replace(
+            agent.edge, uncertainty=_uncertainty_config(args, agent.edge.uncertainty)))
+    config = config_from_command_line(EdgeConfig, parser, args, argv, _flag_values(args))
+    return dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
 
 
 def main(argv=None) -> int:
@@ -269,7 +268,7 @@ def main(argv=None) -> int:
         unknown = [p for p in protocols if p not in NAMES]
         if unknown or not protocols:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(NAMES)}")
-        configured = _configs(args, given_flags(parser, argv) if args.config else set(), protocols)
+        configured = _configs(parser, args, argv, protocols)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

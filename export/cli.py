@@ -21,10 +21,9 @@ from edge_runtime.backends.trt_backend import tensorrt_version
 from export.config import PART_SETS, ExportConfig, TensorRTConfig
 from hat_split.files import bundle as M
 from hat_split.files.config_file import add_config_argument, config_from_command_line
-from hat_split.models.chat import encode
 from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.partition import SplitModel, model_fingerprint
-from profiles.testbed.prompts import humaneval_prompts, sharegpt_prompts
+from profiles.testbed.prompts import validation_prompts
 
 # argparse dest -> ExportConfig key (dotted: a key of its [tensorrt] table), per command; the flags given override
 # the --config file's keys
@@ -96,21 +95,6 @@ def export_config(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
 
 def _csv(text: str) -> List[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
-
-
-def validation_prompts(tokenizer, n: int, min_tokens: int = 40, max_tokens: int = 160) -> List[List[int]]:
-    """n real prompts as token ids (held out from the distillation and benchmark sets by offset)."""
-    pool = humaneval_prompts(n, offset=150) + sharegpt_prompts(4 * n, offset=5000, min_chars=200, max_chars=2000)
-    out = []
-    for p in pool:
-        ids = encode(tokenizer, p.text, p.chat)
-        if len(ids) >= min_tokens:
-            out.append(ids[:max_tokens])
-        if len(out) == n:
-            break
-    if len(out) < n:
-        raise RuntimeError(f"found only {len(out)} validation prompts of >= {min_tokens} tokens")
-    return out
 
 
 def _onnx(config: ExportConfig, args: argparse.Namespace) -> int:

@@ -11,16 +11,16 @@ import types
 import numpy as np
 import pytest
 
-from edge_runtime.drafter import Drafter
 from edge_runtime.backends.part_lm import PartChainLM
-from hat_split.files import bundle as M
+from edge_runtime.drafter import Drafter
 from export.config import ExportConfig
 from export.graphs import PartSpec, TorchPart
+from hat_split.files import bundle as M
+from hat_split.math.sampling import SamplingParams
 from hat_split.models.adapter import Adapter
 from hat_split.models.draft_lm import AdapterLM
 from hat_split.models.lm import CausalLM
 from hat_split.models.partition import SplitModel
-from hat_split.math.sampling import SamplingParams
 from tests.test_hat import V, _family
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
@@ -173,8 +173,8 @@ def _bundle_parts(out, hat=True):
 def test_split_drafting_and_forks_on_onnxruntime_equal_torch(target_bundle):
     """The device's HAT machinery on exported parts — prefill, drafting, parallel-drafting forks, verification and
     the crop after it — gives torch's distributions and tokens."""
-    from edge_runtime.split_drafter import SplitDrafter
     from edge_runtime.backends.split_parts import TorchSplitParts
+    from edge_runtime.split_drafter import SplitDrafter
 
     out, model, adapter = target_bundle
     bundle = _bundle_parts(out)
@@ -299,8 +299,8 @@ def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, tmp_path):
     onnxruntime backend (the bundle alone: its tokenizer, no torch model) generates torch's tokens at temperature 0."""
     from edge_runtime.config import EdgeConfig, EngineConfig
     from edge_runtime.runtime import EdgeRuntime
-    from export.cli import validation_prompts
     from export.onnx_export import export_bundle
+    from profiles.testbed.prompts import validation_prompts
 
     man = export_bundle(smollm2, ExportConfig(smollm2.name, str(tmp_path), "draft", precisions=("fp32", "int4")),
                         prompts=validation_prompts(smollm2.tokenizer, 2), progress=False)
@@ -331,8 +331,8 @@ def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, t
     import sys
 
     from cloud_runtime.process import CloudProcess
-    from export.cli import validation_prompts
     from export.onnx_export import export_bundle
+    from profiles.testbed.prompts import validation_prompts
     from tests.test_hat import FIB, greedy_reference
 
     model = smollm2.model

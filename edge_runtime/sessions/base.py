@@ -13,10 +13,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from edge_runtime.client import CloudClient, CloudError, CloudUnavailable, LinkCounters, LinkDown, reconnect_delays
+from edge_runtime.client import (
+    CloudClient,
+    CloudError,
+    CloudUnavailable,
+    LinkCounters,
+    LinkDown,
+    reconnect_delays,
+)
 from edge_runtime.config import EdgeConfig
 from hat_split.math.rng import session_rng
 from hat_split.math.sampling import SamplingParams
@@ -95,7 +103,7 @@ def recoverable(exc: Exception) -> bool:
     return isinstance(exc, LinkDown) or isinstance(exc, CloudError) and exc.error.code == "no_session"
 
 
-class Session:
+class Session(ABC):
     """One request's state on the device; a family subclass says how it opens, reopens and closes with the cloud."""
 
     def __init__(self, config: EdgeConfig, drafter, client: Optional[CloudClient], protocol: Protocol,
@@ -129,17 +137,17 @@ class Session:
         self.skip_rng = session_rng(seed, "skip")  # randhlm's coin
 
     # -- what a family defines -----------------------------------------------------------------------------------
+    @abstractmethod
     def open(self, prompt: List[int]) -> None:
         """Start the request on the prompt (the cloud's session and the device's prefill)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reopen(self, prompt: List[int]) -> None:
         """After a link drop or a forgotten session: a new cloud session holding the whole committed sequence."""
-        raise NotImplementedError
 
+    @abstractmethod
     def close(self, prompt: List[int]) -> None:
         """End the cloud's session and check that both sides hold the same sequence."""
-        raise NotImplementedError
 
     # -- the request ---------------------------------------------------------------------------------------------
     @property

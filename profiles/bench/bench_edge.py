@@ -22,14 +22,13 @@ import numpy as np
 
 from edge_runtime.backends.onnx_backend import OrtPart
 from edge_runtime.backends.part_lm import PartChainLM
-from export.cli import validation_prompts
-from export.config import ExportConfig
 from hat_split.files import bundle as M
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, quantize_weights
 from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import names
 from profiles.bench.stats import percentile
+from profiles.testbed.prompts import validation_prompts
 
 BACKENDS = ("torch-fp32", "torch-int8", "ort-fp32", "ort-int8", "ort-int4", "llamacpp")
 
@@ -133,12 +132,12 @@ def run(args) -> int:
         have = M.read(bundle) if (bundle / M.MANIFEST).exists() else None
         missing = [p for p in precisions if have is None or not any(
             (a.part, a.precision, a.backend) == ("draft", p, "onnx") for a in have.artifacts)]
-        if missing:
-            from export.onnx_export import export_bundle
-
+        if missing:  # the exporter as a user runs it: hat-export, validated on real prompts
             print(f"hat-bench edge: exporting {args.model} ({', '.join(missing)}) into {bundle}", flush=True)
-            export_bundle(loaded, ExportConfig(args.model, str(bundle), "draft", precisions=tuple(missing)),
-                          prompts=validation_prompts(loaded.tokenizer, 4))
+            rc = subprocess.call([sys.executable, "-m", "export.cli", "onnx", "--model", args.model, "--out",
+                                  str(bundle), "--parts", "draft", "--precision", ",".join(missing), "--prompts", "4"])
+            if rc != 0:
+                raise ValueError(f"hat-export could not make the bundle {bundle} (exit {rc}; its message is above)")
         man = M.load(bundle)
         for b, p in zip(ort, precisions):
             a = man.find("draft", p)

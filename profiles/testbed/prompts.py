@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Iterator, List
 
-from hat_split.models.chat import encode_chat
+from hat_split.models.chat import encode, encode_chat
 
 
 @dataclass(frozen=True)
@@ -186,3 +186,18 @@ def evaluation_prompts(n: int) -> List[Prompt]:
 def calibration_prompts(n: int) -> List[Prompt]:
     """n prompts from the calibration split, disjoint from `evaluation_prompts` and `demo_prompts`."""
     return _mixed(n, HUMANEVAL_SPLIT, 164 - HUMANEVAL_SPLIT, SHAREGPT_SPLIT, 10**6)
+
+
+def validation_prompts(tokenizer, n: int, min_tokens: int = 40, max_tokens: int = 160) -> List[List[int]]:
+    """n real prompts as token ids (held out from the distillation and benchmark sets by offset)."""
+    pool = humaneval_prompts(n, offset=150) + sharegpt_prompts(4 * n, offset=5000, min_chars=200, max_chars=2000)
+    out = []
+    for p in pool:
+        ids = encode(tokenizer, p.text, p.chat)
+        if len(ids) >= min_tokens:
+            out.append(ids[:max_tokens])
+        if len(out) == n:
+            break
+    if len(out) < n:
+        raise RuntimeError(f"found only {len(out)} validation prompts of >= {min_tokens} tokens")
+    return out
