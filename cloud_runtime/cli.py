@@ -8,6 +8,7 @@ command starts itself again under `torchrun --standalone --nproc-per-node P`; ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -20,12 +21,16 @@ from cloud_runtime import pipeline
 from cloud_runtime.config import ENGINES, CloudConfig
 from cloud_runtime.server import CloudServer
 from hat_split.files.config_file import add_config_argument, config_from_command_line
+from hat_split.models import llamacpp_rpc
+from hat_split.models.llamacpp_lib import FALLBACK_NOTE, INSTALL_HINT, llama_cpp_installed
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
+from hat_split.models.llamacpp_rpc import parse_endpoints
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, load_tokenizer, vocab_fingerprint
 from hat_split.models.registry import MODEL_DTYPES, MODELS, get_model_spec
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
+RPC_READY_LINE = "hatspec-rpc starting"  # printed before the RPC server binds (a client retries until it answers)
 
 # argparse dest -> CloudConfig key (dotted: a table); the flags given override the --config file's keys
 FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeout_s", "max_sessions": "max_sessions",
@@ -34,7 +39,7 @@ FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeo
              "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
              "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
              "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",
-             "n_batch": "n_batch"}
+             "n_batch": "n_batch", "n_gpu_layers": "n_gpu_layers", "rpc": "rpc"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,9 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llamacpp: KV positions of all sessions together (default %(default)s)")
     s.add_argument("--n-batch", type=int, default=d["n_batch"].default,
                    help="llamacpp: positions per llama_decode (default %(default)s)")
+    s.add_argument("--n-gpu-layers", type=int, default=d["n_gpu_layers"].default,
+                   help="llamacpp: layers on a CUDA build's GPUs or the --rpc servers, -1 all (default %(default)s)")
+    s.add_argument("--rpc", default=d["rpc"].default, metavar="HOST:PORT,...",
+                   help="llamacpp: RPC servers (hat-cloud rpc-server on each host) to spread the model's layers over")
     s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
                    help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
     s.add_argument("-v", "--verbose", action="store_true")
+    r = sub.add_parser("rpc-server", help="lend this host's compute device (its GPUs, else its CPU) to a llama.cpp "
+                                          "cloud (hat-cloud serve --engine llamacpp --rpc HOST:PORT,...)",
+                       description="llama.cpp's RPC server (ggml's own): no authentication or encryption, so listen on "
+                                   "loopback or a private network only.")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    r.add_argument("--port", type=int, default=50052, help="(default %(default)s)")
+    r.add_argument("--threads", type=int, default=0, help="CPU threads (0: every core this process may use)")
     return ap
 
 
@@ -95,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "rpc-server":
+        return rpc_server(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     try:
@@ -117,7 +135,30 @@ def relaunch_under_torchrun(config: CloudConfig, argv: Sequence[str]) -> None:
     os.execve(sys.executable, cmd, env)
 
 
+def rpc_server(args: argparse.Namespace) -> int:
+    """Serve llama.cpp RPC until stopped by a signal."""
+    if not 0 < args.port < 65536 or args.threads < 0:
+        print("hat-cloud rpc-server: --port must be in 1..65535 and --threads >= 0", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"hat-cloud rpc-server: listening on {args.host}: llama.cpp's RPC has no authentication or encryption; "
+              f"keep this port on a private network", file=sys.stderr)
+    try:
+        print(f"{RPC_READY_LINE} endpoint={args.host}:{args.port}", flush=True)
+        llamacpp_rpc.serve(args.host, args.port, args.threads)
+    except (ImportError, RuntimeError) as exc:
+        print(f"hat-cloud rpc-server: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def serve(config: CloudConfig) -> int:
+    if config.engine == "llamacpp" and not llama_cpp_installed():
+        if config.rpc:
+            print(f"hat-cloud: rpc servers need llama.cpp: {INSTALL_HINT}", file=sys.stderr)
+            return 2
+        print(f"hat-cloud: {FALLBACK_NOTE}", file=sys.stderr)
+        config = dataclasses.replace(config, engine="torch")
     if config.engine == "llamacpp":
         return serve_llamacpp(config)
     import torch
@@ -158,16 +199,18 @@ def serve_llamacpp(config: CloudConfig) -> int:
     """The target's GGUF file on llama.cpp: token protocols, every session a sequence of one context."""
     t0 = time.perf_counter()
     try:
-        lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(config.n_ctx, config.n_batch, config.threads,
-                                                                   n_seq_max=config.max_sessions + 1))
+        lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(
+            config.n_ctx, config.n_batch, config.threads, n_seq_max=config.max_sessions + 1,
+            n_gpu_layers=config.n_gpu_layers, rpc=parse_endpoints(config.rpc)))
         tokenizer = load_tokenizer(config.model)
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, ImportError, RuntimeError) as exc:
         print(f"hat-cloud: cannot load model {config.model!r} on llama.cpp: {exc}", file=sys.stderr)
         return 2
     lm.warm_up()
     name = get_model_spec(config.model).name if config.model in MODELS else str(config.model)
     server = CloudServer(config, lm, name, vocab_fingerprint(tokenizer))
-    return run_server(config, server, f"model={name} engine=llamacpp n_ctx={config.n_ctx} "
+    where = f" rpc={config.rpc}" if config.rpc else ""
+    return run_server(config, server, f"model={name} engine=llamacpp n_ctx={config.n_ctx}{where} "
                                       f"load_s={time.perf_counter() - t0:.1f} pipeline=1")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hat_split.models.llamacpp_rpc import parse_endpoints
 from hat_split.models.registry import MODEL_DTYPES
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES
@@ -36,7 +37,11 @@ class CloudConfig:
     engine: str = "torch"  # what runs the target: torch (every protocol) | llamacpp (the model's GGUF file on
     # llama.cpp, quantised as shipped: the token protocols, every session's work in one llama_decode per step)
     n_ctx: int = 16384  # llamacpp: KV positions of all sessions together (the llama.cpp context's size: memory)
-    n_batch: int = 512  # llamacpp: positions per llama_decode (a longer step is fed in several)
+    n_batch: int = 512  # llamacpp: positions per llama_decode; a step's token budget is at most this (one
+    # llama_decode per step)
+    n_gpu_layers: int = -1  # llamacpp: layers on the offload devices (a CUDA build's GPUs, the rpc servers); -1 all
+    rpc: str = ""  # llamacpp: HOST:PORT,... of RPC servers (hat-cloud rpc-server on each host) the model's layers are
+    # spread over, instead of this machine; "" none
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -65,5 +70,14 @@ class CloudConfig:
             raise ValueError("pipeline stages run on the torch engine; a llama.cpp cloud runs in one process")
         if self.n_ctx < 8 or self.n_batch < 1:
             raise ValueError(f"n_ctx must be >= 8 positions and n_batch >= 1, got {self.n_ctx}, {self.n_batch}")
+        if self.n_gpu_layers < -1:
+            raise ValueError(f"n_gpu_layers must be >= 0, or -1 for every layer, got {self.n_gpu_layers}")
+        parse_endpoints(self.rpc)  # names a bad endpoint
+        if self.rpc and self.engine != "llamacpp":
+            raise ValueError("rpc servers run the llamacpp engine (engine = llamacpp); the torch engine's cloud larger "
+                             "than one machine is its pipeline stages (pipeline)")
+        if self.engine == "llamacpp" and self.n_batch < self.max_draft_len + 1:
+            raise ValueError(f"n_batch={self.n_batch} cannot hold a verify of max_draft_len + 1 = "
+                             f"{self.max_draft_len + 1} positions in one llama_decode")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")

@@ -1,6 +1,6 @@
 """The cloud's answer to each request: validate it, queue its model work, and build the reply once the work's rows
 are back. Plain Python and numpy (no torch): the model is the runner's (cloud_runtime.batching over
-cloud_runtime.runner, or cloud_runtime.unbatched), reached only through `ModelWork`.
+cloud_runtime.runner, or cloud_runtime.cache_runner), reached only through `ModelWork`.
 
 Every request is checked before anything changes (hat_split.wire.messages: ids in range, lengths, positions, steps);
 anything wrong raises `ProtocolError`, which the server (cloud_runtime.server) answers with an `Error` naming the
@@ -78,7 +78,7 @@ class Pending:
 
 
 class ModelWork(Protocol):
-    """The model side as the handlers use it (cloud_runtime.batching.Batcher, cloud_runtime.unbatched.UnbatchedRunner):
+    """The model side as the handlers use it (cloud_runtime.batching.Batcher, cloud_runtime.cache_runner.CacheRunner):
     sessions' caches by key, work queued with the rows it wants back. `submit_states` is only called for split
     sessions, which a model without `ModelFacts.split_refusal` alone opens (the Batcher)."""
 

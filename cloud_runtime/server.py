@@ -6,8 +6,8 @@ tokens through every layer, split protocols' hidden states through the middle on
 stages) and sends the replies the handlers build from what came back. Anything wrong in a request is answered with
 an `Error` naming the problem and the loop carries on with the next message. Sessions keep their KV caches between
 rounds and are dropped after `session_timeout_s` of silence, freeing their memory. A model whose layout the
-partition does not know (hat_split.models.partition.check_family) serves token protocols one request at a time
-instead (cloud_runtime.unbatched).
+partition does not know (hat_split.models.partition.check_family), and a llama.cpp target, serve the token protocols
+on the model's own caches, planned by the same scheduler (cloud_runtime.cache_runner).
 
 Flow control is request/response: a device has at most one request in flight, so the ROUTER never queues more than
 one reply per device. ROUTER_MANDATORY makes a reply to a vanished device fail loudly (it is then dropped) rather
@@ -23,14 +23,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import zmq
 
 from cloud_runtime.batching import Batcher, Finished
+from cloud_runtime.cache_runner import CacheRunner
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.handlers import Handlers, ModelFacts, Pending, ServerStats
 from cloud_runtime.runner import LocalExecutor, ModelEnds
 from cloud_runtime.scheduler import SchedulerConfig
-from cloud_runtime.unbatched import UnbatchedRunner
 from cloud_runtime.zap import DOMAIN, ZapAllowList
 from hat_split.files.atomic import write_json
 from hat_split.math.chunking import DelayModel
+from hat_split.models.llamacpp_lm import LlamaCppLM
 from hat_split.models.lm import CausalLM
 from hat_split.models.partition import check_family, model_fingerprint
 from hat_split.net.security import load_secret
@@ -43,7 +44,7 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
     """What the handlers need to know of the target; a model without layers (tests' Markov chains) or of an unknown
     family gets a reason the split protocols are refused."""
     model = getattr(lm, "model", None)
-    if model is None and hasattr(lm, "forward_many"):  # hat_split.models.llamacpp_lm: a GGUF file, no layers here
+    if isinstance(lm, LlamaCppLM):  # a GGUF file, no layers here
         return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0,
                           split_refusal="the split protocols (ushape, hat) run on the torch engine; this cloud runs "
                                         "llama.cpp (hat-cloud serve --engine torch)")
@@ -53,6 +54,17 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
         return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc))
     return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, model.config.num_hidden_layers,
                       int(model.config.hidden_size), model_fingerprint(model))
+
+
+def scheduler_config(config: CloudConfig, lm: Any, in_flight: int = 1) -> SchedulerConfig:
+    """The scheduler's bounds: the config's, within what a llama.cpp context holds (n_ctx positions of every session
+    together, n_seq_max sequences, n_batch positions per llama_decode: one llama_decode per step)."""
+    budget, kv, context, sessions = config.token_budget, config.kv_positions, config.max_context, config.max_sessions
+    if isinstance(lm, LlamaCppLM):
+        s = lm.settings
+        budget, kv, context, sessions = (min(budget, s.n_batch), min(kv, s.n_ctx), min(context, s.n_ctx),
+                                         min(sessions, s.n_seq_max))
+    return SchedulerConfig(budget, min(config.prefill_floor, budget), kv, context, sessions, in_flight)
 
 
 class CloudServer:
@@ -69,12 +81,11 @@ class CloudServer:
         if facts.split_refusal:  # a layout the batched steps do not know
             if executor is not None:
                 raise ValueError(f"pipeline stages need a model the partition knows: {facts.split_refusal}")
-            self.batcher: Any = UnbatchedRunner(lm)
+            self.batcher: Any = CacheRunner(lm, scheduler_config(config, lm), config.max_draft_len + 1, self.load)
         else:
             executor = LocalExecutor(lm.model) if executor is None else executor
-            self.batcher = Batcher(SchedulerConfig(config.token_budget, config.prefill_floor, config.kv_positions,
-                                                   config.max_context, config.max_sessions, executor.depth),
-                                   executor, ModelEnds(lm.model), self.load, config.max_draft_len + 1)
+            self.batcher = Batcher(scheduler_config(config, lm, executor.depth), executor, ModelEnds(lm.model),
+                                   self.load, config.max_draft_len + 1)
         self.stats = ServerStats()
         self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TokenSession or MiddleSession
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello

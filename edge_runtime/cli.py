@@ -29,9 +29,10 @@ from edge_runtime.config import (
 )
 from edge_runtime.policy.policies import POLICIES
 from edge_runtime.runtime import EdgeRuntime
-from hat_split.files.config_file import add_config_argument, config_from_command_line
+from hat_split.files.config_file import add_config_argument, config_from_command_line, with_overrides
 from hat_split.math.calibration import THRESHOLD_RULES, load
 from hat_split.math.sampling import SamplingParams
+from hat_split.models.llamacpp_lib import FALLBACK_NOTE, llama_cpp_installed
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.protocols import NAMES
 from hat_split.wire.hidden_codec import HIDDEN_FORMATS
@@ -44,6 +45,7 @@ FLAG_KEYS = {  # argparse dest → the EdgeConfig key (dotted: nested table) it 
     "backend": "engine.backend", "bundle": "engine.bundle", "precision": "engine.precision",
     "threads": "engine.threads", "dtype": "engine.dtype", "weight_quant": "engine.weight_quant",
     "token_draft": "engine.token_draft", "n_ctx": "engine.n_ctx", "n_batch": "engine.n_batch",
+    "n_gpu_layers": "engine.n_gpu_layers",
     "device_profile": "device_profile", "draft_len": "draft_len", "draft_stop_prob": "draft_stop_prob",
     "dist_dtype": "dist_dtype", "overlap_prefill": "overlap_prefill",
     "ell": "qs.ell", "k": "qs.k", "alpha": "qs.alpha", "eta": "qs.eta", "beta": "qs.beta",
@@ -126,6 +128,8 @@ def _add_edge_args(g) -> None:
                    help="llamacpp: KV positions of the draft's context (default %(default)s)")
     g.add_argument("--n-batch", type=int, default=d["n_batch"].default,
                    help="llamacpp: tokens per llama_decode (default %(default)s)")
+    g.add_argument("--n-gpu-layers", type=int, default=d["n_gpu_layers"].default,
+                   help="llamacpp: layers on the GPU of a CUDA build, -1 all (default %(default)s)")
     g.add_argument("--bundle", default="", help="hat-export bundle directory for --backend onnxruntime / tensorrt")
     g.add_argument("--precision", default=d["precision"].default, choices=PRECISIONS,
                    help="which of the bundle's artifacts (default %(default)s)")
@@ -253,10 +257,18 @@ def _configs(parser: argparse.ArgumentParser, args, argv: List[str], protocols: 
     _require_model(args)
     if args.command == "serve":
         agent = config_from_command_line(AgentConfig, parser, args, argv, _agent_values(args, protocols))
-        return dataclasses.replace(agent, edge=dataclasses.replace(
-            agent.edge, uncertainty=_uncertainty_config(args, agent.edge.uncertainty)))
-    config = config_from_command_line(EdgeConfig, parser, args, argv, _flag_values(args))
-    return dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
+        return dataclasses.replace(agent, edge=_finish_edge_config(args, agent.edge))
+    return _finish_edge_config(args, config_from_command_line(EdgeConfig, parser, args, argv, _flag_values(args)))
+
+
+def _finish_edge_config(args, config: EdgeConfig) -> EdgeConfig:
+    """The uncertainty settings a calibration file gives; the torch engine, said on stderr, when llamacpp is asked
+    for and not installed."""
+    config = dataclasses.replace(config, uncertainty=_uncertainty_config(args, config.uncertainty))
+    if config.engine.backend == "llamacpp" and not llama_cpp_installed():
+        print(f"hat-edge: {FALLBACK_NOTE}", file=sys.stderr)
+        config = with_overrides(config, {"engine.backend": "torch"})
+    return config
 
 
 def main(argv=None) -> int:

@@ -181,6 +181,7 @@ class EngineConfig:
     # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
     n_ctx: int = 4096  # llamacpp: KV positions of the draft's context (the longest prompt + answer)
     n_batch: int = 512  # llamacpp: tokens per llama_decode (a longer prompt is fed in several)
+    n_gpu_layers: int = -1  # llamacpp: layers on the GPU of a CUDA build (a Jetson); -1 all; a CPU build has none
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -202,6 +203,8 @@ class EngineConfig:
                              "runs on torch or a bundle")
         if self.n_ctx < 8 or self.n_batch < 1:
             raise ValueError(f"n_ctx must be >= 8 positions and n_batch >= 1 tokens, got {self.n_ctx}, {self.n_batch}")
+        if self.n_gpu_layers < -1:
+            raise ValueError(f"n_gpu_layers must be >= 0, or -1 for every layer, got {self.n_gpu_layers}")
 
 
 @dataclass(frozen=True)

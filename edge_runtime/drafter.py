@@ -37,11 +37,12 @@ class Drafter:
         """Draft-model time of this request so far (prompt included)."""
         return self.kv.forward_s
 
-    def start(self, prompt: List[int]) -> None:
-        """New request: forget the old cache and cache the prompt except its last token."""
+    def start(self, prompt: List[int], prefill: bool = True) -> None:
+        """New request: forget the old cache and cache the prompt except its last token (prefill=False: later, in
+        the first forward that needs the cache)."""
         self.kv = self.lm.new_state()
         self.tokens = list(prompt)
-        if len(prompt) > 1:
+        if prefill and len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
     def rollback(self) -> None:

@@ -78,7 +78,8 @@ class EdgeRuntime:
             # sequences: a request's drafter state and the next one's overlap for a moment (a state's id is freed
             # when it is dropped); they share the n_ctx positions
             self.lm = LlamaCppLM(model_gguf(config.model),
-                                 LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads, n_seq_max=4))
+                                 LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads, n_seq_max=4,
+                                                  n_gpu_layers=engine.n_gpu_layers))
             self.tokenizer, self.vocab_size = load_tokenizer(config.model), self.lm.vocab_size
             self.model_name = get_model_spec(config.model).name if config.model in MODELS else str(config.model)
             self.fingerprint = vocab_fingerprint(self.tokenizer)

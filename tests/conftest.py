@@ -78,3 +78,20 @@ def smollm2():
     from hat_split.models.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32")
+
+
+CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2):
+    """SmolLM2-135M's own GGUF file, as the registry assembled it (the llama.cpp engine's tests)."""
+    from hat_split.models.registry import gguf_path
+
+    return gguf_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_ids(smollm2):
+    """A real code prompt's token ids under SmolLM2's tokenizer."""
+    return list(smollm2.tokenizer(CODE_PROMPT)["input_ids"])

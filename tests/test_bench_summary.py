@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hat_split.math.verify import ideal_speedup
-from profiles.bench.bench import parse_variants, summarise, variant_name
+from profiles.bench.bench import summarise
+from profiles.bench.bench_args import parse_variants, variant_name
 
 
 def _row(tokens, total_s, drafted=0, accepted=0, rejected=0, rounds=0):
@@ -113,3 +114,35 @@ def test_hat_bench_summary_rows_and_changes_against_ushape():
     # 12 rounds, 2 of them prefill: 10 decode rounds gave 20 tokens with 10 accepted drafts
     assert h["accept_length"] == 1.0 and h["tokens_per_round"] == 2.0 and h["drafts_per_round"] == 1.6
     assert h["same_tokens_as_ushape"] == "1/2" and h["prefill_chunks"] == 3.0
+
+
+def _engine_row(n, tokens_per_s, decode, drafted=0, accepted=0, rejected=0, rounds=1, gamma=0, eta=0.0):
+    return {"n": n, "tokens_per_s": tokens_per_s, "decode_tokens_per_s": decode, "drafted": drafted,
+            "accepted": accepted, "rejected": rejected, "rounds": rounds, "gamma": gamma, "eta": eta,
+            "share": {"device": 0.4, "cloud": 0.5, "link_and_overhead": 0.1}}
+
+
+def test_the_engines_summary_states_the_goals_as_ratios():
+    from profiles.bench.bench_engines import summarise as engines_summary
+
+    alone = {"depth": 100, "tokens_per_s": {
+        "draft": {"llamacpp": [45.0, 55.0], "llama-bench": [50.0], "llama-bench-prompt": [200.0]},
+        "target": {"llamacpp": [30.0], "llama-bench": [40.0], "llama-bench-prompt": [100.0]}}}
+    runs = {"loopback": {
+        "llamacpp/llm": [_engine_row(64, 20.0, 36.0)],
+        "llamacpp/sd_g4": [_engine_row(64, 24.0, 44.0, drafted=20, accepted=14, rejected=2, rounds=5, gamma=4)],
+        "llama-speculative/sd_g4": [{"tokens_per_s": 30.0, "decode_tokens_per_s": 40.0, "drafted": 20,
+                                     "accepted": 15}]}}
+    s = engines_summary(alone, runs, n=64)
+    assert s["alone"]["draft"]["llamacpp"] == 50.0  # the median
+    assert s["alone"]["target"]["llama-bench-request"] == pytest.approx(64 / (100 / 100.0 + 64 / 40.0))
+    sd = s["hybrid"]["loopback"]["llamacpp/sd_g4"]
+    assert sd["alpha"] == pytest.approx(14 / 16) and sd["c"] == pytest.approx(30.0 / 50.0)
+    assert sd["ideal_speedup"] == pytest.approx(ideal_speedup(14 / 16, 4, 0.6))
+    assert sd["tokens_per_round"] == pytest.approx(64 / 5)
+    assert s["hybrid"]["loopback"]["llama-speculative/sd_g4"]["acceptance"] == pytest.approx(0.75)
+    g = s["goals"]
+    assert g["draft_engine_vs_llama_bench (>= 0.9)"] == pytest.approx(1.0)
+    assert g["cloud_llm_decode_vs_llama_bench_target (>= 0.9)"] == pytest.approx(36.0 / 40.0)
+    assert g["best_sd_vs_best_llama_speculative_decode (>= 1.0)"] == pytest.approx(44.0 / 40.0)
+    assert g["best_sd_vs_llamacpp_llm_request (>= 1.5)"] == pytest.approx(24.0 / 20.0)

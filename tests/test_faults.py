@@ -67,13 +67,17 @@ def test_link_cut_under_wait_gives_the_uninterrupted_answer(tiny_server, tiny_pa
     assert got.interruptions >= 1 and got.degraded == []
 
 
-def test_link_cut_under_degrade_keeps_generating_and_marks_the_tokens(tiny_server, tiny_pair):
+@pytest.mark.parametrize("protocol", ["sd", "llm"])
+def test_link_cut_under_degrade_keeps_generating_and_marks_the_tokens(tiny_server, tiny_pair, protocol):
+    """`llm` drafts nothing, so its draft reads the prompt only once the link is down (none of its time before)."""
     draft = tiny_pair[0]
     host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
-    reference = _generate(tiny_server.endpoint, draft)
+    reference = _generate(tiny_server.endpoint, draft, protocol=protocol)
+    if protocol == "llm":
+        assert reference.device_compute_s == 0.0
     with LinkEmulator("loopback", (host, int(port))) as link:
         hook = _cut_after(link, 8, 1.0)
-        got = _generate(link.address, draft, "degrade", hook)
+        got = _generate(link.address, draft, "degrade", hook, protocol)
         hook.state["timer"].join()  # the answer may be complete before the link is back
     assert got.n == N and got.interruptions >= 1 and got.degraded
     first = got.degraded[0]

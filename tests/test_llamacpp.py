@@ -15,7 +15,6 @@ from edge_runtime.runtime import EdgeRuntime
 from hat_split.math.sampling import SamplingParams, warp
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import vocab_fingerprint
-from hat_split.models.registry import gguf_path
 from hat_split.net.security import LinkSecurity
 from tests.conftest import serving
 from tests.test_sampling import tv, tv_bound
@@ -24,65 +23,53 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf  # noqa: E402
 
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-
 
 @pytest.fixture(scope="module")
-def gguf(smollm2):
-    return gguf_path("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def ids(smollm2):
-    return list(smollm2.tokenizer(PROMPT)["input_ids"])
-
-
-@pytest.fixture(scope="module")
-def lm(gguf):
-    with LlamaCppLM(gguf, LlamaCppSettings(n_ctx=512, n_batch=32, n_threads=2, n_seq_max=2)) as m:
+def lm(smollm2_gguf):
+    with LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=512, n_batch=32, n_threads=2, n_seq_max=2)) as m:
         yield m
 
 
 @pytest.mark.parametrize("flash_attn", [True, False])
-def test_logits_are_llama_cpps_own_evaluation_of_the_same_tokens(gguf, ids, flash_attn):
-    ref = llama_cpp.Llama(model_path=str(gguf), n_ctx=512, n_batch=32, n_threads=2, logits_all=True, verbose=False,
-                          flash_attn=flash_attn)
-    ref.eval(ids)
-    expected = np.array(ref.scores[: len(ids)])  # [n, vocab]
-    with LlamaCppLM(gguf, LlamaCppSettings(n_ctx=512, n_batch=32, n_threads=2, flash_attn=flash_attn)) as lm:
-        got = lm.forward(lm.new_state(), ids, n_logits=len(ids))
-    assert got.shape == (len(ids), lm.vocab_size) == expected.shape
+def test_logits_are_llama_cpps_own_evaluation_of_the_same_tokens(smollm2_gguf, smollm2_ids, flash_attn):
+    ref = llama_cpp.Llama(model_path=str(smollm2_gguf), n_ctx=512, n_batch=32, n_threads=2, logits_all=True,
+                          verbose=False, flash_attn=flash_attn)
+    ref.eval(smollm2_ids)
+    expected = np.array(ref.scores[: len(smollm2_ids)])  # [n, vocab]
+    with LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=512, n_batch=32, n_threads=2, flash_attn=flash_attn)) as lm:
+        got = lm.forward(lm.new_state(), smollm2_ids, n_logits=len(smollm2_ids))
+    assert got.shape == (len(smollm2_ids), lm.vocab_size) == expected.shape
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
 
 
-def test_a_crop_then_a_continuation_equals_a_fresh_evaluation(lm, ids):
-    drafts = lm.greedy(ids, 6)
-    fresh = lm.forward(lm.new_state(), ids + drafts, n_logits=4)  # [4, vocab]
+def test_a_crop_then_a_continuation_equals_a_fresh_evaluation(lm, smollm2_ids):
+    drafts = lm.greedy(smollm2_ids, 6)
+    fresh = lm.forward(lm.new_state(), smollm2_ids + drafts, n_logits=4)  # [4, vocab]
     state = lm.new_state()
-    lm.forward(state, ids, n_logits=1)
+    lm.forward(state, smollm2_ids, n_logits=1)
     lm.forward(state, [9, 8, 7, 6, 5], n_logits=5)  # drafts that get rejected
-    lm.crop(state, len(ids))
-    assert state.length == len(ids)
+    lm.crop(state, len(smollm2_ids))
+    assert state.length == len(smollm2_ids)
     got = lm.forward(state, drafts, n_logits=4)
     np.testing.assert_allclose(got, fresh, rtol=0, atol=1e-3 * np.abs(fresh).max())
     assert (got.argmax(1) == fresh.argmax(1)).all()
 
 
-def test_argmax_agrees_with_the_torch_engine_on_the_same_gguf(lm, smollm2, ids):
+def test_argmax_agrees_with_the_torch_engine_on_the_same_gguf(lm, smollm2, smollm2_ids):
     torch_lm = CausalLM(smollm2.model)  # the same GGUF, dequantised to float32
-    text = ids + torch_lm.greedy(ids, 24)
-    ours = lm.forward(lm.new_state(), text, n_logits=len(text) - len(ids) + 1).argmax(1)
-    theirs = torch_lm.forward(torch_lm.new_state(), text, n_logits=len(text) - len(ids) + 1).argmax(1)
+    text = smollm2_ids + torch_lm.greedy(smollm2_ids, 24)
+    ours = lm.forward(lm.new_state(), text, n_logits=len(text) - len(smollm2_ids) + 1).argmax(1)
+    theirs = torch_lm.forward(torch_lm.new_state(), text, n_logits=len(text) - len(smollm2_ids) + 1).argmax(1)
     assert (ours == theirs).mean() >= 0.9, (ours, theirs)  # quantised matmuls: a near tie may flip
 
 
-def test_states_are_independent_sequences_and_their_ids_are_reused(lm, ids):
-    alone = lm.forward(lm.new_state(), ids, n_logits=1)
+def test_states_are_independent_sequences_and_their_ids_are_reused(lm, smollm2_ids):
+    alone = lm.forward(lm.new_state(), smollm2_ids, n_logits=1)
     gc.collect()
     a, b = lm.new_state(), lm.new_state()
-    lm.forward(a, ids[:5], n_logits=1)
+    lm.forward(a, smollm2_ids[:5], n_logits=1)
     lm.forward(b, [1, 2, 3], n_logits=1)  # interleaved with a
-    got = lm.forward(a, ids[5:], n_logits=1)
+    got = lm.forward(a, smollm2_ids[5:], n_logits=1)
     np.testing.assert_allclose(got, alone, rtol=0, atol=1e-3 * np.abs(alone).max())
     with pytest.raises(RuntimeError, match="all 2 llama.cpp sequences are in use"):
         lm.new_state()
@@ -91,17 +78,17 @@ def test_states_are_independent_sequences_and_their_ids_are_reused(lm, ids):
     assert lm.new_state().length == 0  # a released id comes back empty
 
 
-def test_bad_input_is_refused_with_the_reason(lm, tmp_path, gguf):
-    text = tmp_path / "notes.gguf"
+def test_bad_input_is_refused_with_the_reason(lm, tmp_path, smollm2_gguf):
+    text = tmp_path / "notes.smollm2_gguf"
     text.write_text("not a model")
     with pytest.raises(ValueError, match="is not a GGUF file"):
         LlamaCppLM(text)
-    header_only = tmp_path / "empty.gguf"
+    header_only = tmp_path / "empty.smollm2_gguf"
     header_only.write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(ValueError, match="could not load"):
         LlamaCppLM(header_only)
     with pytest.raises(ValueError, match="does not exist"):
-        LlamaCppLM(tmp_path / "missing.gguf")
+        LlamaCppLM(tmp_path / "missing.smollm2_gguf")
     with pytest.raises(ValueError, match="longer than the 512 configured"):
         lm.forward(lm.new_state(), list(range(513)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -110,7 +97,7 @@ def test_bad_input_is_refused_with_the_reason(lm, tmp_path, gguf):
         LlamaCppSettings(n_ctx=0)
 
 
-def test_a_device_on_llama_cpp_with_a_torch_target_gives_the_torch_targets_tokens(smollm2, ids):
+def test_a_device_on_llama_cpp_with_a_torch_target_gives_the_torch_targets_tokens(smollm2, smollm2_ids):
     """Mixed engines, temperature 0: whatever the draft runs on, `sd` and `hlm` return the target's own greedy
     tokens; `slm` returns llama.cpp's own greedy continuation."""
     target = CausalLM(smollm2.model)
@@ -119,14 +106,15 @@ def test_a_device_on_llama_cpp_with_a_torch_target_gives_the_torch_targets_token
                             link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()))
         with EdgeRuntime(config) as rt:
             assert isinstance(rt.lm, LlamaCppLM) and rt.eos_ids
-            reference = target.greedy(ids, 24, eos=sorted(rt.eos_ids))
+            reference = target.greedy(smollm2_ids, 24, eos=sorted(rt.eos_ids))
             for protocol in ("sd", "hlm"):
-                result = rt.generate(ids, protocol, SamplingParams(0.0), 24, seed=0)
+                result = rt.generate(smollm2_ids, protocol, SamplingParams(0.0), 24, seed=0)
                 assert result.tokens == reference, protocol
                 assert result.accepted > 0
-            assert rt.generate(ids, "slm", SamplingParams(0.0), 24, seed=0).tokens == rt.lm.greedy(ids, 24)
+            alone = rt.lm.greedy(smollm2_ids, 24)
+            assert rt.generate(smollm2_ids, "slm", SamplingParams(0.0), 24, seed=0).tokens == alone
             with pytest.raises(ValueError, match="split protocols .* run on the torch engine"):
-                rt.generate(ids, "ushape", SamplingParams(0.0), 4, seed=0)
+                rt.generate(smollm2_ids, "ushape", SamplingParams(0.0), 4, seed=0)
 
 
 def test_the_device_config_refuses_what_llama_cpp_cannot_run():
@@ -138,23 +126,24 @@ def test_the_device_config_refuses_what_llama_cpp_cannot_run():
         model_gguf("some/hf-directory")
 
 
-def test_several_states_in_one_forward_equal_each_alone(lm, ids):
-    alone = [lm.forward(lm.new_state(), ids, n_logits=3), lm.forward(lm.new_state(), ids[:7], n_logits=1)]
+def test_several_states_in_one_forward_equal_each_alone(lm, smollm2_ids):
+    alone = [lm.forward(lm.new_state(), smollm2_ids, n_logits=3),
+             lm.forward(lm.new_state(), smollm2_ids[:7], n_logits=1)]
     a, b = lm.new_state(), lm.new_state()
-    together = lm.forward_many([a, b], [ids, ids[:7]], [3, 1])
+    together = lm.forward_many([a, b], [smollm2_ids, smollm2_ids[:7]], [3, 1])
     for got, want in zip(together, alone):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
         assert (got.argmax(1) == want.argmax(1)).all()
-    assert (a.length, b.length) == (len(ids), 7)
+    assert (a.length, b.length) == (len(smollm2_ids), 7)
     with pytest.raises(ValueError, match="once per forward_many"):
         lm.forward_many([a, a], [[1], [2]], [1, 1])
 
 
-def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(gguf, smollm2, ids):
+def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(smollm2_gguf, smollm2, smollm2_ids):
     """Two devices at once on a llama.cpp target served from a thread: `sd` gives each the target's own greedy
     tokens, whatever else shares its steps; a split protocol is refused with the reason."""
-    target = LlamaCppLM(gguf, LlamaCppSettings(n_ctx=2048, n_batch=64, n_threads=2, n_seq_max=8))
-    prompts = [ids, list(smollm2.tokenizer("def quicksort(xs):\n")["input_ids"])]
+    target = LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=2048, n_batch=64, n_threads=2, n_seq_max=8))
+    prompts = [smollm2_ids, list(smollm2.tokenizer("def quicksort(xs):\n")["input_ids"])]
     reference = [target.greedy(p, 20) for p in prompts]
     with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
         config = EdgeConfig(model="smollm2-135m", engine=EngineConfig(backend="llamacpp", n_ctx=1024, threads=1),
@@ -173,14 +162,14 @@ def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(gguf,
         assert results == reference
         with EdgeRuntime(EdgeConfig(model="smollm2-135m", link=config.link), smollm2) as rt:
             with pytest.raises(Exception, match="run on the torch engine; this cloud runs llama.cpp"):
-                rt.generate(ids, "ushape", SamplingParams(0.0), 4, seed=0)
+                rt.generate(smollm2_ids, "ushape", SamplingParams(0.0), 4, seed=0)
 
 
-def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(gguf, smollm2, ids):
+def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(smollm2_gguf, smollm2, smollm2_ids):
     """`hat-cloud serve --engine llamacpp` in its own process, the device on llama.cpp: `sd` and `hlm` at
     temperature 0 return exactly the llama.cpp target's greedy continuation."""
-    with LlamaCppLM(gguf, LlamaCppSettings(n_ctx=1024, n_batch=512, n_threads=2)) as alone:
-        reference = alone.greedy(ids, 24)
+    with LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=1024, n_batch=512, n_threads=2)) as alone:
+        reference = alone.greedy(smollm2_ids, 24)
     with CloudProcess("smollm2-135m", extra_args=["--engine", "llamacpp", "--n-ctx", "2048"], threads=1,
                       ready_timeout_s=300) as cloud:
         assert "engine=llamacpp" in cloud.ready_info
@@ -188,24 +177,24 @@ def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(g
                             link=LinkConfig(cloud.endpoint, security=LinkSecurity.plaintext()))
         with EdgeRuntime(config) as rt:
             for protocol in ("sd", "hlm", "llm"):
-                assert rt.generate(ids, protocol, SamplingParams(0.0), 24, seed=0).tokens == reference, protocol
+                assert rt.generate(smollm2_ids, protocol, SamplingParams(0.0), 24, seed=0).tokens == reference, protocol
 
 
-def test_the_first_sampled_token_follows_the_llama_cpp_targets_softmax(gguf, smollm2):
+def test_the_first_sampled_token_follows_the_llama_cpp_targets_softmax(smollm2_gguf, smollm2):
     """Temperature 1, a torch draft (dequantised weights: its q differs from the quantised target's p) verified by a
     llama.cpp target: over N requests the first token's frequencies approach p (TV within the bound of
     tests/test_sampling.py) and not a sharper decoy."""
-    ids = list(smollm2.tokenizer("My favourite colour is")["input_ids"])
-    target = LlamaCppLM(gguf, LlamaCppSettings(n_ctx=1024, n_batch=64, n_threads=2, n_seq_max=4))
-    p = warp(target.forward(target.new_state(), ids)[-1], SamplingParams(1.0))  # [vocab]
-    decoy = warp(target.forward(target.new_state(), ids)[-1], SamplingParams(0.5))
+    smollm2_ids = list(smollm2.tokenizer("My favourite colour is")["input_ids"])
+    target = LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=1024, n_batch=64, n_threads=2, n_seq_max=4))
+    p = warp(target.forward(target.new_state(), smollm2_ids)[-1], SamplingParams(1.0))  # [vocab]
+    decoy = warp(target.forward(target.new_state(), smollm2_ids)[-1], SamplingParams(0.5))
     cells = [int(t) for t in np.argsort(-p)[:7]]  # the likeliest tokens, one cell each; the rest one cell
     n = 400
     with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
         config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()),
                             draft_len=2)
         with EdgeRuntime(config, smollm2) as rt:
-            first = [rt.generate(ids, "sd", SamplingParams(1.0), 1, seed=s).tokens[0] for s in range(n)]
+            first = [rt.generate(smollm2_ids, "sd", SamplingParams(1.0), 1, seed=s).tokens[0] for s in range(n)]
 
     def cell_of(dist):
         return np.append(dist[cells], 1.0 - dist[cells].sum())

@@ -71,6 +71,7 @@ class GenerationResult(Counters):
     device_compute_s: float = 0.0  # the draft model's forward time on the device (prompt included)
     device_prefill_s: float = 0.0  # of device_compute_s: the prompt
     cloud_prefill_s: float = 0.0  # of cloud_compute_s: the prompt
+    open_s: float = 0.0  # of total_s: opening the request (the prompt on the link and on both sides)
     finish_reason: str = ""  # "eos" | "length" | a should_stop reason ("stop", "cancelled")
 
     @property
@@ -84,6 +85,7 @@ class GenerationResult(Counters):
             "n_tokens": self.n,
             "tokens_per_s": self.n / self.total_s if self.total_s > 0 else 0.0,
             "decode_tokens_per_s": (self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
+            "after_open_tokens_per_s": self.n / (self.total_s - self.open_s) if self.total_s > self.open_s else 0.0,
             "ttft_s": self.ttft_s,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
             "alpha": self.accepted / (self.accepted + self.rejected) if self.drafted else float("nan"),
@@ -198,6 +200,7 @@ class Session(ABC):
         linked = self._resuming(prompt, lambda: self.open(prompt))
         device_prefill_s = self.drafter.compute_s
         cloud_prefill_s = self.counters.cloud_compute_s
+        open_s = time.perf_counter() - t0
         while not self.done:
             linked = self._resuming(prompt, lambda: self.round_fn(self))
         t1 = time.perf_counter()
@@ -224,6 +227,7 @@ class Session(ABC):
             device_compute_s=self.drafter.compute_s,
             device_prefill_s=device_prefill_s,
             cloud_prefill_s=cloud_prefill_s,
+            open_s=open_s,
             finish_reason=self.finish_reason,
         )
 

@@ -37,21 +37,23 @@ class TokenSession(Session):
         host). If the link drops on the way (a re-Hello in send, or the reply), the draft is still started on this
         prompt: resuming may generate with it."""
         overlap = self.config.overlaps_prefill
+        # `llm` drafts nothing: the draft reads the prompt only if the link drops and the device generates alone
+        prefill = self.protocol.round != "llm"
         started = False
         try:
             self.client.send(self._open_message(prompt))
             if overlap:
-                self.drafter.start(prompt)  # the device's prefill runs while the cloud's does
+                self.drafter.start(prompt, prefill)  # the device's prefill runs while the cloud's does
                 started = True
             opened = expect(self.client.receive(), P.SessionOpened, P.OpenSession)
         except (LinkDown, CloudError):
             if not started:
-                self.drafter.start(prompt)
+                self.drafter.start(prompt, prefill)
             raise
         self.cloud_position = opened.position
         self.counters.cloud_compute_s += opened.compute_s
         if not overlap:
-            self.drafter.start(prompt)  # same host: two concurrent prefills would oversubscribe the cores
+            self.drafter.start(prompt, prefill)  # same host: two concurrent prefills would oversubscribe the cores
 
     def reopen(self, prompt: List[int]) -> None:
         """A new session holding the whole committed sequence (prompt + generated, degraded tokens included)."""

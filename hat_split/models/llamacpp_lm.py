@@ -7,39 +7,25 @@ sequence id of that context (its `cache`), a forward appends the state's tokens 
 whole row), and a crop removes the sequence's positions from the KV cache (`llama_memory_seq_rm`): the prefix is
 never recomputed. A state's sequence id goes back to the pool when the state is garbage-collected.
 
-llama-cpp-python is optional (scripts/install_llamacpp.sh builds it for this machine's CPU); importing this module
-needs it, and `require_llama_cpp()` says how to install it.
+llama-cpp-python is optional (scripts/install_llamacpp.sh builds it for this machine's CPU): a model needs it, and
+hat_split.models.llamacpp_lib says how to install it.
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Sequence, Union
+from typing import List, Sequence, Tuple, Union
 
 import numpy as np
 
+from hat_split.models.llamacpp_lib import require_llama_cpp
+from hat_split.models.llamacpp_rpc import rpc_devices
 from hat_split.models.lm import CausalLM, KVState, check_crop, check_feed
 from hat_split.models.registry import MODELS, gguf_path
-
-INSTALL_HINT = "llama-cpp-python is not installed: bash scripts/install_llamacpp.sh builds it for this CPU"
-
-
-def require_llama_cpp():
-    """The llama_cpp module, or an ImportError that says how to install it."""
-    try:
-        import llama_cpp
-    except ImportError:
-        raise ImportError(INSTALL_HINT) from None
-    quiet = logging.getLogger("llama-cpp-python")  # the bindings print llama.cpp's log through it: errors only,
-    if quiet.level == logging.NOTSET:  # unless the application set a level
-        quiet.setLevel(logging.ERROR)
-    return llama_cpp
-
 
 def model_gguf(model: Union[str, Path]) -> Path:
     """The GGUF file llama.cpp runs for `model`: a registry name's assembled file, or a .gguf path as given."""
@@ -61,6 +47,10 @@ class LlamaCppSettings:
     n_threads: int = 0  # CPU threads; 0 = every core this process may use
     n_seq_max: int = 1  # states held at once (sequence ids): 1 on a device, one per session in a cloud
     flash_attn: bool = True  # llama.cpp's fused attention: faster on long contexts; its rounding differs slightly
+    n_gpu_layers: int = -1  # layers on the offload devices (a CUDA build's GPUs, or the RPC servers); -1: all. A
+    #                         CPU build has no offload device: everything runs on the CPU
+    rpc: Tuple[str, ...] = ()  # HOST:PORT of RPC servers (hat_split.models.llamacpp_rpc): the layers are spread over
+    #                            their devices instead of this machine's
 
     def __post_init__(self) -> None:
         if self.n_ctx < 8 or self.n_batch < 1 or self.n_threads < 0 or self.n_seq_max < 1:
@@ -82,6 +72,11 @@ class LlamaCppLM:
                 raise ValueError(f"{self.path} is not a GGUF file")
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = settings.n_gpu_layers
+        if settings.rpc:  # the RPC servers' devices, NULL-terminated; kept alive with the model
+            devices = rpc_devices(settings.rpc)
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path} as a model")

@@ -27,10 +27,13 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.math.verify import ideal_speedup
 from hat_split.models.chat import encode
 from hat_split.models.loading import load_model, load_tokenizer, quantize_weights, resolve_dtype
+from profiles.bench.bench_args import parse_variants, variant_name
 from profiles.bench.bench_cuhlm import add_parser as add_cuhlm_parser
 from profiles.bench.bench_cuhlm import run as run_cuhlm
 from profiles.bench.bench_edge import add_parser as add_edge_parser
 from profiles.bench.bench_edge import run as run_edge
+from profiles.bench.bench_engines import add_parser as add_engines_parser
+from profiles.bench.bench_engines import run as run_engines
 from profiles.bench.bench_fleet import add_parser as add_fleet_parser
 from profiles.bench.bench_fleet import run as run_fleet
 from profiles.bench.bench_hat import add_parser as add_hat_parser
@@ -67,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hat_parser(sub)
     add_fleet_parser(sub)
     add_edge_parser(sub)
+    add_engines_parser(sub)
     add_fuzz_parser(sub)
     add_soak_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
@@ -176,29 +180,6 @@ def speculative(args) -> int:
     return 0
 
 
-def parse_variants(text: str) -> List[Tuple[int, float]]:
-    """"3,4,8@0.5" → [(3, 0.0), (4, 0.0), (8, 0.5)]: (γ, η) per sd run."""
-    out = []
-    for item in (x.strip() for x in str(text).split(",")):
-        if not item:
-            continue
-        gamma, _, eta = item.partition("@")
-        try:
-            v = (int(gamma), float(eta) if eta else 0.0)
-        except ValueError:
-            raise ValueError(f"{item!r} is not γ or γ@η (e.g. 4 or 8@0.5)") from None
-        if v[0] < 1 or not 0.0 <= v[1] < 1.0:
-            raise ValueError(f"{item!r}: γ must be >= 1 and η in [0, 1)")
-        out.append(v)
-    if not out:
-        raise ValueError("give at least one γ")
-    return out
-
-
-def variant_name(gamma: int, eta: float) -> str:
-    return f"g{gamma}" + (f"_eta{eta:g}" if eta else "")
-
-
 def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]]) -> dict:
     """tokens/s per run; α, γ, c, ideal speedup, efficiency and greedy identity per speculative run.
 
@@ -252,9 +233,9 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command in ("qs", "hat", "fleet", "edge", "fuzz", "soak"):
+    if args.command in ("qs", "hat", "fleet", "edge", "engines", "fuzz", "soak"):
         try:
-            return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge,
+            return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge, "engines": run_engines,
                     "fuzz": run_fuzz, "soak": run_soak}[args.command](args)
         except ValueError as exc:
             print(f"hat-bench {args.command}: {exc}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Helpers the `hat-bench` subcommands share: comma lists checked against known names, number lists, the distilled
-adapter a HAT benchmark needs (figures: hat_split.files.figures)."""
+adapter a HAT benchmark needs, speculative-decoding variants γ@η (figures: hat_split.files.figures)."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, List, TypeVar
+from typing import Callable, Iterable, List, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -29,3 +29,26 @@ def adapter_dir(given: str, model: str, m: int, needed: bool) -> str:
     if needed and not os.path.exists(os.path.join(path, "adapter.json")):
         raise ValueError(f"no adapter at {path!r}: run hat-distill --model {model} --m {m} first")
     return path
+
+
+def parse_variants(text: str) -> List[Tuple[int, float]]:
+    """"3,4,8@0.5" → [(3, 0.0), (4, 0.0), (8, 0.5)]: (γ, η) per sd run."""
+    out = []
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        gamma, _, eta = item.partition("@")
+        try:
+            v = (int(gamma), float(eta) if eta else 0.0)
+        except ValueError:
+            raise ValueError(f"{item!r} is not γ or γ@η (e.g. 4 or 8@0.5)") from None
+        if v[0] < 1 or not 0.0 <= v[1] < 1.0:
+            raise ValueError(f"{item!r}: γ must be >= 1 and η in [0, 1)")
+        out.append(v)
+    if not out:
+        raise ValueError("give at least one γ")
+    return out
+
+
+def variant_name(gamma: int, eta: float) -> str:
+    return f"g{gamma}" + (f"_eta{eta:g}" if eta else "")

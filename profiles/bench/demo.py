@@ -15,7 +15,6 @@ emulated wire by the relay), and round trips per token.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -25,6 +24,7 @@ import time
 from typing import Dict, List
 
 from hat_split.models import registry
+from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
 from hat_split.protocols import NAMES as PROTOCOLS
 from profiles.bench.testbed import Testbed
@@ -105,7 +105,7 @@ def pick_engine(asked: str) -> str:
     """The engine both sides run: llamacpp when asked or, for auto, when llama-cpp-python is installed; else torch."""
     if asked != "auto":
         return asked
-    return "llamacpp" if importlib.util.find_spec("llama_cpp") is not None else "torch"
+    return "llamacpp" if llama_cpp_installed() else "torch"
 
 
 def main(argv=None) -> int:
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     missing = args.engine == "auto" and engine == "torch"
     print(f"hat-demo: engines: cloud {engine}, device {engine}"
-          f"{' (llama-cpp-python is not installed: bash scripts/install_llamacpp.sh)' if missing else ''}", flush=True)
+          f"{f' ({INSTALL_HINT})' if missing else ''}", flush=True)
     print(f"hat-demo: starting the cloud ({args.target}) ...", flush=True)
     t0 = time.perf_counter()
     # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
