@@ -98,8 +98,9 @@ def test_bad_input_is_refused_with_the_reason(lm, tmp_path, smollm2_gguf):
 
 
 def test_a_device_on_llama_cpp_with_a_torch_target_gives_the_torch_targets_tokens(smollm2, smollm2_ids):
-    """Mixed engines, temperature 0: whatever the draft runs on, `sd` and `hlm` return the target's own greedy
-    tokens; `slm` returns llama.cpp's own greedy continuation."""
+    """Mixed engines, temperature 0: whatever the draft runs on, `sd`, `hlm` and the lattice protocols return the
+    target's own greedy tokens; `slm` returns llama.cpp's own greedy continuation; U-HLM and CU-HLM measure the
+    draft's uncertainty on llama.cpp's logits and skip the confident uploads."""
     target = CausalLM(smollm2.model)
     with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
         config = EdgeConfig(model="smollm2-135m", engine=EngineConfig(backend="llamacpp", n_ctx=1024, threads=2),
@@ -113,6 +114,11 @@ def test_a_device_on_llama_cpp_with_a_torch_target_gives_the_torch_targets_token
                 assert result.accepted > 0
             alone = rt.lm.greedy(smollm2_ids, 24)
             assert rt.generate(smollm2_ids, "slm", SamplingParams(0.0), 24, seed=0).tokens == alone
+            for protocol in ("qs", "ksqs", "csqs"):  # lattice-quantized drafts: exact too
+                assert rt.generate(smollm2_ids, protocol, SamplingParams(0.0), 24, seed=0).tokens == reference
+            for protocol in ("uhlm", "cuhlm"):  # temperature-perturbation uncertainty on llama.cpp's logits
+                result = rt.generate(smollm2_ids, protocol, SamplingParams(0.0), 24, seed=0)
+                assert result.n == 24 and 0 < result.skipped < 24 and len(result.skip_log) == result.skipped
             with pytest.raises(ValueError, match="split protocols .* run on the torch engine"):
                 rt.generate(smollm2_ids, "ushape", SamplingParams(0.0), 4, seed=0)
 
