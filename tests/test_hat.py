@@ -21,8 +21,10 @@ from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_
 from hat_split.math.chunking import DelayModel, chunk_size, parallel_steps, prefill_finish
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
+from hat_split.models.loading import load_model
 from hat_split.models.partition import PartCache, SplitModel, head_logits
 from hat_split.math.sampling import SamplingParams
+from tests.conftest import requires_real_pair
 
 PROMPT = [5, 17, 99, 3, 250, 7, 41, 8, 300, 12, 77]
 V = 300
@@ -79,16 +81,40 @@ def test_partition_refuses_bad_cuts():
         SplitModel(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)), 1)
 
 
-@pytest.mark.real_models
-def test_partition_real_smollm2(smollm2):
-    model = smollm2.model
-    tokens = smollm2.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")["input_ids"]
+def _real_cut_matches_the_full_model(model, tokens, m: int, tail: int, tol: float) -> None:
+    """Prefill in a chunk, one token, a multi-token draft on the cache; then the draft rejected (caches cropped) and
+    other positions computed there: every logit row equals the full model's, and every argmax."""
     with torch.inference_mode():
         ref = model(torch.tensor([tokens])).logits[0].float()
     n = len(tokens)
-    got, _ = _split_logits(SplitModel(model, 2, 0), tokens, [(0, n - 6), (n - 6, n - 5), (n - 5, n)])
-    assert float((got - ref).abs().max()) < 1e-3
+    got, caches = _split_logits(SplitModel(model, m, tail), tokens, [(0, n - 6), (n - 6, n - 5), (n - 5, n)])
+    scale = float(ref.abs().max())
+    assert float((got - ref).abs().max()) < tol * scale
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    for c in caches:
+        c.crop(n - 5)
+    sp = SplitModel(model, m, tail)
+    with torch.inference_mode():
+        again = sp.run_output(caches[2], sp.middle.forward(caches[1], sp.run_input(caches[0], tokens[n - 5:])))
+    assert float((again - ref[n - 5:]).abs().max()) < tol * scale
+
+
+@pytest.mark.real_models
+def test_partition_real_smollm2(smollm2):
+    tokens = smollm2.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")["input_ids"]
+    _real_cut_matches_the_full_model(smollm2.model, tokens, 2, 0, 1e-4)
+
+
+@pytest.mark.real_models
+@requires_real_pair
+@pytest.mark.parametrize("name,m,tail", [("qwen2.5-coder-1.5b", 2, 0), ("qwen2.5-coder-1.5b", 4, 2),
+                                         ("qwen2.5-coder-0.5b", 2, 0)])
+def test_partition_real_qwen_cut(name, m, tail):
+    """The real Qwen2.5-Coder targets cut as HAT cuts them (m input layers and `tail` last layers on the device),
+    float32: the cut reproduces the full model."""
+    loaded = load_model(name, dtype="float32")
+    tokens = loaded.tokenizer("def quicksort(xs):\n    if len(xs) < 2:\n        return xs\n")["input_ids"]
+    _real_cut_matches_the_full_model(loaded.model, tokens, m, tail, 1e-4)
 
 
 # -- codec, planning math --------------------------------------------------------------------------------------------
