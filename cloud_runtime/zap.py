@@ -31,7 +31,12 @@ class ZapAllowList:
         self.refused: List[dict] = []  # {"address", "key", "mechanism", "reason"}, newest last (bounded)
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(ZAP_ENDPOINT)
+        try:
+            self._sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise RuntimeError(f"another CurveZMQ server of this process holds {ZAP_ENDPOINT} ({exc}): one "
+                               f"authenticating server per process") from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="zap", daemon=True)
         self._thread.start()
@@ -85,6 +90,12 @@ class ZapAllowList:
         return reply(b"400", reason.encode())
 
     def close(self) -> None:
+        """Stop the thread, then give the endpoint back at once (unbind: a socket's close frees an inproc endpoint
+        only later, in libzmq's reaper, and the next server of this process must be able to bind it)."""
         self._stop.set()
         self._thread.join(timeout=2)
+        try:
+            self._sock.unbind(ZAP_ENDPOINT)
+        except zmq.ZMQError:  # already gone
+            pass
         self._sock.close(linger=0)

@@ -110,3 +110,23 @@ def test_plaintext_only_when_asked_for(tmp_path):
     from cloud_runtime.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--model", "m", "--plaintext"]).plaintext
+
+
+def test_a_closed_cloud_gives_the_zap_endpoint_back_at_once(tmp_path):
+    """Servers started one after another in one process (tests, a restarted server) each get the ZAP endpoint: a
+    closed allow-list unbinds it at once (libzmq frees an inproc endpoint only later on a bare close); two live
+    authenticating servers in one process are refused with the reason."""
+    import zmq
+
+    from cloud_runtime.zap import ZapAllowList
+
+    ctx = zmq.Context.instance()
+    (tmp_path / "allow").mkdir()
+    for _ in range(10):  # a bare close failed the next bind ~97 % of the time
+        ZapAllowList(ctx, str(tmp_path / "allow")).close()
+    first = ZapAllowList(ctx, str(tmp_path / "allow"))
+    try:
+        with pytest.raises(RuntimeError, match="one authenticating server per process"):
+            ZapAllowList(ctx, str(tmp_path / "allow"))
+    finally:
+        first.close()

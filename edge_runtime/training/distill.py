@@ -170,8 +170,8 @@ def run(args) -> int:
             r["loss"].backward()
             torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
             opt.step()
-            history.append([step, float(r["loss"]), r["smooth_l1"], r["ce"], r["top1"]])
-            bar.set_postfix(loss=f"{float(r['loss']):.3f}", top1=f"{r['top1']:.3f}")
+            history.append([step, float(r["loss"].detach()), r["smooth_l1"], r["ce"], r["top1"]])
+            bar.set_postfix(loss=f"{float(r['loss'].detach()):.3f}", top1=f"{r['top1']:.3f}")
             if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
                 out.mkdir(parents=True, exist_ok=True)
                 torch.save({"args": vars(args), "adapter": adapter.state_dict(), "optimizer": opt.state_dict(),
