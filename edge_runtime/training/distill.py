@@ -161,10 +161,12 @@ def run(args) -> int:
         adapter.train()
         for step in bar:
             idx = order[step * args.batch:(step + 1) * args.batch]
-            tokens = torch.tensor([train[i] for i in idx], dtype=torch.long)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr)
-            t = cache.teacher(split, idx) if cache is not None else teacher(split, tokens)
+            if cache is not None:
+                t = cache.teacher(split, idx)
+            else:
+                t = teacher(split, torch.tensor([train[i] for i in idx], dtype=torch.long))
             r = student_loss(split, lam, t, args.w_ce)
             opt.zero_grad(set_to_none=True)
             r["loss"].backward()

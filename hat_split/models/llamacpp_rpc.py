@@ -14,6 +14,7 @@ llama-cpp-python must be built with GGML_RPC=ON (scripts/install_llamacpp.sh doe
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import socket
 from pathlib import Path
@@ -37,6 +38,7 @@ def parse_endpoints(text: str) -> Tuple[str, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
 def _ggml():
     """libggml of the installed llama-cpp-python, its functions typed (RuntimeError without the RPC backend)."""
     L = require_llama_cpp()

@@ -1,8 +1,11 @@
 """Helpers the `hat-bench` subcommands share: comma lists checked against known names, number lists, the distilled
-adapter a HAT benchmark needs, speculative-decoding variants γ@η (figures: hat_split.files.figures)."""
+adapter a HAT benchmark needs, speculative-decoding variants γ@η, the machine's CPU for reports, the llama.cpp install
+script (figures: hat_split.files.figures)."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Callable, Iterable, List, Tuple, TypeVar
 
 T = TypeVar("T")
@@ -52,3 +55,18 @@ def parse_variants(text: str) -> List[Tuple[int, float]]:
 
 def variant_name(gamma: int, eta: float) -> str:
     return f"g{gamma}" + (f"_eta{eta:g}" if eta else "")
+
+
+LLAMACPP_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_llamacpp.sh"
+
+
+def cpu_name() -> str:
+    """The CPU model and its logical CPUs, for a report (the platform where /proc/cpuinfo is absent)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} logical CPUs)"
+    except OSError:
+        pass
+    return sys.platform

@@ -26,7 +26,7 @@ from hat_split.files import bundle as M
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, quantize_weights
 from hat_split.models.registry import gguf_path
-from profiles.bench.bench_args import names
+from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names
 from profiles.bench.stats import percentile
 from profiles.testbed.prompts import validation_prompts
 
@@ -88,9 +88,9 @@ def _ensure_llamacpp() -> None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        script = Path(__file__).resolve().parents[2] / "scripts" / "install_llamacpp.sh"
-        print(f"hat-bench edge: building llama-cpp-python ({script}; minutes the first time, cached after)", flush=True)
-        subprocess.run(["bash", str(script)], check=True)
+        print(f"hat-bench edge: building llama-cpp-python ({LLAMACPP_SCRIPT}; minutes the first time, cached after)",
+              flush=True)
+        subprocess.run(["bash", str(LLAMACPP_SCRIPT)], check=True)
 
 
 def measure(dec: Decoder, prompt: List[int], n: int) -> dict:
@@ -158,7 +158,7 @@ def run(args) -> int:
             print(f"  round {r + 1}/{args.repeats} {b:10s} {args.new_tokens / sum(runs[b][-1]['latency_s']):7.1f} "
                   "tok/s", flush=True)
     reference = runs.get("torch-fp32", [{}])[0].get("tokens")
-    report = {"args": vars(args), "prompt_tokens": len(prompt), "cpu": _cpu(), "backends": {}}
+    report = {"args": vars(args), "prompt_tokens": len(prompt), "cpu": cpu_name(), "backends": {}}
     for b, rs in runs.items():
         lat = np.concatenate([r["latency_s"] for r in rs])
         tps = [args.new_tokens / sum(r["latency_s"]) for r in rs]
@@ -186,13 +186,3 @@ def run(args) -> int:
     print(f"hat-bench edge: wrote {args.out}")
     return 0
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} logical CPUs)"
-    except OSError:
-        pass
-    return sys.platform

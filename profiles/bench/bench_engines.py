@@ -38,7 +38,7 @@ from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, load_tokenizer
 from hat_split.models.registry import gguf_path
-from profiles.bench.bench_args import names, parse_variants, variant_name
+from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names, parse_variants, variant_name
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import LINK_PROFILES
 from profiles.testbed.prompts import humaneval_prompts
@@ -64,8 +64,7 @@ def add_parser(sub) -> None:
 
 def llama_tools() -> Path:
     """The folder holding llama-bench and llama-speculative (built and cached on first use)."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "install_llamacpp.sh"
-    out = subprocess.run(["bash", str(script), "--tools"], stdout=subprocess.PIPE, text=True, check=True)
+    out = subprocess.run(["bash", str(LLAMACPP_SCRIPT), "--tools"], stdout=subprocess.PIPE, text=True, check=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -309,7 +308,7 @@ def run(args) -> int:
     summary = summarise(alone, runs, args.max_new_tokens)
     report = {"draft": args.draft, "target": args.target, "threads": args.threads,
               "max_new_tokens": args.max_new_tokens, "prompts": [p.source for p in prompts],
-              "cpu": _cpu(), "alone": alone, "hybrid": runs, "summary": summary}
+              "cpu": cpu_name(), "alone": alone, "hybrid": runs, "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
@@ -317,11 +316,3 @@ def run(args) -> int:
     print(json.dumps(summary, indent=1))
     print(f"hat-bench engines: report saved to {args.out}" + (f" ({note})" if note else ""))
     return 0
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
