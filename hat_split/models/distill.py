@@ -10,6 +10,11 @@ averaged over positions, with f the hidden state right before the LM head (after
 is on one scale), and CE the cross-entropy of the student's head output against the teacher's distribution (soft
 targets). w_ce = 0.1 as in the paper. Only Λ is trained; the head, norms and tail layers are frozen but carry gradients.
 
+The head is most of a step's cost (a vocabulary-wide matmul forward and backward, and one more for the teacher's
+distribution: 152k columns for Qwen2.5), so the CE term may be estimated on a random subset of the positions
+(`ce_positions`): an unbiased estimate of the same mean, at the fraction of the head's cost. The frozen model may run in
+bfloat16 while Λ keeps float32 master weights (`autocast`): the matmuls in bfloat16, the optimizer's state in float32.
+
 The teacher is frozen, so `TeacherCache` computes it once per training window and keeps what the loss needs on disk,
 memory-mapped: the shallow states s (the student's input) and the features f_L (float16 by default). The teacher's
 distribution is H(f_L): one head matmul recomputes it from the cached features at training time, instead of storing a
@@ -35,11 +40,11 @@ W_CE = 0.1  # HAT eq. 4
 
 @dataclass
 class Teacher:
-    """The frozen model's view of one batch (plain tensors: safe to train against)."""
+    """The frozen model's view of one batch (plain tensors: safe to train against). Its distribution is the frozen
+    head on its features (`teacher_probs`), computed where the loss needs it."""
 
     shallow: Any  # [B, n, hidden] input-part output
     features: Any  # [B, n, hidden] teacher f_L (normed)
-    probs: Any  # [B, n, vocab] float32 teacher distribution
 
 
 def teacher(split: SplitModel, tokens: Any) -> Teacher:
@@ -51,15 +56,41 @@ def teacher(split: SplitModel, tokens: Any) -> Teacher:
     shallow = split.input.forward(PartCache(), embedded)
     deep = split.middle.forward(PartCache(), shallow)
     feats = _features(split, deep, train=False)
-    return Teacher(shallow.clone(), feats.clone(), _probs(split, feats).clone())
+    return Teacher(shallow.clone(), feats.clone())
 
 
-def _probs(split: SplitModel, feats: Any) -> Any:
-    """The teacher's distribution `# [B, n, vocab]` float32 from its features (the frozen head)."""
+def teacher_probs(split: SplitModel, feats: Any) -> Any:
+    """The teacher's distribution `# [..., vocab]` float32 from its features `# [..., hidden]` (the frozen head)."""
     import torch
 
     with torch.inference_mode():
-        return torch.softmax(lm_head_logits(split.model, feats).float(), dim=-1)
+        probs = torch.softmax(lm_head_logits(split.model, feats).float(), dim=-1)
+    return probs.clone()  # an ordinary tensor: the loss saves it for backward
+
+
+def autocast(split: SplitModel) -> Any:
+    """The context a training step runs in: bfloat16 / float16 matmuls when the frozen model is in that dtype (Λ's
+    float32 weights are cast per operation), nothing for a float32 model."""
+    import torch
+
+    dtype = next(split.model.parameters()).dtype
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(next(split.model.parameters()).device.type, dtype=dtype)
+
+
+def ce_positions(shape: Sequence[int], fraction: float, generator: Any) -> Any:
+    """A random subset of round(fraction · B · n) flat positions of a `# [B, n]` batch (at least one), or None for
+    all positions (fraction 1)."""
+    import torch
+
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the CE fraction must be in (0, 1], got {fraction}")
+    total = int(shape[0]) * int(shape[1])
+    if fraction == 1:
+        return None
+    k = max(1, round(fraction * total))
+    return torch.randperm(total, generator=generator)[:k]
 
 
 def _features(split: SplitModel, hidden: Any, train: bool) -> Any:
@@ -71,18 +102,27 @@ def _features(split: SplitModel, hidden: Any, train: bool) -> Any:
         return split.model.model.norm(hidden)
 
 
-def student_loss(split: SplitModel, lam: Stack, t: Teacher, w_ce: float = W_CE) -> Dict[str, Any]:
-    """Eq. 4 for one batch: {"loss" (a graph to backpropagate), "smooth_l1", "ce", "top1" (floats)}."""
+def student_loss(split: SplitModel, lam: Stack, t: Teacher, w_ce: float = W_CE, positions: Any = None
+                 ) -> Dict[str, Any]:
+    """Eq. 4 for one batch: {"loss" (a graph to backpropagate), "smooth_l1", "ce", "top1" (floats)}.
+
+    positions: flat indices into the batch's B · n positions where the CE term (and top-1) is taken (`ce_positions`);
+    None: all of them. The SmoothL1 term always covers every position."""
     import torch
     import torch.nn.functional as F
 
-    student = lam.forward(PartCache(), t.shallow, train=True)
-    feats = _features(split, student, train=True)
-    logits = lm_head_logits(split.model, feats, train=True)
-    l_sl = F.smooth_l1_loss(feats.float(), t.features.float())
-    l_ce = -(t.probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    with autocast(split):
+        student = lam.forward(PartCache(), t.shallow, train=True)
+        feats = _features(split, student, train=True)
+        l_sl = F.smooth_l1_loss(feats.float(), t.features.float())
+        flat, target = feats.flatten(0, 1), t.features.flatten(0, 1)
+        if positions is not None:
+            flat, target = flat[positions], target[positions]
+        logits = lm_head_logits(split.model, flat, train=True)  # [k, vocab]
+    probs = teacher_probs(split, target)
+    l_ce = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
     with torch.no_grad():
-        top1 = (logits.argmax(-1) == t.probs.argmax(-1)).float().mean()
+        top1 = (logits.argmax(-1) == probs.argmax(-1)).float().mean()
     return {"loss": l_sl + w_ce * l_ce, "smooth_l1": float(l_sl.detach()), "ce": float(l_ce.detach()),
             "top1": float(top1)}
 
@@ -94,16 +134,17 @@ CACHE_DTYPES = ("float16", "float32")
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What a teacher cache holds; a cache is reused only for the same spec."""
+    """What a teacher cache holds; a cache is reused only for the same spec. The device's tail layers are not part
+    of it: the shallow states and the final features are the same for every tail (middle + tail = layers m..L)."""
 
     model: str  # the model's name (its registry name or path)
     m: int
-    tail: int
     seq_len: int  # tokens per window
     windows: int
     hidden: int
     dtype: str  # storage of the states: float16 (half the disk, rounding ~1e-3 relative) | float32
     digest: str  # of the windows' token ids: the same data, in the same order
+    teacher_dtype: str = "float32"  # the dtype the frozen model ran in
 
     @staticmethod
     def digest_of(windows: Sequence[Sequence[int]]) -> str:
@@ -167,7 +208,7 @@ class TeacherCache:
             progress(hi - lo)
 
     def teacher(self, split: SplitModel, idx: Sequence[int]) -> Teacher:
-        """The cached teacher of windows `idx` (in the model's dtype; the distribution from the features)."""
+        """The cached teacher of windows `idx`, in the model's dtype."""
         import torch
 
         if max(idx) >= self.done:
@@ -175,7 +216,7 @@ class TeacherCache:
         dtype = next(split.model.parameters()).dtype
         shallow = torch.from_numpy(np.asarray(self.shallow[list(idx)], dtype=np.float32)).to(dtype)
         feats = torch.from_numpy(np.asarray(self.features[list(idx)], dtype=np.float32)).to(dtype)
-        return Teacher(shallow, feats, _probs(split, feats).clone())
+        return Teacher(shallow, feats)
 
     def _save_meta(self) -> None:
         write_json(self.path / self.META, {"spec": asdict(self.spec), "done": self.done})

@@ -11,6 +11,8 @@ draft positions never leak into later steps.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence
@@ -35,11 +37,37 @@ def check_crop(state: "KVState", length: int) -> None:
 
 
 def board_time(seconds: float, slowdown: float) -> float:
-    """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time."""
+    """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time.
+
+    The sleep must leave the cores to the cloud beside it: call `wait_passively` before torch loads, or torch's
+    OpenMP workers spin through every sleep and burn a core."""
     if slowdown > 1.0:
         time.sleep((slowdown - 1.0) * seconds)
         return seconds * slowdown
     return seconds
+
+
+OMP_WAIT = "OMP_WAIT_POLICY"
+
+
+def wait_passively(slowdown: float) -> str:
+    """Load torch with its OpenMP workers waiting passively when a slowed board (slowdown > 1) will sleep between
+    computations: otherwise each worker spins through the sleep (measured: a full core per extra second of emulated
+    time at 2 threads). The OpenMP runtime reads the policy once, as torch loads it, so this runs before anything
+    imports torch; the environment is restored at once, so processes started later (a cloud) are not affected. A
+    policy the user set is kept. Returns what happened, for the log."""
+    if slowdown <= 1.0:
+        return "not slowed"
+    if OMP_WAIT in os.environ:
+        return f"{OMP_WAIT}={os.environ[OMP_WAIT]} (set by the user)"
+    if "torch" in sys.modules:
+        return "torch was loaded before the board slowdown was known: its OpenMP workers spin through the waits"
+    os.environ[OMP_WAIT] = "PASSIVE"
+    try:
+        import torch  # noqa: F401  (the OpenMP runtime reads the policy now)
+    finally:
+        del os.environ[OMP_WAIT]
+    return "passive"
 
 
 @dataclass

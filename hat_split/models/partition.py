@@ -357,7 +357,9 @@ def check_family(model: Any) -> None:
 def model_fingerprint(model: Any) -> str:
     """Hash of a model's shape and of weights no quantizer touches (the norms): device and cloud parts must match.
 
-    Cheap (a few kilobytes hashed), and different for different checkpoints of one architecture.
+    Cheap (a few kilobytes hashed), and different for different checkpoints of one architecture. The norms are hashed
+    at bfloat16 precision, so a float32 device and a bfloat16 cloud of the same checkpoint agree (each loads the same
+    float32 weights and rounds them once); a float16 copy rounds differently and is not recognised as the same.
     """
     import torch
 
@@ -366,5 +368,5 @@ def model_fingerprint(model: Any) -> str:
     h.update(repr((cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)).encode())
     tensors = [model.model.norm.weight] + [layer.input_layernorm.weight for layer in model.model.layers]
     for t in tensors:
-        h.update(t.detach().to(torch.float32).numpy().tobytes())
+        h.update(t.detach().to(torch.bfloat16).to(torch.float32).numpy().tobytes())
     return h.hexdigest()[:32]

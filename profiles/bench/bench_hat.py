@@ -6,9 +6,16 @@ Rows (protocol, prompt chunking, parallel drafting), as Table 5:
   +SD+PD (hat, one chunk, PD), HAT (hat, chunked, PD); and HAT int8: HAT with 8-bit hidden states on the wire.
 Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
 Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
-interleaved prompt by prompt so that drift of the machine hits every row alike. Cloud and device each get
-`--threads` torch threads; the link emulator shapes both directions to the named profile. A warm-up request per link
-gives the cloud's delay model and the device's link estimates their first observations, as a running fleet has.
+interleaved prompt by prompt so that drift of the machine hits every row alike. The link emulator shapes both
+directions to the named profile. A warm-up request per link gives the cloud's delay model and the device's link
+estimates their first observations, as a running fleet has.
+
+The device is slower than the cloud, as a Jetson is beside a GPU server: its compute runs on this machine and is
+stretched by `--slowdown`, by default the ratio of the memory bandwidths of `--device-profile` and `--cloud-gpu`
+(profiles/device: an AGX Orin 32GB, HAT's device, against an RTX A6000, HAT's cloud GPU: 3.75x). The stretch is a sleep
+with torch's OpenMP workers waiting passively (hat_split.models.lm.wait_passively), so the device's emulated time
+leaves the cores to the cloud; the cloud gets `--threads` threads (the cores), the device `--device-threads`. Every
+table states the emulated factor.
 
 Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time / (tokens − 1)), their change against
 U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
@@ -32,8 +39,10 @@ import numpy as np
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
+from hat_split.models.lm import wait_passively
 from profiles.bench.bench_args import adapter_dir, names
 from profiles.bench.testbed import Testbed
+from profiles.device.device_profiles import cloud_gpus, get_profile, speed_ratio
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import long_chat_prompts
 
@@ -50,7 +59,7 @@ VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, the
 
 def add_parser(sub) -> None:
     s = sub.add_parser("hat", help="HAT Table 5 ablation and Table 4 over emulated WiFi links")
-    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--model", default="qwen2.5-coder-1.5b")
     s.add_argument("--m", type=int, default=2, help="layers of the device's input part")
     s.add_argument("--adapter", default="", help="hat-distill artifact (default runs/adapters/<model>-m<m>)")
     s.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT conversation prompts")
@@ -61,8 +70,16 @@ def add_parser(sub) -> None:
     s.add_argument("--variants", default=",".join(VARIANTS))
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
-    s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud and of the device, each")
-    s.add_argument("--dtype", default="float32", help="model dtype on both sides")
+    s.add_argument("--threads", type=int, default=2, help="torch threads of the cloud (2: the cores here)")
+    s.add_argument("--device-threads", type=int, default=0, help="torch threads of the device (0: --threads)")
+    s.add_argument("--device-profile", default="agx-orin-32gb", help="the emulated device (hat-profile list)")
+    s.add_argument("--cloud-gpu", default="a6000", help="the cloud GPU it is compared with (profiles/device/"
+                                                           "cloud_gpus.toml)")
+    s.add_argument("--slowdown", type=float, default=0.0,
+                   help="device compute stretch (0: the memory-bandwidth ratio of --device-profile to --cloud-gpu; "
+                        "1: the device runs at this machine's speed)")
+    s.add_argument("--dtype", default="auto",
+                   help="model dtype on both sides (auto: bfloat16 where the CPU multiplies it, else float32)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--backends", default="torch",
                    help="what runs the device's parts, comma separated, each torch (--model, --adapter) or "
@@ -130,7 +147,24 @@ def summarise(runs: Dict[str, List[dict]]) -> dict:
     return out
 
 
+def emulated_device(args) -> dict:
+    """The device's slowdown and where it comes from."""
+    if args.slowdown and args.slowdown < 1.0:
+        raise ValueError(f"--slowdown must be >= 1 (or 0 for the profiles' ratio), got {args.slowdown}")
+    profile = get_profile(args.device_profile)
+    gpu = cloud_gpus().get(args.cloud_gpu)
+    ratio = speed_ratio(profile, args.cloud_gpu)
+    factor = args.slowdown or ratio
+    source = ("given (--slowdown)" if args.slowdown else
+              f"{profile.module} {profile.memory_bandwidth_gbs:g} GB/s vs {gpu.name} {gpu.memory_bandwidth_gbs:g} GB/s")
+    return {"slowdown": factor, "source": source, "profile": profile.name, "cloud_gpu": args.cloud_gpu,
+            "bandwidth_ratio": ratio, "device_threads": args.device_threads or args.threads,
+            "cloud_threads": args.threads}
+
+
 def run(args) -> int:
+    device = emulated_device(args)
+    device["openmp_waits"] = wait_passively(device["slowdown"])  # before torch loads in this (the device's) process
     variants = names(args.variants, VARIANTS, "variant")
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
@@ -144,18 +178,21 @@ def run(args) -> int:
             adapter_meta = json.load(f)
     params = SamplingParams(args.temperature)
     report: dict = {"args": vars(args), "adapter": adapter, "adapter_record": adapter_meta.get("record"),
-                    "trained_parameters": adapter_meta.get("params"), "links": {}, "tables": {}}
-    t_start = time.perf_counter()
+                    "trained_parameters": adapter_meta.get("params"), "device": device, "links": {}, "tables": {}}
+    print(f"hat-bench hat: the device is emulated {device['slowdown']:.2f}x slower than the cloud "
+          f"({device['source']}); cloud {args.threads} threads, device {device['device_threads']}", flush=True)
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     with Testbed(args.model, cloud_args=["--dtype", args.dtype], threads=args.threads) as bed:
         for link in links:
             with bed.add_link(link) as emu:
                 base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
-                                   down_bps=8 * link.rate("down"))
+                                   down_bps=8 * link.rate("down"), slowdown=device["slowdown"])
                 with contextlib.ExitStack() as stack:
                     rts = {}
                     for backend, precision in backends:
                         engine = EngineConfig(backend=backend, bundle=args.bundle if backend != "torch" else "",
-                                              precision=precision or "fp32", dtype=args.dtype, threads=args.threads)
+                                              precision=precision or "fp32", dtype=args.dtype,
+                                              threads=device["device_threads"])
                         cfg = EdgeConfig(model=args.model, link=LinkConfig(emu.address, security=bed.security()),
                                          engine=engine, split=base)
                         rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(bed.runtime(cfg))
@@ -186,13 +223,19 @@ def run(args) -> int:
                 report["links"][key] = {"profile": dataclasses.asdict(link), "backend": label, "runs": by_variant}
                 report["tables"][key] = summarise(by_variant)
     report["seconds"] = time.perf_counter() - t_start
+    # this process is the device (and the link relay): its CPU time against the device time it reported
+    device["process_cpu_s"] = time.process_time() - cpu_start
+    device["reported_compute_s"] = sum(r["device_compute_s"] for link in report["links"].values()
+                                       for rows in link["runs"].values() for r in rows)
     report["table4"] = table4(report)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1, ensure_ascii=False)
     print_tables(report)
     note = plot(os.path.splitext(args.out)[0] + ".png", report["tables"])
-    print(f"hat-bench hat: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))
+    print(f"hat-bench hat: {report['seconds']:.0f} s; the device process used {device['process_cpu_s']:.0f} CPU-s "
+          f"while reporting {device['reported_compute_s']:.0f} s of (emulated) device compute; wrote {args.out}"
+          + (f" ({note})" if note else ""))
     return 0
 
 
@@ -208,8 +251,10 @@ def table4(report: dict) -> dict:
 
 
 def print_tables(report: dict) -> None:
+    d = report["device"]
     for link, t in report["tables"].items():
-        print(f"\n[{link}] prompts {report['prompts']['tokens']} tokens")
+        print(f"\n[{link}] prompts {report['prompts']['tokens']} tokens; device emulated {d['slowdown']:.2f}x slower "
+              f"than the cloud ({d['source']})")
         print(f"  {'row':9s} {'TTFT ms':>8s} {'Δ':>6s} {'TBT ms':>7s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
               f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
         for name, s in t.items():

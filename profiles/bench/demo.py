@@ -8,6 +8,11 @@
 Both sides run the fastest engine installed (`--engine auto`): llama.cpp on the GGUF files when llama-cpp-python is
 there (the bootstrap builds it), else torch; the demo prints which.
 
+Then the split protocols (`--split-protocols ushape,hat`) on the target cut at layer --m: a torch cloud holding the
+middle layers, and an edge process holding the input layers, the head and HAT's distilled adapter (`--adapter`, made
+by hat-distill; the bootstrap distils one when there is none). They run at this machine's speed (no board emulation;
+`hat-bench hat` emulates a slower device).
+
 Streams each answer as it is accepted, then prints and saves per protocol: tokens/s, time to first token, accepted
 drafts per round, uplink/downlink bytes per generated token (counted from the real frames by the edge, and on the
 emulated wire by the relay), and round trips per token.
@@ -26,7 +31,7 @@ from typing import Dict, List
 from hat_split.models import registry
 from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
-from hat_split.protocols import NAMES as PROTOCOLS
+from hat_split.protocols import of_family
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import demo_prompts
@@ -49,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what runs both models (default %(default)s: llama.cpp when installed, else torch)")
     ap.add_argument("--weight-quant", default="int8", choices=["none", "int8"],
                     help="torch engine: the draft's weights (default %(default)s: ~2x faster drafting on CPU)")
+    ap.add_argument("--split-protocols", default="ushape,hat",
+                    help="protocols run on the target's cut, after the token protocols ('' for none)")
+    ap.add_argument("--m", type=int, default=2, help="layers of the target on the device for the split protocols")
+    ap.add_argument("--adapter", default="", help="HAT's adapter (default runs/adapters/<target>-m<m>)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
     ap.add_argument("--out", default="runs/demo.json", help="where to save the JSON report (default %(default)s)")
@@ -108,15 +117,39 @@ def pick_engine(asked: str) -> str:
     return "llamacpp" if llama_cpp_installed() else "torch"
 
 
+def run_edge(bed: Testbed, args, model: str, protocols: List[str], engine: str, prompts_file: str,
+             extra: List[str]) -> List[dict]:
+    """One hat-edge generate process against the testbed's link; its per-request results."""
+    edge_json = os.path.join(bed.dir, f"edge-{protocols[0]}.json")
+    cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", model,
+           "--server", bed.endpoint, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
+           "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+           "--top-p", str(args.top_p), "--seed", str(args.seed), "--threads", str(args.threads),
+           "--backend", engine, "--json", edge_json, *extra, *cli_args(bed.security("demo-device"), "device")]
+    rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if rc != 0:
+        raise RuntimeError(f"the edge process failed (exit {rc})")
+    with open(edge_json, encoding="utf-8") as f:
+        return json.load(f)["results"]
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     engine = pick_engine(args.engine)
     try:
         profile = get_link_profile(args.profile)
         protocols = [p for p in args.protocols.split(",") if p]
-        bad = [p for p in protocols if p not in PROTOCOLS]
-        if bad or not protocols:
-            raise ValueError(f"unknown protocol(s) {bad}; choose from {', '.join(PROTOCOLS)}")
+        split_protocols = [p for p in args.split_protocols.split(",") if p]
+        split_names = of_family("split")
+        token_names = of_family("token") + of_family("local")
+        bad = [p for p in protocols if p not in token_names] + [p for p in split_protocols if p not in split_names]
+        if bad or not protocols + split_protocols:
+            raise ValueError(f"unknown protocol(s) {bad}; --protocols: {', '.join(token_names)}; "
+                             f"--split-protocols: {', '.join(split_names)}")
+        adapter = args.adapter or f"runs/adapters/{args.target}-m{args.m}"
+        if "hat" in split_protocols and not os.path.isfile(os.path.join(adapter, "adapter.json")):
+            raise ValueError(f"no HAT adapter at {adapter}: distil one (`hat-distill --model {args.target} --m "
+                             f"{args.m}`; the bootstrap's demo does), or leave hat out of --split-protocols")
         for name in (args.draft, args.target):
             if name in registry.MODELS and not registry.is_installed(name):
                 raise ValueError(f"model {name} is not installed: run `hat-models install {name}`")
@@ -127,53 +160,64 @@ def main(argv=None) -> int:
     prompts = demo_prompts(args.prompts)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     missing = args.engine == "auto" and engine == "torch"
-    print(f"hat-demo: engines: cloud {engine}, device {engine}"
-          f"{f' ({INSTALL_HINT})' if missing else ''}", flush=True)
-    print(f"hat-demo: starting the cloud ({args.target}) ...", flush=True)
     t0 = time.perf_counter()
-    # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
-    with Testbed(args.target, cloud_args=["--engine", engine], threads=args.threads, link=profile,
-                 devices=["demo-device"], secure=True) as bed:
-        print(f"hat-demo: {bed.cloud.ready_info}", flush=True)
-        print(f"hat-demo: link {profile.name} ({profile.description}) at {bed.endpoint}", flush=True)
-        prompts_file = os.path.join(bed.dir, "prompts.json")
-        edge_json = os.path.join(bed.dir, "edge.json")
-        with open(prompts_file, "w", encoding="utf-8") as f:
-            json.dump([p.to_json() for p in prompts], f)
-        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", args.draft,
-               "--server", bed.endpoint, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
-               "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-               "--top-p", str(args.top_p), "--draft-len", str(args.draft_len), "--seed", str(args.seed),
-               "--threads", str(args.threads), "--backend", engine, "--json", edge_json,
-               *(["--weight-quant", args.weight_quant] if engine == "torch" else []),
-               *cli_args(bed.security("demo-device"), "device")]
-        rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        wire = bed.link.stats()
-        if rc != 0:
-            print(f"hat-demo: the edge process failed (exit {rc})", file=sys.stderr)
-            return rc
-        with open(edge_json, encoding="utf-8") as f:
-            edge = json.load(f)
-    agg = aggregate(edge["results"])
+    results: List[dict] = []
+    wire: Dict[str, dict] = {}
+    try:
+        if protocols:
+            print(f"hat-demo: engines: cloud {engine}, device {engine}"
+                  f"{f' ({INSTALL_HINT})' if missing else ''}", flush=True)
+            extra = ["--draft-len", str(args.draft_len),
+                     *(["--weight-quant", args.weight_quant] if engine == "torch" else [])]
+            results += _side(args, profile, prompts, args.target, engine, args.draft, protocols, extra, wire)
+        if split_protocols:
+            print(f"hat-demo: split protocols {', '.join(split_protocols)}: {args.target} cut at layer {args.m}, "
+                  f"torch on both sides, adapter {adapter}", flush=True)
+            extra = ["--m", str(args.m), *(["--adapter", adapter] if "hat" in split_protocols else [])]
+            results += _side(args, profile, prompts, args.target, "torch", args.target, split_protocols, extra, wire)
+    except RuntimeError as exc:
+        print(f"hat-demo: {exc}", file=sys.stderr)
+        return 1
+    agg = aggregate(results)
     report = {
         "draft": args.draft,
         "target": args.target,
         "link_profile": profile.name,
-        "engine": {"cloud": engine, "device": engine},
+        "engine": {"cloud": engine, "device": engine, "split_protocols": "torch"},
+        "adapter": adapter if "hat" in split_protocols else None,
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "draft_len", "seed")},
         "prompts": [p.to_json() for p in prompts],
         "per_protocol": agg,
         "relay_wire_stats": wire,
-        "results": edge["results"],
+        "results": results,
         "wall_s": time.perf_counter() - t0,
     }
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     print(f"\n=== per protocol, {len(prompts)} real prompts, link {profile.name}, draft {args.draft}, "
-          f"target {args.target}, engine {engine} ===")
+          f"target {args.target}, engine {engine}"
+          + (f"; {', '.join(split_protocols)} on torch, the target cut at layer {args.m}" if split_protocols else "")
+          + " ===")
     print(format_table(agg))
     print(f"\nhat-demo: report saved to {args.out}")
     return 0
+
+
+def _side(args, profile, prompts, cloud_model: str, engine: str, device_model: str, protocols: List[str],
+          extra: List[str], wire: Dict[str, dict]) -> List[dict]:
+    """A cloud on `engine`, the emulated link, and one edge process running `protocols`."""
+    print(f"hat-demo: starting the cloud ({cloud_model}, {engine}) ...", flush=True)
+    # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
+    with Testbed(cloud_model, cloud_args=["--engine", engine], threads=args.threads, link=profile,
+                 devices=["demo-device"], secure=True) as bed:
+        print(f"hat-demo: {bed.cloud.ready_info}", flush=True)
+        print(f"hat-demo: link {profile.name} ({profile.description}) at {bed.endpoint}", flush=True)
+        prompts_file = os.path.join(bed.dir, "prompts.json")
+        with open(prompts_file, "w", encoding="utf-8") as f:
+            json.dump([p.to_json() for p in prompts], f)
+        results = run_edge(bed, args, device_model, protocols, engine, prompts_file, extra)
+        wire[",".join(protocols)] = bed.link.stats()
+    return results
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ except ImportError:  # Python 3.10 (JetPack 6)
 
 DEVICES_DIR = Path(__file__).parent / "devices"
 JETPACK_FILE = DEVICES_DIR / "jetpack.toml"
+CLOUD_GPUS_FILE = Path(__file__).parent / "cloud_gpus.toml"
 
 _PROFILE_KEYS = {  # key: (type, required)
     "name": (str, True), "module": (str, True), "part": (str, True), "soc": (str, True),
-    "compute_capability": (str, True), "memory_gb": (int, True), "cpu_cores": (int, True), "cpu": (str, True),
+    "compute_capability": (str, True), "memory_gb": (int, True),
+    "memory_bandwidth_gbs": ((int, float), True), "cpu_cores": (int, True), "cpu": (str, True),
     "gpu": (str, True), "jetpack": (list, True), "nvpmodel_conf": (str, True), "default_mode": (int, True),
     "power_rails": (list, True), "input_rail": (str, False), "note": (str, False), "mode": (list, True),
 }
@@ -68,6 +70,7 @@ class DeviceProfile:
     soc: str
     compute_capability: str
     memory_gb: int
+    memory_bandwidth_gbs: float  # peak DRAM bandwidth (NVIDIA's data sheet; docs/PROFILES.md): bounds a decode step
     cpu_cores: int
     cpu: str
     gpu: str
@@ -126,7 +129,7 @@ def load_profile(path: Union[str, Path]) -> DeviceProfile:
         raise ProfileError(f"{where}: name {data['name']!r} must match the file name {path.stem!r}")
     if not re.fullmatch(r"\d+\.\d+", data["compute_capability"]):
         raise ProfileError(f"{where}: compute_capability {data['compute_capability']!r} is not MAJOR.MINOR")
-    for key in ("memory_gb", "cpu_cores"):
+    for key in ("memory_gb", "memory_bandwidth_gbs", "cpu_cores"):
         if data[key] <= 0:
             raise ProfileError(f"{where}: {key} must be positive, got {data[key]}")
     releases = jetpack_releases()
@@ -153,10 +156,42 @@ def load_profile(path: Union[str, Path]) -> DeviceProfile:
                            f"({', '.join(str(m.id) for m in modes)})")
     return DeviceProfile(
         name=data["name"], module=data["module"], part=data["part"], soc=data["soc"],
-        compute_capability=data["compute_capability"], memory_gb=data["memory_gb"], cpu_cores=data["cpu_cores"],
+        compute_capability=data["compute_capability"], memory_gb=data["memory_gb"],
+        memory_bandwidth_gbs=float(data["memory_bandwidth_gbs"]), cpu_cores=data["cpu_cores"],
         cpu=data["cpu"], gpu=data["gpu"], jetpack=tuple(data["jetpack"]), nvpmodel_conf=data["nvpmodel_conf"],
         default_mode=data["default_mode"], power_rails=tuple(rails), input_rail=input_rail,
         note=data.get("note", ""), modes=tuple(sorted(modes, key=lambda m: m.id)))
+
+
+@dataclass(frozen=True)
+class CloudGPU:
+    key: str
+    name: str
+    memory_bandwidth_gbs: float
+    source: str
+
+
+def cloud_gpus(path: Path = CLOUD_GPUS_FILE) -> Dict[str, CloudGPU]:
+    """The cloud GPUs of cloud_gpus.toml by key (a6000, h100-sxm, ...)."""
+    data = _read(path).get("gpu")
+    if not isinstance(data, dict) or not data:
+        raise ProfileError(f"{path}: no [gpu.KEY] tables")
+    out = {}
+    for key, fields in data.items():
+        _check_keys(fields, {"name": (str, True), "memory_bandwidth_gbs": ((int, float), True),
+                             "source": (str, True)}, f"{path}: gpu {key}")
+        out[key] = CloudGPU(key, fields["name"], float(fields["memory_bandwidth_gbs"]), fields["source"])
+    return out
+
+
+def speed_ratio(device: Union[str, DeviceProfile], gpu: str) -> float:
+    """How many times slower the device decodes than one cloud GPU: the ratio of their memory bandwidths (a decode
+    step streams the weights once; both sides are memory-bound at batch 1). ProfileError for an unknown GPU."""
+    profile = device if isinstance(device, DeviceProfile) else get_profile(device)
+    gpus = cloud_gpus()
+    if gpu not in gpus:
+        raise ProfileError(f"unknown cloud GPU {gpu!r}; known: {', '.join(gpus)}")
+    return gpus[gpu].memory_bandwidth_gbs / profile.memory_bandwidth_gbs
 
 
 def list_profiles() -> List[str]:
