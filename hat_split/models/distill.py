@@ -73,10 +73,10 @@ def autocast(split: SplitModel) -> Any:
     float32 weights are cast per operation), nothing for a float32 model."""
     import torch
 
-    dtype = next(split.model.parameters()).dtype
-    if dtype == torch.float32:
+    weight = next(split.model.parameters())
+    if weight.dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(next(split.model.parameters()).device.type, dtype=dtype)
+    return torch.autocast(weight.device.type, dtype=weight.dtype)
 
 
 def ce_positions(shape: Sequence[int], fraction: float, generator: Any) -> Any:

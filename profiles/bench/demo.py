@@ -32,6 +32,7 @@ from hat_split.models import registry
 from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
 from hat_split.protocols import of_family
+from profiles.bench.bench_args import adapter_dir
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import demo_prompts
@@ -117,22 +118,6 @@ def pick_engine(asked: str) -> str:
     return "llamacpp" if llama_cpp_installed() else "torch"
 
 
-def run_edge(bed: Testbed, args, model: str, protocols: List[str], engine: str, prompts_file: str,
-             extra: List[str]) -> List[dict]:
-    """One hat-edge generate process against the testbed's link; its per-request results."""
-    edge_json = os.path.join(bed.dir, f"edge-{protocols[0]}.json")
-    cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", model,
-           "--server", bed.endpoint, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
-           "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-           "--top-p", str(args.top_p), "--seed", str(args.seed), "--threads", str(args.threads),
-           "--backend", engine, "--json", edge_json, *extra, *cli_args(bed.security("demo-device"), "device")]
-    rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if rc != 0:
-        raise RuntimeError(f"the edge process failed (exit {rc})")
-    with open(edge_json, encoding="utf-8") as f:
-        return json.load(f)["results"]
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     engine = pick_engine(args.engine)
@@ -146,7 +131,7 @@ def main(argv=None) -> int:
         if bad or not protocols + split_protocols:
             raise ValueError(f"unknown protocol(s) {bad}; --protocols: {', '.join(token_names)}; "
                              f"--split-protocols: {', '.join(split_names)}")
-        adapter = args.adapter or f"runs/adapters/{args.target}-m{args.m}"
+        adapter = adapter_dir(args.adapter, args.target, args.m, needed=False)
         if "hat" in split_protocols and not os.path.isfile(os.path.join(adapter, "adapter.json")):
             raise ValueError(f"no HAT adapter at {adapter}: distil one (`hat-distill --model {args.target} --m "
                              f"{args.m}`; the bootstrap's demo does), or leave hat out of --split-protocols")
@@ -212,12 +197,20 @@ def _side(args, profile, prompts, cloud_model: str, engine: str, device_model: s
                  devices=["demo-device"], secure=True) as bed:
         print(f"hat-demo: {bed.cloud.ready_info}", flush=True)
         print(f"hat-demo: link {profile.name} ({profile.description}) at {bed.endpoint}", flush=True)
-        prompts_file = os.path.join(bed.dir, "prompts.json")
+        prompts_file, edge_json = os.path.join(bed.dir, "prompts.json"), os.path.join(bed.dir, "edge.json")
         with open(prompts_file, "w", encoding="utf-8") as f:
             json.dump([p.to_json() for p in prompts], f)
-        results = run_edge(bed, args, device_model, protocols, engine, prompts_file, extra)
+        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", device_model,
+               "--server", bed.endpoint, "--protocol", ",".join(protocols), "--prompts-file", prompts_file,
+               "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+               "--top-p", str(args.top_p), "--seed", str(args.seed), "--threads", str(args.threads),
+               "--backend", engine, "--json", edge_json, *extra, *cli_args(bed.security("demo-device"), "device")]
+        rc = subprocess.call(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         wire[",".join(protocols)] = bed.link.stats()
-    return results
+        if rc != 0:
+            raise RuntimeError(f"the edge process failed (exit {rc})")
+        with open(edge_json, encoding="utf-8") as f:  # in the run's directory: read before it goes
+            return json.load(f)["results"]
 
 
 if __name__ == "__main__":
