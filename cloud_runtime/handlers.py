@@ -12,6 +12,7 @@ sample here with the session's own `TargetState`; split protocols (family "split
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
@@ -33,6 +34,7 @@ log = logging.getLogger("hatspec.cloud")
 TOKEN_PROTOCOLS = of_family("token")  # verified by the full target
 SPLIT_PROTOCOLS = of_family("split")  # the cloud runs middle layers over hidden states (HAT)
 SOFTWARE = "hatspec-cloud/0.1"
+MEASURED = ("draft_s", "up_bps", "down_bps", "input_s", "adapter_s")  # a DeviceState's numbers
 RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
 
 Key = Tuple[bytes, int]  # (device identity, session id)
@@ -175,14 +177,18 @@ class Handlers:
         return P.Reported(self.cloud_state())
 
     def _observe(self, identity: bytes, state: P.DeviceState) -> None:
-        """Keep a device's latest self-report (HAT §3.2); a changed power mode is logged."""
+        """Keep a device's latest self-report (HAT §3.2); a changed power mode is logged. Refuses (before anything
+        changes) rates and times that are negative or not finite."""
+        bad = [k for k in MEASURED if not (math.isfinite(getattr(state, k)) and getattr(state, k) >= 0)]
+        if bad:
+            raise P.ProtocolError("invalid", f"the device's {', '.join(bad)} must be finite and >= 0")
         entry = self.devices.setdefault(identity, {"device_id": identity.decode(errors="replace")})
         if state.power_mode and entry.get("power_mode") not in (None, state.power_mode):
             log.info("device %s: power mode %s -> %s", entry["device_id"], entry["power_mode"], state.power_mode)
         for key in ("power_mode", "profile"):
             if getattr(state, key):
                 entry[key] = getattr(state, key)
-        for key in ("draft_s", "up_bps", "down_bps"):
+        for key in MEASURED:
             if getattr(state, key) > 0:
                 entry[key] = getattr(state, key)
         entry["reported_at"] = time.time()
@@ -369,7 +375,7 @@ class Handlers:
         chunk = 0
         if self.load.known and msg.device.up_bps > 0 and msg.prompt_tokens > 0:
             chunk = chunk_size(self.load, bytes_per_position(msg.hidden_format, model.hidden_size),
-                               msg.device.up_bps, 1, msg.prompt_tokens)
+                               msg.device.up_bps, 1, msg.prompt_tokens, msg.device.input_s, msg.device.adapter_s)
         return P.SplitOpened(msg.session_id, model.hidden_size, chunk, self.cloud_state())
 
     def _hidden(self, identity: bytes, msg: P.Hidden) -> Optional[P.Message]:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from cloud_runtime.cli import READY_LINE
 from hat_split.net.security import LinkSecurity, cli_args
@@ -24,9 +24,11 @@ class CloudProcess:
 
     def __init__(self, model: str, port: Optional[int] = None, extra_args: List[str] = (),
                  ready_timeout_s: float = 900.0, threads: int = 0, log_path: Optional[str] = None,
-                 security: Optional[LinkSecurity] = None):
-        """security: the link's keys; None passes --plaintext (say so where it is meant: benchmarks, tests)."""
+                 security: Optional[LinkSecurity] = None, cpus: Sequence[int] = ()):
+        """security: the link's keys; None passes --plaintext (say so where it is meant: benchmarks, tests).
+        cpus: the cores the process (and every thread it starts) may run on; empty: any."""
         self.model = model
+        self.cpus = set(cpus)
         self.port = port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "cloud_runtime.cli", "serve", "--model", model, "--bind", self.endpoint,
@@ -39,7 +41,9 @@ class CloudProcess:
 
     def __enter__(self) -> "CloudProcess":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None  # in the child, before torch
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=pin)
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
         ready = threading.Event()

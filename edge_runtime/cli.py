@@ -54,7 +54,7 @@ FLAG_KEYS = {  # argparse dest → the EdgeConfig key (dotted: nested table) it 
     "m": "split.m", "tail": "split.tail", "adapter": "split.adapter", "hidden_format": "split.hidden_format",
     "hat_eta": "split.eta", "max_draft": "split.max_draft", "chunking": "split.chunking",
     "chunk_tokens": "split.chunk_tokens", "pd_topk": "split.pd_topk", "up_bps": "split.up_bps",
-    "down_bps": "split.down_bps",
+    "down_bps": "split.down_bps", "draft_vocab": "split.draft_vocab",
 }
 AGENT_KEYS = {"host": "host", "port": "port", "report_interval": "report_interval_s", "status_file": "status_file",
               "mode_every": "mode_every"}  # argparse dest → the AgentConfig key it sets
@@ -188,6 +188,8 @@ def _add_edge_args(g) -> None:
     h.add_argument("--chunk-tokens", type=int, default=0, help="fixed prompt chunk size (overrides --chunking)")
     h.add_argument("--no-parallel-draft", action="store_true", help="hat: no drafting while the cloud verifies")
     h.add_argument("--pd-topk", type=int, default=hd["pd_topk"].default, help="candidates of parallel drafting")
+    h.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="hat: draft over the adapter's N most frequent tokens (a smaller head; exact output)")
     h.add_argument("--up-bps", type=float, default=0.0, help="initial uplink estimate, bit/s (a link profile's)")
     h.add_argument("--down-bps", type=float, default=0.0, help="initial downlink estimate, bit/s")
 

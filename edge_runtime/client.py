@@ -84,7 +84,10 @@ class CloudClient:
         self.welcome: Optional[P.Welcome] = None
         self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
         self.last_reply_at = 0.0  # perf_counter() when the last reply arrived (first seen by `ready`, else read)
+        self.last_reply_bytes = 0  # its frames' bytes
+        self.arrival_uncertainty_s = 0.0  # it arrived within this many seconds before last_reply_at
         self._seen_at: Optional[float] = None  # when `ready` first saw the reply now waiting
+        self._quiet_at = 0.0  # when the socket was last seen without a reply
         self.last_sent_at = 0.0  # perf_counter() when the last request left
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
         self._ctx = zmq.Context.instance()
@@ -252,6 +255,7 @@ class CloudClient:
         return self._receive(timeout_s)
 
     def _receive(self, timeout_s: float) -> P.Message:
+        self.ready()  # a reply already waiting arrived while the device did something else: stamped with that window
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         if self._monitor is not None:
@@ -269,22 +273,49 @@ class CloudClient:
             raise CloudUnavailable(f"the cloud at {self.link.server} did not answer within {timeout_s:.1f} s")
         reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]
         # a device busy drafting reads a reply late; the link estimates need its arrival, which `ready` saw
-        self.last_reply_at = self._seen_at if self._seen_at is not None else time.perf_counter()
+        if self._seen_at is None:  # the poll above woke as it arrived
+            self.last_reply_at, self.arrival_uncertainty_s = time.perf_counter(), 0.0
+        else:
+            self.last_reply_at = self._seen_at
+            self.arrival_uncertainty_s = self._seen_at - max(self._quiet_at, self.last_sent_at)
         self._seen_at = None
-        self.counters.down_bytes += P.frame_bytes(reply)
+        self.last_reply_bytes = P.frame_bytes(reply)
+        self.counters.down_bytes += self.last_reply_bytes
         self.counters.round_trips += 1
         if self.tap is not None:
             self.tap("down", [bytes(f) for f in reply])
         return P.decode(reply)
 
-    def ready(self) -> bool:
-        """True when a reply is waiting (never blocks): lets the device work until the cloud answers. The first True
-        stamps the reply's arrival (`last_reply_at` once it is read), so the time the device spends finishing its
-        work does not count as time on the link."""
-        waiting = bool(self._sock is not None and self._sock.poll(0, zmq.POLLIN))
-        if waiting and self._seen_at is None:
-            self._seen_at = time.perf_counter()
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """True when a reply is waiting (waits at most wait_s for one): lets the device work until the cloud answers.
+        The first True stamps the reply's arrival (`last_reply_at` once it is read), so the time the device spends
+        finishing its work does not count as time on the link; the time since the last look that saw nothing is the
+        stamp's uncertainty (`arrival_uncertainty_s`)."""
+        if self._seen_at is not None:
+            return True
+        waiting = bool(self._sock is not None and self._sock.poll(int(wait_s * 1000), zmq.POLLIN))
+        now = time.perf_counter()
+        if waiting:
+            self._seen_at = now
+            if wait_s > 0:  # the poll woke as it arrived
+                self._quiet_at = now
+        else:
+            self._quiet_at = now
         return waiting
+
+    def wait(self, seconds: float) -> None:
+        """Sleep `seconds` while watching the socket, so that a reply arriving meanwhile is stamped when it arrives:
+        the sleeps of an emulated slower board (hat_split.models.lm.board_time) are time a real board spends
+        computing with its CPU free to notice the network."""
+        if self._sock is None:
+            time.sleep(seconds)
+            return
+        end = time.perf_counter() + seconds
+        while end - time.perf_counter() > 1e-3 and not self.ready(end - time.perf_counter()):
+            pass
+        left = end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
 
     def close(self) -> None:
         if self._monitor is not None:

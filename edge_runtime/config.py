@@ -113,6 +113,7 @@ class SplitConfig:
     up_bps: float = 0.0  # initial β_up guess (a link profile's), bit/s; replaced by the cloud's measurements
     down_bps: float = 0.0  # initial β_down guess, bit/s; replaced by the device's own measurements
     slowdown: float = 1.0  # > 1 emulates a slower board: device compute is stretched to this many times its time
+    draft_vocab: int = 0  # > 0: Λ's drafts over the adapter's N most frequent tokens (a head N rows tall); 0: all
 
     def __post_init__(self) -> None:
         if self.m < 1 or self.tail < 0:
@@ -125,8 +126,8 @@ class SplitConfig:
             raise ValueError(f"max_draft must be in 1..64, got {self.max_draft}")
         if self.chunking not in CHUNKING_MODES:
             raise ValueError(f"chunking must be one of {', '.join(CHUNKING_MODES)}, got {self.chunking!r}")
-        if self.chunk_tokens < 0 or self.pd_topk < 0 or self.up_bps < 0 or self.down_bps < 0:
-            raise ValueError("chunk_tokens, pd_topk, up_bps and down_bps must be >= 0")
+        if self.chunk_tokens < 0 or self.pd_topk < 0 or self.up_bps < 0 or self.down_bps < 0 or self.draft_vocab < 0:
+            raise ValueError("chunk_tokens, pd_topk, up_bps, down_bps and draft_vocab must be >= 0")
         if not 1.0 <= self.slowdown <= 100.0:
             raise ValueError(f"slowdown must be in [1, 100], got {self.slowdown}")
 

@@ -45,5 +45,7 @@ class DeviceMonitor:
         if gamma:
             self.draft_s = ema(self.draft_s or None, gamma)
 
-    def state(self, up_bps: float = 0.0, down_bps: float = 0.0, draft_s: float = 0.0) -> P.DeviceState:
-        return P.DeviceState(up_bps, down_bps, draft_s or self.draft_s, self.power_mode, self.profile)
+    def state(self, up_bps: float = 0.0, down_bps: float = 0.0, draft_s: float = 0.0, input_s: float = 0.0,
+              adapter_s: float = 0.0) -> P.DeviceState:
+        return P.DeviceState(up_bps, down_bps, draft_s or self.draft_s, self.power_mode, self.profile, input_s,
+                             adapter_s)

@@ -53,5 +53,5 @@ def new_session(config: EdgeConfig, drafter, client: Optional[CloudClient], prot
     if record.family == "token":
         return TokenSession(config, drafter, client, **request, monitor=monitor)
     if link_state is None:
-        link_state = LinkState(config.split.up_bps, config.split.down_bps)
+        link_state = LinkState.configured(config.split.up_bps, config.split.down_bps)
     return SplitSession(config, drafter, client, **request, link_state=link_state, monitor=monitor)

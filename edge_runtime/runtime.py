@@ -65,7 +65,8 @@ class EdgeRuntime:
         self._split = None  # hat_split.models.partition.SplitModel of this runtime's model, built on first use
         self._adapter = None
         self._adapter_lm = None  # hat_split.models.draft_lm.AdapterLM when token_draft is "adapter"
-        self._split_parts = {}  # protocol is hat → backends.split_parts (torch or the bundle's), built once
+        self._split_parts = {}  # (protocol is hat, draft vocabulary) → backends.split_parts (torch or the
+        # bundle's), built once
         self._session_ids = itertools.count(1)
         self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
@@ -182,7 +183,7 @@ class EdgeRuntime:
         if split:
             drafter = self._split_drafter(record.round == "hat", params, seed)
             if self.link_state is None:
-                self.link_state = LinkState(self.config.split.up_bps, self.config.split.down_bps)
+                self.link_state = LinkState.configured(self.config.split.up_bps, self.config.split.down_bps)
         else:
             drafter = Drafter(self._token_lm(), params, self.config.dist_dtype)
         session = new_session(self.config, drafter, self.client, protocol, params, max_new_tokens, self.eos_ids, seed,
@@ -243,10 +244,18 @@ class EdgeRuntime:
 
     def _split_drafter(self, hat: bool, params: SamplingParams, seed: int) -> SplitDrafter:
         """The device's parts of this runtime's model (and Λ for `hat`), in torch or from the bundle."""
-        if hat not in self._split_parts:
+        c = self.config.split
+        key = (hat, c.draft_vocab if hat else 0)  # the config may change between requests (hat-bench's rows)
+        if key not in self._split_parts:
             if self.bundle is not None:
-                self._split_parts[hat] = self.bundle.split_parts(adapter=hat)
+                if hat and c.draft_vocab:
+                    raise ValueError("split.draft_vocab needs the torch engine: a bundle's output part is the whole "
+                                     "head (drafting over a subset from a bundle is not exported)")
+                self._split_parts[key] = self.bundle.split_parts(adapter=hat)
             else:
+                from hat_split.models.adapter import load_draft_vocab
+
                 split, adapter = self._parts(adapter=hat)
-                self._split_parts[hat] = TorchSplitParts(split, adapter if hat else None)
-        return SplitDrafter(self._split_parts[hat], params, seed, slowdown=self.config.split.slowdown)
+                ids = load_draft_vocab(c.adapter, c.draft_vocab) if key[1] else None
+                self._split_parts[key] = TorchSplitParts(split, adapter if hat else None, ids)
+        return SplitDrafter(self._split_parts[key], params, seed, slowdown=self.config.split.slowdown)

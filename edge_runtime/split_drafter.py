@@ -55,7 +55,9 @@ class SplitDrafter:
     tokens: List[int] = field(default_factory=list)
     compute_s: float = 0.0  # device model time of this request (a drafter serves one request; restarts after a
     prefill_s: float = 0.0  # dropped link add to it)
+    input_s: float = 0.0  # of prefill_s: the input layers over prompt chunks (`prompt_states`)
     slowdown: float = 1.0  # > 1: sleep so that each computation takes this many times as long (a slower board)
+    pause: Callable[[float], None] = time.sleep  # how that sleep is spent (a session watches its socket meanwhile)
 
     def __post_init__(self) -> None:
         self._reset()
@@ -76,7 +78,7 @@ class SplitDrafter:
         """Shallow states `# [1, n, hidden]` of prompt positions inp.length .. end - 1 (one chunk); Λ follows them."""
         t0 = time.perf_counter()
         shallow = self.parts.run_input(self.inp, self.tokens[self.inp.length:end])
-        self._timed(t0, prefill=True)
+        self.input_s += self._timed(t0, prefill=True)
         return shallow
 
     def lam_prefill(self, shallow: Any) -> None:
@@ -244,8 +246,15 @@ class SplitDrafter:
         return self.parts.run_input(cache, [token])
 
     def _lam_step(self, lam: PartCacheLike, dout: PartCacheLike, shallow: Any, logits: bool) -> Optional[np.ndarray]:
-        out = self.parts.run_output(dout, self.parts.run_adapter(lam, shallow), 1 if logits else 0)
-        return out if logits else None
+        """Λ (and the draft's tail) over one shallow state; with `logits` the draft's `# [1, vocab]`, -inf outside its
+        tokens when it drafts over a subset (q is then 0 there, and verification stays exact)."""
+        out = self.parts.run_output(dout, self.parts.run_adapter(lam, shallow), 1 if logits else 0, draft=True)
+        ids = self.parts.draft_ids
+        if not logits or ids is None:
+            return out if logits else None
+        full = np.full((out.shape[0], self.parts.vocab), -np.inf, dtype=np.float32)
+        full[:, ids] = out
+        return full
 
     def _truncate(self, state: DraftState, n: int) -> None:
         del state.drafts[n:], state.q[n:], state.shallow[n + 1:]
@@ -255,18 +264,21 @@ class SplitDrafter:
                 cache.crop(state.base + n)
         state.stopped = False
 
-    def _timed(self, t0: float, prefill: bool = False) -> None:
-        dt = board_time(time.perf_counter() - t0, self.slowdown)
+    def _timed(self, t0: float, prefill: bool = False) -> float:
+        dt = board_time(time.perf_counter() - t0, self.slowdown, self.pause)
         self.compute_s += dt
         if prefill:
             self.prefill_s += dt
+        return dt
 
 
 # -- in-process evaluation (hat-distill) -------------------------------------------------------------------------
 def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
-                        eta: float, max_draft: int, eos: frozenset = frozenset()) -> Dict[str, float]:
-    """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round."""
-    dev = SplitDrafter(TorchSplitParts(split, adapter), SamplingParams(temperature=0.0), seed=0)
+                        eta: float, max_draft: int, eos: frozenset = frozenset(),
+                        draft_ids: Optional[np.ndarray] = None) -> Dict[str, float]:
+    """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round (draft_ids: the
+    draft's head over those tokens only)."""
+    dev = SplitDrafter(TorchSplitParts(split, adapter, draft_ids), SamplingParams(temperature=0.0), seed=0)
     rounds = accepted = produced = 0
     for prompt in prompts:
         dev.start(prompt)

@@ -2,6 +2,8 @@
 ideal and overhead-free speedup."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hat_split.math.verify import ideal_speedup
@@ -123,7 +125,7 @@ def test_hat_bench_emulates_the_device_at_the_profiles_bandwidth_ratio():
 
     def args(**kw):
         base = {"slowdown": 0.0, "device_profile": "agx-orin-32gb", "cloud_gpu": "a6000", "threads": 2,
-                "device_threads": 0}
+                "device_threads": 0, "cloud_cores": 0}
         return argparse.Namespace(**{**base, **kw})
     d = emulated_device(args())
     assert d["slowdown"] == pytest.approx(3.75) and d["device_threads"] == 2
@@ -135,6 +137,13 @@ def test_hat_bench_emulates_the_device_at_the_profiles_bandwidth_ratio():
         emulated_device(args(slowdown=0.5))
     with pytest.raises(ValueError, match="unknown cloud GPU"):
         emulated_device(args(cloud_gpu="k80"))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # the cloud on the first core, the device on the rest, one thread per core
+        split = emulated_device(args(cloud_cores=1))
+        assert (split["cloud_cores"], split["device_cores"]) == (cores[:1], cores[1:])
+        assert (split["cloud_threads"], split["device_threads"]) == (1, len(cores) - 1)
+    with pytest.raises(ValueError, match="needs a core of its own"):
+        emulated_device(args(cloud_cores=len(cores)))
 
 
 def _engine_row(n, tokens_per_s, decode, drafted=0, accepted=0, rejected=0, rounds=1, gamma=0, eta=0.0):

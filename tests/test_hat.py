@@ -217,6 +217,56 @@ def test_chunk_size_in_the_compute_bound_case_minimises_the_predicted_prefill():
         prefill_finish(e, 1.0, 8.0, 0, 4, 2)
 
 
+def test_chunk_size_counts_a_slow_devices_prefill():
+    """A board slower than the cloud is a third pipeline stage: its input layers must compute a chunk before it can
+    leave, and Λ runs over it before the next one. Eq. 3 alone (device time 0) keeps its answer; with the device's
+    time the size with the earliest predicted finish, which for a fast link and a slow board means several chunks."""
+    d = DelayModel()
+    for x in (1, 8, 64, 512, 2048):
+        d.observe(x, 0.005 + 0.005 * x)  # the cloud: 5 ms per position
+    d.mu = 1.0
+    A, up, N = 3072, 40e6, 900  # 0.6 ms per position on the link
+    assert chunk_size(d, A, up, 1, N) == chunk_size(d, A, up, 1, N, 0.0, 0.0)
+    X = chunk_size(d, A, up, 1, N, input_s=0.0015, adapter_s=0.001)
+    one = prefill_finish(d, A, up, 1, N, N, 0.0015, 0.001)
+    best = prefill_finish(d, A, up, 1, N, X, 0.0015, 0.001)
+    assert X < N and best < one - 0.8  # the board's 1.35 s of input layers mostly hidden behind the cloud
+    assert one == pytest.approx(0.0015 * N + N * 8 * A / up + d.g(1.0) + d.g(1.0 + N))
+    # hand-checked: 2 chunks of 2, input 1 s and Λ 0.5 s per position, 1 s per position on the link, g(x) = 1 + x
+    e = DelayModel()
+    e.observe(1, 2.0)
+    e.observe(4, 5.0)
+    e.mu = 0.0  # wait g(0) = 2 (flat below), g(2) = 3
+    # chunk 1: computed 2, sent 4, +2 -> 6, ends 9; chunk 2: computed 1 * 4 + 0.5 * 2 = 5, sent max(4, 5) + 2 = 7,
+    # +2 -> 9, ends 12
+    assert prefill_finish(e, 1.0, 8.0, 1, 4, 2, input_s=1.0, adapter_s=0.5) == pytest.approx(12.0)
+    with pytest.raises(ValueError):
+        prefill_finish(e, 1.0, 8.0, 1, 4, 2, input_s=-1.0)
+
+
+def test_link_rates_weigh_transfers_by_size_and_only_known_arrivals_measure():
+    from hat_split.math.chunking import RateEstimate, arrival_known
+
+    r = RateEstimate(10e6)  # configured: used until the first measurement
+    assert r.bps == 10e6
+    r.observe(8e6, 0.2)  # one prompt upload of 1 MB at 40 Mbit/s
+    assert r.bps == pytest.approx(40e6)
+    rates = []
+    for noise in (0.0005, 0.0002, 0.0009, 0.0001, 0.0007):  # decoding rounds: 6 KB (1.2 ms) + clock noise
+        rates.append(48e3 / (0.0012 + noise))
+        r.observe(48e3, 0.0012 + noise)
+    assert 38e6 < r.bps < 40e6  # the big transfer still holds most of the weight: the small ones' noise,
+    assert sum(rates) / len(rates) < 30e6  # which an average of their rates would take for a 25 % slower link
+    assert RateEstimate().bps == 0.0
+    with pytest.raises(ValueError):
+        r.observe(0.0, 1.0)
+    # a reply seen somewhere in a 30 ms window (a draft step) cannot time a 1.2 ms upload; one seen on arrival can
+    assert not arrival_known(0.03, 48e3, 40e6)
+    assert arrival_known(0.0, 48e3, 40e6) and arrival_known(0.0009, 48e3, 40e6)  # within the clock's 1 ms
+    assert arrival_known(0.03, 8e6, 40e6)  # a 200 ms transfer tolerates 50 ms
+    assert not arrival_known(0.002, 48e3, 0.0) and arrival_known(0.0, 48e3, 0.0)  # no rate yet: only exact arrivals
+
+
 # -- Λ and the device's drafter ---------------------------------------------------------------------------------------
 def _target():
     from tests.conftest import tiny_model
@@ -306,15 +356,17 @@ def _target_three():
 
 # -- end to end over the tiny server ----------------------------------------------------------------------------------
 def _run_split(server, model, protocol, params, n=20, seed=0, adapter=None, tap=None, endpoint=None, parts=None,
-               **split_kw):
-    """parts: the device's parts (default: torch's, of `model` cut at 1 with `adapter`)."""
+               link_state=None, **split_kw):
+    """parts: the device's parts (default: torch's, of `model` cut at 1 with `adapter`); link_state: the connection's
+    estimates (default: a fresh one from the config)."""
     parts = parts or TorchSplitParts(SplitModel(model, 1), adapter)
     split_cfg = SplitConfig(m=1, hidden_format=split_kw.pop("hidden_format", "float32"), **split_kw)
     link = LinkConfig(endpoint or server.endpoint, security=LinkSecurity.plaintext())
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         client.tap = tap
-        gen = new_session(EdgeConfig(model="tiny", split=split_cfg), SplitDrafter(parts, params, seed),
-                          client, protocol, params, n, frozenset(), seed, 1)
+        drafter = SplitDrafter(parts, params, seed, slowdown=split_cfg.slowdown)
+        gen = new_session(EdgeConfig(model="tiny", split=split_cfg), drafter, client, protocol, params, n,
+                          frozenset(), seed, 1, link_state=link_state)
         return gen.run(PROMPT, lambda toks: "")
 
 
@@ -401,6 +453,102 @@ def test_a_reply_read_late_counts_from_when_it_was_first_seen(tiny_server):
         assert client.last_reply_at > seen + 0.3
 
 
+def test_the_draft_vocabulary_ranks_the_data_and_refuses_what_it_cannot_give(tmp_path):
+    from hat_split.models.adapter import load_draft_vocab, rank_vocab, save_draft_vocab
+
+    ranked = rank_vocab([[5, 7, 7, 3], [7, 5, 9]], 12, first=[11])
+    assert ranked.tolist() == [11, 7, 5, 3, 9]  # the end token first, then by count, ties by id; unseen ids left out
+    assert rank_vocab([[4, 4]], 12, first=[4]).tolist() == [4]  # no duplicate
+    with pytest.raises(ValueError, match="outside"):
+        rank_vocab([[12]], 12)
+    with pytest.raises(FileNotFoundError, match="--draft-vocab 3"):
+        load_draft_vocab(tmp_path, 3)  # says how to add one
+    save_draft_vocab(tmp_path, ranked)
+    assert load_draft_vocab(tmp_path, 3).tolist() == [5, 7, 11]  # the 3 most frequent, ascending
+    with pytest.raises(ValueError, match="ranked 5 distinct tokens"):
+        load_draft_vocab(tmp_path, 6)
+    with pytest.raises(ValueError):
+        load_draft_vocab(tmp_path, 0)
+
+
+def test_drafting_over_a_token_subset_is_exact_and_drafts_only_those_tokens(tiny_server, tiny_pair, tiny_adapter):
+    """split.draft_vocab: Λ's head over N tokens only (their weight rows). Its logits are the full head's at those
+    tokens; the drafts stay inside the subset (q is 0 elsewhere), and the output is the target's: greedy, the full
+    model's tokens; sampled, verification takes a q of smaller support as any other (exact for every q)."""
+    model = tiny_pair[1].model
+    split = SplitModel(model, 1)
+    vocab = int(model.lm_head.weight.shape[0])
+    ids = np.arange(0, vocab, 3)  # every third token
+    full_parts = TorchSplitParts(split, tiny_adapter)
+    sub_parts = TorchSplitParts(split, tiny_adapter, ids)
+    a, b = full_parts.new_cache(), sub_parts.new_cache()
+    states = split.run_input(PartCache(), PROMPT)
+    full = full_parts.run_output(a, full_parts.run_adapter(full_parts.new_cache(), states), 2, draft=True)
+    sub = sub_parts.run_output(b, sub_parts.run_adapter(sub_parts.new_cache(), states), 2, draft=True)
+    np.testing.assert_allclose(sub, full[:, ids], rtol=1e-5, atol=1e-5)
+    assert sub_parts.run_output(sub_parts.new_cache(), states, 1).shape == (1, vocab)  # the target keeps its whole head
+    res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=20, parts=sub_parts, eta=0.0, max_draft=4)
+    assert res.tokens == _greedy(model, 20)
+    drafted = []
+    for seed in range(3):
+        dev = SplitDrafter(sub_parts, SamplingParams(1.0), seed=seed)
+        dev.start(PROMPT)
+        dev.lam_prefill(dev.prompt_states(len(PROMPT)))
+        dev.commit([1])  # a first token outside the subset: the drafts after it are still inside
+        state = dev.draft(8, 0.0)
+        drafted += state.drafts
+        assert all(float(q[np.setdiff1d(np.arange(vocab), ids)].sum()) == 0.0 for q in state.q)
+    assert drafted and set(drafted) <= set(ids.tolist())
+    sampled = _run_split(tiny_server, model, "hat", SamplingParams(1.0), n=20, seed=5, parts=sub_parts, eta=0.0,
+                         max_draft=4)
+    assert len(sampled.tokens) == 20 and sampled.drafted > 0
+
+
+def test_a_reply_arriving_while_an_emulated_board_sleeps_is_stamped_on_arrival(tiny_server):
+    """An emulated slower board sleeps out its extra compute time through `CloudClient.wait`, which watches the socket:
+    a reply arriving in the sleep is stamped when it arrives (uncertainty ~0), and the sleep still lasts its time. A
+    reply that waited through real work is stamped with the window since the last look (its uncertainty)."""
+    import time
+
+    hello = P.Hello("t", "tiny", 512, "tiny-vocab")
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()), hello) as client:
+        t0 = time.perf_counter()
+        client.send(hello)
+        client.wait(0.25)
+        slept = time.perf_counter() - t0
+        assert isinstance(client.receive(), P.Welcome)
+        assert slept >= 0.25 and client.last_reply_at - t0 < 0.1  # seen as it came, long before the sleep ended
+        assert client.arrival_uncertainty_s < 0.01
+        client.send(hello)
+        time.sleep(0.2)  # real work: nobody looks
+        assert isinstance(client.receive(), P.Welcome)
+        assert client.arrival_uncertainty_s > 0.15  # seen only after the work: the window is known, not the moment
+        assert client.last_reply_bytes > 0
+
+
+def test_parallel_drafting_on_a_slowed_board_keeps_the_uplink_estimate(tiny_server, tiny_pair, tiny_adapter):
+    """HAT's decoding rounds with parallel drafting on a board emulated 40x slower, over a link of 200 kB/s up (50 ms
+    each way): the device drafts while its upload and the cloud's reply are under way, so it often sees the reply
+    only after a draft step. The uplink estimate must stay near the link's rate (a reply stamped a draft step late
+    made each round's few-kilobyte upload look many times slower, and the next prompt was cut into dozens of
+    chunks)."""
+    from edge_runtime.sessions.split import LinkState
+    from profiles.testbed.link_emulator import LinkEmulator
+    from profiles.testbed.links import LinkProfile
+
+    model = tiny_pair[1].model
+    state = LinkState.configured(0.0, 0.0)
+    host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
+    with LinkEmulator(LinkProfile("pd-rate", 200e3, 400e3, 0.05), (host, int(port))) as link:
+        res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=24, adapter=tiny_adapter, eta=0.3,
+                         parallel_draft=True, pd_topk=4, slowdown=40.0, endpoint=link.address, link_state=state)
+    assert res.tokens == _greedy(model, 24)
+    assert res.pd_steps > 0
+    print(f"uplink estimate {state.up_bps:.0f} bit/s of {8 * 200e3:.0f}")
+    assert 0.5 * 8 * 200e3 < state.up_bps < 2.0 * 8 * 200e3, state
+    assert state.input_s > 0  # the prefill's device time, for the next request's chunk size
+
+
 def test_split_session_refusals(tiny_server, tiny_pair):
     model = tiny_pair[1].model
     fp = SplitModel(model, 1).fingerprint()
@@ -468,6 +616,42 @@ def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "
         assert r["tokens"] == ref, r["protocol"]
     assert [r["prefill_chunks"] for r in results[:2]] == [-(-len(ids) // 7)] * 2
     return info
+
+
+@pytest.mark.real_models
+def test_the_runtime_drafts_over_the_vocabulary_each_request_asks_for(smollm2, tmp_path):
+    """split.draft_vocab on the runtime (the path hat-edge and hat-bench take): requests with and without a draft
+    vocabulary each get their own parts (a runtime kept them per protocol only, so a later request drafted over the
+    first one's head), both give the full model's greedy tokens; a vocabulary larger than the adapter's ranking is
+    refused with the reason."""
+    import dataclasses
+
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.models.adapter import rank_vocab, save_draft_vocab
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import vocab_fingerprint
+    from tests.conftest import serving
+
+    model = smollm2.model
+    save_adapter(tmp_path / "a", Adapter(model, 2).eval(), SplitModel(model, 2), smollm2.name, {"steps": 0})
+    ids = smollm2.tokenizer(FIB)["input_ids"]
+    vocab = int(model.lm_head.weight.shape[0])
+    save_draft_vocab(tmp_path / "a", rank_vocab([list(range(0, vocab, 7))], vocab))
+    ref = greedy_reference(model, ids, 12)
+    with serving(CausalLM(model), vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
+        split = SplitConfig(m=2, adapter=str(tmp_path / "a"), hidden_format="float32", eta=0.0, max_draft=3)
+        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()),
+                            split=split)
+        with EdgeRuntime(config, smollm2) as rt:
+            assert rt.generate(ids, "hat", SamplingParams(0.0), 12, seed=0).tokens == ref
+            rt.config = dataclasses.replace(config, split=dataclasses.replace(split, draft_vocab=2000))
+            sub = rt.generate(ids, "hat", SamplingParams(0.0), 12, seed=0)
+            assert sub.tokens == ref and sub.drafted > 0
+            parts = rt._split_parts[(True, 2000)]
+            assert len(parts.draft_ids) == 2000 and rt._split_parts[(True, 0)].draft_ids is None
+            rt.config = dataclasses.replace(config, split=dataclasses.replace(split, draft_vocab=vocab))
+            with pytest.raises(ValueError, match="ranked .* distinct tokens"):
+                rt.generate(ids, "hat", SamplingParams(0.0), 4, seed=0)
 
 
 @pytest.mark.real_models

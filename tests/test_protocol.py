@@ -247,7 +247,7 @@ def test_a_device_silent_past_the_cloud_timeout_says_hello_again(tiny_server):
 def test_device_state_reaches_the_cloud(tiny_server):
     """HAT §3.2 state monitoring: profile, power mode and drafting delay go up with a session opening and in Report;
     the cloud keeps each device's latest state (and logs a mode change)."""
-    from edge_runtime.client import CloudClient
+    from edge_runtime.client import CloudClient, CloudError
     from edge_runtime.monitor import DeviceMonitor
 
     monitor = DeviceMonitor("agx-orin-64gb", power_mode="MODE_30W", draft_s=0.012)
@@ -262,6 +262,13 @@ def test_device_state_reaches_the_cloud(tiny_server):
         assert isinstance(reply, P.Reported) and reply.cloud.pipeline == 1
         assert entry["power_mode"] == "MODE_15W" and entry["up_bps"] == 8e6
         assert entry in tiny_server.report()["devices"]
+        for bad in (P.DeviceState(up_bps=float("nan")), P.DeviceState(input_s=-0.001),
+                    P.DeviceState(adapter_s=float("inf"))):  # refused with the field's name; nothing kept
+            with pytest.raises(CloudError, match="invalid.*(up_bps|input_s|adapter_s) must be finite"):
+                client.request(P.Report(bad))
+        assert entry["up_bps"] == 8e6 and "input_s" not in entry
+        client.request(P.Report(monitor.state(input_s=0.004, adapter_s=0.002)))  # a board's prefill times are kept
+        assert (entry["input_s"], entry["adapter_s"]) == (0.004, 0.002)
 
 
 def test_the_monitor_measures_drafting_delay_and_never_invents_a_mode():

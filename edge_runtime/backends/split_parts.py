@@ -48,7 +48,11 @@ class SplitParts(Protocol):
 
     def run_adapter(self, cache: Any, states: Any) -> Any: ...  # Λ: `# [1, n, hidden]` → same
 
-    def run_output(self, cache: Any, states: Any, n_logits: int) -> np.ndarray: ...  # float32 `# [n_logits, vocab]`
+    vocab: int  # the head's rows
+    draft_ids: Optional[np.ndarray]  # the draft's tokens when it drafts over a subset (split.draft_vocab), else None
+
+    def run_output(self, cache: Any, states: Any, n_logits: int, draft: bool = False) -> np.ndarray: ...
+    # float32 `# [n_logits, vocab]`; draft=True with draft_ids: `# [n_logits, len(draft_ids)]` over those tokens
 
     def cat(self, states: List[Any]) -> Any: ...  # along positions
 
@@ -61,11 +65,15 @@ class SplitParts(Protocol):
 class TorchSplitParts:
     split: Any  # hat_split.models.partition.SplitModel
     adapter: Any = None  # hat_split.models.adapter.Adapter; None: U-shape only
+    draft_ids: Optional[np.ndarray] = None  # the draft's head over these tokens only (their weight rows, copied)
 
     def __post_init__(self) -> None:
         from hat_split.models.adapter import adapter_stack
+        from hat_split.models.partition import head_rows
 
         self.lam_stack = adapter_stack(self.split, self.adapter) if self.adapter is not None else None
+        self.vocab = int(self.split.model.lm_head.weight.shape[0])
+        self._draft_rows = None if self.draft_ids is None else head_rows(self.split.model, self.draft_ids)
         self.fingerprint = self.split.fingerprint()
         self.m, self.tail = self.split.m, self.split.tail
         self.stop = int(self.split.model.config.num_hidden_layers) - self.tail
@@ -83,8 +91,8 @@ class TorchSplitParts:
             raise RuntimeError("these parts have no adapter (protocol hat needs one)")
         return self.lam_stack.forward(cache, states)
 
-    def run_output(self, cache, states, n_logits: int) -> np.ndarray:
-        return self.split.run_output(cache, states, n_logits).numpy()
+    def run_output(self, cache, states, n_logits: int, draft: bool = False) -> np.ndarray:
+        return self.split.run_output(cache, states, n_logits, self._draft_rows if draft else None).numpy()
 
     def cat(self, states: List[Any]):
         import torch
@@ -133,6 +141,7 @@ class BundleSplitParts:
         self.stop = int(m["layers"]) - self.tail
         self.hidden_size = int(m["hidden"])
         self.vocab = int(m["vocab"])
+        self.draft_ids = None  # the exported output part is the whole head (split.draft_vocab: torch engine only)
         self.has_adapter = self.adapter is not None
         self.state_dtype = self.output.io.float_dtype
         for name, part, tokens_in, logits_out in (("input", self.input, True, False),
@@ -154,7 +163,7 @@ class BundleSplitParts:
             raise RuntimeError("these parts have no adapter (protocol hat needs one)")
         return self._run(self.adapter, cache, states, 0)
 
-    def run_output(self, cache: ArrayCache, states: np.ndarray, n_logits: int) -> np.ndarray:
+    def run_output(self, cache: ArrayCache, states: np.ndarray, n_logits: int, draft: bool = False) -> np.ndarray:
         n = states.shape[1]
         if not 0 <= n_logits <= n:
             raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")

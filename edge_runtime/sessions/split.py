@@ -18,14 +18,14 @@ the top-k alternatives to the last draft until the reply arrives (at most λ ste
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from edge_runtime.client import expect
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.sessions.base import Session
 from edge_runtime.split_drafter import SplitDrafter
-from hat_split.math.chunking import ema
+from hat_split.math.chunking import RateEstimate, arrival_known, ema
 from hat_split.wire import messages as P
 from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
 
@@ -35,16 +35,39 @@ class LinkState:
     """The device's moving averages (α = 0.8) of what HAT's state monitoring needs from it. One per connection: the
     runtime keeps it from request to request, so a request starts from what the previous ones measured."""
 
-    up_bps: float = 0.0  # β_up: the cloud's measurements of this device's uploads
-    down_bps: float = 0.0  # β_down: reply bytes over the reply's share of the round trip
+    up: RateEstimate = field(default_factory=RateEstimate)  # β_up: the uploads' times the cloud measured
+    down: RateEstimate = field(default_factory=RateEstimate)  # β_down: the replies' share of their round trips
     draft_s: float = 0.0  # γ: seconds per draft token
     g_mu: float = 0.0  # the cloud's last predicted step delay g(μ)
+    input_s: float = 0.0  # prefill seconds per prompt position: the input layers (before a chunk can leave)
+    adapter_s: float = 0.0  # and Λ (after it, before the next one); chunk_size weighs them
+
+    @classmethod
+    def configured(cls, up_bps: float, down_bps: float) -> "LinkState":
+        """Starting from the configured rates (0: unknown) until the first transfers are measured."""
+        return cls(RateEstimate(up_bps), RateEstimate(down_bps))
+
+    @property
+    def up_bps(self) -> float:
+        return self.up.bps
+
+    @property
+    def down_bps(self) -> float:
+        return self.down.bps
 
     def device(self, monitor: Optional[DeviceMonitor] = None) -> P.DeviceState:
         """This link's estimates with the device's own state when it has one."""
         if monitor is None:
-            return P.DeviceState(self.up_bps, self.down_bps, self.draft_s)
-        return monitor.state(self.up_bps, self.down_bps, self.draft_s)
+            return P.DeviceState(self.up_bps, self.down_bps, self.draft_s, input_s=self.input_s,
+                                 adapter_s=self.adapter_s)
+        return monitor.state(self.up_bps, self.down_bps, self.draft_s, self.input_s, self.adapter_s)
+
+    def observe_prefill(self, positions: int, input_s: float, adapter_s: float) -> None:
+        """A prefill's device seconds over its positions (the adapter's 0 for U-shape leaves Λ's estimate as is)."""
+        if positions > 0 and input_s > 0:
+            self.input_s = ema(self.input_s or None, input_s / positions)
+        if positions > 0 and adapter_s > 0:
+            self.adapter_s = ema(self.adapter_s or None, adapter_s / positions)
 
 
 @dataclass
@@ -77,6 +100,7 @@ class SplitSession(Session):
         self.monitor = monitor
         self.step = 0  # Hidden messages of this cloud session
         self.cloud_position = 0  # positions the cloud's middle part holds
+        self.drafter.pause = self.client.wait  # an emulated board's sleeps notice the replies that arrive meanwhile
 
     def open(self, prompt: List[int]) -> None:
         """OpenSplit, the chunked prefill, and the first token (from the target)."""
@@ -95,12 +119,15 @@ class SplitSession(Session):
         self.counters.prefill_chunks += len(ends)
         all_deep = split.tail > 0  # tail layers on the device need every position's deep state
         uploads, start = [], 0
+        input0, prefill0 = dev.input_s, dev.prefill_s
         for i, end in enumerate(ends):
             shallow = dev.prompt_states(end)
             want = end - start if all_deep else (1 if end == len(prompt) else 0)
             uploads.append(self.send_hidden(start, shallow, want, pipelined=i > 0))
             dev.lam_prefill(shallow)  # device work while the chunk is on the link
             start = end
+        input_s = dev.input_s - input0
+        self.link_state.observe_prefill(len(prompt), input_s, dev.prefill_s - prefill0 - input_s)
         deep = None
         for upload in uploads:
             deep = self.receive_deep(upload)
@@ -133,28 +160,39 @@ class SplitSession(Session):
         """Send one Hidden: shallow states `# [1, n, hidden]` (the drafter's backend) of positions position.. ."""
         self.step += 1
         payload = encode_hidden(self.drafter.parts.to_wire(states), self.config.split.hidden_format)
-        idle = -1.0 if pipelined else max(0.0, time.perf_counter() - self.client.last_reply_at)
+        idle = -1.0 if pipelined else self._idle_s(8.0 * payload.values.nbytes)
         before = self.client.counters.up_bytes
         self.client.send(P.Hidden(self.session_id, self.step, position, payload, want, idle))
         up = self.client.counters.up_bytes - before
         self.counters.round_up_bytes.append(up)
         return Upload(time.perf_counter(), up, position, want)
 
+    def _idle_s(self, upload_bits: float) -> float:
+        """What the cloud subtracts from the time between its last reply leaving and this upload arriving to get the
+        upload's time on the link: the reply's own transfer (at β_down; its propagation is in the base round trip)
+        and the device's time from the reply's arrival to now. -1 (measure nothing) when the arrival is not known
+        well enough: the device was computing when the reply came and saw it only afterwards (parallel drafting)."""
+        client, st = self.client, self.link_state
+        if not arrival_known(client.arrival_uncertainty_s, upload_bits, st.up_bps):
+            return -1.0
+        transfer = 8.0 * client.last_reply_bytes / st.down_bps if st.down_bps > 0 else 0.0
+        return transfer + max(0.0, time.perf_counter() - client.last_reply_at)
+
     def receive_deep(self, upload: Upload) -> Any:
         """The Deep reply to an upload: updates the link estimates; returns deep states `# [1, want, hidden]` of the
         drafter's backend (None when none were asked for)."""
-        down0 = self.client.counters.down_bytes
         reply = expect(self.client.receive(), P.Deep, P.Hidden)
         st = self.link_state
         self.counters.cloud_compute_s += reply.compute_s
         self.cloud_position = reply.position
         st.g_mu = reply.cloud.step_s
+        up_bits = 8.0 * upload.up_bytes
         if reply.uplink_bps > 0:
-            st.up_bps = ema(st.up_bps or None, reply.uplink_bps)
+            st.up.observe(up_bits, up_bits / reply.uplink_bps)
         down_s = (self.client.last_reply_at - upload.sent_at - reply.compute_s - self.client.base_rtt_s
-                  - (8.0 * upload.up_bytes / st.up_bps if st.up_bps else 0.0))
-        if down_s > 1e-3:
-            st.down_bps = ema(st.down_bps or None, 8.0 * (self.client.counters.down_bytes - down0) / down_s)
+                  - (up_bits / st.up_bps if st.up_bps else 0.0))
+        if down_s > 1e-3 and self.client.arrival_uncertainty_s <= 1e-3:
+            st.down.observe(8.0 * self.client.last_reply_bytes, down_s)
         if upload.want == 0:
             return None
         parts = self.drafter.parts

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import List
 
 from edge_runtime.split_drafter import local_accept_length
-from hat_split.models.adapter import ADAPTER_INITS, Adapter, adapter_stack, load_adapter, save_adapter
+from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
+                                      load_draft_vocab, rank_vocab, save_adapter, save_draft_vocab)
 from hat_split.models.chat import encode, encode_chat
 from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_positions, student_loss,
                                       teacher)
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eta-sweep", default="", metavar="ETAS",
                     help="also measure the acceptance at these η, comma separated (recorded as eta_sweep)")
     ap.add_argument("--max-draft", type=int, default=8, help="longest draft per round")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="measure the acceptance with the draft's head over the N most frequent tokens of the "
+                         "training data (split.draft_vocab; 0: the whole vocabulary). The ranking is saved with every "
+                         "adapter; --eval-only adds it to an adapter made without one")
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -144,8 +149,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
 
-    if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.windows < 0:
-        raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8, --windows >= 0")
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.windows < 0 or args.draft_vocab < 0:
+        raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8, --windows and --draft-vocab >= 0")
     if not 0 < args.ce_fraction <= 1:
         raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
     etas(args.eta_sweep)  # refused before any work
@@ -159,9 +164,12 @@ def run(args) -> int:
     tok = loaded.tokenizer
     torch.manual_seed(args.seed)
     eval_batches = [torch.tensor(w, dtype=torch.long)[None] for w in windows(tok, args.eval_windows, args.seq_len, 0)]
+    ranked = None
     if args.eval_only:
         adapter = load_adapter(out, split)
         record = json.loads((out / "adapter.json").read_text())["record"]
+        if args.draft_vocab and not (out / DRAFT_VOCAB).is_file():  # rank the tokens of the data it was trained on
+            ranked = vocab_ranking(model, tok, windows(tok, record["windows"], record["seq_len"], TRAIN_FROM))
     else:
         adapter = Adapter(model, args.m, args.init).float()  # float32 master weights; the steps autocast
         lam = adapter_stack(split, adapter)
@@ -187,6 +195,7 @@ def run(args) -> int:
               f"{adapter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
+        ranked = vocab_ranking(model, tok, train)
         order = visit_order(len(train), args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
         cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train)
@@ -226,19 +235,26 @@ def run(args) -> int:
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
                   "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
                   "history": history}
+    if ranked is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(out, ranked)
+    draft_ids = load_draft_vocab(out, args.draft_vocab) if args.draft_vocab else None
     lam = adapter_stack(split, adapter)
     t_eval = time.perf_counter()
     record["eval"] = evaluate_windows(split, lam, eval_batches, args.w_ce)
     print(f"held-out windows: loss {record['eval']['loss']:.4f}, top-1 agreement {record['eval']['top1']:.3f}",
           file=sys.stderr)
-    record["acceptance"] = acceptance(split, adapter, tok, args, args.eta)
-    sweep = {eta: acceptance(split, adapter, tok, args, eta) for eta in etas(args.eta_sweep)}
+    # measured with a draft vocabulary: kept apart from the whole-vocabulary figures
+    suffix = f"_draft_vocab_{args.draft_vocab}" if args.draft_vocab else ""
+    record["acceptance" + suffix] = acceptance(split, adapter, tok, args, args.eta, draft_ids)
+    sweep = {eta: acceptance(split, adapter, tok, args, eta, draft_ids) for eta in etas(args.eta_sweep)}
     if sweep:
-        record["eta_sweep"] = {str(eta): a for eta, a in sweep.items()}
-    for eta, by_set in [(args.eta, record["acceptance"]), *sweep.items()]:
+        record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
+    vocab = f", draft over {args.draft_vocab} tokens" if args.draft_vocab else ""
+    for eta, by_set in [(args.eta, record["acceptance" + suffix]), *sweep.items()]:
         for name, a in by_set.items():
-            print(f"held-out acceptance on {name} (greedy, η={eta}): {a['accepted_per_round']:.2f} accepted drafts "
-                  f"per round, {a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds",
+            print(f"held-out acceptance on {name} (greedy, η={eta}{vocab}): {a['accepted_per_round']:.2f} accepted "
+                  f"drafts per round, {a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds",
                   file=sys.stderr)
     record["eval_seconds"] = time.perf_counter() - t_eval
     if not args.eval_only:
@@ -248,7 +264,7 @@ def run(args) -> int:
               file=sys.stderr)
     save_adapter(out, adapter, split, loaded.name, record)
     print(json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
-                      "acceptance": record["acceptance"]}, indent=1))
+                      "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
     return 0
 
 
@@ -286,7 +302,14 @@ def etas(text: str) -> List[float]:
     return out
 
 
-def acceptance(split, adapter, tokenizer, args, eta: float) -> dict:
+def vocab_ranking(model, tokenizer, train: List[List[int]]):
+    """The training windows' tokens by frequency, the end-of-sequence ids first (hat_split.models.adapter)."""
+    eos = tokenizer.eos_token_id
+    first = [eos] if isinstance(eos, int) else list(eos or [])
+    return rank_vocab(train, int(model.lm_head.weight.shape[0]), first)
+
+
+def acceptance(split, adapter, tokenizer, args, eta: float, draft_ids=None) -> dict:
     """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round, on ShareGPT
     conversations (templated) and on HumanEval problems of the evaluation split (raw completion prompts)."""
 
@@ -295,7 +318,7 @@ def acceptance(split, adapter, tokenizer, args, eta: float) -> dict:
             "humaneval": [encode(tokenizer, p.text, p.chat)
                           for p in humaneval_prompts(min(args.eval_prompts, HUMANEVAL_SPLIT))]}
     return {name: local_accept_length(split, adapter, prompts, args.eval_tokens, eta, args.max_draft,
-                                      frozenset([eos] if eos is not None else []))
+                                      frozenset([eos] if eos is not None else []), draft_ids)
             for name, prompts in sets.items()}
 
 

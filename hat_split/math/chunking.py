@@ -7,7 +7,10 @@
 - `chunk_size`: eq. 3, X · A / β_up = (g(μ) + g(μ + X)) / P, solved for the integer X by bisection when the link is
   the bottleneck; when it is not (no crossing: the cloud processes a position slower than it uploads, as on a CPU
   cloud) the X whose predicted pipelined prefill (`prefill_finish`) ends first — eq. 3 would send one chunk there and
-  lose the overlap of uploading with computing.
+  lose the overlap of uploading with computing. Given the device's own prefill time per position (a board slower
+  than the cloud is a third pipeline stage, which eq. 3 leaves out) the X whose predicted prefill ends first.
+- `RateEstimate`, `arrival_known`: the device's link rates as moving averages of bits and seconds per transfer, and
+  which replies' arrival times are known well enough to measure the next upload.
 - `parallel_steps`: eq. 6, λ = ⌊(μ_i A / β_up + g(μ) + μ_i A / β_down) / γ⌋ (plus the propagation round trip).
 """
 from __future__ import annotations
@@ -22,6 +25,34 @@ ALPHA = 0.8  # HAT §3.2: weight of the history in the moving averages
 def ema(old: Optional[float], new: float, alpha: float = ALPHA) -> float:
     """α · old + (1 − α) · new; the first observation is taken as is."""
     return new if old is None else alpha * old + (1.0 - alpha) * new
+
+
+@dataclass
+class RateEstimate:
+    """A link direction's rate from moving averages (α) of the bits and the seconds of its transfers: their ratio
+    weighs each transfer by its size. An average of per-transfer rates would be ruled by the small transfers (a
+    decoding round's few kilobytes), whose time is mostly clock and scheduling noise and whose rate is its inverse.
+    `bps` is the configured guess until the first transfer is observed, then the measurement alone."""
+
+    bps: float = 0.0
+    bits: Optional[float] = None
+    seconds: Optional[float] = None
+
+    def observe(self, bits: float, seconds: float) -> float:
+        if bits <= 0 or seconds <= 0:
+            raise ValueError(f"a transfer needs bits > 0 and seconds > 0, got {bits} bits in {seconds} s")
+        self.bits, self.seconds = ema(self.bits, bits), ema(self.seconds, seconds)
+        self.bps = self.bits / self.seconds
+        return self.bps
+
+
+def arrival_known(uncertainty_s: float, upload_bits: float, up_bps: float, resolution_s: float = 1e-3) -> bool:
+    """Whether a reply's arrival time is known well enough for the next upload to measure the uplink: the device saw
+    the reply somewhere in a window of `uncertainty_s` (it was computing, not watching the socket); that window must
+    be within a quarter of the upload's expected time on the link (or `resolution_s`, the clocks' resolution, for a
+    transfer quicker than that). Without a rate yet, only an exactly seen arrival counts."""
+    expected = upload_bits / up_bps if up_bps > 0 else 0.0
+    return uncertainty_s <= max(resolution_s, 0.25 * expected)
 
 
 @dataclass
@@ -75,13 +106,17 @@ MAX_CHUNKS = 128  # chunk counts tried in the compute-bound case
 
 
 def prefill_finish(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: int, prompt_tokens: int,
-                   chunk: int) -> float:
-    """Predicted seconds from the first upload until the cloud has processed the last chunk, for a prompt sent in
-    chunks of `chunk` positions back to back: chunk k is on the cloud once its bytes and those before it are through
-    the link; it waits g(μ) / P for the step in progress (eq. 3's waiting term), then passes the P pipeline stages,
-    g(μ + x) / P each, each stage taking one chunk at a time."""
+                   chunk: int, input_s: float = 0.0, adapter_s: float = 0.0) -> float:
+    """Predicted seconds from the start of the device's prefill until the cloud has processed the last chunk, for a
+    prompt sent in chunks of `chunk` positions back to back. The device computes chunk k's shallow states (input_s
+    seconds per position) and sends them, then runs Λ over them (adapter_s per position) before the next chunk's
+    states; chunk k is on the cloud once its bytes and those before it are through the link; it waits g(μ) / P for
+    the step in progress (eq. 3's waiting term), then passes the P pipeline stages, g(μ + x) / P each, each stage
+    taking one chunk at a time. With input_s = adapter_s = 0 the clock starts at the first upload (eq. 3's setting)."""
     if not hidden_bytes > 0 or not up_bps > 0 or pipeline < 1 or prompt_tokens < 1 or chunk < 1:
         raise ValueError("prefill_finish needs hidden_bytes > 0, up_bps > 0, pipeline >= 1, positive sizes")
+    if not (input_s >= 0 and adapter_s >= 0):
+        raise ValueError(f"device seconds per position must be >= 0, got {input_s}, {adapter_s}")
     per_token = hidden_bytes * 8.0 / up_bps
     mu = model.mu or 0.0
     wait = model.g(mu) / pipeline
@@ -89,7 +124,8 @@ def prefill_finish(model: DelayModel, hidden_bytes: float, up_bps: float, pipeli
     sent = 0.0
     for start in range(0, prompt_tokens, chunk):
         x = min(chunk, prompt_tokens - start)
-        sent += x * per_token
+        computed = input_s * (start + x) + adapter_s * start
+        sent = max(sent, computed) + x * per_token
         t = sent + wait
         step = model.g(mu + x) / pipeline
         for s, free in enumerate(stages):
@@ -98,11 +134,16 @@ def prefill_finish(model: DelayModel, hidden_bytes: float, up_bps: float, pipeli
     return stages[-1]
 
 
-def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: int, prompt_tokens: int) -> int:
+def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: int, prompt_tokens: int,
+               input_s: float = 0.0, adapter_s: float = 0.0) -> int:
     """HAT eq. 3: the X in [1, prompt_tokens] where uploading X positions takes as long as the cloud's (wait + compute
     of X) divided by the pipeline length. X · A / β_up grows from 0, the right side from (2 g(μ)) / P. When the upload
     of the whole prompt is still quicker than its processing there is no crossing (the cloud is the bottleneck): then
     the chunk size, among ⌈N / k⌉ for k = 1..MAX_CHUNKS, with the earliest `prefill_finish` (ties: fewer chunks).
+
+    Eq. 3 leaves out the device's own prefill, which a board slower than the cloud makes a third stage of the
+    pipeline: given the device's seconds per position (input_s: its input layers, before a chunk can leave;
+    adapter_s: Λ, after), the chunk size is the earliest `prefill_finish` among those sizes and eq. 3's X.
 
     hidden_bytes: A, bytes of one position's hidden state on the wire; up_bps: β_up in bit/s.
     """
@@ -115,19 +156,22 @@ def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: 
     def gap(x: int) -> float:  # upload minus processing: increasing in x when the link is the bottleneck
         return x * hidden_bytes * 8.0 / up_bps - (model.g(mu) + model.g(mu + x)) / pipeline
 
-    if gap(prompt_tokens) <= 0:
-        sizes = sorted({-(-prompt_tokens // k) for k in range(1, min(prompt_tokens, MAX_CHUNKS) + 1)}, reverse=True)
-        return min(sizes, key=lambda x: prefill_finish(model, hidden_bytes, up_bps, pipeline, prompt_tokens, x))
-    lo, hi = 1, prompt_tokens  # gap(hi) > 0
-    if gap(lo) >= 0:
-        return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if gap(mid) < 0:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    sizes = sorted({-(-prompt_tokens // k) for k in range(1, min(prompt_tokens, MAX_CHUNKS) + 1)}, reverse=True)
+    if gap(prompt_tokens) > 0:  # the link is the bottleneck: eq. 3's crossing
+        lo, hi = 1, prompt_tokens  # gap(hi) > 0
+        if gap(lo) >= 0:
+            hi = lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if gap(mid) < 0:
+                lo = mid
+            else:
+                hi = mid
+        if input_s == 0 and adapter_s == 0:
+            return hi
+        sizes.append(hi)
+    return min(sizes, key=lambda x: prefill_finish(model, hidden_bytes, up_bps, pipeline, prompt_tokens, x,
+                                                   input_s, adapter_s))
 
 
 def parallel_steps(positions: int, hidden_bytes: float, up_bps: float, down_bps: float, g_mu: float,

@@ -11,8 +11,10 @@ what the paper's Table 4 reports (67M for Vicuna-7B: 4 · 4096²).
 cache never collides with the model's layers.
 
 Artifact: a directory with `adapter.safetensors` (Λ's weights) and `adapter.json` (format, base model name and
-fingerprint, cut, layer type, parameter count, training record). `load_adapter` refuses an adapter made for another
-model or cut with the reason.
+fingerprint, cut, layer type, parameter count, training record), and `draft_vocab.npy`: the token ids of the
+distillation data ranked by frequency, from which a device may draft over the N most frequent only (`split.draft_vocab`:
+a head N rows tall instead of the vocabulary's; verification still uses the whole head, so the output is exact).
+`load_adapter` refuses an adapter made for another model or cut with the reason.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
+
+import numpy as np
 
 from hat_split.models.partition import SplitModel, Stack, layer_types, model_fingerprint
 
@@ -28,6 +32,7 @@ ADAPTER_FORMAT = 1
 ADAPTER_INITS = ("layer-m", "last", "random")  # Λ's starting point: a copy of layer m, of the last layer, or random
 WEIGHTS = "adapter.safetensors"
 META = "adapter.json"
+DRAFT_VOCAB = "draft_vocab.npy"  # token ids of the distillation data, most frequent first
 
 
 def _module_base():
@@ -145,3 +150,42 @@ def load_adapter(path: str | os.PathLike[str], split: SplitModel) -> Adapter:
     for p in adapter.parameters():
         p.requires_grad_(False)
     return adapter
+
+
+def rank_vocab(windows: Sequence[Sequence[int]], vocab_size: int, first: Sequence[int] = ()) -> np.ndarray:
+    """The token ids occurring in `windows`, most frequent first (ties: lower id first), after the ids `first` (the
+    end-of-sequence tokens: a draft must be able to stop). int32."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    tokens = np.concatenate([np.asarray(w, dtype=np.int64).reshape(-1) for w in windows] or [np.zeros(0, np.int64)])
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids outside [0, {vocab_size})")
+    counts = np.bincount(tokens, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    seen = order[counts[order] > 0]
+    head = np.array([t for t in dict.fromkeys(int(t) for t in first) if 0 <= t < vocab_size], dtype=np.int64)
+    return np.concatenate([head, seen[~np.isin(seen, head)]]).astype(np.int32)
+
+
+def save_draft_vocab(path: str | os.PathLike[str], ranked: np.ndarray) -> Path:
+    out = Path(path) / DRAFT_VOCAB
+    tmp = out.with_name(out.name + ".tmp.npy")
+    np.save(tmp, np.asarray(ranked, dtype=np.int32))
+    tmp.replace(out)
+    return out
+
+
+def load_draft_vocab(path: str | os.PathLike[str], n: int) -> np.ndarray:
+    """The n most frequent token ids of an adapter's distillation data, ascending (a head over them reads the
+    weight's rows in order)."""
+    f = Path(path) / DRAFT_VOCAB
+    if n < 1:
+        raise ValueError(f"a draft vocabulary needs at least one token, got {n}")
+    if not f.is_file():
+        raise FileNotFoundError(f"adapter {path} has no {DRAFT_VOCAB}: add one with `hat-distill --eval-only --out "
+                                f"{path} --draft-vocab {n}` (ranks the tokens of its training data)")
+    ranked = np.load(f)
+    if n > len(ranked):
+        raise ValueError(f"adapter {path} ranked {len(ranked)} distinct tokens of its data; a draft vocabulary of {n} "
+                         f"needs that many (use at most {len(ranked)}, or 0 for the whole vocabulary)")
+    return np.sort(ranked[:n]).astype(np.int64)

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import numpy as np
 
@@ -36,13 +36,14 @@ def check_crop(state: "KVState", length: int) -> None:
         raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
 
 
-def board_time(seconds: float, slowdown: float) -> float:
-    """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time.
+def board_time(seconds: float, slowdown: float, sleep: Callable[[float], None] = time.sleep) -> float:
+    """Emulate a board `slowdown` times slower: sleep the difference and return the stretched compute time. `sleep`
+    may watch for a reply meanwhile (edge_runtime.client.CloudClient.wait), as a real board's CPU would.
 
     The sleep must leave the cores to the cloud beside it: call `wait_passively` before torch loads, or torch's
     OpenMP workers spin through every sleep and burn a core."""
     if slowdown > 1.0:
-        time.sleep((slowdown - 1.0) * seconds)
+        sleep((slowdown - 1.0) * seconds)
         return seconds * slowdown
     return seconds
 

@@ -261,11 +261,11 @@ class SplitModel:
             raise ValueError("run_input needs at least one token")
         return self.input.forward(cache, self.embed(tokens))
 
-    def run_output(self, cache: PartCache, hidden: Any, n_logits: Optional[int] = None) -> Any:
+    def run_output(self, cache: PartCache, hidden: Any, n_logits: Optional[int] = None, rows: Any = None) -> Any:
         """Float32 logits `# [n_logits, vocab]` of the last n_logits positions of deep hidden states `# [1, n, hidden]`.
 
         The tail layers (if any) see every position (their cache must stay complete); norm and head only the last
-        n_logits (default: all).
+        n_logits (default: all). rows: `head_rows` of a token subset, for logits over that subset only.
         """
         import torch
 
@@ -278,8 +278,8 @@ class SplitModel:
         else:
             cache.length += n
         if n_logits == 0:
-            return torch.zeros(0, self.model.config.vocab_size)
-        return head_logits(self.model, hidden[:, n - n_logits:])[0]
+            return torch.zeros(0, self.model.config.vocab_size if rows is None else rows.shape[0])
+        return head_logits(self.model, hidden[:, n - n_logits:], rows=rows)[0]
 
     def fingerprint(self) -> str:
         return model_fingerprint(self.model)
@@ -293,22 +293,36 @@ def embed(model: Any, tokens: Sequence[int]) -> Any:
         return model.model.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))
 
 
-def head_logits(model: Any, hidden: Any, train: bool = False) -> Any:
-    """Final norm + LM head (+ Gemma's soft-capping when configured): `# [b, n, hidden]` → float32 `# [b, n, vocab]`."""
+def head_logits(model: Any, hidden: Any, train: bool = False, rows: Any = None) -> Any:
+    """Final norm + LM head (+ Gemma's soft-capping when configured): `# [b, n, hidden]` → float32 `# [b, n, vocab]`
+    (rows: `head_rows` of a token subset → `# [b, n, subset]`)."""
 
     import torch
 
     with contextlib.nullcontext() if train else torch.inference_mode():
-        return lm_head_logits(model, model.model.norm(hidden), train)
+        return lm_head_logits(model, model.model.norm(hidden), train, rows)
 
 
-def lm_head_logits(model: Any, normed: Any, train: bool = False) -> Any:
+def head_rows(model: Any, ids: Sequence[int]) -> Any:
+    """The LM head's weight rows of tokens `ids`, contiguous: a head over that subset of the vocabulary."""
+    import torch
+
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise ValueError("a head over a token subset needs an LM head without bias")
+    weight = model.lm_head.weight
+    idx = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if idx.numel() < 1 or int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]:
+        raise ValueError(f"token ids must be in [0, {weight.shape[0]}) and at least one")
+    return weight.detach()[idx].contiguous()
+
+
+def lm_head_logits(model: Any, normed: Any, train: bool = False, rows: Any = None) -> Any:
     """The LM head (+ soft-capping) on already normed features `# [b, n, hidden]` → float32 `# [b, n, vocab]`."""
 
     import torch
 
     with contextlib.nullcontext() if train else torch.inference_mode():
-        logits = model.lm_head(normed)
+        logits = model.lm_head(normed) if rows is None else torch.nn.functional.linear(normed, rows)
         cap = getattr(model.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

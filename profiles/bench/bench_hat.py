@@ -3,7 +3,8 @@ with its distilled adapter, over emulated WiFi links, in one run.
 
 Rows (protocol, prompt chunking, parallel drafting), as Table 5:
   U-shape (ushape, one chunk), +SD (hat, one chunk, no PD), +PC (ushape, chunked), +SD+PC (hat, chunked, no PD),
-  +SD+PD (hat, one chunk, PD), HAT (hat, chunked, PD); and HAT int8: HAT with 8-bit hidden states on the wire.
+  +SD+PD (hat, one chunk, PD), HAT (hat, chunked, PD); and HAT int8: HAT with 8-bit hidden states on the wire;
+  with `--draft-vocab N`, "HAT vNk": HAT drafting over the adapter's N most frequent tokens (beyond the paper).
 Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
 Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
 interleaved prompt by prompt so that drift of the machine hits every row alike. The link emulator shapes both
@@ -14,8 +15,10 @@ The device is slower than the cloud, as a Jetson is beside a GPU server: its com
 stretched by `--slowdown`, by default the ratio of the memory bandwidths of `--device-profile` and `--cloud-gpu`
 (profiles/device: an AGX Orin 32GB, HAT's device, against an RTX A6000, HAT's cloud GPU: 3.75x). The stretch is a sleep
 with torch's OpenMP workers waiting passively (hat_split.models.lm.wait_passively), so the device's emulated time
-leaves the cores to the cloud; the cloud gets `--threads` threads (the cores), the device `--device-threads`. Every
-table states the emulated factor.
+leaves the cores to the cloud; the cloud gets `--threads` threads (the cores), the device `--device-threads`. The
+device's real compute (1 / slowdown of its emulated time) still takes the cloud's cores when both work at once
+(parallel drafting, chunked prefill); `--cloud-cores N` pins the cloud to N cores and the device to the others, as on
+separate hardware (the cloud then runs on fewer cores). Every table states the emulated factor and the cores.
 
 Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time / (tokens − 1)), their change against
 U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
@@ -70,8 +73,14 @@ def add_parser(sub) -> None:
     s.add_argument("--variants", default=",".join(VARIANTS))
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
+    s.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="add a row: HAT drafting over the adapter's N most frequent tokens (split.draft_vocab)")
     s.add_argument("--threads", type=int, default=2, help="torch threads of the cloud (2: the cores here)")
     s.add_argument("--device-threads", type=int, default=0, help="torch threads of the device (0: --threads)")
+    s.add_argument("--cloud-cores", type=int, default=0,
+                   help="N > 0: pin the cloud to the first N cores this process may use and the device to the rest "
+                        "(threads: one per core on each side), so that the device's real compute never takes the "
+                        "cloud's cores, as on separate hardware; 0: both share every core")
     s.add_argument("--device-profile", default="agx-orin-32gb", help="the emulated device (hat-profile list)")
     s.add_argument("--cloud-gpu", default="a6000", help="the cloud GPU it is compared with (profiles/device/"
                                                            "cloud_gpus.toml)")
@@ -87,6 +96,19 @@ def add_parser(sub) -> None:
                         "side, interleaved prompt by prompt, one table per link and backend")
     s.add_argument("--bundle", default="", help="hat-export bundle with input, adapter and output parts")
     s.add_argument("--out", default="runs/bench_hat.json")
+
+
+def cores_text(device: dict) -> str:
+    """Where each side runs, for the tables' headers."""
+    if device.get("cloud_cores"):
+        return (f"cloud on core(s) {device['cloud_cores']} ({device['cloud_threads']} threads), device on core(s) "
+                f"{device['device_cores']} ({device['device_threads']} threads)")
+    return f"both on every core: cloud {device['cloud_threads']} threads, device {device['device_threads']}"
+
+
+def vocab_row(n: int) -> str:
+    """The table row of HAT drafting over n tokens: "HAT v32k"."""
+    return f"HAT v{n // 1024}k" if n % 1024 == 0 else f"HAT v{n}"
 
 
 def parse_backends(text: str, bundle: str) -> List[tuple]:
@@ -157,20 +179,33 @@ def emulated_device(args) -> dict:
     factor = args.slowdown or ratio
     source = ("given (--slowdown)" if args.slowdown else
               f"{profile.module} {profile.memory_bandwidth_gbs:g} GB/s vs {gpu.name} {gpu.memory_bandwidth_gbs:g} GB/s")
-    return {"slowdown": factor, "source": source, "profile": profile.name, "cloud_gpu": args.cloud_gpu,
-            "bandwidth_ratio": ratio, "device_threads": args.device_threads or args.threads,
-            "cloud_threads": args.threads}
+    out = {"slowdown": factor, "source": source, "profile": profile.name, "cloud_gpu": args.cloud_gpu,
+           "bandwidth_ratio": ratio, "device_threads": args.device_threads or args.threads,
+           "cloud_threads": args.threads, "cloud_cores": [], "device_cores": []}
+    if args.cloud_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        if not 0 < args.cloud_cores < len(cores):
+            raise ValueError(f"--cloud-cores {args.cloud_cores}: the device needs a core of its own; this process may "
+                             f"use {len(cores)} core(s), so give 1..{len(cores) - 1} (or 0 to share them)")
+        out["cloud_cores"], out["device_cores"] = cores[:args.cloud_cores], cores[args.cloud_cores:]
+        out["cloud_threads"], out["device_threads"] = len(out["cloud_cores"]), len(out["device_cores"])
+    return out
 
 
 def run(args) -> int:
     device = emulated_device(args)
+    if device["device_cores"]:  # before torch starts its threads: they inherit it
+        os.sched_setaffinity(0, device["device_cores"])
     device["openmp_waits"] = wait_passively(device["slowdown"])  # before torch loads in this (the device's) process
-    variants = names(args.variants, VARIANTS, "variant")
+    rows = dict(VARIANTS)
+    if args.draft_vocab:  # beyond the paper: the draft's head over the data's most frequent tokens
+        rows[vocab_row(args.draft_vocab)] = ("hat", {**VARIANTS["HAT"][1], "draft_vocab": args.draft_vocab})
+    variants = names(args.variants, VARIANTS, "variant") + [v for v in rows if v not in VARIANTS]
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
         raise ValueError("give at least one link profile")
     backends = parse_backends(args.backends, args.bundle)
-    needs_adapter = any(b == "torch" for b, _ in backends) and any(VARIANTS[v][0] == "hat" for v in variants)
+    needs_adapter = any(b == "torch" for b, _ in backends) and any(rows[v][0] == "hat" for v in variants)
     adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)  # a bundle brings its own Λ
     adapter_meta: dict = {}
     if os.path.exists(os.path.join(adapter, "adapter.json")):
@@ -180,9 +215,10 @@ def run(args) -> int:
     report: dict = {"args": vars(args), "adapter": adapter, "adapter_record": adapter_meta.get("record"),
                     "trained_parameters": adapter_meta.get("params"), "device": device, "links": {}, "tables": {}}
     print(f"hat-bench hat: the device is emulated {device['slowdown']:.2f}x slower than the cloud "
-          f"({device['source']}); cloud {args.threads} threads, device {device['device_threads']}", flush=True)
+          f"({device['source']}); {cores_text(device)}", flush=True)
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    with Testbed(args.model, cloud_args=["--dtype", args.dtype], threads=args.threads) as bed:
+    with Testbed(args.model, cloud_args=["--dtype", args.dtype], threads=device["cloud_threads"],
+                 cloud_cpus=device["cloud_cores"]) as bed:
         for link in links:
             with bed.add_link(link) as emu:
                 base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
@@ -209,7 +245,7 @@ def run(args) -> int:
                     for i, x in enumerate(ids[1:]):
                         for label, rt in rts.items():
                             for v in variants:
-                                protocol, fields = VARIANTS[v]
+                                protocol, fields = rows[v]
                                 rt.config = dataclasses.replace(rt.config, split=dataclasses.replace(base, **fields))
                                 r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
                                 runs[label][v].append(_request_row(r))
@@ -254,7 +290,7 @@ def print_tables(report: dict) -> None:
     d = report["device"]
     for link, t in report["tables"].items():
         print(f"\n[{link}] prompts {report['prompts']['tokens']} tokens; device emulated {d['slowdown']:.2f}x slower "
-              f"than the cloud ({d['source']})")
+              f"than the cloud ({d['source']}); {cores_text(d)}")
         print(f"  {'row':9s} {'TTFT ms':>8s} {'Δ':>6s} {'TBT ms':>7s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
               f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
         for name, s in t.items():

@@ -41,12 +41,14 @@ class Testbed:
     secure: CurveZMQ with keys made for this run, the cloud's allow-list holding every name in `devices`; otherwise
         plaintext. With `upstream`, `keys` gives the devices' settings made by the testbed that started the cloud.
     status_interval_s: the cloud rewrites its counters and sessions to `status_path` this often (None: never).
+    cloud_cpus: the cores the cloud process is pinned to (empty: any), e.g. to leave the others to a device here.
     """
 
     def __init__(self, model: str = "", *, upstream: Optional[Tuple[str, int]] = None, cloud_args: Sequence[str] = (),
                  threads: int = 0, link: LinkProfile | str | None = None, devices: Sequence[str] = (),
                  secure: bool = False, keys: Optional[Dict[str, LinkSecurity]] = None,
-                 status_interval_s: Optional[float] = None, ready_timeout_s: float = 900.0):
+                 status_interval_s: Optional[float] = None, ready_timeout_s: float = 900.0,
+                 cloud_cpus: Sequence[int] = ()):
         if bool(model) == (upstream is not None):
             raise ValueError("give the model of a cloud to start, or the upstream (host, port) of a running one")
         if secure and (upstream is not None or not devices):
@@ -54,6 +56,7 @@ class Testbed:
         if status_interval_s is not None and (upstream is not None or not status_interval_s > 0):
             raise ValueError("status_interval_s: seconds > 0, for a cloud the testbed starts")
         self.model, self.cloud_args, self.threads = model, list(cloud_args), threads
+        self.cloud_cpus = tuple(cloud_cpus)  # the cores the cloud process is pinned to (empty: any)
         self.ready_timeout_s = ready_timeout_s  # s for the cloud to load its model and bind
         self.status_interval_s = status_interval_s  # s between the cloud's status-file rewrites; None: no file
         self._link_profile, self._devices, self._secure = link, list(devices), secure
@@ -77,7 +80,8 @@ class Testbed:
                     "--status-file", self.status_path, "--status-interval", str(self.status_interval_s)]
                 self.cloud = stack.enter_context(CloudProcess(
                     self.model, extra_args=[*self.cloud_args, *status], threads=self.threads, security=cloud_security,
-                    log_path=os.path.join(self.dir, "cloud.log"), ready_timeout_s=self.ready_timeout_s))
+                    log_path=os.path.join(self.dir, "cloud.log"), ready_timeout_s=self.ready_timeout_s,
+                    cpus=self.cloud_cpus))
                 self.upstream = ("127.0.0.1", self.cloud.port)
             self._stack = stack.pop_all()
         if self._link_profile is not None:
