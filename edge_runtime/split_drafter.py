@@ -252,7 +252,7 @@ class SplitDrafter:
         ids = self.parts.draft_ids
         if not logits or ids is None:
             return out if logits else None
-        full = np.full((out.shape[0], self.parts.vocab), -np.inf, dtype=np.float32)
+        full = np.full((1, self.parts.vocab), -np.inf, dtype=np.float32)
         full[:, ids] = out
         return full
 

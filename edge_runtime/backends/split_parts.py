@@ -41,15 +41,14 @@ class SplitParts(Protocol):
     tail: int
     hidden_size: int
     has_adapter: bool
+    vocab: int  # the head's rows
+    draft_ids: Optional[np.ndarray]  # the draft's tokens when it drafts over a subset (split.draft_vocab), else None
 
     def new_cache(self) -> PartCacheLike: ...
 
     def run_input(self, cache: Any, tokens: Sequence[int]) -> Any: ...  # shallow states `# [1, n, hidden]`
 
     def run_adapter(self, cache: Any, states: Any) -> Any: ...  # Λ: `# [1, n, hidden]` → same
-
-    vocab: int  # the head's rows
-    draft_ids: Optional[np.ndarray]  # the draft's tokens when it drafts over a subset (split.draft_vocab), else None
 
     def run_output(self, cache: Any, states: Any, n_logits: int, draft: bool = False) -> np.ndarray: ...
     # float32 `# [n_logits, vocab]`; draft=True with draft_ids: `# [n_logits, len(draft_ids)]` over those tokens

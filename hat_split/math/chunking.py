@@ -156,7 +156,7 @@ def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: 
     def gap(x: int) -> float:  # upload minus processing: increasing in x when the link is the bottleneck
         return x * hidden_bytes * 8.0 / up_bps - (model.g(mu) + model.g(mu + x)) / pipeline
 
-    sizes = sorted({-(-prompt_tokens // k) for k in range(1, min(prompt_tokens, MAX_CHUNKS) + 1)}, reverse=True)
+    crossing = []
     if gap(prompt_tokens) > 0:  # the link is the bottleneck: eq. 3's crossing
         lo, hi = 1, prompt_tokens  # gap(hi) > 0
         if gap(lo) >= 0:
@@ -169,8 +169,9 @@ def chunk_size(model: DelayModel, hidden_bytes: float, up_bps: float, pipeline: 
                 hi = mid
         if input_s == 0 and adapter_s == 0:
             return hi
-        sizes.append(hi)
-    return min(sizes, key=lambda x: prefill_finish(model, hidden_bytes, up_bps, pipeline, prompt_tokens, x,
+        crossing = [hi]
+    sizes = sorted({-(-prompt_tokens // k) for k in range(1, min(prompt_tokens, MAX_CHUNKS) + 1)}, reverse=True)
+    return min(sizes + crossing, key=lambda x: prefill_finish(model, hidden_bytes, up_bps, pipeline, prompt_tokens, x,
                                                    input_s, adapter_s))
 
 
