@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from cloud_runtime import pipeline
 from cloud_runtime.config import ENGINES, CloudConfig
 from cloud_runtime.server import CloudServer
+from hat_split.extras import MissingExtra, need, require_python
 from hat_split.files.config_file import add_config_argument, config_from_command_line
 from hat_split.models import llamacpp_rpc
 from hat_split.models.llamacpp_lib import FALLBACK_NOTE, INSTALL_HINT, llama_cpp_installed
@@ -120,9 +121,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:  # a ConfigError names the file and the key
         print(f"hat-cloud: {exc}", file=sys.stderr)
         return 2
-    if config.pipeline > 1 and "WORLD_SIZE" not in os.environ:
-        relaunch_under_torchrun(config, argv)
-    return serve(config)
+    try:
+        if config.pipeline > 1 and "WORLD_SIZE" not in os.environ:
+            relaunch_under_torchrun(config, argv)
+        return serve(config)
+    except MissingExtra as exc:  # says what to install, in one line
+        print(f"hat-cloud: {exc}", file=sys.stderr)
+        return 2
 
 
 def relaunch_under_torchrun(config: CloudConfig, argv: Sequence[str]) -> None:
@@ -161,7 +166,9 @@ def serve(config: CloudConfig) -> int:
         config = dataclasses.replace(config, engine="torch")
     if config.engine == "llamacpp":
         return serve_llamacpp(config)
-    import torch
+    require_python("hat-cloud serve")
+    torch = need("torch", "hat-cloud serve (the torch engine)")
+    need("transformers", "hat-cloud serve (the torch engine)")
 
     if config.threads:
         torch.set_num_threads(config.threads)

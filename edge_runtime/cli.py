@@ -36,6 +36,7 @@ from hat_split.models.llamacpp_lib import FALLBACK_NOTE, llama_cpp_installed
 from hat_split.models.lm import wait_passively
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.protocols import NAMES
+from hat_split.version import describe
 from hat_split.wire.hidden_codec import HIDDEN_FORMATS
 
 FLAG_KEYS = {  # argparse dest → the EdgeConfig key (dotted: nested table) it sets
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="PATH",
                    help="write a machine-readable result ('-' for stdout, text then on stderr)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
+    w = sub.add_parser("version", help="this installation: hatspec and protocol version, Python, build, engines")
+    w.add_argument("--json", action="store_true", help="one JSON line")
     v = sub.add_parser("serve", help="the long-running agent: state reports to the cloud, HTTP on the device")
     _add_edge_args(v)
     v.add_argument("--host", default="127.0.0.1", help="HTTP address (default: this device only)")
@@ -274,10 +277,23 @@ def _finish_edge_config(args, config: EdgeConfig) -> EdgeConfig:
     return config
 
 
+def _version(as_json: bool) -> int:
+    info = describe()
+    if as_json:
+        print(json.dumps(info))
+    else:
+        engines = ", ".join(f"{k} {v}" for k, v in info["engines"].items() if v) or "none"
+        print(f"hatspec {info['hatspec']} (protocol {info['protocol']}, build {info['build'] or 'this checkout'}) "
+              f"on Python {info['python']} {info['machine']}; engines: {engines}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.command == "version":
+        return _version(args.json)
     try:
         protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
         unknown = [p for p in protocols if p not in NAMES]

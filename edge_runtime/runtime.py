@@ -27,6 +27,7 @@ from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_ggu
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer, quantize_weights, vocab_fingerprint
 from hat_split.models.partition import SplitModel, holds_all_layers
+from hat_split.extras import need
 from hat_split.models.registry import MODELS, get_model_spec
 from hat_split.wire import messages as P
 
@@ -97,9 +98,10 @@ class EdgeRuntime:
             self.eos_ids = frozenset(man.model.get("eos_ids", []))
             self.lm = self._bundle_draft()
             return
+        torch = need("torch", "hat-edge --backend torch (a model; a device without torch runs a bundle: --backend "
+                              "onnxruntime --bundle DIR)")
+        need("transformers", "hat-edge --backend torch")
         if engine.threads:
-            import torch
-
             torch.set_num_threads(engine.threads)
         if loaded is None:
             loaded = load_model(config.model, dtype=engine.dtype)

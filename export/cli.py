@@ -1,6 +1,7 @@
 """`hat-export`: build and check the bundles devices run.
 
     hat-export onnx --model NAME --parts draft|hat|ushape [--m M --adapter DIR] --precision fp32,int8 --out DIR
+    hat-export onnx --model NAME --precision fp16 --opset 17 --out DIR   (for TensorRT 8.5, JetPack 5)
     hat-export tensorrt DIR --model NAME [--adapter DIR] --precision fp16 [--max-context N --max-chunk N]
     hat-export onnx|tensorrt --config export.toml [flags]   (an ExportConfig, docs/CONFIG.md; flags given win)
     hat-export verify DIR [--model NAME] [--device-profile NAME]
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from edge_runtime.backends.trt_backend import tensorrt_version
-from export.config import PART_SETS, ExportConfig, TensorRTConfig
+from export.config import OPSETS, PART_SETS, ExportConfig, TensorRTConfig
 from hat_split.files import bundle as M
 from hat_split.files.config_file import add_config_argument, config_from_command_line
 from hat_split.models.loading import load_model, vocab_fingerprint
@@ -29,7 +30,7 @@ from profiles.testbed.prompts import validation_prompts
 # the --config file's keys
 FLAG_KEYS: Dict[str, Dict[str, str]] = {
     "onnx": {"model": "model", "out": "out", "parts": "parts", "m": "m", "tail": "tail", "adapter": "adapter",
-             "precision": "precisions", "device_profile": "device_profile", "prompts": "prompts",
+             "precision": "precisions", "opset": "opset", "device_profile": "device_profile", "prompts": "prompts",
              "threads": "threads"},
     "tensorrt": {"bundle": "out", "model": "model", "adapter": "adapter", "precision": "tensorrt.precisions",
                  "max_context": "tensorrt.max_context", "max_chunk": "tensorrt.max_chunk", "prompts": "prompts"},
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--adapter", default="", help="hat: a hat-distill adapter directory")
     o.add_argument("--precision", default=",".join(_default(ExportConfig, "precisions")),
                    help="comma list of fp32, fp16, int8, int4")
+    o.add_argument("--opset", type=int, default=_default(ExportConfig, "opset"),
+                   help=f"ONNX opset of the fp32 / fp16 graphs, {OPSETS[0]}..{OPSETS[-1]}; 17 for TensorRT before 10 "
+                        "(JetPack 5), with --precision fp16 or fp32,fp16")
     o.add_argument("--out", default="", help="bundle directory (created; an existing bundle of the same model gains or "
                                              "replaces artifacts; required without --config)")
     o.add_argument("--device-profile", default=_default(ExportConfig, "device_profile"),

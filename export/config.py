@@ -15,6 +15,11 @@ PART_SETS: Dict[str, Tuple[str, ...]] = {"draft": ("draft",), "hat": ("input", "
                                          "ushape": ("input", "output")}
 # TensorRT parses fp32 and fp16 graphs only: int8 / int4 use onnxruntime's MatMulNBits.
 TENSORRT_PRECISIONS = ("fp32", "fp16")
+# ONNX opsets of the default domain the fp32 / fp16 graphs can be written in. torch's exporter (torch.onnx,
+# dynamo=True) writes OPSET natively and converts up to 23 (onnxscript); 17, for TensorRT before 10 (8.5 on JetPack 5),
+# is the opset-18 graph down-converted by export.onnx_export.convert_opset.
+OPSET = 18
+OPSETS = range(17, 24)
 
 
 def _check_precisions(key: str, precisions: Tuple[str, ...], known: Tuple[str, ...], why: str = "") -> None:
@@ -58,6 +63,8 @@ class ExportConfig:
     adapter: str = ""  # hat: the hat-distill output directory Λ is loaded from ("" for draft / ushape)
     precisions: Tuple[str, ...] = ("fp32", "int8", "int4")  # weights of the ONNX artifacts: fp32 | fp16 | int8 |
     #                                                         int4 (int8 / int4 weight-only: smaller, faster drafts)
+    opset: int = OPSET  # ONNX opset of the fp32 / fp16 graphs, 17..23; 17 for TensorRT before 10 (8.5 on JetPack 5),
+    #                     which misreads opset 18's ReduceMean; int4 graphs are lifted to 21 by the quantizer
     device_profile: str = "any"  # the device profile the bundle targets (profiles/device/devices); any: every device
     prompts: int = 4  # real prompts every artifact is validated on (half HumanEval, half ShareGPT); more: slower
     threads: int = 0  # onnxruntime intra-op threads while validating; 0: onnxruntime's default (every core)
@@ -71,6 +78,15 @@ class ExportConfig:
         if self.parts not in PART_SETS:
             raise ValueError(f"parts must be one of {', '.join(PART_SETS)}, got {self.parts!r}")
         _check_precisions("precisions", self.precisions, PRECISIONS)
+        if self.opset not in OPSETS:
+            raise ValueError(f"opset must be in {OPSETS[0]}..{OPSETS[-1]} (torch's exporter writes {OPSET} and "
+                             f"converts up to {OPSETS[-1]}; 17 is converted down from {OPSET}), got {self.opset}")
+        quantized = [p for p in self.precisions if p not in TENSORRT_PRECISIONS]
+        if self.opset < OPSET and quantized:
+            raise ValueError(f"opset {self.opset} is for TensorRT 8.x bundles, which use fp32 / fp16 only; "
+                             f"{', '.join(quantized)} use onnxruntime's MatMulNBits, which TensorRT cannot parse: "
+                             f"give --precision fp16 (or fp32,fp16) and export {', '.join(quantized)} at the default "
+                             f"opset in a run of their own")
         if self.parts != "draft" and self.m < 1:
             raise ValueError(f"m must be >= 1 layer for the {self.parts} parts (layer 0 stays on the device), got "
                              f"{self.m}")

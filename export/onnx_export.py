@@ -1,9 +1,10 @@
 """`hat-export onnx`: a model's device parts (or a whole draft model) as ONNX graphs, in several precisions, each
 validated against torch and recorded in the bundle's manifest.
 
-fp32 and fp16 graphs are exported from torch (torch.onnx, the torch.export-based exporter, every length dynamic);
-int8 and int4 are weight-only block quantizations of the fp32 graph (onnxruntime's MatMulNBits: weights in blocks
-of 32 with one scale each, activations in float). Weights go to an external-data file beside each graph (a 0.5B
+fp32 and fp16 graphs are exported from torch (torch.onnx, the torch.export-based exporter, every length dynamic) in
+the config's opset (18, the exporter's own; 17, for TensorRT before 10, is converted down from it); int8 and int4 are
+weight-only block quantizations of the fp32 graph (onnxruntime's MatMulNBits: weights in blocks of 32 with one scale
+each, activations in float). Weights go to an external-data file beside each graph (a 0.5B
 model in fp32 is past protobuf's 2 GB limit).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from edge_runtime.backends.onnx_backend import OrtPart
 from edge_runtime.backends.part_lm import PartChainLM
-from export.config import ExportConfig
+from export.config import OPSET, ExportConfig
 from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs
 from export.validate import THRESHOLDS, Schedule, compare, verdict
 from hat_split.files import bundle as M
@@ -30,15 +31,15 @@ from hat_split.models.loading import eos_ids, output_size, vocab_fingerprint
 from hat_split.models.partition import model_fingerprint
 from hat_split.wire.messages import PROTOCOL_VERSION
 
-OPSET = 18  # the torch.export-based exporter's lowest; TensorRT 8.5 (JetPack 5) parses up to 17 (unverified here)
 QUANT_BLOCK = 32
 # MatMulNBits' compute type: 4 = int8 products of the activations (quantized per block at run time) with the weights.
 # On this CPU it is what makes weight-only int8 fast at all (69 vs 4.7 tok/s for smollm2's draft; int4 79 tok/s).
 ACCURACY_LEVEL = 4
 
 
-def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, untie: bool = False) -> None:
-    """One part as an ONNX graph at `path` (weights in `path`.data).
+def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, opset: int = OPSET,
+                 untie: bool = False) -> None:
+    """One part as an ONNX graph at `path` (weights in `path`.data) in `opset` (export.config.OPSETS).
 
     untie: a head tied to the embeddings reaches the graph as Transpose(shared table), which the weight-only
     quantizers cannot use (no constant weight), so the largest matmul of a small model would stay float; the graph
@@ -48,7 +49,7 @@ def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, untie: bo
         tied = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(tied.detach().clone(), requires_grad=False)
         try:
-            return export_graph(model, spec, adapter, path)
+            return export_graph(model, spec, adapter, path, opset)
         finally:
             model.lm_head.weight = tied
     graph = PartGraph(model, spec, adapter).eval()
@@ -62,9 +63,69 @@ def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, untie: bo
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # pytree deprecations inside the exporter
         program = torch.onnx.export(graph, args, input_names=names, output_names=spec.output_names(model.config),
-                                    dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
-                                    verbose=False)
+                                    dynamic_shapes=shapes, opset_version=max(opset, OPSET), dynamo=True,
+                                    optimize=True, verbose=False)
     program.save(str(path), external_data=True)
+    if opset < OPSET:
+        convert_opset(path, opset)
+    written = graph_opset(path)
+    if written != opset:  # torch keeps its own opset when a conversion fails, with a warning only
+        raise RuntimeError(f"{path.name}: asked for ONNX opset {opset}, torch's exporter wrote {written}")
+
+
+def convert_opset(path: Path, opset: int) -> None:
+    """Rewrite the graph at `path` down to `opset` with onnx.version_converter (18 -> 17: ReduceMean's axes input
+    back to an attribute), its weights left in the external-data file they are in.
+
+    torch's exporter asked for an opset below its own converts too, but in memory without the initializers: the
+    converter then cannot read ReduceMean's axes (an initializer), fails, and the graph stays at 18.
+    """
+    import onnx
+    from onnx import version_converter
+
+    model = onnx.load(str(path), load_external_data=False)  # external tensors keep their location references
+    try:
+        converted = version_converter.convert_version(model, opset)
+    except Exception as exc:  # the converter raises RuntimeError / ValueError from C++ without naming the graph
+        raise RuntimeError(f"{path.name}: onnx.version_converter could not convert it to opset {opset}: {exc}") \
+            from exc
+    for node in converted.graph.node:
+        _drop_noop_with_empty_axes(node, opset)
+    path.write_bytes(converted.SerializeToString())
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as exc:
+        raise RuntimeError(f"{path.name} converted to opset {opset} is not a valid graph: {exc}") from exc
+
+
+def _drop_noop_with_empty_axes(node: Any, opset: int) -> None:
+    """The converter moves a Reduce op's axes input to the attribute but keeps noop_with_empty_axes, which the ops
+    other than ReduceSum only have from 18 on. Without it, no axes means every axis, as noop_with_empty_axes = 0."""
+    import onnx
+
+    if node.domain not in ("", "ai.onnx") or not node.op_type.startswith("Reduce"):
+        return
+    if "noop_with_empty_axes" in onnx.defs.get_schema(node.op_type, opset).attributes:
+        return
+    attrs = {a.name: a for a in node.attribute}
+    noop = attrs.get("noop_with_empty_axes")
+    if noop is None:
+        return
+    if noop.i and not ("axes" in attrs and attrs["axes"].ints):  # an identity opset 17 cannot say
+        raise RuntimeError(f"{node.name}: {node.op_type} with no axes and noop_with_empty_axes = 1 has no opset "
+                           f"{opset} form")
+    node.attribute.remove(noop)
+
+
+def graph_opset(path: Path) -> int:
+    """The opset of the default (ai.onnx) domain the graph at `path` imports, as written; 0 if none."""
+    import onnx
+
+    return _default_opset(onnx.load(str(path), load_external_data=False))
+
+
+def _default_opset(model: Any) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _static(name: str, dim: int) -> bool:
@@ -122,8 +183,7 @@ def _io(path: Path) -> tuple:
         return [{"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
                  "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
 
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return rows(g.input), rows(g.output), opset
+    return rows(g.input), rows(g.output), _default_opset(model)  # the opset the graph really imports
 
 
 def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompts: Sequence[Sequence[int]] = (),
@@ -196,12 +256,12 @@ def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompt
                     if prec == "fp16":
                         src_model = copy.deepcopy(model).half()
                         src_adapter = copy.deepcopy(adapter).half() if adapter is not None else None
-                    export_graph(src_model, s, src_adapter, path)
+                    export_graph(src_model, s, src_adapter, path, config.opset)
                 else:  # from an fp32 graph with an untied head, shared by int8 and int4
                     scratch.mkdir(exist_ok=True)
                     fp32 = scratch / f"{s.name}.fp32.onnx"
                     if not fp32.exists():
-                        export_graph(model, s, adapter, fp32, untie=True)
+                        export_graph(model, s, adapter, fp32, config.opset, untie=True)
                     quant = quantize_graph(fp32, path, int(prec[3:]))
                 paths.append(path)
                 bar.update()

@@ -8,6 +8,9 @@ kernels tuned for a long chunk. The three TensorRT generations on Jetsons differ
     STRONGLY_TYPED flag.
   - 11: strongly typed only, the FP16 builder flag is gone: precision comes from the graph (the fp16 artifact).
 int8 / int4 artifacts use onnxruntime's MatMulNBits, which TensorRT does not parse: those are refused with the reason.
+Before 10, TensorRT's ONNX parser reads opsets up to 17 (onnx-tensorrt's operators.md for 8.5 and 8.6), and its
+ReduceMean ignores the axes input opset 18 gives it, reducing over every axis: a wrong RMSNorm, not a parse error. So
+an artifact above opset 17 is refused on those versions (check_opset); `hat-export onnx --opset 17` writes one.
 Engines are specific to the GPU and TensorRT version that built them: build on the device (or an identical one).
 """
 from __future__ import annotations
@@ -27,6 +30,16 @@ from hat_split.files import bundle as M
 from hat_split.models.partition import model_fingerprint
 
 DECODE_MAX = 8  # new positions: the top of the "decode" profile (a draft step, a short verification)
+OPSET_17_BEFORE = 10  # TensorRT major version from which opset-18 graphs parse right; before it, opset <= 17
+
+
+def check_opset(trt_version: str, opset: int) -> None:
+    """Refuse an ONNX artifact of `opset` that TensorRT `trt_version` ("8.5.2.2") would misread, with the fix."""
+    major = int(trt_version.split(".")[0])
+    if major < OPSET_17_BEFORE and opset > 17:
+        raise ValueError(f"TensorRT {trt_version} parses ONNX opsets up to 17 (its ReduceMean ignores opset 18's axes "
+                         f"input), and this artifact is opset {opset}: export the bundle's fp32 / fp16 parts again "
+                         f"with `hat-export onnx --opset 17 --precision fp16` (or fp32,fp16)")
 
 
 def _flags(trt: Any, strongly_typed: bool) -> int:
@@ -95,9 +108,12 @@ def build_engine(onnx_path: Path, engine_path: Path, precision: str, max_context
 def build_bundle(loaded: Any, config: ExportConfig, adapter: Any, prompts: Sequence[Sequence[int]]) -> M.Manifest:
     """Engines for every ONNX part of `config.tensorrt.precisions` in the bundle `config.out`, validated against torch
     (on `prompts`, token ids) like the ONNX artifacts; `adapter`: the Λ the bundle's hat parts were exported with."""
-    tensorrt_version()
+    trt_version = tensorrt_version()
     trt_config, bundle = config.tensorrt, Path(config.out)
     man = M.load(bundle, model_fingerprint=model_fingerprint(loaded.model))
+    for a in man.artifacts:  # before any engine is built
+        if a.backend == "onnx" and a.precision in trt_config.precisions:
+            check_opset(trt_version, a.opset)
     model = loaded.model
     n = model.config.num_hidden_layers
     for prec in trt_config.precisions:

@@ -80,6 +80,25 @@ def smollm2():
     return load_model("smollm2-135m", dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def smollm2_bundle(smollm2, tmp_path_factory):
+    """The real SmolLM2-135M as a device bundle, exported once per session: the whole model as a draft (fp32, int4)
+    and HAT's parts at m = 2 (fp32; an untrained Λ: exactness does not depend on it)."""
+    pytest.importorskip("onnxscript", reason="the export extra is not installed")
+    from export.config import ExportConfig
+    from export.onnx_export import export_bundle
+    from hat_split.models.adapter import Adapter
+    from profiles.testbed.prompts import validation_prompts
+
+    out = tmp_path_factory.mktemp("smollm2-bundle")
+    prompts = validation_prompts(smollm2.tokenizer, 2)
+    export_bundle(smollm2, ExportConfig(smollm2.name, str(out), "draft", precisions=("fp32", "int4")),
+                  prompts=prompts, progress=False)
+    export_bundle(smollm2, ExportConfig(smollm2.name, str(out), "hat", m=2, precisions=("fp32",)),
+                  adapter=Adapter(smollm2.model, 2).eval().requires_grad_(False), prompts=prompts, progress=False)
+    return out
+
+
 CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 

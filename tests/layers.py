@@ -51,8 +51,8 @@ class NeverLoads:
 
 RULES = (
     OnlyImports("hat_split.math", ("numpy", "hat_split.math"), "the pure math imports only numpy"),
-    OnlyImports("hat_split.wire", ("numpy", "msgspec", "hat_split.math", "hat_split.wire"),
-                "the wire imports only numpy and msgspec (and the math it encodes)"),
+    OnlyImports("hat_split.wire", ("numpy", "msgspec", "typing_extensions", "hat_split.math", "hat_split.wire"),
+                "the wire imports only numpy and msgspec (and the math it encodes; typing_extensions on Python 3.8)"),
     OnlyImports("hat_split.protocols", (), "the protocol table is stdlib only"),
     OnlyImports("hat_split.files", ("hat_split.files", "hat_split.wire", "hat_split.math", "tomli", "numpy",
                                     "matplotlib"),

@@ -294,24 +294,21 @@ def test_hat_export_tensorrt_says_when_tensorrt_is_absent(llama_bundle, capsys):
 
 
 @pytest.mark.real_models
-def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, tmp_path):
+def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, smollm2_bundle):
     """The real model: its draft exported in fp32 and int4 validates on real prompts, and `hat-edge`'s runtime on the
     onnxruntime backend (the bundle alone: its tokenizer, no torch model) generates torch's tokens at temperature 0."""
     from edge_runtime.config import EdgeConfig, EngineConfig
     from edge_runtime.runtime import EdgeRuntime
-    from export.onnx_export import export_bundle
-    from profiles.testbed.prompts import validation_prompts
 
-    man = export_bundle(smollm2, ExportConfig(smollm2.name, str(tmp_path), "draft", precisions=("fp32", "int4")),
-                        prompts=validation_prompts(smollm2.tokenizer, 2), progress=False)
+    man = M.load(smollm2_bundle)
     fp32, int4 = man.find("draft", "fp32"), man.find("draft", "int4")
     assert fp32.status == "validated", fp32.validation
     assert min(r["argmax_agreement"] for r in fp32.validation["regimes"].values()) == 1.0
     assert int4.validation["regimes"]["steps"]["argmax_agreement"] > 0.5  # real figures; the verdict may go either way
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     params = SamplingParams(0.0)
-    onnx_cfg = EdgeConfig(model=str(tmp_path), engine=EngineConfig(backend="onnxruntime", bundle=str(tmp_path),
-                                                                   precision="fp32"))
+    onnx_cfg = EdgeConfig(model=str(smollm2_bundle), engine=EngineConfig(backend="onnxruntime",
+                                                                         bundle=str(smollm2_bundle), precision="fp32"))
     with EdgeRuntime(onnx_cfg) as rt:
         assert rt.loaded is None and rt.lm.providers == [["CPUExecutionProvider"]]
         got = rt.generate(prompt, "slm", params, 24, seed=0)
@@ -321,7 +318,7 @@ def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, tmp_path):
 
 
 @pytest.mark.real_models
-def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, tmp_path):
+def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, smollm2_bundle, tmp_path):
     """HAT's device parts of the real model exported (fp32; Λ untrained: exactness does not depend on it), and a
     `hat-edge generate --backend onnxruntime` process holding only the bundle runs `ushape` and `hat` against a
     `hat-cloud serve` process: temperature 0 gives the whole model's tokens."""
@@ -331,20 +328,17 @@ def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, t
     import sys
 
     from cloud_runtime.process import CloudProcess
-    from export.onnx_export import export_bundle
-    from profiles.testbed.prompts import validation_prompts
     from tests.test_hat import FIB, greedy_reference
 
     model = smollm2.model
-    man = export_bundle(smollm2, ExportConfig(smollm2.name, str(tmp_path / "b"), "hat", m=2, precisions=("fp32",)),
-                        adapter=Adapter(model, 2).eval().requires_grad_(False),
-                        prompts=validation_prompts(smollm2.tokenizer, 2), progress=False)
-    assert all(a.status == "validated" for a in man.artifacts), [a.validation for a in man.artifacts]
+    man = M.load(smollm2_bundle)
+    assert all(a.status == "validated" for a in man.artifacts if a.part != "draft"), \
+        [a.validation for a in man.artifacts]
     ref = greedy_reference(model, smollm2.tokenizer(FIB)["input_ids"], 16)
     (tmp_path / "p.json").write_text(json.dumps([FIB]))
     with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
         cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--backend", "onnxruntime", "--bundle",
-               str(tmp_path / "b"), "--precision", "fp32", "--server", cloud.endpoint, "--prompts-file",
+               str(smollm2_bundle), "--precision", "fp32", "--server", cloud.endpoint, "--prompts-file",
                str(tmp_path / "p.json"), "--protocol", "ushape,hat", "--m", "2", "--hidden-format", "float32",
                "--chunk-tokens", "7", "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json",
                str(tmp_path / "out.json"), "--plaintext"]
@@ -384,3 +378,81 @@ def test_tensorrt_profile_shapes_cover_prefill_and_decode():
     assert profile_shapes("logit_index", ("k",), prefill, ctx) == ((1,), (128,), (256,))
     assert profile_shapes("past_key_3", (1, 3, "p", 64), (1, 1, DECODE_MAX), ctx) == (
         (1, 3, 0, 64), (1, 3, 1024, 64), (1, 3, 2047, 64))
+
+
+def _greedy_tokens(lm, n=24):
+    """n tokens drafted at temperature 0 after PROMPTS[0]."""
+    d = Drafter(lm, SamplingParams(0.0))
+    d.start(PROMPTS[0])
+    rng, got = np.random.default_rng(0), []
+    for _ in range(n):
+        got.append(d.sample_local(rng))
+        d.commit(got[-1:])
+    return got
+
+
+def test_an_opset_17_export_for_tensorrt_8_5_is_opset_17_and_token_identical(tmp_path):
+    """`--opset 17` (TensorRT 8.5, JetPack 5): torch's exporter writes 18 and the graph is converted down; the artifact
+    imports opset 17 in the default domain, the manifest records 17, it validates, and onnxruntime drafts torch's
+    tokens with it."""
+    import onnx
+
+    from edge_runtime.backends.onnx_backend import OrtPart
+    from export.onnx_export import export_bundle
+
+    model = _family("llama")
+    man = export_bundle(_loaded(model, "tiny-llama"),
+                        ExportConfig("tiny-llama", str(tmp_path), "draft", precisions=("fp32",), opset=17),
+                        prompts=PROMPTS, progress=False)
+    draft = man.find("draft", "fp32")
+    assert draft.status == "validated", draft.validation
+    assert max(r["max_rel_diff"] for r in draft.validation["regimes"].values()) < 1e-4
+    graph = onnx.load(str(tmp_path / "draft.fp32.onnx"), load_external_data=False)
+    assert [o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")] == [17]
+    assert all(not any(a.name == "noop_with_empty_axes" for a in n.attribute)
+               for n in graph.graph.node if n.op_type == "ReduceMean")  # opset 17's ReduceMean has axes only
+    assert M.load(tmp_path).find("draft", "fp32").opset == 17
+    onnx_draft = PartChainLM([OrtPart(tmp_path / "draft.fp32.onnx", ["CPUExecutionProvider"])], V)
+    assert _greedy_tokens(onnx_draft) == _greedy_tokens(CausalLM(model))
+
+
+def test_an_opset_outside_what_the_exporter_writes_is_refused(tmp_path, capsys):
+    from export.cli import _parser, export_config, main
+    from hat_split.files.config_file import config_from_dict
+
+    for opset in (16, 24):
+        with pytest.raises(ValueError, match=r"opset must be in 17\.\.23"):
+            ExportConfig("m", "out", precisions=("fp32",), opset=opset)
+    with pytest.raises(ValueError, match="use fp32 / fp16 only; int8, int4 use onnxruntime's MatMulNBits"):
+        ExportConfig("m", "out", opset=17)  # the default precisions hold int8 and int4
+    assert ExportConfig("m", "out", precisions=("fp16",), opset=17).opset == 17
+    assert ExportConfig("m", "out").opset == 18
+    assert config_from_dict(ExportConfig, {"model": "m", "out": "o", "precisions": ["fp32", "fp16"],
+                                           "opset": 17}).opset == 17
+    argv = ["onnx", "--model", "m", "--out", str(tmp_path), "--precision", "fp16", "--opset", "17"]
+    assert export_config(_parser(), _parser().parse_args(argv), argv).opset == 17
+    assert main(["onnx", "--model", "m", "--out", str(tmp_path), "--opset", "12"]) == 2
+    assert "opset must be in 17..23" in capsys.readouterr().err
+
+
+def test_tensorrt_before_10_refuses_artifacts_above_opset_17():
+    """TensorRT 8.5 (JetPack 5) and 8.6 parse opsets up to 17 and drop ReduceMean's opset-18 axes input; 10 reads 18."""
+    from export.tensorrt_build import check_opset
+
+    for trt, opset in [("8.5.2.2", 18), ("8.5.2.2", 21), ("8.6.2.3", 18)]:
+        with pytest.raises(ValueError, match=r"up to 17.*`hat-export onnx --opset 17"):
+            check_opset(trt, opset)
+    for trt, opset in [("8.5.2.2", 17), ("8.6.2.3", 17), ("10.3.0.30", 18), ("10.7.0", 21), ("11.0.0", 23)]:
+        check_opset(trt, opset)
+
+
+def test_hat_export_tensorrt_checks_the_opset_before_building(llama_bundle, monkeypatch):
+    """The opset-18 bundle on a TensorRT 8.5 device is refused before any engine is built (no TensorRT needed here)."""
+    from export import tensorrt_build
+    from export.config import TensorRTConfig
+
+    out, model, _ = llama_bundle
+    monkeypatch.setattr(tensorrt_build, "tensorrt_version", lambda: "8.5.2.2")
+    config = ExportConfig("tiny-llama", str(out), precisions=("fp32",), tensorrt=TensorRTConfig(precisions=("fp32",)))
+    with pytest.raises(ValueError, match="artifact is opset 18: export the bundle's fp32 / fp16 parts again"):
+        tensorrt_build.build_bundle(_loaded(model, "tiny-llama"), config, None, PROMPTS)

@@ -128,3 +128,92 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "hsf-dev" not in names
     assert not os.path.exists(tmp_path / "fleet" / "id_ed25519")  # the fleet's keys went with it
+
+
+def test_up_refuses_a_device_whose_hatspec_or_protocol_differs_with_the_fix(tmp_path):
+    """Versions are read through each host's hatspec_python before anything starts: a device reporting another
+    hatspec version, and one with no hatspec at all, are named with the hat-flash --software command that fixes it."""
+    from hat_split.version import describe
+
+    mine = describe()
+    older = tmp_path / "older-python"
+    older.write_text("#!/bin/sh\necho '" + json.dumps({**mine, "hatspec": "0.0.9", "protocol": mine["protocol"] - 1})
+                     + "'\n")
+    older.chmod(0o755)
+    cloud = F.Host("cloud", {"ansible_connection": "local", "hatspec_python": sys.executable})
+    devices = [F.Host("jp5", {"ansible_connection": "local", "hatspec_python": str(older)}),
+               F.Host("bare", {"ansible_connection": "local", "hatspec_python": str(tmp_path / "no-python")}),
+               F.Host("same", {"ansible_connection": "local", "hatspec_python": sys.executable})]
+    with pytest.raises(RuntimeError) as err:
+        F.up(F.Inventory(cloud, devices), log=lambda *_: None, inventory_path="fleet.yml")
+    text = str(err.value)
+    assert f"device jp5: hatspec 0.0.9 (the cloud: {mine['hatspec']}); protocol version {mine['protocol'] - 1}" in text
+    assert "device bare: no hatspec at" in text and "device same" not in text
+    assert "hat-flash --software --inventory fleet.yml --limit jp5" in text
+    assert "/opt/hatspec/venv/bin/python" in text
+    assert not (tmp_path / "run").exists()  # nothing was started
+    ok = F.check_versions(F.Inventory(cloud, devices[2:]))
+    assert ok["same"]["hatspec"] == mine["hatspec"]
+
+
+@pytest.mark.netns
+@pytest.mark.real_models
+@pytest.mark.skipif(_fleet_reason() is not None, reason=str(_fleet_reason()))
+def test_software_on_a_namespace_device_then_its_agent_serves(smollm2_bundle, tmp_path):
+    """A namespace "Jetson" (sshd, its own /opt/hatspec): `hat-flash --software` with Python 3.10 installs hatspec
+    from wheels into /opt/hatspec/venv (no torch there), a second run does nothing; the bundle is flashed; `hat-fleet
+    up` with the device on that venv starts its agent, which answers an OpenAI completion; after the device's hatspec
+    version is changed, `up` refuses it with the fix."""
+    from export.deploy import flash_cli
+    from export.deploy.flash import Target, flash
+    from export.deploy.software import local_python
+    from profiles.testbed.netns_fleet import LocalFleet
+
+    base = local_python("3.10")
+    if base is None:
+        pytest.skip("no Python 3.10 interpreter here (pyenv install 3.10)")
+    with LocalFleet(1, prefix="hsw", net=81, directory=tmp_path / "fleet") as local:
+        dev = local.devices[0]
+        ssh = [x for o in local.ssh_options()[2:] if o != "-o" for x in ("-o", o)]
+        argv = ["--software", f"root@{dev.address}:/opt/hatspec", "--python", base, "-i", str(local.key), *ssh,
+                "--quiet", "--json"]
+        first = subprocess.run([sys.executable, "-m", "export.deploy.flash_cli", *argv], capture_output=True,
+                               text=True, timeout=900)
+        assert first.returncode == 0, first.stderr[-2000:]
+        assert "installed hatspec" in first.stdout and '"changed": true' in first.stdout
+        assert flash_cli.main(argv[:-1]) == 0  # the same build again: nothing to do
+        venv_py = "/opt/hatspec/venv/bin/python"
+        probe = subprocess.run(local.ssh(dev) + [f"{venv_py} -c 'import importlib.util as u; "
+                                                 "print(u.find_spec(\"torch\"), u.find_spec(\"transformers\"))'"],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() == "None None", probe.stdout + probe.stderr
+        flash(smollm2_bundle, Target.parse(f"root@{dev.address}:/opt/hatspec/bundle", local.ssh_options()),
+              progress=False)
+        inv_dict = local.inventory(sys.executable, cloud_port=5598, hatspec_bundle_dir="/opt/hatspec/bundle",
+                                   hatspec_backend="onnxruntime", hatspec_precision="fp32",
+                                   hatspec_edge_args=["--threads", "1"])
+        inv_dict["all"]["vars"]["hatspec_plaintext"] = True
+        inv_dict["all"]["children"]["edge"]["hosts"][dev.name]["hatspec_python"] = venv_py
+        inv_dict["all"]["children"]["cloud"]["hosts"]["cloud"].update(
+            hatspec_model="smollm2-135m", hatspec_run_dir=str(tmp_path / "cloud"),
+            hatspec_cloud_args=["--threads", "1", "--dtype", "float32"])
+        path = _write(tmp_path, inv_dict)
+        inv = F.load_inventory(path)
+        try:
+            outcome = F.up(inv, timeout_s=300, log=lambda *_: None, inventory_path=path)
+            assert outcome[dev.name]["state"] == "ready", outcome
+            ask = ("import json, urllib.request as u; r = u.urlopen(u.Request('http://127.0.0.1:8642/v1/completions',"
+                   " data=json.dumps({'model': 'x', 'prompt': 'def add(a, b):', 'max_tokens': 6, 'temperature': 0})"
+                   ".encode(), headers={'Content-Type': 'application/json'})); b = json.load(r); "
+                   "print(b['usage']['completion_tokens'], repr(b['choices'][0]['text']))")
+            rc, out = inv.devices[0].run(f"{venv_py} -c {F._q(ask)}", timeout=120)
+            assert rc == 0 and out.strip().startswith("6 "), out
+        finally:
+            F.down(inv, grace_s=10)
+        rc, out = inv.devices[0].run("sed -i 's/^Version: .*/Version: 0.0.1/' "
+                                     "/opt/hatspec/venv/lib/python3.10/site-packages/hatspec-*.dist-info/METADATA")
+        assert rc == 0, out
+        with pytest.raises(RuntimeError, match=rf"device {dev.name}: hatspec 0.0.1 \(the cloud: .*hat-flash "
+                                               rf"--software --inventory {path} --limit {dev.name}"):
+            F.up(inv, timeout_s=60, log=lambda *_: None, inventory_path=path)
+        assert not F._alive(inv.cloud, "cloud")  # refused before the cloud was started

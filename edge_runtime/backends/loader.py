@@ -13,8 +13,10 @@ from edge_runtime.backends.part_lm import PartChainLM, PartRunner
 from edge_runtime.backends.split_parts import BundleSplitParts
 from edge_runtime.backends.trt_backend import TrtPart
 from edge_runtime.config import EdgeConfig
+from hat_split.extras import need
 from hat_split.files import bundle as M
 from hat_split.models.loading import vocab_fingerprint
+from hat_split.models.tokenizer import BundleTokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,18 @@ class Bundle:
 
 
 def open_bundle(config: EdgeConfig) -> Bundle:
-    """Verify the bundle (checksums, protocol version, vocabulary) and load its tokenizer; parts open on first use."""
-    from transformers import AutoTokenizer
-
+    """Verify the bundle (checksums, protocol version, vocabulary) and load its tokenizer (tokenizers + jinja2, no
+    transformers: hat_split.models.tokenizer); parts open on first use."""
+    if config.engine.backend == "onnxruntime":  # before the bundle: a missing engine is said first
+        need("onnxruntime", "hat-edge --backend onnxruntime")
     root = Path(config.engine.bundle)
     man = M.load(root)
     if not man.tokenizer:
         raise M.BundleError(f"{root} has no tokenizer: it was exported from a model without one")
-    tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+    try:
+        tokenizer = BundleTokenizer(root / "tokenizer")
+    except TokenizerError as exc:
+        raise M.BundleError(str(exc)) from None
     if vocab_fingerprint(tokenizer) != man.model["vocab_fingerprint"]:
         raise M.BundleError(f"{root}: the tokenizer does not match the manifest's vocabulary fingerprint")
     return Bundle(man, tokenizer, root, config)

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from edge_runtime.backends.part_lm import PartIO, PartRunner
+from hat_split.extras import need
 
 log = logging.getLogger(__name__)
 PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -22,7 +23,7 @@ _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tens
 
 def choose_providers(requested: Optional[Sequence[str]] = None) -> List[str]:
     """The providers to ask for: `requested` (each must be available), or every available one in PREFERENCE order."""
-    import onnxruntime as ort
+    ort = need("onnxruntime", "the onnxruntime backend")
 
     available = ort.get_available_providers()
     if requested:
@@ -34,13 +35,23 @@ def choose_providers(requested: Optional[Sequence[str]] = None) -> List[str]:
     return [p for p in PREFERENCE if p in available]
 
 
+def cannot_load(path, error: str, version: str) -> str:
+    """One line: why this onnxruntime cannot open the artifact, and what to do."""
+    first = " ".join(error.split())[-300:]
+    hint = ""
+    if "is not a registered function/op" in error:
+        hint = (f"; the artifact uses an operator newer than onnxruntime {version} (int4 artifacts use "
+                "GatherBlockQuantized, onnxruntime >= 1.20; Python 3.8 / JetPack 5 stops at 1.19): run another "
+                "precision of the bundle (--precision fp32 | fp16 | int8) or a newer onnxruntime")
+    return f"onnxruntime {version} cannot open {os.path.basename(str(path))}: {first}{hint}"
+
+
 class OrtPart(PartRunner):
     def __init__(self, path: str | os.PathLike, providers: Optional[Sequence[str]] = None, threads: int = 0,
                  spin: bool = True):
         """spin: let idle worker threads spin between calls (lower latency on a device of its own; on a host shared
         with the cloud they would take its cores)."""
-        import onnxruntime as ort
-
+        ort = need("onnxruntime", "the onnxruntime backend")
         opts = ort.SessionOptions()
         if not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -49,7 +60,12 @@ class OrtPart(PartRunner):
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         self.requested = choose_providers(providers)
-        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=self.requested)
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=self.requested)
+        except Exception as exc:  # onnxruntime's own Fail / InvalidGraph / NotImplemented
+            if not type(exc).__module__.startswith("onnxruntime"):
+                raise
+            raise ValueError(cannot_load(path, str(exc), ort.__version__)) from None
         self.providers = list(self.session.get_providers())
         self.fallback = [p for p in self.requested if p not in self.providers]
         if self.fallback:

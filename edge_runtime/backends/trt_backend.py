@@ -14,6 +14,7 @@ from typing import Dict, List
 import numpy as np
 
 from edge_runtime.backends.part_lm import PartIO, PartRunner
+from hat_split.extras import need
 from hat_split.files import bundle as B
 
 
@@ -31,7 +32,8 @@ class TrtPart(PartRunner):
     def __init__(self, path: str | os.PathLike):
         tensorrt_version()
         import tensorrt as trt
-        import torch
+
+        torch = need("torch", "the tensorrt backend (its CUDA buffers; NVIDIA's PyTorch for Jetson wheel)")
 
         if not torch.cuda.is_available():
             raise RuntimeError("the tensorrt backend needs a CUDA device (torch.cuda.is_available() is False)")

@@ -23,6 +23,7 @@ from hat_split.files import bundle as M
 from hat_split.net.ssh import login, scp_argv, ssh_argv
 
 DEFAULT_DIR = "/opt/hatspec/bundle"
+LOCAL = "local:"
 _RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
                     r"\s+failed=(?P<failed>\d+)", re.M)
 _TARGET = re.compile(r"^(?:(?P<user>[^@:\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?(?::(?P<path>/\S*))?$")
@@ -39,24 +40,36 @@ class Target:
     port: int = 22
     path: str = DEFAULT_DIR
     ssh_options: tuple = ()  # extra ssh arguments (-i KEY, -o Option=value, ...)
+    local: bool = False  # `local:/path`: this machine, no ssh (a device installing itself, CI's device venvs)
 
     @staticmethod
-    def parse(text: str, ssh_options: Sequence[str] = ()) -> "Target":
-        """`[user@]host[:port][:/absolute/path]`, e.g. `root@10.0.0.7:2222:/opt/hatspec/bundle`."""
-        m = _TARGET.match(text.strip())
+    def parse(text: str, ssh_options: Sequence[str] = (), default_path: str = DEFAULT_DIR) -> "Target":
+        """`[user@]host[:port][:/absolute/path]`, e.g. `root@10.0.0.7:2222:/opt/hatspec/bundle`, or
+        `local:/absolute/path` for this machine."""
+        text = text.strip()
+        if text.startswith(LOCAL):
+            path = text[len(LOCAL):]
+            if not path.startswith("/"):
+                raise ValueError(f"bad device {text!r}: local:/absolute/path")
+            return Target("localhost", path=path.rstrip("/") or "/", local=True)
+        m = _TARGET.match(text)
         if not m:
-            raise ValueError(f"bad device {text!r}: expected [user@]host[:port][:/absolute/path]")
-        return Target(m["host"].strip("[]"), m["user"] or "", int(m["port"] or 22), m["path"] or DEFAULT_DIR,
+            raise ValueError(f"bad device {text!r}: expected [user@]host[:port][:/absolute/path] or local:/path")
+        return Target(m["host"].strip("[]"), m["user"] or "", int(m["port"] or 22), m["path"] or default_path,
                       tuple(ssh_options))
 
     @property
     def login(self) -> str:
-        return login(self.host, self.user)
+        return "local" if self.local else login(self.host, self.user)
 
     def ssh(self, command: str) -> List[str]:
+        if self.local:
+            return ["sh", "-c", command]
         return ssh_argv(self.host, command, user=self.user, port=self.port, options=self.ssh_options)
 
     def scp(self, local: Path, remote_rel: str) -> List[str]:
+        if self.local:
+            return ["cp", str(local), f"{self.path}/{remote_rel}"]
         return scp_argv(local, self.host, f"{self.path}/{remote_rel}", user=self.user, port=self.port,
                         options=self.ssh_options)
 
@@ -134,43 +147,51 @@ def remote_sums(target: Target, rels: Sequence[str], subdir: str = "") -> Dict[s
 
 def flash(bundle: Path, target: Target, progress: bool = True) -> FlashResult:
     """Put `bundle` at target.path, verified; returns what was sent."""
-    from tqdm import tqdm  # the models extra
-
     bundle = Path(bundle)
     files = bundle_files(bundle)
     result = FlashResult(f"{target.login}:{target.path}", len(files))
+    result.sent_files, result.sent_bytes = send_files(bundle, files, target, last=M.MANIFEST, progress=progress)
+    result.verified = True
+    return result
+
+
+def send_files(src: Path, files: Dict[str, str], target: Target, last: Optional[str] = None,
+               progress: bool = True) -> Tuple[List[str], int]:
+    """Make target.path hold `files` (relative path -> sha256) of `src`, verified: only files missing or different
+    there are sent, into `.incoming/`, checked, and moved into place (`last` after every other). Returns the files
+    sent and their bytes; FlashError when anything does not land verified."""
+    from tqdm import tqdm  # the models extra
+
     have = remote_sums(target, list(files))
     todo = [rel for rel, digest in files.items() if have.get(rel) != digest]
+    sent: List[str] = []
     if todo:
         dirs = sorted({os.path.dirname(r) for r in todo} - {""})
         mk = " ".join(shlex.quote(f"{target.path}/.incoming/{d}") for d in ["."] + dirs)
         _call(target.ssh(f"mkdir -p {mk}"), f"mkdir on {target.login}")
-        total = sum((bundle / r).stat().st_size for r in todo)
+        total = sum((src / r).stat().st_size for r in todo)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"flash {target.host}", disable=not progress) as bar:
             for rel in todo:
-                _call(target.scp(bundle / rel, f".incoming/{rel}"), f"sending {rel} to {target.login}", 3600)
-                size = (bundle / rel).stat().st_size
-                result.sent_files.append(rel)
-                result.sent_bytes += size
-                bar.update(size)
+                _call(target.scp(src / rel, f".incoming/{rel}"), f"sending {rel} to {target.login}", 3600)
+                sent.append(rel)
+                bar.update((src / rel).stat().st_size)
         landed = remote_sums(target, todo, ".incoming")
         bad = [r for r in todo if landed.get(r) != files[r]]
         if bad:
             raise FlashError(f"{', '.join(bad)} arrived damaged on {target.login} (checksum differs); nothing was "
                              "moved into place, flash again")
         moves = [f"mkdir -p {shlex.quote(d)}" for d in dirs]
-        moves += [f"mv -f {shlex.quote('.incoming/' + r)} {shlex.quote(r)}" for r in todo if r != M.MANIFEST]
-        if M.MANIFEST in todo:
-            moves.append(f"mv -f .incoming/{M.MANIFEST} {M.MANIFEST}")
+        moves += [f"mv -f {shlex.quote('.incoming/' + r)} {shlex.quote(r)}" for r in todo if r != last]
+        if last in todo:
+            moves.append(f"mv -f {shlex.quote('.incoming/' + last)} {shlex.quote(last)}")
         _call(target.ssh(f"cd {shlex.quote(target.path)} && " + " && ".join(moves) + " && rm -rf .incoming"),
               f"moving files into place on {target.login}")
     final = remote_sums(target, list(files))
     bad = [r for r, d in files.items() if final.get(r) != d]
     if bad:
-        raise FlashError(f"{target.login}:{target.path} does not hold a verified bundle after flashing: "
+        raise FlashError(f"{target.login}:{target.path} does not hold verified files after sending: "
                          f"{', '.join(bad[:5])} differ")
-    result.verified = True
-    return result
+    return sent, sum((src / r).stat().st_size for r in sent)
 
 
 def flash_fleet(bundle: Path, inventory: Path, limit: str = "", extra_ssh: str = "") -> dict:

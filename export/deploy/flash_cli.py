@@ -3,6 +3,10 @@
     hat-flash BUNDLE DEVICE...            DEVICE = [user@]host[:port][:/absolute/path] (default /opt/hatspec/bundle)
     hat-flash BUNDLE --inventory INV.yml  a fleet, through export/deploy/flash.yml (ansible-playbook)
     hat-flash --config flash.toml         a FlashConfig (docs/CONFIG.md); a bundle, devices or flags given here win
+    hat-flash --software DEVICE...        install this checkout's hatspec on devices (DEVICE path: the hatspec root,
+                                          default /opt/hatspec; `local:/path` for this machine): a venv there with
+                                          --system-site-packages, from wheels installed offline (export/deploy/software)
+    hat-flash --software --inventory INV.yml   the same on every device of a hat-fleet inventory (or --limit NAME)
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from export.deploy.flash import FlashConfig, FlashError, flash, flash_fleet
+from export.deploy.flash import FlashConfig, FlashError, default_ssh_options, flash, flash_fleet
+from export.deploy.software import EXTRAS, install, inventory_targets, parse_targets, summary
 from hat_split.files.bundle import BundleError
 from hat_split.files.config_file import add_config_argument, config_from_command_line
 
@@ -31,6 +36,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", default="", help="Ansible host pattern within the inventory")
     p.add_argument("-i", "--identity", default="", help="ssh private key")
     p.add_argument("-o", "--ssh-option", action="append", default=[], help="extra ssh -o option (repeatable)")
+    s = p.add_argument_group("software (--software)")
+    s.add_argument("--software", action="store_true",
+                   help="install hatspec itself (this checkout's wheel and its device extra) instead of a bundle")
+    s.add_argument("--python", default="python3", help="the device's Python the venv is made with (default python3)")
+    s.add_argument("--extra", default="edge-onnx", choices=EXTRAS,
+                   help="edge-onnx: onnxruntime backend (JetPack's onnxruntime-gpu kept where present); edge-trt: "
+                        "TensorRT backend (JetPack's TensorRT); edge: tokenizer only")
+    s.add_argument("--wheel", default="", help="install this hatspec wheel instead of building one of the checkout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON report")
     return p
@@ -46,6 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.software:
+        return _software(args)
     try:
         config = flash_config(parser, args, argv)
         if config.inventory:
@@ -64,6 +79,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(json.dumps(report, indent=1))
         return 0
     except (ValueError, FlashError, BundleError, OSError) as exc:  # a ConfigError is a ValueError
+        print(f"hat-flash: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _software(args: argparse.Namespace) -> int:
+    devices = [d for d in [args.bundle, *args.devices] if d]
+    try:
+        if bool(devices) == bool(args.inventory):
+            raise ValueError("hat-flash --software: give devices or --inventory (one of the two)")
+        ssh = default_ssh_options(args.identity or None) + [a for o in args.ssh_option for a in ("-o", o)]
+        report = {}
+        targets = inventory_targets(Path(args.inventory), args.limit, tuple(ssh)) if args.inventory else \
+            [(t, args.python) for t in parse_targets(devices, ssh)]
+        for target, python in targets:
+            r = install(target, python, args.extra, Path(args.wheel) if args.wheel else None,
+                        progress=not args.quiet)
+            print("\n".join(summary(r)))
+            report[r.target] = r.__dict__
+        if args.json:
+            print(json.dumps(report, indent=1))
+        return 0
+    except (ValueError, FlashError, OSError) as exc:
         print(f"hat-flash: error: {exc}", file=sys.stderr)
         return 2
 

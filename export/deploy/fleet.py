@@ -1,7 +1,9 @@
 """`hat-fleet`: launch, inspect and stop a fleet — one cloud server and an edge agent on every device — from an
 inventory, over ssh.
 
-    hat-fleet up INVENTORY          start the cloud (wait until it serves), then on every device (in parallel): set
+    hat-fleet up INVENTORY          refuse a device whose hatspec or protocol version is not the cloud's (the
+                                    message says how to install it: hat-flash --software), start the cloud (wait
+                                    until it serves), then on every device (in parallel): set
                                     its power mode, start `hat-edge serve` with its bundle or model, wait until it
                                     has reported to the cloud
     hat-fleet status INVENTORY      the cloud's view (each device's reported profile, power mode, drafting delay)
@@ -39,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.net.security import ephemeral
 from hat_split.net.ssh import ssh_argv
+from hat_split.version import mismatch
 from profiles.device.device_profiles import ProfileError, get_profile
 from profiles.testbed.netns_fleet import LocalFleet, unavailable
 
@@ -248,11 +251,54 @@ def _wait(pred, timeout_s: float, interval_s: float = 0.5) -> bool:
     return False
 
 
+DESCRIBE = "import json; from hat_split.version import describe; print(json.dumps(describe()))"
+
+
+def versions(inv: Inventory) -> Dict[str, Tuple[Optional[dict], str]]:
+    """{host name: (its hat_split.version.describe() through its hatspec_python, or None; what it printed)}."""
+    def ask(host: Host) -> Tuple[str, Tuple[Optional[dict], str]]:
+        rc, text = host.run(f"{_q(host.python)} -c {_q(DESCRIBE)}", timeout=120)
+        try:
+            return host.name, (json.loads(text.splitlines()[-1]) if rc == 0 else None, text)
+        except (ValueError, IndexError):
+            return host.name, (None, text)
+
+    with ThreadPoolExecutor(max_workers=min(16, 1 + len(inv.devices))) as pool:
+        return dict(pool.map(ask, [inv.cloud, *inv.devices]))
+
+
+def check_versions(inv: Inventory, inventory_path: str = "INVENTORY") -> Dict[str, dict]:
+    """Every host's version; RuntimeError naming each device whose hatspec or protocol version differs from the
+    cloud's (or that has no hatspec at its hatspec_python), with the command that installs the cloud's."""
+    found = versions(inv)
+    cloud, text = found[inv.cloud.name]
+    if cloud is None:
+        raise RuntimeError(f"cloud {inv.cloud.name}: no hatspec at {inv.cloud.python} (hatspec_python): "
+                           f"{text.strip()[-300:]}")
+    problems = []
+    for dev in inv.devices:
+        info, text = found[dev.name]
+        fix = (f"install the cloud's hatspec ({cloud['hatspec']}) on it from the same checkout: hat-flash --software "
+               f"--inventory {inventory_path} --limit {dev.name}, with hatspec_python: "
+               f"{dev.get('hatspec_root', '/opt/hatspec')}/venv/bin/python")
+        if info is None:
+            problems.append(f"device {dev.name}: no hatspec at {dev.python} ({text.strip()[-200:]}): {fix}")
+        elif mismatch(info, cloud):
+            problems.append(f"device {dev.name}: {mismatch(info, cloud)}: {fix}")
+    if problems:
+        raise RuntimeError("refused: the devices must run the cloud's hatspec and protocol version\n"
+                           + "\n".join(problems))
+    return {name: info for name, (info, _) in found.items()}
+
+
 # -- commands -------------------------------------------------------------------------------------------------------
-def up(inv: Inventory, timeout_s: float = 600.0, log=print) -> dict:
-    """Start everything; {host: outcome}. Raises RuntimeError when the cloud or any device does not come up."""
+def up(inv: Inventory, timeout_s: float = 600.0, log=print, inventory_path: str = "INVENTORY") -> dict:
+    """Check every host's hatspec and protocol version against the cloud's, then start everything; {host: outcome}.
+    Raises RuntimeError when a version differs, or the cloud or any device does not come up."""
     out: dict = {}
     cloud = inv.cloud
+    found = check_versions(inv, inventory_path)
+    log(f"versions: hatspec {found[cloud.name]['hatspec']}, protocol {found[cloud.name]['protocol']} on every host")
     rc, text = cloud.run(_start_script(cloud, "cloud", cloud_argv(cloud)))
     if rc not in (0, 3):
         raise RuntimeError(f"cloud {cloud.name}: could not start: {text}")
@@ -360,7 +406,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _local(args)
         inv = load_inventory(args.inventory)
         if args.command == "up":
-            up(inv, args.timeout)
+            up(inv, args.timeout, inventory_path=args.inventory)
         elif args.command == "status":
             report = status(inv)
             if args.json:

@@ -41,13 +41,18 @@ desynchronised peer instead of silently diverging.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Annotated, Any, List, Optional, Sequence, Tuple, Union
-
+from typing import Any, List, Optional, Sequence, Tuple, Union
 import zlib
 
 import msgspec
 import numpy as np
+
+if sys.version_info >= (3, 9):
+    from typing import Annotated
+else:  # Python 3.8 (JetPack 5)
+    from typing_extensions import Annotated
 
 PROTOCOL_VERSION = 1  # bump on any incompatible change; the handshake refuses mismatches
 MAGIC = b"HSP"
