@@ -31,7 +31,7 @@ from profiles.testbed.prompts import validation_prompts
 FLAG_KEYS: Dict[str, Dict[str, str]] = {
     "onnx": {"model": "model", "out": "out", "parts": "parts", "m": "m", "tail": "tail", "adapter": "adapter",
              "precision": "precisions", "opset": "opset", "device_profile": "device_profile", "prompts": "prompts",
-             "threads": "threads"},
+             "threads": "threads", "int4_embeddings": "int4_embeddings"},
     "tensorrt": {"bundle": "out", "model": "model", "adapter": "adapter", "precision": "tensorrt.precisions",
                  "max_context": "tensorrt.max_context", "max_chunk": "tensorrt.max_chunk", "prompts": "prompts"},
 }
@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--opset", type=int, default=_default(ExportConfig, "opset"),
                    help=f"ONNX opset of the fp32 / fp16 graphs, {OPSETS[0]}..{OPSETS[-1]}; 17 for TensorRT before 10 "
                         "(JetPack 5), with --precision fp16 or fp32,fp16")
+    o.add_argument("--int4-embeddings", default=_default(ExportConfig, "int4_embeddings"),
+                   action=argparse.BooleanOptionalAction,
+                   help="int4: quantize the embedding table too (onnxruntime >= 1.20); --no-int4-embeddings for "
+                        "devices on onnxruntime 1.17-1.19 (Python 3.8, JetPack 5)")
     o.add_argument("--out", default="", help="bundle directory (created; an existing bundle of the same model gains or "
                                              "replaces artifacts; required without --config)")
     o.add_argument("--device-profile", default=_default(ExportConfig, "device_profile"),

@@ -65,6 +65,9 @@ class ExportConfig:
     #                                                         int4 (int8 / int4 weight-only: smaller, faster drafts)
     opset: int = OPSET  # ONNX opset of the fp32 / fp16 graphs, 17..23; 17 for TensorRT before 10 (8.5 on JetPack 5),
     #                     which misreads opset 18's ReduceMean; int4 graphs are lifted to 21 by the quantizer
+    int4_embeddings: bool = True  # int4 quantizes the embedding table too (GatherBlockQuantized: onnxruntime >= 1.20);
+    #                               false: its MatMuls only, which onnxruntime 1.17+ runs (Python 3.8 / JetPack 5
+    #                               stops at 1.19)
     device_profile: str = "any"  # the device profile the bundle targets (profiles/device/devices); any: every device
     prompts: int = 4  # real prompts every artifact is validated on (half HumanEval, half ShareGPT); more: slower
     threads: int = 0  # onnxruntime intra-op threads while validating; 0: onnxruntime's default (every core)

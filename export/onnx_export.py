@@ -143,8 +143,9 @@ def _static(name: str, dim: int) -> bool:
     return False
 
 
-def quantize_graph(src: Path, dst: Path, bits: int) -> Dict[str, Any]:
-    """Weight-only int`bits` of every MatMul with a constant weight (MatMulNBits, blocks of 32)."""
+def quantize_graph(src: Path, dst: Path, bits: int, embeddings: bool = True) -> Dict[str, Any]:
+    """Weight-only int`bits` of every MatMul with a constant weight (MatMulNBits, blocks of 32); at 4 bits the
+    embedding table too unless `embeddings` is false (GatherBlockQuantized needs onnxruntime >= 1.20)."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as q
 
@@ -154,7 +155,7 @@ def quantize_graph(src: Path, dst: Path, bits: int) -> Dict[str, Any]:
     # at 4 bits the embeddings too (Gather along the hidden axis; onnxruntime quantizes Gather at 4 bits only): a
     # 151936-token table is 545 MB in float32. The quantizer lifts the graph to opset 21 for its int4 tensors
     # (onnxruntime runs it; TensorRT never sees these artifacts).
-    ops = ("MatMul", "Gather") if bits == 4 else ("MatMul",)
+    ops = ("MatMul", "Gather") if bits == 4 and embeddings else ("MatMul",)
     cfg = q.DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=symmetric,
                                          accuracy_level=ACCURACY_LEVEL, bits=bits, op_types_to_quantize=ops,
                                          quant_axes=(("MatMul", 0), ("Gather", 1)))
@@ -262,7 +263,7 @@ def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompt
                     fp32 = scratch / f"{s.name}.fp32.onnx"
                     if not fp32.exists():
                         export_graph(model, s, adapter, fp32, config.opset, untie=True)
-                    quant = quantize_graph(fp32, path, int(prec[3:]))
+                    quant = quantize_graph(fp32, path, int(prec[3:]), config.int4_embeddings)
                 paths.append(path)
                 bar.update()
             bar.set_postfix_str(f"{prec}: validate")

@@ -114,9 +114,10 @@ CHAT = "Write a haiku about the sea."
 @pytest.mark.real_models
 def test_bundles_run_in_the_device_env_exactly(device_python, smollm2, smollm2_bundle, smollm2_cloud, tmp_path):
     """In the venv (no torch, no transformers; the bundle's tokenizer through tokenizers + jinja2): `slm` on the fp32
-    draft and `hat` on the split parts give the whole model's greedy tokens; `sd` with the int4 draft gives the cloud
-    target's greedy tokens, for a raw prompt and a chat prompt (the bundle's chat template). On Python 3.8 the newest
-    onnxruntime (1.19) cannot run int4 artifacts (GatherBlockQuantized): refused in one line, and `sd` runs on fp32."""
+    draft, and `ushape` and `hat` on the split parts (chunked prefill), give the whole model's greedy tokens; `sd`
+    with the int4 draft gives the cloud target's greedy tokens, for a raw prompt and a chat prompt (the bundle's chat
+    template). On Python 3.8 the newest onnxruntime (1.19) cannot run the bundle's int4 artifacts
+    (GatherBlockQuantized): refused in one line, and `sd` runs on fp32."""
     from hat_split.models.chat import encode
     from tests.test_hat import FIB, greedy_reference
 
@@ -137,15 +138,17 @@ def test_bundles_run_in_the_device_env_exactly(device_python, smollm2, smollm2_b
               "--server", smollm2_cloud.endpoint, "--max-new-tokens", str(n), "--threads", "1", "--quiet",
               "--plaintext"]
     runs = {"split": common + ["--precision", "fp32", "--prompts-file", str(tmp_path / "p.json"), "--protocol",
-                               "slm,hat", "--m", "2", "--hidden-format", "float32", "--json", str(tmp_path / "a.json")],
+                               "slm,ushape,hat", "--m", "2", "--hidden-format", "float32", "--chunk-tokens", "7",
+                               "--json", str(tmp_path / "a.json")],
             "sd": common + ["--precision", "int4" if new_ort else "fp32", "--prompts-file", str(tmp_path / "pc.json"),
                             "--protocol", "sd", "--json", str(tmp_path / "b.json")]}
     for name, args in runs.items():
         r = _run(device_python, args, tmp_path)
         assert r.returncode == 0, (name, r.stderr[-3000:])
     split = json.loads((tmp_path / "a.json").read_text())["results"]
-    assert [(x["protocol"], x["tokens"]) for x in split] == [("slm", ref[FIB]), ("hat", ref[FIB])]
-    assert split[1]["drafted"] > 0
+    assert [(x["protocol"], x["tokens"]) for x in split] == [("slm", ref[FIB]), ("ushape", ref[FIB]),
+                                                             ("hat", ref[FIB])]
+    assert split[2]["drafted"] > 0 and split[1]["prefill_chunks"] > 1
     sd = json.loads((tmp_path / "b.json").read_text())["results"]
     assert [x["tokens"] for x in sd] == [ref[FIB], ref[CHAT]]
     assert all(x["protocol"] == "sd" and x["rounds"] > 0 for x in sd)
@@ -180,3 +183,93 @@ def test_need_names_the_extra_or_where_it_comes_from(monkeypatch):
     with pytest.raises(MissingExtra, match="TensorRT comes with JetPack"):
         need("tensorrt", "the tensorrt backend")
     assert need("json", "anything").dumps([]) == "[]"
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_the_bundle_tokenizer_reads_as_transformers_does(name, tmp_path):
+    """BundleTokenizer (tokenizers + jinja2) on the directory a bundle stores gives transformers' ids, text, special
+    ids, vocabulary fingerprint and rendered chat template, for code, Unicode, special-token text and a multi-turn
+    conversation."""
+    from hat_split.models.chat import encode
+    from hat_split.models.loading import load_tokenizer, vocab_fingerprint
+    from hat_split.models.registry import is_installed
+    from hat_split.models.tokenizer import BundleTokenizer
+
+    if not is_installed(name):
+        pytest.skip(f"{name} is not installed (hat-models install {name})")
+    hf = load_tokenizer(name)
+    hf.save_pretrained(str(tmp_path))
+    ours = BundleTokenizer(tmp_path)
+    assert vocab_fingerprint(ours) == vocab_fingerprint(hf)
+    assert sorted(ours.all_special_ids) == sorted(hf.all_special_ids)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (hf.eos_token_id, hf.bos_token_id,
+                                                                         hf.pad_token_id)
+    texts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "  Hello world . How's it ?",
+             "日本語のテキスト 😀 \n\n\tx", "<|im_start|>user\nhi<|im_end|>", ""]
+    for text in texts:
+        for chat in (False, True):
+            ids = encode(hf, text, chat)
+            assert encode(ours, text, chat) == ids, (text, chat)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"},
+             {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    for gen in (False, True):
+        assert ours.apply_chat_template(turns, add_generation_prompt=gen) == \
+            hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=gen)
+
+
+def test_a_bundle_without_tokenizer_json_is_refused_with_the_fix(tmp_path):
+    pytest.importorskip("tokenizers")
+    from hat_split.models.tokenizer import BundleTokenizer, TokenizerError
+
+    with pytest.raises(TokenizerError, match="no tokenizer.json .*export the bundle again"):
+        BundleTokenizer(tmp_path)
+
+
+GREEDY = """
+import json, sys
+import numpy as np
+from edge_runtime.backends.onnx_backend import OrtPart
+from edge_runtime.backends.part_lm import PartChainLM
+from edge_runtime.drafter import Drafter
+from hat_split.math.sampling import SamplingParams
+path, vocab, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+d = Drafter(PartChainLM([OrtPart(path, ["CPUExecutionProvider"])], vocab), SamplingParams(0.0))
+d.start(prompt)
+rng, out = np.random.default_rng(0), []
+for _ in range(16):
+    t = d.sample_local(rng)
+    out.append(int(t))
+    d.commit([t])
+print(json.dumps(out))
+"""
+
+
+def test_int4_without_quantized_embeddings_runs_on_jetpack5s_onnxruntime(tmp_path):
+    """Python 3.8 (JetPack 5) stops at onnxruntime 1.19, which has no GatherBlockQuantized: an int4 draft exported
+    with --no-int4-embeddings (its MatMuls only) opens there and drafts the same greedy tokens as here."""
+    import types
+
+    from export.config import ExportConfig
+    from export.onnx_export import export_bundle
+    from hat_split.files import bundle as M
+    from tests.test_export import PROMPTS
+    from tests.test_hat import _family
+
+    _install("3.8")
+    python = ENVS / "py3.8" / "venv" / "bin" / "python"
+    export_bundle(types.SimpleNamespace(model=_family("llama"), tokenizer=None, name="tiny-llama"),
+                  ExportConfig("tiny-llama", str(tmp_path), "draft", precisions=("int4",), int4_embeddings=False),
+                  prompts=PROMPTS, progress=False)
+    man = M.load(tmp_path)
+    art = man.find("draft", "int4")
+    assert art.quantization["ops"] == ["MatMul"] and art.quantization["bits"] == 4
+    args = [GREEDY, str(tmp_path / art.path), str(man.model["vocab"]), json.dumps(PROMPTS[0])]
+    here = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    there = _run(python, ["-c", *args], tmp_path)
+    assert here.returncode == 0 and there.returncode == 0, here.stderr[-2000:] + there.stderr[-2000:]
+    assert json.loads(there.stdout) == json.loads(here.stdout) and len(json.loads(here.stdout)) == 16
+    version = _run(python, ["-c", "import onnxruntime; print(onnxruntime.__version__)"], tmp_path).stdout.strip()
+    assert version.startswith("1.19"), version  # the point of the test: an onnxruntime without GatherBlockQuantized

@@ -317,38 +317,6 @@ def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, smollm2_bun
     assert got.tokens == want.tokens and got.text == want.text
 
 
-@pytest.mark.real_models
-def test_smollm2_split_parts_on_onnxruntime_serve_the_split_protocols(smollm2, smollm2_bundle, tmp_path):
-    """HAT's device parts of the real model exported (fp32; Λ untrained: exactness does not depend on it), and a
-    `hat-edge generate --backend onnxruntime` process holding only the bundle runs `ushape` and `hat` against a
-    `hat-cloud serve` process: temperature 0 gives the whole model's tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from cloud_runtime.process import CloudProcess
-    from tests.test_hat import FIB, greedy_reference
-
-    model = smollm2.model
-    man = M.load(smollm2_bundle)
-    assert all(a.status == "validated" for a in man.artifacts if a.part != "draft"), \
-        [a.validation for a in man.artifacts]
-    ref = greedy_reference(model, smollm2.tokenizer(FIB)["input_ids"], 16)
-    (tmp_path / "p.json").write_text(json.dumps([FIB]))
-    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
-        cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--backend", "onnxruntime", "--bundle",
-               str(smollm2_bundle), "--precision", "fp32", "--server", cloud.endpoint, "--prompts-file",
-               str(tmp_path / "p.json"), "--protocol", "ushape,hat", "--m", "2", "--hidden-format", "float32",
-               "--chunk-tokens", "7", "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json",
-               str(tmp_path / "out.json"), "--plaintext"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "out.json").read_text())["results"]
-    assert [(r["protocol"], r["tokens"]) for r in results] == [("ushape", ref), ("hat", ref)]
-    assert results[1]["drafted"] > 0
-
-
 def test_backend_settings_are_checked():
     from edge_runtime.config import EdgeConfig, EngineConfig
 

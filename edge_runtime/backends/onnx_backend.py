@@ -41,8 +41,8 @@ def cannot_load(path, error: str, version: str) -> str:
     hint = ""
     if "is not a registered function/op" in error:
         hint = (f"; the artifact uses an operator newer than onnxruntime {version} (int4 artifacts use "
-                "GatherBlockQuantized, onnxruntime >= 1.20; Python 3.8 / JetPack 5 stops at 1.19): run another "
-                "precision of the bundle (--precision fp32 | fp16 | int8) or a newer onnxruntime")
+                "GatherBlockQuantized, onnxruntime >= 1.20; Python 3.8 / JetPack 5 stops at 1.19): export int4 "
+                "for it with hat-export onnx --no-int4-embeddings, run another precision, or a newer onnxruntime")
     return f"onnxruntime {version} cannot open {os.path.basename(str(path))}: {first}{hint}"
 
 

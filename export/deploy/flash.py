@@ -196,13 +196,20 @@ def send_files(src: Path, files: Dict[str, str], target: Target, last: Optional[
 
 def flash_fleet(bundle: Path, inventory: Path, limit: str = "", extra_ssh: str = "") -> dict:
     """Flash every host of an Ansible inventory with export/deploy/flash.yml; returns Ansible's per-host recap."""
-    if shutil.which("ansible-playbook") is None:
-        raise FlashError("a fleet flash needs ansible-playbook: pip install ansible-core (the `fleet` extra)")
     bundle = Path(bundle).resolve()
     files = bundle_files(bundle)
-    playbook = Path(__file__).resolve().parent / "flash.yml"
     extra = {"bundle": str(bundle), "files": [{"path": r, "sha256": d} for r, d in files.items()]}
-    cmd = ["ansible-playbook", "-i", str(inventory), str(playbook), "-e", json.dumps(extra)]
+    return run_playbook("flash.yml", inventory, extra, limit, extra_ssh, "fleet flash")
+
+
+def run_playbook(name: str, inventory: Path, extra_vars: dict, limit: str = "", extra_ssh: str = "",
+                 what: str = "fleet flash") -> dict:
+    """Run export/deploy/<name> on an inventory with `extra_vars`; {host: {"changed": n, "ok": n}} from Ansible's
+    recap, or FlashError naming the hosts that failed and Ansible's reasons."""
+    if shutil.which("ansible-playbook") is None:
+        raise FlashError(f"a {what} needs ansible-playbook: pip install ansible-core (the `fleet` extra)")
+    playbook = Path(__file__).resolve().parent / name
+    cmd = ["ansible-playbook", "-i", str(inventory), str(playbook), "-e", json.dumps(extra_vars)]
     if limit:
         cmd += ["--limit", limit]
     if extra_ssh:
@@ -216,7 +223,7 @@ def flash_fleet(bundle: Path, inventory: Path, limit: str = "", extra_ssh: str =
     if r.returncode != 0 or bad or not recap:
         why = [line.strip()[:300] for line in r.stdout.splitlines() if line.startswith(("fatal:", "failed:"))]
         hosts = ", ".join(bad) or "the inventory"
-        raise FlashError(f"fleet flash failed on {hosts} (ansible-playbook exit {r.returncode}): "
+        raise FlashError(f"{what} failed on {hosts} (ansible-playbook exit {r.returncode}): "
                          + ("; ".join(why[:6]) or (r.stderr or r.stdout).strip()[-600:]))
     return {h: {"changed": s["changed"], "ok": s["ok"]} for h, s in recap.items()}
 

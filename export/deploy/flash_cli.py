@@ -6,7 +6,8 @@
     hat-flash --software DEVICE...        install this checkout's hatspec on devices (DEVICE path: the hatspec root,
                                           default /opt/hatspec; `local:/path` for this machine): a venv there with
                                           --system-site-packages, from wheels installed offline (export/deploy/software)
-    hat-flash --software --inventory INV.yml   the same on every device of a hat-fleet inventory (or --limit NAME)
+    hat-flash --software --inventory INV.yml   the same on every device of a hat-fleet inventory (or --limit NAME),
+                                          through export/deploy/software.yml (ansible-playbook)
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from export.deploy.flash import FlashConfig, FlashError, default_ssh_options, flash, flash_fleet
-from export.deploy.software import EXTRAS, install, inventory_targets, parse_targets, summary
+from export.deploy.software import EXTRAS, install, install_fleet, parse_targets, summary
 from hat_split.files.bundle import BundleError
 from hat_split.files.config_file import add_config_argument, config_from_command_line
 
@@ -90,11 +91,14 @@ def _software(args: argparse.Namespace) -> int:
             raise ValueError("hat-flash --software: give devices or --inventory (one of the two)")
         ssh = default_ssh_options(args.identity or None) + [a for o in args.ssh_option for a in ("-o", o)]
         report = {}
-        targets = inventory_targets(Path(args.inventory), args.limit, tuple(ssh)) if args.inventory else \
-            [(t, args.python) for t in parse_targets(devices, ssh)]
-        for target, python in targets:
-            r = install(target, python, args.extra, Path(args.wheel) if args.wheel else None,
-                        progress=not args.quiet)
+        wheel = Path(args.wheel) if args.wheel else None
+        if args.inventory:
+            report = install_fleet(Path(args.inventory), args.extra, args.limit, tuple(ssh), wheel)
+            for host, r in report.items():
+                print(f"hat-flash: {host}: hatspec {r['hatspec']} (build {r['build']}, [{r['extra']}]) "
+                      + ("installed" if r["changed"] else "already installed: nothing to do"))
+        for target in parse_targets(devices, ssh):
+            r = install(target, args.python, args.extra, wheel, progress=not args.quiet)
             print("\n".join(summary(r)))
             report[r.target] = r.__dict__
         if args.json:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from export.deploy.flash import FlashError, Target, _call, send_files
+from export.deploy.flash import FlashError, Target, _call, run_playbook, send_files
 from hat_split.models.registry import cache_dir
 from hat_split.version import SOFTWARE_STAMP, describe
 
@@ -35,6 +35,7 @@ SOFTWARE_DIR = "/opt/hatspec"  # the device's hatspec root: venv/ and wheels/ (b
 EXTRAS = ("edge-onnx", "edge-trt", "edge")
 PACKAGES = ("hat_split", "edge_runtime", "cloud_runtime", "export", "profiles")
 MIN_PYTHON = (3, 8)
+SUMS = "SHA256SUMS"
 _SAVED = re.compile(r"(?:Saved|File was already downloaded) (\S+\.whl)")
 FACTS = ("import json, platform, sys\n"
          "from importlib.util import find_spec\n"
@@ -216,20 +217,24 @@ def installed(target: Target) -> Optional[Dict[str, object]]:
         return None
 
 
+def choose_extra(extra: str, facts: DeviceFacts, python: str) -> Tuple[str, List[str]]:
+    """The extra to install on this device, and notes: `edge-onnx` becomes `edge` where the device's Python imports
+    onnxruntime itself (JetPack's onnxruntime-gpu, not to be shadowed by PyPI's CPU build)."""
+    if extra not in EXTRAS:
+        raise ValueError(f"extra must be one of {', '.join(EXTRAS)}, got {extra!r}")
+    if extra == "edge-onnx" and facts.onnxruntime:
+        return "edge", [f"{python} imports onnxruntime itself (JetPack's onnxruntime-gpu): the venv uses it, and "
+                        "installs the edge extra only"]
+    if extra == "edge-trt" and not facts.tensorrt:
+        return extra, [f"{python} does not import tensorrt: the tensorrt backend needs JetPack's TensorRT"]
+    return extra, []
+
+
 def install(target: Target, python: str = "python3", extra: str = "edge-onnx", wheel: Optional[Path] = None,
             cache: Optional[Path] = None, progress: bool = True) -> SoftwareResult:
     """Install hatspec[extra] into target.path/venv on the device with `python`; see the module's docstring."""
-    if extra not in EXTRAS:
-        raise ValueError(f"extra must be one of {', '.join(EXTRAS)}, got {extra!r}")
     facts = device_facts(target, python)
-    notes: List[str] = []
-    chosen = extra
-    if extra == "edge-onnx" and facts.onnxruntime:
-        chosen = "edge"
-        notes.append(f"{python} imports onnxruntime itself (JetPack's onnxruntime-gpu): the venv uses it, and "
-                     "installs the edge extra only")
-    if extra == "edge-trt" and not facts.tensorrt:
-        notes.append(f"{python} does not import tensorrt: the tensorrt backend needs JetPack's TensorRT")
+    chosen, notes = choose_extra(extra, facts, python)
     with tempfile.TemporaryDirectory(prefix="hatspec-wheel-") as tmp:
         wheel = Path(wheel) if wheel else build_wheel(checkout_root(), Path(tmp))
         version, build = wheel_version(wheel), build_id(wheel)
@@ -237,7 +242,7 @@ def install(target: Target, python: str = "python3", extra: str = "edge-onnx", w
         have = installed(target) or {}
         if have.get("build") == build and have.get("extra") == chosen and _healthy(target):
             return SoftwareResult(label, version, build, chosen, False, notes=notes, device=_describe(target))
-        cache = Path(cache) if cache else cache_dir() / "wheels" / facts.tag
+        cache = Path(cache) if cache else cache_dir() / "device-wheels" / facts.tag
         files = download_wheels(wheel, chosen, facts, cache)
         wheels = Target(target.host, target.user, target.port, f"{target.path}/wheels", target.ssh_options,
                         target.local)
@@ -300,8 +305,9 @@ def summary(r: SoftwareResult) -> Tuple[str, ...]:
             *(f"hat-flash: {r.target}: note: {n}" for n in r.notes))
 
 
-def inventory_targets(inventory: Path, limit: str = "", ssh_options: Tuple[str, ...] = ()) -> List[Tuple[Target, str]]:
-    """(target, base Python) of every device of a hat-fleet inventory (or the one named `limit`): its ssh
+def inventory_targets(inventory: Path, limit: str = "",
+                      ssh_options: Tuple[str, ...] = ()) -> List[Tuple[str, Target, str]]:
+    """(name, target, base Python) of every device of a hat-fleet inventory (or the one named `limit`): its ssh
     connection variables, `hatspec_root` (default /opt/hatspec) and `hatspec_base_python` (default python3)."""
     from export.deploy.fleet import load_inventory
 
@@ -316,7 +322,55 @@ def inventory_targets(inventory: Path, limit: str = "", ssh_options: Tuple[str, 
         target = Target("localhost", path=root, local=True) if dev.local else \
             Target(str(dev.get("ansible_host", dev.name)), str(dev.get("ansible_user") or ""),
                    int(dev.get("ansible_port") or 22), root, tuple(opts))
-        out.append((target, str(dev.get("hatspec_base_python", "python3"))))
+        out.append((dev.name, target, str(dev.get("hatspec_base_python", "python3"))))
     if not out:
         raise ValueError(f"{inventory}: no device {'named ' + limit if limit else 'in the edge group'}")
     return out
+
+
+def _stage(cache: Path, files: Dict[str, str], stage: Path) -> Path:
+    """The wheels one kind of device needs, linked into a directory of their own with their SHA256SUMS (what
+    software.yml copies as one directory and checks with sha256sum -c)."""
+    stage.mkdir(parents=True)
+    for name in files:
+        try:
+            (stage / name).hardlink_to(cache / name)
+        except OSError:
+            shutil.copyfile(cache / name, stage / name)
+    (stage / SUMS).write_text("".join(f"{digest}  {name}\n" for name, digest in sorted(files.items())))
+    return stage
+
+
+def install_fleet(inventory: Path, extra: str = "edge-onnx", limit: str = "", ssh_options: Tuple[str, ...] = (),
+                  wheel: Optional[Path] = None) -> Dict[str, Dict[str, object]]:
+    """`install` on every device of a hat-fleet inventory through export/deploy/software.yml: each device is asked
+    for its Python and what its venv holds here (over ssh, with the inventory's connection variables), the wheels of
+    the devices not up to date are downloaded once per (Python, machine, extra), and Ansible sends them, runs the
+    same install script and checks the device's `hat-edge version`. {host: {"changed": tasks changed, "ok": tasks
+    ok, "hatspec", "build", "extra"}}."""
+    per_host: Dict[str, Dict[str, object]] = {}
+    prepared: Dict[Tuple[str, str], Path] = {}
+    protocol = describe()["protocol"]
+    with tempfile.TemporaryDirectory(prefix="hatspec-wheel-") as tmp:
+        wheel = Path(wheel) if wheel else build_wheel(checkout_root(), Path(tmp))
+        version, build = wheel_version(wheel), build_id(wheel)
+        for name, target, python in inventory_targets(inventory, limit, ssh_options):
+            facts = device_facts(target, python)
+            chosen, _ = choose_extra(extra, facts, python)
+            have = installed(target) or {}
+            if have.get("build") == build and have.get("extra") == chosen and _healthy(target):
+                # up to date: the playbook leaves the host at its first check ("false": never reached)
+                per_host[name] = {"stage": "", "extra": chosen, "version": version, "build": build,
+                                  "protocol": protocol, "script": "false"}
+                continue
+            if (facts.tag, chosen) not in prepared:
+                cache = cache_dir() / "device-wheels" / facts.tag
+                files = download_wheels(wheel, chosen, facts, cache)
+                prepared[facts.tag, chosen] = _stage(cache, files, Path(tmp) / f"{facts.tag}-{chosen}")
+            per_host[name] = {"stage": str(prepared[facts.tag, chosen]), "extra": chosen, "version": version,
+                              "build": build, "protocol": protocol,
+                              "script": _install_script(target.path, python, wheel.name, chosen, version, build)}
+        recap = run_playbook("software.yml", inventory, {"hatspec_software": per_host}, limit,
+                             " ".join(ssh_options), "software install")
+    return {host: {**r, "hatspec": version, "build": build, "extra": per_host[host]["extra"]}
+            for host, r in recap.items()}
