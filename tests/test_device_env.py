@@ -109,6 +109,8 @@ def smollm2_cloud(smollm2):
 
 
 CHAT = "Write a haiku about the sea."
+# with the fp32 draft (the whole model) every protocol's greedy tokens are the model's: each runs in the venv
+SPLIT_RUN = ("slm", "ushape", "hat", "hlm", "llm", "uhlm", "randhlm", "cuhlm", "qs", "ksqs", "csqs", "sq")
 
 
 @pytest.mark.real_models
@@ -116,7 +118,8 @@ def test_bundles_run_in_the_device_env_exactly(device_python, smollm2, smollm2_b
     """In the venv (no torch, no transformers; the bundle's tokenizer through tokenizers + jinja2): `slm` on the fp32
     draft, and `ushape` and `hat` on the split parts (chunked prefill), give the whole model's greedy tokens; `sd`
     with the int4 draft gives the cloud target's greedy tokens, for a raw prompt and a chat prompt (the bundle's chat
-    template). On Python 3.8 the newest onnxruntime (1.19) cannot run the bundle's int4 artifacts
+    template). Every other protocol runs there too (on the fp32 draft, which is the whole model: the model's tokens).
+    On Python 3.8 the newest onnxruntime (1.19) cannot run the bundle's int4 artifacts
     (GatherBlockQuantized): refused in one line, and `sd` runs on fp32."""
     from hat_split.models.chat import encode
     from tests.test_hat import FIB, greedy_reference
@@ -138,7 +141,7 @@ def test_bundles_run_in_the_device_env_exactly(device_python, smollm2, smollm2_b
               "--server", smollm2_cloud.endpoint, "--max-new-tokens", str(n), "--threads", "1", "--quiet",
               "--plaintext"]
     runs = {"split": common + ["--precision", "fp32", "--prompts-file", str(tmp_path / "p.json"), "--protocol",
-                               "slm,ushape,hat", "--m", "2", "--hidden-format", "float32", "--chunk-tokens", "7",
+                               ",".join(SPLIT_RUN), "--m", "2", "--hidden-format", "float32", "--chunk-tokens", "7",
                                "--json", str(tmp_path / "a.json")],
             "sd": common + ["--precision", "int4" if new_ort else "fp32", "--prompts-file", str(tmp_path / "pc.json"),
                             "--protocol", "sd", "--json", str(tmp_path / "b.json")]}
@@ -146,8 +149,7 @@ def test_bundles_run_in_the_device_env_exactly(device_python, smollm2, smollm2_b
         r = _run(device_python, args, tmp_path)
         assert r.returncode == 0, (name, r.stderr[-3000:])
     split = json.loads((tmp_path / "a.json").read_text())["results"]
-    assert [(x["protocol"], x["tokens"]) for x in split] == [("slm", ref[FIB]), ("ushape", ref[FIB]),
-                                                             ("hat", ref[FIB])]
+    assert [(x["protocol"], x["tokens"]) for x in split] == [(p, ref[FIB]) for p in SPLIT_RUN]
     assert split[2]["drafted"] > 0 and split[1]["prefill_chunks"] > 1
     sd = json.loads((tmp_path / "b.json").read_text())["results"]
     assert [x["tokens"] for x in sd] == [ref[FIB], ref[CHAT]]

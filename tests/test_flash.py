@@ -2,10 +2,8 @@
 as a fleet through the Ansible playbook; verified on the device, idempotent, and refused when the bundle is damaged."""
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
-import sys
 import types
 
 import pytest
@@ -110,48 +108,3 @@ def test_fleet_flash_through_ansible_is_verified_and_idempotent(fleet, bundle, t
         flash_fleet(bundle, bad)
     assert M.load(bundle)  # the local bundle is untouched
 
-
-def test_software_through_ansible_installs_once_per_device(fleet, tmp_path):
-    """`hat-flash --software --inventory`: both namespace devices asked for their Python (3.10 here), the wheels
-    prepared once, export/deploy/software.yml installs into each device's /opt/hatspec/sw/venv and checks its
-    hat-edge version; a second run changes nothing."""
-    if shutil.which("ansible-playbook") is None:
-        pytest.skip("ansible-core is not installed (the fleet extra)")
-    from export.deploy import flash_cli
-    from export.deploy.software import local_python
-    from hat_split.version import describe
-
-    base = local_python("3.10")
-    if base is None:
-        pytest.skip("no Python 3.10 interpreter here (pyenv install 3.10)")
-    inv = tmp_path / "inventory.yml"
-    hosts = "".join(f"        {d.name}: {{ansible_host: {d.address}}}\n" for d in fleet.devices)
-    inv.write_text("all:\n  vars: {hatspec_plaintext: true, hatspec_root: /opt/hatspec/sw, "
-                   f"hatspec_base_python: {base}}}\n  children:\n"
-                   "    cloud:\n      hosts:\n        cloud: {ansible_connection: local, hatspec_model: smollm2-135m}\n"
-                   "    edge:\n      vars:\n        ansible_user: root\n"
-                   f"        ansible_ssh_private_key_file: {fleet.key}\n"
-                   "        ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null\n"
-                   "        ansible_python_interpreter: /usr/bin/python3\n"
-                   "        hatspec_server: tcp://10.0.0.1:5555\n        hatspec_bundle_dir: /opt/hatspec/bundle\n"
-                   "      hosts:\n" + hosts)
-    report = tmp_path / "first.json"
-    argv = ["--software", "--inventory", str(inv), "--quiet", "--json"]
-    first = subprocess.run([sys.executable, "-m", "export.deploy.flash_cli", *argv], capture_output=True, text=True,
-                           timeout=900)
-    assert first.returncode == 0, first.stderr[-3000:]
-    report.write_text(first.stdout[first.stdout.index("{"):])
-    done = json.loads(report.read_text())
-    assert set(done) == {d.name for d in fleet.devices} and all(r["changed"] > 0 for r in done.values())
-    mine = describe()
-    for d in fleet.devices:
-        out = subprocess.run(fleet.ssh(d) + ["/opt/hatspec/sw/venv/bin/python -m edge_runtime.cli version --json"],
-                             capture_output=True, text=True, timeout=60).stdout
-        info = json.loads(out)
-        assert (info["hatspec"], info["protocol"], info["build"]) == (mine["hatspec"], mine["protocol"],
-                                                                      done[d.name]["build"])
-        assert info["python"].startswith("3.10.") and info["engines"]["torch"] is None
-    again = subprocess.run([sys.executable, "-m", "export.deploy.flash_cli", *argv[:-1]], capture_output=True,
-                           text=True, timeout=900)
-    assert again.returncode == 0 and again.stdout.count("already installed: nothing to do") == 2, again.stdout
-    assert flash_cli.main(["--software", "--inventory", str(tmp_path / "missing.yml")]) == 2

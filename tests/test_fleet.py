@@ -160,10 +160,13 @@ def test_up_refuses_a_device_whose_hatspec_or_protocol_differs_with_the_fix(tmp_
 @pytest.mark.real_models
 @pytest.mark.skipif(_fleet_reason() is not None, reason=str(_fleet_reason()))
 def test_software_on_a_namespace_device_then_its_agent_serves(smollm2_bundle, tmp_path):
-    """A namespace "Jetson" (sshd, its own /opt/hatspec): `hat-flash --software` with Python 3.10 installs hatspec
-    from wheels into /opt/hatspec/venv (no torch there), a second run does nothing; the bundle is flashed; `hat-fleet
-    up` with the device on that venv starts its agent, which answers an OpenAI completion; after the device's hatspec
+    """A namespace "Jetson" (sshd, its own /opt/hatspec): `hat-flash --software --inventory` (export/deploy/
+    software.yml) with Python 3.10 installs hatspec from wheels into /opt/hatspec/venv (no torch there); `hat-flash
+    --software root@device` then finds it up to date over ssh and does nothing; the bundle is flashed; `hat-fleet up`
+    with the device on that venv starts its agent, which answers an OpenAI completion; after the device's hatspec
     version is changed, `up` refuses it with the fix."""
+    import shutil
+
     from export.deploy import flash_cli
     from export.deploy.flash import Target, flash
     from export.deploy.software import local_python
@@ -172,32 +175,38 @@ def test_software_on_a_namespace_device_then_its_agent_serves(smollm2_bundle, tm
     base = local_python("3.10")
     if base is None:
         pytest.skip("no Python 3.10 interpreter here (pyenv install 3.10)")
+    if shutil.which("ansible-playbook") is None:
+        pytest.skip("ansible-core is not installed (the fleet extra)")
     with LocalFleet(1, prefix="hsw", net=81, directory=tmp_path / "fleet") as local:
         dev = local.devices[0]
-        ssh = [x for o in local.ssh_options()[2:] if o != "-o" for x in ("-o", o)]
-        argv = ["--software", f"root@{dev.address}:/opt/hatspec", "--python", base, "-i", str(local.key), *ssh,
-                "--quiet", "--json"]
-        first = subprocess.run([sys.executable, "-m", "export.deploy.flash_cli", *argv], capture_output=True,
-                               text=True, timeout=900)
-        assert first.returncode == 0, first.stderr[-2000:]
-        assert "installed hatspec" in first.stdout and '"changed": true' in first.stdout
-        assert flash_cli.main(argv[:-1]) == 0  # the same build again: nothing to do
         venv_py = "/opt/hatspec/venv/bin/python"
-        probe = subprocess.run(local.ssh(dev) + [f"{venv_py} -c 'import importlib.util as u; "
-                                                 "print(u.find_spec(\"torch\"), u.find_spec(\"transformers\"))'"],
-                               capture_output=True, text=True, timeout=60)
-        assert probe.stdout.strip() == "None None", probe.stdout + probe.stderr
-        flash(smollm2_bundle, Target.parse(f"root@{dev.address}:/opt/hatspec/bundle", local.ssh_options()),
-              progress=False)
         inv_dict = local.inventory(sys.executable, cloud_port=5598, hatspec_bundle_dir="/opt/hatspec/bundle",
                                    hatspec_backend="onnxruntime", hatspec_precision="fp32",
-                                   hatspec_edge_args=["--threads", "1"])
+                                   hatspec_edge_args=["--threads", "1"], hatspec_base_python=base)
         inv_dict["all"]["vars"]["hatspec_plaintext"] = True
         inv_dict["all"]["children"]["edge"]["hosts"][dev.name]["hatspec_python"] = venv_py
         inv_dict["all"]["children"]["cloud"]["hosts"]["cloud"].update(
             hatspec_model="smollm2-135m", hatspec_run_dir=str(tmp_path / "cloud"),
             hatspec_cloud_args=["--threads", "1", "--dtype", "float32"])
         path = _write(tmp_path, inv_dict)
+        first = subprocess.run([sys.executable, "-m", "export.deploy.flash_cli", "--software", "--inventory", path,
+                                "--quiet", "--json"], capture_output=True, text=True, timeout=900)
+        assert first.returncode == 0, first.stderr[-3000:]
+        done = json.loads(first.stdout[first.stdout.index("{"):])
+        assert done[dev.name]["changed"] > 0 and done[dev.name]["extra"] == "edge-onnx", done
+        ssh = [x for o in local.ssh_options()[2:] if o != "-o" for x in ("-o", o)]
+        again = subprocess.run([sys.executable, "-m", "export.deploy.flash_cli", "--software",
+                                f"root@{dev.address}:/opt/hatspec", "--python", base, "-i", str(local.key), *ssh,
+                                "--quiet"], capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and "already installed: nothing to do" in again.stdout, again.stdout + again.stderr
+        assert "engines: onnxruntime" in again.stdout and "Python 3.10." in again.stdout
+        assert flash_cli.main(["--software", "--inventory", str(tmp_path / "missing.yml")]) == 2
+        probe = subprocess.run(local.ssh(dev) + [f"{venv_py} -c 'import importlib.util as u; "
+                                                 "print(u.find_spec(\"torch\"), u.find_spec(\"transformers\"))'"],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() == "None None", probe.stdout + probe.stderr
+        flash(smollm2_bundle, Target.parse(f"root@{dev.address}:/opt/hatspec/bundle", local.ssh_options()),
+              progress=False)
         inv = F.load_inventory(path)
         try:
             outcome = F.up(inv, timeout_s=300, log=lambda *_: None, inventory_path=path)
