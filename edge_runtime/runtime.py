@@ -20,6 +20,7 @@ from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.split import LinkState
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocols
+from hat_split.extras import need
 from hat_split.files.bundle import BundleError
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
@@ -27,7 +28,6 @@ from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_ggu
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer, quantize_weights, vocab_fingerprint
 from hat_split.models.partition import SplitModel, holds_all_layers
-from hat_split.extras import need
 from hat_split.models.registry import MODELS, get_model_spec
 from hat_split.wire import messages as P
 

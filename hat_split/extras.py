@@ -29,7 +29,7 @@ EXTRA_OF = {
 ELSEWHERE = {
     "tensorrt": "TensorRT comes with JetPack on a Jetson (on x86, NVIDIA's tensorrt wheel); a venv made by "
                 "hat-flash --software sees it (--system-site-packages)",
-    "llama_cpp": "llama-cpp-python is built from source: scripts/bootstrap.sh llamacpp",
+    "llama_cpp": "llama-cpp-python is built from source for this CPU: bash scripts/install_llamacpp.sh",
 }
 
 

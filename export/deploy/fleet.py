@@ -257,7 +257,7 @@ DESCRIBE = "import json; from hat_split.version import describe; print(json.dump
 def versions(inv: Inventory) -> Dict[str, Tuple[Optional[dict], str]]:
     """{host name: (its hat_split.version.describe() through its hatspec_python, or None; what it printed)}."""
     def ask(host: Host) -> Tuple[str, Tuple[Optional[dict], str]]:
-        rc, text = host.run(f"{_q(host.python)} -c {_q(DESCRIBE)}", timeout=120)
+        rc, text = host.run(f"cd / && {_q(host.python)} -c {_q(DESCRIBE)}", timeout=120)  # not a checkout in cwd
         try:
             return host.name, (json.loads(text.splitlines()[-1]) if rc == 0 else None, text)
         except (ValueError, IndexError):

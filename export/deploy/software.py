@@ -277,7 +277,8 @@ def _install_script(root: str, python: str, wheel: str, extra: str, version: str
 
 
 def _version_argv(root: str) -> str:
-    return f"{shlex.quote(root)}/venv/bin/python -m edge_runtime.cli version --json"
+    """The venv's own hat-edge (a console script: the current directory is not on its import path)."""
+    return f"{shlex.quote(root)}/venv/bin/hat-edge version --json"
 
 
 def _describe(target: Target) -> Dict[str, object]:
