@@ -94,8 +94,7 @@ class FlashConfig:
             Target.parse(text)
 
     def ssh_args(self) -> List[str]:
-        """The ssh arguments every connection gets: host keys trusted on first contact, the identity, the options."""
-        return default_ssh_options(self.identity or None) + [a for o in self.ssh_options for a in ("-o", o)]
+        return ssh_args(self.identity, self.ssh_options)
 
     def targets(self) -> List[Target]:
         args = self.ssh_args()
@@ -226,6 +225,11 @@ def run_playbook(name: str, inventory: Path, extra_vars: dict, limit: str = "", 
         raise FlashError(f"{what} failed on {hosts} (ansible-playbook exit {r.returncode}): "
                          + ("; ".join(why[:6]) or (r.stderr or r.stdout).strip()[-600:]))
     return {h: {"changed": s["changed"], "ok": s["ok"]} for h, s in recap.items()}
+
+
+def ssh_args(identity: str, options: Sequence[str]) -> List[str]:
+    """The ssh arguments every connection gets: host keys trusted on first contact, the identity, the `-o` options."""
+    return default_ssh_options(identity or None) + [a for o in options for a in ("-o", o)]
 
 
 def default_ssh_options(key: Optional[str]) -> List[str]:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from export.deploy.flash import FlashConfig, FlashError, default_ssh_options, flash, flash_fleet
+from export.deploy.flash import FlashConfig, FlashError, flash, flash_fleet, ssh_args
 from export.deploy.software import EXTRAS, install, install_fleet, parse_targets, summary
 from hat_split.files.bundle import BundleError
 from hat_split.files.config_file import add_config_argument, config_from_command_line
@@ -89,7 +89,7 @@ def _software(args: argparse.Namespace) -> int:
     try:
         if bool(devices) == bool(args.inventory):
             raise ValueError("hat-flash --software: give devices or --inventory (one of the two)")
-        ssh = default_ssh_options(args.identity or None) + [a for o in args.ssh_option for a in ("-o", o)]
+        ssh = ssh_args(args.identity, args.ssh_option)
         report = {}
         wheel = Path(args.wheel) if args.wheel else None
         if args.inventory:

@@ -14,6 +14,7 @@ the extra); an install whose build and extra the device already has does nothing
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -204,19 +205,6 @@ def download_wheels(wheel: Path, extra: str, facts: DeviceFacts, cache: Path) ->
     return {n: hashlib.sha256((cache / n).read_bytes()).hexdigest() for n in sorted(names | {wheel.name})}
 
 
-def _stamp_script(venv: str) -> str:
-    return f"cat {shlex.quote(venv)}/{SOFTWARE_STAMP} 2>/dev/null; true"
-
-
-def installed(target: Target) -> Optional[Dict[str, object]]:
-    """The stamp of the device's hatspec venv, or None."""
-    out = _call(target.ssh(_stamp_script(f"{target.path}/venv")), f"reading {target.login}'s hatspec venv")
-    try:
-        return json.loads(out) if out.strip() else None
-    except ValueError:
-        return None
-
-
 def choose_extra(extra: str, facts: DeviceFacts, python: str) -> Tuple[str, List[str]]:
     """The extra to install on this device, and notes: `edge-onnx` becomes `edge` where the device's Python imports
     onnxruntime itself (JetPack's onnxruntime-gpu, not to be shadowed by PyPI's CPU build)."""
@@ -239,13 +227,12 @@ def install(target: Target, python: str = "python3", extra: str = "edge-onnx", w
         wheel = Path(wheel) if wheel else build_wheel(checkout_root(), Path(tmp))
         version, build = wheel_version(wheel), build_id(wheel)
         label = f"{target.login}:{target.path}"
-        have = installed(target) or {}
-        if have.get("build") == build and have.get("extra") == chosen and _healthy(target):
-            return SoftwareResult(label, version, build, chosen, False, notes=notes, device=_describe(target))
+        have = installed(target)
+        if have is not None and (have.get("build"), have.get("extra")) == (build, chosen):
+            return SoftwareResult(label, version, build, chosen, False, notes=notes, device=have)
         cache = Path(cache) if cache else cache_dir() / "device-wheels" / facts.tag
         files = download_wheels(wheel, chosen, facts, cache)
-        wheels = Target(target.host, target.user, target.port, f"{target.path}/wheels", target.ssh_options,
-                        target.local)
+        wheels = dataclasses.replace(target, path=f"{target.path}/wheels")
         _call(target.ssh(f"mkdir -p {shlex.quote(wheels.path)}"), f"mkdir on {target.login}")
         sent, sent_bytes = send_files(cache, files, wheels, progress=progress)
         _call(target.ssh(_install_script(target.path, python, wheel.name, chosen, version, build)),
@@ -286,10 +273,15 @@ def _describe(target: Target) -> Dict[str, object]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _healthy(target: Target) -> bool:
-    r = subprocess.run(target.ssh(_version_argv(target.path) + " >/dev/null 2>&1 && echo ok"), capture_output=True,
-                       text=True, timeout=120)
-    return r.returncode == 0 and "ok" in r.stdout
+def installed(target: Target) -> Optional[Dict[str, object]]:
+    """The device venv's `hat-edge version` (its build and extra come from the venv's stamp), or None where there is
+    no working hatspec venv."""
+    r = subprocess.run(target.ssh(_version_argv(target.path) + " 2>/dev/null"), capture_output=True, text=True,
+                       timeout=120)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    except (ValueError, IndexError):
+        return None
 
 
 def parse_targets(texts: List[str], ssh_options: List[str]) -> List[Target]:
@@ -358,8 +350,8 @@ def install_fleet(inventory: Path, extra: str = "edge-onnx", limit: str = "", ss
         for name, target, python in inventory_targets(inventory, limit, ssh_options):
             facts = device_facts(target, python)
             chosen, _ = choose_extra(extra, facts, python)
-            have = installed(target) or {}
-            if have.get("build") == build and have.get("extra") == chosen and _healthy(target):
+            have = installed(target)
+            if have is not None and (have.get("build"), have.get("extra")) == (build, chosen):
                 # up to date: the playbook leaves the host at its first check ("false": never reached)
                 per_host[name] = {"stage": "", "extra": chosen, "version": version, "build": build,
                                   "protocol": protocol, "script": "false"}
