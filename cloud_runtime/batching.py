@@ -53,7 +53,7 @@ class StepStats:
     max_segments: int = 0
     forward_s: float = 0.0  # model time of the batches (a pipeline: launch to return)
     step_s: float = 0.0  # whole step() time: scheduling, forward (this process's part), logits of finished works
-    head_s: float = 0.0  # model time outside the batched steps: token protocols' embeddings, final norm and head
+    head_s: float = 0.0  # model time outside the batched steps: final norm and head, results to the host
     stage_s: List[float] = field(default_factory=list)  # model time per pipeline stage
     step_log: List[Tuple[int, int, float]] = field(default_factory=list)  # recent (tokens, segments, compute_s)
 
@@ -76,7 +76,7 @@ class Batcher:
     read here."""
 
     def __init__(self, config: SchedulerConfig, executor: Any, ends: ModelEnds, load: DelayModel, decode_limit: int):
-        self.engine = Engine(Scheduler(config), executor)
+        self.engine = Engine(Scheduler(config), executor, ends)
         self.ends = ends
         self.load = load
         self.decode_limit = decode_limit  # positions up to which work is decode / verify
@@ -132,20 +132,17 @@ class Batcher:
     def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any) -> None:
         """Queue token ids of a token-protocol session (their embeddings through every layer); the work comes back
         with the logits `# [logits, vocab]` of its last `logits` positions (None for 0)."""
-        t0 = time.perf_counter()
-        states = self.ends.embed(tokens)  # [1, n, hidden]
-        self.stats.head_s += time.perf_counter() - t0
-        self._submit(key, states, _Queued(tag, logits, 0))
+        self._submit(key, np.asarray(tokens, dtype=np.int64).reshape(-1), _Queued(tag, logits, 0))
 
     def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Any) -> None:
         """Queue a split session's shallow states `# [n, hidden]` (float32) for its middle layers; the work comes
         back with its last `want` deep states `# [want, hidden]` float32 (None for 0)."""
-        self._submit(key, self.ends.states_in(states), _Queued(tag, 0, want))
+        self._submit(key, np.asarray(states, dtype=np.float32), _Queued(tag, 0, want))
 
-    def _submit(self, key: Hashable, states: Any, queued: _Queued) -> None:
-        kind = "decode" if states.shape[1] <= self.decode_limit else "prefill"
+    def _submit(self, key: Hashable, host: np.ndarray, queued: _Queued) -> None:
+        kind = "decode" if len(host) <= self.decode_limit else "prefill"
         try:
-            work = self.engine.submit(key, kind, states)
+            work = self.engine.submit(key, kind, host)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
         self._queued[id(work)] = queued
@@ -175,28 +172,22 @@ class Batcher:
                     q.tag.compute_s += report.compute_s
                     q.tag.session.compute_s += report.compute_s * seg.n / batch.tokens
         out = Finished()
-        for work, states in finished:
-            q = self._queued.pop(id(work), None)
-            if q is not None:
-                out.done.append((q.tag, self._rows(q, states)))
+        wanted = [(self._queued.pop(id(work), None), states) for work, states in finished]
+        wanted = [(q, states) for q, states in wanted if q is not None]
+        if wanted:
+            t1 = time.perf_counter()
+            rows = self.ends.rows([(states, q.logits, q.states) for q, states in wanted])
+            head_s = time.perf_counter() - t1  # the head's time counts as the requests' compute, by logits rows
+            self.stats.head_s += head_s
+            n_logits = sum(q.logits for q, _ in wanted) or 1
+            for (q, _), r in zip(wanted, rows):
+                dt = head_s * q.logits / n_logits
+                q.tag.compute_s += dt
+                q.tag.session.compute_s += dt
+                out.done.append((q.tag, r))
         if reports or finished:
             self.stats.step_s += time.perf_counter() - t0
         return out
-
-    def _rows(self, q: _Queued, out: Any) -> Optional[np.ndarray]:
-        """What the request wants of a work's output states `# [1, n, hidden]`; the head's time counts as its
-        compute."""
-        if q.states:
-            return self.ends.states_out(out, q.states)  # [want, hidden]
-        if not q.logits:
-            return None
-        t0 = time.perf_counter()
-        logits = self.ends.logits(out, q.logits)  # [logits, vocab]
-        dt = time.perf_counter() - t0
-        self.stats.head_s += dt
-        q.tag.compute_s += dt
-        q.tag.session.compute_s += dt
-        return logits
 
     def _fail(self, why: str) -> Finished:
         out = Finished()

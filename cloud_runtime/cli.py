@@ -18,7 +18,8 @@ import time
 from typing import Optional, Sequence
 
 from cloud_runtime import pipeline
-from cloud_runtime.config import ENGINES, CloudConfig
+from cloud_runtime.config import ENGINES, GRAPHS, KV_LAYOUTS, CloudConfig
+from cloud_runtime.runner import kv_layout
 from cloud_runtime.server import CloudServer
 from hat_split.extras import MissingExtra, need, require_python
 from hat_split.files.config_file import add_config_argument, config_from_command_line
@@ -27,7 +28,9 @@ from hat_split.models.llamacpp_lib import FALLBACK_NOTE, INSTALL_HINT, llama_cpp
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
 from hat_split.models.llamacpp_rpc import parse_endpoints
 from hat_split.models.lm import CausalLM
-from hat_split.models.loading import load_model, load_tokenizer, vocab_fingerprint
+from hat_split.models.loading import load_model, load_tokenizer, resolve_dtype, vocab_fingerprint
+from hat_split.models.partition import holds_all_layers
+from hat_split.models.placement import resolve_device
 from hat_split.models.registry import MODEL_DTYPES, MODELS, get_model_spec
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
@@ -40,7 +43,8 @@ FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeo
              "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
              "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
              "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",
-             "n_batch": "n_batch", "n_gpu_layers": "n_gpu_layers", "rpc": "rpc"}
+             "n_batch": "n_batch", "n_gpu_layers": "n_gpu_layers", "rpc": "rpc", "device": "device",
+             "kv_layout": "kv_layout", "graphs": "graphs"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llamacpp: RPC servers (hat-cloud rpc-server on each host) to spread the model's layers over")
     s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
                    help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
+    s.add_argument("--device", default=d["device"].default, metavar="auto|cpu|cuda|cuda:N",
+                   help="torch engine: where the model runs (default %(default)s: the first CUDA GPU when present)")
+    s.add_argument("--kv-layout", default=d["kv_layout"].default, choices=KV_LAYOUTS,
+                   help="slots: preallocated per-session KV slots; dynamic: growing caches (default %(default)s: "
+                        "slots on CUDA)")
+    s.add_argument("--graphs", default=d["graphs"].default, choices=GRAPHS,
+                   help="decode / verify steps as captured CUDA graphs (default %(default)s: on for CUDA)")
     s.add_argument("-v", "--verbose", action="store_true")
     r = sub.add_parser("rpc-server", help="lend this host's compute device (its GPUs, else its CPU) to a llama.cpp "
                                           "cloud (hat-cloud serve --engine llamacpp --rpc HOST:PORT,...)",
@@ -123,6 +134,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         if config.pipeline > 1 and "WORLD_SIZE" not in os.environ:
+            if config.engine == "torch":
+                need("torch", "hat-cloud serve --pipeline")
+                try:
+                    pipeline.stage_device(config.device, config.pipeline)  # refused here, not in P processes
+                except ValueError as exc:
+                    print(f"hat-cloud: {exc}", file=sys.stderr)
+                    return 2
             relaunch_under_torchrun(config, argv)
         return serve(config)
     except MissingExtra as exc:  # says what to install, in one line
@@ -173,32 +191,42 @@ def serve(config: CloudConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     rank, back = 0, None
-    if config.pipeline > 1:
-        try:
-            rank, back = pipeline.init(config.pipeline)
-        except RuntimeError as exc:
-            print(f"hat-cloud: {exc}", file=sys.stderr)
-            return 2
     try:
-        loaded = load_model(config.model, dtype=config.dtype)
+        device = (pipeline.stage_device(config.device, config.pipeline) if config.pipeline > 1
+                  else resolve_device(config.device))
+        if config.pipeline > 1:
+            rank, back = pipeline.init(config.pipeline, device)
+    except (RuntimeError, ValueError) as exc:
+        print(f"hat-cloud: {exc}", file=sys.stderr)
+        return 2
+    try:  # a pipeline stage loads on the host and moves only its slice to its device
+        loaded = load_model(config.model, dtype=resolve_dtype(config.dtype, device),
+                            device="cpu" if config.pipeline > 1 else device)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         print(f"hat-cloud: cannot load model {config.model!r}: {exc}", file=sys.stderr)
         return 2
     if config.pipeline > 1:
         try:
-            pipeline.stage_bounds(loaded.model.config.num_hidden_layers, config.pipeline)
+            pipeline.place_stage(loaded.model, rank, config.pipeline, device)
         except ValueError as exc:
             print(f"hat-cloud: --pipeline {config.pipeline}: {exc}", file=sys.stderr)
             return 2
+    try:
+        layout = kv_layout(config, loaded.model)
+    except ValueError as exc:
+        print(f"hat-cloud: {exc}", file=sys.stderr)
+        return 2
     if rank > 0:
-        pipeline.serve_stage(loaded.model, rank, config.pipeline, back)
+        pipeline.serve_stage(loaded.model, rank, config.pipeline, back, layout)
         return 0
     name = loaded.spec.name if loaded.spec is not None else str(config.model)
     lm = CausalLM(loaded.model)
-    lm.warm_up()  # so the first device's TTFT is not the disk's
-    executor = pipeline.PipelineExecutor(loaded.model, config.pipeline, back) if config.pipeline > 1 else None
+    if holds_all_layers(loaded.model):  # a pipeline's rank 0 holds stage 0 only
+        lm.warm_up()  # so the first device's TTFT is not the disk's
+    executor = pipeline.PipelineExecutor(loaded.model, config.pipeline, back, layout) if config.pipeline > 1 else None
     server = CloudServer(config, lm, name, vocab_fingerprint(loaded.tokenizer), executor)
-    return run_server(config, server, f"model={name} dtype={str(loaded.model.dtype).removeprefix('torch.')} "
+    return run_server(config, server, f"model={name} device={device} "
+                                      f"dtype={str(loaded.model.dtype).removeprefix('torch.')} {layout.describe()} "
                                       f"load_s={loaded.load_seconds:.1f} pipeline={config.pipeline}")
 
 

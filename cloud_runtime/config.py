@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hat_split.models.llamacpp_rpc import parse_endpoints
+from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 ENGINES = ("torch", "llamacpp")
+KV_LAYOUTS = ("auto", "slots", "dynamic")
+GRAPHS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,14 @@ class CloudConfig:
     max_generate: int = 256  # tokens one Generate request may ask for (bounds one request's time)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # bytes: larger requests are refused unread
     threads: int = 0  # torch intra-op threads, or llama.cpp's; 0 keeps their default (all cores)
-    dtype: str = "auto"  # model dtype; "auto": bfloat16 where matmuls have it in hardware (hat_split.models.loading)
+    device: str = "auto"  # torch engine: where the model runs: auto (the first CUDA GPU when present, else the CPU) |
+    # cpu | cuda | cuda:N (hat_split.models.placement); pipeline stages on CUDA take the GPU of their local rank
+    dtype: str = "auto"  # model dtype; "auto": bfloat16 where the device multiplies it in hardware (CPU: AMX /
+    # AVX512-BF16; CUDA: Ampere and later), float16 on older GPUs (Volta), else float32 (hat_split.models.loading)
+    kv_layout: str = "auto"  # slots: every session's KV in preallocated slots of max_context positions (as many as
+    # kv_positions holds; later sessions get growing caches) | dynamic: growing caches | auto: slots on CUDA
+    graphs: str = "auto"  # on: decode / verify steps on slots run as captured CUDA graphs (bucketed shapes,
+    # cloud_runtime.buckets; other shapes eager) | off | auto: on where the device is CUDA
     poll_ms: int = 200  # milliseconds: how often the idle loop wakes to expire sessions and write the status file
     token_budget: int = 512  # positions per batched step, all sessions (cloud_runtime.scheduler): bounds step latency
     prefill_floor: int = 64  # positions of each step kept for waiting prompt work, so decoding cannot starve it
@@ -79,5 +89,16 @@ class CloudConfig:
         if self.engine == "llamacpp" and self.n_batch < self.max_draft_len + 1:
             raise ValueError(f"n_batch={self.n_batch} cannot hold a verify of max_draft_len + 1 = "
                              f"{self.max_draft_len + 1} positions in one llama_decode")
+        check_device(self.device)
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.graphs not in GRAPHS:
+            raise ValueError(f"graphs must be one of {', '.join(GRAPHS)}, got {self.graphs!r}")
+        if self.graphs == "on" and self.kv_layout == "dynamic":
+            raise ValueError("graphs = on replays steps on the slot layout: kv_layout must be slots or auto")
+        if self.engine == "llamacpp" and self.device != "auto":
+            raise ValueError("device places the torch engine; llama.cpp offloads layers with n_gpu_layers")
+        if self.pipeline > 1 and self.device.startswith("cuda:"):
+            raise ValueError("pipeline stages on CUDA take the GPU of their local rank: give device = cuda (or auto)")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")

@@ -1,5 +1,7 @@
 """Pipeline-parallel middle layers (HAT §3.3, §4.5): the model's layers cut into P consecutive stages, one
-torch.distributed process each (gloo), launched by torchrun (`hat-cloud serve --pipeline P`).
+torch.distributed process each, launched by torchrun (`hat-cloud serve --pipeline P`). On CPUs the stages talk over
+gloo; on CUDA each stage holds the GPU of its local rank and the states go GPU to GPU over NCCL (descriptors still
+over gloo: the process group has both backends). Several nodes: torchrun's own rendezvous (docs/GPU.md).
 
 Rank 0 is the server: it owns the socket, the scheduler and stage 0 (layers [0, b1)); rank r owns layers
 [b_r, b_{r+1}). A batch goes 0 → 1 → … → P−1 and its outputs come back from P−1 to rank 0. Rank 0 plans the next
@@ -27,8 +29,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from cloud_runtime.runner import Job, StageRunner
+from cloud_runtime.runner import Job, KvLayout, StageRunner
 from hat_split.models.partition import free_layers
+from hat_split.models.placement import is_cuda, resolve_device
 
 log = logging.getLogger("hatspec.cloud")
 IDLE_TIMEOUT = timedelta(days=30)  # a stage waits this long for its next batch (an idle server is not an error)
@@ -46,26 +49,54 @@ def stage_bounds(n_layers: int, stages: int) -> List[int]:
     return bounds
 
 
-def init(stages: int) -> Tuple[int, Any]:
-    """Join torchrun's process group (gloo); returns (rank, the [0, P−1] group outputs come back on)."""
+def stage_device(device: str, stages: int) -> str:
+    """The device of this process's stage: on CUDA (device cuda, or auto with a GPU) the GPU of torchrun's local
+    rank, refused when this node has fewer GPUs than it runs stages (NCCL needs one GPU per rank); else the CPU."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    resolve_device("cuda")  # refuses a torch or a machine without CUDA
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(stages)))
+    gpus = torch.cuda.device_count()
+    if per_node > gpus:
+        raise ValueError(f"--pipeline {stages}: this node runs {per_node} stages on CUDA but sees {gpus} GPU(s); "
+                         f"NCCL needs one GPU per stage: use more GPUs or nodes (docs/GPU.md), or --device cpu (gloo)")
+    return f"cuda:{local}"
+
+
+def init(stages: int, device: str = "cpu") -> Tuple[int, Any]:
+    """Join torchrun's process group (gloo; on CUDA gloo for descriptors and NCCL for the GPU's tensors); returns
+    (rank, the [0, P−1] group outputs come back on)."""
+    import torch
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if world != stages:
         raise RuntimeError(f"--pipeline {stages} needs {stages} processes under torchrun; WORLD_SIZE is "
                            f"{world or 'unset'}")
-    dist.init_process_group("gloo", timeout=IDLE_TIMEOUT)
+    if is_cuda(device):
+        torch.cuda.set_device(torch.device(device))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=IDLE_TIMEOUT, device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo", timeout=IDLE_TIMEOUT)
     back = dist.new_group([0, stages - 1], timeout=IDLE_TIMEOUT)
     return dist.get_rank(), back
 
 
-def keep_stage(model: Any, lo: int, hi: int) -> None:
-    """Free what a stage does not run: the other layers, the embeddings and the head (a worker holds its slice)."""
+def place_stage(model: Any, rank: int, stages: int, device: str) -> None:
+    """Keep what stage `rank` runs and move it to `device`: the stage's layers, and on rank 0 (the server) also the
+    embeddings and the head; the other layers are freed first, so a GPU only ever holds its own slice."""
     import torch
 
+    bounds = stage_bounds(model.config.num_hidden_layers, stages)
+    lo, hi = bounds[rank], bounds[rank + 1]
     free_layers(model, [i for i in range(len(model.model.layers)) if not lo <= i < hi])
-    model.model.embed_tokens = torch.nn.Identity()
-    model.lm_head = torch.nn.Identity()
+    if rank > 0:
+        model.model.embed_tokens = torch.nn.Identity()
+        model.lm_head = torch.nn.Identity()
+    model.to(device)
 
 
 # -- the wire between stages --------------------------------------------------------------------------------------
@@ -82,7 +113,8 @@ def _send(desc: Dict[str, Any], x: Optional[Any], dst: int, group: Any = None) -
     return handles
 
 
-def _recv(src: int, dtype: Any, hidden: int, group: Any = None) -> Tuple[Dict[str, Any], Optional[Any]]:
+def _recv(src: int, dtype: Any, hidden: int, group: Any = None, device: Any = "cpu") -> Tuple[Dict[str, Any],
+                                                                                              Optional[Any]]:
     import torch
     import torch.distributed as dist
 
@@ -94,7 +126,8 @@ def _recv(src: int, dtype: Any, hidden: int, group: Any = None) -> Tuple[Dict[st
     if desc.get("stop"):
         return desc, None
     total = sum(job[4] for job in desc["jobs"])
-    raw = torch.empty(1, total, hidden * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
+    raw = torch.empty(1, total, hidden * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8,
+                      device=device)
     dist.recv(raw, src, group=group)
     return desc, raw.view(dtype)
 
@@ -115,11 +148,11 @@ def _jobs(desc: Dict[str, Any]) -> List[Job]:
 class PipelineExecutor:
     """Rank 0's side: runs stage 0 of each batch and sends it on; a thread receives what the last stage returns."""
 
-    def __init__(self, model: Any, stages: int, back_group: Any):
+    def __init__(self, model: Any, stages: int, back_group: Any, layout: KvLayout = KvLayout()):
         import torch
 
         self.bounds = stage_bounds(model.config.num_hidden_layers, stages)
-        self.runner = StageRunner(model, 0, self.bounds[1])
+        self.runner = StageRunner(model, 0, self.bounds[1], layout)
         self.depth = stages
         self.hidden = int(model.config.hidden_size)
         self._dtype = next(model.parameters()).dtype
@@ -181,7 +214,7 @@ class PipelineExecutor:
         wake.connect(self._wake_address)
         try:
             while True:
-                desc, x = _recv(self.depth - 1, self._dtype, self.hidden, self._back)
+                desc, x = _recv(self.depth - 1, self._dtype, self.hidden, self._back, self.runner.device)
                 if desc.get("stop"):
                     return
                 self._done.put((desc, x))
@@ -208,22 +241,21 @@ class PipelineExecutor:
 
 
 # -- ranks 1 .. P-1 ------------------------------------------------------------------------------------------------
-def serve_stage(model: Any, rank: int, stages: int, back_group: Any) -> None:
+def serve_stage(model: Any, rank: int, stages: int, back_group: Any, layout: KvLayout = KvLayout()) -> None:
     """A worker stage's loop: receive a batch from rank − 1, run its layers, pass it on (the last stage: back to rank
     0), until told to stop."""
     import torch
 
     bounds = stage_bounds(model.config.num_hidden_layers, stages)
     lo, hi = bounds[rank], bounds[rank + 1]
-    dtype = next(model.parameters()).dtype
-    keep_stage(model, lo, hi)
-    runner = StageRunner(model, lo, hi)
+    dtype = next(model.parameters()).dtype  # the stage's layers only: place_stage freed the others
+    runner = StageRunner(model, lo, hi, layout)
     hidden = int(model.config.hidden_size)
     last = rank == stages - 1
     torch.distributed.barrier()
     log.info("pipeline stage %d of %d: layers [%d, %d)", rank, stages, lo, hi)
     while True:
-        desc, x = _recv(rank - 1, dtype, hidden)
+        desc, x = _recv(rank - 1, dtype, hidden, device=runner.device)
         if desc.get("stop"):
             for h in _send(desc, None, 0 if last else rank + 1, back_group if last else None):
                 h.wait()

@@ -28,8 +28,13 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from cloud_runtime.buckets import Buckets, exact_shape, pad_step
 from cloud_runtime.scheduler import Batch, Scheduler, Work
-from hat_split.models.partition import PartCache, Stack, embed, head_logits
+from hat_split.models.graphs import StepGraphs
+from hat_split.models.partition import PartCache, Stack, head_logits
+from hat_split.models.placement import (available_bytes, is_cuda, model_device, synchronize, to_device,
+                                        to_host)
+from hat_split.models.slots import SlotKV, SlotStep, run_slots, slot_bytes
 
 CROP, CLOSE = "crop", "close"
 
@@ -54,21 +59,87 @@ class StepReport:
     stage_s: Tuple[float, ...] = ()  # model time of each stage
 
 
+@dataclass(frozen=True)
+class KvLayout:
+    """How a stage keeps its sessions' keys and values: `slots` > 0 preallocates that many slots of `length`
+    positions (hat_split.models.slots; sessions beyond them get growing caches), 0 keeps growing caches only;
+    `graphs` captures the slot steps of up to `decode_limit` positions per row as CUDA graphs."""
+
+    slots: int = 0
+    length: int = 0
+    graphs: bool = False
+    decode_limit: int = 17  # positions per row of a step that is decode / verify (max_draft_len + 1)
+    max_rows: int = 64  # sessions per step the graph buckets reach
+
+
+    def describe(self) -> str:
+        if not self.slots:
+            return "kv=dynamic"
+        return f"kv=slots:{self.slots}x{self.length} graphs={'on' if self.graphs else 'off'}"
+
+
+SLOT_MEMORY_SHARE = 0.8  # of the memory free after loading the model, what the slots may take at most
+
+
+def kv_layout(config: Any, model: Any) -> KvLayout:
+    """The KV layout a cloud config asks for on the device the model sits on (CloudConfig's kv_layout, graphs): as
+    many slots as kv_positions holds, within max_sessions and SLOT_MEMORY_SHARE of the free memory (the log line
+    says how many); ValueError for graphs asked off CUDA, or no room for one slot."""
+    on_gpu = is_cuda(model_device(model))
+    graphs = config.graphs == "on" or (config.graphs == "auto" and on_gpu)
+    if graphs and not on_gpu:
+        raise ValueError("graphs = on captures CUDA graphs: the model is on the CPU (device cpu, or no GPU)")
+    if not (config.kv_layout == "slots" or (config.kv_layout == "auto" and on_gpu)):
+        return KvLayout()
+    weight = next(model.parameters())
+    per_slot = slot_bytes(model.config, model.config.num_hidden_layers, config.max_context, weight.element_size())
+    room = int(SLOT_MEMORY_SHARE * available_bytes(weight.device)) // per_slot - 1  # one slot is the scratch
+    slots = min(config.max_sessions, max(1, config.kv_positions // config.max_context), room)
+    if slots < 1:
+        raise ValueError(f"the slot layout needs {per_slot / 2**30:.2f} GiB per slot of max_context = "
+                         f"{config.max_context} positions and {weight.device} has "
+                         f"{available_bytes(weight.device) / 2**30:.2f} GiB free: lower max_context, or kv_layout "
+                         f"dynamic")
+    return KvLayout(slots, config.max_context, graphs, config.max_draft_len + 1, min(64, config.max_sessions))
+
+
+@dataclass
+class SlotSession:
+    """A session's place in the slot layout: its slot and the positions it holds there."""
+
+    slot: int
+    length: int = 0
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        self.length = length
+
+
 class StageRunner:
     """The layers [lo, hi) of one model, run for many sessions' jobs."""
 
-    def __init__(self, model: Any, lo: int = 0, hi: Optional[int] = None):
+    def __init__(self, model: Any, lo: int = 0, hi: Optional[int] = None, layout: KvLayout = KvLayout()):
         self.model = model
         self.lo = lo
         self.hi = model.config.num_hidden_layers if hi is None else hi
-        self.caches: Dict[int, PartCache] = {}
+        self.caches: Dict[int, Any] = {}  # sid → PartCache or SlotSession
         self._stacks: Dict[Tuple[int, int], Stack] = {}
+        self.layout = layout
+        self.slots: Optional[SlotKV] = None
+        if layout.slots:
+            self.slots = SlotKV(model, self.lo, self.hi, layout.slots, layout.length)
+            self.buckets = Buckets.make(min(layout.max_rows, layout.slots), layout.decode_limit, layout.length)
+        self.device = model_device(model)
+        self.graphs = StepGraphs(self.device, layout.graphs and layout.slots > 0)
 
     def apply(self, ops: Sequence[Tuple[str, int, int]]) -> None:
         """Cache operations, in order: (CROP, sid, length) forgets positions >= length, (CLOSE, sid, 0) the cache."""
         for op, sid, arg in ops:
             if op == CLOSE:
-                self.caches.pop(sid, None)
+                cache = self.caches.pop(sid, None)
+                if isinstance(cache, SlotSession):
+                    self.slots.release(cache.slot)
             elif op == CROP:
                 cache = self.caches.get(sid)
                 if cache is not None:
@@ -78,27 +149,68 @@ class StageRunner:
 
     def run(self, jobs: Sequence[Job], xs: Sequence[Any]) -> Tuple[List[Any], float]:
         """Each job's states `xs[i] # [1, n_i, hidden]` through its layers inside [lo, hi); returns the outputs (the
-        input itself where the job has no layer here) and the model time."""
-        groups: Dict[Tuple[int, int], List[int]] = {}
+        input itself where the job has no layer here) and the model time. Slot sessions' decode / verify segments run
+        as one (bucketed, captured) step, their prompt chunks as another; growing caches' segments as a third."""
+        groups: Dict[Tuple[Tuple[int, int], str], List[int]] = {}
         for i, job in enumerate(jobs):
             layers = (max(job.start, self.lo), min(job.stop, self.hi))
             if layers[0] < layers[1]:
-                groups.setdefault(layers, []).append(i)
+                cache = self._cache(job)
+                kind = ("grow" if not isinstance(cache, SlotSession) else
+                        "decode" if job.n <= self.layout.decode_limit else "prefill")
+                groups.setdefault((layers, kind), []).append(i)
         outs = list(xs)
         t0 = time.perf_counter()
-        for layers, idx in groups.items():
+        for (layers, kind), idx in groups.items():
             stack = self._stacks.get(layers)
             if stack is None:
                 stack = self._stacks[layers] = Stack(self.model, *layers)
-            caches = [self._cache(jobs[i]) for i in idx]
-            for i, out in zip(idx, stack.forward_batch(caches, [xs[i] for i in idx])):
+            caches = [self.caches[jobs[i].sid] for i in idx]
+            hs = [xs[i] for i in idx]
+            results = (stack.forward_batch(caches, hs) if kind == "grow" else
+                       self._slot_step(stack, layers, caches, hs, kind == "decode"))
+            for i, out in zip(idx, results):
                 outs[i] = out
+        synchronize(self.device)  # the model time is the device's, not the launches'
         return outs, time.perf_counter() - t0
 
-    def _cache(self, job: Job) -> PartCache:
+    def _slot_step(self, stack: Stack, layers: Tuple[int, int], sessions: Sequence[SlotSession], hs: Sequence[Any],
+                   bucketed: bool) -> List[Any]:
+        """One step of slot sessions: padded to its bucket and replayed from a graph when `bucketed` and the sizes
+        are within the buckets, else eager at its own sizes."""
+        import torch
+
+        segments = [(s.slot, s.length, h.shape[1]) for s, h in zip(sessions, hs)]
+        shape = self.buckets.shape(*exact_shape(segments)) if bucketed and self.graphs.enabled else None
+        rows, tokens, width = shape or exact_shape(segments)
+        index = pad_step(segments, rows, tokens, self.slots.scratch)
+        device = hs[0].device
+        packed = to_device(np.array([index.write_slot, index.write_pos, index.positions], dtype=np.int64), device)
+        rows_t = to_device(np.array(index.rows, dtype=np.int64), device)
+        if all(h.shape[1] == tokens for h in hs):  # every row full (decode steps): one copy
+            hidden = torch.cat([*hs, hs[0].new_zeros(rows - len(hs), tokens, hs[0].shape[-1])])
+        else:
+            hidden = hs[0].new_zeros(rows, tokens, hs[0].shape[-1])
+            for i, h in enumerate(hs):
+                hidden[i, :h.shape[1]] = h[0]
+
+        def step(hidden: Any, rows_t: Any, packed: Any) -> Any:
+            return run_slots(stack, SlotStep(self.slots, rows_t, packed[0], packed[1], width), hidden, packed[2])
+
+        with torch.inference_mode():
+            if shape is None:
+                out = step(hidden, rows_t, packed)
+            else:
+                out = self.graphs.run((layers, shape), step, (hidden, rows_t, packed))
+        for s, (_, _, n) in zip(sessions, segments):
+            s.length += n
+        return [out[i:i + 1, :n] for i, (_, _, n) in enumerate(segments)]
+
+    def _cache(self, job: Job) -> Any:
         cache = self.caches.get(job.sid)
         if cache is None:
-            cache = self.caches[job.sid] = PartCache()
+            slot = self.slots.take() if self.slots is not None else None
+            cache = self.caches[job.sid] = PartCache() if slot is None else SlotSession(slot)
         if cache.length != job.position:
             raise RuntimeError(f"session {job.sid} holds {cache.length} positions here, its segment starts at "
                                f"{job.position}")
@@ -106,31 +218,57 @@ class StageRunner:
 
 
 class ModelEnds:
-    """The target's embeddings and head, on the process that serves (a pipeline's rank 0 keeps them)."""
+    """The target's embeddings and head, on the process that serves (a pipeline's rank 0 keeps them). A step's token
+    ids and wire states go to the model's device together, and its results come back to the host together."""
 
     def __init__(self, model: Any):
         self.model = model
         self.dtype = next(model.parameters()).dtype
+        self.device = model_device(model)
 
-    def embed(self, tokens: Sequence[int]) -> Any:
-        """Input embeddings `# [1, n, hidden]` of token ids, in the model's dtype."""
-        return embed(self.model, tokens)
-
-    def logits(self, out: Any, n: int) -> np.ndarray:
-        """Float32 logits `# [n, vocab]` of the last n positions of final hidden states `out # [1, positions, hidden]`
-        (final norm + LM head)."""
-        return head_logits(self.model, out[:, out.shape[1] - n:])[0].numpy()
-
-    def states_in(self, x: np.ndarray) -> Any:
-        """Shallow states from the wire `# [n, hidden]` (float32) as the layers' input `# [1, n, hidden]`."""
+    def rows(self, wants: Sequence[Tuple[Any, int, int]]) -> List[Optional[np.ndarray]]:
+        """What each finished work wants of its output states `out # [1, positions, hidden]`, given as (out, logits,
+        states): the float32 logits `# [logits, vocab]` of its last positions (final norm + LM head), or its last deep
+        states `# [states, hidden]` float32 for the wire, or None. One head over every work's rows and one copy to the
+        host for all."""
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)[None]
+        heads = [out[0, out.shape[1] - n:] for out, n, _ in wants if n]
+        states = [out[0, out.shape[1] - k:] for out, n, k in wants if not n and k]
+        logits = (to_host(head_logits(self.model, torch.cat(heads)[None])[0]) if heads else None)
+        deep = to_host(torch.cat(states)) if states else None
+        result: List[Optional[np.ndarray]] = []
+        at_logits = at_states = 0
+        for _, n, k in wants:
+            if n:
+                result.append(logits[at_logits:at_logits + n])
+                at_logits += n
+            elif k:
+                result.append(deep[at_states:at_states + k])
+                at_states += k
+            else:
+                result.append(None)
+        return result
 
-    @staticmethod
-    def states_out(out: Any, n: int) -> np.ndarray:
-        """The last n deep states of `out # [1, positions, hidden]` as float32 `# [n, hidden]` for the wire."""
-        return out[0, out.shape[1] - n:].float().numpy()
+    def inputs(self, host: Sequence[np.ndarray]) -> List[Any]:
+        """The layers' inputs `# [1, n, hidden]` (the model's dtype, on its device) of a step's segments, each given
+        on the host: token ids `# [n]` (int64: their embeddings) or shallow states from the wire `# [n, hidden]`
+        (float32). Each kind crosses to the device in one copy, the token ids through one embedding lookup."""
+        import torch
+
+        out: List[Any] = [None] * len(host)
+        for is_tokens in (True, False):
+            idx = [i for i, x in enumerate(host) if (x.ndim == 1) == is_tokens]
+            if not idx:
+                continue
+            x = to_device(np.concatenate([host[i] for i in idx]), self.device)
+            with torch.inference_mode():
+                x = self.model.model.embed_tokens(x[None]) if is_tokens else x.to(self.dtype)[None]
+            at = 0
+            for i in idx:
+                out[i] = x[:, at:at + len(host[i])]
+                at += len(host[i])
+        return out
 
 
 class LocalExecutor:
@@ -138,8 +276,8 @@ class LocalExecutor:
 
     depth = 1  # batches in flight
 
-    def __init__(self, model: Any):
-        self.runner = StageRunner(model)
+    def __init__(self, model: Any, layout: KvLayout = KvLayout()):
+        self.runner = StageRunner(model, layout=layout)
         self._done: List[Tuple[int, List[Any], float, Tuple[float, ...]]] = []
 
     @property
@@ -164,17 +302,19 @@ class LocalExecutor:
 
 
 class Engine:
-    """The scheduler and an executor: queue sessions' work with its input states, `step()` to compute."""
+    """The scheduler and an executor: queue sessions' work with its inputs on the host (token ids or wire states),
+    `step()` to compute: each launched batch's inputs go to the model's device together (ModelEnds.inputs)."""
 
-    def __init__(self, scheduler: Scheduler, executor: Any):
+    def __init__(self, scheduler: Scheduler, executor: Any, ends: ModelEnds):
         if scheduler.config.max_in_flight != executor.depth:
             raise ValueError(f"the scheduler plans {scheduler.config.max_in_flight} batches ahead, the executor "
                              f"holds {executor.depth}")
         self.scheduler = scheduler
         self.executor = executor
+        self.ends = ends
         self._sid = itertools.count(1)
         self._sessions: Dict[Hashable, Tuple[int, int, int]] = {}  # key → (sid, first layer, stop layer)
-        self._inputs: Dict[int, Any] = {}  # id(work) → `# [1, tokens, hidden]`
+        self._inputs: Dict[int, np.ndarray] = {}  # id(work) → token ids `# [n]` or states `# [n, hidden]`
         self._partial: Dict[int, List[Any]] = {}  # id(work) → outputs of its segments so far
         self._launched: List[Batch] = []  # batches in flight, oldest first
         self.launches = 0  # batches launched so far
@@ -199,10 +339,11 @@ class Engine:
         self.scheduler.crop(key, length)
         self.executor.apply([(CROP, self._sessions[key][0], length)])
 
-    def submit(self, key: Hashable, kind: str, states: Any, tag: Any = None) -> Work:
-        """Queue `states # [1, n, hidden]` (SchedulerRefusal, nothing queued, if it cannot be taken)."""
-        work = self.scheduler.submit(key, kind, states.shape[1], tag)
-        self._inputs[id(work)] = states
+    def submit(self, key: Hashable, kind: str, host: np.ndarray, tag: Any = None) -> Work:
+        """Queue token ids `# [n]` (int64) or shallow states `# [n, hidden]` (float32) of a session (SchedulerRefusal,
+        nothing queued, if it cannot be taken)."""
+        work = self.scheduler.submit(key, kind, len(host), tag)
+        self._inputs[id(work)] = host
         return work
 
     def held(self, key: Hashable) -> Tuple[int, int]:
@@ -233,12 +374,12 @@ class Engine:
             for seg in batch.segments:
                 sid, start, stop = self._sessions[seg.session]
                 jobs.append(Job(sid, start, stop, seg.start, seg.n))
-                xs.append(self._inputs[id(seg.work)][:, seg.offset:seg.offset + seg.n])
+                xs.append(self._inputs[id(seg.work)][seg.offset:seg.offset + seg.n])
                 if seg.final:
                     del self._inputs[id(seg.work)]
             self._launched.append(batch)
             self.launches += 1
-            self.executor.launch(batch.step, jobs, xs)
+            self.executor.launch(batch.step, jobs, self.ends.inputs(xs))
         finished, reports = [], []
         for step, outs, compute_s, stage_s in self.executor.collect():
             batch = self._launched.pop(0)

@@ -26,7 +26,7 @@ from cloud_runtime.batching import Batcher, Finished
 from cloud_runtime.cache_runner import CacheRunner
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.handlers import Handlers, ModelFacts, Pending, ServerStats
-from cloud_runtime.runner import LocalExecutor, ModelEnds
+from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
 from cloud_runtime.scheduler import SchedulerConfig
 from cloud_runtime.zap import DOMAIN, ZapAllowList
 from hat_split.files.atomic import write_json
@@ -83,7 +83,7 @@ class CloudServer:
                 raise ValueError(f"pipeline stages need a model the partition knows: {facts.split_refusal}")
             self.batcher: Any = CacheRunner(lm, scheduler_config(config, lm), config.max_draft_len + 1, self.load)
         else:
-            executor = LocalExecutor(lm.model) if executor is None else executor
+            executor = LocalExecutor(lm.model, kv_layout(config, lm.model)) if executor is None else executor
             self.batcher = Batcher(scheduler_config(config, lm, executor.depth), executor, ModelEnds(lm.model),
                                    self.load, config.max_draft_len + 1)
         self.stats = ServerStats()

@@ -45,7 +45,8 @@ FLAG_KEYS = {  # argparse dest → the EdgeConfig key (dotted: nested table) it 
     "link_policy": "link.link_policy", "curve_secret": "link.security.secret_key",
     "curve_server_key": "link.security.server_key",
     "backend": "engine.backend", "bundle": "engine.bundle", "precision": "engine.precision",
-    "threads": "engine.threads", "dtype": "engine.dtype", "weight_quant": "engine.weight_quant",
+    "threads": "engine.threads", "dtype": "engine.dtype", "device": "engine.device",
+    "weight_quant": "engine.weight_quant",
     "token_draft": "engine.token_draft", "n_ctx": "engine.n_ctx", "n_batch": "engine.n_batch",
     "n_gpu_layers": "engine.n_gpu_layers",
     "device_profile": "device_profile", "draft_len": "draft_len", "draft_stop_prob": "draft_stop_prob",
@@ -121,6 +122,9 @@ def _add_edge_args(g) -> None:
     g.add_argument("--retries", type=int, default=d["connect_retries"].default)
     g.add_argument("--threads", type=int, default=0, help="torch or llama.cpp threads (0: their default)")
     g.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES, help="draft model dtype")
+    g.add_argument("--device", default=d["device"].default, metavar="auto|cpu|cuda|cuda:N",
+                   help="torch backend: where the draft runs (default %(default)s: a CUDA GPU when present, as a "
+                        "Jetson's; else the CPU)")
     g.add_argument("--weight-quant", default=d["weight_quant"].default, choices=WEIGHT_QUANTS,
                    help="int8: dynamic int8 linear layers for the draft (CPU, ~2x faster drafting)")
     g.add_argument("--draft-stop-prob", type=float, default=d["draft_stop_prob"].default,

@@ -12,6 +12,7 @@ from edge_runtime.policy.policies import POLICIES
 from hat_split.files.bundle import PRECISIONS
 from hat_split.math.calibration import Calibration
 from hat_split.math.uncertainty import PerturbationConfig
+from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.dist_codec import MAX_ELL, MAX_SPARSE_K, WIRE_DTYPES
@@ -176,6 +177,8 @@ class EngineConfig:
     precision: str = "fp32"  # which of the bundle's artifacts: fp32 | fp16 | int8 | int4
     providers: tuple = ()  # onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU
     dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
+    device: str = "auto"  # torch backend: where the model runs: auto (a CUDA GPU when present: a Jetson's) | cpu |
+    # cuda | cuda:N (hat_split.models.placement); the bundle backends choose theirs by providers / TensorRT
     threads: int = 0  # torch intra-op threads, or llama.cpp threads (llamacpp); 0 keeps their default (every core)
     weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
     token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
@@ -193,6 +196,10 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        check_device(self.device)
+        if self.device != "auto" and self.backend not in ("torch",):
+            raise ValueError(f"device applies to the torch backend; backend {self.backend} places itself "
+                             f"(onnxruntime: providers, tensorrt: the GPU, llamacpp: n_gpu_layers)")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.weight_quant not in WEIGHT_QUANTS:

@@ -27,6 +27,7 @@ from hat_split.models.chat import encode
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer, quantize_weights, vocab_fingerprint
+from hat_split.models.placement import resolve_device
 from hat_split.models.partition import SplitModel, holds_all_layers
 from hat_split.models.registry import MODELS, get_model_spec
 from hat_split.wire import messages as P
@@ -104,7 +105,7 @@ class EdgeRuntime:
         if engine.threads:
             torch.set_num_threads(engine.threads)
         if loaded is None:
-            loaded = load_model(config.model, dtype=engine.dtype)
+            loaded = load_model(config.model, dtype=engine.dtype, device=resolve_device(engine.device))
             quantize_weights(loaded.model, engine.weight_quant)
         elif engine.weight_quant != "none":
             raise ValueError("weight_quant applies when the runtime loads the model; quantize a pre-loaded one first")

@@ -117,7 +117,7 @@ class PartGraph(torch.nn.Module):
         kv = KVIO(past)
         hidden = self.model.model.embed_tokens(x) if self.spec.tokens_in else x
         if len(self.stack):
-            hidden = self.stack._run(kv, hidden, lambda kind, window: masks[kind], position_ids, True)
+            hidden = self.stack.run_layers(kv, hidden, lambda kind, window: masks[kind], position_ids, True)
         if self.spec.logits_out:
             out = head_logits(self.model, hidden.index_select(1, logit_index), train=True).float()
         else:

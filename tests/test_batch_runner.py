@@ -102,7 +102,7 @@ def _serve_plans(engine, stack, plans, h, budget):
             if todo and not engine.scheduler.sessions[s].queue:  # one request in flight per device
                 kind, n = todo.pop(0)
                 x = torch.randn(1, n, h, generator=g)
-                engine.submit(s, kind, x, tag=(s, len(plans[s]) - len(todo) - 1))
+                engine.submit(s, kind, x[0].numpy(), tag=(s, len(plans[s]) - len(todo) - 1))
                 expected[(s, len(plans[s]) - len(todo) - 1)] = stack.forward(alone[s], x)
         finished, reports = engine.step()
         for batch, report in reports:
@@ -121,12 +121,13 @@ PLANS = {"a": [("prefill", 50), ("decode", 1), ("decode", 5)], "b": [("prefill",
 def test_scheduler_and_runner_serve_many_sessions_like_each_alone():
     """Five sessions: a long prompt the scheduler chunks over steps, short prompts, then decode and verify segments;
     every work's output equals running that session alone on its own cache."""
-    from cloud_runtime.runner import Engine, LocalExecutor
+    from cloud_runtime.runner import Engine, LocalExecutor, ModelEnds
     from cloud_runtime.scheduler import Scheduler, SchedulerConfig
 
     model = _family("gemma3")
     stack = Stack(model, 1, 4)
-    engine = Engine(Scheduler(SchedulerConfig(token_budget=16, prefill_floor=4)), LocalExecutor(model))
+    engine = Engine(Scheduler(SchedulerConfig(token_budget=16, prefill_floor=4)), LocalExecutor(model),
+                    ModelEnds(model))
     expected, got, steps = _serve_plans(engine, stack, PLANS, model.config.hidden_size, 16)
     assert set(got) == set(expected)
     for tag, ref in expected.items():

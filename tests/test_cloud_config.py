@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11 (a GPU machine's): the backport
+    import tomli as tomllib
 
 import pytest
 

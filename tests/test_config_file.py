@@ -13,10 +13,14 @@ import dataclasses
 import inspect
 import re
 import sys
-import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11 (a GPU machine's): the backport
+    import tomli as tomllib
 
 import pytest
 import yaml

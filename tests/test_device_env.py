@@ -104,7 +104,9 @@ def test_the_device_wheels_follow_the_device_pythons_markers(tmp_path):
 def smollm2_cloud(smollm2):
     from cloud_runtime.process import CloudProcess
 
-    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32"], threads=1) as cloud:
+    # the device stated and the slot layout CUDA uses (4 slots): every protocol below runs through them
+    with CloudProcess("smollm2-135m", extra_args=["--dtype", "float32", "--device", "cpu", "--kv-layout", "slots",
+                                                  "--kv-positions", "32768"], threads=1) as cloud:
         yield cloud
 
 

@@ -654,9 +654,14 @@ def test_the_runtime_drafts_over_the_vocabulary_each_request_asks_for(smollm2, t
                 rt.generate(ids, "hat", SamplingParams(0.0), 4, seed=0)
 
 
+SLOTS = ["--kv-layout", "slots", "--kv-positions", "32768"]  # 4 slots of 8192 positions (the CUDA layout, on the CPU)
+
+
 @pytest.mark.real_models
 def test_split_protocols_across_processes_equal_full_model_greedy(smollm2, tmp_path):
-    assert "pipeline=1" in _split_across_processes(smollm2, tmp_path, [])
+    """With the device stated (cpu) and the slot layout CUDA uses by default."""
+    info = _split_across_processes(smollm2, tmp_path, ["--device", "cpu", *SLOTS])
+    assert "pipeline=1" in info and "device=cpu" in info and "kv=slots:4x8192 graphs=off" in info, info
 
 
 @pytest.mark.real_models
@@ -672,8 +677,10 @@ def test_split_protocols_on_the_real_qwen_cut_across_processes_equal_full_model_
 @pytest.mark.parametrize("stages", [2, 3])
 def test_torchrun_pipeline_stages_equal_the_single_process_result(smollm2, tmp_path, stages):
     """`hat-cloud serve --pipeline P` starts itself under torchrun: P gloo processes, each with a slice of the middle
-    layers and several batches in flight; a device process gets exactly the single-process (= full model) tokens."""
-    assert f"pipeline={stages}" in _split_across_processes(smollm2, tmp_path, ["--pipeline", str(stages)])
+    layers and several batches in flight; a device process gets exactly the single-process (= full model) tokens.
+    Three stages keep their sessions in slots (the CUDA layout)."""
+    info = _split_across_processes(smollm2, tmp_path, ["--pipeline", str(stages), *(SLOTS if stages == 3 else [])])
+    assert f"pipeline={stages}" in info and ("kv=slots" in info) == (stages == 3), info
 
 
 def test_pipeline_stage_bounds():

@@ -22,6 +22,7 @@ import numpy as np
 
 from edge_runtime.backends.part_lm import PartRunner, empty_cache, run_part
 from hat_split.models.partition import PartCache
+from hat_split.models.placement import model_device, to_device, to_host
 
 
 class PartCacheLike(Protocol):
@@ -91,7 +92,7 @@ class TorchSplitParts:
         return self.lam_stack.forward(cache, states)
 
     def run_output(self, cache, states, n_logits: int, draft: bool = False) -> np.ndarray:
-        return self.split.run_output(cache, states, n_logits, self._draft_rows if draft else None).numpy()
+        return to_host(self.split.run_output(cache, states, n_logits, self._draft_rows if draft else None))
 
     def cat(self, states: List[Any]):
         import torch
@@ -99,12 +100,10 @@ class TorchSplitParts:
         return torch.cat(states, dim=1)
 
     def to_wire(self, states) -> np.ndarray:
-        return states[0].float().numpy()
+        return to_host(states[0])
 
     def from_wire(self, rows: np.ndarray):
-        import torch
-
-        return torch.from_numpy(rows).to(self.split.dtype)[None]
+        return to_device(rows, model_device(self.split.model), self.split.dtype)[None]
 
 
 @dataclass

@@ -146,7 +146,7 @@ def load_adapter(path: str | os.PathLike[str], split: SplitModel) -> Adapter:
     missing, unexpected = adapter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"adapter {path}: weights do not fit (missing {missing}, unexpected {unexpected})")
-    adapter.to(split.dtype).eval()
+    adapter.to(device=split.model.model.embed_tokens.weight.device, dtype=split.dtype).eval()
     for p in adapter.parameters():
         p.requires_grad_(False)
     return adapter

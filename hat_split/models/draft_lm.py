@@ -19,6 +19,7 @@ from hat_split.models.adapter import Adapter, adapter_stack
 from hat_split.models.lm import KVState, board_time, check_crop, check_feed
 from hat_split.models.loading import output_size
 from hat_split.models.partition import PartCache, SplitModel
+from hat_split.models.placement import to_host
 
 
 @dataclass
@@ -50,7 +51,7 @@ class AdapterLM:
         state.length += len(tokens)
         state.forward_s += board_time(time.perf_counter() - t0, self.slowdown)
         state.forward_tokens += len(tokens)
-        return logits.float().numpy().reshape(n_logits, self.vocab_size)
+        return to_host(logits).reshape(n_logits, self.vocab_size)
 
     def crop(self, state: KVState, length: int) -> None:
         check_crop(state, length)

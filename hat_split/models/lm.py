@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Sequence
 import numpy as np
 
 from hat_split.models.loading import output_size
+from hat_split.models.placement import to_host
 
 
 def check_feed(n: int, n_logits: int) -> None:
@@ -113,8 +114,9 @@ class CausalLM:
         check_feed(n, n_logits)
         if state.cache is None:  # full layers everywhere: a sliding-window layer cannot crop back past its window,
             state.cache = DynamicCache()  # and the model's own masks apply the window (Gemma 3's local layers)
-        ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]
-        positions = torch.arange(state.length, state.length + n, dtype=torch.long)  # [n]
+        device = self.model.device
+        ids = torch.tensor([list(tokens)], dtype=torch.long).to(device)  # [1, n]
+        positions = torch.arange(state.length, state.length + n, dtype=torch.long, device=device)  # [n]
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model(
@@ -131,7 +133,7 @@ class CausalLM:
         state.forward_tokens += n
         if n_logits == 0:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
-        return out.logits[0, -n_logits:].float().numpy()  # [n_logits, vocab]
+        return to_host(out.logits[0, -n_logits:])  # [n_logits, vocab]
 
     def greedy(self, ids: Sequence[int], n: int, eos: Sequence[int] = ()) -> List[int]:
         """The model's own greedy continuation of `ids`: n tokens, or fewer ending with one of `eos` (the reference

@@ -135,8 +135,9 @@ def cpu_has_bf16_matmul() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_dtype(dtype: str) -> str:
-    """'auto' → the fastest exact-enough dtype for this machine's matmuls; other names pass through (validated).
+def resolve_dtype(dtype: str, device: Any = "cpu") -> str:
+    """'auto' → the fastest exact-enough dtype for the matmuls of `device` (a torch device or its name); other names
+    pass through (validated).
 
     On a CPU with AMX / AVX512-BF16, bfloat16 makes a multi-token forward (a verification of γ + 1 positions) cost
     about the same as a one-token forward; float32 costs ~1.9x for 5 tokens (docs/ARCHITECTURE.md, "dtypes").
@@ -146,22 +147,19 @@ def resolve_dtype(dtype: str) -> str:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(MODEL_DTYPES)}")
     if dtype != "auto":
         return dtype
-    try:
+    if str(device).startswith("cuda"):  # bfloat16 in hardware from compute capability 8.0 (Ampere, Orin) on
         import torch
 
-        if torch.cuda.is_available():
-            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    except ImportError:
-        pass
+        return "bfloat16" if torch.cuda.get_device_capability(torch.device(device))[0] >= 8 else "float16"
     return "bfloat16" if cpu_has_bf16_matmul() else "float32"
 
 
-def _torch_dtype(dtype: Any) -> Any:
+def _torch_dtype(dtype: Any, device: Any = "cpu") -> Any:
     import torch
 
     if not isinstance(dtype, str):
         return dtype
-    dtype = resolve_dtype(dtype) if dtype == "auto" else dtype
+    dtype = resolve_dtype(dtype, device) if dtype == "auto" else dtype
     value = getattr(torch, dtype, None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16', 'float16'")
@@ -211,8 +209,9 @@ def load_model(name_or_path: str | os.PathLike[str], dtype: Any = "float32", dev
 
     name_or_path: a registry name (`hat_split.models.registry.MODELS`), a Hugging Face directory (with config.json), or
         a .gguf file. A registry model's GGUF is assembled on first use (its packages must be installed).
-    dtype: torch dtype or its name ('float32', 'bfloat16', 'float16', or 'auto': see `resolve_dtype`). GGUF files
-        are dequantised to float32, cached as float32, and cast afterwards.
+    dtype: torch dtype or its name ('float32', 'bfloat16', 'float16', or 'auto': see `resolve_dtype`, for `device`).
+        GGUF files are dequantised to float32, cached as float32, and cast afterwards.
+    device: where the model runs (a torch device: 'cpu', 'cuda:0'; hat_split.models.placement resolves 'auto').
     tokenizer_only: load just the tokenizer (from the cache if valid, else from the GGUF metadata: a few seconds);
         `model` is then None.
     use_cache: False loads a GGUF directly, neither reading nor writing the converted cache.
@@ -300,7 +299,7 @@ def _load_hf(path: Path, dtype: Any, device: Any, tokenizer_only: bool) -> tuple
     tok = AutoTokenizer.from_pretrained(path)
     if tokenizer_only:
         return tok, None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype, device))
     return tok, _finish(model, None, device)
 
 
@@ -365,7 +364,7 @@ def _as_dense(model: Any, gguf: Path) -> Any:
 def _finish(model: Any, dtype: Any, device: Any) -> Any:
     """Cast (if asked), move to `device`, eval mode."""
     if dtype is not None:
-        model = model.to(dtype=_torch_dtype(dtype))
+        model = model.to(dtype=_torch_dtype(dtype, device))
     return model.to(device).eval()
 
 

@@ -77,14 +77,15 @@ class PartCache:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv.values())
 
 
-def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: Optional[int] = None) -> Any:
-    """Mask `# [1, 1, n, width]` of a torch dtype: 0 where query i (position past + i) may attend key j, the dtype's
-    min elsewhere (hat_split.math.masks.allowed: causal, sliding window, padding slots hidden)."""
+def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: Optional[int] = None,
+                  device: Any = "cpu") -> Any:
+    """Mask `# [1, 1, n, width]` of a torch dtype on `device`: 0 where query i (position past + i) may attend key j,
+    the dtype's min elsewhere (hat_split.math.masks.allowed: causal, sliding window, padding slots hidden)."""
     import torch
 
     mask = torch.zeros((n, past + n if width is None else width), dtype=dtype)
     mask.masked_fill_(~torch.from_numpy(allowed(past, n, window, width)), torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask[None, None].to(device)
 
 
 def layer_types(config: Any) -> List[str]:
@@ -132,8 +133,10 @@ class Stack:
             raise ValueError("a part needs at least one position")
         past = cache.length
         t0 = time.perf_counter()
-        hidden = self._run(cache, hidden, lambda kind, window: additive_mask(past, n, window, hidden.dtype),
-                           torch.arange(past, past + n)[None], train)
+        device = hidden.device
+        hidden = self.run_layers(cache, hidden, lambda kind, window: additive_mask(past, n, window, hidden.dtype,
+                                                                                   device=device),
+                                 torch.arange(past, past + n, device=device)[None], train)
         cache.length += n
         cache.forward_s += time.perf_counter() - t0
         cache.forward_tokens += n
@@ -156,8 +159,8 @@ class Stack:
         padded = hiddens[0].new_zeros(len(hiddens), batch.n, hiddens[0].shape[-1])
         for i, h in enumerate(hiddens):
             padded[i, :h.shape[1]] = h[0]
-        out = self._run(batch, padded, lambda kind, window: batch.mask(window, padded.dtype), batch.positions(),
-                        False)
+        out = self.run_layers(batch, padded, lambda kind, window: batch.mask(window, padded.dtype, padded.device),
+                              batch.positions(padded.device), False)
         dt = (time.perf_counter() - t0) / len(caches)
         for cache, n in zip(caches, lengths):
             cache.length += n
@@ -165,7 +168,9 @@ class Stack:
             cache.forward_tokens += n
         return [out[i:i + 1, :n] for i, n in enumerate(lengths)]
 
-    def _run(self, cache: Any, hidden: Any, mask_for: Any, positions: Any, train: bool) -> Any:
+    def run_layers(self, cache: Any, hidden: Any, mask_for: Any, positions: Any, train: bool) -> Any:
+        """The layers on `hidden # [B, n, hidden]` at `positions # [B, n]`: `cache` is what their attention calls
+        update(key, value, layer) on, `mask_for(kind, window)` gives each layer type's additive mask."""
         import torch
 
         layers = self.layers
@@ -209,18 +214,18 @@ class BatchCache:
             values[i, :, :past + n] = v[0]
         return keys, values
 
-    def positions(self) -> Any:
+    def positions(self, device: Any = "cpu") -> Any:
         """`# [B, n_max]` absolute positions of every row's queries (padding continues the row's count)."""
         import torch
 
-        return torch.stack([torch.arange(p, p + self.n) for p in self.pasts])
+        return torch.stack([torch.arange(p, p + self.n) for p in self.pasts]).to(device)
 
-    def mask(self, window: Optional[int], dtype: Any) -> Any:
+    def mask(self, window: Optional[int], dtype: Any, device: Any = "cpu") -> Any:
         """`# [B, 1, n_max, width]`: each row's causal (and sliding-window) mask over its own slots; padded queries
         see their row like a valid one would (their outputs are dropped)."""
         import torch
 
-        return torch.cat([additive_mask(p, self.n, window, dtype, self.width) for p in self.pasts])
+        return torch.cat([additive_mask(p, self.n, window, dtype, self.width) for p in self.pasts]).to(device)
 
 
 @dataclass
@@ -278,7 +283,8 @@ class SplitModel:
         else:
             cache.length += n
         if n_logits == 0:
-            return torch.zeros(0, self.model.config.vocab_size if rows is None else rows.shape[0])
+            return torch.zeros(0, self.model.config.vocab_size if rows is None else rows.shape[0],
+                               device=hidden.device)
         return head_logits(self.model, hidden[:, n - n_logits:], rows=rows)[0]
 
     def fingerprint(self) -> str:
@@ -289,8 +295,9 @@ def embed(model: Any, tokens: Sequence[int]) -> Any:
     """Input embeddings `# [1, n, hidden]` of token ids (Gemma's scale is inside its embedding module)."""
     import torch
 
+    weight = model.model.embed_tokens.weight
     with torch.inference_mode():
-        return model.model.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))
+        return model.model.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long).to(weight.device))
 
 
 def head_logits(model: Any, hidden: Any, train: bool = False, rows: Any = None) -> Any:
@@ -382,5 +389,5 @@ def model_fingerprint(model: Any) -> str:
     h.update(repr((cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)).encode())
     tensors = [model.model.norm.weight] + [layer.input_layernorm.weight for layer in model.model.layers]
     for t in tensors:
-        h.update(t.detach().to(torch.bfloat16).to(torch.float32).numpy().tobytes())
+        h.update(t.detach().to(torch.bfloat16).to(torch.float32).cpu().numpy().tobytes())
     return h.hexdigest()[:32]

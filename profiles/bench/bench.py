@@ -35,6 +35,8 @@ from profiles.bench.bench_edge import run as run_edge
 from profiles.bench.bench_engines import add_parser as add_engines_parser
 from profiles.bench.bench_engines import run as run_engines
 from profiles.bench.bench_fleet import add_parser as add_fleet_parser
+from profiles.bench.bench_gpu import add_parser as add_gpu_parser
+from profiles.bench.bench_gpu import run as run_gpu
 from profiles.bench.bench_fleet import run as run_fleet
 from profiles.bench.bench_hat import add_parser as add_hat_parser
 from profiles.bench.bench_hat import run as run_hat
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_qs_parser(sub)
     add_hat_parser(sub)
     add_fleet_parser(sub)
+    add_gpu_parser(sub)
     add_edge_parser(sub)
     add_engines_parser(sub)
     add_fuzz_parser(sub)
@@ -233,10 +236,10 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command in ("qs", "hat", "fleet", "edge", "engines", "fuzz", "soak"):
+    if args.command in ("qs", "hat", "fleet", "edge", "engines", "fuzz", "soak", "gpu"):
         try:
             return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge, "engines": run_engines,
-                    "fuzz": run_fuzz, "soak": run_soak}[args.command](args)
+                    "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu}[args.command](args)
         except ValueError as exc:
             print(f"hat-bench {args.command}: {exc}", file=sys.stderr)
             return 2

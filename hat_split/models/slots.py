@@ -1,0 +1,111 @@
+"""A static KV layout for the cloud's batched steps: every session's keys and values in a slot of buffers allocated
+once, so a step's tensors have shapes that depend only on its bucket (cloud_runtime.buckets) and the step can be
+captured as a CUDA graph and replayed (hat_split.models.graphs).
+
+Layout: per layer range [lo, hi) of one process, keys and values `# [layers, slots + 1, kv_heads, length, head_dim]`.
+Slot `slots` is scratch: the padding of a bucketed step (rows beyond the batch, positions beyond a row's segment)
+writes there, so real slots only ever hold their session's positions.
+
+A step is described by index tensors on the model's device (all int64):
+- `rows # [B]`: the slot each batch row reads;
+- `write_slot, write_pos # [B, n]`: where each query position's new key and value go (scratch for padding);
+- `positions # [B, n]`: each query's absolute position (rotary embeddings and the mask);
+and a static `width`, the key positions [0, width) a row attends over (the mask hides those after the query).
+Equal to `Stack.forward_batch` on `PartCache`s up to float rounding (tests/test_slots.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from hat_split.models.partition import Stack
+
+
+def kv_geometry(config: Any) -> tuple:
+    """(kv_heads, head_dim) of a model's attention layers."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return kv_heads, head_dim
+
+
+def slot_bytes(config: Any, layers: int, length: int, dtype_bytes: int) -> int:
+    """Bytes of one slot's keys and values: layers x 2 x kv_heads x length x head_dim x the dtype's size."""
+    kv_heads, head_dim = kv_geometry(config)
+    return layers * 2 * kv_heads * length * head_dim * dtype_bytes
+
+
+class SlotKV:
+    """Keys and values of layers [lo, hi) for `slots` sessions of up to `length` positions each, preallocated."""
+
+    def __init__(self, model: Any, lo: int, hi: int, slots: int, length: int):
+        import torch
+
+        if slots < 1 or length < 1 or not 0 <= lo < hi:
+            raise ValueError(f"a slot layout needs slots >= 1, length >= 1 and layers, got {slots}, {length}, "
+                             f"[{lo}, {hi})")
+        weight = model.model.embed_tokens.weight if hasattr(model.model.embed_tokens, "weight") else \
+            next(model.parameters())
+        kv_heads, head_dim = kv_geometry(model.config)
+        self.lo, self.hi, self.slots, self.length = lo, hi, slots, length
+        self.scratch = slots  # the padding's slot
+        shape = (hi - lo, slots + 1, kv_heads, length, head_dim)
+        self.k = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.v = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self._free: List[int] = list(range(slots - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def take(self) -> Optional[int]:
+        """A free slot, or None when all are held."""
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not held")
+        self._free.append(slot)
+
+
+@dataclass
+class SlotStep:
+    """The `past_key_values` of one step on a SlotKV: each layer's update writes the new keys and values at their
+    (slot, position) and returns the rows' slots over [0, width)."""
+
+    kv: SlotKV
+    rows: Any  # [B]
+    write_slot: Any  # [B, n]
+    write_pos: Any  # [B, n]
+    width: int
+
+    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None):
+        layer = layer_idx - self.kv.lo  # key, value: [B, kv_heads, n, head_dim]
+        k, v = self.kv.k[layer], self.kv.v[layer]  # [slots + 1, kv_heads, length, head_dim]
+        k[self.write_slot, :, self.write_pos] = key.transpose(1, 2).to(k.dtype)  # [B, n, kv_heads, head_dim]
+        v[self.write_slot, :, self.write_pos] = value.transpose(1, 2).to(v.dtype)
+        return k[self.rows, :, :self.width], v[self.rows, :, :self.width]
+
+
+def slot_mask(positions: Any, width: int, window: Optional[int], dtype: Any) -> Any:
+    """`# [B, 1, n, width]` additive mask: query at position p sees keys t <= p (and t > p - window for a sliding
+    layer); the dtype's min elsewhere. Built from tensors only, so a captured graph rebuilds it on replay."""
+    import torch
+
+    t = torch.arange(width, device=positions.device)[None, None, :]  # [1, 1, width]
+    p = positions[:, :, None]  # [B, n, 1]
+    ok = t <= p
+    if window is not None:
+        ok = ok & (t > p - window)
+    mask = torch.zeros(ok.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill(~ok, torch.finfo(dtype).min)[:, None]
+
+
+def run_slots(stack: Stack, step: SlotStep, hidden: Any, positions: Any) -> Any:
+    """Layers of `stack` on `hidden # [B, n, hidden]` at `positions # [B, n]`, keys and values in `step`'s slots;
+    returns `# [B, n, hidden]`. Only tensor operations: capturable as a CUDA graph."""
+    return stack.run_layers(step, hidden, lambda kind, window: slot_mask(positions, step.width, window, hidden.dtype),
+                      positions, False)

@@ -1,0 +1,241 @@
+"""`hat-bench gpu`: the cloud's batched steps on a GPU, per model shape, against the memory-bandwidth limit.
+
+The models are randomly initialised with the real architectures (profiles/bench/gpu_models/*.json: Hugging Face
+configs of Qwen2.5-1.5B, Qwen2.5-7B, SmolLM2-135M); a step's time does not depend on the weights' values, so no
+weights travel to the GPU machine. Every figure runs through the cloud's own StageRunner and ModelEnds (embeddings,
+layers on the session's KV, final norm + head, logits copied to the host), in three ways:
+
+- `dynamic`: growing caches (the CPU cloud's layout), eager;
+- `slots`: the static slot layout (hat_split.models.slots), eager;
+- `graphs`: the slot layout with decode / verify steps replayed from captured CUDA graphs (CUDA only).
+
+Per model and way: single-session decode tokens/s at a 512-token context, verify-step time for γ = 1..8 (γ + 1
+positions, cropped back after each), batched decode steps of 1..64 sessions (tokens/s of the whole cloud), prefill
+tokens/s of a 2k prompt (eager in every way: prefill is not captured). The limit: a decode step must read every weight
+once, so tokens/s ≤ measured copy bandwidth / weight bytes, where the bandwidth is a device-to-device copy's bytes
+read + written per second. Writes JSON and a PNG under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+
+MODELS_DIR = Path(__file__).resolve().parent / "gpu_models"
+MODELS = ("smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b")
+WAYS = ("dynamic", "slots", "graphs")
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("gpu", help="the cloud's decode / verify / batched / prefill steps on a GPU: eager vs CUDA "
+                                   "graphs, against the memory-bandwidth limit (random weights, real shapes)")
+    s.add_argument("--models", default=",".join(MODELS),
+                   help="names in profiles/bench/gpu_models, or paths of Hugging Face config.json files")
+    s.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default %(default)s)")
+    s.add_argument("--dtype", default="auto", help="auto (bfloat16 where the device has it) | float32 | ...")
+    s.add_argument("--context", type=int, default=512, help="positions held before the decode / verify steps")
+    s.add_argument("--prefill", type=int, default=2048, help="prompt positions of the prefill figure")
+    s.add_argument("--batches", default="1,2,4,8,16,32,64", help="sessions per batched step")
+    s.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="drafts per verify step (γ + 1 positions)")
+    s.add_argument("--steps", type=int, default=32, help="timed steps per figure (after one untimed)")
+    s.add_argument("--out", default="runs/gpu-bench", help="directory of gpu_bench.json and gpu_bench.png")
+
+
+def model_config(name: str) -> Any:
+    from transformers import AutoConfig
+
+    path = Path(name) if name.endswith(".json") else MODELS_DIR / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in sorted(MODELS_DIR.glob("*.json")))
+        raise ValueError(f"unknown model shape {name!r}: one of {known}, or a config.json path")
+    data = json.loads(path.read_text())
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def random_model(config: Any, device: str, dtype: Any) -> Any:
+    """The architecture with random weights, built directly on the device in its dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of `nbytes` (best of 5)."""
+    import torch
+
+    from hat_split.models.placement import synchronize
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+class Cloud:
+    """One way of running the cloud's steps on a model: a StageRunner and the model's ends, sessions by id."""
+
+    def __init__(self, model: Any, way: str, max_rows: int, length: int):
+        from cloud_runtime.runner import KvLayout, ModelEnds, StageRunner
+
+        layout = KvLayout() if way == "dynamic" else KvLayout(max_rows + 1, length, way == "graphs", 9, max_rows)
+        self.runner = StageRunner(model, layout=layout)
+        self.ends = ModelEnds(model)
+        self.layers = model.config.num_hidden_layers
+        self.vocab = model.config.vocab_size
+        self.held: Dict[int, int] = {}
+
+    def step(self, work: Dict[int, List[int]]) -> None:
+        """One batched step: each session's tokens embedded, run, and its last position's logits to the host."""
+        from cloud_runtime.runner import Job
+
+        jobs = [Job(sid, 0, self.layers, self.held.get(sid, 0), len(tokens)) for sid, tokens in work.items()]
+        xs = self.ends.inputs([np.asarray(tokens, dtype=np.int64) for tokens in work.values()])
+        outs, _ = self.runner.run(jobs, xs)
+        self.ends.rows([(out, 1, 0) for out in outs])
+        for sid, tokens in work.items():
+            self.held[sid] = self.held.get(sid, 0) + len(tokens)
+
+    def crop(self, sid: int, length: int) -> None:
+        from cloud_runtime.runner import CROP
+
+        self.runner.apply([(CROP, sid, length)])
+        self.held[sid] = length
+
+    def close(self) -> None:
+        from cloud_runtime.runner import CLOSE
+
+        self.runner.apply([(CLOSE, sid, 0) for sid in self.held])
+        self.held.clear()
+
+
+def timed(fn, steps: int) -> float:
+    """Seconds per call of fn (one untimed call first: graphs are captured there)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(model: Any, way: str, args: argparse.Namespace, batches: List[int], gammas: List[int]) -> Dict[str, Any]:
+    import random
+
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+
+    def tokens(n: int) -> List[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    length = max(args.context + max(gammas) + 2 * args.steps + 8, args.prefill + 1)
+    cloud = Cloud(model, way, max(batches), length)
+    out: Dict[str, Any] = {}
+    cloud.step({0: tokens(args.context)})  # the single session's context
+
+    def decode():
+        cloud.step({0: tokens(1)})
+        cloud.crop(0, args.context)
+
+    out["decode_tok_s"] = 1 / timed(decode, args.steps)
+    verify = {}
+    for g in gammas:
+        def step(g=g):
+            cloud.step({0: tokens(g + 1)})
+            cloud.crop(0, args.context)
+
+        verify[str(g)] = timed(step, max(4, args.steps // 4)) * 1e3
+    out["verify_ms"] = verify
+    cloud.close()
+    batched = {}
+    for b in batches:
+        cloud.step({sid: tokens(min(args.context, 256)) for sid in range(1, b + 1)})
+
+        def many(b=b):
+            cloud.step({sid: tokens(1) for sid in range(1, b + 1)})
+            for sid in range(1, b + 1):
+                cloud.crop(sid, min(args.context, 256))
+
+        batched[str(b)] = b / timed(many, max(4, args.steps // 4))
+        cloud.close()
+    out["batched_tok_s"] = batched
+    t = timed(lambda: (cloud.step({99: tokens(args.prefill)}), cloud.close()), 2)
+    out["prefill_tok_s"] = args.prefill / t
+    out["graphs"] = cloud.runner.graphs.report()
+    cloud.close()
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hat_split.models.loading import resolve_dtype
+    from hat_split.models.placement import is_cuda, resolve_device
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    batches = [int(x) for x in args.batches.split(",")]
+    gammas = [int(x) for x in args.gammas.split(",")]
+    ways = WAYS if is_cuda(device) else WAYS[:2]
+    bandwidth = copy_bandwidth(device, (1 << 30) if is_cuda(device) else (1 << 27))
+    result: Dict[str, Any] = {"device": device, "name": torch.cuda.get_device_name(device) if is_cuda(device)
+                              else "cpu", "dtype": dtype, "torch": torch.__version__, "copy_GBps": bandwidth / 1e9,
+                              "context": args.context, "steps": args.steps, "models": {}}
+    print(f"{result['name']}: {dtype}, device-to-device copy {bandwidth / 1e9:.0f} GB/s", flush=True)
+    for name in args.models.split(","):
+        config = model_config(name)
+        model = random_model(config, device, getattr(torch, dtype))
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        limit = bandwidth / weight_bytes  # tokens/s if a decode only read the weights once
+        row: Dict[str, Any] = {"weight_bytes": weight_bytes, "limit_tok_s": limit, "ways": {}}
+        for way in ways:
+            m = measure(model, way, args, batches, gammas)
+            m["decode_of_limit"] = m["decode_tok_s"] / limit
+            row["ways"][way] = m
+            print(f"{Path(name).stem} {way:>7}: decode {m['decode_tok_s']:.1f} tok/s "
+                  f"({100 * m['decode_of_limit']:.0f} % of the {limit:.0f} tok/s limit), verify γ=4 "
+                  f"{m['verify_ms'].get('4', float('nan')):.2f} ms, {batches[-1]} sessions "
+                  f"{m['batched_tok_s'][str(batches[-1])]:.0f} tok/s, prefill {m['prefill_tok_s']:.0f} tok/s",
+                  flush=True)
+        if "graphs" in row["ways"]:
+            row["graphs_over_eager_decode"] = (row["ways"]["graphs"]["decode_tok_s"]
+                                               / row["ways"]["slots"]["decode_tok_s"])
+        result["models"][Path(name).stem] = row
+        del model
+        if is_cuda(device):
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / 'gpu_bench.json'}; {plot(result, out / 'gpu_bench.png') or 'and gpu_bench.png'}")
+    return 0
+
+
+def plot(result: Dict[str, Any], path: Path) -> str:
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    models = result["models"]
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.2 * len(models)), squeeze=False)
+    for (name, row), (ax_v, ax_b) in zip(models.items(), axes):
+        for way, m in row["ways"].items():
+            ax_v.plot([int(g) for g in m["verify_ms"]], list(m["verify_ms"].values()), marker="o", label=way)
+            ax_b.plot([int(b) for b in m["batched_tok_s"]], list(m["batched_tok_s"].values()), marker="o", label=way)
+        ax_v.set(title=f"{name}: verify step", xlabel="γ (drafts)", ylabel="ms")
+        ax_b.set(title=f"{name}: batched decode (limit {row['limit_tok_s']:.0f} tok/s per session)",
+                 xlabel="sessions", ylabel="tokens/s", xscale="log")
+    return save_figure(fig, axes, str(path))

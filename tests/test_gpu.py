@@ -1,0 +1,109 @@
+"""The cloud and the device on a CUDA GPU (gpu-marked: skipped without CUDA; scripts/gpu_check.sh runs them on a lent
+GPU machine). Tiny random models are enough here: each test compares a path with the same model run alone, in
+float32, on the same GPU."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud_runtime.runner import KvLayout, StageRunner
+from hat_split.math.sampling import SamplingParams
+from hat_split.models.adapter import Adapter
+from hat_split.models.lm import CausalLM
+from tests.conftest import serving, tiny_model
+
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (scripts/gpu_check.sh)")]
+
+
+def test_greedy_protocols_on_cuda_equal_the_model_alone():
+    """sd, hlm, llm (token protocols) and ushape, hat (split) on a CUDA cloud (slots + graphs: the defaults there)
+    with the device's model on the same GPU: the target's own greedy tokens."""
+    from tests.test_generation import PROMPT, _run
+    from tests.test_hat import _run_split
+
+    draft, target = CausalLM(tiny_model(1, 1).cuda()), CausalLM(tiny_model(2, 2).cuda())
+    ref = target.greedy(PROMPT, 24)
+    with serving(target, device="cuda") as server:
+        runner = server.batcher.engine.executor.runner
+        assert runner.slots is not None and runner.graphs.enabled
+        for protocol in ("sd", "hlm", "llm"):
+            assert _run(server, draft, protocol, SamplingParams(0.0))[0].tokens == ref, protocol
+        adapter = Adapter(target.model, 1).eval().requires_grad_(False).cuda()
+        for protocol in ("ushape", "hat"):
+            res = _run_split(server, target.model, protocol, SamplingParams(0.0), n=24, chunk_tokens=3, eta=0.0,
+                             max_draft=4, adapter=adapter if protocol == "hat" else None)
+            assert res.tokens == ref, protocol
+        assert runner.graphs.replays > 0, runner.graphs.report()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_graph_captured_steps_equal_eager_steps(family):
+    """The script of prefill chunks, decodes, verifies, crops and closes (tests/test_slots.py): replayed CUDA graphs
+    give the eager growing caches' outputs, float32."""
+    from tests.test_hat import _family
+    from tests.test_slots import _replay
+
+    model = _family(family).cuda()
+    base = _replay(StageRunner(model), model)
+    runner = StageRunner(model, layout=KvLayout(slots=4, length=64, graphs=True, decode_limit=5, max_rows=4))
+    outs = _replay(runner, model)
+    for a, b in zip(base, outs):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+    assert runner.graphs.captures > 0 and runner.graphs.replays > 0
+
+
+def tiny_model_dir(path: Path) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, saved as a Hugging Face directory (processes load
+    it by path). The tokenizer: $HATSPEC_GPU_TOKENIZER (scripts/gpu_kit.sh carries it), else the local cache's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = Path(os.environ.get("HATSPEC_GPU_TOKENIZER", Path.home() / ".cache/hatspec/hf/smollm2-135m"))
+    if not (source / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer at {source} (run scripts/gpu_kit.sh)")
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def test_cloud_and_device_processes_on_cuda_equal_the_model_alone(tmp_path):
+    """`hat-cloud serve --device cuda` and `hat-edge generate` (device auto: the GPU) as processes over loopback:
+    ushape, hat, sd and llm give the model's own greedy tokens (float32, the model alone on the GPU)."""
+    from hat_split.models.loading import load_model
+    from tests.test_hat import _split_across_processes
+
+    loaded = load_model(tiny_model_dir(tmp_path / "tiny"), dtype="float32", device="cuda")
+    loaded.name = str(tmp_path / "tiny")
+    info = _split_across_processes(loaded, tmp_path, ["--device", "cuda"])
+    assert "device=cuda:0" in info and "graphs=on" in info, info
+
+
+def test_two_pipeline_stages_need_two_gpus(tmp_path):
+    """`--pipeline 2 --device cuda` on one GPU: refused in one line (NCCL needs one GPU per rank); on two or more GPUs
+    the stages serve and a device process gets the model's tokens."""
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() >= 2:
+        from hat_split.models.loading import load_model
+        from tests.test_hat import _split_across_processes
+
+        loaded = load_model(tiny_model_dir(tmp_path / "tiny"), dtype="float32", device="cuda")
+        loaded.name = str(tmp_path / "tiny")
+        assert "pipeline=2" in _split_across_processes(loaded, tmp_path, ["--device", "cuda", "--pipeline", "2"])
+        return
+    r = subprocess.run([sys.executable, "-m", "cloud_runtime.cli", "serve", "--model", "unused", "--pipeline", "2",
+                        "--device", "cuda", "--plaintext"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "NCCL needs one GPU per stage" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
