@@ -71,7 +71,6 @@ class KvLayout:
     decode_limit: int = 17  # positions per row of a step that is decode / verify (max_draft_len + 1)
     max_rows: int = 64  # sessions per step the graph buckets reach
 
-
     def describe(self) -> str:
         if not self.slots:
             return "kv=dynamic"
@@ -92,7 +91,8 @@ def kv_layout(config: Any, model: Any) -> KvLayout:
     if not (config.kv_layout == "slots" or (config.kv_layout == "auto" and on_gpu)):
         return KvLayout()
     weight = next(model.parameters())
-    per_slot = slot_bytes(model.config, model.config.num_hidden_layers, config.max_context, weight.element_size())
+    layers = sum(not getattr(layer, "freed", False) for layer in model.model.layers)  # a pipeline stage: its slice
+    per_slot = slot_bytes(model.config, layers, config.max_context, weight.element_size())
     room = int(SLOT_MEMORY_SHARE * available_bytes(weight.device)) // per_slot - 1  # one slot is the scratch
     slots = min(config.max_sessions, max(1, config.kv_positions // config.max_context), room)
     if slots < 1:
@@ -229,8 +229,8 @@ class ModelEnds:
     def rows(self, wants: Sequence[Tuple[Any, int, int]]) -> List[Optional[np.ndarray]]:
         """What each finished work wants of its output states `out # [1, positions, hidden]`, given as (out, logits,
         states): the float32 logits `# [logits, vocab]` of its last positions (final norm + LM head), or its last deep
-        states `# [states, hidden]` float32 for the wire, or None. One head over every work's rows and one copy to the
-        host for all."""
+        states `# [states, hidden]` float32 for the wire, or None. One head over every work's logits rows; one copy to
+        the host of all logits, one of all states."""
         import torch
 
         heads = [out[0, out.shape[1] - n:] for out, n, _ in wants if n]
