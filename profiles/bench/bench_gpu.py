@@ -13,7 +13,8 @@ Per model and way: single-session decode tokens/s at a 512-token context, verify
 positions, cropped back after each), batched decode steps of 1..64 sessions (tokens/s of the whole cloud), prefill
 tokens/s of a 2k prompt (eager in every way: prefill is not captured). The limit: a decode step must read every weight
 once, so tokens/s ≤ measured copy bandwidth / weight bytes, where the bandwidth is a device-to-device copy's bytes
-read + written per second. Writes JSON and a PNG under --out.
+read + written per second. The ways are measured side by side: each figure's steps are split into rounds in which the
+ways take turns. Writes JSON and a PNG under --out.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 
@@ -75,8 +76,9 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
 
     from hat_split.models.placement import synchronize
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # written: an untouched host page reads as the one
+    dst = torch.ones_like(src)  # shared zero page, from cache
+
     best = float("inf")
     for _ in range(6):
         synchronize(device)
@@ -124,16 +126,32 @@ class Cloud:
         self.held.clear()
 
 
-def timed(fn, steps: int) -> float:
-    """Seconds per call of fn (one untimed call first: graphs are captured there)."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - t0) / steps
+ROUNDS = 3  # each figure's timed steps are split into this many rounds, the ways taking turns (interleaved)
 
 
-def measure(model: Any, way: str, args: argparse.Namespace, batches: List[int], gammas: List[int]) -> Dict[str, Any]:
+def interleaved(clouds: Dict[str, Cloud], setup: Callable[[Cloud], None], step: Callable[[Cloud], None],
+                steps: int) -> Dict[str, float]:
+    """Seconds per step of each way: `setup` on each cloud, one untimed step each (graphs are captured there), then
+    ROUNDS rounds in which every way in turn times steps / ROUNDS steps; the clouds' sessions are closed after."""
+    per_round = max(1, steps // ROUNDS)
+    total = {way: 0.0 for way in clouds}
+    for cloud in clouds.values():
+        setup(cloud)
+        step(cloud)
+    for _ in range(ROUNDS):
+        for way, cloud in clouds.items():
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                step(cloud)
+            total[way] += time.perf_counter() - t0
+    for cloud in clouds.values():
+        cloud.close()
+    return {way: t / (ROUNDS * per_round) for way, t in total.items()}
+
+
+def measure(model: Any, ways: Sequence[str], args: argparse.Namespace, batches: List[int],
+            gammas: List[int]) -> Dict[str, Dict[str, Any]]:
+    """Every figure of one model, the ways interleaved."""
     import random
 
     rng = random.Random(0)
@@ -142,41 +160,49 @@ def measure(model: Any, way: str, args: argparse.Namespace, batches: List[int], 
     def tokens(n: int) -> List[int]:
         return [rng.randrange(vocab) for _ in range(n)]
 
-    length = max(args.context + max(gammas) + 2 * args.steps + 8, args.prefill + 1)
-    cloud = Cloud(model, way, max(batches), length)
-    out: Dict[str, Any] = {}
-    cloud.step({0: tokens(args.context)})  # the single session's context
+    length = max(args.context + max(gammas) + 8, args.prefill + 1)
+    clouds = {way: Cloud(model, way, max(batches), length) for way in ways}
+    out: Dict[str, Dict[str, Any]] = {way: {} for way in ways}
+    ctx = args.context
 
-    def decode():
-        cloud.step({0: tokens(1)})
-        cloud.crop(0, args.context)
+    def one_session(c: Cloud) -> None:
+        c.step({0: tokens(ctx)})
 
-    out["decode_tok_s"] = 1 / timed(decode, args.steps)
-    verify = {}
+    def decode(n: int) -> Callable[[Cloud], None]:
+        def step(c: Cloud) -> None:  # a decode (n = 1) or a verify of n − 1 drafts, cropped back
+            c.step({0: tokens(n)})
+            c.crop(0, ctx)
+        return step
+
+    for way, t in interleaved(clouds, one_session, decode(1), args.steps).items():
+        out[way]["decode_tok_s"] = 1 / t
+        out[way]["verify_ms"] = {}
     for g in gammas:
-        def step(g=g):
-            cloud.step({0: tokens(g + 1)})
-            cloud.crop(0, args.context)
-
-        verify[str(g)] = timed(step, max(4, args.steps // 4)) * 1e3
-    out["verify_ms"] = verify
-    cloud.close()
-    batched = {}
+        for way, t in interleaved(clouds, one_session, decode(g + 1), max(ROUNDS, args.steps // 4)).items():
+            out[way]["verify_ms"][str(g)] = t * 1e3
+    held = min(ctx, 256)
+    for way in ways:
+        out[way]["batched_tok_s"] = {}
     for b in batches:
-        cloud.step({sid: tokens(min(args.context, 256)) for sid in range(1, b + 1)})
+        def sessions(c: Cloud, b: int = b) -> None:
+            c.step({sid: tokens(held) for sid in range(1, b + 1)})
 
-        def many(b=b):
-            cloud.step({sid: tokens(1) for sid in range(1, b + 1)})
+        def many(c: Cloud, b: int = b) -> None:
+            c.step({sid: tokens(1) for sid in range(1, b + 1)})
             for sid in range(1, b + 1):
-                cloud.crop(sid, min(args.context, 256))
+                c.crop(sid, held)
 
-        batched[str(b)] = b / timed(many, max(4, args.steps // 4))
-        cloud.close()
-    out["batched_tok_s"] = batched
-    t = timed(lambda: (cloud.step({99: tokens(args.prefill)}), cloud.close()), 2)
-    out["prefill_tok_s"] = args.prefill / t
-    out["graphs"] = cloud.runner.graphs.report()
-    cloud.close()
+        for way, t in interleaved(clouds, sessions, many, max(ROUNDS, args.steps // 4)).items():
+            out[way]["batched_tok_s"][str(b)] = b / t
+
+    def prefill(c: Cloud) -> None:
+        c.step({99: tokens(args.prefill)})
+        c.close()
+
+    for way, t in interleaved(clouds, lambda c: None, prefill, ROUNDS).items():
+        out[way]["prefill_tok_s"] = args.prefill / t
+    for way, cloud in clouds.items():
+        out[way]["graphs"] = cloud.runner.graphs.report()
     return out
 
 
@@ -191,22 +217,22 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
     ways = WAYS if is_cuda(device) else WAYS[:2]
-    bandwidth = copy_bandwidth(device, (1 << 30) if is_cuda(device) else (1 << 27))
+    bandwidth = copy_bandwidth(device, 1 << 30)  # 1 GiB: beyond any cache
     result: Dict[str, Any] = {"device": device, "name": torch.cuda.get_device_name(device) if is_cuda(device)
                               else "cpu", "dtype": dtype, "torch": torch.__version__, "copy_GBps": bandwidth / 1e9,
                               "context": args.context, "steps": args.steps, "models": {}}
     print(f"{result['name']}: {dtype}, device-to-device copy {bandwidth / 1e9:.0f} GB/s", flush=True)
     for name in args.models.split(","):
         config = model_config(name)
+        label = Path(name).stem if name.endswith(".json") else name
         model = random_model(config, device, getattr(torch, dtype))
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         limit = bandwidth / weight_bytes  # tokens/s if a decode only read the weights once
         row: Dict[str, Any] = {"weight_bytes": weight_bytes, "limit_tok_s": limit, "ways": {}}
-        for way in ways:
-            m = measure(model, way, args, batches, gammas)
+        for way, m in measure(model, ways, args, batches, gammas).items():
             m["decode_of_limit"] = m["decode_tok_s"] / limit
             row["ways"][way] = m
-            print(f"{Path(name).stem} {way:>7}: decode {m['decode_tok_s']:.1f} tok/s "
+            print(f"{label} {way:>7}: decode {m['decode_tok_s']:.1f} tok/s "
                   f"({100 * m['decode_of_limit']:.0f} % of the {limit:.0f} tok/s limit), verify γ=4 "
                   f"{m['verify_ms'].get('4', float('nan')):.2f} ms, {batches[-1]} sessions "
                   f"{m['batched_tok_s'][str(batches[-1])]:.0f} tok/s, prefill {m['prefill_tok_s']:.0f} tok/s",
@@ -214,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         if "graphs" in row["ways"]:
             row["graphs_over_eager_decode"] = (row["ways"]["graphs"]["decode_tok_s"]
                                                / row["ways"]["slots"]["decode_tok_s"])
-        result["models"][Path(name).stem] = row
+        result["models"][label] = row
         del model
         if is_cuda(device):
             torch.cuda.empty_cache()
@@ -236,6 +262,8 @@ def plot(result: Dict[str, Any], path: Path) -> str:
             ax_v.plot([int(g) for g in m["verify_ms"]], list(m["verify_ms"].values()), marker="o", label=way)
             ax_b.plot([int(b) for b in m["batched_tok_s"]], list(m["batched_tok_s"].values()), marker="o", label=way)
         ax_v.set(title=f"{name}: verify step", xlabel="γ (drafts)", ylabel="ms")
-        ax_b.set(title=f"{name}: batched decode (limit {row['limit_tok_s']:.0f} tok/s per session)",
-                 xlabel="sessions", ylabel="tokens/s", xscale="log")
+        sizes = [int(b) for b in next(iter(row["ways"].values()))["batched_tok_s"]]
+        ax_b.plot(sizes, [row["limit_tok_s"] * b for b in sizes], "k--", lw=0.8, label="weights read once a step")
+        ax_b.set(title=f"{name}: batched decode", xlabel="sessions", ylabel="tokens/s", xscale="log",
+                 yscale="log")
     return save_figure(fig, axes, str(path))
