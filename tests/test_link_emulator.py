@@ -191,7 +191,9 @@ def test_rate_each_direction_independently():
 
     def measure() -> dict:
         measured = transfer_both_ways(profile, 2_500_000)
-        assert rate_error(measured) < 0.25, measured
+        # gross errors fail at once (a shaper not applied reads ~100x; one direction shaped by the other's rate 2x);
+        # a hiccup of the 2-core machine's scheduler (seen: one attempt 30 % slow) is retried by best_of
+        assert rate_error(measured) < 0.5, measured
         return measured
 
     measured = best_of(measure, lambda m: rate_error(m) < 0.10, "rates (bytes/s)")
