@@ -105,12 +105,13 @@ class Batcher:
     def kv_used(self) -> int:
         return self.scheduler.kv_used
 
-    def open(self, key: Hashable, start: int, stop: int) -> None:
-        """A session of layers [start, stop) (the full model for token protocols); replaces an open one."""
+    def open(self, key: Hashable, start: int, stop: int, owner: Hashable = None) -> None:
+        """A session of device `owner` on layers [start, stop) (the full model for token protocols); replaces an open
+        one."""
         if key in self.scheduler.sessions:
             self.close(key)
         try:
-            self.engine.open(key, start, stop)
+            self.engine.open(key, start, stop, owner)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
 
@@ -118,6 +119,14 @@ class Batcher:
         """Forget a session (nothing happens for one never opened)."""
         for w in self.engine.close(key):
             self._queued.pop(id(w), None)
+
+    def kv_cost(self, start: int, stop: int) -> int:
+        return self.ends.kv_cost(start, stop)
+
+    def held_bytes(self, key: Hashable) -> int:
+        """Bytes of KV cache a session holds (its context and queued work); 0 for one not open."""
+        s = self.scheduler.sessions.get(key)
+        return s.held_bytes if s is not None else 0
 
     def held(self, key: Hashable) -> Tuple[int, int]:
         """(positions computed, positions queued) of a session; (0, 0) for one not open."""

@@ -25,6 +25,7 @@ import numpy as np
 from cloud_runtime.batching import Finished, StepStats
 from cloud_runtime.scheduler import Batch, Scheduler, SchedulerConfig, SchedulerRefusal
 from hat_split.math.chunking import DelayModel
+from hat_split.models.slots import slot_bytes
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.cloud")
@@ -66,11 +67,11 @@ class CacheRunner:
     def kv_used(self) -> int:
         return self.scheduler.kv_used
 
-    def open(self, key: Hashable, start: int, stop: int) -> None:
-        """A session with an empty cache (always the whole model here); replaces an open one."""
+    def open(self, key: Hashable, start: int, stop: int, owner: Hashable = None) -> None:
+        """A session of device `owner` with an empty cache (always the whole model here); replaces an open one."""
         self.close(key)
         try:
-            self.scheduler.open(key)
+            self.scheduler.open(key, owner, self.kv_cost(start, stop))
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
         try:
@@ -83,6 +84,20 @@ class CacheRunner:
         for work in self.scheduler.close(key):
             self._queued.pop(id(work), None)
         self.caches.pop(key, None)  # a llama.cpp state gives its sequence back when collected
+
+    def kv_cost(self, start: int, stop: int) -> int:
+        """Bytes of KV cache per position of a session (always the whole model here): llama.cpp's f16 cache, a torch
+        model's in its dtype; 0 for a model that does not say (tests' chains)."""
+        if hasattr(self.lm, "kv_bytes_per_position"):
+            return int(self.lm.kv_bytes_per_position())
+        model = getattr(self.lm, "model", None)
+        if model is None or not hasattr(model, "config"):
+            return 0
+        return slot_bytes(model.config, model.config.num_hidden_layers, 1, next(model.parameters()).element_size())
+
+    def held_bytes(self, key: Hashable) -> int:
+        s = self.scheduler.sessions.get(key)
+        return s.held_bytes if s is not None else 0
 
     def held(self, key: Hashable) -> Tuple[int, int]:
         """(positions cached, positions queued) of a session; (0, 0) for one not open."""

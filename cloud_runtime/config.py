@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cloud_runtime.quotas import parse_bytes
 from hat_split.models.llamacpp_rpc import parse_endpoints
 from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES
@@ -39,6 +40,14 @@ class CloudConfig:
     token_budget: int = 512  # positions per batched step, all sessions (cloud_runtime.scheduler): bounds step latency
     prefill_floor: int = 64  # positions of each step kept for waiting prompt work, so decoding cannot starve it
     kv_positions: int = 1 << 18  # KV cache positions of the batched steps, all sessions together (memory bound)
+    kv_memory: str = "auto"  # bytes of KV cache all sessions together may hold, each position at its session's cost
+    # (a size: 8GiB, 512MiB; or auto: the KV slots plus half the memory free on the model's device at start, logged)
+    device_sessions: int = 16  # quota: sessions one device may hold at once (0: only max_sessions)
+    device_kv_memory: str = "100%"  # quota: KV cache one device may hold: a size, or a percentage of kv_memory (by
+    # default none below the cloud's own: fair-share eviction keeps room for the others)
+    device_in_flight: int = 16  # quota: requests of one device being computed at once (0: no quota)
+    device_prompt_tokens_per_min: int = 0  # quota: prompt positions one device may send per minute (0: no quota)
+    # (a device's allow-list entry may carry its own: NAME.quota.toml beside NAME.key, docs/SECURITY.md)
     security: LinkSecurity = LinkSecurity()  # CurveZMQ with an allow-list unless mode = "plaintext" (a lab only)
     stats_json: str = ""  # path: on exit, write the server's counters and per-step log here (benchmarks); "" none
     status_file: str = ""  # path: while serving, rewrite the same report here (hat-fleet status); "" none
@@ -90,6 +99,12 @@ class CloudConfig:
             raise ValueError(f"n_batch={self.n_batch} cannot hold a verify of max_draft_len + 1 = "
                              f"{self.max_draft_len + 1} positions in one llama_decode")
         check_device(self.device)
+        if self.kv_memory != "auto":
+            parse_bytes(self.kv_memory, "kv_memory")
+        device_kv_share(self.device_kv_memory, 1)  # names a bad value
+        for name in ("device_sessions", "device_in_flight", "device_prompt_tokens_per_min"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no quota), got {getattr(self, name)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.graphs not in GRAPHS:
@@ -102,3 +117,16 @@ class CloudConfig:
             raise ValueError("pipeline stages on CUDA take the GPU of their local rank: give device = cuda (or auto)")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+
+
+def device_kv_share(text: str, kv_bytes: int) -> int:
+    """A device's KV quota in bytes: a size, or a percentage of the cloud's `kv_bytes` ("0" or "0%": no quota)."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        try:
+            pct = float(text.strip()[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 <= pct <= 100:
+            raise ValueError(f"device_kv_memory must be a size or a percentage in 0..100%, got {text!r}")
+        return int(kv_bytes * pct / 100)
+    return parse_bytes(text, "device_kv_memory")

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequ
 import numpy as np
 
 from cloud_runtime.config import CloudConfig
+from cloud_runtime.quotas import Holding, Quota, QuotaBook, QuotaExceeded, Usage, eviction_order
 from cloud_runtime.sessions import MiddleSession, TokenSession
 from hat_split.math.chunking import DelayModel, chunk_size
 from hat_split.math.sampling import SamplingParams
@@ -86,11 +87,15 @@ class ModelWork(Protocol):
 
     stages: int  # pipeline stages of the middle part
 
-    def open(self, key: Hashable, start: int, stop: int) -> None: ...
+    def open(self, key: Hashable, start: int, stop: int, owner: Hashable = None) -> None: ...
 
     def close(self, key: Hashable) -> None: ...
 
     def held(self, key: Hashable) -> Tuple[int, int]: ...  # (positions computed, positions queued)
+
+    def held_bytes(self, key: Hashable) -> int: ...  # bytes of KV cache a session holds (context and queued)
+
+    def kv_cost(self, start: int, stop: int) -> int: ...  # bytes of KV cache per position of layers [start, stop)
 
     def crop(self, key: Hashable, length: int) -> None: ...
 
@@ -103,7 +108,9 @@ class Handlers:
     """One method per request type; sessions, peers and devices are the server's tables, shared."""
 
     def __init__(self, config: CloudConfig, model: ModelFacts, work: ModelWork, load: DelayModel,
-                 stats: ServerStats, sessions: Dict[Key, Any], peers: Dict[bytes, float], devices: Dict[bytes, dict]):
+                 stats: ServerStats, sessions: Dict[Key, Any], peers: Dict[bytes, float], devices: Dict[bytes, dict],
+                 quotas: Optional[QuotaBook] = None, kv_bytes: int = 0):
+        """quotas: each device's quotas (default: none); kv_bytes: the cloud's KV memory, for fair shares."""
         self.config = config
         self.model = model
         self.work = work
@@ -112,6 +119,10 @@ class Handlers:
         self.sessions = sessions  # (identity, session id) → TokenSession or MiddleSession
         self.peers = peers  # identity → monotonic time of its last message, for devices that said Hello
         self.devices = devices  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
+        self.quotas = quotas or QuotaBook(Quota())
+        self.kv_bytes = kv_bytes
+        self.users: Dict[bytes, str] = {}  # identity → the allow-list name it authenticated with (CurveZMQ)
+        self.evicted = 0  # sessions evicted to make room
         self.limits = P.Limits(model.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
         self._received_at = 0.0  # perf_counter() when the request being handled was taken off the socket
         self._request_bytes = 0  # its size
@@ -132,14 +143,18 @@ class Handlers:
             P.Hidden: self._deep,
         }
 
-    def handle(self, identity: bytes, msg: Any, received_at: float, request_bytes: int) -> Optional[P.Message]:
-        """The reply to one decoded request, or None when it is answered once its work is computed."""
+    def handle(self, identity: bytes, msg: Any, received_at: float, request_bytes: int,
+               user: str = "") -> Optional[P.Message]:
+        """The reply to one decoded request, or None when it is answered once its work is computed. `user`: the
+        allow-list name the connection authenticated with (CurveZMQ), "" on a plaintext link."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise P.ProtocolError("unexpected", f"{type(msg).__name__} is not a request the cloud accepts")
         if type(msg) is not P.Hello and identity not in self.peers:
             raise P.ProtocolError("no_handshake", "send Hello before any other request")
         self.peers[identity] = time.monotonic()
+        if user:
+            self.users[identity] = user
         self._received_at, self._request_bytes = received_at, request_bytes
         return handler(identity, msg)
 
@@ -193,10 +208,73 @@ class Handlers:
                 entry[key] = getattr(state, key)
         entry["reported_at"] = time.time()
 
+    # -- devices: quotas and room ---------------------------------------------------------------------------------
+    def device_of(self, identity: bytes) -> Any:
+        """Who quotas and fair shares count: the allow-list name the connection authenticated with, else (a plaintext
+        link) the device id its Hello declared, else the connection."""
+        return self.users.get(identity) or self.devices.get(identity, {}).get("device_id") or identity
+
+    def usage(self, device: Any) -> Usage:
+        """What a device holds now: sessions, their KV bytes, requests being computed, prompt tokens this minute."""
+        u = Usage(prompt_tokens=self.quotas.prompt_tokens(device, time.monotonic()))
+        for key, s in self.sessions.items():
+            if s.device == device:
+                u.sessions += 1
+                u.kv_bytes += self.work.held_bytes(key)
+                u.in_flight += bool(self.work.held(key)[1])
+        return u
+
+    def _charge(self, identity: bytes, key: Key, cost: int, positions: int, new_session: bool = False,
+                prompt: int = 0) -> Any:
+        """Refuse (ProtocolError "quota", naming the quota and the usage) a request that would take its device past a
+        quota: a new session, `positions` more KV positions at `cost` bytes each, one more request being computed,
+        `prompt` prompt tokens (spent with `_spend` once the work is queued). Returns the device."""
+        device = self.device_of(identity)
+        busy = key in self.sessions and bool(self.work.held(key)[1])
+        try:
+            self.quotas.check(device, self.usage(device), sessions=int(new_session), kv_bytes=cost * positions,
+                              in_flight=int(positions > 0 and not busy), prompt_tokens=prompt)
+        except QuotaExceeded as exc:
+            raise P.ProtocolError("quota", str(exc)) from None
+        return device
+
+    def _spend(self, device: Any, prompt: int) -> None:
+        """Count prompt tokens a device sent, once its work is queued."""
+        self.quotas.spend_prompt(device, prompt, time.monotonic())
+
+    def _with_room(self, identity: bytes, key: Key, fn: Callable[[], Any]) -> Any:
+        """fn() (it opens a session or queues work); when the cloud is out of KV memory or sessions, evict idle
+        sessions (cloud_runtime.quotas.eviction_order) one at a time and try again, until it fits or none is left."""
+        while True:
+            try:
+                return fn()
+            except P.ProtocolError as exc:
+                if exc.code not in ("memory_full", "busy") or not self._evict_one(identity, key):
+                    raise
+
+    def _evict_one(self, identity: bytes, spare: Key) -> bool:
+        """Close the first idle session eviction picks; its device reopens it from its own history when it next
+        asks ("no_session"). False when none may go."""
+        holdings = [Holding(k, s.device, self.work.held_bytes(k), not self.work.held(k)[1], s.last_active)
+                    for k, s in self.sessions.items()]
+        capacity = self.kv_bytes or sum(h.kv_bytes for h in holdings)
+        order = eviction_order(holdings, capacity, self.device_of(identity), spare)
+        if not order:
+            return False
+        victim = order[0]
+        log.info("evicted session %s of device %s (idle, %d KV bytes) to make room for device %s", victim.key[1],
+                 victim.device, victim.kv_bytes, self.device_of(identity))
+        self.work.close(victim.key)
+        del self.sessions[victim.key]
+        self.evicted += 1
+        return True
+
     # -- sessions -------------------------------------------------------------------------------------------------
-    def _admit(self, key: Key) -> None:
-        if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
-            raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+    def _admit(self, identity: bytes, key: Key) -> None:
+        def room() -> None:
+            if key not in self.sessions and len(self.sessions) >= self.config.max_sessions:
+                raise P.ProtocolError("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
+        self._with_room(identity, key, room)
 
     def _session(self, identity: bytes, msg: Any, kind: type = TokenSession) -> Any:
         """The session a request continues, checked to be in step with the device."""
@@ -273,17 +351,22 @@ class Handlers:
         except ValueError as exc:
             raise P.ProtocolError("invalid", f"sampling: {exc}") from None
         key = (identity, msg.session_id)
-        self._admit(key)
-        self.sessions.pop(key, None)  # reopening an id replaces the old session (which may have been a split one)
-        self.work.open(key, 0, self.model.layers)
-        session = TokenSession(msg.session_id, msg.protocol, TargetState(params, msg.seed, prompt.tolist()))
-        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         self._observe(identity, msg.device)
+        cost = self.work.kv_cost(0, self.model.layers)
+        device = self._charge(identity, key, cost, len(prompt) - 1, key not in self.sessions, len(prompt))
+        self._admit(identity, key)
+        self.sessions.pop(key, None)  # reopening an id replaces the old session (which may have been a split one)
+        self._with_room(identity, key, lambda: self.work.open(key, 0, self.model.layers, device))
+        session = TokenSession(msg.session_id, msg.protocol, TargetState(params, msg.seed, prompt.tolist()),
+                               device)
+        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         self.sessions[key] = session
         self.stats.sessions_opened += 1
         if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
             return P.SessionOpened(msg.session_id, 1, 0.0)
-        self.work.submit_tokens(key, session.tokens[:-1], 0, Pending(identity, msg, session))
+        self._with_room(identity, key, lambda: self.work.submit_tokens(key, session.tokens[:-1], 0,
+                                                                       Pending(identity, msg, session)))
+        self._spend(device, len(prompt))
         return None
 
     def _opened(self, p: Pending, _: None) -> P.Message:
@@ -305,8 +388,9 @@ class Handlers:
             raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent with it")
         key, drafts = (identity, msg.session_id), draft.tolist()
         feed = session.tokens[self.work.held(key)[0]:] + new.tolist() + drafts
+        self._charge(identity, key, self.work.kv_cost(0, self.model.layers), len(feed))
         pending = Pending(identity, msg, session, self._uplink_bps(session, msg.idle_s), draft=drafts, q=q)
-        self.work.submit_tokens(key, feed, L + 1, pending)
+        self._with_room(identity, key, lambda: self.work.submit_tokens(key, feed, L + 1, pending))
         session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
         session.step = msg.step
         return None
@@ -332,7 +416,8 @@ class Handlers:
             return P.Generated(msg.session_id, msg.step, np.zeros(0, np.int32), len(session.tokens), 0.0)
         key = (identity, msg.session_id)
         feed = session.tokens[self.work.held(key)[0]:] + new.tolist()
-        self.work.submit_tokens(key, feed, 1, Pending(identity, msg, session))
+        self._charge(identity, key, self.work.kv_cost(0, self.model.layers), len(feed) + msg.n)
+        self._with_room(identity, key, lambda: self.work.submit_tokens(key, feed, 1, Pending(identity, msg, session)))
         session.tokens.extend(new.tolist())
         session.step = msg.step
         return None
@@ -341,8 +426,9 @@ class Handlers:
         """Sample the next token from logits `# [1, vocab]`; one token per step, like any decoding device."""
         p.generated.append(p.session.target.sample_next(logits))
         msg = p.msg
-        if len(p.generated) < msg.n:
-            self.work.submit_tokens((p.identity, msg.session_id), p.generated[-1:], 1, p)
+        if len(p.generated) < msg.n:  # the request's next position (its quota was charged for all n at once)
+            key = (p.identity, msg.session_id)
+            self._with_room(p.identity, key, lambda: self.work.submit_tokens(key, p.generated[-1:], 1, p))
             return None
         return P.Generated(msg.session_id, msg.step, np.asarray(p.generated, np.int32), len(p.session.tokens),
                            p.compute_s)
@@ -365,11 +451,12 @@ class Handlers:
         if msg.hidden_format not in HIDDEN_FORMATS:
             raise P.ProtocolError("invalid", f"hidden_format must be one of {HIDDEN_FORMATS}")
         key = (identity, msg.session_id)
-        self._admit(key)
-        session = MiddleSession(msg.session_id, msg.protocol, msg.hidden_format, msg.start, msg.stop)
-        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         self._observe(identity, msg.device)
-        self.work.open(key, msg.start, msg.stop)
+        device = self._charge(identity, key, 0, 0, key not in self.sessions)
+        self._admit(identity, key)
+        session = MiddleSession(msg.session_id, msg.protocol, msg.hidden_format, msg.start, msg.stop, device)
+        session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        self._with_room(identity, key, lambda: self.work.open(key, msg.start, msg.stop, device))
         self.sessions[key] = session
         self.stats.sessions_opened += 1
         chunk = 0
@@ -400,8 +487,11 @@ class Handlers:
                                       "are still queued")
             self.work.crop(key, msg.position)
             session.position = msg.position
+        prompt = n if n > self.config.max_draft_len + 1 else 0  # a prompt chunk, not a decode / verify
+        device = self._charge(identity, key, self.work.kv_cost(session.start, session.stop), n, prompt=prompt)
         pending = Pending(identity, msg, session, self._uplink_bps(session, msg.idle_s))
-        self.work.submit_states(key, x, msg.want, pending)
+        self._with_room(identity, key, lambda: self.work.submit_states(key, x, msg.want, pending))
+        self._spend(device, prompt)
         session.step = msg.step
         return None
 

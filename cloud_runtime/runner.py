@@ -226,6 +226,10 @@ class ModelEnds:
         self.dtype = next(model.parameters()).dtype
         self.device = model_device(model)
 
+    def kv_cost(self, start: int, stop: int) -> int:
+        """Bytes of KV cache per position of a session on layers [start, stop) (wherever its layers run)."""
+        return slot_bytes(self.model.config, stop - start, 1, next(self.model.parameters()).element_size())
+
     def rows(self, wants: Sequence[Tuple[Any, int, int]]) -> List[Optional[np.ndarray]]:
         """What each finished work wants of its output states `out # [1, positions, hidden]`, given as (out, logits,
         states): the float32 logits `# [logits, vocab]` of its last positions (final norm + LM head), or its last deep
@@ -319,9 +323,10 @@ class Engine:
         self._launched: List[Batch] = []  # batches in flight, oldest first
         self.launches = 0  # batches launched so far
 
-    def open(self, key: Hashable, start: int, stop: int) -> None:
-        """A session of layers [start, stop); its cache is empty (SchedulerRefusal if it cannot be admitted)."""
-        self.scheduler.open(key)
+    def open(self, key: Hashable, start: int, stop: int, owner: Hashable = None) -> None:
+        """A session of device `owner` on layers [start, stop); its cache is empty (SchedulerRefusal if it cannot be
+        admitted)."""
+        self.scheduler.open(key, owner, self.ends.kv_cost(start, stop))
         self._sessions[key] = (next(self._sid), start, stop)
 
     def close(self, key: Hashable) -> List[Work]:

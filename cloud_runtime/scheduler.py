@@ -3,26 +3,30 @@
 Every device request becomes `Work` for one session: prompt positions to prefill (a prompt, or one of HAT's prompt
 chunks) or a short decode / verify segment. Each step `plan()` packs one batch under a token budget:
 
-1. decode / verify work first, whole, the session served least recently first (then the oldest work): each is short
-   and a device is waiting on it. A segment that does not fit in what is left is passed over for smaller ones this
-   step and, not having been served, comes before them next step;
-2. the rest of the budget goes to prefill, oldest request first, split into chunks: a prompt longer than what is left
-   continues in the next step. Whenever prefill is waiting it gets at least `prefill_floor` tokens of every step, so
-   a crowd of decoding devices cannot starve it either.
+1. decode / verify work first, whole: each is short and a device is waiting on it. Devices (a session's `owner`)
+   take turns, the device served least recently first, each contributing its least recently served session's work
+   per turn; so a device with many sessions gets no more of a step than one with a single session while the other
+   waits. A segment that does not fit in what is left is passed over for smaller ones this step and, not having been
+   served, comes before them next step;
+2. the rest of the budget goes to prefill, shared out between the devices waiting with prompts (equal shares, what
+   one cannot use going to the others), each device's oldest request first, split into chunks: a prompt longer than
+   its share continues in the next step. Whenever prefill is waiting it gets at least `prefill_floor` tokens of
+   every step, so a crowd of decoding devices cannot starve it either.
 
 A session's works run in order, one segment per session per step (the runner appends each segment to that session's
 KV cache). With `max_in_flight` > 1 (a pipeline of stages) the next batches are planned before the earlier ones come
 back: a segment starts where the session's planned positions end, and batches are completed in the order planned.
-Memory is a pool of `kv_capacity` positions: a session holds its context plus the work it has queued;
-`open` and `submit` refuse what does not fit, and what exceeds `max_context` or `max_sessions`, with a
-`SchedulerRefusal` naming the numbers; a refusal changes nothing. `crop` gives back rejected draft positions,
-`close` everything a session held.
+Memory is a pool of `kv_capacity` positions and, when `kv_bytes` is set, of that many bytes, each session's
+positions costing its own bytes (a split session's middle layers cost less than a token session's every layer): a
+session holds its context plus the work it has queued; `open` and `submit` refuse what does not fit, and what
+exceeds `max_context` or `max_sessions`, with a `SchedulerRefusal` naming the numbers; a refusal changes nothing.
+`crop` gives back rejected draft positions, `close` everything a session held.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 KINDS = ("prefill", "decode")
 
@@ -44,8 +48,11 @@ class SchedulerConfig:
     max_context: int = 8192  # positions one session may hold
     max_sessions: int = 64
     max_in_flight: int = 1  # batches planned and not yet completed (pipeline stages keep several in flight)
+    kv_bytes: int = 0  # bytes of KV cache, all sessions together (each position at its session's cost); 0: unbounded
 
     def __post_init__(self) -> None:
+        if self.kv_bytes < 0:
+            raise ValueError(f"kv_bytes must be >= 0, got {self.kv_bytes}")
         if min(self.token_budget, self.kv_capacity, self.max_context, self.max_sessions, self.max_in_flight) < 1:
             raise ValueError("token_budget, kv_capacity, max_context, max_sessions and max_in_flight must be >= 1")
         if not 0 <= self.prefill_floor <= self.token_budget:
@@ -97,6 +104,8 @@ class Batch:
 
 @dataclass
 class _Session:
+    owner: Hashable = None  # the device it belongs to: the unit of fairness
+    cost: int = 0  # bytes of KV cache per position
     context: int = 0  # positions in its KV cache
     queue: List[Work] = field(default_factory=list)
     served_at: int = 0  # the last step planned with a segment of it
@@ -110,6 +119,11 @@ class _Session:
     def queued(self) -> int:
         return sum(w.left for w in self.queue)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of KV cache it holds: its context and the work it has queued."""
+        return (self.context + self.queued) * self.cost
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig = SchedulerConfig()):
@@ -118,18 +132,25 @@ class Scheduler:
         self._order = itertools.count()
         self._step = 0
         self._in_flight: List[Batch] = []  # planned, not completed, oldest first
+        self._owner_served: Dict[Hashable, int] = {}  # device → the last step planned with a segment of its
 
     # -- admission --------------------------------------------------------------------------------------------------
     @property
     def kv_used(self) -> int:
         return sum(s.context + s.queued for s in self.sessions.values())
 
-    def open(self, session: Hashable) -> None:
+    @property
+    def kv_bytes_used(self) -> int:
+        return sum(s.held_bytes for s in self.sessions.values())
+
+    def open(self, session: Hashable, owner: Hashable = None, cost: int = 0) -> None:
+        """Admit a session of device `owner` (None: the session is its own device) whose KV cache costs `cost`
+        bytes per position."""
         if session in self.sessions:
             raise SchedulerRefusal("bad_session", f"session {session!r} is already open")
         if len(self.sessions) >= self.config.max_sessions:
             raise SchedulerRefusal("busy", f"the cloud holds its limit of {self.config.max_sessions} sessions")
-        self.sessions[session] = _Session()
+        self.sessions[session] = _Session(session if owner is None else owner, int(cost))
 
     def submit(self, session: Hashable, kind: str, tokens: int, tag: Any = None) -> Work:
         """Queue `tokens` positions of `kind` work for an open session; refused (nothing queued) if it cannot fit."""
@@ -149,6 +170,11 @@ class Scheduler:
         if tokens > free:
             raise SchedulerRefusal("memory_full", f"{tokens} positions of KV cache needed, {free} of "
                                                   f"{self.config.kv_capacity} free")
+        if self.config.kv_bytes:
+            free = self.config.kv_bytes - self.kv_bytes_used
+            if tokens * s.cost > free:
+                raise SchedulerRefusal("memory_full", f"{tokens * s.cost} bytes of KV cache needed ({tokens} "
+                                                      f"positions), {max(free, 0)} of {self.config.kv_bytes} free")
         work = Work(session, kind, int(tokens), next(self._order), tag)
         s.queue.append(work)
         return work
@@ -166,6 +192,8 @@ class Scheduler:
     def close(self, session: Hashable) -> List[Work]:
         """Forget a session; returns its unfinished work (to answer with an error). Memory is free at once."""
         s = self.sessions.pop(session, None)
+        if s is not None and not any(o.owner == s.owner for o in self.sessions.values()):
+            self._owner_served.pop(s.owner, None)
         return list(s.queue) if s else []
 
     # -- steps ----------------------------------------------------------------------------------------------------
@@ -178,21 +206,17 @@ class Scheduler:
         if not heads:
             return None
         budget = self.config.token_budget
-        decodes = sorted((w for w in heads if w.kind == "decode"),
-                         key=lambda w: (self.sessions[w.session].served_at, w.order))
-        prefills = sorted((w for w in heads if w.kind == "prefill"), key=lambda w: w.order)
+        decodes = [w for w in heads if w.kind == "decode"]
+        prefills = [w for w in heads if w.kind == "prefill"]
         unplanned = sum(w.tokens - w.planned for w in prefills)
         room = budget - min(self.config.prefill_floor, unplanned)
         segments: List[Segment] = []
         used = 0
-        for w in decodes:
+        for w in self._turns(decodes, lambda w: (self.sessions[w.session].served_at, w.order)):
             if used + w.tokens <= room:
                 segments.append(self._segment(w, w.tokens))
                 used += w.tokens
-        for w in prefills:
-            n = min(w.tokens - w.planned, budget - used)
-            if n <= 0:
-                break
+        for w, n in self._shares(prefills, budget - used):
             segments.append(self._segment(w, n))
             used += n
         if not segments:
@@ -200,6 +224,7 @@ class Scheduler:
         self._step += 1
         for seg in segments:
             self.sessions[seg.session].served_at = self._step
+            self._owner_served[self.sessions[seg.session].owner] = self._step
         batch = Batch(self._step, segments)
         self._in_flight.append(batch)
         return batch
@@ -237,6 +262,43 @@ class Scheduler:
                 s = self.sessions.get(seg.session)
                 if s is not None:
                     s.in_flight -= seg.n
+        return out
+
+    def _by_owner(self, works: List[Work], key: Any) -> List[List[Work]]:
+        """Works grouped by device, the device served least recently first; each group ordered by `key`."""
+        groups: Dict[Hashable, List[Work]] = {}
+        for w in works:
+            groups.setdefault(self.sessions[w.session].owner, []).append(w)
+        order = sorted(groups, key=lambda o: (self._owner_served.get(o, 0), min(w.order for w in groups[o])))
+        return [sorted(groups[o], key=key) for o in order]
+
+    def _turns(self, works: List[Work], key: Any) -> List[Work]:
+        """Works in turns of the devices: each device's first, then each one's second, …"""
+        groups = self._by_owner(works, key)
+        return [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]
+
+    def _shares(self, works: List[Work], budget: int) -> List[Tuple[Work, int]]:
+        """Prefill positions of `budget` shared out between the devices (equal shares; what a device cannot use goes
+        to the others), each device's works oldest first: (work, positions) with one segment per work."""
+        groups = self._by_owner(works, lambda w: w.order)
+        want = [sum(w.tokens - w.planned for w in g) for g in groups]
+        give = [0] * len(groups)
+        left = budget
+        while left > 0 and any(g < w for g, w in zip(give, want)):
+            hungry = [i for i, (g, w) in enumerate(zip(give, want)) if g < w]
+            share = max(1, left // len(hungry))
+            for i in hungry:
+                n = min(share, want[i] - give[i], left)
+                give[i] += n
+                left -= n
+        out: List[Tuple[Work, int]] = []
+        for g, n in zip(groups, give):
+            for w in g:
+                take = min(n, w.tokens - w.planned)
+                if take <= 0:
+                    break
+                out.append((w, take))
+                n -= take
         return out
 
     def _segment(self, work: Work, n: int) -> Segment:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -24,9 +25,10 @@ import zmq
 
 from cloud_runtime.batching import Batcher, Finished
 from cloud_runtime.cache_runner import CacheRunner
-from cloud_runtime.config import CloudConfig
+from cloud_runtime.config import CloudConfig, device_kv_share
 from cloud_runtime.handlers import Handlers, ModelFacts, Pending, ServerStats
 from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
+from cloud_runtime.quotas import Quota, QuotaBook, allow_list_quotas, format_bytes, parse_bytes
 from cloud_runtime.scheduler import SchedulerConfig
 from cloud_runtime.zap import DOMAIN, ZapAllowList
 from hat_split.files.atomic import write_json
@@ -34,6 +36,7 @@ from hat_split.math.chunking import DelayModel
 from hat_split.models.llamacpp_lm import LlamaCppLM
 from hat_split.models.lm import CausalLM
 from hat_split.models.partition import check_family, model_fingerprint
+from hat_split.models.placement import available_bytes, model_device
 from hat_split.net.security import load_secret
 from hat_split.wire import messages as P
 
@@ -56,7 +59,24 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
                       int(model.config.hidden_size), model_fingerprint(model))
 
 
-def scheduler_config(config: CloudConfig, lm: Any, in_flight: int = 1) -> SchedulerConfig:
+def kv_budget(config: CloudConfig, lm: Any, executor: Any = None) -> Tuple[int, str]:
+    """The cloud's KV memory in bytes (CloudConfig.kv_memory) and how it was chosen, for the log. auto: a llama.cpp
+    context's own (n_ctx positions); otherwise the KV slots already allocated plus half the memory free on the
+    model's device now (after loading the model)."""
+    if config.kv_memory != "auto":
+        return parse_bytes(config.kv_memory, "kv_memory"), "set"
+    if isinstance(lm, LlamaCppLM):
+        return lm.settings.n_ctx * lm.kv_bytes_per_position(), f"llama.cpp's context of {lm.settings.n_ctx} positions"
+    model = getattr(lm, "model", None)
+    device = model_device(model) if model is not None and hasattr(model, "parameters") else "cpu"
+    runner = getattr(executor, "runner", None)
+    slots = runner.slots.nbytes() if getattr(runner, "slots", None) is not None else 0
+    free = available_bytes(device)
+    return slots + free // 2, (f"auto: {format_bytes(slots)} of slots + half of {format_bytes(free)} free on "
+                               f"{device}")
+
+
+def scheduler_config(config: CloudConfig, lm: Any, in_flight: int = 1, kv_bytes: int = 0) -> SchedulerConfig:
     """The scheduler's bounds: the config's, within what a llama.cpp context holds (n_ctx positions of every session
     together, n_seq_max sequences, n_batch positions per llama_decode: one llama_decode per step)."""
     budget, kv, context, sessions = config.token_budget, config.kv_positions, config.max_context, config.max_sessions
@@ -64,7 +84,7 @@ def scheduler_config(config: CloudConfig, lm: Any, in_flight: int = 1) -> Schedu
         s = lm.settings
         budget, kv, context, sessions = (min(budget, s.n_batch), min(kv, s.n_ctx), min(context, s.n_ctx),
                                          min(sessions, s.n_seq_max))
-    return SchedulerConfig(budget, min(config.prefill_floor, budget), kv, context, sessions, in_flight)
+    return SchedulerConfig(budget, min(config.prefill_floor, budget), kv, context, sessions, in_flight, kv_bytes)
 
 
 class CloudServer:
@@ -81,22 +101,51 @@ class CloudServer:
         if facts.split_refusal:  # a layout the batched steps do not know
             if executor is not None:
                 raise ValueError(f"pipeline stages need a model the partition knows: {facts.split_refusal}")
-            self.batcher: Any = CacheRunner(lm, scheduler_config(config, lm), config.max_draft_len + 1, self.load)
+            self.kv_bytes, how = kv_budget(config, lm)
+            self.batcher: Any = CacheRunner(lm, scheduler_config(config, lm, 1, self.kv_bytes),
+                                            config.max_draft_len + 1, self.load)
         else:
             executor = LocalExecutor(lm.model, kv_layout(config, lm.model)) if executor is None else executor
-            self.batcher = Batcher(scheduler_config(config, lm, executor.depth), executor, ModelEnds(lm.model),
-                                   self.load, config.max_draft_len + 1)
+            self.kv_bytes, how = kv_budget(config, lm, executor)
+            self.batcher = Batcher(scheduler_config(config, lm, executor.depth, self.kv_bytes), executor,
+                                   ModelEnds(lm.model), self.load, config.max_draft_len + 1)
+        log.info("KV memory %s (%s); a device may hold %s of it", format_bytes(self.kv_bytes), how,
+                 config.device_kv_memory)
         self.stats = ServerStats()
         self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TokenSession or MiddleSession
         self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
         self.devices: Dict[bytes, dict] = {}  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
+        kv_quota = device_kv_share(config.device_kv_memory, self.kv_bytes)
+        kv_quota = 0 if kv_quota >= self.kv_bytes else kv_quota  # all of it: the cloud's own limits say it first
+        self.quota = Quota(config.device_sessions, kv_quota, config.device_in_flight,
+                           config.device_prompt_tokens_per_min)  # a device's, by default
         self.handlers = Handlers(config, facts, self.batcher, self.load, self.stats, self.sessions, self.peers,
-                                 self.devices)
+                                 self.devices, QuotaBook(self.quota, self._allow_list_quotas()), self.kv_bytes)
         self.zap: Optional[ZapAllowList] = None  # when the link is CurveZMQ
         self._status_at = -1e9  # monotonic time of the last status file
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
         self._running = False
+
+    def _allow_list_quotas(self) -> Dict[str, Quota]:
+        """Per-device quotas of the allow-list entries (NAME.quota.toml), over CurveZMQ; none on plaintext."""
+        security = self.config.security
+        if not security.curve:
+            return {}
+        self._allow_mtime = os.stat(security.allow_dir).st_mtime_ns
+        return allow_list_quotas(security.allow_dir, self.quota)
+
+    def _reload_quotas(self) -> None:
+        """Read the allow-list's quotas again when the directory changed (as the ZAP handler does its keys); a bad
+        file is logged and the quotas in force are kept."""
+        security = self.config.security
+        if not security.curve or os.stat(security.allow_dir).st_mtime_ns == self._allow_mtime:
+            return
+        try:
+            self.handlers.quotas.overrides = self._allow_list_quotas()
+            log.info("allow-list quotas reloaded: %d devices with their own", len(self.handlers.quotas.overrides))
+        except (OSError, ValueError) as exc:
+            log.error("allow-list quotas not reloaded: %s", exc)
 
     # -- lifetime -------------------------------------------------------------------------------------------------
     def __enter__(self) -> "CloudServer":
@@ -161,6 +210,8 @@ class CloudServer:
             now = time.monotonic()
             if now - last_sweep >= 1.0:
                 self.expire_idle(now)
+                self.handlers.quotas.prune(now)
+                self._reload_quotas()
                 last_sweep = now
                 if self.config.status_file and now - self._status_at >= self.config.status_interval_s:
                     self.write_status()
@@ -179,6 +230,7 @@ class CloudServer:
             if not any(k[0] == peer for k in self.sessions):
                 del self.peers[peer]
                 self.devices.pop(peer, None)
+                self.handlers.users.pop(peer, None)
 
     # -- stats ----------------------------------------------------------------------------------------------------
     def report(self) -> dict:
@@ -188,7 +240,11 @@ class CloudServer:
         b = self.batcher.stats
         own = (b.stage_s[0] if b.stage_s else 0.0) + b.head_s
         return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.stages,
-                "sessions": {"open": len(self.sessions), "kv_positions": self.batcher.kv_used},
+                "sessions": {"open": len(self.sessions), "kv_positions": self.batcher.kv_used,
+                             "kv_bytes": self.batcher.scheduler.kv_bytes_used, "kv_budget_bytes": self.kv_bytes,
+                             "evicted": self.handlers.evicted},
+                "quotas": {"default": dataclasses.asdict(self.quota),
+                           "refusals": dict(self.handlers.quotas.refusals)},
                 "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
                 "security": {"mode": self.config.security.mode, **({"accepted": self.zap.accepted,
                                                                      "refused": self.zap.refused} if self.zap else {})},
@@ -213,13 +269,19 @@ class CloudServer:
         """Decode and answer one request (or queue its work: answered by `step`)."""
         frames = [f.buffer if hasattr(f, "buffer") else f for f in raw]
         identity, body = P.split_envelope(frames)
+        user = ""
+        if self.zap is not None and hasattr(raw[-1], "get"):  # the allow-list name ZAP gave this connection
+            try:
+                user = raw[-1].get("User-Id")
+            except zmq.ZMQError:
+                pass
         received_at, size = time.perf_counter(), P.frame_bytes(body)
         self.stats.requests += 1
         self.stats.bytes_in += size
         msg: Any = None
         try:
             msg = P.decode(body, self.config.max_message_bytes)
-            reply = self.handlers.handle(identity, msg, received_at, size)
+            reply = self.handlers.handle(identity, msg, received_at, size, user)
         except P.ProtocolError as exc:
             reply = self._error(exc.code, exc.message, msg)
         except Exception as exc:  # a bug or a compute failure must not take the server down

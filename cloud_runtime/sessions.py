@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import Hashable, List
 
 from hat_split.math.target_state import TargetState
 
@@ -25,6 +25,7 @@ class TokenSession:
     session_id: int
     protocol: str
     target: TargetState  # committed tokens, sampling parameters, the cloud's random stream
+    device: Hashable = None  # the device it belongs to (cloud_runtime.quotas): its quotas and fair share
     step: int = 0  # last request step served
     last_active: float = field(default_factory=time.monotonic)  # monotonic time of the last answer or request
     compute_s: float = 0.0  # model time spent on this session (its share of each batched step), seconds
@@ -44,6 +45,7 @@ class MiddleSession:
     hidden_format: str  # how deep states go back (hat_split.wire.hidden_codec)
     start: int  # the middle layers [start, stop)
     stop: int
+    device: Hashable = None  # the device it belongs to (cloud_runtime.quotas): its quotas and fair share
     position: int = 0  # positions computed (the cache's length, wherever its layers live), as of the last reply
     step: int = 0  # last request step served
     last_active: float = field(default_factory=time.monotonic)  # monotonic time of the last answer or request

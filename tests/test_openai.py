@@ -149,3 +149,69 @@ def test_a_client_that_goes_away_cancels_the_generation(endpoint):
     assert agent.last["finish"] == "cancelled" and agent.last["tokens"] < 400
     r = client.completions.create(model="m", prompt="x = ", max_tokens=4, temperature=0)  # still serving
     assert r.usage.completion_tokens == 4
+
+
+def _post(agent, body):
+    """A raw POST to /v1/completions: (status, Retry-After header or None, JSON body)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(agent.address + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.headers.get("Retry-After"), json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Retry-After"), json.loads(exc.read())
+
+
+@pytest.mark.real_models
+def test_a_full_queue_answers_429_and_the_openai_client_retries(endpoint):
+    """max_queue 0: while one generation runs, another request is answered 429 with Retry-After (the expected wait);
+    the openai client waits that long by itself and gets its answer."""
+    client, agent = endpoint
+    agent.max_queue = 0
+    try:
+        running = threading.Thread(target=lambda: client.completions.create(model="m", prompt=FIB, max_tokens=64,
+                                                                            temperature=0))
+        running.start()
+        deadline = time.monotonic() + 30
+        while agent._admitted == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, retry_after, body = _post(agent, {"prompt": "x = ", "max_tokens": 4})
+        assert status == 429 and int(retry_after) >= 1 and body["error"]["type"] == "rate_limit_exceeded"
+        r = client.with_options(max_retries=6).completions.create(model="m", prompt="x = ", max_tokens=4,
+                                                                  temperature=0)
+        assert r.usage.completion_tokens == 4
+        running.join(timeout=120)
+        assert agent.shed["queue_full"] >= 1
+    finally:
+        agent.max_queue = 8
+
+
+@pytest.mark.real_models
+def test_a_cloud_that_sheds_load_gives_503_and_the_openai_client_retries(endpoint):
+    """The cloud refusing a session for load (busy, memory full, a quota) is answered 503 with Retry-After, not 502;
+    the openai client retries and is served once the cloud takes the request."""
+    from edge_runtime.client import CloudError
+    from hat_split.wire import messages as P
+
+    client, agent = endpoint
+    real, refusals = agent.runtime.generate, []
+
+    def shedding(*args, **kwargs):
+        if len(refusals) < 2:
+            refusals.append(True)
+            raise CloudError(P.Error("busy", "the cloud holds its limit of 64 sessions"))
+        return real(*args, **kwargs)
+
+    agent.runtime.generate = shedding
+    try:
+        status, retry_after, body = _post(agent, {"prompt": "x = ", "max_tokens": 4})
+        assert status == 503 and retry_after == "2" and "the cloud sheds load: busy" in body["error"]["message"]
+        r = client.with_options(max_retries=2).completions.create(model="m", prompt="x = ", max_tokens=4,
+                                                                  temperature=0)
+        assert r.usage.completion_tokens == 4 and len(refusals) == 2 and agent.shed["cloud"] >= 2
+    finally:
+        agent.runtime.generate = real

@@ -161,3 +161,37 @@ def test_a_pipeline_plans_ahead_in_order_and_abandon_gives_positions_back():
     assert [(s.session, s.start, s.n) for s in again.segments] == [("a", 13, 16)]
     with pytest.raises(ValueError, match="max_in_flight"):
         SchedulerConfig(max_in_flight=0)
+
+
+def test_step_budgets_are_shared_by_device_not_by_session():
+    """Device A holds 10 sessions, device B one, every request queued before B's: each step still serves B (its
+    decode, and half the prefill budget), so A's many sessions get no more of a step than B's one while B waits."""
+    sched = Scheduler(SchedulerConfig(token_budget=8, prefill_floor=0))
+    for i in range(10):
+        sched.open(("A", i), owner="A")
+    sched.open(("B", 0), owner="B")
+    for i in range(10):
+        sched.submit(("A", i), "decode", 2)
+    sched.submit(("B", 0), "decode", 2)
+    batch = sched.plan()
+    owners = [seg.session[0] for seg in batch.segments]
+    assert batch.tokens == 8 and owners.count("B") == 1 and owners.count("A") == 3
+    sched.complete(batch)
+    # prompts: A's ten, then B's one; the prefill budget splits evenly between the two devices
+    sched = Scheduler(SchedulerConfig(token_budget=64, prefill_floor=0))
+    for i in range(10):
+        sched.open(("A", i), owner="A")
+        sched.submit(("A", i), "prefill", 100)
+    sched.open(("B", 0), owner="B")
+    sched.submit(("B", 0), "prefill", 100)
+    got = {}
+    for seg in sched.plan().segments:
+        got[seg.session[0]] = got.get(seg.session[0], 0) + seg.n
+    assert got == {"A": 32, "B": 32}
+    # a device with less than its share leaves the rest to the others
+    sched = Scheduler(SchedulerConfig(token_budget=64, prefill_floor=0))
+    for name, n in (("A", 100), ("B", 10), ("C", 100)):
+        sched.open((name, 0), owner=name)
+        sched.submit((name, 0), "prefill", n)
+    got = {seg.session[0]: seg.n for seg in sched.plan().segments}
+    assert got["B"] == 10 and got["A"] + got["C"] == 54 and abs(got["A"] - got["C"]) <= 1

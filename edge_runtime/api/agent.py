@@ -10,12 +10,16 @@ What it does:
   request in the `hatspec` field), `GET /hatspec/status` (the status JSON) and `POST /hatspec/generate` (JSON
   {"prompt", "protocol", "max_tokens", "temperature", "top_p", "seed", "chat"} → the generation's summary);
   generations run one at a time (a device has one draft model);
+- sheds load as OpenAI-compatible servers do, so clients back off and retry by themselves: with `max_queue` requests
+  already waiting, a new one is answered 429 with Retry-After (the expected wait); a request the cloud refuses for
+  load (busy, memory full, a quota of this device) is answered 503 with Retry-After;
 - SIGTERM / SIGINT stop it cleanly: the server closes, the status file says "stopped".
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -28,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
 from edge_runtime.api import openai_api as O
+from edge_runtime.client import CloudError
 from edge_runtime.config import EdgeConfig
 from edge_runtime.runtime import EdgeRuntime
 from hat_split import protocols
@@ -38,6 +43,8 @@ from profiles.device.device_profiles import get_profile
 from profiles.device.jetson_control import ModeCycler
 
 MAX_BODY_BYTES = 1 << 20
+SHED_RETRY_S = {"busy": 2, "memory_full": 2, "quota": 5}  # cloud refusals for load → 503, with Retry-After (s)
+SHED_CODES = tuple(SHED_RETRY_S)
 log = logging.getLogger("hatspec.agent")
 
 
@@ -64,6 +71,7 @@ class AgentConfig:
     default_protocol: str = "sd"  # requests that name none (hat_split.protocols)
     mode_cycle: tuple = ()  # nvpmodel modes (ids or names of the device profile) to switch among ...
     mode_every: int = 0  # ... every this many requests (HAT's testbed); () / 0: never switch
+    max_queue: int = 8  # requests that may wait for the draft model behind the one running; more get 429
 
     def __post_init__(self) -> None:
         protocols.get(self.default_protocol)  # a ValueError naming the known ones
@@ -71,6 +79,8 @@ class AgentConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.report_interval_s > 0:
             raise ValueError("report_interval_s must be > 0")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if bool(self.mode_cycle) != (self.mode_every > 0):
             raise ValueError("a mode cycle needs both the modes and how many requests between switches")
         if self.mode_cycle and not self.edge.device_profile:
@@ -90,6 +100,11 @@ class Agent:
         self.last: dict = {}  # the last request: protocol, finish reason (eos, length, stop, cancelled), tokens
         self.last_report: dict = {}
         self._lock = threading.Lock()  # one generation at a time; reports wait for it
+        self.max_queue = config.max_queue
+        self._admitted = 0  # requests running or waiting for the lock
+        self._admit_lock = threading.Lock()
+        self._generation_s = 1.0  # a recent generation's wall time (moving average): the Retry-After estimate
+        self.shed = {"queue_full": 0, "cloud": 0}  # requests answered 429 / 503
         self._stop = threading.Event()
         self._status_lock = threading.Lock()  # the report loop and request threads both rewrite the status file
         self.cycle = None
@@ -114,7 +129,8 @@ class Agent:
                 "model": c.model, "backend": c.engine.backend,
                 "precision": c.engine.precision if c.engine.backend != "torch" else c.engine.dtype,
                 "server": c.link.server, "http": self.address if hasattr(self, "httpd") else "",
-                "requests": self.requests, "failures": self.failures, "last_request": self.last,
+                "requests": self.requests, "failures": self.failures, "shed": dict(self.shed),
+                "last_request": self.last,
                 "last_report": self.last_report,
                 "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches,
                                                                "error": self.cycle.error},
@@ -143,21 +159,51 @@ class Agent:
 
     def _run(self, *args):
         """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances.
-        Returns (result, seconds spent waiting for the generation before it, if any)."""
+        Returns (result, seconds spent waiting for the generation before it, if any). Refused with 429 when
+        max_queue requests already wait, with 503 when the cloud refuses it for load (both with Retry-After)."""
+        self._admit()
         t0 = time.perf_counter()
-        with self._lock:
-            queued = time.perf_counter() - t0
-            try:
-                result = self.runtime.generate(*args)
-            except Exception:
-                self.failures += 1
-                raise
-            self.requests += 1
-            if self.cycle is not None and self.cycle.after_request():
-                self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
-            self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
+        try:
+            with self._lock:
+                queued = time.perf_counter() - t0
+                result = self._generate(args)
+                self.requests += 1
+                if self.cycle is not None and self.cycle.after_request():
+                    self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
+                self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
+        finally:
+            with self._admit_lock:
+                self._admitted -= 1
         self._write_status()
         return result, queued
+
+    def _admit(self) -> None:
+        with self._admit_lock:
+            if self._admitted > self.max_queue:
+                self.shed["queue_full"] += 1
+                wait = self._generation_s * self._admitted
+                raise O.ApiError(f"the device is busy: {self._admitted - 1} requests wait behind the one running "
+                                 f"(max_queue {self.max_queue}); retry in {wait:.0f} s", status=429,
+                                 kind="rate_limit_exceeded", retry_after_s=max(1, math.ceil(wait)))
+            self._admitted += 1
+
+    def _generate(self, args: tuple):
+        """runtime.generate, timed for the Retry-After estimate; the cloud's refusals for load become 503."""
+        started = time.perf_counter()
+        try:
+            result = self.runtime.generate(*args)
+        except CloudError as exc:
+            self.failures += 1
+            if exc.error.code not in SHED_CODES:
+                raise
+            self.shed["cloud"] += 1
+            raise O.ApiError(f"the cloud sheds load: {exc.error.code}: {exc.error.message}", status=503,
+                             kind="server_error", retry_after_s=SHED_RETRY_S[exc.error.code]) from None
+        except Exception:
+            self.failures += 1
+            raise
+        self._generation_s = 0.7 * self._generation_s + 0.3 * (time.perf_counter() - started)
+        return result
 
     def generate(self, body: dict) -> dict:
         prompt = body.get("prompt")
@@ -197,7 +243,7 @@ class Agent:
             ids = self.runtime.encode_prompt(req.prompt)
         rid, model = O.new_id(chat), self.runtime.model_name
         matcher = O.StopMatcher(req.stop)
-        cancelled = []
+        cancelled, opened = [], []
 
         def emit(event: dict) -> None:
             if send is not None and not cancelled:
@@ -209,15 +255,19 @@ class Agent:
         def on_text(delta: str) -> None:
             out = matcher.feed(delta)
             if out:
+                opening()
                 emit(O.chunk(req, rid, model, out))
+
+        def opening() -> None:  # a chat stream's role chunk, once the cloud took the request (else a 429 / 503)
+            if chat and not opened:
+                opened.append(True)
+                emit(O.chunk(req, rid, model, None, role=True))
 
         def should_stop() -> str:
             if matcher.stopped:
                 return "stop"
             return "cancelled" if cancelled or client_gone() else ""
 
-        if chat:
-            emit(O.chunk(req, rid, model, None, role=True))
         params = SamplingParams(req.temperature, 0, req.top_p)
         result, queued = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop)
         text, stopped = O.cut_at_stop(result.text, req.stop)
@@ -231,6 +281,7 @@ class Agent:
             extra["tokens"] = list(result.tokens)
         if send is None:
             return O.response(req, rid, model, text, reason, len(ids), result.n, extra)
+        opening()
         if len(text) > matcher.emitted:
             emit(O.chunk(req, rid, model, text[matcher.emitted:]))
         emit({**O.chunk(req, rid, model, None, reason), "hatspec": extra})
@@ -267,9 +318,11 @@ def _handler(agent: Agent):
         def log_message(self, fmt, *args):  # the agent's log is for the agent, not for every request line
             pass
 
-        def _json(self, code: int, payload: dict) -> None:
+        def _json(self, code: int, payload: dict, retry_after_s: int = 0) -> None:
             body = json.dumps(payload).encode()
             self.send_response(code)
+            if retry_after_s:
+                self.send_header("Retry-After", str(retry_after_s))
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -312,7 +365,7 @@ def _handler(agent: Agent):
                     return self._stream(body, routes[self.path])
                 self._json(200, agent.completion(body, routes[self.path], client_gone=self._client_gone))
             except O.ApiError as exc:
-                self._json(exc.status, exc.body())
+                self._json(exc.status, exc.body(), exc.retry_after_s)
             except ValueError as exc:
                 self._json(400, O.ApiError(str(exc)).body())
             except Exception as exc:  # the cloud or the model failed: the device says so, it does not hang
@@ -339,7 +392,7 @@ def _handler(agent: Agent):
                 if started:
                     self._end_with_error(exc.body())
                 else:
-                    self._json(exc.status, exc.body())
+                    self._json(exc.status, exc.body(), exc.retry_after_s)
             except OSError:
                 pass  # the client went away mid-stream: the generation was cancelled
             except Exception as exc:

@@ -28,9 +28,11 @@ class ApiError(ValueError):
     """A request the endpoint refuses: HTTP status, OpenAI error type and the parameter at fault."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", retry_after_s: int = 0):
+        """retry_after_s > 0: the response's Retry-After header (429, 503), which OpenAI clients wait before
+        retrying."""
         super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
+        self.param, self.status, self.kind, self.retry_after_s = param, status, kind, retry_after_s
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}

@@ -99,6 +99,12 @@ class LlamaCppLM:
         self._free: List[int] = list(range(settings.n_seq_max))
         self._closed = False
 
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of the context's KV cache per position (f16 keys and values of every layer)."""
+        L, m = self._L, self._model
+        heads, kv_heads = L.llama_model_n_head(m), L.llama_model_n_head_kv(m)
+        return 2 * L.llama_model_n_layer(m) * kv_heads * (L.llama_model_n_embd(m) // max(heads, 1)) * 2
+
     # -- states ----------------------------------------------------------------------------------------------------
     def new_state(self) -> KVState:
         """An empty state on a free sequence id (RuntimeError when n_seq_max states are alive)."""
