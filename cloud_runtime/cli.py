@@ -44,7 +44,9 @@ FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeo
              "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
              "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",
              "n_batch": "n_batch", "n_gpu_layers": "n_gpu_layers", "rpc": "rpc", "device": "device",
-             "kv_layout": "kv_layout", "graphs": "graphs"}
+             "kv_layout": "kv_layout", "graphs": "graphs", "kv_memory": "kv_memory",
+             "device_sessions": "device_sessions", "device_kv_memory": "device_kv_memory",
+             "device_in_flight": "device_in_flight", "device_prompt_tokens_per_min": "device_prompt_tokens_per_min"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions of each step kept for waiting prompts (default %(default)s)")
     s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
                    help="KV cache positions of the batched steps, all sessions (default %(default)s)")
+    s.add_argument("--kv-memory", default=d["kv_memory"].default, metavar="SIZE",
+                   help="KV cache of all sessions, e.g. 8GiB (default %(default)s: the slots plus half the free "
+                        "memory of the model's device)")
+    q = s.add_argument_group("per-device quotas (0: none; an allow-list entry's NAME.quota.toml overrides them)")
+    q.add_argument("--device-sessions", type=int, default=d["device_sessions"].default, metavar="N")
+    q.add_argument("--device-kv-memory", default=d["device_kv_memory"].default, metavar="SIZE|PCT",
+                   help="e.g. 2GiB or 25%% of --kv-memory (default %(default)s)")
+    q.add_argument("--device-in-flight", type=int, default=d["device_in_flight"].default, metavar="N")
+    q.add_argument("--device-prompt-tokens-per-min", type=int,
+                   default=d["device_prompt_tokens_per_min"].default, metavar="N")
     s.add_argument("--stats-json", default="", metavar="PATH",
                    help="on exit, write the server's counters and its recent batched steps here")
     k = s.add_argument_group("link security (CurveZMQ unless --plaintext)")

@@ -41,6 +41,10 @@ def test_the_file_is_read_and_typed_flags_override_it(tmp_path):
     assert (config.model, config.max_draft_len, config.session_timeout_s) == ("smollm2-135m", 4, 9.0)
     assert _config(["serve", "--model", "m", "--plaintext"]) == CloudConfig(model="m",
                                                                             security=LinkSecurity.plaintext())
+    quotas = _config(["serve", "--config", str(path), "--kv-memory", "8GiB", "--device-sessions", "4",
+                      "--device-kv-memory", "25%", "--device-prompt-tokens-per-min", "9000"])
+    assert (quotas.kv_memory, quotas.device_sessions, quotas.device_kv_memory, quotas.device_in_flight,
+            quotas.device_prompt_tokens_per_min) == ("8GiB", 4, "25%", 16, 9000)
 
 
 @pytest.mark.parametrize("text, key", [

@@ -160,3 +160,23 @@ def test_an_evicted_session_resumes_with_identical_tokens(tiny_pair):
         result = gen_a.run(PROMPT, lambda t: "")
         assert server.handlers.evicted >= 1
         assert result.tokens == ref and result.interruptions >= 1
+
+
+def test_over_curvezmq_a_device_is_its_certificate_and_its_entry_carries_its_quota(tmp_path, tiny_pair):
+    """The allow-list entry edge-7 carries `sessions = 1` (edge-7.quota.toml): the device that authenticated with
+    that key is held to it, whatever device id its Hello claims; another key gets the defaults."""
+    from hat_split.net.security import ephemeral
+
+    cloud, keys = ephemeral(tmp_path, ["edge-7", "edge-8"])
+    (tmp_path / "allow" / "edge-7.quota.toml").write_text("sessions = 1\n")
+    with serving(tiny_pair[1], security=cloud) as server:
+        for name in ("edge-7", "edge-8"):
+            with CloudClient(LinkConfig(server.endpoint, security=keys[name]),
+                             P.Hello("claims-to-be-someone-else", "tiny", 512, "tiny-vocab")) as c:
+                assert isinstance(_open(c, 1), P.SessionOpened)
+                if name == "edge-7":
+                    with pytest.raises(CloudError, match="device edge-7 is over its sessions quota"):
+                        _open(c, 2)
+                else:
+                    assert isinstance(_open(c, 2), P.SessionOpened)
+        assert sorted({s.device for s in server.sessions.values()}) == ["edge-7", "edge-8"]

@@ -27,6 +27,51 @@ def test_slope_is_in_mb_per_minute():
     assert slope_mb_per_min([(0, 100.0)]) is None
 
 
+def test_hostile_phases_alternate_and_sides_are_summarised_apart():
+    from types import SimpleNamespace
+
+    from profiles.bench.soak import hostile_on
+    from profiles.bench.soak_check import hostile_sides
+
+    args = SimpleNamespace(hostile_phases=4, duration=100.0)
+    assert [hostile_on(args, t) for t in (0, 24.9, 25, 49.9, 50, 75, 99)] == [False, False, True, True, False,
+                                                                               True, True]
+    assert not hostile_on(SimpleNamespace(hostile_phases=0, duration=100.0), 30)
+
+    def rec(on, ttft, done=True):
+        return {"hostile_on": on, "verdict": {"completed": done, "tokens": 3},
+                "response": {"times": [ttft, ttft + 0.1, ttft + 0.2]}}
+
+    sides = hostile_sides([rec(False, 1.0), rec(False, 2.0), rec(True, 3.0), rec(True, 9.0, done=False)])
+    assert (sides["without"]["completed"], sides["with"]["completed"], sides["with"]["lost"]) == (2, 1, 1)
+    assert sides["p99_ttft_ratio"] == pytest.approx(3.0 / sides["without"]["ttft_s"]["p99"])
+    assert sides["with"]["tbt_s"]["p50"] == pytest.approx(0.1)
+
+
+def test_the_hostile_devices_junk_is_answered_and_the_cloud_carries_on(tiny_pair):
+    """Each junk frame the hostile device sends gets an Error, and a proper request after them is served."""
+    import numpy as np
+    import zmq
+
+    from hat_split.wire import messages as P
+    from profiles.bench.hostile import junk
+    from tests.conftest import serving
+
+    with serving(tiny_pair[1]) as server:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.endpoint)
+        sock.send_multipart(P.encode(P.Hello("hostile", "tiny", 512, "tiny-vocab")))
+        assert isinstance(P.decode(sock.recv_multipart()), P.Welcome)
+        rng = np.random.default_rng(0)
+        for kind in range(3):
+            sock.send_multipart(junk(rng, kind))
+            assert sock.poll(5000) and isinstance(P.decode(sock.recv_multipart()), P.Error), kind
+        sock.send_multipart(P.encode(P.OpenSession(1, "sd", np.arange(1, 5, dtype=np.int32))))
+        assert sock.poll(5000) and isinstance(P.decode(sock.recv_multipart()), P.SessionOpened)
+        sock.close()
+
+
 @pytest.mark.real_models
 def test_a_short_soak_loses_and_repeats_nothing(tmp_path):
     from hat_split.models.registry import is_installed

@@ -27,6 +27,11 @@ CausalLM.greedy; exact protocols must reproduce it at temperature 0):
   the reference runs alone);
 - memory: RSS slope per process over the load, and open sessions / KV positions after a drain of twice the session
   timeout (they must return to 0).
+With `--hostile-phases K` the load is cut into K phases of equal length and a hostile device (profiles.bench.hostile:
+authenticated, opening sessions with long prompts as fast as the cloud answers, never closing them, sending junk
+frames) is on in every second phase, so the well-behaved devices' latencies with and without it are measured in one
+run, interleaved. The summary gives TTFT / TBT P50 / P99 and lost answers per side, the P99 TTFT ratio, and what the
+hostile device was answered (sessions opened, refusals by code).
 Writes JSON and a PNG beside it (profiles.bench.soak_check: the verdicts, the summary, the table and the figure).
 """
 from __future__ import annotations
@@ -51,13 +56,14 @@ from hat_split.models.loading import eos_ids, load_model, load_tokenizer
 from hat_split.models.partition import free_layers
 from profiles.bench.bench_args import adapter_dir, names, numbers
 from profiles.bench.bench_fleet import poisson_arrivals
-from profiles.bench.soak_check import NEAR_TIE, check, plot, print_summary, summarise
+from profiles.bench.soak_check import NEAR_TIE, check, hostile_sides, plot, print_summary, summarise
 from profiles.bench.testbed import Testbed
 from profiles.testbed.link_emulator import send_control
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import long_chat_prompts
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
+HOSTILE = "hostile"  # the hostile device's name (its key is in the allow-list like any device's)
 POLICIES = ("wait", "degrade")
 
 
@@ -92,6 +98,10 @@ def add_parser(sub) -> None:
     s.add_argument("--plaintext", action="store_true", help="no CurveZMQ (default: every link encrypted)")
     s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--hostile-phases", type=int, default=0,
+                   help="cut the load into this many phases, a hostile device on in every second one (0: none)")
+    s.add_argument("--hostile-prompt-tokens", type=int, default=1500, help="the hostile device's prompts")
+    s.add_argument("--hostile-outstanding", type=int, default=8, help="its requests in flight at once")
     s.add_argument("--out", default="runs/soak.json")
 
 
@@ -251,6 +261,8 @@ def run(args) -> int:
     policies = names(args.policies, POLICIES, "link policy")
     links = [get_link_profile(x).name for x in args.links.split(",") if x]
     cut_lo, cut_hi = numbers(args.cut_seconds)
+    if args.hostile_phases < 0 or args.hostile_phases == 1:
+        raise ValueError("--hostile-phases must be 0 (none) or >= 2 (phases without and with the hostile device)")
     if not (args.devices >= 1 and 1 <= args.hosts <= args.devices and args.duration > 0 and args.rate > 0
             and args.cut_rate >= 0 and 0 < cut_lo <= cut_hi and 0 <= args.long_cuts <= 1 and links):
         raise ValueError("need devices >= hosts >= 1, duration and rate > 0, cut rate >= 0, 0 < cut min <= max, "
@@ -270,14 +282,18 @@ def run(args) -> int:
           f"{'plaintext' if args.plaintext else 'CurveZMQ'}", flush=True)
     cloud_args = ["--dtype", "float32", "--session-timeout", str(args.session_timeout), "--max-sessions",
                   str(2 * args.devices + 8)]
-    with Testbed(args.model, cloud_args=cloud_args, threads=args.threads, devices=names_, secure=not args.plaintext,
+    keyed = names_ + ([HOSTILE] if args.hostile_phases else [])
+    with Testbed(args.model, cloud_args=cloud_args, threads=args.threads, devices=keyed, secure=not args.plaintext,
                  status_interval_s=1.0) as bed:
         hosts, devices = _start_hosts(args, bed, names_, links, policies, adapter)
         report["devices"] = devices
-        records = _load(args, devices, prompts, protocols, rng, bed.cloud, hosts, bed.status_path, report)
+        hostile = _start_hostile(args, bed, tok) if args.hostile_phases else None
+        records = _load(args, devices, prompts, protocols, rng, bed.cloud, hosts, bed.status_path, report, hostile)
     print("hat-bench soak: checking every answer against the model's greedy continuation", flush=True)
     _verify(args, records, prompts)
     report["summary"] = summarise(records, report["cuts"], report["memory"], report["load_end_s"])
+    if args.hostile_phases:
+        report["summary"]["hostile"] = {**hostile_sides(records), "answers": report["hostile_answers"]}
     report["requests"] = [{k: v for k, v in r.items() if k != "response"} | {"times": r["response"]["times"]}
                           for r in records]
     report["seconds"] = time.perf_counter() - t_start
@@ -290,8 +306,31 @@ def run(args) -> int:
         and s["delivery_inconsistent"] == 0 else 1
 
 
-def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, status_path: str, report: dict):
-    """Warm-up, then arrivals, cuts and memory samples; returns one record per request."""
+def _start_hostile(args, bed: Testbed, tok):
+    """The hostile device's process (off until the driver switches it on); the driver's end of its pipe."""
+    from hat_split.models.loading import vocab_fingerprint
+    from profiles.bench.hostile import hostile_main
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    spec = {"endpoint": bed.endpoint, "security": bed.security(HOSTILE), "device_id": HOSTILE, "model": args.model,
+            "vocab_size": len(tok), "vocab_fingerprint": vocab_fingerprint(tok),
+            "prompt_tokens": args.hostile_prompt_tokens, "outstanding": args.hostile_outstanding, "seed": args.seed}
+    proc = ctx.Process(target=hostile_main, args=(child, spec), daemon=True)
+    proc.start()
+    bed.defer(proc.join, 10)
+    return parent
+
+
+def hostile_on(args, at_s: float) -> bool:
+    """Whether the hostile device is on at `at_s` seconds into the load: phases of duration / K, on in the odd ones."""
+    return bool(args.hostile_phases) and int(at_s // (args.duration / args.hostile_phases)) % 2 == 1
+
+
+def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, status_path: str, report: dict,
+          hostile=None):
+    """Warm-up, then arrivals, cuts and memory samples (and the hostile device's phases); returns one record per
+    request."""
 
     def request(rec: dict, device: dict) -> None:
         body = {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
@@ -356,6 +395,18 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
 
     chaos_thread = threading.Thread(target=chaos, daemon=True)
     chaos_thread.start()
+
+    def phases() -> None:  # the hostile device on in every second phase
+        for k in range(args.hostile_phases):
+            at = t0 + k * args.duration / args.hostile_phases
+            if stop_chaos.wait(max(0.0, at - time.perf_counter())):
+                break
+            hostile.send("on" if k % 2 else "off")
+        stop_chaos.wait()
+        hostile.send("off")
+
+    if hostile is not None:
+        threading.Thread(target=phases, daemon=True).start()
     arrivals = poisson_arrivals(args.rate, args.duration, len(devices), len(prompts), args.seed)
     records, threads = [], []
     for k, (at, device, prompt) in enumerate(arrivals):
@@ -365,7 +416,7 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
         rec = {"id": k, "arrival_s": at, "device": devices[device]["name"], "policy": devices[device]["policy"],
                "link": devices[device]["link"], "prompt": prompt,
                "protocol": protocols[int(rng.integers(len(protocols)))],
-               "max_tokens": args.max_tokens}
+               "max_tokens": args.max_tokens, "hostile_on": hostile_on(args, at)}
         records.append(rec)
         t = threading.Thread(target=request, args=(rec, devices[device]), daemon=True)
         t.start()
@@ -384,6 +435,9 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
     drained = time.perf_counter() - t0
     print(f"hat-bench soak: {len(records)} requests answered or given up at {drained:.0f} s; draining "
           f"{2 * args.session_timeout:.0f} s", flush=True)
+    if hostile is not None:
+        hostile.send(None)
+        report["hostile_answers"] = hostile.recv()[1] if hostile.poll(30) else "no answer"
     time.sleep(2 * args.session_timeout + 2)  # idle sessions expire; memory should settle
     sampler.stop.set()
     sampler.join()

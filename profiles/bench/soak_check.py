@@ -2,7 +2,7 @@
 printed table and its figure (pure: no processes, no models; profiles.bench.soak runs the soak)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -61,12 +61,33 @@ def slope_mb_per_min(samples: List[tuple]) -> Optional[float]:
     return float(np.polyfit(t / 60.0, mb, 1)[0])
 
 
-def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_end_s: float) -> dict:
-    done = [r for r in records if r["verdict"]["completed"]]
-    matches = [r["verdict"]["reference"]["match"] for r in done]
+def latencies(done: List[dict]) -> tuple:
+    """(TTFT of each completed answer, its mean time between tokens), seconds."""
     ttft = [r["response"]["times"][0] for r in done if r["response"]["times"]]
     tbt = [(r["response"]["times"][-1] - r["response"]["times"][0]) / (r["verdict"]["tokens"] - 1)
            for r in done if r["verdict"]["tokens"] > 1 and r["response"]["times"]]
+    return ttft, tbt
+
+
+def hostile_sides(records: List[dict]) -> dict:
+    """The well-behaved devices' answers without and with the hostile device on (by arrival): completed, lost, TTFT
+    and TBT percentiles; and the P99 TTFT ratio (with / without)."""
+    out: Dict[str, Any] = {}
+    for side, on in (("without", False), ("with", True)):
+        mine = [r for r in records if r.get("hostile_on") == on]
+        done = [r for r in mine if r["verdict"]["completed"]]
+        ttft, tbt = latencies(done)
+        out[side] = {"requests": len(mine), "completed": len(done), "lost": len(mine) - len(done),
+                     "ttft_s": percentiles(ttft), "tbt_s": percentiles(tbt)}
+    p99 = [out[s]["ttft_s"]["p99"] for s in ("without", "with")]
+    out["p99_ttft_ratio"] = p99[1] / p99[0] if None not in p99 and p99[0] else None
+    return out
+
+
+def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_end_s: float) -> dict:
+    done = [r for r in records if r["verdict"]["completed"]]
+    matches = [r["verdict"]["reference"]["match"] for r in done]
+    ttft, tbt = latencies(done)
     hit = [r for r in done if r["verdict"]["interruptions"]]
     calm = [r for r in done if not r["verdict"]["interruptions"]]
     mem: Dict[str, dict] = {}
@@ -130,6 +151,16 @@ def print_summary(report: dict) -> None:
         print(f" RSS {name:8s} first {m['first_mb']:.0f} MB, last {m['last_mb']:.0f}, max {m['max_mb']:.0f}; slope "
               f"{_f(m['slope_mb_per_min'], 1, '{:+.2f}')} MB/min (second half "
               f"{_f(m['slope_second_half_mb_per_min'], 1, '{:+.2f}')})")
+    hostile = s.get("hostile")
+    if hostile:
+        for side in ("without", "with"):
+            h = hostile[side]
+            print(f" {side} the hostile device: {h['completed']} of {h['requests']} answered (lost {h['lost']}); "
+                  f"TTFT P50 {_f(h['ttft_s']['p50'])} P99 {_f(h['ttft_s']['p99'])} ms, TBT P50 "
+                  f"{_f(h['tbt_s']['p50'])} P99 {_f(h['tbt_s']['p99'])} ms")
+        ratio = hostile["p99_ttft_ratio"]
+        print(f" P99 TTFT with / without: {'-' if ratio is None else f'{ratio:.2f}'}; the hostile device was "
+              f"answered {hostile['answers']}")
     last = report["memory"][-1]["cloud"] if report["memory"] else {}
     print(f" cloud after the drain: {last.get('open', '-')} sessions open, {last.get('kv_positions', '-')} KV "
           f"positions, {last.get('expired', '-')} sessions expired in all")
