@@ -25,7 +25,7 @@ import numpy as np
 from cloud_runtime.batching import Finished, StepStats
 from cloud_runtime.scheduler import Batch, Scheduler, SchedulerConfig, SchedulerRefusal
 from hat_split.math.chunking import DelayModel
-from hat_split.models.slots import slot_bytes
+from hat_split.models.slots import position_bytes
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.cloud")
@@ -93,7 +93,7 @@ class CacheRunner:
         model = getattr(self.lm, "model", None)
         if model is None or not hasattr(model, "config"):
             return 0
-        return slot_bytes(model.config, model.config.num_hidden_layers, 1, next(model.parameters()).element_size())
+        return position_bytes(model, model.config.num_hidden_layers)
 
     def held_bytes(self, key: Hashable) -> int:
         s = self.scheduler.sessions.get(key)

@@ -34,7 +34,7 @@ from hat_split.models.graphs import StepGraphs
 from hat_split.models.partition import PartCache, Stack, head_logits
 from hat_split.models.placement import (available_bytes, is_cuda, model_device, synchronize, to_device,
                                         to_host)
-from hat_split.models.slots import SlotKV, SlotStep, run_slots, slot_bytes
+from hat_split.models.slots import SlotKV, SlotStep, position_bytes, run_slots, slot_bytes
 
 CROP, CLOSE = "crop", "close"
 
@@ -228,7 +228,7 @@ class ModelEnds:
 
     def kv_cost(self, start: int, stop: int) -> int:
         """Bytes of KV cache per position of a session on layers [start, stop) (wherever its layers run)."""
-        return slot_bytes(self.model.config, stop - start, 1, next(self.model.parameters()).element_size())
+        return position_bytes(self.model, stop - start)
 
     def rows(self, wants: Sequence[Tuple[Any, int, int]]) -> List[Optional[np.ndarray]]:
         """What each finished work wants of its output states `out # [1, positions, hidden]`, given as (out, logits,

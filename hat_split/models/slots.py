@@ -35,6 +35,11 @@ def slot_bytes(config: Any, layers: int, length: int, dtype_bytes: int) -> int:
     return layers * 2 * kv_heads * length * head_dim * dtype_bytes
 
 
+def position_bytes(model: Any, layers: int) -> int:
+    """Bytes of KV cache per position of `layers` of a loaded model, in its weights' dtype."""
+    return slot_bytes(model.config, layers, 1, next(model.parameters()).element_size())
+
+
 class SlotKV:
     """Keys and values of layers [lo, hi) for `slots` sessions of up to `length` positions each, preallocated."""
 
