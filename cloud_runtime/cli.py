@@ -39,7 +39,7 @@ RPC_READY_LINE = "hatspec-rpc starting"  # printed before the RPC server binds (
 # argparse dest -> CloudConfig key (dotted: a table); the flags given override the --config file's keys
 FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeout_s", "max_sessions": "max_sessions",
              "max_draft_len": "max_draft_len", "max_context": "max_context", "token_budget": "token_budget",
-             "prefill_floor": "prefill_floor", "kv_positions": "kv_positions", "stats_json": "stats_json",
+             "prefill_floor": "prefill_floor", "usage_half_life": "usage_half_life", "kv_positions": "kv_positions", "stats_json": "stats_json",
              "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
              "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
              "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions per batched step, all devices (default %(default)s)")
     s.add_argument("--prefill-floor", type=int, default=d["prefill_floor"].default,
                    help="positions of each step kept for waiting prompts (default %(default)s)")
+    s.add_argument("--usage-half-life", type=int, default=d["usage_half_life"].default,
+                   help="positions computed over which a device's recent usage halves; a device well over its share "
+                        "gets what the others leave (0: off; default %(default)s)")
     s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
                    help="KV cache positions of the batched steps, all sessions (default %(default)s)")
     s.add_argument("--kv-memory", default=d["kv_memory"].default, metavar="SIZE",

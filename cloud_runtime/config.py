@@ -39,6 +39,8 @@ class CloudConfig:
     poll_ms: int = 200  # milliseconds: how often the idle loop wakes to expire sessions and write the status file
     token_budget: int = 512  # positions per batched step, all sessions (cloud_runtime.scheduler): bounds step latency
     prefill_floor: int = 64  # positions of each step kept for waiting prompt work, so decoding cannot starve it
+    usage_half_life: int = 4096  # positions computed over which a device's recent usage halves; a device well over
+    # the mean of those with work waits for theirs, its prompts at most prefill_floor a step meanwhile (0: off)
     kv_positions: int = 1 << 18  # KV cache positions of the batched steps, all sessions together (memory bound)
     kv_memory: str = "auto"  # bytes of KV cache all sessions together may hold, each position at its session's cost
     # (a size: 8GiB, 512MiB; or auto: the KV slots plus half the memory free on the model's device at start, logged)
@@ -102,9 +104,9 @@ class CloudConfig:
         if self.kv_memory != "auto":
             parse_bytes(self.kv_memory, "kv_memory")
         device_kv_share(self.device_kv_memory, 1)  # names a bad value
-        for name in ("device_sessions", "device_in_flight", "device_prompt_tokens_per_min"):
+        for name in ("device_sessions", "device_in_flight", "device_prompt_tokens_per_min", "usage_half_life"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0: no quota), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.graphs not in GRAPHS:

@@ -10,8 +10,16 @@ chunks) or a short decode / verify segment. Each step `plan()` packs one batch u
    served, comes before them next step;
 2. the rest of the budget goes to prefill, shared out between the devices waiting with prompts (equal shares, what
    one cannot use going to the others), each device's oldest request first, split into chunks: a prompt longer than
-   its share continues in the next step. Whenever prefill is waiting it gets at least `prefill_floor` tokens of
-   every step, so a crowd of decoding devices cannot starve it either.
+   its share continues in the next step. Whenever prefill is waiting it gets at least `prefill_floor` tokens of every
+   step, so a crowd of decoding devices cannot starve it.
+
+Devices are also kept fair over time (least attained service): each device's recent usage is the positions planned
+for it, halving every `usage_half_life` positions the cloud computes. A device with work whose usage is above
+`OVER_SHARE` times the mean of the devices with work (and above one step's budget) is over its share: its decodes
+take their turns after the others', and while any device within its share has work its prompts get no more than
+`prefill_floor` positions of a step (shared among the devices over their share). So a device that floods the cloud
+with long prompts gets what the others leave, in small chunks that do not stretch the steps their decodes wait on,
+and closing its sessions does not reset its usage.
 
 A session's works run in order, one segment per session per step (the runner appends each segment to that session's
 KV cache). With `max_in_flight` > 1 (a pipeline of stages) the next batches are planned before the earlier ones come
@@ -26,9 +34,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Tuple
 
 KINDS = ("prefill", "decode")
+OVER_SHARE = 1.25  # a device whose recent usage exceeds this many times the mean of the devices with work
 
 
 class SchedulerRefusal(Exception):
@@ -49,10 +58,12 @@ class SchedulerConfig:
     max_sessions: int = 64
     max_in_flight: int = 1  # batches planned and not yet completed (pipeline stages keep several in flight)
     kv_bytes: int = 0  # bytes of KV cache, all sessions together (each position at its session's cost); 0: unbounded
+    usage_half_life: int = 4096  # positions computed over which a device's recent usage halves; 0: no usage priority
 
     def __post_init__(self) -> None:
-        if self.kv_bytes < 0:
-            raise ValueError(f"kv_bytes must be >= 0, got {self.kv_bytes}")
+        if self.kv_bytes < 0 or self.usage_half_life < 0:
+            raise ValueError(f"kv_bytes and usage_half_life must be >= 0, got {self.kv_bytes}, "
+                             f"{self.usage_half_life}")
         if min(self.token_budget, self.kv_capacity, self.max_context, self.max_sessions, self.max_in_flight) < 1:
             raise ValueError("token_budget, kv_capacity, max_context, max_sessions and max_in_flight must be >= 1")
         if not 0 <= self.prefill_floor <= self.token_budget:
@@ -133,6 +144,7 @@ class Scheduler:
         self._step = 0
         self._in_flight: List[Batch] = []  # planned, not completed, oldest first
         self._owner_served: Dict[Hashable, int] = {}  # device → the last step planned with a segment of its
+        self._usage: Dict[Hashable, float] = {}  # device → positions planned for it, decayed (usage_half_life)
 
     # -- admission --------------------------------------------------------------------------------------------------
     @property
@@ -206,25 +218,33 @@ class Scheduler:
         if not heads:
             return None
         budget = self.config.token_budget
+        over = self._over_share(heads)
         decodes = [w for w in heads if w.kind == "decode"]
         prefills = [w for w in heads if w.kind == "prefill"]
         unplanned = sum(w.tokens - w.planned for w in prefills)
         room = budget - min(self.config.prefill_floor, unplanned)
         segments: List[Segment] = []
         used = 0
-        for w in self._turns(decodes, lambda w: (self.sessions[w.session].served_at, w.order)):
+        for w in self._turns(decodes, lambda w: (self.sessions[w.session].served_at, w.order), over):
             if used + w.tokens <= room:
                 segments.append(self._segment(w, w.tokens))
                 used += w.tokens
-        for w, n in self._shares(prefills, budget - used):
+        within = [w for w in prefills if self._owner(w) not in over]
+        beyond = [w for w in prefills if self._owner(w) in over]
+        keep = min(self.config.prefill_floor, sum(w.tokens - w.planned for w in beyond))  # the floor is theirs too
+        for w, n in self._shares(within, budget - used - keep):
+            segments.append(self._segment(w, n))
+            used += n
+        rest = budget - used
+        if any(self._owner(w) not in over for w in heads):  # devices within their share have work this step
+            rest = min(rest, self.config.prefill_floor)
+        for w, n in self._shares(beyond, rest):
             segments.append(self._segment(w, n))
             used += n
         if not segments:
             return None
         self._step += 1
-        for seg in segments:
-            self.sessions[seg.session].served_at = self._step
-            self._owner_served[self.sessions[seg.session].owner] = self._step
+        self._account(segments)
         batch = Batch(self._step, segments)
         self._in_flight.append(batch)
         return batch
@@ -264,17 +284,49 @@ class Scheduler:
                     s.in_flight -= seg.n
         return out
 
-    def _by_owner(self, works: List[Work], key: Any) -> List[List[Work]]:
-        """Works grouped by device, the device served least recently first; each group ordered by `key`."""
+    def _owner(self, work: Work) -> Hashable:
+        return self.sessions[work.session].owner
+
+    def _over_share(self, heads: List[Work]) -> FrozenSet[Hashable]:
+        """The devices with work whose recent usage is over their share (see the module's docstring)."""
+        if not self.config.usage_half_life:
+            return frozenset()
+        owners = {self._owner(w) for w in heads}
+        usage = {o: self._usage.get(o, 0.0) for o in owners}
+        mean = sum(usage.values()) / len(usage)
+        return frozenset(o for o, u in usage.items() if u > OVER_SHARE * mean and u > self.config.token_budget)
+
+    def _account(self, segments: List[Segment]) -> None:
+        """The step is planned: its sessions and devices were served now; usage decays by the positions planned and
+        grows by each device's."""
+        for seg in segments:
+            self.sessions[seg.session].served_at = self._step
+            self._owner_served[self.sessions[seg.session].owner] = self._step
+        if not self.config.usage_half_life:
+            return
+        decay = 0.5 ** (sum(seg.n for seg in segments) / self.config.usage_half_life)
+        self._usage = {o: u * decay for o, u in self._usage.items() if u * decay >= 1.0}
+        for seg in segments:
+            owner = self._owner(seg.work)
+            self._usage[owner] = self._usage.get(owner, 0.0) + seg.n
+
+    @property
+    def usage(self) -> Dict[Hashable, float]:
+        """Each device's recent usage: positions planned for it, halving every `usage_half_life` positions."""
+        return dict(self._usage)
+
+    def _by_owner(self, works: List[Work], key: Any, over: frozenset = frozenset()) -> List[List[Work]]:
+        """Works grouped by device: the devices within their share before those in `over`, each side the device
+        served least recently first; each group ordered by `key`."""
         groups: Dict[Hashable, List[Work]] = {}
         for w in works:
-            groups.setdefault(self.sessions[w.session].owner, []).append(w)
-        order = sorted(groups, key=lambda o: (self._owner_served.get(o, 0), min(w.order for w in groups[o])))
+            groups.setdefault(self._owner(w), []).append(w)
+        order = sorted(groups, key=lambda o: (o in over, self._owner_served.get(o, 0), min(w.order for w in groups[o])))
         return [sorted(groups[o], key=key) for o in order]
 
-    def _turns(self, works: List[Work], key: Any) -> List[Work]:
+    def _turns(self, works: List[Work], key: Any, over: frozenset = frozenset()) -> List[Work]:
         """Works in turns of the devices: each device's first, then each one's second, …"""
-        groups = self._by_owner(works, key)
+        groups = self._by_owner(works, key, over)
         return [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]
 
     def _shares(self, works: List[Work], budget: int) -> List[Tuple[Work, int]]:

@@ -84,7 +84,8 @@ def scheduler_config(config: CloudConfig, lm: Any, in_flight: int = 1, kv_bytes:
         s = lm.settings
         budget, kv, context, sessions = (min(budget, s.n_batch), min(kv, s.n_ctx), min(context, s.n_ctx),
                                          min(sessions, s.n_seq_max))
-    return SchedulerConfig(budget, min(config.prefill_floor, budget), kv, context, sessions, in_flight, kv_bytes)
+    return SchedulerConfig(budget, min(config.prefill_floor, budget), kv, context, sessions, in_flight, kv_bytes,
+                           config.usage_half_life)
 
 
 class CloudServer:
@@ -244,7 +245,8 @@ class CloudServer:
                              "kv_bytes": self.batcher.scheduler.kv_bytes_used, "kv_budget_bytes": self.kv_bytes,
                              "evicted": self.handlers.evicted},
                 "quotas": {"default": dataclasses.asdict(self.quota),
-                           "refusals": dict(self.handlers.quotas.refusals)},
+                           "refusals": dict(self.handlers.quotas.refusals),
+                           "usage": {str(d): round(u) for d, u in self.batcher.scheduler.usage.items()}},
                 "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
                 "security": {"mode": self.config.security.mode, **({"accepted": self.zap.accepted,
                                                                      "refused": self.zap.refused} if self.zap else {})},

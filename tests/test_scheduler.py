@@ -195,3 +195,100 @@ def test_step_budgets_are_shared_by_device_not_by_session():
         sched.submit((name, 0), "prefill", n)
     got = {seg.session[0]: seg.n for seg in sched.plan().segments}
     assert got["B"] == 10 and got["A"] + got["C"] == 54 and abs(got["A"] - got["C"]) <= 1
+
+
+def _flood(sched: Scheduler, device: str, sessions: int = 8, prompt: int = 1500) -> None:
+    """A device that keeps `sessions` long prompts queued (a hostile or greedy one)."""
+    for i in range(sessions):
+        sid = (device, i)
+        if sid not in sched.sessions:
+            sched.open(sid, owner=device)
+        if not sched.sessions[sid].queue:
+            sched.submit(sid, "prefill", prompt)
+
+
+def _light_request(sched: Scheduler, flood: bool, prompt: int = 300, decodes: int = 16) -> tuple:
+    """Simulated time (a step costs 16 + its positions) from a light device's request to its first token and between
+    its tokens, with or without a flooding device beside it."""
+    clock = 0
+    sched.open("light", owner="L")
+    sched.submit("light", "prefill", prompt)
+    first, gaps, last = None, [], None
+    while first is None or len(gaps) < decodes:
+        if flood:
+            _flood(sched, "H")
+        batch = sched.plan()
+        clock += 16 + batch.tokens
+        if any(w.session == "light" for w in sched.complete(batch)):
+            if first is None:
+                first = clock
+            else:
+                gaps.append(clock - last)
+            last = clock
+            if len(gaps) < decodes:
+                sched.submit("light", "decode", 1)
+    sched.close("light")
+    return first, max(gaps)
+
+
+def test_a_flooding_device_gets_what_the_others_leave_in_small_chunks():
+    """Device H keeps 8 prompts of 1,500 positions queued; device L then asks for a 300-position prompt and 16 tokens.
+    L's time to first token stays within 1.5x of the cloud without H (equal shares alone give L half of each full
+    step: ~3x), its steps grow by at most `prefill_floor` positions of H's (not by a full step), and H still
+    progresses by those positions."""
+    config = SchedulerConfig(token_budget=512, prefill_floor=64)
+    alone = _light_request(Scheduler(config), flood=False)
+    sched = Scheduler(config)
+    for _ in range(20):  # H has the cloud to itself for a while
+        _flood(sched, "H")
+        sched.complete(sched.plan())
+    assert sched.usage["H"] > 512 and "L" not in sched.usage
+    beside = _light_request(sched, flood=True)
+    assert beside[0] <= 1.5 * alone[0] and beside[1] <= alone[1] + 64, (alone, beside)
+    batch = sched.plan()  # L has no work now: H gets whole steps again
+    assert batch.tokens == 512 and {seg.session[0] for seg in batch.segments} == {"H"}
+    # the same without usage priority: L shares every full step with H
+    sched = Scheduler(SchedulerConfig(token_budget=512, prefill_floor=64, usage_half_life=0))
+    for _ in range(20):
+        _flood(sched, "H")
+        sched.complete(sched.plan())
+    equal = _light_request(sched, flood=True)
+    assert sched.usage == {} and equal[0] > 2.5 * alone[0] and equal[1] > alone[1] + 400, (alone, equal)
+
+
+def test_usage_decays_survives_closing_sessions_and_equal_devices_share_equally():
+    sched = Scheduler(SchedulerConfig(token_budget=64, prefill_floor=8, usage_half_life=256))
+    sched.open("h", owner="H")
+    sched.submit("h", "prefill", 640)
+    _run(sched, 10)
+    assert sched.usage["H"] == pytest.approx(sum(64 * 0.5 ** (64 * k / 256) for k in range(10)))
+    sched.close("h")  # closing and reopening does not reset its usage
+    sched.open("h2", owner="H")
+    sched.open("l", owner="L")
+    sched.submit("h2", "prefill", 100)
+    sched.submit("l", "prefill", 100)
+    batch = sched.plan()
+    got = {seg.session: seg.n for seg in batch.segments}
+    assert got == {"l": 56, "h2": 8}  # within-share work first, H keeps the floor
+    sched.complete(batch)
+    # L catches up: once their usages are alike they share steps equally again
+    for _ in range(20):
+        for sid in ("h2", "l"):
+            if not sched.sessions[sid].queue:
+                sched.submit(sid, "prefill", 100)
+        sched.complete(sched.plan())
+    got = {seg.session: seg.n for seg in sched.plan().segments}
+    assert got == {"h2": 32, "l": 32}, (got, sched.usage)
+    # an over-share device's decodes wait for the others' turns
+    sched = Scheduler(SchedulerConfig(token_budget=8, prefill_floor=0, usage_half_life=256))
+    sched.open("h", owner="H")
+    sched.submit("h", "prefill", 64)
+    _run(sched, 8)
+    for i in range(4):
+        sched.open(("H", i), owner="H")
+        sched.submit(("H", i), "decode", 2)
+    sched.open("l", owner="L")
+    sched.submit("l", "decode", 2)
+    assert [seg.session for seg in sched.plan().segments][0] == "l"
+    with pytest.raises(ValueError, match="usage_half_life"):
+        SchedulerConfig(usage_half_life=-1)
