@@ -39,7 +39,8 @@ RPC_READY_LINE = "hatspec-rpc starting"  # printed before the RPC server binds (
 # argparse dest -> CloudConfig key (dotted: a table); the flags given override the --config file's keys
 FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeout_s", "max_sessions": "max_sessions",
              "max_draft_len": "max_draft_len", "max_context": "max_context", "token_budget": "token_budget",
-             "prefill_floor": "prefill_floor", "usage_half_life": "usage_half_life", "kv_positions": "kv_positions", "stats_json": "stats_json",
+             "prefill_floor": "prefill_floor", "usage_half_life": "usage_half_life", "kv_positions": "kv_positions",
+             "stats_json": "stats_json",
              "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
              "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
              "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",

@@ -14,12 +14,15 @@ chunks) or a short decode / verify segment. Each step `plan()` packs one batch u
    step, so a crowd of decoding devices cannot starve it.
 
 Devices are also kept fair over time (least attained service): each device's recent usage is the positions planned
-for it, halving every `usage_half_life` positions the cloud computes. A device with work whose usage is above
-`OVER_SHARE` times the mean of the devices with work (and above one step's budget) is over its share: its decodes
-take their turns after the others', and while any device within its share has work its prompts get no more than
-`prefill_floor` positions of a step (shared among the devices over their share). So a device that floods the cloud
-with long prompts gets what the others leave, in small chunks that do not stretch the steps their decodes wait on,
-and closing its sessions does not reset its usage.
+for it, halving every `usage_half_life` positions the cloud computes. The active devices are those with work or
+served in the last `ACTIVE_STEPS` steps (a device drafting between two verifies has no work for a moment but is
+still waiting on the cloud). An active device whose usage is above `OVER_SHARE` times the mean of the active
+devices (and above one step's budget) is over its share: its decodes take their turns after the others', and while
+any active device is within its share its prompts get no more than `prefill_floor` positions of a step (shared
+among the devices over their share). So a device that floods the cloud with long prompts gets what the others
+leave, in small chunks that do not stretch the steps they wait on, and closing its sessions does not reset its
+usage. (The price: a device that sent much more than the others lately, say one very long prompt, waits in small
+chunks while they are active; `usage_half_life = 0` turns this off.)
 
 A session's works run in order, one segment per session per step (the runner appends each segment to that session's
 KV cache). With `max_in_flight` > 1 (a pipeline of stages) the next batches are planned before the earlier ones come
@@ -37,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Tuple
 
 KINDS = ("prefill", "decode")
-OVER_SHARE = 1.25  # a device whose recent usage exceeds this many times the mean of the devices with work
+OVER_SHARE = 1.25  # a device whose recent usage exceeds this many times the mean of the active devices
+ACTIVE_STEPS = 8  # a device served within this many steps is still active (its next request is on its way)
 
 
 class SchedulerRefusal(Exception):
@@ -218,7 +222,8 @@ class Scheduler:
         if not heads:
             return None
         budget = self.config.token_budget
-        over = self._over_share(heads)
+        active = self._active(heads)
+        over = self._over_share(active)
         decodes = [w for w in heads if w.kind == "decode"]
         prefills = [w for w in heads if w.kind == "prefill"]
         unplanned = sum(w.tokens - w.planned for w in prefills)
@@ -236,8 +241,8 @@ class Scheduler:
             segments.append(self._segment(w, n))
             used += n
         rest = budget - used
-        if any(self._owner(w) not in over for w in heads):  # devices within their share have work this step
-            rest = min(rest, self.config.prefill_floor)
+        if active - over and (segments or self.config.prefill_floor):  # others are waiting on the cloud (and a
+            rest = min(rest, self.config.prefill_floor)  # step with nothing else still makes progress)
         for w, n in self._shares(beyond, rest):
             segments.append(self._segment(w, n))
             used += n
@@ -287,12 +292,16 @@ class Scheduler:
     def _owner(self, work: Work) -> Hashable:
         return self.sessions[work.session].owner
 
-    def _over_share(self, heads: List[Work]) -> FrozenSet[Hashable]:
-        """The devices with work whose recent usage is over their share (see the module's docstring)."""
+    def _active(self, heads: List[Work]) -> FrozenSet[Hashable]:
+        """The devices with work, or served within the last `ACTIVE_STEPS` steps."""
+        recent = self._step - ACTIVE_STEPS
+        return frozenset([self._owner(w) for w in heads] + [o for o, at in self._owner_served.items() if at > recent])
+
+    def _over_share(self, active: FrozenSet[Hashable]) -> FrozenSet[Hashable]:
+        """The active devices whose recent usage is over their share (see the module's docstring)."""
         if not self.config.usage_half_life:
             return frozenset()
-        owners = {self._owner(w) for w in heads}
-        usage = {o: self._usage.get(o, 0.0) for o in owners}
+        usage = {o: self._usage.get(o, 0.0) for o in active}
         mean = sum(usage.values()) / len(usage)
         return frozenset(o for o, u in usage.items() if u > OVER_SHARE * mean and u > self.config.token_budget)
 

@@ -21,7 +21,7 @@ def _run(sched: Scheduler, steps: int):
 
 
 def test_budget_is_respected_and_long_prompts_are_chunked_beside_decodes():
-    sched = Scheduler(SchedulerConfig(token_budget=64, prefill_floor=8))
+    sched = Scheduler(SchedulerConfig(token_budget=64, prefill_floor=8, usage_half_life=0))  # (usage: below)
     for s in ("a", "b", "c"):
         sched.open(s)
     sched.submit("a", "prefill", 200)
@@ -292,3 +292,31 @@ def test_usage_decays_survives_closing_sessions_and_equal_devices_share_equally(
     assert [seg.session for seg in sched.plan().segments][0] == "l"
     with pytest.raises(ValueError, match="usage_half_life"):
         SchedulerConfig(usage_half_life=-1)
+
+
+@pytest.mark.parametrize("floor,half_life", [(0, 64), (8, 64), (8, 0), (0, 4096)])
+def test_random_devices_always_progress_within_the_budget(floor, half_life):
+    """Devices of random sizes come and go with prompts and decodes: while work waits a step is always planned (an
+    over-share device alone still progresses), no step passes the budget, and every work finishes."""
+    rng = random.Random(floor * 7 + half_life)
+    sched = Scheduler(SchedulerConfig(token_budget=32, prefill_floor=floor, usage_half_life=half_life))
+    submitted, finished, n = 0, 0, 0
+    for step in range(600):
+        if step < 500 and rng.random() < 0.4:
+            sid = (rng.choice("ABCD"), n)
+            n += 1
+            sched.open(sid, owner=sid[0])
+            for _ in range(rng.randint(1, 3)):
+                big = sid[0] == "A"  # A sends long prompts
+                sched.submit(sid, "prefill", rng.randint(100, 400) if big else rng.randint(1, 40))
+                sched.submit(sid, "decode", rng.randint(1, 4))
+                submitted += 2
+        if any(s.queue for s in sched.sessions.values()):
+            batch = sched.plan()
+            assert batch is not None and 0 < batch.tokens <= 32
+            finished += len(sched.complete(batch))
+        for sid in [k for k, s in sched.sessions.items() if not s.queue]:
+            sched.close(sid)
+    while any(s.queue for s in sched.sessions.values()):
+        finished += len(sched.complete(sched.plan()))
+    assert finished == submitted

@@ -48,6 +48,7 @@ from typing import Dict, List
 import numpy as np
 import psutil
 
+from cloud_runtime.quotas import parse_bytes
 from edge_runtime.api.agent import AgentConfig
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
 from hat_split.files.atomic import write_json
@@ -97,6 +98,7 @@ def add_parser(sub) -> None:
     s.add_argument("--request-timeout", type=float, default=900.0, help="a client gives up after this (seconds)")
     s.add_argument("--plaintext", action="store_true", help="no CurveZMQ (default: every link encrypted)")
     s.add_argument("--threads", type=int, default=1, help="torch threads of the cloud")
+    s.add_argument("--kv-memory", default="auto", help="the cloud's KV budget (hat-cloud serve --kv-memory)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--hostile-phases", type=int, default=0,
                    help="cut the load into this many phases, a hostile device on in every second one (0: none)")
@@ -267,6 +269,8 @@ def run(args) -> int:
             and args.cut_rate >= 0 and 0 < cut_lo <= cut_hi and 0 <= args.long_cuts <= 1 and links):
         raise ValueError("need devices >= hosts >= 1, duration and rate > 0, cut rate >= 0, 0 < cut min <= max, "
                          "long-cut share in [0, 1] and at least one link")
+    if args.kv_memory != "auto":
+        parse_bytes(args.kv_memory, "--kv-memory")  # a bad size fails here, before anything starts
     needs_adapter = "hat" in protocols or args.draft == "adapter"
     adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)
     rng = np.random.default_rng(args.seed)
@@ -281,7 +285,7 @@ def run(args) -> int:
     print(f"hat-bench soak: cloud ({args.model}), {args.devices} devices in {args.hosts} host processes, "
           f"{'plaintext' if args.plaintext else 'CurveZMQ'}", flush=True)
     cloud_args = ["--dtype", "float32", "--session-timeout", str(args.session_timeout), "--max-sessions",
-                  str(2 * args.devices + 8)]
+                  str(2 * args.devices + 8), "--kv-memory", args.kv_memory]
     keyed = names_ + ([HOSTILE] if args.hostile_phases else [])
     with Testbed(args.model, cloud_args=cloud_args, threads=args.threads, devices=keyed, secure=not args.plaintext,
                  status_interval_s=1.0) as bed:

@@ -122,8 +122,20 @@ def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_en
         "by_policy": {p: {"completed": sum(r["policy"] == p for r in done),
                           "exact": sum(r["policy"] == p and r["verdict"]["reference"]["match"] == "exact"
                                        for r in done)} for p in sorted({r["policy"] for r in records})},
-        "memory": mem,
+        "memory": mem, "cloud_kv": cloud_kv(memory),
     }
+
+
+def cloud_kv(memory: List[dict]) -> dict:
+    """The cloud's KV cache over the run (its status files): the byte budget, the most bytes and sessions held at a
+    sample, and its error replies by code at the end (refusals: quota, busy, memory_full, ...)."""
+    clouds = [m["cloud"] for m in memory if m.get("cloud")]
+    if not clouds:
+        return {}
+    return {"budget_bytes": clouds[-1].get("kv_budget_bytes"),
+            "max_bytes": max(c.get("kv_bytes", 0) for c in clouds),
+            "max_sessions": max(c.get("open", 0) for c in clouds),
+            "evicted": clouds[-1].get("evicted"), "errors": clouds[-1].get("errors", {})}
 
 
 def _f(x: Optional[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
@@ -161,6 +173,11 @@ def print_summary(report: dict) -> None:
         ratio = hostile["p99_ttft_ratio"]
         print(f" P99 TTFT with / without: {'-' if ratio is None else f'{ratio:.2f}'}; the hostile device was "
               f"answered {hostile['answers']}")
+    kv = s.get("cloud_kv")
+    if kv and kv.get("budget_bytes"):
+        print(f" cloud KV: at most {kv['max_bytes'] / 2 ** 20:.0f} MiB held ({kv['max_sessions']} sessions) of its "
+              f"{kv['budget_bytes'] / 2 ** 20:.0f} MiB budget; evicted {kv['evicted']}; its errors by code "
+              f"{kv['errors']}")
     last = report["memory"][-1]["cloud"] if report["memory"] else {}
     print(f" cloud after the drain: {last.get('open', '-')} sessions open, {last.get('kv_positions', '-')} KV "
           f"positions, {last.get('expired', '-')} sessions expired in all")
