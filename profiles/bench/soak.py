@@ -443,6 +443,9 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
         hostile.send(None)
         report["hostile_answers"] = hostile.recv()[1] if hostile.poll(30) else "no answer"
     time.sleep(2 * args.session_timeout + 2)  # idle sessions expire; memory should settle
+    settle = time.monotonic() + 2 * args.session_timeout  # work still queued then (a flood's) expires once done
+    while sampler.samples and sampler.samples[-1]["cloud"].get("open") and time.monotonic() < settle:
+        time.sleep(args.sample_every)
     sampler.stop.set()
     sampler.join()
     report.update(cuts=cuts, memory=sampler.samples, load_end_s=load_end, answered_s=drained, arrivals=len(arrivals))
