@@ -54,6 +54,8 @@ class CloudConfig:
     stats_json: str = ""  # path: on exit, write the server's counters and per-step log here (benchmarks); "" none
     status_file: str = ""  # path: while serving, rewrite the same report here (hat-fleet status); "" none
     status_interval_s: float = 5.0  # seconds between two status files (each costs a report and a write)
+    metrics_port: int = 0  # TCP port of the Prometheus endpoint (GET /metrics, docs/METRICS.md) on the host `bind`
+    # names (0.0.0.0 for *, loopback for ipc / inproc); 0: off
     pipeline: int = 1  # stages of the layers, one torch.distributed process each (cloud_runtime.pipeline)
     engine: str = "torch"  # what runs the target: torch (every protocol) | llamacpp (the model's GGUF file on
     # llama.cpp, quantised as shipped: the token protocols, every session's work in one llama_decode per step)
@@ -85,6 +87,12 @@ class CloudConfig:
                              f"got {self.prefill_floor}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port in 1..65535 (0: off), got {self.metrics_port}")
+        if self.metrics_port and self.bind.startswith("tcp://") and self.bind.rpartition(":")[2] == str(
+                self.metrics_port):
+            raise ValueError(f"metrics_port {self.metrics_port} is the port of the ZeroMQ socket ({self.bind}): "
+                             "give the metrics another")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "llamacpp" and self.pipeline > 1:

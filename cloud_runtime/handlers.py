@@ -23,6 +23,7 @@ from cloud_runtime.config import CloudConfig
 from cloud_runtime.quotas import Holding, Quota, QuotaBook, QuotaExceeded, Usage, eviction_order
 from cloud_runtime.sessions import MiddleSession, TokenSession
 from hat_split.math.chunking import DelayModel, chunk_size
+from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs, concat, token_logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.target_state import TargetState
 from hat_split.protocols import of_family
@@ -78,6 +79,7 @@ class Pending:
     draft: List[int] = field(default_factory=list)  # Verify: the drafts
     q: Optional[np.ndarray] = None  # Verify: the drafts' distributions `# [L, vocab]`
     generated: List[int] = field(default_factory=list)  # Generate: the tokens sampled so far
+    logprobs: List[Logprobs] = field(default_factory=list)  # Generate: theirs, when the session asked
 
 
 class ModelWork(Protocol):
@@ -346,6 +348,9 @@ class Handlers:
         if msg.protocol not in TOKEN_PROTOCOLS:
             raise P.ProtocolError("invalid", f"protocol {msg.protocol!r} is not served here; known: {TOKEN_PROTOCOLS}")
         prompt = P.check_tokens(msg.prompt, "prompt", self.limits.vocab_size, 1, self.limits.max_context)
+        if msg.logprobs is not None and msg.logprobs > MAX_TOP_LOGPROBS:
+            raise P.ProtocolError("invalid", f"logprobs asks for {msg.logprobs} alternatives per token; at most "
+                                             f"{MAX_TOP_LOGPROBS}")
         try:
             params = SamplingParams(msg.sampling.temperature, msg.sampling.top_k, msg.sampling.top_p)
         except ValueError as exc:
@@ -360,6 +365,7 @@ class Handlers:
         session = TokenSession(msg.session_id, msg.protocol, TargetState(params, msg.seed, prompt.tolist()),
                                device)
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
+        session.logprobs = msg.logprobs
         self.sessions[key] = session
         self.stats.sessions_opened += 1
         if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
@@ -400,7 +406,8 @@ class Handlers:
         session, msg = p.session, p.msg
         n, token, keep = session.target.accept(p.draft, p.q, logits)
         self.work.crop((p.identity, msg.session_id), keep)  # drop the rejected tail
-        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps)
+        return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps,
+                         _wire_logprobs(session, logits[:n + 1], p.draft[:n] + [token]))
 
     def _generate(self, identity: bytes, msg: P.Generate) -> Optional[P.Message]:
         session = self._session(identity, msg)
@@ -425,13 +432,16 @@ class Handlers:
     def _next_token(self, p: Pending, logits: np.ndarray) -> Optional[P.Message]:
         """Sample the next token from logits `# [1, vocab]`; one token per step, like any decoding device."""
         p.generated.append(p.session.target.sample_next(logits))
+        if p.session.logprobs is not None:
+            p.logprobs.append(token_logprobs(logits[-1:], p.generated[-1:], p.session.logprobs))
         msg = p.msg
         if len(p.generated) < msg.n:  # the request's next position (its quota was charged for all n at once)
             key = (p.identity, msg.session_id)
             self._with_room(p.identity, key, lambda: self.work.submit_tokens(key, p.generated[-1:], 1, p))
             return None
+        lp = concat(p.logprobs) if p.logprobs else None
         return P.Generated(msg.session_id, msg.step, np.asarray(p.generated, np.int32), len(p.session.tokens),
-                           p.compute_s)
+                           p.compute_s, lp and P.TokenLogprobs(lp.values, lp.top_ids, lp.top_values))
 
     # -- split protocols (HAT) ------------------------------------------------------------------------------------
     def _open_split(self, identity: bytes, msg: P.OpenSplit) -> P.Message:
@@ -501,3 +511,11 @@ class Handlers:
         out = encode_hidden(deep, session.hidden_format) if deep is not None else None
         session.position = self.work.held((p.identity, msg.session_id))[0]
         return P.Deep(msg.session_id, msg.step, session.position, out, p.compute_s, p.uplink_bps, self.cloud_state())
+
+
+def _wire_logprobs(session: Any, logits: np.ndarray, tokens: List[int]) -> Optional[P.TokenLogprobs]:
+    """The committed tokens' log-probabilities under the target `# logits [n, vocab]`, if the session asked."""
+    if session.logprobs is None:
+        return None
+    lp = token_logprobs(logits, tokens, session.logprobs)
+    return P.TokenLogprobs(lp.values, lp.top_ids, lp.top_values)

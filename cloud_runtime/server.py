@@ -27,6 +27,7 @@ from cloud_runtime.batching import Batcher, Finished
 from cloud_runtime.cache_runner import CacheRunner
 from cloud_runtime.config import CloudConfig, device_kv_share
 from cloud_runtime.handlers import Handlers, ModelFacts, Pending, ServerStats
+from cloud_runtime.metrics import CloudMetrics, listen_host
 from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
 from cloud_runtime.quotas import Quota, QuotaBook, allow_list_quotas, format_bytes, parse_bytes
 from cloud_runtime.scheduler import SchedulerConfig
@@ -123,6 +124,7 @@ class CloudServer:
         self.handlers = Handlers(config, facts, self.batcher, self.load, self.stats, self.sessions, self.peers,
                                  self.devices, QuotaBook(self.quota, self._allow_list_quotas()), self.kv_bytes)
         self.zap: Optional[ZapAllowList] = None  # when the link is CurveZMQ
+        self.metrics = CloudMetrics(self)  # Prometheus, served on config.metrics_port (cloud_runtime.metrics)
         self._status_at = -1e9  # monotonic time of the last status file
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
@@ -164,6 +166,12 @@ class CloudServer:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         sock.bind(self.config.bind)
         self._sock = sock
+        if self.config.metrics_port:
+            try:
+                self.metrics.serve(listen_host(self.config.bind), self.config.metrics_port)
+            except OSError:
+                self.close()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -177,6 +185,7 @@ class CloudServer:
         if self.zap is not None:
             self.zap.close()
             self.zap = None
+        self.metrics.close()
         self.sessions.clear()
         self.batcher.shutdown()
 
@@ -289,22 +298,27 @@ class CloudServer:
         except Exception as exc:  # a bug or a compute failure must not take the server down
             log.exception("internal error while serving %s", type(msg).__name__)
             reply = self._error("internal", f"{type(exc).__name__}: {exc}", msg)
+        self.metrics.request(msg)
         if reply is not None:
             self._send(identity, reply, msg)
 
     def step(self) -> None:
         """Launch and collect batched steps of every session's queued work; sends the replies of what finished."""
+        before = self.batcher.stats.steps
         try:
             finished: Finished = self.batcher.step()
         except Exception:  # a bug here must not take the server down; the batch's devices time out and retry
             log.exception("batched step failed")
             return
+        finally:  # the histograms count every step StepStats counted
+            self.metrics.observe_steps(self.batcher.stats, before)
         for key in finished.dropped:
             self.sessions.pop(key, None)
         for pending, why in finished.failed:
             self._send(pending.identity, self._error("internal", why, pending.msg), pending.msg)
         for pending, rows in finished.done:
             reply = self._finish(pending, rows)
+            self.metrics.replied(pending.draft, reply)
             if reply is not None:
                 self._send(pending.identity, reply, pending.msg)
 

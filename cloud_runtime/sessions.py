@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, List
+from typing import Hashable, List, Optional
 
 from hat_split.math.target_state import TargetState
 
@@ -31,6 +31,7 @@ class TokenSession:
     compute_s: float = 0.0  # model time spent on this session (its share of each batched step), seconds
     link_rtt_s: float = 0.0  # the device's tiny-message round trip (OpenSession): baseline of the uplink estimate
     replied_at: float = 0.0  # perf_counter() when the last reply to this session left
+    logprobs: Optional[int] = None  # k: replies carry the committed tokens' log-probabilities (OpenSession.logprobs)
 
     @property
     def tokens(self) -> List[int]:

@@ -27,6 +27,7 @@ class Drafter:
     kv: KVState = field(init=False)
     last_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last draft() call
     last_q: List[np.ndarray] = field(init=False, default_factory=list)  # per draft: `# [vocab]` it was sampled from
+    local_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last sample_local() call
     can_generate_alone = True  # sessions.base.Session.resume under link_policy "degrade"
 
     def __post_init__(self) -> None:
@@ -91,8 +92,10 @@ class Drafter:
         return drafts, rows
 
     def sample_local(self, rng: np.random.Generator) -> int:
-        """One token from the draft model alone (protocol `slm`); the caller commits it."""
-        return int(sample(warp(self._next_logits([]), self.params), rng.random(1))[0])
+        """One token from the draft model alone (protocol `slm`); the caller commits it. Its raw logits stay in
+        `local_logits` `# [1, vocab]`."""
+        self.local_logits = self._next_logits([])
+        return int(sample(warp(self.local_logits, self.params), rng.random(1))[0])
 
     def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> None:
         """Append committed tokens, of which the first n_accepted_drafts are this round's accepted drafts.

@@ -22,6 +22,7 @@ from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocols
 from hat_split.extras import need
 from hat_split.files.bundle import BundleError
+from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
@@ -169,16 +170,27 @@ class EdgeRuntime:
     def generate(self, prompt: Union[str, List[int]], protocol: str = "sd", params: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, seed: Optional[int] = None, chat: bool = False,
                  on_text: Optional[Callable[[str], None]] = None,
-                 should_stop: Optional[Callable[[], str]] = None) -> GenerationResult:
+                 should_stop: Optional[Callable[[], str]] = None, logprobs: Optional[int] = None,
+                 on_tokens: Optional[Callable[[List[int], Optional[Logprobs]], None]] = None) -> GenerationResult:
         """One request. `prompt`: text (a chat user turn with `chat`) or token ids; `on_text` gets the text as it is
         accepted; `should_stop()` is asked after every accepted chunk and ends the request with the reason it
-        returns (a stop sequence, a client that went away)."""
+        returns (a stop sequence, a client that went away). `logprobs` = k: the result carries each token's
+        log-probability and k alternatives (hat_split.math.logprobs); `on_tokens(tokens, their logprobs)` is called
+        with each commit, before `on_text` gets its text."""
         record = protocols.get(protocol)  # a ValueError naming the known ones
         ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if record.needs_cloud:
             self._connect_for_request()
             self.monitor.refresh_mode()
-        stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
+        text = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
+
+        def stream(tokens: List[int]) -> None:
+            if on_tokens is not None:
+                on_tokens(tokens, session.logprobs[-1] if session.logprobs_k is not None else None)
+            text(tokens)
+
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         if seed is not None and not 0 <= seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         seed = seed if seed is not None else random.SystemRandom().randrange(2**62)
@@ -192,6 +204,7 @@ class EdgeRuntime:
         session = new_session(self.config, drafter, self.client, protocol, params, max_new_tokens, self.eos_ids, seed,
                               next(self._session_ids), on_tokens=stream, should_stop=should_stop or (lambda: ""),
                               monitor=self.monitor, link_state=self.link_state if split else None)
+        session.logprobs_k = logprobs
         result = session.run(ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result

@@ -58,6 +58,7 @@ class SplitDrafter:
     input_s: float = 0.0  # of prefill_s: the input layers over prompt chunks (`prompt_states`)
     slowdown: float = 1.0  # > 1: sleep so that each computation takes this many times as long (a slower board)
     pause: Callable[[float], None] = time.sleep  # how that sleep is spent (a session watches its socket meanwhile)
+    local_logits: Optional[np.ndarray] = None  # `# [1, vocab]` raw logits of the last sample_local() call
 
     def __post_init__(self) -> None:
         self._reset()
@@ -117,8 +118,11 @@ class SplitDrafter:
 
     def sample_local(self, rng: Any = None) -> int:
         """One token from the draft w_S alone (the link is down, policy degrade); the caller commits it. Its
-        randomness is position-keyed like every draft's (`rng` is the token drafter's interface, unused)."""
-        return self.draft(1, 0.0).drafts[0]
+        randomness is position-keyed like every draft's (`rng` is the token drafter's interface, unused). Its raw
+        logits stay in `local_logits` `# [1, vocab]`."""
+        state = self.draft(1, 0.0)
+        self.local_logits = state.last_logits[None]
+        return state.drafts[0]
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def last_state(self) -> Any:

@@ -31,10 +31,38 @@ def test_request_checking_names_the_field():
                               ({"messages": "hi"}, True, "messages"), ({"prompt": ""}, False, "prompt"),
                               ({"prompt": [1, -2]}, False, "prompt"), ({"prompt": [1, True]}, False, "prompt"),
                               ({"prompt": []}, False, "prompt"), ({"prompt": [[1], [2]]}, False, "prompt"),
-                              ({"prompt": "x", "hatspec": {"tokens": "yes"}}, False, "hatspec")]:
+                              ({"prompt": "x", "hatspec": {"tokens": "yes"}}, False, "hatspec"),
+                              ({"prompt": "x", "logprobs": 21}, False, "logprobs"),
+                              ({"prompt": "x", "logprobs": True}, False, "logprobs"),
+                              ({"prompt": "x", "top_logprobs": 2}, False, "top_logprobs"),
+                              ({"prompt": "x", "echo": True, "logprobs": 1}, False, "echo"),
+                              ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, True, "logprobs"),
+                              ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, True,
+                               "top_logprobs"),
+                              ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                "top_logprobs": 21}, True, "top_logprobs")]:
         with pytest.raises(O.ApiError) as info:
             O.parse_request(body, chat, ("sd", "llm"), "sd")
         assert info.value.param == param and info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_logprobs_parameters_and_their_response_shapes():
+    chat = [{"role": "user", "content": "hi"}]
+    assert O.parse_request({"prompt": "x", "logprobs": 3}, False, ("sd",), "sd").logprobs == 3
+    assert O.parse_request({"prompt": "x"}, False, ("sd",), "sd").logprobs is None
+    assert O.parse_request({"messages": chat, "logprobs": True}, True, ("sd",), "sd").logprobs == 0
+    assert O.parse_request({"messages": chat, "logprobs": False}, True, ("sd",), "sd").logprobs is None
+    req = O.parse_request({"messages": chat, "logprobs": True, "top_logprobs": 2}, True, ("sd",), "sd")
+    entries = [O.TokenLogprob("Hé", -0.5, [("Hé", -0.5), ("A", -1.5)], "target", 0),
+               O.TokenLogprob("!", -2.0, [("?", -0.1), ("!", -2.0)], "draft", 2)]
+    body = O.logprobs_body(req, entries)["content"]
+    assert body[0]["bytes"] == list("Hé".encode()) and body[1]["top_logprobs"][0] == {
+        "token": "?", "logprob": -0.1, "bytes": [63]} and [e["hatspec_source"] for e in body] == ["target", "draft"]
+    req = O.parse_request({"prompt": "x", "logprobs": 2}, False, ("sd",), "sd")
+    assert O.logprobs_body(req, entries) == {"tokens": ["Hé", "!"], "token_logprobs": [-0.5, -2.0],
+                                             "top_logprobs": [{"Hé": -0.5, "A": -1.5}, {"?": -0.1, "!": -2.0}],
+                                             "text_offset": [0, 2], "hatspec_sources": ["target", "draft"]}
+    assert O.logprobs_body(O.parse_request({"prompt": "x"}, False, ("sd",), "sd"), entries) is None
 
 
 def test_stop_matcher_holds_back_what_may_become_a_stop():
@@ -133,6 +161,48 @@ def test_streaming_and_stop_sequences(endpoint):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == answer[:answer.find(word)] and chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop" and chunks[-1].usage.total_tokens
+
+
+def _target_logprobs(loaded, prompt_ids, tokens):
+    """smollm2's own log-softmax at each generated position `# [n, vocab]`."""
+    import torch
+
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0].double()
+    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(tokens)].numpy()
+
+
+@pytest.mark.real_models
+def test_logprobs_through_the_openai_client_equal_the_targets(endpoint, smollm2_module):
+    """sd at temperature 0: each token's logprob and its top 5 are smollm2's own log-softmax (the cloud's float32
+    rows); streamed chat chunks carry the same entries as the whole response."""
+    import numpy as np
+
+    client, _ = endpoint
+    ids = smollm2_module.tokenizer(FIB)["input_ids"]
+    r = client.completions.create(model="m", prompt=ids, max_tokens=12, temperature=0, logprobs=5,
+                                  extra_body={"hatspec": {"tokens": True}})
+    tokens, lp = r.model_extra["hatspec"]["tokens"], r.choices[0].logprobs
+    ref = _target_logprobs(smollm2_module, ids, tokens)
+    assert len(lp.token_logprobs) == len(tokens) == r.usage.completion_tokens
+    np.testing.assert_allclose(lp.token_logprobs, ref[np.arange(len(tokens)), tokens], atol=2e-3)
+    decode = smollm2_module.tokenizer.decode
+    for row, top in zip(ref, lp.top_logprobs):
+        best = np.argsort(-row)[:5]
+        assert list(top) == [decode([int(t)]) for t in best] or len(set(decode([int(t)]) for t in best)) < 5
+        np.testing.assert_allclose(sorted(top.values(), reverse=True), row[best], atol=2e-3)
+    assert "".join(lp.tokens) == r.choices[0].text and lp.model_extra["hatspec_sources"] == ["target"] * len(tokens)
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+               and e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in content)
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
 
 
 @pytest.mark.real_models

@@ -7,7 +7,8 @@ What it does:
   atomically) with what `hat-fleet status` shows: state, pid, model, backend, requests served, last report, cloud load;
 - serves HTTP on a device-local address: the OpenAI API (edge_runtime.api.openai_api: `/v1/models`, `/v1/completions`,
   `/v1/chat/completions`, streamed or not, stop sequences, cancellation when the client goes away, the protocol per
-  request in the `hatspec` field), `GET /hatspec/status` (the status JSON) and `POST /hatspec/generate` (JSON
+  request in the `hatspec` field), `GET /metrics` (Prometheus: edge_runtime.api.metrics, docs/METRICS.md),
+  `GET /hatspec/status` (the status JSON) and `POST /hatspec/generate` (JSON
   {"prompt", "protocol", "max_tokens", "temperature", "top_p", "seed", "chat"} → the generation's summary);
   generations run one at a time (a device has one draft model);
 - sheds load as OpenAI-compatible servers do, so clients back off and retry by themselves: with `max_queue` requests
@@ -29,9 +30,10 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from edge_runtime.api import openai_api as O
+from edge_runtime.api.metrics import EdgeMetrics
 from edge_runtime.client import CloudError
 from edge_runtime.config import EdgeConfig
 from edge_runtime.runtime import EdgeRuntime
@@ -105,6 +107,7 @@ class Agent:
         self._admit_lock = threading.Lock()
         self._generation_s = 1.0  # a recent generation's wall time (moving average): the Retry-After estimate
         self.shed = {"queue_full": 0, "cloud": 0}  # requests answered 429 / 503
+        self.metrics = EdgeMetrics(self, SHED_CODES)  # Prometheus, GET /metrics (edge_runtime.api.metrics)
         self._stop = threading.Event()
         self._status_lock = threading.Lock()  # the report loop and request threads both rewrite the status file
         self.cycle = None
@@ -161,7 +164,7 @@ class Agent:
         """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances.
         Returns (result, seconds spent waiting for the generation before it, if any). Refused with 429 when
         max_queue requests already wait, with 503 when the cloud refuses it for load (both with Retry-After)."""
-        self._admit()
+        self._admit(args[1])
         t0 = time.perf_counter()
         try:
             with self._lock:
@@ -171,16 +174,18 @@ class Agent:
                 if self.cycle is not None and self.cycle.after_request():
                     self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
                 self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
+                self.metrics.completed(result, queued)
         finally:
             with self._admit_lock:
                 self._admitted -= 1
         self._write_status()
         return result, queued
 
-    def _admit(self) -> None:
+    def _admit(self, protocol: str) -> None:
         with self._admit_lock:
             if self._admitted > self.max_queue:
                 self.shed["queue_full"] += 1
+                self.metrics.failed(protocol, "refused")
                 wait = self._generation_s * self._admitted
                 raise O.ApiError(f"the device is busy: {self._admitted - 1} requests wait behind the one running "
                                  f"(max_queue {self.max_queue}); retry in {wait:.0f} s", status=429,
@@ -194,13 +199,15 @@ class Agent:
             result = self.runtime.generate(*args)
         except CloudError as exc:
             self.failures += 1
+            self.metrics.failed(args[1], exc)
             if exc.error.code not in SHED_CODES:
                 raise
             self.shed["cloud"] += 1
             raise O.ApiError(f"the cloud sheds load: {exc.error.code}: {exc.error.message}", status=503,
                              kind="server_error", retry_after_s=SHED_RETRY_S[exc.error.code]) from None
-        except Exception:
+        except Exception as exc:
             self.failures += 1
+            self.metrics.failed(args[1], exc)
             raise
         self._generation_s = 0.7 * self._generation_s + 0.3 * (time.perf_counter() - started)
         return result
@@ -244,6 +251,18 @@ class Agent:
         rid, model = O.new_id(chat), self.runtime.model_name
         matcher = O.StopMatcher(req.stop)
         cancelled, opened = [], []
+        entries: List[O.TokenLogprob] = []  # each token's log-probabilities, when asked
+        streamed = [0]  # of entries, those already sent
+
+        def on_tokens(tokens: List[int], lp) -> None:
+            for i, t in enumerate(tokens if lp is not None else ()):
+                offset = entries[-1].offset + len(entries[-1].token) if entries else 0
+                top = [(tok.decode([int(j)]), float(v)) for j, v in zip(lp.top_ids[i], lp.top_values[i])]
+                entries.append(O.TokenLogprob(tok.decode([t]), float(lp.values[i]), top, lp.source, offset))
+
+        def unsent() -> Optional[dict]:
+            out, streamed[0] = entries[streamed[0]:], len(entries)
+            return O.logprobs_body(req, out)
 
         def emit(event: dict) -> None:
             if send is not None and not cancelled:
@@ -256,7 +275,7 @@ class Agent:
             out = matcher.feed(delta)
             if out:
                 opening()
-                emit(O.chunk(req, rid, model, out))
+                emit(O.chunk(req, rid, model, out, logprobs=unsent()))
 
         def opening() -> None:  # a chat stream's role chunk, once the cloud took the request (else a 429 / 503)
             if chat and not opened:
@@ -269,7 +288,8 @@ class Agent:
             return "cancelled" if cancelled or client_gone() else ""
 
         params = SamplingParams(req.temperature, 0, req.top_p)
-        result, queued = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop)
+        result, queued = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop,
+                                   req.logprobs, on_tokens)
         text, stopped = O.cut_at_stop(result.text, req.stop)
         reason = "stop" if stopped else result.finish_reason
         extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
@@ -280,11 +300,13 @@ class Agent:
         if req.return_tokens:
             extra["tokens"] = list(result.tokens)
         if send is None:
-            return O.response(req, rid, model, text, reason, len(ids), result.n, extra)
+            kept = [e for e in entries if e.offset < len(text)] if stopped else entries  # none past a stop sequence
+            return O.response(req, rid, model, text, reason, len(ids), result.n, extra, O.logprobs_body(req, kept))
         opening()
         if len(text) > matcher.emitted:
-            emit(O.chunk(req, rid, model, text[matcher.emitted:]))
-        emit({**O.chunk(req, rid, model, None, reason), "hatspec": extra})
+            emit(O.chunk(req, rid, model, text[matcher.emitted:], logprobs=unsent()))
+        emit({**O.chunk(req, rid, model, None, reason, logprobs=unsent() if len(entries) > streamed[0] else None),
+              "hatspec": extra})
         if req.include_usage:
             emit(O.usage_chunk(req, rid, model, len(ids), result.n))
         return None
@@ -304,6 +326,7 @@ class Agent:
             self.httpd.shutdown()
             self.httpd.server_close()
             self.runtime.close()
+            self.metrics.close()
             self.state = "stopped"
             self._write_status()
 
@@ -320,6 +343,7 @@ def _handler(agent: Agent):
 
         def _json(self, code: int, payload: dict, retry_after_s: int = 0) -> None:
             body = json.dumps(payload).encode()
+            agent.metrics.responded(self.path, code)
             self.send_response(code)
             if retry_after_s:
                 self.send_header("Retry-After", str(retry_after_s))
@@ -350,6 +374,13 @@ def _handler(agent: Agent):
                 self._json(200, agent.status())
             elif self.path == "/v1/models":
                 self._json(200, O.models(agent.runtime.model_name))
+            elif self.path.split("?")[0] == "/metrics":  # Prometheus text (edge_runtime.api.metrics)
+                body, kind = agent.metrics.exposition()
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             else:
                 self._json(404, O.ApiError(f"no route {self.path}", status=404).body())
 
@@ -376,6 +407,7 @@ def _handler(agent: Agent):
 
             def send(event: dict) -> None:
                 if not started:
+                    agent.metrics.responded(self.path, 200)
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
                     self.send_header("Cache-Control", "no-cache")

@@ -6,8 +6,14 @@ streaming (`"stream": true`, server-sent events ending in `data: [DONE]`) or not
 `stream_options.include_usage`, a completion prompt as text or as an array of token ids, and the extension
 `hatspec` = {"protocol": "sd" | "hat" | ..., "tokens": bool} choosing the device-cloud protocol per request and asking
 for the generated token ids (the openai client sends it with `extra_body`). Fields that would change the output
-distribution and that hatspec does not implement (penalties, logit_bias, logprobs, n > 1, tools, ...) are refused
+distribution and that hatspec does not implement (penalties, logit_bias, n > 1, tools, echo, ...) are refused
 with a 400 naming the field, rather than silently ignored.
+
+Log-probabilities: completions `logprobs` = k (0..20), chat `logprobs: true` with `top_logprobs` = k (0..20), streamed
+too (each chunk carries its tokens'). They are the target's log-softmax of each emitted token (and its k most probable
+alternatives), exact wherever the target computed the token's distribution; a token the device committed without
+the target (a skipped upload, a degraded stretch, the device-only protocol) carries the draft's, marked in the
+extension fields `hatspec_source` (chat, per token) and `hatspec_sources` (completions): "target" or "draft".
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 MAX_STOPS = 4
 MAX_TOKENS_LIMIT = 8192
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on the text
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "logprobs": None,
-           "top_logprobs": None, "suffix": None, "logit_bias": None, "tools": None, "tool_choice": None,
-           "response_format": None, "functions": None, "function_call": None}  # accepted only at these values
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
+           "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "functions": None,
+           "function_call": None}  # accepted only at these values
+MAX_TOP_LOGPROBS = 20  # as hat_split.math.logprobs.MAX_TOP_LOGPROBS (this module imports nothing of the runtime)
 
 
 class ApiError(ValueError):
@@ -52,6 +59,18 @@ class CompletionRequest:
     include_usage: bool
     protocol: str
     return_tokens: bool = False  # hatspec.tokens: the generated token ids in the response's hatspec object
+    logprobs: Optional[int] = None  # k: each token's log-probability and its k most probable alternatives; None: off
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's entry of a response's logprobs."""
+
+    token: str  # its text
+    logprob: float
+    top: List[Tuple[str, float]]  # the most probable alternatives, most probable first
+    source: str  # "target" | "draft" (hat_split.math.logprobs)
+    offset: int  # where its text starts in the completion (characters)
 
 
 def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_protocol: str,
@@ -59,7 +78,7 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     known = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
-             "seed", "n", "stream", "stream_options", "hatspec"} | IGNORED | set(NEUTRAL)
+             "seed", "n", "stream", "stream_options", "hatspec", "logprobs", "top_logprobs"} | IGNORED | set(NEUTRAL)
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
@@ -126,7 +145,44 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
     if protocol not in protocols:
         raise ApiError(f"hatspec.protocol {protocol!r} is not one of {', '.join(protocols)}", "hatspec")
     return CompletionRequest(chat, prompt, messages, max_tokens, temperature, top_p, stop, seed, stream,
-                             bool(options.get("include_usage")), protocol, ext.get("tokens", False))
+                             bool(options.get("include_usage")), protocol, ext.get("tokens", False),
+                             _logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """k alternatives per token, or None: completions `logprobs` = k; chat `logprobs` = true, `top_logprobs` = k."""
+    def count(key: str) -> int:
+        value = body[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ApiError(f"{key} must be an integer in 0..{MAX_TOP_LOGPROBS}", key)
+        return value
+
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise ApiError("top_logprobs is a chat parameter: completions take logprobs = k", "top_logprobs")
+        return None if body.get("logprobs") is None else count("logprobs")
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError("logprobs must be true or false (chat; the alternatives are top_logprobs)", "logprobs")
+    if body.get("top_logprobs") is None:
+        return 0 if wanted else None
+    if not wanted:
+        raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
+    return count("top_logprobs")
+
+
+def logprobs_body(req: CompletionRequest, entries: List[TokenLogprob]) -> Optional[dict]:
+    """A choice's `logprobs` object in OpenAI's shape for chat or completions (None when not asked)."""
+    if req.logprobs is None:
+        return None
+    if req.chat:
+        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode("utf-8")),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                                              for t, lp in e.top],
+                             "hatspec_source": e.source} for e in entries], "refusal": None}
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries] if req.logprobs else None,
+            "text_offset": [e.offset for e in entries], "hatspec_sources": [e.source for e in entries]}
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -199,28 +255,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def response(req: CompletionRequest, rid: str, model: str, text: str, reason: str, prompt_tokens: int,
-             completion_tokens: int, extra: Dict[str, Any]) -> dict:
+             completion_tokens: int, extra: Dict[str, Any], logprobs: Optional[dict] = None) -> dict:
+    """`logprobs`: the choice's (logprobs_body)."""
     base = {"id": rid, "created": int(time.time()), "model": model,
             "usage": usage(prompt_tokens, completion_tokens), "hatspec": extra}
     if req.chat:
         return {**base, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(reason),
-            "logprobs": None}]}
+            "logprobs": logprobs}]}
     return {**base, "object": "text_completion", "choices": [{
-        "index": 0, "text": text, "finish_reason": finish_reason(reason), "logprobs": None}]}
+        "index": 0, "text": text, "finish_reason": finish_reason(reason), "logprobs": logprobs}]}
 
 
 def chunk(req: CompletionRequest, rid: str, model: str, text: Optional[str], reason: Optional[str] = None,
-          role: bool = False) -> dict:
-    """One streamed event: a text delta (or the role opening a chat stream, or the final finish reason)."""
+          role: bool = False, logprobs: Optional[dict] = None) -> dict:
+    """One streamed event: a text delta (or the role opening a chat stream, or the final finish reason), with its
+    tokens' `logprobs` (logprobs_body) when asked."""
     base = {"id": rid, "created": int(time.time()), "model": model}
     if req.chat:
         delta: Dict[str, Any] = {"role": "assistant", "content": ""} if role else \
             ({"content": text} if text else {})
         return {**base, "object": "chat.completion.chunk", "choices": [{
-            "index": 0, "delta": delta, "finish_reason": finish_reason(reason) if reason else None, "logprobs": None}]}
+            "index": 0, "delta": delta, "finish_reason": finish_reason(reason) if reason else None,
+            "logprobs": logprobs}]}
     return {**base, "object": "text_completion", "choices": [{
-        "index": 0, "text": text or "", "finish_reason": finish_reason(reason) if reason else None, "logprobs": None}]}
+        "index": 0, "text": text or "", "finish_reason": finish_reason(reason) if reason else None,
+        "logprobs": logprobs}]}
 
 
 def usage_chunk(req: CompletionRequest, rid: str, model: str, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -18,7 +18,9 @@ def round_ushape(session: SplitSession) -> None:
     position = len(dev.tokens) - 1
     deep = session.receive_deep(session.send_hidden(position, dev.last_state(), 1))
     session.counters.rounds += 1
-    session.commit([dev.sample_target(dev.target_logits(deep, position, 1))])
+    logits = dev.target_logits(deep, position, 1)
+    token = dev.sample_target(logits)
+    session.commit([token], logprobs=session.token_logprobs(logits, [token]))
 
 
 def round_hat(session: SplitSession) -> None:
@@ -40,7 +42,8 @@ def round_hat(session: SplitSession) -> None:
                                session.client.base_rtt_s) if st.draft_s > 0 else c.max_draft
         session.counters.pd_steps += _draft_candidates(dev, cands, steps, c, session.client.ready)
     deep = session.receive_deep(upload)
-    n, token = dev.verify(state, dev.target_logits(deep, state.base, L + 1))
+    logits = dev.target_logits(deep, state.base, L + 1)  # [L + 1, vocab]
+    n, token = dev.verify(state, logits)
     counters = session.counters
     if cands and dev.adopt(cands, token, n, L):
         counters.pd_hits += 1
@@ -48,7 +51,8 @@ def round_hat(session: SplitSession) -> None:
     counters.drafted += L
     counters.accepted += n
     counters.rejected += n < L
-    session.commit(state.drafts[:n] + [token], n)
+    committed = state.drafts[:n] + [token]
+    session.commit(committed, n, session.token_logprobs(logits[:n + 1], committed))
 
 
 def _draft_candidates(dev: SplitDrafter, cands: List[DraftState], steps: int, c: SplitConfig,

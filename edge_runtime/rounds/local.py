@@ -7,4 +7,4 @@ from edge_runtime.sessions.local import LocalSession
 def round_slm(session: LocalSession) -> None:
     """Device only: the draft model generates on its own, nothing crosses the link."""
     session.counters.rounds += 1
-    session.commit([session.drafter.sample_local(session.rng)])
+    session.commit_local()

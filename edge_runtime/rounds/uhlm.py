@@ -41,7 +41,8 @@ def _skip(session: TokenSession, token: int) -> None:
     """Commit the draft token locally; log its draft probability (for the true skip rate of benchmarks)."""
     session.counters.skipped += 1
     session.counters.skip_log.append([len(session.generated), float(session.drafter.last_q[0][token])])
-    session.pending.extend(session.commit([token], 1))
+    session.pending.extend(session.commit([token], 1, session.token_logprobs(session.drafter.last_logits[:1], [token],
+                                                                             "draft")))
 
 
 def _upload(session: TokenSession, token: int, payload) -> None:

@@ -15,7 +15,9 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
 
 from edge_runtime.client import (
     CloudClient,
@@ -26,6 +28,7 @@ from edge_runtime.client import (
     reconnect_delays,
 )
 from edge_runtime.config import EdgeConfig
+from hat_split.math.logprobs import Logprobs, token_logprobs
 from hat_split.math.rng import session_rng
 from hat_split.math.sampling import SamplingParams
 from hat_split.protocols import Protocol
@@ -73,6 +76,7 @@ class GenerationResult(Counters):
     cloud_prefill_s: float = 0.0  # of cloud_compute_s: the prompt
     open_s: float = 0.0  # of total_s: opening the request (the prompt on the link and on both sides)
     finish_reason: str = ""  # "eos" | "length" | a should_stop reason ("stop", "cancelled")
+    logprobs: Optional[List[Logprobs]] = None  # when asked: the tokens' log-probabilities, in commit order (not JSON)
 
     @property
     def n(self) -> int:
@@ -97,7 +101,9 @@ class GenerationResult(Counters):
         }
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), **self.summary()}
+        out = {**dataclasses.asdict(self), **self.summary()}
+        out.pop("logprobs")
+        return out
 
 
 def recoverable(exc: Exception) -> bool:
@@ -137,6 +143,8 @@ class Session(ABC):
         self.rng = session_rng(seed, "device")  # the device's stream: draft sampling, local sampling
         self.uncertainty_rng = session_rng(seed, "uncertainty")  # temperature perturbation (its own stream)
         self.skip_rng = session_rng(seed, "skip")  # randhlm's coin
+        self.logprobs_k: Optional[int] = None  # k: record each committed token's log-probability and k alternatives
+        self.logprobs: List[Logprobs] = []  # theirs, in commit order (hat_split.math.logprobs), when logprobs_k is set
 
     # -- what a family defines -----------------------------------------------------------------------------------
     @abstractmethod
@@ -164,11 +172,21 @@ class Session(ABC):
     def done(self) -> bool:
         return bool(self.finish_reason)
 
-    def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> List[int]:
+    def token_logprobs(self, logits: Any, tokens: List[int], source: str = "target") -> Optional[Logprobs]:
+        """The log-probabilities of `tokens` under raw `# logits [n, vocab]` when the request asked (else None)."""
+        if self.logprobs_k is None:
+            return None
+        return token_logprobs(np.asarray(logits, np.float32)[-len(tokens):], tokens, self.logprobs_k, source)
+
+    def commit(self, tokens: List[int], n_accepted_drafts: int = 0, logprobs: Optional[Logprobs] = None) -> List[int]:
         """Commit tokens (truncated at EOS or the length limit); returns what was committed. Nothing is committed once
-        the request has finished (EOS, length, or should_stop mid-round)."""
+        the request has finished (EOS, length, or should_stop mid-round). `logprobs`: the tokens' (token_logprobs),
+        required when the request asked for them."""
         if self.finish_reason:
             return []
+        if self.logprobs_k is not None and (logprobs is None or len(logprobs) != len(tokens)):
+            raise RuntimeError(f"protocol {self.name}: {len(tokens)} tokens committed with "
+                               f"{'no' if logprobs is None else len(logprobs)} log-probabilities")
         out: List[int] = []
         for t in tokens[: self.remaining]:
             out.append(t)
@@ -177,6 +195,8 @@ class Session(ABC):
                 break
         self.drafter.commit(out, min(n_accepted_drafts, len(out)))
         self.generated.extend(out)
+        if logprobs is not None and out:
+            self.logprobs.append(logprobs.head(len(out)))
         if not self.finish_reason and self.remaining <= 0:
             self.finish_reason = "length"
         if out:
@@ -186,6 +206,11 @@ class Session(ABC):
         if not self.finish_reason:
             self.finish_reason = self.should_stop()
         return out
+
+    def commit_local(self) -> None:
+        """One token from the device's draft model alone (no target): the device-only protocol, a degraded stretch."""
+        token = self.drafter.sample_local(self.rng)
+        self.commit([token], logprobs=self.token_logprobs(self.drafter.local_logits, [token], "draft"))
 
     def run(self, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
         """Open, step the protocol's round until the request is done, close; what was measured."""
@@ -229,6 +254,7 @@ class Session(ABC):
             cloud_prefill_s=cloud_prefill_s,
             open_s=open_s,
             finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.logprobs_k is not None else None,
         )
 
     # -- link drops ----------------------------------------------------------------------------------------------
@@ -268,7 +294,7 @@ class Session(ABC):
                 t_end = time.monotonic() + delay
                 while not self.done and time.monotonic() < t_end:
                     self.counters.degraded.append(len(self.generated))
-                    self.commit([self.drafter.sample_local(self.rng)])
+                    self.commit_local()
                 if self.done:
                     return False
             else:

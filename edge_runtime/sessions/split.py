@@ -136,7 +136,8 @@ class SplitSession(Session):
         if not all_deep:
             logits = dev.target_logits(deep, len(prompt) - 1, 1)
         self.counters.rounds += 1
-        self.commit([dev.sample_target(logits)])
+        token = dev.sample_target(logits)
+        self.commit([token], logprobs=self.token_logprobs(logits, [token]))
 
     def reopen(self, prompt: List[int]) -> None:
         """A new split session replaying the whole committed sequence's shallow states, recomputed by the device's

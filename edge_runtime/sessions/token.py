@@ -14,6 +14,7 @@ import numpy as np
 from edge_runtime.client import CloudError, LinkDown, expect
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.sessions.base import Session
+from hat_split.math.logprobs import Logprobs
 from hat_split.wire import messages as P
 
 
@@ -30,7 +31,8 @@ class TokenSession(Session):
     def _open_message(self, tokens: Sequence[int]) -> P.OpenSession:
         sampling = P.Sampling(self.params.temperature, self.params.top_k, self.params.top_p)
         return P.OpenSession(self.session_id, self.name, np.asarray(tokens, np.int32), sampling, self.seed,
-                             self.client.base_rtt_s, self.monitor.state() if self.monitor else P.DeviceState())
+                             self.client.base_rtt_s, self.monitor.state() if self.monitor else P.DeviceState(),
+                             self.logprobs_k)
 
     def open(self, prompt: List[int]) -> None:
         """The prompt goes to the cloud in OpenSession; the device prefills its draft meanwhile (or after, on a shared
@@ -111,7 +113,8 @@ class TokenSession(Session):
         self.cloud_position = verdict.position
         if verdict.uplink_bps > 0:
             self.uplink_bps = verdict.uplink_bps
-        self.commit(drafts[: verdict.n_accepted] + [verdict.token], verdict.n_accepted)
+        self.commit(drafts[: verdict.n_accepted] + [verdict.token], verdict.n_accepted,
+                    self._cloud_logprobs(verdict.logprobs, verdict.n_accepted + 1))
         return verdict
 
     def generate(self, n: int) -> None:
@@ -122,4 +125,20 @@ class TokenSession(Session):
         self.counters.rounds += 1
         self.counters.cloud_compute_s += reply.compute_s
         self.cloud_position = reply.position
-        self.commit([int(t) for t in reply.tokens])
+        self.commit([int(t) for t in reply.tokens], logprobs=self._cloud_logprobs(reply.logprobs, len(reply.tokens)))
+
+    def _cloud_logprobs(self, wire: Optional[P.TokenLogprobs], n: int) -> Optional[Logprobs]:
+        """The log-probabilities the cloud sent with n committed tokens (checked), when the request asked."""
+        if self.logprobs_k is None:
+            return None
+        if wire is None:
+            raise RuntimeError("the cloud sent no log-probabilities although the session asked (an older cloud?)")
+        try:
+            lp = Logprobs(np.asarray(wire.values, np.float32), np.asarray(wire.top_ids, np.int32),
+                          np.asarray(wire.top_values, np.float32))
+        except ValueError as exc:
+            raise RuntimeError(f"the cloud's log-probabilities are malformed: {exc}") from None
+        if len(lp) != n or lp.k != self.logprobs_k:
+            raise RuntimeError(f"the cloud sent log-probabilities of {len(lp)} tokens with {lp.k} alternatives; "
+                               f"{n} tokens with {self.logprobs_k} were due")
+        return lp

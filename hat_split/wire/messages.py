@@ -113,6 +113,14 @@ class HiddenPayload(msgspec.Struct, frozen=True):
     outliers: Any = None  # int8: [n, k] float16 those values
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    """Log-probabilities of the tokens a reply commits (hat_split.math.logprobs), when the session asked for them."""
+
+    values: Any  # [n] float32: each committed token's log-probability under the target
+    top_ids: Any  # [n, k] int32: the k most probable tokens at each position, most probable first
+    top_values: Any  # [n, k] float32: their log-probabilities
+
+
 class DeviceState(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the device measures about itself (HAT §3.2): moving averages, 0 where not known yet."""
 
@@ -161,6 +169,7 @@ class OpenSession(msgspec.Struct, tag=True):
     seed: Optional[NonNeg] = None  # the session's random streams (numpy SeedSequence entropy: never negative)
     link_rtt_s: float = 0.0  # the device's measured round trip of a tiny message: the cloud's uplink-rate baseline
     device: DeviceState = DeviceState()
+    logprobs: Optional[NonNeg] = None  # k: the replies carry the committed tokens' log-probabilities and k alternatives
 
 
 class SessionOpened(msgspec.Struct, tag=True):
@@ -187,6 +196,7 @@ class Verdict(msgspec.Struct, tag=True):
     position: NonNeg  # committed length after this step
     compute_s: float
     uplink_bps: float = 0.0  # the uplink rate the cloud measured on this request (0: not measurable)
+    logprobs: Optional[TokenLogprobs] = None  # of the n_accepted + 1 committed tokens, if the session asked
 
 
 class Generate(msgspec.Struct, tag=True):
@@ -203,6 +213,7 @@ class Generated(msgspec.Struct, tag=True):
     tokens: Any  # [n] int32
     position: NonNeg
     compute_s: float
+    logprobs: Optional[TokenLogprobs] = None  # of the n tokens, if the session asked
 
 
 class CloseSession(msgspec.Struct, tag=True):
@@ -305,7 +316,7 @@ def _with_tensor_refs(msg: Any, buffers: List[Any]) -> Any:
             arr = np.ascontiguousarray(value)
             buffers.append(memoryview(arr).cast("B") if arr.size else b"")
             updates[name] = Tensor(arr.dtype.name, list(arr.shape), len(buffers))
-        elif isinstance(value, (DistPayload, HiddenPayload)):
+        elif isinstance(value, (DistPayload, HiddenPayload, TokenLogprobs)):
             updates[name] = _with_tensor_refs(value, buffers)
     return msgspec.structs.replace(msg, **updates) if updates else msg
 
@@ -341,7 +352,7 @@ def _resolve(msg: Any, frames: Sequence[Any], used: set) -> Any:
         value = getattr(msg, name)
         if isinstance(value, dict) and "frame" in value:
             updates[name] = _tensor_from_frame(value, frames, used, name)
-        elif isinstance(value, (DistPayload, HiddenPayload)):
+        elif isinstance(value, (DistPayload, HiddenPayload, TokenLogprobs)):
             updates[name] = _resolve(value, frames, used)
     return msgspec.structs.replace(msg, **updates) if updates else msg
 
