@@ -48,7 +48,7 @@ FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeo
              "kv_layout": "kv_layout", "graphs": "graphs", "kv_memory": "kv_memory",
              "device_sessions": "device_sessions", "device_kv_memory": "device_kv_memory",
              "device_in_flight": "device_in_flight", "device_prompt_tokens_per_min": "device_prompt_tokens_per_min",
-             "metrics_port": "metrics_port"}
+             "metrics_port": "metrics_port", "dashboard_port": "dashboard_port"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=d["metrics_port"].default, metavar="PORT",
                    help="serve Prometheus metrics (GET /metrics, docs/METRICS.md) on this TCP port, on the --bind "
                         "host (default %(default)s: off)")
+    s.add_argument("--dashboard-port", type=int, default=d["dashboard_port"].default, metavar="PORT",
+                   help="serve the fleet dashboard (GET /: a page, GET /fleet.json; docs/DASHBOARD.md) on this TCP "
+                        "port, on the --bind host (default %(default)s: off)")
     s.add_argument("--pipeline", type=int, default=d["pipeline"].default,
                    help="pipeline stages for the middle layers, one process each under torchrun (default %(default)s)")
     s.add_argument("--threads", type=int, default=d["threads"].default,

@@ -56,6 +56,8 @@ class CloudConfig:
     status_interval_s: float = 5.0  # seconds between two status files (each costs a report and a write)
     metrics_port: int = 0  # TCP port of the Prometheus endpoint (GET /metrics, docs/METRICS.md) on the host `bind`
     # names (0.0.0.0 for *, loopback for ipc / inproc); 0: off
+    dashboard_port: int = 0  # TCP port of the fleet dashboard (GET /: the page, GET /fleet.json; docs/DASHBOARD.md)
+    # on the same host as the metrics; 0: off
     pipeline: int = 1  # stages of the layers, one torch.distributed process each (cloud_runtime.pipeline)
     engine: str = "torch"  # what runs the target: torch (every protocol) | llamacpp (the model's GGUF file on
     # llama.cpp, quantised as shipped: the token protocols, every session's work in one llama_decode per step)
@@ -93,6 +95,14 @@ class CloudConfig:
                 self.metrics_port):
             raise ValueError(f"metrics_port {self.metrics_port} is the port of the ZeroMQ socket ({self.bind}): "
                              "give the metrics another")
+        if not 0 <= self.dashboard_port <= 65535:
+            raise ValueError(f"dashboard_port must be a TCP port in 1..65535 (0: off), got {self.dashboard_port}")
+        if self.dashboard_port and self.bind.startswith("tcp://") and self.bind.rpartition(":")[2] == str(
+                self.dashboard_port):
+            raise ValueError(f"dashboard_port {self.dashboard_port} is the port of the ZeroMQ socket ({self.bind}): "
+                             "give the dashboard another")
+        if self.dashboard_port and self.dashboard_port == self.metrics_port:
+            raise ValueError(f"dashboard_port {self.dashboard_port} is metrics_port too: give each its own port")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "llamacpp" and self.pipeline > 1:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
 
+import msgspec
 import numpy as np
 
 from cloud_runtime.config import CloudConfig
@@ -26,7 +27,7 @@ from hat_split.math.chunking import DelayModel, chunk_size
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs, concat, token_logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.target_state import TargetState
-from hat_split.protocols import of_family
+from hat_split.protocols import NAMES as PROTOCOL_NAMES, of_family
 from hat_split.wire import messages as P
 from hat_split.wire.dist_codec import decode_dist
 from hat_split.wire.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
@@ -37,6 +38,7 @@ TOKEN_PROTOCOLS = of_family("token")  # verified by the full target
 SPLIT_PROTOCOLS = of_family("split")  # the cloud runs middle layers over hidden states (HAT)
 SOFTWARE = "hatspec-cloud/0.1"
 MEASURED = ("draft_s", "up_bps", "down_bps", "input_s", "adapter_s")  # a DeviceState's numbers
+STATS_FIGURES = ("tokens_per_s", "ttft_p50_s", "tbt_p50_s", "acceptance", "watts")  # a DeviceStats' floats
 RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
 
 Key = Tuple[bytes, int]  # (device identity, session id)
@@ -190,7 +192,16 @@ class Handlers:
         )
 
     def _report(self, identity: bytes, msg: P.Report) -> P.Message:
+        """A device's state (`_observe`) and, from an agent, what it served lately: kept as its latest `stats` (the
+        fleet view, cloud_runtime.fleet), replacing the previous ones (a report without stats keeps those), with
+        the time of the report (`report_at`, Unix time)."""
+        if msg.stats is not None:
+            check_stats(msg.stats)
         self._observe(identity, msg.device)
+        entry = self.devices[identity]
+        entry["report_at"] = time.time()
+        if msg.stats is not None:
+            entry["stats"] = msgspec.structs.asdict(msg.stats)  # plain values: the status file is JSON
         return P.Reported(self.cloud_state())
 
     def _observe(self, identity: bytes, state: P.DeviceState) -> None:
@@ -511,6 +522,20 @@ class Handlers:
         out = encode_hidden(deep, session.hidden_format) if deep is not None else None
         session.position = self.work.held((p.identity, msg.session_id))[0]
         return P.Deep(msg.session_id, msg.step, session.position, out, p.compute_s, p.uplink_bps, self.cloud_state())
+
+
+def check_stats(stats: P.DeviceStats) -> None:
+    """Refuse (ProtocolError "invalid") a device's stats whose figures are not finite, whose protocols are not known
+    ones ("unknown": a name the agent did not know) or do not add up to its requests."""
+    bad = [k for k in STATS_FIGURES if getattr(stats, k) is not None and not math.isfinite(getattr(stats, k))]
+    if bad:
+        raise P.ProtocolError("invalid", f"the device's stats {', '.join(bad)} must be finite")
+    unknown = sorted(set(stats.protocols) - set(PROTOCOL_NAMES) - {"unknown"})
+    if unknown:
+        raise P.ProtocolError("invalid", f"the device's stats count unknown protocols {unknown}")
+    if sum(stats.protocols.values()) != stats.requests:
+        raise P.ProtocolError("invalid", f"the device's stats count {stats.requests} requests but "
+                              f"{sum(stats.protocols.values())} by protocol")
 
 
 def _wire_logprobs(session: Any, logits: np.ndarray, tokens: List[int]) -> Optional[P.TokenLogprobs]:

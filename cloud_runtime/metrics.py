@@ -23,6 +23,15 @@ STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # positions of one batched step
 BATCH_SEGMENTS = (1, 2, 4, 8, 16, 32, 64, 128)  # sessions' segments in one batched step
 DEVICE_RATES = (("up_bps", "uplink"), ("down_bps", "downlink"))  # a device's reported link rates, bits per second
+DEVICE_STATS = (  # an agent's reported figures over its recent requests (hat_split.wire.messages.DeviceStats)
+    ("requests", "recent_requests", "requests of the agent's recent window (its last 64, 5 minutes at most)"),
+    ("tokens_per_s", "tokens_per_second", "generated tokens per second of generation, over the recent window"),
+    ("ttft_p50_s", "ttft_p50_seconds", "median time to first token, over the recent window"),
+    ("tbt_p50_s", "tbt_p50_seconds", "median time between tokens, over the recent window"),
+    ("acceptance", "acceptance_ratio", "accepted / drafted tokens, over the recent window"),
+    ("link_drops", "recent_link_drops", "link drops (resumed, or failed requests), over the recent window"),
+    ("watts", "power_watts", "the device's power at its last report"),
+)
 DEVICE_TIMES = (("draft_s", "draft", "drafting delay γ: seconds per draft token"),
                 ("input_s", "prefill_input", "prefill: seconds per prompt position of the device's input layers"),
                 ("adapter_s", "prefill_adapter", "prefill: seconds per prompt position of the device's adapter Λ"))
@@ -76,6 +85,7 @@ def snapshot(server: Any, metrics: "CloudMetrics") -> Dict[str, Any]:
         "steps": {k: getattr(steps, k) for k in ("steps", "tokens", "segments", "forward_s", "head_s")},
         "load": (server.load.mu or 0.0, server.load.g_mu()), "devices": devices,
         "zap": (zap.accepted, len(zap.refused)) if zap is not None else None,
+        "connected": sorted({label(server.handlers.device_of(i)) for i in list(server.peers)}),
     }
 
 
@@ -174,6 +184,20 @@ def device_families(s: Dict[str, Any]) -> Iterator[Metric]:
     yield _labelled(GaugeMetricFamily, "hatspec_cloud_device_last_report_timestamp_seconds", "when the device's last "
                     "state report arrived (Unix time)", "device",
                     {n: e["reported_at"] for n, e in devices.items() if "reported_at" in e})
+    stats = {n: e["stats"] for n, e in devices.items() if e.get("stats") is not None}
+    agent = GaugeMetricFamily("hatspec_cloud_device_agent_info", "a device agent's state and what runs its draft, "
+                              "as it last reported them (1)", labels=["device", "state", "bundle"])
+    by_protocol = GaugeMetricFamily("hatspec_cloud_device_recent_protocol_requests", "requests of the agent's recent "
+                                    "window, by protocol", labels=["device", "protocol"])
+    for name, st in sorted(stats.items()):
+        agent.add_metric([name, st["state"], st["bundle"]], 1)
+        for protocol, n in sorted(st["protocols"].items()):
+            by_protocol.add_metric([name, protocol], n)
+    yield agent
+    yield by_protocol
+    for key, what, doc in DEVICE_STATS:
+        yield _labelled(GaugeMetricFamily, f"hatspec_cloud_device_{what}", f"as the device agent reported it: {doc}",
+                        "device", {n: st[key] for n, st in stats.items() if st.get(key) is not None})
 
 
 class _Collector(Collector):

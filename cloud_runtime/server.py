@@ -26,6 +26,8 @@ import zmq
 from cloud_runtime.batching import Batcher, Finished
 from cloud_runtime.cache_runner import CacheRunner
 from cloud_runtime.config import CloudConfig, device_kv_share
+from cloud_runtime.dashboard import Dashboard
+from cloud_runtime.fleet import fleet_view
 from cloud_runtime.handlers import Handlers, ModelFacts, Pending, ServerStats
 from cloud_runtime.metrics import CloudMetrics, listen_host
 from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
@@ -125,6 +127,7 @@ class CloudServer:
                                  self.devices, QuotaBook(self.quota, self._allow_list_quotas()), self.kv_bytes)
         self.zap: Optional[ZapAllowList] = None  # when the link is CurveZMQ
         self.metrics = CloudMetrics(self)  # Prometheus, served on config.metrics_port (cloud_runtime.metrics)
+        self.dashboard: Optional[Dashboard] = None  # the fleet page, while served on config.dashboard_port
         self._status_at = -1e9  # monotonic time of the last status file
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
@@ -166,12 +169,15 @@ class CloudServer:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         sock.bind(self.config.bind)
         self._sock = sock
-        if self.config.metrics_port:
-            try:
+        try:
+            if self.config.metrics_port:
                 self.metrics.serve(listen_host(self.config.bind), self.config.metrics_port)
-            except OSError:
-                self.close()
-                raise
+            if self.config.dashboard_port:
+                self.dashboard = Dashboard(lambda: fleet_view(self))
+                self.dashboard.serve(listen_host(self.config.bind), self.config.dashboard_port)
+        except OSError:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -186,6 +192,9 @@ class CloudServer:
             self.zap.close()
             self.zap = None
         self.metrics.close()
+        if self.dashboard is not None:
+            self.dashboard.close()
+            self.dashboard = None
         self.sessions.clear()
         self.batcher.shutdown()
 

@@ -209,13 +209,14 @@ class EdgeRuntime:
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result
 
-    def report(self) -> P.CloudState:
-        """Send the device's current state (power mode read now, γ so far) to the cloud; the cloud's state back."""
+    def report(self, stats: Optional[P.DeviceStats] = None) -> P.CloudState:
+        """Send the device's current state (power mode read now, γ so far) and, from an agent, what it served lately
+        (`stats`) to the cloud; the cloud's state back."""
         self.connect()
         self.monitor.refresh_mode(max_age_s=0.0)
         link = self.link_state
         state = link.device(self.monitor) if link is not None else self.monitor.state()
-        return expect(self.client.request(P.Report(state)), P.Reported, P.Report).cloud
+        return expect(self.client.request(P.Report(state, stats)), P.Reported, P.Report).cloud
 
     def _parts(self, adapter: bool):
         """This runtime's model cut at split.m (and, when asked, its distilled Λ), built once."""

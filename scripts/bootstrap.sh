@@ -18,6 +18,13 @@ if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nul
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q openssh-server openssh-client >/dev/null 2>&1; } \
     || echo "bootstrap: could not install openssh-server; the flash tests will skip" >&2
 fi
+# headless Chromium (Debian package): the dashboard test renders the cloud's fleet page in it; skips without it.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+    || echo "bootstrap: could not install chromium; the dashboard page test will skip" >&2
+fi
 # torch first, pinned: an unpinned `torch` pulls the newest CUDA build (GBs); 2.13.0 has a CPU wheel here.
 pip_install "${HATSPEC_TORCH:-torch==2.13.0}"
 pip_install -e ".[all]"

@@ -31,9 +31,9 @@ def tiny_pair():
 
 
 @contextlib.contextmanager
-def serving(lm, security=None, bind="tcp://127.0.0.1:0", vocab="tiny-vocab", **config):
+def serving(lm, security=None, bind="tcp://127.0.0.1:0", vocab="tiny-vocab", name="tiny-target", **config):
     """A CloudServer over `lm` serving from a thread (a free loopback port by default; plaintext unless `security`;
-    `vocab`: the vocabulary fingerprint it declares)."""
+    `vocab`: the vocabulary fingerprint it declares; `name`: the model name it states)."""
     from cloud_runtime.config import CloudConfig
     from cloud_runtime.server import CloudServer
     from hat_split.net.security import LinkSecurity
@@ -41,7 +41,7 @@ def serving(lm, security=None, bind="tcp://127.0.0.1:0", vocab="tiny-vocab", **c
     cfg = CloudConfig(model="tiny", bind=bind, poll_ms=20, max_context=1024,
                       security=security or LinkSecurity.plaintext(), **config)
     stop = threading.Event()
-    with CloudServer(cfg, lm, "tiny-target", vocab) as server:
+    with CloudServer(cfg, lm, name, vocab) as server:
         thread = threading.Thread(target=server.serve_forever, kwargs={"until": stop.is_set}, daemon=True)
         thread.start()
         yield server

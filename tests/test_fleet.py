@@ -37,7 +37,12 @@ def test_inventory_reads_hosts_and_builds_the_commands(tmp_path):
     assert argv[:4] == ["python3", "-m", "edge_runtime.cli", "serve"]
     assert argv[argv.index("--bundle") + 1] == "/opt/hatspec/bundle" and "--device-profile" in argv
     assert argv[argv.index("--precision") + 1] == "int4"
-    assert F.cloud_argv(inv.cloud)[4:6] == ["--model", "qwen"]
+    assert F.cloud_argv(inv.cloud)[4:6] == ["--model", "qwen"] and "--dashboard-port" not in F.cloud_argv(inv.cloud)
+    watched = json.loads(json.dumps(INVENTORY))
+    watched["all"]["children"]["cloud"]["hosts"]["gpu-box"].update(hatspec_dashboard_port=8090,
+                                                                    hatspec_metrics_port=9100)
+    argv = F.cloud_argv(F.load_inventory(_write(tmp_path, watched)).cloud)
+    assert argv[argv.index("--dashboard-port") + 1] == "8090" and argv[argv.index("--metrics-port") + 1] == "9100"
     cycling = json.loads(json.dumps(INVENTORY))
     cycling["all"]["children"]["edge"]["hosts"]["xavier-1"].update(hatspec_mode_cycle=[2, "MODE_30W_ALL"],
                                                                      hatspec_mode_every=3)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from cloud_runtime.cache_runner import CacheRunner
@@ -17,6 +18,7 @@ from cloud_runtime.process import CloudProcess, free_port
 from edge_runtime.client import CloudError
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 from edge_runtime.runtime import EdgeRuntime
+from hat_split.math.logprobs import concat
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.loading import load_tokenizer, vocab_fingerprint
 from hat_split.models.registry import gguf_path
@@ -42,7 +44,12 @@ def test_the_scheduler_plans_a_llama_cpp_clouds_steps(smollm2_gguf, smollm2, smo
     reference = target.greedy(long_ids, 12)
     with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer), max_draft_len=4) as server:
         with EdgeRuntime(_device(server.endpoint, draft_len=3)) as rt:
-            assert rt.generate(long_ids, "sd", SamplingParams(0.0), 12, seed=0).tokens == reference
+            result = rt.generate(long_ids, "sd", SamplingParams(0.0), 12, seed=0, logprobs=3)
+            assert result.tokens == reference
+            # the llama.cpp rows' log-probabilities came back with the verdicts: greedy tokens are each row's best
+            lp = concat(result.logprobs)
+            assert len(lp) == 12 and lp.k == 3 and (lp.top_ids[:, 0] == reference).all()
+            assert np.allclose(lp.values, lp.top_values[:, 0]) and (np.diff(lp.top_values, axis=1) <= 0).all()
             stats = server.batcher.stats
             assert stats.steps >= 70 // 16 + 1 and max(t for t, _, _ in stats.step_log) <= 16
             with pytest.raises(CloudError, match="context_full.*limit is 160"):

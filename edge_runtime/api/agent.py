@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, List, Optional
 
 from edge_runtime.api import openai_api as O
-from edge_runtime.api.metrics import EdgeMetrics
+from edge_runtime.api.metrics import EdgeMetrics, bundle_label
 from edge_runtime.client import CloudError
 from edge_runtime.config import EdgeConfig
 from edge_runtime.runtime import EdgeRuntime
@@ -147,10 +147,14 @@ class Agent:
             write_json(path, self.status())
 
     def report(self) -> None:
-        """Send the device's state to the cloud now; the outcome goes into the status."""
+        """Send the device's state, and what it served lately (EdgeMetrics.stats), to the cloud now; the outcome goes
+        into the status."""
         with self._lock:
             try:
-                cloud = self.runtime.report()
+                # a report the cloud receives finds it reachable: the agent is ready then, unless stopping
+                stats = self.metrics.stats("stopped" if self._stop.is_set() else "ready",
+                                           bundle_label(self.config.edge.engine), self.runtime.model_name)
+                cloud = self.runtime.report(stats)
                 self.last_report = {"time": time.time(), "ok": True, "cloud_batch_tokens": cloud.batch_tokens,
                                     "cloud_step_s": cloud.step_s, "cloud_pipeline": cloud.pipeline}
                 self.state, self.error = "ready", ""

@@ -8,12 +8,21 @@ comes from the first sampler backend that works here (profiles.device.power: jto
 with no power), opened at the first scrape and closed with the agent; a quantity the backend cannot measure is left
 out, never estimated. Every metric lives in this agent's own registry, never prometheus_client's global one. Runs on
 Python 3.8 (JetPack 5), with prometheus-client < 0.22 there.
+
+Beside the counters, the last requests are kept in a window (`Outcome`s: the last STATS_REQUESTS that ran, none older
+than STATS_WINDOW_S) and summed up by `window_stats` (pure) into what the agent's reports carry to the cloud
+(hat_split.wire.messages.DeviceStats, for its fleet view).
 """
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import statistics
 import threading
-from typing import Any, Iterator, Sequence, Tuple
+import time
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, Iterator, Optional, Sequence, Tuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,6 +30,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from edge_runtime.client import CloudError, CloudUnavailable
 from hat_split import protocols
+from hat_split.wire import messages as P
 from profiles.device.power import open_sampler
 
 log = logging.getLogger("hatspec.agent")
@@ -46,6 +56,8 @@ COUNTED = (  # GenerationResult field → (counter name, help), each by protocol
     ("device_compute_s", "draft_compute_seconds", "the draft model's forward time on the device"),
     ("cloud_compute_s", "cloud_compute_seconds", "model time the cloud reported for the requests"),
 )
+STATS_REQUESTS = 64  # the reports' window: at most this many of the last requests ...
+STATS_WINDOW_S = 300.0  # ... none that ended longer ago than this (seconds)
 
 
 def outcome(exc: BaseException, shed_codes: Sequence[str]) -> str:
@@ -61,6 +73,47 @@ def outcome(exc: BaseException, shed_codes: Sequence[str]) -> str:
 def _protocol(name: Any) -> str:
     """A protocol label; what a client may send is bounded to the known names."""
     return name if name in protocols.NAMES else "unknown"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request that ran, as the reports' window keeps it."""
+
+    t: float  # time.monotonic() when it ended
+    protocol: str  # its protocol label (`_protocol`)
+    tokens: int = 0  # tokens generated (0: it failed)
+    generation_s: float = 0.0  # its generation's wall time, queue wait excluded (0: it failed)
+    ttft_s: Optional[float] = None  # arrival to first token, queue wait included (None: no token)
+    tbt_s: Optional[float] = None  # mean time between its tokens (None: fewer than 2)
+    drafted: int = 0  # draft tokens it sent for verification
+    accepted: int = 0  # of those, accepted
+    drops: int = 0  # link drops: survived (resumed) ones, or 1 for a request failed with the cloud unreachable
+
+
+def window_stats(outcomes: Sequence[Outcome], now: float, window_s: float = STATS_WINDOW_S) -> Dict[str, Any]:
+    """The reports' figures (DeviceStats' fields but state, bundle, model, watts) over the outcomes that ended within
+    `window_s` of `now`; a figure nothing measures is None."""
+    recent = [o for o in outcomes if now - o.t <= window_s]
+    per_protocol: Dict[str, int] = collections.Counter(o.protocol for o in recent)
+    tokens, busy_s = sum(o.tokens for o in recent), sum(o.generation_s for o in recent)
+    drafted, accepted = sum(o.drafted for o in recent), sum(o.accepted for o in recent)
+    ttft = [o.ttft_s for o in recent if o.ttft_s is not None]
+    tbt = [o.tbt_s for o in recent if o.tbt_s is not None]
+    return {"requests": len(recent), "protocols": dict(per_protocol),
+            "tokens_per_s": tokens / busy_s if busy_s > 0 else None,
+            "ttft_p50_s": statistics.median(ttft) if ttft else None,
+            "tbt_p50_s": statistics.median(tbt) if tbt else None,
+            "acceptance": min(1.0, accepted / drafted) if drafted else None,
+            "link_drops": sum(o.drops for o in recent)}
+
+
+def bundle_label(engine: Any) -> str:
+    """What runs a draft (edge_runtime.config.EngineConfig), as the fleet view shows it: the hat-export bundle
+    directory's name (with its backend and precision), else the backend (torch, llamacpp)."""
+    if not engine.bundle:
+        return engine.backend
+    name = os.path.basename(os.path.normpath(engine.bundle))
+    return f"{name} ({engine.backend} {engine.precision})"
 
 
 def _gauge(name: str, doc: str, value: float, labels: Sequence[str] = (), values: Sequence[str] = ()) -> Metric:
@@ -157,6 +210,8 @@ class EdgeMetrics:
         self._sampler: Any = None
         self._sampler_error = ""  # why no sampler could be opened (then none is tried again)
         self._sampler_lock = threading.Lock()
+        self._recent: Deque[Outcome] = collections.deque(maxlen=STATS_REQUESTS)  # the reports' window
+        self._recent_lock = threading.Lock()  # request threads append, the report loop reads
 
     # -- what the agent observes --------------------------------------------------------------------------------
     def completed(self, result: Any, queued_s: float) -> None:
@@ -173,11 +228,29 @@ class EdgeMetrics:
         if result.n > 1:
             self.tpot.labels(p).observe(max(0.0, result.total_s - result.ttft_s) / (result.n - 1))
         self.latency.labels(p).observe(queued_s + result.total_s)
+        self._keep(Outcome(time.monotonic(), p, result.n, result.total_s,
+                           queued_s + result.ttft_s if result.n else None,
+                           max(0.0, result.total_s - result.ttft_s) / (result.n - 1) if result.n > 1 else None,
+                           result.drafted, result.accepted, result.interruptions))
 
     def failed(self, protocol: Any, why: Any) -> None:
         """A request that did not finish: `why` an outcome label or the exception (see `outcome`)."""
         label = why if isinstance(why, str) else outcome(why, self.shed_codes)
         self.requests.labels(_protocol(protocol), label).inc()
+        if label != "refused":  # a 429 never ran: it stays out of the reports' window
+            self._keep(Outcome(time.monotonic(), _protocol(protocol), drops=int(label == "link_down")))
+
+    def _keep(self, o: Outcome) -> None:
+        with self._recent_lock:
+            self._recent.append(o)
+
+    def stats(self, state: str, bundle: str, model: str, now: Optional[float] = None) -> P.DeviceStats:
+        """What the agent's next report carries: its state, what runs its draft, the window's figures (at `now`,
+        time.monotonic() by default), the board's power now (None without a power monitor)."""
+        with self._recent_lock:
+            recent = list(self._recent)
+        figures = window_stats(recent, time.monotonic() if now is None else now)
+        return P.DeviceStats(state=state, bundle=bundle, model=model, watts=self.watts(), **figures)
 
     def responded(self, path: str, code: int) -> None:
         route = path.split("?")[0]
@@ -190,23 +263,34 @@ class EdgeMetrics:
 
     def power(self) -> Iterator[Metric]:
         """The board's power and load now, from the sampler (opened on the first call)."""
+        sampler, reading = self._read()
+        if reading is not None:
+            yield from reading_families(sampler, reading)
+
+    def watts(self) -> Optional[float]:
+        """The module's power now (the sampler's figure), None where the board has no power monitor."""
+        reading = self._read()[1]
+        return None if reading is None or reading.power_mw is None else reading.power_mw / 1000.0
+
+    def _read(self) -> Tuple[Any, Any]:
+        """(the sampler, a reading now), opening the sampler on the first call; (sampler or None, None) when none can
+        be opened here or its reading failed."""
         with self._sampler_lock:
             if self._sampler is None and not self._sampler_error:
                 try:
                     self._sampler = open_sampler(interval_s=1.0)
-                    log.info("power sampling for /metrics: %s", self._sampler.backend.name)
+                    log.info("power sampling (metrics, reports): %s", self._sampler.backend.name)
                 except Exception as exc:  # no backend at all: the metrics go on without power
                     self._sampler_error = f"{type(exc).__name__}: {exc}"
-                    log.warning("no power sampler for /metrics: %s", self._sampler_error)
+                    log.warning("no power sampler (metrics, reports): %s", self._sampler_error)
             sampler = self._sampler
             if sampler is None:
-                return
+                return None, None
             try:
-                reading = sampler.backend.read()
+                return sampler, sampler.backend.read()
             except Exception as exc:
                 log.warning("power sampler %s failed: %s", sampler.backend.name, exc)
-                return
-        yield from reading_families(sampler, reading)
+                return sampler, None
 
     def close(self) -> None:
         with self._sampler_lock:

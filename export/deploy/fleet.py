@@ -10,6 +10,7 @@ inventory, over ssh.
                                     and each agent's own status; exit 1 if anything is down
     hat-fleet logs INVENTORY [--host NAME] [--lines N]
     hat-fleet down INVENTORY        stop every agent and the cloud (TERM, then KILL after a grace period)
+    hat-fleet top [INVENTORY] [--url URL] [--once]   the cloud's live fleet view (export/deploy/top.py)
     hat-fleet local up K --dir DIR  K network-namespace "Jetsons" with sshd on this machine (root) and an inventory
     hat-fleet local down --dir DIR  remove them
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -204,7 +206,9 @@ def _config_args(host: Host) -> List[str]:
 
 def cloud_argv(cloud: Host) -> List[str]:
     return [cloud.python, "-m", "cloud_runtime.cli", "serve", *_config_args(cloud),
-            *_flags(cloud, [("hatspec_model", "--model", None), ("hatspec_bind", "--bind", "tcp://0.0.0.0:5555")]),
+            *_flags(cloud, [("hatspec_model", "--model", None), ("hatspec_bind", "--bind", "tcp://0.0.0.0:5555"),
+                            ("hatspec_metrics_port", "--metrics-port", None),
+                            ("hatspec_dashboard_port", "--dashboard-port", None)]),
             "--status-file", f"{cloud.run_dir}/cloud.status.json", "--status-interval", "1",
             *_security_args(cloud, "cloud"), *[str(a) for a in cloud.get("hatspec_cloud_args", [])]]
 
@@ -394,6 +398,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.choices["logs"].add_argument("--lines", type=int, default=50)
     sub.choices["down"].add_argument("--grace", type=float, default=10.0, help="seconds between TERM and KILL")
     sub.choices["status"].add_argument("--json", action="store_true")
+    top = sub.add_parser("top", help="the cloud's live fleet view in this terminal (export/deploy/top.py)")
+    top.add_argument("inventory", nargs="?", help="the dashboard of its cloud host (hatspec_dashboard_port)")
+    top.add_argument("--url", default="", help="the cloud's dashboard, http://HOST:PORT (hat-cloud --dashboard-port)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between two reads (default %(default)s)")
+    top.add_argument("--once", action="store_true", help="print the table once and exit (1: unreachable)")
     loc = sub.add_parser("local", help="a local fleet of network-namespace devices (root)")
     loc.add_argument("action", choices=("up", "down"))
     loc.add_argument("k", nargs="?", type=int, default=2)
@@ -404,6 +413,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "local":
             return _local(args)
+        if args.command == "top":
+            return _top(args)
         inv = load_inventory(args.inventory)
         if args.command == "up":
             up(inv, args.timeout, inventory_path=args.inventory)
@@ -426,6 +437,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"hat-fleet {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _top(args) -> int:
+    from export.deploy import top
+
+    if not args.url and not args.inventory:
+        print("hat-fleet top: give --url http://HOST:PORT (the cloud's dashboard) or an inventory", file=sys.stderr)
+        return 2
+    if not args.interval > 0:
+        print(f"hat-fleet top: --interval must be > 0 s, got {args.interval}", file=sys.stderr)
+        return 2
+    try:
+        url = top.view_url(args.url or top.inventory_url(load_inventory(args.inventory).cloud))
+    except ValueError as exc:  # InventoryError is one
+        print(f"hat-fleet top: {exc}", file=sys.stderr)
+        return 2
+    if args.once:
+        top.once(url, shutil.get_terminal_size().columns if sys.stdout.isatty() else None)
+        return 0
+    return top.live(url, args.interval)
 
 
 def _print_status(report: dict) -> None:

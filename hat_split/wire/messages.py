@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import zlib
 
 import msgspec
@@ -64,6 +64,9 @@ MAX_TENSOR_DIMS = 4
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]  # NaN is refused by the bound; ±inf is the receiver's to refuse
+Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Label = Annotated[str, msgspec.Meta(max_length=256)]  # a name shown to operators (state, model, bundle)
 
 
 class ProtocolError(Exception):
@@ -278,11 +281,31 @@ class Error(msgspec.Struct, tag=True):
     step: Optional[NonNeg] = None
 
 
+class DeviceStats(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a device agent served lately, for the cloud's fleet view (cloud_runtime.fleet): its requests of the window
+    (edge_runtime.api.metrics: the last STATS_REQUESTS requests that ran, none older than STATS_WINDOW_S; refused
+    ones, 429, never ran and are not counted). A figure with nothing to measure it from is None (absent)."""
+
+    state: Label = ""  # the agent's state (edge_runtime.api.agent): "ready" (a report that arrives found the cloud
+    # reachable), "stopped" (sent while stopping)
+    bundle: Label = ""  # what runs its draft: the hat-export bundle directory's name, else the backend (torch, ...)
+    model: Label = ""  # its draft model
+    requests: NonNeg = 0  # requests of the window (completed or failed)
+    protocols: Annotated[Dict[Label, NonNeg], msgspec.Meta(max_length=64)] = {}  # requests per protocol; sum = requests
+    tokens_per_s: Optional[NonNegFloat] = None  # generated tokens / the generations' wall time (queue excluded)
+    ttft_p50_s: Optional[NonNegFloat] = None  # median time to first token (queue wait included)
+    tbt_p50_s: Optional[NonNegFloat] = None  # median of each request's mean time between tokens (>= 2 tokens)
+    acceptance: Optional[Ratio] = None  # accepted / drafted tokens (None: nothing drafted)
+    link_drops: NonNeg = 0  # link drops: survived (resumed) plus requests failed with the cloud unreachable
+    watts: Optional[NonNegFloat] = None  # the module's power now (None: no power monitor on the board)
+
+
 class Report(msgspec.Struct, tag=True):
     """HAT §3.2 state monitoring outside a request: the device's current state (a power-mode switch, a new drafting
-    delay); answered with the cloud's."""
+    delay); answered with the cloud's. An agent adds what it served lately (None from peers that send none)."""
 
     device: DeviceState
+    stats: Optional[DeviceStats] = None
 
 
 class Reported(msgspec.Struct, tag=True):

@@ -67,7 +67,8 @@ def valid_requests(rng: random.Random, vocab: str) -> List[P.Message]:
         P.CloseSession(sid, None, None, rng.randrange(0, 40)),
         P.OpenSplit(sid, "hat", "f" * 32, 1, 2, "float16", rng.randrange(1, 30)),
         P.Hidden(sid, step, rng.randrange(0, 40), hidden, rng.randrange(0, n + 1)),
-        P.Report(P.DeviceState(1e6, 1e6, 0.01, "MODE_30W")),
+        P.Report(P.DeviceState(1e6, 1e6, 0.01, "MODE_30W"),
+                 P.DeviceStats("ready", "torch", "tiny", 3, {"sd": 2, "hat": 1}, 40.0, 0.2, 0.03, 0.7, 1, 7.5)),
         P.Verdict(sid, step, 0, 1, 0, 0.0),
     ]
 
