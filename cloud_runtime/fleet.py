@@ -26,6 +26,7 @@ from typing import Any, Dict
 
 from cloud_runtime.metrics import snapshot
 
+
 def read(server: Any) -> Dict[str, Any]:
     """The server's state now, as plain values."""
     return snapshot(server, server.metrics)
