@@ -156,11 +156,12 @@ class Handlers:
             raise P.ProtocolError("unexpected", f"{type(msg).__name__} is not a request the cloud accepts")
         if type(msg) is not P.Hello and identity not in self.peers:
             raise P.ProtocolError("no_handshake", "send Hello before any other request")
-        self.peers[identity] = time.monotonic()
         if user:
             self.users[identity] = user
         self._received_at, self._request_bytes = received_at, request_bytes
-        return handler(identity, msg)
+        reply = handler(identity, msg)
+        self.peers[identity] = time.monotonic()  # after the handler: a refused Hello is no handshake
+        return reply
 
     def finish(self, pending: Pending, rows: Optional[np.ndarray]) -> Optional[P.Message]:
         """The reply to a request whose work came back with `rows`, or None after queueing more work for it."""
@@ -314,6 +315,12 @@ class Handlers:
         session.last_active = time.monotonic()
         return session
 
+    def _not_computing(self, key: Key) -> None:
+        """Refuse to close or replace a session while a request of it is being computed: closing drops its queued
+        work, and that request would never be answered (a device reconnecting comes with a new identity)."""
+        if key in self.sessions and self.work.held(key)[1]:
+            raise P.ProtocolError("busy_session", f"session {key[1]} still has a request being computed")
+
     def _uplink_bps(self, session: Any, idle_s: float) -> float:
         """The uplink rate this request saw: its bits over the time it spent on the link.
 
@@ -334,6 +341,7 @@ class Handlers:
         session = self.sessions.get(key)
         if session is None:
             raise P.ProtocolError("no_session", f"no open session {msg.session_id}")
+        self._not_computing(key)
         if isinstance(session, MiddleSession):  # no tokens to digest: report the positions held
             self.work.close(key)
             del self.sessions[key]
@@ -367,6 +375,7 @@ class Handlers:
         except ValueError as exc:
             raise P.ProtocolError("invalid", f"sampling: {exc}") from None
         key = (identity, msg.session_id)
+        self._not_computing(key)
         self._observe(identity, msg.device)
         cost = self.work.kv_cost(0, self.model.layers)
         device = self._charge(identity, key, cost, len(prompt) - 1, key not in self.sessions, len(prompt))
@@ -472,6 +481,7 @@ class Handlers:
         if msg.hidden_format not in HIDDEN_FORMATS:
             raise P.ProtocolError("invalid", f"hidden_format must be one of {HIDDEN_FORMATS}")
         key = (identity, msg.session_id)
+        self._not_computing(key)
         self._observe(identity, msg.device)
         device = self._charge(identity, key, 0, 0, key not in self.sessions)
         self._admit(identity, key)

@@ -1,5 +1,6 @@
 """Fuzzing (issue 9), the short version CI runs: the decoder and a live server under malformed, truncated,
-oversized, reordered and replayed frames, with a well-behaved device beside them; `hat-bench fuzz` runs 10^5."""
+oversized, reordered and replayed frames, with a well-behaved device beside them; `hat-bench fuzz` runs 10^5.
+The stateful mode (profiles.bench.fuzz_state) mutates requests against the tracked state of sessions it opened."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,3 +39,24 @@ def test_short_fuzz_run_finds_no_crash_and_corrupts_no_session():
     kinds = {key.split(" ")[0] for key in report["server"]}
     assert kinds == set(MUTATIONS)  # every mutation was exercised against the server
     assert sum(v for k, v in report["server"].items() if "error:" in k) > 1000  # bad frames answered with errors
+
+
+def test_stateful_fuzz_reaches_every_handler_past_its_checks():
+    """Sessions opened properly, requests mutated against their tracked state: every handler answers end to end
+    (the reply types prove it) and refuses in its own validation (desync, busy_session, invalid), nothing is left
+    unanswered or fails internally, and the device beside the fuzzer keeps generating the greedy tokens."""
+    report = fuzz(2000, seed=3, check_every=1000, progress=False, stateful=True)
+    assert report["bugs"] == [] and report["unanswered"] == 0 and report["server_alive"]
+    assert report["legit_checks"] == 2 and report["legit_mismatches"] == 0
+    cov = report["coverage"]
+    for kind, reply in [("OpenSession", "SessionOpened"), ("Verify", "Verdict"), ("Generate", "Generated"),
+                        ("OpenSplit", "SplitOpened"), ("Hidden", "Deep"), ("Report", "Reported"),
+                        ("CloseSession", "Closed"), ("Hello", "Welcome")]:
+        assert cov[kind].get(f"ok:{reply}", 0) >= 1, (kind, cov[kind])
+    for kind in ("Verify", "Generate", "Hidden"):  # refused by the checks against the session's state
+        assert cov[kind].get("error:desync", 0) >= 10 and cov[kind].get("error:invalid", 0) >= 10, cov[kind]
+    for kind in ("Verify", "Generate", "CloseSession"):  # a second request while the first is being computed
+        assert cov[kind].get("error:busy_session", 0) >= 1, cov[kind]
+    assert cov["Report"].get("error:no_handshake", 0) >= 1  # a refused Hello lets nothing through
+    assert sum(n for k, n in report["mutations"].items() if " valid ok:" in k) > 200  # valid requests succeeded
+    assert report["deepest"]["step"] >= 20, report["deepest"]  # and sessions advanced far

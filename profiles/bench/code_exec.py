@@ -199,7 +199,8 @@ def check_humaneval(problem, completion: str, config: ExecConfig = ExecConfig())
 # GSM8K ------------------------------------------------------------------------------------------------------------
 # A number: optional minus (not after a word character, so "3-4" reads 3 and 4), optional "$", digits with thousands
 # commas ("1,234,567") or plain, optional decimals.
-_NUMBER = re.compile(r"(?<![\w.\-])(?P<sign>-)?\s?\$?\s?(?P<int>\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?P<frac>\.\d+)?")
+_NUMBER = re.compile(r"(?:(?<![\w.])(?P<sign>-))?\s?\$?\s?(?<![\w.])"
+                     r"(?P<int>\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?P<frac>\.\d+)?")
 
 
 def _canonical(sign: Optional[str], integer: str, frac: Optional[str]) -> str:

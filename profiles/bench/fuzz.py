@@ -12,6 +12,10 @@ fields of the wrong type or range, or replayed from earlier cases (same session 
 Meanwhile a legitimate device (an edge runtime on the testbed, its own identity, the target as its draft) generates
 with `sd` every `--check-every` cases; its tokens must equal the target's greedy tokens every time: fuzzing never
 corrupts another session. Writes JSON with the counts.
+
+`--stateful` (profiles.bench.fuzz_state): instead of mutating single requests at random, the fuzzer opens sessions
+properly, tracks their state from the replies and mutates requests relative to it, so cases reach every handler past
+its checks; the report adds the coverage: per request type, each reply type and error code.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import vocab_fingerprint
 from hat_split.wire import messages as P
+from profiles.bench.fuzz_state import Facts, coverage_table, run_stateful
 from profiles.bench.testbed import Testbed
 
 VOCAB = 256
@@ -45,6 +50,8 @@ def add_parser(sub) -> None:
     s.add_argument("--cases", type=int, default=100_000)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--check-every", type=int, default=2000, help="cases between the legitimate device's checks")
+    s.add_argument("--stateful", action="store_true",
+                   help="open sessions properly, mutate requests relative to their state (profiles.bench.fuzz_state)")
     s.add_argument("--out", default="runs/fuzz.json")
 
 
@@ -130,7 +137,7 @@ def tiny_target(path: str, seed: int = 0):
     `path` for a cloud process: plumbing only, its outputs mean nothing. Returns (CausalLM, vocabulary fingerprint)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -142,7 +149,8 @@ def tiny_target(path: str, seed: int = 0):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return CausalLM(model), vocab_fingerprint(tokenizer)
+    saved = AutoTokenizer.from_pretrained(path)  # what the cloud loads: a Qwen2 tokenizer adds <|endoftext|>
+    return CausalLM(model), vocab_fingerprint(saved)
 
 
 def legitimate_run(rt: EdgeRuntime, prompt: List[int], n: int) -> List[int]:
@@ -159,7 +167,8 @@ def greedy(lm, prompt: List[int], n: int) -> List[int]:
     return out
 
 
-def fuzz(cases: int, seed: int = 0, check_every: int = 2000, progress: bool = True) -> Dict[str, Any]:
+def fuzz(cases: int, seed: int = 0, check_every: int = 2000, progress: bool = True,
+         stateful: bool = False) -> Dict[str, Any]:
     rng = random.Random(seed)
     report: Dict[str, Any] = {"cases": cases, "seed": seed, "decoder": Counter(), "server": Counter(),
                               "bugs": [], "unanswered": 0, "legit_checks": 0, "legit_mismatches": 0}
@@ -172,7 +181,12 @@ def fuzz(cases: int, seed: int = 0, check_every: int = 2000, progress: bool = Tr
         cloud_args = ["--dtype", "float32", "--max-context", "1024", "--stats-json", stats_path]
         with Testbed(os.path.join(tmp, "tiny"), cloud_args=cloud_args, threads=1) as bed:
             legit = bed.runtime(EdgeConfig(model=os.path.join(tmp, "tiny"), link=bed.link_config("legit")))
-            _fuzz_cases(bed.endpoint, cases, rng, vocab, legit, prompt, reference, check_every, progress, report, t0)
+            if stateful:
+                _stateful_cases(bed.endpoint, cases, rng, lm, vocab, legit, prompt, reference, check_every, progress,
+                                report, t0)
+            else:
+                _fuzz_cases(bed.endpoint, cases, rng, vocab, legit, prompt, reference, check_every, progress, report,
+                            t0)
             report["server_alive"] = bed.cloud.proc.poll() is None
         with open(stats_path, encoding="utf-8") as f:  # written by the cloud as it stopped
             report["server_stats"] = json.load(f)["server"]
@@ -233,17 +247,42 @@ def _fuzz_cases(endpoint: str, cases: int, rng: random.Random, vocab: str, legit
         sock.close(linger=0)
 
 
+def _stateful_cases(endpoint: str, cases: int, rng: random.Random, lm: CausalLM, vocab: str, legit: EdgeRuntime,
+                    prompt: List[int], reference: List[int], check_every: int, progress: bool, report: Dict[str, Any],
+                    t0: float) -> None:
+    """profiles.bench.fuzz_state's cases from one fuzzing device; the legitimate device between them."""
+    from hat_split.models.partition import model_fingerprint
+
+    cfg = lm.model.config
+    facts = Facts(VOCAB, vocab, model_fingerprint(lm.model), cfg.num_hidden_layers, cfg.hidden_size)
+
+    def between(i: int) -> None:
+        if check_every and (i + 1) % check_every == 0 or i + 1 == cases:
+            report["legit_checks"] += 1
+            report["legit_mismatches"] += legitimate_run(legit, prompt, 16) != reference
+            if progress:
+                print(f"  {i + 1}/{cases} cases, {len(report['bugs'])} bugs, {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+
+    run_stateful(endpoint, facts, cases, rng, report, between)
+
+
 def run(args) -> int:
-    report = fuzz(args.cases, args.seed, args.check_every)
+    report = fuzz(args.cases, args.seed, args.check_every, stateful=args.stateful)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     errors = Counter()
     for key, count in report["server"].items():
         errors[key.split(" ", 1)[1]] += count
+    for outcomes in report.get("coverage", {}).values():  # --stateful
+        errors.update(outcomes)
     print(f"hat-bench fuzz: {args.cases} cases in {report['seconds']:.0f} s; server answers: "
           f"{dict(errors.most_common(8))}; bugs {len(report['bugs'])}, unanswered {report['unanswered']}, "
           f"legitimate session checks {report['legit_checks']} with {report['legit_mismatches']} mismatches; "
           f"wrote {args.out}")
+    if args.stateful:
+        print(coverage_table(report["coverage"]))
+        print(f"deepest state reached: {report['deepest']}")
     return 1 if report["bugs"] or report["legit_mismatches"] or not report["server_alive"] else 0
 
