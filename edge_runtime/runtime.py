@@ -182,13 +182,7 @@ class EdgeRuntime:
         if record.needs_cloud:
             self._connect_for_request()
             self.monitor.refresh_mode()
-        text = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
-
-        def stream(tokens: List[int]) -> None:
-            if on_tokens is not None:
-                on_tokens(tokens, session.logprobs[-1] if session.logprobs_k is not None else None)
-            text(tokens)
-
+        stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         if seed is not None and not 0 <= seed < 2**63:
@@ -204,7 +198,7 @@ class EdgeRuntime:
         session = new_session(self.config, drafter, self.client, protocol, params, max_new_tokens, self.eos_ids, seed,
                               next(self._session_ids), on_tokens=stream, should_stop=should_stop or (lambda: ""),
                               monitor=self.monitor, link_state=self.link_state if split else None)
-        session.logprobs_k = logprobs
+        session.logprobs_k, session.on_commit = logprobs, on_tokens
         result = session.run(ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result

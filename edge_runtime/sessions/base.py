@@ -145,6 +145,9 @@ class Session(ABC):
         self.skip_rng = session_rng(seed, "skip")  # randhlm's coin
         self.logprobs_k: Optional[int] = None  # k: record each committed token's log-probability and k alternatives
         self.logprobs: List[Logprobs] = []  # theirs, in commit order (hat_split.math.logprobs), when logprobs_k is set
+        self.on_commit: Optional[Callable[[List[int], Optional[Logprobs]], None]] = None  # each commit's tokens and
+        # their logprobs, before on_tokens (an attribute, not a closure over the session: no reference cycle keeps a
+        # finished session's draft state alive)
 
     # -- what a family defines -----------------------------------------------------------------------------------
     @abstractmethod
@@ -202,6 +205,8 @@ class Session(ABC):
         if out:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
+            if self.on_commit is not None:
+                self.on_commit(out, self.logprobs[-1] if logprobs is not None else None)
             self.on_tokens(out)
         if not self.finish_reason:
             self.finish_reason = self.should_stop()
