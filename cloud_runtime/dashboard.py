@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, Callable, Optional, Tuple
 
+from cloud_runtime.metrics import cannot_listen, stop_http
+
 log = logging.getLogger("hatspec.cloud.dashboard")
 
 PAGE = "dashboard.html"  # package data of cloud_runtime (pyproject.toml)
@@ -85,7 +87,7 @@ class Dashboard:
         try:
             self._httpd = kind((host, port), _handler(self.page, self.document))
         except OSError as exc:
-            raise OSError(f"dashboard_port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            raise cannot_listen("dashboard_port", host, port, exc) from None
         self.address = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hatspec-dashboard", daemon=True)
         self._thread.start()
@@ -93,8 +95,7 @@ class Dashboard:
 
     def close(self) -> None:
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+            stop_http(self._httpd)
             self._httpd = None
         if self._thread is not None:
             self._thread.join(timeout=5)

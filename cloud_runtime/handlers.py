@@ -426,8 +426,10 @@ class Handlers:
         session, msg = p.session, p.msg
         n, token, keep = session.target.accept(p.draft, p.q, logits)
         self.work.crop((p.identity, msg.session_id), keep)  # drop the rejected tail
+        lp = None if session.logprobs is None else token_logprobs(logits[:n + 1], p.draft[:n] + [token],
+                                                                  session.logprobs)
         return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps,
-                         _wire_logprobs(session, logits[:n + 1], p.draft[:n] + [token]))
+                         _wire(lp))
 
     def _generate(self, identity: bytes, msg: P.Generate) -> Optional[P.Message]:
         session = self._session(identity, msg)
@@ -459,9 +461,8 @@ class Handlers:
             key = (p.identity, msg.session_id)
             self._with_room(p.identity, key, lambda: self.work.submit_tokens(key, p.generated[-1:], 1, p))
             return None
-        lp = concat(p.logprobs) if p.logprobs else None
         return P.Generated(msg.session_id, msg.step, np.asarray(p.generated, np.int32), len(p.session.tokens),
-                           p.compute_s, lp and P.TokenLogprobs(lp.values, lp.top_ids, lp.top_values))
+                           p.compute_s, _wire(concat(p.logprobs) if p.logprobs else None))
 
     # -- split protocols (HAT) ------------------------------------------------------------------------------------
     def _open_split(self, identity: bytes, msg: P.OpenSplit) -> P.Message:
@@ -548,9 +549,6 @@ def check_stats(stats: P.DeviceStats) -> None:
                               f"{sum(stats.protocols.values())} by protocol")
 
 
-def _wire_logprobs(session: Any, logits: np.ndarray, tokens: List[int]) -> Optional[P.TokenLogprobs]:
-    """The committed tokens' log-probabilities under the target `# logits [n, vocab]`, if the session asked."""
-    if session.logprobs is None:
-        return None
-    lp = token_logprobs(logits, tokens, session.logprobs)
-    return P.TokenLogprobs(lp.values, lp.top_ids, lp.top_values)
+def _wire(lp: Optional[Logprobs]) -> Optional[P.TokenLogprobs]:
+    """Committed tokens' log-probabilities as a reply carries them (None: the session did not ask)."""
+    return None if lp is None else P.TokenLogprobs(lp.values, lp.top_ids, lp.top_values)

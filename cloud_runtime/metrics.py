@@ -49,6 +49,17 @@ def listen_host(bind: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def cannot_listen(key: str, host: str, port: int, exc: OSError) -> OSError:
+    """The one-line error of an HTTP endpoint (`key`: its config key) that cannot listen on host:port."""
+    return OSError(f"{key} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}")
+
+
+def stop_http(httpd: Any) -> None:
+    """Stop an http.server serving from its thread and free its socket."""
+    httpd.shutdown()
+    httpd.server_close()
+
+
 def label(device: Any) -> str:
     """A device as the `device` label shows it (an identity without a name is bytes)."""
     return device.decode(errors="replace") if isinstance(device, bytes) else str(device)
@@ -252,12 +263,11 @@ class CloudMetrics:
         try:
             self._httpd, _ = start_http_server(port, host, self.registry)
         except OSError as exc:
-            raise OSError(f"metrics_port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            raise cannot_listen("metrics_port", host, port, exc) from None
         self.address = self._httpd.server_address[:2]
         return self.address
 
     def close(self) -> None:
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+            stop_http(self._httpd)
             self._httpd = None

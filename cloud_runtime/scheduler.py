@@ -308,16 +308,15 @@ class Scheduler:
     def _account(self, segments: List[Segment]) -> None:
         """The step is planned: its sessions and devices were served now; usage decays by the positions planned and
         grows by each device's."""
-        for seg in segments:
-            self.sessions[seg.session].served_at = self._step
-            self._owner_served[self.sessions[seg.session].owner] = self._step
-        if not self.config.usage_half_life:
-            return
-        decay = 0.5 ** (sum(seg.n for seg in segments) / self.config.usage_half_life)
-        self._usage = {o: u * decay for o, u in self._usage.items() if u * decay >= 1.0}
+        half_life = self.config.usage_half_life
+        if half_life:
+            decay = 0.5 ** (sum(seg.n for seg in segments) / half_life)
+            self._usage = {o: u * decay for o, u in self._usage.items() if u * decay >= 1.0}
         for seg in segments:
             owner = self._owner(seg.work)
-            self._usage[owner] = self._usage.get(owner, 0.0) + seg.n
+            self.sessions[seg.session].served_at = self._owner_served[owner] = self._step
+            if half_life:
+                self._usage[owner] = self._usage.get(owner, 0.0) + seg.n
 
     @property
     def usage(self) -> Dict[Hashable, float]:

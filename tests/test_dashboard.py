@@ -198,8 +198,8 @@ def test_the_cloud_serves_its_fleet_view_and_stops_on_a_port_in_use(tiny_pair):
         assert view["cloud"]["kv_budget_bytes"] == server.kv_bytes > 0
         with pytest.raises(OSError, match=rf"^dashboard_port {port}: cannot listen on 127.0.0.1:{port}: Address "
                                           "already in use$"):
-            with serving(tiny_pair[1], dashboard_port=port):
-                pass
+            with serving(tiny_pair[1], dashboard_port=port) as server:
+                pytest.fail(f"served on a busy port: {server.endpoint}")
     with pytest.raises(top.FetchError, match="Connection refused"):  # closed with the server
         top.fetch_view(f"http://127.0.0.1:{port}/fleet.json")
 

@@ -146,8 +146,8 @@ def test_a_metrics_port_in_use_is_refused_when_the_cloud_starts(tiny_pair):
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=rf"^metrics_port {port}: cannot listen on 127.0.0.1:{port}: Address already "
                                           "in use$"):
-            with serving(tiny_pair[1], metrics_port=port):
-                pass
+            with serving(tiny_pair[1], metrics_port=port) as server:
+                pytest.fail(f"served on a busy port: {server.endpoint}")
 
 
 @pytest.mark.real_models

@@ -22,13 +22,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from hat_split.math.logprobs import MAX_TOP_LOGPROBS
+
 MAX_STOPS = 4
 MAX_TOKENS_LIMIT = 8192
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on the text
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
            "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "functions": None,
            "function_call": None}  # accepted only at these values
-MAX_TOP_LOGPROBS = 20  # as hat_split.math.logprobs.MAX_TOP_LOGPROBS (this module imports nothing of the runtime)
 
 
 class ApiError(ValueError):
