@@ -46,6 +46,8 @@ from profiles.bench.fuzz import add_parser as add_fuzz_parser
 from profiles.bench.fuzz import run as run_fuzz
 from profiles.bench.soak import add_parser as add_soak_parser
 from profiles.bench.soak import run as run_soak
+from profiles.bench.bench_tasks import add_parser as add_tasks_parser
+from profiles.bench.bench_tasks import run as run_tasks
 from profiles.bench.testbed import Testbed
 from profiles.testbed.prompts import demo_prompts
 
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engines_parser(sub)
     add_fuzz_parser(sub)
     add_soak_parser(sub)
+    add_tasks_parser(sub)
     h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
     h.add_argument("--draft")
     h.add_argument("--target")
@@ -236,10 +239,11 @@ def main(argv=None) -> int:
         return hf_phase(args)
     if args.command == "cuhlm":
         return run_cuhlm(args)
-    if args.command in ("qs", "hat", "fleet", "edge", "engines", "fuzz", "soak", "gpu"):
+    if args.command in ("qs", "hat", "fleet", "edge", "engines", "fuzz", "soak", "gpu", "tasks"):
         try:
             return {"qs": run_qs, "hat": run_hat, "fleet": run_fleet, "edge": run_edge, "engines": run_engines,
-                    "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu}[args.command](args)
+                    "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu,
+                    "tasks": run_tasks}[args.command](args)
         except ValueError as exc:
             print(f"hat-bench {args.command}: {exc}", file=sys.stderr)
             return 2

@@ -1,0 +1,200 @@
+"""`hat-bench tasks`: task accuracy of the lossy protocols against the target alone, on HumanEval and GSM8K.
+
+Each task's first N evaluation problems (profiles.bench.tasks.evaluation_ids: never a calibration problem) are generated
+greedily (temperature 0, so `llm` is deterministic) with every chosen protocol in turn per problem (interleaved, so
+drift in the machine's speed hits all protocols alike), same seed for every protocol, by an EdgeRuntime against a real
+`hat-cloud serve` (profiles.bench.testbed). Protocols are bench_cuhlm's variants plus `sq`.
+
+Scores: HumanEval pass@1 by running the problem's tests on the cut completion in the sandbox (code_exec); GSM8K exact
+match of the final number (see task_scoring for the prompt and the cut). Per (task, protocol): the score with its 95 %
+percentile-bootstrap interval, the paired difference vs `llm` on the same problems with its interval, the mean
+all-MiniLM-L6-v2 cosine vs the `llm` answer (CU-HLM Table I's metric, here against the target's answer), the mean
+tokens/s and the skip rate. Each finished (problem, protocol) is appended to <out>.jsonl and skipped on a restart with
+the same settings; the report covers every matching record there for the chosen tasks and problems.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, UncertaintyConfig
+from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+from hat_split.math.calibration import load as load_calibration
+from hat_split.math.sampling import SamplingParams
+from hat_split.models.chat import encode
+from hat_split.models.loading import load_tokenizer, resolve_dtype
+from profiles.bench.bench_args import names
+from profiles.bench.bench_cuhlm import VARIANTS
+from profiles.bench.code_exec import check_humaneval, gsm8k_answer, gsm8k_correct
+from profiles.bench.task_scoring import (append_record, cut_completion, format_table, gsm8k_prompt, load_done,
+                                         record_key, summarise)
+from profiles.bench.tasks import evaluation_ids, gsm8k_problems, humaneval_problems
+from profiles.bench.testbed import Testbed
+
+PROTOCOLS: Dict[str, tuple] = {**VARIANTS, "sq": ("sq", {})}  # name -> (protocol, UncertaintyConfig overrides)
+TASKS = ("humaneval", "gsm8k")
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("tasks", help="HumanEval pass@1 and GSM8K exact match of the lossy protocols vs llm, with "
+                                     "bootstrap and paired intervals; resumable")
+    s.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    s.add_argument("--target", default="qwen2.5-coder-1.5b")
+    s.add_argument("--tasks", default=",".join(TASKS), help=f"subset of {', '.join(TASKS)}")
+    s.add_argument("--prompts", type=int, default=60, help="the first N evaluation problems of each task")
+    s.add_argument("--protocols", default="llm,slm,uhlm,randhlm,cuhlm_offline,cuhlm_online,sq",
+                   help=f"subset of {', '.join(PROTOCOLS)}")
+    s.add_argument("--max-new-tokens", type=int, default=256, help="per answer (both tasks)")
+    s.add_argument("--calibration", help="a hat-calibrate file (else the papers' line, threshold 0.5 and k* 30)")
+    s.add_argument("--threshold-rule", default="risk-prone", choices=["risk-prone", "risk-averse", "risk-budget"])
+    s.add_argument("--weight-quant", default="int8", choices=["none", "int8"], help="the draft's weights (as cuhlm)")
+    s.add_argument("--target-dtype", default="auto")
+    s.add_argument("--seed", type=int, default=0, help="problem i runs with seed seed*1000+i under every protocol")
+    s.add_argument("--out", default="runs/bench_tasks.json", help="JSON report (PNG and the .jsonl records beside)")
+
+
+def machine() -> dict:
+    out = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor(),
+           "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        out["gpu"] = None
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def problems(tasks: List[str], n: int) -> List[Tuple[str, object]]:
+    """(task, problem) for the first `n` evaluation problems of each task, task by task."""
+    out = []
+    for task in tasks:
+        table = humaneval_problems() if task == "humaneval" else gsm8k_problems()
+        ids = evaluation_ids(task)[:n]
+        out += [(task, table[i]) for i in ids]
+    return out
+
+
+def score(task: str, problem, text: str) -> dict:
+    """{answer, score (1.0 / 0.0), detail} of one generated text."""
+    if task == "humaneval":
+        body = cut_completion(text)
+        res = check_humaneval(problem, body)
+        return {"answer": body, "score": float(res.passed), "detail": res.status}
+    ok = gsm8k_correct(text, problem.solution)
+    return {"answer": text, "score": float(ok), "detail": f"got {gsm8k_answer(text)}"}
+
+
+def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
+    done = load_done(jsonl, config)
+    work = problems(tasks, args.prompts)
+    todo = [(t, p, name) for t, p in work for name in protocols if (t, p.task_id, name) not in done]
+    print(f"hat-bench tasks: {len(work)} problems × {len(protocols)} protocols, {len(todo)} to generate "
+          f"({len(work) * len(protocols) - len(todo)} already in {jsonl})", flush=True)
+    if not todo:
+        return
+    tok = load_tokenizer(args.target)
+    params = SamplingParams(0.0)
+    with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+        cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
+                         engine=EngineConfig(weight_quant=args.weight_quant), uncertainty=base_unc)
+        with bed.runtime(cfg) as rt:
+            index = {(t, p.task_id): i for i, (t, p) in enumerate(work)}
+            for k, (task, problem, name) in enumerate(todo):
+                text = problem.prompt if task == "humaneval" else gsm8k_prompt(problem.question)
+                ids = encode(tok, text, chat=task == "gsm8k")
+                protocol, overrides = PROTOCOLS[name]
+                rt.config = dataclasses.replace(rt.config, uncertainty=dataclasses.replace(base_unc, **overrides))
+                seed = args.seed * 1000 + index[(task, problem.task_id)]
+                r = rt.generate(ids, protocol, params, args.max_new_tokens, seed=seed)
+                s = r.summary()
+                rec = {"task": task, "task_id": problem.task_id, "protocol": name, "config": config, "seed": seed,
+                       "text": r.text, **score(task, problem, r.text), "n_tokens": r.n,
+                       "tokens_per_s": s["tokens_per_s"], "skipped": r.skipped, "total_s": r.total_s,
+                       "finish_reason": r.finish_reason}
+                append_record(jsonl, rec)
+                print(f"  [{k + 1}/{len(todo)}] {task} {problem.task_id} {name:14s} score {rec['score']:.0f} "
+                      f"({rec['detail']}), {r.n} tokens in {r.total_s:.1f} s, skipped {r.skipped}", flush=True)
+
+
+def cosines(records: List[dict]) -> Dict[tuple, float]:
+    """MiniLM cosine of each record's answer vs the `llm` answer to the same problem (1.0 for llm itself)."""
+    from profiles.bench.accuracy import Embedder
+
+    base = {(r["task"], r["task_id"]): r["answer"] for r in records if r["protocol"] == "llm"}
+    pairs = [r for r in records if (r["task"], r["task_id"]) in base]
+    if not pairs:
+        return {}
+    sims = Embedder().similarity([r["answer"] for r in pairs], [base[(r["task"], r["task_id"])] for r in pairs])
+    return {record_key(r): float(c) for r, c in zip(pairs, sims)}
+
+
+def plot(path: str, summary: dict) -> str:
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
+    for ax, (task, protos) in zip(axes[0], summary.items()):
+        names_ = list(protos)
+        means = [protos[p]["score"]["mean"] for p in names_]
+        err = [[m - (protos[p]["score"]["lo"] if protos[p]["score"]["lo"] is not None else m) for p, m in
+                zip(names_, means)],
+               [(protos[p]["score"]["hi"] if protos[p]["score"]["hi"] is not None else m) - m for p, m in
+                zip(names_, means)]]
+        ax.bar(range(len(names_)), means, yerr=err, capsize=4)
+        ax.set_xticks(range(len(names_)), names_, rotation=30, ha="right")
+        n = max(protos[p]["n"] for p in names_)
+        ax.set_title(f"{task} (n = {n}, 95 % bootstrap)")
+        ax.set_ylabel("pass@1" if task == "humaneval" else "exact match")
+        ax.set_ylim(0, 1)
+    return save_figure(fig, axes, path)
+
+
+def run(args) -> int:
+    try:
+        tasks = names(args.tasks, TASKS, "task")
+        protocols = names(args.protocols, PROTOCOLS, "protocol")
+        if not tasks or not protocols or args.prompts < 1 or args.max_new_tokens < 1:
+            raise ValueError("need a task, a protocol, --prompts >= 1 and --max-new-tokens >= 1")
+        base_unc = UncertaintyConfig()
+        if args.calibration:
+            base_unc = base_unc.calibrated(load_calibration(args.calibration), args.threshold_rule)
+    except (ValueError, RuntimeError) as exc:
+        print(f"hat-bench tasks: {exc}", file=sys.stderr)
+        return 2
+    args.target_dtype = resolve_dtype(args.target_dtype)
+    config = {"draft": args.draft, "target": args.target, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              "weight_quant": args.weight_quant, "target_dtype": args.target_dtype,
+              "uncertainty": dataclasses.asdict(base_unc)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    jsonl = os.path.splitext(args.out)[0] + ".jsonl"
+    t0 = time.perf_counter()
+    generate(args, tasks, protocols, base_unc, config, jsonl)
+    wanted = {(t, p.task_id) for t, p in problems(tasks, args.prompts)}
+    order = {name: i for i, name in enumerate(PROTOCOLS)}
+    records = sorted((r for r in load_done(jsonl, config).values() if (r["task"], r["task_id"]) in wanted),
+                     key=lambda r: (r["task"], order[r["protocol"]], r["task_id"]))
+    summary = summarise(records, cosines(records))
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "config": config,
+              "git_commit": git_commit(), "machine": machine(), "summary": summary, "records": jsonl,
+              "wall_s": time.perf_counter() - t0}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    note = plot(os.path.splitext(args.out)[0] + ".png", summary)
+    print(format_table(summary))
+    print(f"hat-bench tasks: report saved to {args.out}" + (f" ({note})" if note else ""))
+    return 0

@@ -1,0 +1,116 @@
+"""hat-bench tasks: completion cutting, scoring through the sandbox, GSM8K matching, the summary's intervals and paired
+differences, the resume file; and one tiny real run on the Qwen pair."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from profiles.bench import bench_tasks
+from profiles.bench.task_scoring import (append_record, cut_completion, format_table, gsm8k_prompt, load_done,
+                                         summarise)
+from profiles.bench.tasks import humaneval_problems
+from tests.conftest import requires_real_pair
+
+
+def test_cut_stops_at_the_first_unindented_line():
+    body = "    return a + b\n\n    # done\n"
+    assert cut_completion(body + "\ndef other():\n    pass\n") == body + "\n"  # blank lines kept
+    assert cut_completion(body + "print(add(1, 2))\n") == body
+    assert cut_completion(body + "if __name__ == '__main__':\n    main()") == body
+    assert cut_completion(body + "class X:\n    pass") == body
+    assert cut_completion(body + "```\nSome prose.") == body
+    assert cut_completion(body) == body  # nothing to cut
+    assert cut_completion("def f():\n    pass") == ""  # a new top-level def at once: an empty body
+
+
+def test_humaneval_scores_through_the_sandbox():
+    problem = humaneval_problems()["HumanEval/0"]
+    right = bench_tasks.score("humaneval", problem, problem.canonical_solution + "\n\ndef unrelated():\n    1 / 0\n")
+    wrong = bench_tasks.score("humaneval", problem, "    return False\n")
+    assert right["score"] == 1.0 and right["detail"] == "passed"
+    assert wrong["score"] == 0.0 and wrong["detail"] != "passed"
+    assert right["answer"] == problem.canonical_solution + "\n\n"  # the cut dropped the trailing def
+
+
+def test_gsm8k_scores_the_final_number():
+    class P:
+        solution = "She has 3 + 4 = 7 apples.\n#### 1,250"
+
+    assert bench_tasks.score("gsm8k", P, "3 + 4 = 7, so 1250 in all.\n#### 1250")["score"] == 1.0
+    assert bench_tasks.score("gsm8k", P, "The answer is $1,250.00")["score"] == 1.0  # the last number
+    assert bench_tasks.score("gsm8k", P, "#### 1250\nthen 7 more")["score"] == 1.0  # after the last ####
+    assert bench_tasks.score("gsm8k", P, "1250 - 7 = 1243")["score"] == 0.0
+    assert bench_tasks.score("gsm8k", P, "I do not know.")["score"] == 0.0
+    assert "####" in gsm8k_prompt("How many?")
+
+
+def _rec(task, i, proto, score, n=10, skipped=0, tps=4.0):
+    return {"task": task, "task_id": f"{task}/{i}", "protocol": proto, "score": score, "n_tokens": n,
+            "skipped": skipped, "tokens_per_s": tps}
+
+
+def test_summary_intervals_and_paired_differences():
+    llm = [1, 1, 0, 1, 0, 1, 1, 0]
+    uhlm = [1, 0, 0, 1, 0, 1, 0, 0]  # loses two of llm's passes, gains none
+    recs = [_rec("gsm8k", i, "llm", s) for i, s in enumerate(llm)]
+    recs += [_rec("gsm8k", i, "uhlm", s, skipped=5) for i, s in enumerate(uhlm)]
+    cos = {("gsm8k", f"gsm8k/{i}", "uhlm"): 0.5 for i in range(8)}
+    out = summarise(recs, cos)["gsm8k"]
+    assert out["llm"]["n"] == out["uhlm"]["n"] == 8
+    assert out["llm"]["score"]["mean"] == pytest.approx(5 / 8)
+    assert out["llm"]["score"]["lo"] < 5 / 8 < out["llm"]["score"]["hi"]
+    assert out["llm"]["diff_vs_llm"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 8}
+    d = out["uhlm"]["diff_vs_llm"]
+    assert d["mean"] == pytest.approx(-2 / 8) and d["n"] == 8
+    assert d["lo"] < -2 / 8 <= d["hi"] <= 0.0  # never a gain: the paired interval stays at or below 0
+    assert out["uhlm"]["cosine_vs_llm"] == pytest.approx(0.5) and out["llm"]["cosine_vs_llm"] is None
+    assert out["uhlm"]["skip_rate"] == pytest.approx(0.5) and out["llm"]["skip_rate"] == 0.0
+    assert "uhlm" in format_table({"gsm8k": out})
+
+
+def test_summary_without_baseline_or_with_one_prompt():
+    out = summarise([_rec("humaneval", 0, "slm", 1.0)])["humaneval"]["slm"]
+    assert out["n"] == 1 and out["score"] == {"mean": 1.0, "lo": None, "hi": None}
+    assert out["diff_vs_llm"] is None
+    assert "slm" in format_table({"humaneval": {"slm": out}})
+
+
+def test_resume_keeps_matching_records_only(tmp_path):
+    path = str(tmp_path / "r.jsonl")
+    config = {"max_new_tokens": 24}
+    assert load_done(path, config) == {}
+    append_record(path, {**_rec("gsm8k", 0, "llm", 1.0), "config": config})
+    append_record(path, {**_rec("gsm8k", 1, "llm", 0.0), "config": {"max_new_tokens": 32}})  # other settings
+    append_record(path, {**_rec("gsm8k", 0, "llm", 0.0), "config": config})  # a redo: the last one counts
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"task": "gsm8k", "task_')  # a run killed mid-line
+    done = load_done(path, config)
+    assert list(done) == [("gsm8k", "gsm8k/0", "llm")] and done[("gsm8k", "gsm8k/0", "llm")]["score"] == 0.0
+
+
+@pytest.mark.real_models
+@requires_real_pair
+def test_tiny_real_run(tmp_path):
+    from profiles.bench.bench import main
+
+    out = tmp_path / "tasks.json"
+    argv = ["tasks", "--prompts", "2", "--tasks", "humaneval,gsm8k", "--protocols", "llm,uhlm",
+            "--max-new-tokens", "12", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert set(summary) == {"humaneval", "gsm8k"}
+    for task in summary:
+        assert set(summary[task]) == {"llm", "uhlm"}
+        for entry in summary[task].values():
+            assert entry["n"] == 2 and entry["diff_vs_llm"]["n"] == 2
+            assert 0.0 <= entry["score"]["mean"] <= 1.0 and entry["tokens_per_s"] > 0
+        llm = summary[task]["llm"]
+        assert (llm["diff_vs_llm"]["mean"], llm["diff_vs_llm"]["lo"], llm["diff_vs_llm"]["hi"]) == (0.0, 0.0, 0.0)
+        assert llm["cosine_vs_llm"] == pytest.approx(1.0)
+    assert len(report["git_commit"]) == 40 and report["machine"]["cpus"] >= 1
+    lines = (tmp_path / "tasks.jsonl").read_text().splitlines()
+    assert len(lines) == 8  # 2 tasks × 2 problems × 2 protocols
+    assert main(argv) == 0  # a rerun finds everything done and generates nothing
+    assert len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 8
