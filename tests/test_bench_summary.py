@@ -1,5 +1,5 @@
-"""hat-bench's arithmetic on hand-made runs: variant parsing, α per examined position,
-ideal and overhead-free speedup."""
+"""hat-bench's arithmetic on hand-made runs: variant parsing, α per examined position, the bounded decode speedup,
+per-prompt intervals, γ chosen on tuning prompts; the cuhlm, hat and engines summaries."""
 from __future__ import annotations
 
 import os
@@ -7,13 +7,13 @@ import os
 import pytest
 
 from hat_split.math.verify import ideal_speedup
-from profiles.bench.bench import summarise
+from profiles.bench.bench_speculative import choose, format_table, summarise
 from profiles.bench.bench_args import parse_variants, variant_name
 
 
-def _row(tokens, total_s, drafted=0, accepted=0, rejected=0, rounds=0):
-    return {"tokens": tokens, "total_s": total_s, "drafted": drafted, "accepted": accepted, "rejected": rejected,
-            "rounds": rounds}
+def _row(tokens, total_s, open_s=0.0, drafted=0, accepted=0, log=()):
+    return {"tokens": tokens, "total_s": total_s, "open_s": open_s, "drafted": drafted, "accepted": accepted,
+            "verify_log": [list(e) for e in log]}
 
 
 def test_parse_variants():
@@ -24,44 +24,56 @@ def test_parse_variants():
             parse_variants(bad)
 
 
-def test_summary_uses_alpha_per_examined_position():
+def _pair_runs():
     toks = list(range(20))
-    runs = {
-        "hf_target": [_row(toks, 10.0)],  # 2 tok/s
-        "hf_draft": [_row(toks, 2.0)],  # 10 tok/s -> c = 0.2
-        # 5 rounds of γ = 4: 3 rounds accept all 4 (no rejection), 2 rounds accept 1 then reject -> 14 accepted
-        "hatspec_sd_g4": [_row(toks[:19], 5.0, drafted=20, accepted=14, rejected=2, rounds=5)],
-    }
-    s = summarise(runs, [(4, 0.0)])
+    # the target alone: 0.5 s per token after opening (T); the draft alone: 0.1 s (t_d), so c = 0.2
+    return {"hatspec_llm": [_row(toks, 11.0, open_s=1.0), _row(toks, 12.0, open_s=2.0)],
+            "hatspec_slm": [_row(toks, 2.5, open_s=0.5), _row(toks, 2.5, open_s=0.5)]}
+
+
+def test_the_decode_speedup_is_bounded_and_alpha_counts_examined_positions():
+    runs = _pair_runs()
+    # γ = 4: per prompt 3 rounds accept all 4 (5 tokens) and 2 accept 1 then reject (2 tokens): 19 tokens, 14 accepted
+    # drafts of 16 examined; each round takes its floor 4·0.1 + 0.5 = 0.9 s plus 0.1 s of overhead
+    log = [(5, 4, 1.0)] * 3 + [(2, 4, 1.0)] * 2
+    runs["hatspec_sd_g4"] = [_row(list(range(19)), 6.0, open_s=1.0, drafted=20, accepted=14, log=log)] * 2
+    s = summarise(runs, [(4, 0.0)], chosen="hatspec_sd_g4")
     e = s["hatspec_sd_g4"]
-    assert s["c"] == pytest.approx(0.2)
-    assert e["alpha"] == pytest.approx(14 / 16)  # accepted / (accepted + rejections), not 14 / 20
+    assert s["T_s"] == pytest.approx(0.5) and s["t_d_s"] == pytest.approx(0.1) and s["c"] == pytest.approx(0.2)
+    assert e["alpha"] == pytest.approx(14 / 16)  # accepted / examined positions, not 14 / 20
     assert e["acceptance_rate"] == pytest.approx(14 / 20)
-    assert e["ideal_speedup"] == pytest.approx(ideal_speedup(14 / 16, 4, 0.2))
-    assert e["speedup"] == pytest.approx((19 / 5.0) / 2.0)
-    assert e["efficiency"] == pytest.approx(e["speedup"] / e["ideal_speedup"])
-    assert e["overhead_free_speedup"] == pytest.approx((14 + 5) / 5 / (4 * 0.2 + 1))
-    assert e["identical_to_target_greedy"] == "0/1"  # 19 tokens are not the target's 20
+    assert e["decode_speedup"] == pytest.approx(0.5 * 38 / 10.0)
+    assert e["bound"] == pytest.approx(38 / (10 * (4 * 0.2 + 1)))
+    assert e["decode_speedup"] <= e["bound"] and e["problems"] == [] and e["short_rounds"] == 0
+    assert e["ideal"] == pytest.approx(ideal_speedup(14 / 16, 4, 0.2))
+    assert e["efficiency"] == pytest.approx(0.9)
+    llm = e["vs_hatspec_llm"]  # per prompt: (19/6) / (20/11) and (19/6) / (20/12)
+    ratios = [(19 / 6) / (20 / 11), (19 / 6) / (20 / 12)]
+    assert llm["n"] == 2 and llm["mean"] == pytest.approx(sum(ratios) / 2)
+    assert min(ratios) <= llm["lo"] <= llm["mean"] <= llm["hi"] <= max(ratios)
+    assert e["identical_to_llm"] == "0/2" and "vs_hf_target" not in e
+    assert "* = γ chosen" in format_table(s) and "hatspec_sd_g4 *" in format_table(s)
 
 
-def test_confidence_stopped_variant_has_no_closed_form():
-    toks = list(range(10))
-    runs = {"hf_target": [_row(toks, 5.0)], "hf_draft": [_row(toks, 1.0)],
-            "hatspec_sd_g8_eta0.5": [_row(toks, 2.0, drafted=9, accepted=6, rejected=2, rounds=4)]}
-    e = summarise(runs, [(8, 0.5)])["hatspec_sd_g8_eta0.5"]
-    assert e["ideal_speedup"] is None and e["efficiency"] is None
-    assert e["mean_drafts_per_round"] == pytest.approx(9 / 4) and e["overhead_free_speedup"] > 0
+def test_rounds_faster_than_their_steps_are_flagged_never_clipped():
+    runs = _pair_runs()
+    log = [(5, 4, 0.5)] * 4  # 0.5 s rounds, below their 0.9 s floor: T or t_d overstated
+    runs["hatspec_sd_g4"] = [_row(list(range(20)), 2.0, drafted=16, accepted=16, log=log)]
+    runs["hatspec_llm"], runs["hatspec_slm"] = runs["hatspec_llm"][:1], runs["hatspec_slm"][:1]
+    e = summarise(runs, [(4, 0.0)])["hatspec_sd_g4"]
+    assert e["decode_speedup"] > e["bound"] and e["short_rounds"] == 4
+    assert any("exceeds its bound" in p for p in e["problems"])
+    assert e["efficiency"] > 1.0  # reported as measured, with the problem beside it
 
 
-def test_without_a_target_run_there_is_no_speedup_but_the_rest_is_summarised():
-    toks = list(range(10))  # --skip-hf and no llm in --protocols: nothing to divide by
-    runs = {"hatspec_slm": [_row(toks, 1.0)],
-            "hatspec_sd_g4": [_row(toks, 2.0, drafted=8, accepted=6, rejected=1, rounds=2)]}
+def test_gamma_is_chosen_on_the_tuning_prompts_and_without_a_baseline_nothing_is_divided():
+    tuning = {"hatspec_sd_g3": [_row([1] * 10, 2.0)], "hatspec_sd_g8": [_row([1] * 10, 1.0)]}
+    assert choose(tuning) == "hatspec_sd_g8" and choose({}) is None
+    runs = {"hatspec_sd_g4": [_row([1] * 10, 2.0, drafted=8, accepted=6, log=[(4, 4, 1.0), (3, 4, 1.0)])]}
     s = summarise(runs, [(4, 0.0)])
     e = s["hatspec_sd_g4"]
-    assert s["baseline"] is None and s["c"] is None
-    assert e["speedup"] is None and e["efficiency"] is None and e["efficiency_vs_overhead_free"] is None
-    assert e["alpha"] == pytest.approx(6 / 7)
+    assert s["baseline"] is None and s["c"] is None and "decode_speedup" not in e and "vs_hatspec_llm" not in e
+    assert e["rounds"] == 2 and e["acceptance_rate"] == pytest.approx(6 / 8)
 
 
 def _hlm_row(n, total_s, uploads, skipped, up_bytes, ks=()):
@@ -188,3 +200,44 @@ def test_the_demo_refuses_protocols_of_the_wrong_kind_and_a_missing_adapter(tmp_
     assert main(["--protocols", "", "--split-protocols", "ushape,hat", "--adapter", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert f"no HAT adapter at {tmp_path / 'none'}" in err and "hat-distill --model qwen2.5-coder-1.5b --m 2" in err
+
+
+def test_the_pipeline_runs_have_their_control_with_the_same_total_threads():
+    from types import SimpleNamespace
+
+    from profiles.bench.bench_fleet import plan_runs
+
+    args = SimpleNamespace(threads=2, sweep_n=16, scale_rate=0.2)
+    runs = plan_runs(args, ["HAT", "SD"], ["sweep", "pipeline"], [0.1], [8], [2, 4])
+    assert ("sweep", "SD", 16, 0.1, 1, 2) in runs and ("sweep", "HAT", 16, 0.1, 1, 2) in runs
+    pipe = [r for r in runs if r[0].startswith("pipeline")]
+    assert pipe == [("pipeline", "HAT", 16, 0.2, 2, 2), ("pipeline-control", "HAT", 16, 0.2, 1, 4),
+                    ("pipeline", "HAT", 16, 0.2, 4, 2), ("pipeline-control", "HAT", 16, 0.2, 1, 8)]
+    assert all(p * t == c_t for (_, _, _, _, p, t), (_, _, _, _, _, c_t) in zip(pipe[::2], pipe[1::2]))
+
+
+def test_a_tiny_real_speculative_run_reports_bounded_speedups_with_intervals(smollm2, tmp_path):
+    """The whole command on SmolLM2 as draft and target (no HF phase): γ chosen on the tuning prompt, every system on
+    every prompt, the per-round log adding up to the tokens, no speedup above its bound, the commit recorded."""
+    import json
+
+    from profiles.bench.bench import main
+
+    out = tmp_path / "spec.json"
+    assert main(["speculative", "--draft", "smollm2-135m", "--target", "smollm2-135m", "--target-dtype", "float32",
+                 "--skip-hf", "--prompts", "2", "--tune-prompts", "1", "--draft-len", "2,3", "--max-new-tokens", "6",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["chosen"] in ("hatspec_sd_g2", "hatspec_sd_g3") and set(report["tuning"]) == {"hatspec_sd_g2",
+                                                                                           "hatspec_sd_g3"}
+    assert set(report["runs"]) == {"hatspec_llm", "hatspec_slm", "hatspec_sd_g2", "hatspec_sd_g3", "hatspec_hlm"}
+    for name in ("hatspec_sd_g2", "hatspec_sd_g3", "hatspec_hlm"):
+        e = s[name]
+        rows = report["runs"][name]
+        assert len(rows) == 2 and sum(int(x[0]) for r in rows for x in r["verify_log"]) == e["tokens"]
+        assert e["tokens"] == sum(len(r["tokens"]) for r in rows) > 0
+        assert e["problems"] == [] and e["decode_speedup"] <= e["bound"] * 1.01
+        assert e["alpha"] > 0.8  # the draft is the target (a near-tie may still round differently)
+        assert e["vs_hatspec_llm"]["n"] == 2 and e["vs_hatspec_llm"]["lo"] <= e["vs_hatspec_llm"]["hi"]
+    assert s["c"] > 0 and len(report["provenance"]["git_commit"]) == 40

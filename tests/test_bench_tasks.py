@@ -7,7 +7,7 @@ import json
 import pytest
 
 from profiles.bench import bench_tasks
-from profiles.bench.task_scoring import (append_record, cut_completion, format_table, gsm8k_prompt, load_done,
+from profiles.bench.task_scoring import (CutWatch, append_record, cut_completion, format_table, gsm8k_prompt, load_done,
                                          summarise)
 from profiles.bench.tasks import humaneval_problems
 from tests.conftest import requires_real_pair
@@ -89,14 +89,25 @@ def test_resume_keeps_matching_records_only(tmp_path):
     assert list(done) == [("gsm8k", "gsm8k/0", "llm")] and done[("gsm8k", "gsm8k/0", "llm")]["score"] == 0.0
 
 
+def test_a_humaneval_answer_stops_once_its_cut_is_decided():
+    watch = CutWatch()
+    for chunk in ["    x = 1\n", "\n", "    return x", "\n\n", "  # still indented\n"]:
+        watch.add(chunk)
+        assert watch.done() == ""
+    watch.add("i")  # an unindented line has begun: the cut cannot move any more
+    assert watch.done() == "stop"
+    assert cut_completion(watch.text + "f __name__ == '__main__':\n    x()") == cut_completion(watch.text)
+
+
 @pytest.mark.real_models
 @requires_real_pair
 def test_tiny_real_run(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
     from profiles.bench.bench import main
 
     out = tmp_path / "tasks.json"
     argv = ["tasks", "--prompts", "2", "--tasks", "humaneval,gsm8k", "--protocols", "llm,uhlm",
-            "--max-new-tokens", "12", "--out", str(out)]
+            "--max-new-tokens", "12", "--engine", "llamacpp", "--threads", "1", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     summary = report["summary"]
@@ -109,7 +120,8 @@ def test_tiny_real_run(tmp_path):
         llm = summary[task]["llm"]
         assert (llm["diff_vs_llm"]["mean"], llm["diff_vs_llm"]["lo"], llm["diff_vs_llm"]["hi"]) == (0.0, 0.0, 0.0)
         assert llm["cosine_vs_llm"] == pytest.approx(1.0)
-    assert len(report["git_commit"]) == 40 and report["machine"]["cpus"] >= 1
+    assert report["config"]["engine"] == "llamacpp"
+    assert len(report["provenance"]["git_commit"]) == 40 and report["provenance"]["machine"]["cpus"] >= 1
     lines = (tmp_path / "tasks.jsonl").read_text().splitlines()
     assert len(lines) == 8  # 2 tasks × 2 problems × 2 protocols
     assert main(argv) == 0  # a rerun finds everything done and generates nothing

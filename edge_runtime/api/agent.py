@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, List, Optional
 
+from edge_runtime import heap
 from edge_runtime.api import openai_api as O
 from edge_runtime.api.metrics import EdgeMetrics, bundle_label
 from edge_runtime.client import CloudError
@@ -104,6 +105,7 @@ class Agent:
         self._lock = threading.Lock()  # one generation at a time; reports wait for it
         self.max_queue = config.max_queue
         self._admitted = 0  # requests running or waiting for the lock
+        self.heap_trim_s = 0.0  # time spent giving freed heap pages back after requests
         self._admit_lock = threading.Lock()
         self._generation_s = 1.0  # a recent generation's wall time (moving average): the Retry-After estimate
         self.shed = {"queue_full": 0, "cloud": 0}  # requests answered 429 / 503
@@ -133,7 +135,7 @@ class Agent:
                 "precision": c.engine.precision if c.engine.backend != "torch" else c.engine.dtype,
                 "server": c.link.server, "http": self.address if hasattr(self, "httpd") else "",
                 "requests": self.requests, "failures": self.failures, "shed": dict(self.shed),
-                "last_request": self.last,
+                "last_request": self.last, "heap_trim_s": self.heap_trim_s,
                 "last_report": self.last_report,
                 "mode_cycle": None if self.cycle is None else {"switches": self.cycle.switches,
                                                                "error": self.cycle.error},
@@ -179,6 +181,7 @@ class Agent:
                     self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
                 self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
                 self.metrics.completed(result, queued)
+                self.heap_trim_s += heap.trim()  # this request's arena pages back to the system (edge_runtime.heap)
         finally:
             with self._admit_lock:
                 self._admitted -= 1

@@ -1,15 +1,20 @@
 """Rounds of the plain token protocols (`sd`, `hlm`, `llm`) over a TokenSession; `hlm` is also U-HLM's baseline."""
 from __future__ import annotations
 
+import time
+
 from edge_runtime.sessions.token import TokenSession
 from hat_split.wire import dist_codec
 
 
 def verify_round(session: TokenSession, draft_len: int, dist_format: str, stop_below: float = 0.0) -> None:
-    """Draft up to `draft_len` tokens, send them with their distributions, commit the cloud's verdict."""
+    """Draft up to `draft_len` tokens, send them with their distributions, commit the cloud's verdict; log the round
+    (committed, drafted, wall time) for the speedup accounting."""
+    t0, before = time.perf_counter(), len(session.generated)
     wire = dist_codec.FloatWire(session.drafter.wire_dtype, dist_format)
     drafts, rows = session.drafter.draft(session.cap_draft_len(draft_len), session.rng, stop_below, wire)
     session.verify(drafts, wire.pack(rows))
+    session.counters.verify_log.append([len(session.generated) - before, len(drafts), time.perf_counter() - t0])
 
 
 def round_sd(session: TokenSession) -> None:

@@ -38,6 +38,7 @@ from profiles.bench.testbed import Testbed
 from profiles.testbed.channel import Channel, token_throughput
 from profiles.testbed.links import LinkProfile
 from profiles.testbed.prompts import evaluation_prompts
+from profiles.bench.provenance import write_report
 
 # name -> (protocol, UncertaintyConfig overrides)
 VARIANTS: Dict[str, tuple] = {
@@ -307,9 +308,7 @@ def run(args) -> int:
               "uncertainty": dataclasses.asdict(base_unc), "prompts": [p.to_json() for p in prompts],
               "summary": summary, "accuracy_per_prompt": accuracy, "true_skip_probs": tsr, "runs": runs,
               "emulated_runs": models["emulated"], "wall_s": time.perf_counter() - t0}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     note = plot(os.path.splitext(args.out)[0] + ".png", summary)
     print(format_table(summary))
     print(f"τ_SLM {summary['tau_slm_s'] * 1e3:.1f} ms, τ_LLM {summary['tau_llm_s'] * 1e3:.1f} ms")

@@ -10,8 +10,6 @@ and whether its greedy tokens equal torch fp32's. Writes JSON.
 """
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -29,6 +27,7 @@ from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names
 from profiles.bench.stats import percentile
 from profiles.testbed.prompts import validation_prompts
+from profiles.bench.provenance import write_report
 
 BACKENDS = ("torch-fp32", "torch-int8", "ort-fp32", "ort-int8", "ort-int4", "llamacpp")
 
@@ -173,9 +172,7 @@ def run(args) -> int:
         base = report["backends"]["llamacpp"]["tokens_per_s"]
         for b, row in report["backends"].items():
             row["vs_llamacpp"] = row["tokens_per_s"] / base
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     print(f"\n {'backend':10s} {'tok/s':>7s} {'lat mean/P50/P90 ms':>22s} {'prefill ms':>10s} {'vs llama.cpp':>12s} "
           "same tokens")
     for b, row in report["backends"].items():

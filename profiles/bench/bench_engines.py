@@ -42,6 +42,7 @@ from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names, parse_va
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import LINK_PROFILES
 from profiles.testbed.prompts import humaneval_prompts
+from profiles.bench.provenance import write_report
 
 ENGINES = ("torch", "llamacpp")
 LOOPBACK = "loopback"
@@ -309,9 +310,7 @@ def run(args) -> int:
     report = {"draft": args.draft, "target": args.target, "threads": args.threads,
               "max_new_tokens": args.max_new_tokens, "prompts": [p.source for p in prompts],
               "cpu": cpu_name(), "alone": alone, "hybrid": runs, "summary": summary}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     note = figure(summary, os.path.splitext(args.out)[0] + ".png")
     print(json.dumps(summary, indent=1))
     print(f"hat-bench engines: report saved to {args.out}" + (f" ({note})" if note else ""))

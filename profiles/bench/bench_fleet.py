@@ -48,6 +48,7 @@ from profiles.bench.stats import mean, percentile
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import long_chat_prompts
+from profiles.bench.provenance import write_report
 
 SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" / "engine" the SplitConfig / EngineConfig fields, cloud
     # arguments)
@@ -237,6 +238,22 @@ def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) ->
     return out
 
 
+def plan_runs(args, systems, experiments, rates, sizes, stages) -> List[tuple]:
+    """(experiment, system, N, rate, pipeline P, threads per stage) per run. The pipeline experiment's control: for
+    each P, HAT on one stage with P times the threads, so a gain from stages is not a gain from more threads."""
+    one = args.threads
+    runs = []
+    if "sweep" in experiments:
+        runs += [("sweep", s, args.sweep_n, r, 1, one) for r in rates for s in systems]
+    if "scale" in experiments:
+        runs += [("scale", s, n, args.scale_rate, 1, one) for n in sizes for s in systems]
+    if "pipeline" in experiments and "HAT" in systems:
+        for p in stages:
+            runs += [("pipeline", "HAT", args.sweep_n, args.scale_rate, p, one),
+                     ("pipeline-control", "HAT", args.sweep_n, args.scale_rate, 1, p * one)]
+    return runs
+
+
 def run(args) -> int:
     systems = names(args.systems, SYSTEMS, "system")
     experiments = names(args.experiments, ("sweep", "scale", "pipeline"), "experiment")
@@ -248,14 +265,8 @@ def run(args) -> int:
     adapter = adapter_dir(args.adapter, args.model, args.m,
                           any(SYSTEMS[x][0] == "hat" or "token_draft" in SYSTEMS[x][1] for x in systems))
 
-    runs = []  # (experiment, system, N, rate, pipeline)
-    if "sweep" in experiments:
-        runs += [("sweep", s, args.sweep_n, r, 1) for r in rates for s in systems]
-    if "scale" in experiments:
-        runs += [("scale", s, n, args.scale_rate, 1) for n in sizes for s in systems]
-    if "pipeline" in experiments and "HAT" in systems:
-        runs += [("pipeline", "HAT", args.sweep_n, args.scale_rate, p) for p in stages]
-    n_max = max(n for _, _, n, _, _ in runs)
+    runs = plan_runs(args, systems, experiments, rates, sizes, stages)
+    n_max = max(r[2] for r in runs)
 
     tok = load_tokenizer(args.model)
     prompts = long_chat_prompts(tok, args.prompts + 1, args.min_prompt_tokens, args.max_prompt_tokens)
@@ -270,8 +281,8 @@ def run(args) -> int:
     report["device_rss_mb"] = fleet.rss_mb
     done: Dict[tuple, dict] = {}
     try:
-        for k, (exp, system, n, rate, pipeline) in enumerate(runs):
-            key = (system, n, rate, pipeline)
+        for k, (exp, system, n, rate, pipeline, threads) in enumerate(runs):
+            key = (system, n, rate, pipeline, threads)
             if key in done:  # the same configuration already ran in another experiment
                 report["runs"].append(dict(done[key], experiment=exp))
                 continue
@@ -283,7 +294,7 @@ def run(args) -> int:
             cmd = {"protocol": protocol, "edge": fields, "warm_up": warm_up, "prompts": prompts,
                    "max_new_tokens": args.max_new_tokens}
             t0 = time.perf_counter()
-            with Testbed(args.model, cloud_args=extra, threads=args.threads) as bed:
+            with Testbed(args.model, cloud_args=extra, threads=threads) as bed:
                 rows = fleet.run(n, dict(cmd, port=bed.cloud.port), arrivals, timeout=args.duration * 20 + 600)
             cloud_stats = {}
             if os.path.exists(stats_path):
@@ -292,6 +303,7 @@ def run(args) -> int:
                 os.remove(stats_path)
             summary = summarise(rows, cloud_stats, args.ttft_sla, args.tbt_sla)
             entry = {"experiment": exp, "system": system, "devices": n, "rate": rate, "pipeline": pipeline,
+                     "threads_per_stage": threads, "total_threads": threads * pipeline,
                      "arrivals": len(arrivals), "wall_s": time.perf_counter() - t0, "summary": summary,
                      "requests": rows, "cloud": {k2: v for k2, v in cloud_stats.items() if k2 != "steps"},
                      "cloud_steps": {k2: v for k2, v in cloud_stats.get("steps", {}).items() if k2 != "step_log"}}
@@ -310,8 +322,7 @@ def run(args) -> int:
 
 def _write(path: str, report: dict, t_start: float) -> None:
     report["seconds"] = time.perf_counter() - t_start
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(path, report)
 
 
 def _ms(x: Optional[float]) -> str:
@@ -322,6 +333,7 @@ def _line(e: dict) -> str:
     s = e["summary"]
     over = s["server_overhead"]
     return (f"  {e['experiment']:8s} {e['system']:9s} N={e['devices']:2d} rate={e['rate']:.2f}/s P={e['pipeline']} "
+            f"threads={e.get('total_threads', e['pipeline'])} "
             f"{s['requests']:3d}/{e['arrivals']:3d} req  "
             f"TTFT mean/P50/P90 {_ms(s['ttft_mean_s'])}{_ms(s['ttft_p50_s'])}"
             f"{_ms(s['ttft_p90_s'])} ms  TBT {_ms(s['tbt_mean_s'])}{_ms(s['tbt_p50_s'])}{_ms(s['tbt_p90_s'])} ms  "
@@ -331,7 +343,7 @@ def _line(e: dict) -> str:
 
 
 def print_tables(report: dict) -> None:
-    print("\n experiment system    N  rate  P  req  TTFT mean/P50/P90 ms        TBT mean/P50/P90 ms         "
+    print("\n experiment system    N  rate  P  threads  req  TTFT mean/P50/P90 ms        TBT mean/P50/P90 ms         "
           "step compute mean±std ms  overhead")
     for e in report["runs"]:
         print(_line(e))
@@ -384,7 +396,14 @@ def plot(path: str, report: dict) -> str:
                    ylabel="fraction of requests met")
     pipe = sorted((e["pipeline"], e["summary"]) for e in runs
                   if e["system"] == "HAT" and e["devices"] == report["args"]["sweep_n"]
-                  and e["rate"] == report["args"]["scale_rate"])
+                  and e["rate"] == report["args"]["scale_rate"] and e["experiment"] != "pipeline-control")
+    control = sorted((e["total_threads"] // max(1, report["args"]["threads"]), e["summary"]) for e in runs
+                     if e["experiment"] == "pipeline-control")
+    if control:  # P = 1 with the threads of P stages, drawn at that P
+        axes[1, 2].plot([p for p, _ in control], [s["ttft_mean_s"] for _, s in control], "x", ms=9,
+                        label="TTFT mean, P = 1 with the same threads")
+        axes[1, 2].plot([p for p, _ in control], [s["tbt_mean_s"] for _, s in control], "+", ms=9,
+                        label="TBT mean, P = 1 with the same threads")
     pipe = list({p: s for p, s in pipe}.items())
     if pipe:
         axes[1, 2].plot([p for p, _ in pipe], [s["ttft_mean_s"] for _, s in pipe], "o-", label="TTFT mean")

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import numpy as np
 
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+from profiles.bench.provenance import write_report
 
 MODELS_DIR = Path(__file__).resolve().parent / "gpu_models"
 MODELS = ("smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b")
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
+    write_report(str(out / "gpu_bench.json"), result)
     print(f"wrote {out / 'gpu_bench.json'}; {plot(result, out / 'gpu_bench.png') or 'and gpu_bench.png'}")
     return 0
 

@@ -48,6 +48,7 @@ from profiles.bench.testbed import Testbed
 from profiles.device.device_profiles import cloud_gpus, get_profile, speed_ratio
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import long_chat_prompts
+from profiles.bench.provenance import write_report
 
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
     "U-shape": ("ushape", {"chunking": "off"}),
@@ -264,9 +265,7 @@ def run(args) -> int:
     device["reported_compute_s"] = sum(r["device_compute_s"] for link in report["links"].values()
                                        for rows in link["runs"].values() for r in rows)
     report["table4"] = table4(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, ensure_ascii=False)
+    write_report(args.out, report)
     print_tables(report)
     note = plot(os.path.splitext(args.out)[0] + ".png", report["tables"])
     print(f"hat-bench hat: {report['seconds']:.0f} s; the device process used {device['process_cpu_s']:.0f} CPU-s "

@@ -28,6 +28,7 @@ from hat_split.wire.sqs import ConformalThreshold, LatticeWire
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import LinkProfile
 from profiles.testbed.prompts import evaluation_prompts
+from profiles.bench.provenance import write_report
 
 METHODS = ("llm", "slm", "sq", "qs_static", "qs_heuristic", "qs_dqn")
 SPARSE = ("ksqs", "csqs")
@@ -212,9 +213,7 @@ def run(args) -> int:
         cs = tables["sqs"][t].get("csqs")
         if cs:
             cs["eq9_bound"] = th.mean_dropped_bound(cs["settled_rows"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, ensure_ascii=False)
+    write_report(args.out, report)
     _print_tables(tables)
     note = plot(os.path.splitext(args.out)[0] + ".png", tables)
     print(f"hat-bench qs: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))

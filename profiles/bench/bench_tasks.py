@@ -15,10 +15,7 @@ the same settings; the report covers every matching record there for the chosen 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from typing import Dict, List, Tuple
@@ -32,10 +29,11 @@ from hat_split.models.loading import load_tokenizer, resolve_dtype
 from profiles.bench.bench_args import names
 from profiles.bench.bench_cuhlm import VARIANTS
 from profiles.bench.code_exec import check_humaneval, gsm8k_answer, gsm8k_correct
-from profiles.bench.task_scoring import (append_record, cut_completion, format_table, gsm8k_prompt, load_done,
-                                         record_key, summarise)
+from profiles.bench.task_scoring import (CutWatch, append_record, cut_completion, format_table, gsm8k_prompt,
+                                         load_done, record_key, summarise)
 from profiles.bench.tasks import evaluation_ids, gsm8k_problems, humaneval_problems
 from profiles.bench.testbed import Testbed
+from profiles.bench.provenance import write_report
 
 PROTOCOLS: Dict[str, tuple] = {**VARIANTS, "sq": ("sq", {})}  # name -> (protocol, UncertaintyConfig overrides)
 TASKS = ("humaneval", "gsm8k")
@@ -50,33 +48,20 @@ def add_parser(sub) -> None:
     s.add_argument("--prompts", type=int, default=60, help="the first N evaluation problems of each task")
     s.add_argument("--protocols", default="llm,slm,uhlm,randhlm,cuhlm_offline,cuhlm_online,sq",
                    help=f"subset of {', '.join(PROTOCOLS)}")
-    s.add_argument("--max-new-tokens", type=int, default=256, help="per answer (both tasks)")
+    s.add_argument("--max-new-tokens", type=int, default=512,
+                   help="per answer (both tasks; a HumanEval answer stops at its cut)")
     s.add_argument("--calibration", help="a hat-calibrate file (else the papers' line, threshold 0.5 and k* 30)")
     s.add_argument("--threshold-rule", default="risk-prone", choices=["risk-prone", "risk-averse", "risk-budget"])
-    s.add_argument("--weight-quant", default="int8", choices=["none", "int8"], help="the draft's weights (as cuhlm)")
-    s.add_argument("--target-dtype", default="auto")
+    s.add_argument("--engine", default="torch", choices=["torch", "llamacpp"],
+                   help="what runs both models: torch (the HF weights) or llamacpp (the registry's GGUF files, "
+                        "quantised as shipped: the fastest on a CPU)")
+    s.add_argument("--threads", type=int, default=0,
+                   help="threads of the cloud and of the draft each (0: their default, every core)")
+    s.add_argument("--weight-quant", default="int8", choices=["none", "int8"],
+                   help="torch engine: the draft's weights (as cuhlm)")
+    s.add_argument("--target-dtype", default="auto", help="torch engine: the target's dtype")
     s.add_argument("--seed", type=int, default=0, help="problem i runs with seed seed*1000+i under every protocol")
     s.add_argument("--out", default="runs/bench_tasks.json", help="JSON report (PNG and the .jsonl records beside)")
-
-
-def machine() -> dict:
-    out = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor(),
-           "cpus": os.cpu_count()}
-    try:
-        import torch
-
-        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        out["gpu"] = None
-    return out
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def problems(tasks: List[str], n: int) -> List[Tuple[str, object]]:
@@ -109,9 +94,15 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
         return
     tok = load_tokenizer(args.target)
     params = SamplingParams(0.0)
-    with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
-        cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
-                         engine=EngineConfig(weight_quant=args.weight_quant), uncertainty=base_unc)
+    cloud_args = ["--engine", args.engine, "--threads", str(args.threads)]
+    if args.engine == "torch":
+        cloud_args += ["--dtype", args.target_dtype]
+        engine = EngineConfig(weight_quant=args.weight_quant, threads=args.threads)
+    else:
+        engine = EngineConfig(backend="llamacpp", threads=args.threads)
+    with Testbed(args.target, cloud_args=cloud_args) as bed:
+        cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()), engine=engine,
+                         uncertainty=base_unc)
         with bed.runtime(cfg) as rt:
             index = {(t, p.task_id): i for i, (t, p) in enumerate(work)}
             for k, (task, problem, name) in enumerate(todo):
@@ -120,7 +111,9 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
                 protocol, overrides = PROTOCOLS[name]
                 rt.config = dataclasses.replace(rt.config, uncertainty=dataclasses.replace(base_unc, **overrides))
                 seed = args.seed * 1000 + index[(task, problem.task_id)]
-                r = rt.generate(ids, protocol, params, args.max_new_tokens, seed=seed)
+                stop = CutWatch() if task == "humaneval" else None
+                r = rt.generate(ids, protocol, params, args.max_new_tokens, seed=seed,
+                                on_text=stop and stop.add, should_stop=stop and stop.done)
                 s = r.summary()
                 rec = {"task": task, "task_id": problem.task_id, "protocol": name, "config": config, "seed": seed,
                        "text": r.text, **score(task, problem, r.text), "n_tokens": r.n,
@@ -176,9 +169,15 @@ def run(args) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"hat-bench tasks: {exc}", file=sys.stderr)
         return 2
+    if args.threads < 0:
+        print("hat-bench tasks: --threads must be >= 0", file=sys.stderr)
+        return 2
     args.target_dtype = resolve_dtype(args.target_dtype)
-    config = {"draft": args.draft, "target": args.target, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-              "weight_quant": args.weight_quant, "target_dtype": args.target_dtype,
+    torch_engine = args.engine == "torch"
+    config = {"draft": args.draft, "target": args.target, "engine": args.engine,
+              "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              "weight_quant": args.weight_quant if torch_engine else "gguf",
+              "target_dtype": args.target_dtype if torch_engine else "gguf",
               "uncertainty": dataclasses.asdict(base_unc)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     jsonl = os.path.splitext(args.out)[0] + ".jsonl"
@@ -190,10 +189,9 @@ def run(args) -> int:
                      key=lambda r: (r["task"], order[r["protocol"]], r["task_id"]))
     summary = summarise(records, cosines(records))
     report = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "config": config,
-              "git_commit": git_commit(), "machine": machine(), "summary": summary, "records": jsonl,
+              "summary": summary, "records": jsonl,
               "wall_s": time.perf_counter() - t0}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     note = plot(os.path.splitext(args.out)[0] + ".png", summary)
     print(format_table(summary))
     print(f"hat-bench tasks: report saved to {args.out}" + (f" ({note})" if note else ""))

@@ -36,6 +36,7 @@ from profiles.bench.bench_args import adapter_dir
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import demo_prompts
+from profiles.bench.provenance import write_report
 
 DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm"
 
@@ -177,8 +178,7 @@ def main(argv=None) -> int:
         "results": results,
         "wall_s": time.perf_counter() - t0,
     }
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     print(f"\n=== per protocol, {len(prompts)} real prompts, link {profile.name}, draft {args.draft}, "
           f"target {args.target}, engine {engine}"
           + (f"; {', '.join(split_protocols)} on torch, the target cut at layer {args.m}" if split_protocols else "")

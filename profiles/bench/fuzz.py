@@ -39,6 +39,7 @@ from hat_split.models.loading import vocab_fingerprint
 from hat_split.wire import messages as P
 from profiles.bench.fuzz_state import Facts, coverage_table, run_stateful
 from profiles.bench.testbed import Testbed
+from profiles.bench.provenance import write_report
 
 VOCAB = 256
 MUTATIONS = ("valid", "flip", "truncate", "drop_frame", "extra_frame", "duplicate_frame", "swap_frames", "oversize",
@@ -269,9 +270,7 @@ def _stateful_cases(endpoint: str, cases: int, rng: random.Random, lm: CausalLM,
 
 def run(args) -> int:
     report = fuzz(args.cases, args.seed, args.check_every, stateful=args.stateful)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     errors = Counter()
     for key, count in report["server"].items():
         errors[key.split(" ", 1)[1]] += count

@@ -13,7 +13,6 @@ Writes JSON and a PNG beside it.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Dict, List, Optional, Tuple
@@ -30,6 +29,7 @@ from profiles.bench.stats import percentile
 from profiles.device import jetson_control as J
 from profiles.device.device_profiles import get_profile
 from profiles.device.power import open_sampler
+from profiles.bench.provenance import write_report
 
 PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
           "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n")
@@ -186,9 +186,7 @@ def run(args) -> int:
             except J.JetsonControlError as exc:
                 report["device"]["mode_restored"] = f"failed: {exc}"
     report["seconds"] = time.perf_counter() - t_start
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     note = plot(os.path.splitext(args.out)[0] + ".png", report)
     print(f"hat-profile sweep: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))
     return 0

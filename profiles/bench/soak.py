@@ -51,7 +51,6 @@ import psutil
 from cloud_runtime.quotas import parse_bytes
 from edge_runtime.api.agent import AgentConfig
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
-from hat_split.files.atomic import write_json
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer
 from hat_split.models.partition import free_layers
@@ -62,6 +61,7 @@ from profiles.bench.testbed import Testbed
 from profiles.testbed.link_emulator import send_control
 from profiles.testbed.links import get_link_profile
 from profiles.testbed.prompts import long_chat_prompts
+from profiles.bench.provenance import write_report
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
 HOSTILE = "hostile"  # the hostile device's name (its key is in the allow-list like any device's)
@@ -301,7 +301,7 @@ def run(args) -> int:
     report["requests"] = [{k: v for k, v in r.items() if k != "response"} | {"times": r["response"]["times"]}
                           for r in records]
     report["seconds"] = time.perf_counter() - t_start
-    write_json(args.out, report)
+    write_report(args.out, report)
     print_summary(report)
     note = plot(os.path.splitext(args.out)[0] + ".png", report)
     print(f"hat-bench soak: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))

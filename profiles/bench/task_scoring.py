@@ -34,6 +34,21 @@ def cut_completion(text: str) -> str:
     return text
 
 
+class CutWatch:
+    """Ends a HumanEval generation once its cut is decided: what follows the first unindented line is thrown away by
+    `cut_completion`, and generation is causal, so stopping there changes no score (the Codex paper's stop
+    sequences)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add(self, text: str) -> None:
+        self.text += text
+
+    def done(self) -> str:
+        return "stop" if cut_completion(self.text) != self.text else ""
+
+
 def gsm8k_prompt(question: str) -> str:
     return f"{question}\n\n{GSM8K_INSTRUCTION}"
 

@@ -1,0 +1,282 @@
+"""`hat-bench speculative`: speculative decoding (`sd` variants, `hlm`) against the target alone, with speedup
+accounting that cannot pass its bound unnoticed (hat_split.math.speedup, docs/SPEEDUP.md) and intervals over prompts.
+
+Systems, side by side on the same prompts (token ids fixed once), greedy:
+  1. Hugging Face: target alone, draft alone, assisted generation (`assistant_model=`) — in a child process that
+     exits before the hatspec phase, so the machine holds one set of models at a time; per prompt the three run in
+     turn;
+  2. hatspec: `llm` (the target alone through the same cloud and link: the baseline every speedup is taken against),
+     `slm` (the draft alone through the same code path: its per-token time includes the draft's overheads), every
+     `sd` variant and `hlm`; a real `hat-cloud serve` process and the edge runtime in this process over loopback
+     (profiles.bench.testbed). Per prompt every system runs in turn, the order rotating from prompt to prompt, so a
+     drift in the machine's speed falls on all of them alike.
+γ is chosen on tuning prompts (profiles.testbed.prompts.calibration_prompts: disjoint from the reported ones): with more
+than one `sd` variant, each runs on them first and the fastest is "chosen"; every variant is reported, and the
+headline is the chosen one's figure on the reported prompts, never the best of them.
+
+Per speculative run: α per examined position, γ, c = t_d / T (T: `llm`'s time per token after its request opened,
+t_d: `slm`'s), the measured decode speedup T·Σn_i/Σw_i over its verification rounds with its bound Σn_i/Σ(γ_i c + 1)
+and the closed-form ideal (a value above the bound is listed under "problems", never clipped), and end-to-end
+speedups per prompt (tokens/s of the run over the baseline's on the same prompt) with 95 % bootstrap intervals, against
+hatspec's `llm`, HF's target alone and HF assisted generation.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Tuple
+
+from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
+from hat_split.math.sampling import SamplingParams
+from hat_split.math.speedup import speedup_report
+from hat_split.models.chat import encode
+from hat_split.models.loading import load_tokenizer, resolve_dtype
+from profiles.bench.bench_args import parse_variants, variant_name
+from profiles.bench.provenance import write_report
+from profiles.bench.stats import bootstrap_ci
+from profiles.bench.testbed import Testbed
+from profiles.testbed.prompts import calibration_prompts, evaluation_prompts
+
+BASELINE = "hatspec_llm"
+DRAFT_ALONE = "hatspec_slm"
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("speculative", help="sd / hlm vs the target alone (ours, HF's) and HF assisted generation, "
+                                           "with bounded speedup accounting and intervals")
+    s.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    s.add_argument("--target", default="qwen2.5-coder-1.5b")
+    s.add_argument("--prompts", type=int, default=8, help="reported prompts, half HumanEval half ShareGPT")
+    s.add_argument("--tune-prompts", type=int, default=4,
+                   help="prompts (disjoint from the reported ones) that choose γ among the sd variants; 0: no choice")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--draft-len", default="4",
+                   help="sd variants, separated by commas: γ (fixed) or γ@η (at most γ drafts, ending after a token "
+                        "with draft probability < η), e.g. 3,4,8@0.5")
+    s.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="the draft's weights (edge and HF)")
+    s.add_argument("--target-dtype", default="auto", help="dtype of the target everywhere (cloud and HF runs)")
+    s.add_argument("--draft-dtype", default="float32", help="dtype of the draft everywhere (edge and HF runs)")
+    s.add_argument("--protocols", default="sd,hlm", help="speculative protocols besides llm and slm (always run)")
+    s.add_argument("--out", default="runs/bench_speculative.json")
+    s.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
+
+
+def add_hf_phase_parser(sub) -> None:
+    h = sub.add_parser("_hf-phase", help=argparse.SUPPRESS)
+    for flag in ("--draft", "--target", "--ids", "--target-dtype", "--draft-dtype", "--weight-quant", "--out"):
+        h.add_argument(flag)
+    h.add_argument("--max-new-tokens", type=int)
+
+
+def _hf_generate(model, ids: List[int], n: int, eos, **kw):
+    import time
+
+    import torch
+
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def hf_phase(args) -> int:
+    """Child process: the HF baselines, the three in turn per prompt. Writes per-prompt tokens and times."""
+    from hat_split.models.loading import load_model, quantize_weights
+
+    with open(args.ids, encoding="utf-8") as f:
+        prompts = json.load(f)
+    target = load_model(args.target, dtype=args.target_dtype)
+    draft = load_model(args.draft, dtype=args.draft_dtype)
+    quantize_weights(draft.model, args.weight_quant)
+    eos = target.model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    res: Dict[str, list] = {"target": [], "draft": [], "hf_assisted": []}
+    _hf_generate(target.model, prompts[0], 2, eos)  # warm-up (first-call allocations)
+    _hf_generate(draft.model, prompts[0], 2, eos)
+    systems = [("target", target.model, {}), ("draft", draft.model, {}),
+               ("hf_assisted", target.model, {"assistant_model": draft.model})]
+    for i, ids in enumerate(prompts):
+        for name, model, kw in systems[i % 3:] + systems[:i % 3]:
+            toks, dt = _hf_generate(model, ids, args.max_new_tokens, eos, **kw)
+            res[name].append({"tokens": toks, "total_s": dt})
+            print(f"  hf {name:12s} prompt {i + 1}/{len(prompts)}: {len(toks)} tokens in {dt:.1f} s", flush=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(res, f)
+    return 0
+
+
+def _system_names(protocols: List[str], variants: List[Tuple[int, float]]) -> List[str]:
+    out = [BASELINE, DRAFT_ALONE]
+    for p in protocols:
+        out += [f"hatspec_sd_{variant_name(*v)}" for v in variants] if p == "sd" else [f"hatspec_{p}"]
+    return out
+
+
+def _run_one(rt, name: str, ids: List[int], variants_by_name: dict, max_new_tokens: int):
+    protocol = name.split("_")[1]
+    variant = variants_by_name.get(name)
+    if variant:
+        rt.config = dataclasses.replace(rt.config, draft_len=variant[0], draft_stop_prob=variant[1])
+    return rt.generate(ids, protocol, SamplingParams(0.0), max_new_tokens, seed=0)
+
+
+def _interleaved(rt, names: List[str], prompts: List[List[int]], variants_by_name: dict, max_new_tokens: int,
+                 label: str) -> Dict[str, list]:
+    """Every system on every prompt, the systems in turn per prompt, the order rotating by one per prompt."""
+    rows: Dict[str, list] = {n: [None] * len(prompts) for n in names}
+    for i, ids in enumerate(prompts):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            r = _run_one(rt, name, ids, variants_by_name, max_new_tokens)
+            rows[name][i] = r.to_json()
+            print(f"  {label} {name:22s} prompt {i + 1}/{len(prompts)}: {r.n} tokens in {r.total_s:.2f} s, "
+                  f"{r.summary()['tokens_per_s']:.2f} tok/s", flush=True)
+    return rows
+
+
+def _rate(rows: List[dict]) -> float:
+    return sum(len(r["tokens"]) for r in rows) / sum(r["total_s"] for r in rows)
+
+
+def _per_token_after_open(rows: List[dict]) -> float:
+    """Seconds per token after the request opened (prompt and session set-up excluded)."""
+    return sum(r["total_s"] - r.get("open_s", 0.0) for r in rows) / sum(len(r["tokens"]) for r in rows)
+
+
+def choose(tuning: Dict[str, list]) -> Optional[str]:
+    """The sd variant with the highest tokens/s on the tuning prompts (None without tuning runs)."""
+    sd = {name: _rate(rows) for name, rows in tuning.items() if name.startswith("hatspec_sd_")}
+    return max(sd, key=sd.get) if sd else None
+
+
+def ratio_ci(rows: List[dict], base: List[dict]) -> dict:
+    """Per-prompt speedup (tokens/s over the baseline's on the same prompt): mean, 95 % bootstrap interval, n; and the
+    aggregate ratio (all tokens over all time)."""
+    ratios = [(len(r["tokens"]) / r["total_s"]) / (len(b["tokens"]) / b["total_s"]) for r, b in zip(rows, base)]
+    m, lo, hi = bootstrap_ci(ratios)
+    return {"mean": m, "lo": lo, "hi": hi, "n": len(ratios), "aggregate": _rate(rows) / _rate(base)}
+
+
+def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]], chosen: Optional[str] = None) -> dict:
+    """Rates, α, γ, c, the bounded decode speedup and the end-to-end speedups with intervals, per speculative run."""
+    rates = {name: _rate(rows) for name, rows in runs.items()}
+    summary: dict = {"tokens_per_s": rates, "baseline": BASELINE if BASELINE in runs else None, "chosen": chosen}
+    T = _per_token_after_open(runs[BASELINE]) if BASELINE in runs else None
+    t_d = _per_token_after_open(runs[DRAFT_ALONE]) if DRAFT_ALONE in runs else None
+    summary.update({"T_s": T, "t_d_s": t_d, "c": t_d / T if T and t_d is not None else None})
+    if "hf_hf_assisted" in runs:
+        for base in ("hf_target", BASELINE):
+            if base in runs:
+                summary[f"hf_assisted_vs_{base}"] = ratio_ci(runs["hf_hf_assisted"], runs[base])
+    for name, rows in runs.items():
+        if not name.startswith("hatspec_") or name in (BASELINE, DRAFT_ALONE):
+            continue
+        log = [entry for r in rows for entry in r.get("verify_log", [])]
+        entry: dict = {"rounds": len(log), "tokens": sum(len(r["tokens"]) for r in rows)}
+        if log and T is not None and t_d is not None:
+            rep = speedup_report([int(e[0]) for e in log], [int(e[1]) for e in log], [e[2] for e in log], T, t_d)
+            entry.update({"alpha": rep.alpha, "gamma": rep.gamma, "tokens_per_round": rep.tokens_per_round,
+                          "decode_speedup": rep.measured, "bound": rep.bound, "ideal": rep.ideal,
+                          "efficiency": rep.efficiency, "short_rounds": rep.short_rounds,
+                          "problems": list(rep.problems)})
+        drafted = sum(r["drafted"] for r in rows)
+        entry["acceptance_rate"] = sum(r["accepted"] for r in rows) / drafted if drafted else None
+        for base in (BASELINE, "hf_target", "hf_hf_assisted"):
+            if base in runs:
+                entry[f"vs_{base}"] = ratio_ci(rows, runs[base])
+        if BASELINE in runs:
+            same = [r["tokens"] == b["tokens"] for r, b in zip(rows, runs[BASELINE])]
+            entry["identical_to_llm"] = f"{sum(same)}/{len(same)}"
+        summary[name] = entry
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    def ci(d: Optional[dict]) -> str:
+        if not d or d["mean"] is None:
+            return "-"
+        return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" if d["lo"] is not None else f"{d['mean']:.2f}"
+
+    def num(x, fmt=".2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"{'run':24s} {'tok/s':>6s} {'alpha':>5s} {'gamma':>5s} {'decode x':>8s} {'bound':>5s} {'eff':>4s}  "
+             f"{'vs llm [95% CI]':>19s}  {'vs HF target':>19s}  {'vs HF assisted':>19s}"]
+    for name, e in summary.items():
+        if not isinstance(e, dict) or "rounds" not in e:
+            continue
+        mark = " *" if name == summary.get("chosen") else ""
+        lines.append(f"{name + mark:24s} {summary['tokens_per_s'][name]:6.2f} {num(e.get('alpha')):>5s} "
+                     f"{num(e.get('gamma'), '.1f'):>5s} {num(e.get('decode_speedup')):>8s} {num(e.get('bound')):>5s} "
+                     f"{num(e.get('efficiency')):>4s}  {ci(e.get('vs_' + BASELINE)):>19s}  "
+                     f"{ci(e.get('vs_hf_target')):>19s}  {ci(e.get('vs_hf_hf_assisted')):>19s}")
+        lines += [f"    problem: {p}" for p in e.get("problems", [])]
+    lines.append(f"c = {num(summary.get('c'), '.3f')} (T = {num(summary.get('T_s'), '.4f')} s, t_d = "
+                 f"{num(summary.get('t_d_s'), '.4f')} s); * = γ chosen on the tuning prompts")
+    return "\n".join(lines)
+
+
+def _hf_runs(args, ids: List[List[int]], tmp: str) -> Optional[Dict[str, list]]:
+    """The HF baselines' rows, None when the child failed (it printed why)."""
+    ids_path, hf_out = os.path.join(tmp, "ids.json"), os.path.join(tmp, "hf.json")
+    with open(ids_path, "w", encoding="utf-8") as f:
+        json.dump(ids, f)
+    print("hat-bench speculative: Hugging Face baselines (child process) ...", flush=True)
+    rc = subprocess.call([sys.executable, "-m", "profiles.bench.bench", "_hf-phase", "--draft", args.draft,
+                          "--target", args.target, "--ids", ids_path, "--max-new-tokens", str(args.max_new_tokens),
+                          "--out", hf_out, "--target-dtype", args.target_dtype, "--draft-dtype", args.draft_dtype,
+                          "--weight-quant", args.weight_quant])
+    if rc:
+        return None
+    with open(hf_out, encoding="utf-8") as f:
+        return {f"hf_{k}": v for k, v in json.load(f).items()}
+
+
+def run(args) -> int:
+    variants = parse_variants(args.draft_len)  # a ValueError names the bad item
+    protocols = [p for p in args.protocols.split(",") if p]
+    if not set(protocols) <= {"sd", "hlm"}:
+        raise ValueError(f"--protocols: sd and hlm are the speculative ones, got {protocols}")
+    if args.prompts < 1 or args.tune_prompts < 0 or args.max_new_tokens < 2:
+        raise ValueError("need --prompts >= 1, --tune-prompts >= 0 and --max-new-tokens >= 2")
+    tok = load_tokenizer(args.draft)
+    prompts = evaluation_prompts(args.prompts)
+    ids = [encode(tok, p.text, p.chat) for p in prompts]
+    tune_ids = ([encode(tok, p.text, p.chat) for p in calibration_prompts(args.tune_prompts)]
+                if len(variants) > 1 and args.tune_prompts and "sd" in protocols else [])
+    args.target_dtype, args.draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
+    names = _system_names(protocols, variants)
+    by_name = {f"hatspec_sd_{variant_name(*v)}": v for v in variants}
+    report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "sd_variants": variants,
+                    "prompts": [p.to_json() for p in prompts], "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_hf:
+            hf = _hf_runs(args, ids, tmp)
+            if hf is None:
+                print("hat-bench speculative: the Hugging Face phase failed (above)", file=sys.stderr)
+                return 1
+            report["runs"].update(hf)
+        print("hat-bench speculative: hatspec over loopback ...", flush=True)
+        with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+            cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
+                             engine=EngineConfig(dtype=args.draft_dtype, weight_quant=args.weight_quant))
+            with bed.runtime(cfg) as rt:
+                rt.generate(ids[0], "sd", SamplingParams(0.0), 2)  # warm-up both processes
+                if tune_ids:
+                    sd_names = [n for n in names if n in by_name]
+                    report["tuning"] = _interleaved(rt, sd_names, tune_ids, by_name, args.max_new_tokens, "tune")
+                report["runs"].update(_interleaved(rt, names, ids, by_name, args.max_new_tokens, "eval"))
+    sd_runs = [n for n in names if n in by_name]
+    chosen = choose(report.get("tuning", {})) or (sd_runs[0] if len(sd_runs) == 1 else None)
+    report["summary"] = summarise(report["runs"], variants, chosen)
+    if report.get("tuning"):
+        report["summary"]["tuning_tokens_per_s"] = {n: _rate(r) for n, r in report["tuning"].items()}
+    write_report(args.out, report)
+    print(format_table(report["summary"]))
+    print(f"hat-bench speculative: report saved to {args.out}")
+    return 0
