@@ -9,6 +9,8 @@ import sys
 
 from profiles.bench.bench_cuhlm import add_parser as add_cuhlm_parser
 from profiles.bench.bench_cuhlm import run as run_cuhlm
+from profiles.bench.bench_curve import add_parser as add_curve_parser
+from profiles.bench.bench_curve import run as run_curve
 from profiles.bench.bench_edge import add_parser as add_edge_parser
 from profiles.bench.bench_edge import run as run_edge
 from profiles.bench.bench_engines import add_parser as add_engines_parser
@@ -33,7 +35,7 @@ from profiles.bench.soak import run as run_soak
 
 RUNS = {"speculative": run_speculative, "cuhlm": run_cuhlm, "qs": run_qs, "hat": run_hat, "fleet": run_fleet,
         "edge": run_edge, "engines": run_engines, "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu,
-        "tasks": run_tasks}
+        "tasks": run_tasks, "curve": run_curve}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (add_speculative_parser, add_cuhlm_parser, add_qs_parser, add_hat_parser, add_fleet_parser,
                 add_gpu_parser, add_edge_parser, add_engines_parser, add_fuzz_parser, add_soak_parser,
-                add_tasks_parser, add_hf_phase_parser):
+                add_tasks_parser, add_curve_parser, add_hf_phase_parser):
         add(sub)
     return ap
 

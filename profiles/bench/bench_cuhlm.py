@@ -11,6 +11,10 @@ Reported per variant: accuracy (mean cosine vs the dataset's reference answer, a
 rate TR (uploads per token), true skip rate TSR (mean acceptance probability min(1, y_d/x_d) of skipped tokens), skip
 rate, k mean / min / max, uplink bytes per token and as % of HLM, measured tokens/s, and the throughput of eq. 6 vs
 average SNR under Rayleigh and Rician fading from the real per-round payload bits and the measured compute times.
+Beside each pooled figure, `<key>_ci`: the mean of its per-prompt values with a 95 % percentile-bootstrap interval and
+n, the prompts that have the value (profiles.bench.stats); figures against another variant ("vs LLM", "% of HLM") take
+the per-prompt ratio on the same prompt and bootstrap those. Per prompt every variant runs in turn, the order rotating
+by one per prompt (`rotated`), so a drift of the machine's speed falls on every variant alike.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -39,6 +43,8 @@ from profiles.testbed.channel import Channel, token_throughput
 from profiles.testbed.links import LinkProfile
 from profiles.testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
+from profiles.bench.stats import ci_text, interval, paired_diff, paired_ratio, rotated
+
 
 # name -> (protocol, UncertaintyConfig overrides)
 VARIANTS: Dict[str, tuple] = {
@@ -84,17 +90,16 @@ def _variant_names(text: str) -> List[str]:
 
 
 def _generate_all(rt, variants, ids, params, max_new, seed, base_unc, label) -> Dict[str, list]:
-    runs: Dict[str, list] = {}
-    for name in variants:
-        protocol, overrides = VARIANTS[name]
-        rt.config = dataclasses.replace(rt.config, uncertainty=dataclasses.replace(base_unc, **overrides))
-        rows = []
-        for i, x in enumerate(ids):
+    """Every variant on every prompt, the variants in turn per prompt in `rotated` order; rows in prompt order."""
+    runs: Dict[str, list] = {name: [None] * len(ids) for name in variants}
+    for i, x in enumerate(ids):
+        for name in rotated(variants, i):
+            protocol, overrides = VARIANTS[name]
+            rt.config = dataclasses.replace(rt.config, uncertainty=dataclasses.replace(base_unc, **overrides))
             r = rt.generate(x, protocol, params, max_new, seed=seed * 1000 + i)
-            rows.append(r.to_json())
+            runs[name][i] = r.to_json()
             print(f"  {label} {name:14s} prompt {i + 1}/{len(ids)}: {r.n} tokens in {r.total_s:.1f} s, "
                   f"skipped {r.skipped}, up {r.up_bytes} B", flush=True)
-        runs[name] = rows
     return runs
 
 
@@ -123,17 +128,20 @@ def run_models(args, variants, ids, base_unc) -> dict:
     return out
 
 
-def true_skip_probs(args, ids, runs: Dict[str, list]) -> Dict[str, List[float]]:
-    """Per skipping variant: min(1, y_d / x_d) of each skipped token, y_d from one teacher-forced target pass."""
+def true_skip_probs(args, ids, runs: Dict[str, list]) -> Dict[str, List[List[float]]]:
+    """Per skipping variant and prompt: min(1, y_d / x_d) of each skipped token, y_d from one teacher-forced target
+    pass ([] for a prompt with no skipped token)."""
     params = SamplingParams(args.temperature, 0, args.top_p)
     todo = {n: rows for n, rows in runs.items() if VARIANTS[n][0] in SKIPPING}
     if not todo:
         return {}
     lm = CausalLM(load_model(args.target, dtype=args.target_dtype).model)
-    out: Dict[str, List[float]] = {}
+    out: Dict[str, List[List[float]]] = {}
     for name, rows in todo.items():
-        probs: List[float] = []
+        out[name] = []
         for x, row in zip(ids, rows):
+            probs: List[float] = []
+            out[name].append(probs)
             if not row["skip_log"]:
                 continue
             toks = row["tokens"]
@@ -142,11 +150,19 @@ def true_skip_probs(args, ids, runs: Dict[str, list]) -> Dict[str, List[float]]:
                 i = int(index)
                 y_d = float(warp(logits[i:i + 1], params)[0, toks[i]])
                 probs.append(min(1.0, y_d / x_d) if x_d > 0 else 1.0)
-        out[name] = probs
     return out
 
 
-def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy: Dict[str, List[float]]) -> dict:
+def _per(rows: List[dict], num: str, den: str) -> List[Optional[float]]:
+    """Per row: row[num] / row[den] (None where row[den] is 0)."""
+    return [r[num] / r[den] if r[den] else None for r in rows]
+
+
+def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy: Dict[str, List[float]],
+              tsr_by_prompt: Optional[Dict[str, List[List[float]]]] = None) -> dict:
+    """Per variant: the pooled figures (tokens over all prompts) and, as `<key>_ci`, per-prompt means with intervals.
+    `tsr` pools the skipped tokens' acceptance probabilities; `tsr_by_prompt` (true_skip_probs) gives them per prompt
+    for `true_skip_rate_ci` (None without it)."""
     def total(rows, key):
         return sum(r[key] for r in rows)
 
@@ -169,6 +185,7 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
         uploads = total(rows, "rounds") if protocol not in ("llm", "slm") else None
         ks = [k for r in rows for k in r["upload_ks"]]
         acc = float(np.mean(accuracy[name])) if name in accuracy else None
+        bpt = _per(rows, "up_bytes", "n_tokens")
         e = {
             "tokens": n,
             "tokens_per_s": n / total(rows, "total_s"),
@@ -185,15 +202,35 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
             "payload_vs_hlm": total(rows, "up_bytes") / n / hlm_bpt if hlm_bpt else None,
             "throughput_vs_snr": {},  # tokens / total expected latency (a wall clock's view)
             "throughput_vs_snr_per_round": {},  # the papers' mean of per-round eq. 6 throughput
+            "n_prompts": len(rows),
+            "tokens_per_s_ci": interval(_per(rows, "n_tokens", "total_s")),
+            "accuracy_ci": interval(accuracy[name]) if name in accuracy else None,
+            "accuracy_vs_llm_ci": paired_ratio(accuracy[name], accuracy["llm"])
+            if name in accuracy and "llm" in accuracy else None,
+            "accuracy_diff_vs_llm_ci": paired_diff(accuracy[name], accuracy["llm"])
+            if name in accuracy and "llm" in accuracy else None,
+            "transmission_rate_ci": interval(_per(rows, "rounds", "n_tokens")) if uploads is not None else None,
+            "skip_rate_ci": interval(_per(rows, "skipped", "n_tokens")),
+            "true_skip_rate_ci": interval([float(np.mean(p)) if p else None for p in tsr_by_prompt[name]])
+            if tsr_by_prompt and tsr_by_prompt.get(name) else None,
+            "alpha_ci": interval(_per(rows, "accepted", "drafted")) if total(rows, "drafted") else None,
+            "k_mean_ci": interval([float(np.mean(r["upload_ks"])) if r["upload_ks"] else None for r in rows])
+            if ks else None,
+            "up_bytes_per_token_ci": interval(bpt),
+            "payload_vs_hlm_ci": paired_ratio(bpt, _per(runs["hlm"], "up_bytes", "n_tokens")) if hlm_bpt else None,
+            "throughput_vs_snr_ci": {},  # per fading and SNR: the interval of the per-prompt throughputs
+            "throughput_vs_snr_per_round_ci": {},
         }
         for fading, per_round in itertools.product(("rayleigh", "rician"), (False, True)):
-            curve = []
+            curve, cis = [], []
             for snr in snrs:
                 if protocol == "llm":
                     curve.append(1.0 / tau_llm)
+                    cis.append(None)  # a constant of the model, no sample
                     continue
                 if protocol == "slm":
                     curve.append(1.0 / tau_slm)
+                    cis.append(None)
                     continue
                 ch = Channel(fading, snr, args.bandwidth_mhz * 1e6, args.rician_k_db)
                 tps = []
@@ -201,8 +238,10 @@ def summarise(args, runs: Dict[str, list], tsr: Dict[str, List[float]], accuracy
                     bits = [8 * b for b in r["round_up_bytes"]]
                     tps.append(token_throughput(r["n_tokens"], bits, tau_slm, tau_llm, ch, rng, per_round=per_round))
                 curve.append(float(np.mean(tps)))
+                cis.append(interval(tps))
             key = "throughput_vs_snr_per_round" if per_round else "throughput_vs_snr"
             e[key][fading] = dict(zip([f"{s:g}" for s in snrs], curve))
+            e[key + "_ci"][fading] = dict(zip([f"{s:g}" for s in snrs], cis))
         summary["variants"][name] = e
     return summary
 
@@ -219,13 +258,18 @@ def emulated_summary(args, emulated: dict, tau_slm: float, tau_llm: float) -> di
         for name, rows in block["runs"].items():
             n = sum(r["n_tokens"] for r in rows)
             decode_s = sum(r["total_s"] - r["ttft_s"] for r in rows)
-            predicted = float(np.mean([token_throughput(r["n_tokens"], [8 * b for b in r["round_up_bytes"]], tau_slm,
-                                                        tau_llm, flat, rng, draws=1, per_round=False)
-                                      for r in rows]))
+            predicted = [token_throughput(r["n_tokens"], [8 * b for b in r["round_up_bytes"]], tau_slm, tau_llm, flat,
+                                          rng, draws=1, per_round=False) for r in rows]
+            decode = [(r["n_tokens"] - 1) / (r["total_s"] - r["ttft_s"]) if r["total_s"] > r["ttft_s"] else None
+                      for r in rows]
             rows_out[name] = {"measured_tokens_per_s": n / sum(r["total_s"] for r in rows),  # prompt included
                               "measured_decode_tokens_per_s": (n - len(rows)) / decode_s if decode_s > 0 else None,
-                              "model_decode_tokens_per_s_at_this_rate": predicted,  # n / Σ latency
-                              "up_bytes_per_token": sum(r["up_bytes"] for r in rows) / n}
+                              "model_decode_tokens_per_s_at_this_rate": float(np.mean(predicted)),  # n / Σ latency
+                              "up_bytes_per_token": sum(r["up_bytes"] for r in rows) / n,
+                              "measured_tokens_per_s_ci": interval(_per(rows, "n_tokens", "total_s")),
+                              "measured_decode_tokens_per_s_ci": interval(decode),
+                              "model_decode_tokens_per_s_at_this_rate_ci": interval(predicted),
+                              "up_bytes_per_token_ci": interval(_per(rows, "up_bytes", "n_tokens"))}
         out[snr] = {"up_rate_bytes_per_s": block["up_rate_bytes_per_s"], "variants": rows_out}
     return out
 
@@ -250,10 +294,15 @@ def plot(path: str, summary: dict) -> str:
     return ""
 
 
+TABLE_INTERVALS = ("accuracy", "accuracy_vs_llm", "transmission_rate", "true_skip_rate", "tokens_per_s")
+
+
 def format_table(summary: dict) -> str:
-    cols = [("variant", None, "{}"), ("acc", "accuracy", "{:.3f}"), ("vs LLM", "accuracy_vs_llm", "{:.1%}"),
-            ("TR", "transmission_rate", "{:.1%}"), ("TSR", "true_skip_rate", "{:.1%}"), ("α", "alpha", "{:.2f}"),
-            ("k mean", "k_mean", "{:.0f}"), ("k range", None, "{}"), ("up B/tok", "up_bytes_per_token", "{:.0f}"),
+    """One row per variant; the columns of TABLE_INTERVALS show the mean over prompts ± its 95 % interval."""
+    cols = [("variant", None, "{}"), ("n", None, "{}"), ("acc", "accuracy", "{:.3f}"),
+            ("vs LLM", "accuracy_vs_llm", "{:.1%}"), ("TR", "transmission_rate", "{:.1%}"),
+            ("TSR", "true_skip_rate", "{:.1%}"), ("α", "alpha", "{:.2f}"), ("k mean", "k_mean", "{:.0f}"),
+            ("k range", None, "{}"), ("up B/tok", "up_bytes_per_token", "{:.0f}"),
             ("% of HLM", "payload_vs_hlm", "{:.3%}"), ("tok/s", "tokens_per_s", "{:.2f}")]
     rows = [[c for c, _, _ in cols]]
     for name, e in summary["variants"].items():
@@ -261,14 +310,20 @@ def format_table(summary: dict) -> str:
         for c, key, fmt in cols:
             if c == "variant":
                 row.append(name)
+            elif c == "n":
+                row.append(str(e["n_prompts"]))
             elif c == "k range":
                 row.append(f"{e['k_min']}-{e['k_max']}" if e["k_min"] is not None else "-")
+            elif key in TABLE_INTERVALS and e.get(key + "_ci"):
+                row.append(ci_text(e[key + "_ci"], fmt, with_n=False))
             else:
                 v = e[key]
                 row.append("-" if v is None else fmt.format(v))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+    note = (f"{', '.join(TABLE_INTERVALS)}: mean over the n prompts (per-prompt ratios against LLM) ± 95 % bootstrap "
+            "interval; the other columns pool all tokens")
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows) + "\n" + note
 
 
 def run(args) -> int:
@@ -297,16 +352,18 @@ def run(args) -> int:
     models = run_models(args, variants, ids, base_unc)
     runs = models["loopback"]
     print("hat-bench cuhlm: scoring skipped tokens with the target ...", flush=True)
-    tsr = true_skip_probs(args, ids, runs)
+    tsr_by_prompt = true_skip_probs(args, ids, runs)
+    tsr = {name: [p for probs in per for p in probs] for name, per in tsr_by_prompt.items()}
     print("hat-bench cuhlm: embedding responses and references ...", flush=True)
     emb = Embedder()
     refs = [p.reference for p in prompts]
     accuracy = {name: emb.similarity([r["text"] for r in rows], refs).tolist() for name, rows in runs.items()}
-    summary = summarise(args, runs, tsr, accuracy)
+    summary = summarise(args, runs, tsr, accuracy, tsr_by_prompt)
     summary["emulated"] = emulated_summary(args, models["emulated"], summary["tau_slm_s"], summary["tau_llm_s"])
     report = {"settings": {k: v for k, v in vars(args).items() if k != "func"},
               "uncertainty": dataclasses.asdict(base_unc), "prompts": [p.to_json() for p in prompts],
-              "summary": summary, "accuracy_per_prompt": accuracy, "true_skip_probs": tsr, "runs": runs,
+              "summary": summary, "accuracy_per_prompt": accuracy, "true_skip_probs": tsr,
+              "true_skip_probs_per_prompt": tsr_by_prompt, "runs": runs,
               "emulated_runs": models["emulated"], "wall_s": time.perf_counter() - t0}
     write_report(args.out, report)
     note = plot(os.path.splitext(args.out)[0] + ".png", summary)

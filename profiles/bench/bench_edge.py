@@ -4,9 +4,11 @@ The same model and prompt on every backend: torch fp32 (and torch's dynamic int8
 from a hat-export bundle (exported and validated first when missing), and llama.cpp (llama-cpp-python, the model's
 packaged GGUF, built by scripts/install_llamacpp.sh and cached by pip). Each measurement prefills the prompt, then
 decodes --new-tokens tokens one forward at a time, greedy (logits to the host and an argmax, as a draft does); the
-backends take turns for --repeats rounds so drift on a noisy machine spreads over all of them. Reports tokens/s
-(median over rounds), per-token latency mean / P50 / P90, prefill time, each backend's speed relative to llama.cpp,
-and whether its greedy tokens equal torch fp32's. Writes JSON.
+backends take turns for --repeats rounds so drift on a noisy machine spreads over all of them (round r starts at
+backend r mod k, so none always runs first). Reports tokens/s (median over rounds, and the mean over rounds with its
+95 % bootstrap interval and n), per-token latency mean / P50 / P90, prefill time, each backend's speed relative to
+llama.cpp (the ratio of medians, and the mean of the per-round ratios with its interval: paired, both ran in the same
+round), and whether its greedy tokens equal torch fp32's. Writes JSON.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -25,7 +27,7 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, quantize_weights
 from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names
-from profiles.bench.stats import percentile
+from profiles.bench.stats import interval, percentile, rotated
 from profiles.testbed.prompts import validation_prompts
 from profiles.bench.provenance import write_report
 
@@ -152,34 +154,67 @@ def run(args) -> int:
         measure(dec, prompt[:8], 4)
     runs: Dict[str, List[dict]] = {b: [] for b in decoders}
     for r in range(args.repeats):
-        for b, dec in decoders.items():
-            runs[b].append(measure(dec, prompt, args.new_tokens))
+        for b in rotated(list(decoders), r):
+            runs[b].append(measure(decoders[b], prompt, args.new_tokens))
             print(f"  round {r + 1}/{args.repeats} {b:10s} {args.new_tokens / sum(runs[b][-1]['latency_s']):7.1f} "
                   "tok/s", flush=True)
+    report = {"args": vars(args), "prompt_tokens": len(prompt), "cpu": cpu_name(),
+              "backends": summarise(runs, args.new_tokens, {b: dec.info for b, dec in decoders.items()})}
+    write_report(args.out, report)
+    print(format_table(report["backends"]))
+    print(f"hat-bench edge: wrote {args.out}")
+    return 0
+
+
+# -- summary (pure) --------------------------------------------------------------------------------------------
+
+def summarise(runs: Dict[str, List[dict]], new_tokens: int, info: Optional[Dict[str, dict]] = None) -> dict:
+    """{backend: row} of `measure` results per round (round r at index r in every backend's list): tokens/s (median and
+    mean with its interval), latency, prefill, the same tokens as torch fp32, and vs llama.cpp (ratio of medians and
+    the per-round ratios' mean with its interval)."""
     reference = runs.get("torch-fp32", [{}])[0].get("tokens")
-    report = {"args": vars(args), "prompt_tokens": len(prompt), "cpu": cpu_name(), "backends": {}}
+    backends: Dict[str, dict] = {}
     for b, rs in runs.items():
         lat = np.concatenate([r["latency_s"] for r in rs])
-        tps = [args.new_tokens / sum(r["latency_s"]) for r in rs]
-        report["backends"][b] = {
+        tps = [new_tokens / sum(r["latency_s"]) for r in rs]
+        backends[b] = {
             "tokens_per_s": float(np.median(tps)), "tokens_per_s_rounds": tps,
             "latency_mean_ms": 1e3 * float(lat.mean()), "latency_p50_ms": 1e3 * percentile(lat, 50),
             "latency_p90_ms": 1e3 * percentile(lat, 90),
             "prefill_ms": 1e3 * float(np.median([r["prefill_s"] for r in rs])),
             "same_tokens_as_torch_fp32": None if reference is None else rs[0]["tokens"] == reference,
-            **decoders[b].info}
-    if "llamacpp" in report["backends"]:
-        base = report["backends"]["llamacpp"]["tokens_per_s"]
-        for b, row in report["backends"].items():
-            row["vs_llamacpp"] = row["tokens_per_s"] / base
-    write_report(args.out, report)
-    print(f"\n {'backend':10s} {'tok/s':>7s} {'lat mean/P50/P90 ms':>22s} {'prefill ms':>10s} {'vs llama.cpp':>12s} "
-          "same tokens")
-    for b, row in report["backends"].items():
+            **(info or {}).get(b, {})}
+    if "llamacpp" in backends:
+        base = backends["llamacpp"]
+        for row in backends.values():
+            row["vs_llamacpp"] = row["tokens_per_s"] / base["tokens_per_s"]
+    for b, row in backends.items():
+        row["tokens_per_s_ci"] = interval(row["tokens_per_s_rounds"])
+        row["prefill_ms_ci"] = interval([1e3 * r["prefill_s"] for r in runs[b]])
+        if "llamacpp" in backends:  # paired by round: both ran in the same turn of the machine
+            row["vs_llamacpp_ci"] = interval([x / y for x, y in zip(row["tokens_per_s_rounds"],
+                                                                    backends["llamacpp"]["tokens_per_s_rounds"])])
+    return backends
+
+
+def _ci_text(ci: dict, fmt: str) -> str:
+    """As text: "12.3 ± 0.4 (n=3)" (the larger half-width, so the ± never understates), "12.3 (n=1)" without one."""
+    if ci["lo"] is None:
+        return f"{format(ci['mean'], fmt)} (n={ci['n']})"
+    half = max(ci["mean"] - ci["lo"], ci["hi"] - ci["mean"])
+    return f"{format(ci['mean'], fmt)} ± {format(half, fmt)} (n={ci['n']})"
+
+
+def format_table(backends: Dict[str, dict]) -> str:
+    """The printed table: tokens/s (median; mean ± 95 % CI over rounds, n), latency, prefill, vs llama.cpp."""
+    lines = [f"\n {'backend':10s} {'tok/s':>7s} {'mean ± 95% CI':>22s} {'lat mean/P50/P90 ms':>22s} "
+             f"{'prefill ms':>10s} {'vs llama.cpp':>12s} {'per round ± 95% CI':>22s} same tokens"]
+    for b, row in backends.items():
         vs = row.get("vs_llamacpp")
-        print(f" {b:10s} {row['tokens_per_s']:7.1f} {row['latency_mean_ms']:8.1f}{row['latency_p50_ms']:7.1f}"
-              f"{row['latency_p90_ms']:7.1f} {row['prefill_ms']:10.1f} {'-' if vs is None else f'{vs:.2f}x':>12s} "
-              f"{row['same_tokens_as_torch_fp32']}")
-    print(f"hat-bench edge: wrote {args.out}")
-    return 0
+        vs_ci = _ci_text(row["vs_llamacpp_ci"], ".2f") if "vs_llamacpp_ci" in row else "-"
+        lines.append(f" {b:10s} {row['tokens_per_s']:7.1f} {_ci_text(row['tokens_per_s_ci'], '.1f'):>22s} "
+                     f"{row['latency_mean_ms']:8.1f}{row['latency_p50_ms']:7.1f}{row['latency_p90_ms']:7.1f} "
+                     f"{row['prefill_ms']:10.1f} {'-' if vs is None else f'{vs:.2f}x':>12s} {vs_ci:>22s} "
+                     f"{row['same_tokens_as_torch_fp32']}")
+    return "\n".join(lines)
 

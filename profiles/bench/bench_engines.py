@@ -9,11 +9,17 @@ The same held-out HumanEval prompts (token ids fixed once), greedy, the same thr
    both sides on the torch engine and both on llama.cpp — two clouds up at once, the engines taking turns on every
    prompt; over loopback beside them llama.cpp's own speculative decoding (`llama-speculative`, same pair, same γ).
 
+Interleaved: on every prompt every system runs in turn, the order rotated by one per prompt (prompt i starts at system
+i mod k), so drift of the machine and the order itself spread over all of them; llama-bench and llama-speculative are
+a process per turn and take their turn like the others.
+
 llama.cpp's programs are built from the source vendored in the installed llama-cpp-python release
 (`scripts/install_llamacpp.sh --tools`, cached). Decode rates exclude the prompt everywhere (llama.cpp's figures do):
 hatspec's are (tokens − 1) / (time after the first token). Reports tokens/s, acceptance (accepted / drafted), tokens
 per round, and each side's share of a request's time (device compute, cloud compute, the rest: link and overhead);
-the goals of the llama.cpp engine as ratios. Writes JSON and a PNG.
+the goals of the llama.cpp engine as ratios. Medians as before, and beside them ("..._ci", "alone_ci", "goals_ci") the
+mean over prompts (models alone: over rounds × prompts) with its 95 % percentile-bootstrap interval and n; a ratio of
+two systems is the mean of the per-prompt ratios (paired: same prompt, same turn). Writes JSON and a PNG.
 """
 from __future__ import annotations
 
@@ -43,9 +49,11 @@ from profiles.bench.testbed import Testbed
 from profiles.testbed.links import LINK_PROFILES
 from profiles.testbed.prompts import humaneval_prompts
 from profiles.bench.provenance import write_report
+from profiles.bench.stats import interval, rotated
 
 ENGINES = ("torch", "llamacpp")
 LOOPBACK = "loopback"
+LLAMA_BENCH, LLAMA_SPECULATIVE = "llama-bench", "llama-speculative"
 
 
 def add_parser(sub) -> None:
@@ -105,15 +113,18 @@ def models_alone(args, ids: List[List[int]], tools: Optional[Path], engines: Seq
         if "llamacpp" in engines:
             runners[role]["llamacpp"] = LlamaCppLM(gguf_path(name), LlamaCppSettings(n_threads=args.threads))
     rates: Dict[str, Dict[str, List[float]]] = {role: {} for role in runners}
-    for r in range(args.repeats):  # every engine once per round and prompt: drift spreads over all of them
+    for r in range(args.repeats):  # every system once per round and prompt, in rotated turns: drift spreads over all
         for role, name in (("draft", args.draft), ("target", args.target)):
-            for x in ids:
-                for engine, lm in runners[role].items():
-                    rates[role].setdefault(engine, []).append(decode_rate(lm, x, args.max_new_tokens))
-                if tools is not None:
-                    tg, pp = llama_bench_rates(tools, gguf_path(name), args.max_new_tokens, depth, args.threads)
-                    rates[role].setdefault("llama-bench", []).append(tg)
-                    rates[role].setdefault("llama-bench-prompt", []).append(pp)
+            systems = [*runners[role], *([LLAMA_BENCH] if tools is not None else [])]
+            for i, x in enumerate(ids):
+                for system in rotated(systems, r * len(ids) + i):
+                    if system == LLAMA_BENCH:  # decode at the prompts' mean depth, one process per turn
+                        tg, pp = llama_bench_rates(tools, gguf_path(name), args.max_new_tokens, depth, args.threads)
+                        rates[role].setdefault(LLAMA_BENCH, []).append(tg)
+                        rates[role].setdefault("llama-bench-prompt", []).append(pp)
+                    else:
+                        rates[role].setdefault(system, []).append(
+                            decode_rate(runners[role][system], x, args.max_new_tokens))
             print(f"  alone round {r + 1}/{args.repeats} {role}: " + ", ".join(
                 f"{k} {statistics.median(v):.1f}" for k, v in rates[role].items()) + " tok/s", flush=True)
     for role in runners.values():
@@ -163,6 +174,22 @@ def llama_speculative(tools: Path, args, text: str, gamma: int) -> dict:
             "decode_tokens_per_s": got["n"] / got["decode_s"]}
 
 
+def run_label(variant: Optional[Tuple[int, float]]) -> str:
+    return "llm" if variant is None else f"sd_{variant_name(*variant)}"
+
+
+def hybrid_systems(engines: Sequence[str], variants: List[Tuple[int, float]],
+                   speculative: bool) -> List[Tuple[Optional[Tuple[int, float]], str]]:
+    """(variant, engine) of every hybrid run on one prompt: `llm` (variant None) then each sd variant, every engine;
+    after each γ without η llama-speculative where `speculative`. Rotated per prompt by the caller."""
+    out: List[Tuple[Optional[Tuple[int, float]], str]] = []
+    for variant in [None, *variants]:
+        out += [(variant, engine) for engine in engines]
+        if speculative and variant is not None and not variant[1]:
+            out.append((variant, LLAMA_SPECULATIVE))
+    return out
+
+
 def hybrid(args, ids: List[List[int]], texts: List[str], tools: Optional[Path], engines: Sequence[str],
            links: Sequence[str], variants: List[Tuple[int, float]]) -> dict:
     out: Dict[str, Dict[str, List[dict]]] = {}
@@ -179,20 +206,20 @@ def hybrid(args, ids: List[List[int]], texts: List[str], tools: Optional[Path], 
                                     engine=EngineConfig(backend=engine, threads=args.threads))
                 rts[engine] = bed.runtime(config)
                 rts[engine].generate(ids[0], "sd", params, 4)  # warm-up: both processes, the link
+            systems = hybrid_systems(list(rts), variants, link == LOOPBACK and tools is not None)
             for i, x in enumerate(ids):
-                for variant in [None, *variants]:
-                    protocol = "llm" if variant is None else "sd"
-                    label = protocol if variant is None else f"sd_{variant_name(*variant)}"
-                    for engine, rt in rts.items():
-                        if variant is not None:
-                            rt.config = dataclasses.replace(rt.config, draft_len=variant[0],
-                                                            draft_stop_prob=variant[1])
-                        r = rt.generate(x, protocol, params, args.max_new_tokens, seed=0)
-                        gamma, eta = variant or (0, 0.0)
-                        runs.setdefault(f"{engine}/{label}", []).append({**run_entry(r), "gamma": gamma, "eta": eta})
-                    if link == LOOPBACK and tools is not None and variant is not None and not variant[1]:
-                        runs.setdefault(f"llama-speculative/{label}", []).append(
+                for variant, engine in rotated(systems, i):
+                    label = run_label(variant)
+                    if engine == LLAMA_SPECULATIVE:
+                        runs.setdefault(f"{engine}/{label}", []).append(
                             llama_speculative(tools, args, texts[i], variant[0]))
+                        continue
+                    rt = rts[engine]
+                    if variant is not None:
+                        rt.config = dataclasses.replace(rt.config, draft_len=variant[0], draft_stop_prob=variant[1])
+                    r = rt.generate(x, "llm" if variant is None else "sd", params, args.max_new_tokens, seed=0)
+                    gamma, eta = variant or (0, 0.0)
+                    runs.setdefault(f"{engine}/{label}", []).append({**run_entry(r), "gamma": gamma, "eta": eta})
                 print(f"  {link} prompt {i + 1}/{len(ids)}: " + ", ".join(
                     f"{k} {v[-1]['decode_tokens_per_s']:.1f}" for k, v in runs.items()) + " tok/s", flush=True)
         out[link] = runs
@@ -205,11 +232,22 @@ def _median(rows: List[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def ratio_ci(a: Sequence[float], b: Sequence[float]) -> Optional[dict]:
+    """The mean of the paired ratios a_i / b_i (sample i of both from the same prompt and turn) with its interval; None
+    where there is nothing to pair (no samples, different counts) or a baseline sample is zero."""
+    if not a or len(a) != len(b) or not all(b):
+        return None
+    return interval([x / y for x, y in zip(a, b)])
+
+
 def summarise(alone: dict, runs: Dict[str, Dict[str, List[dict]]], n: int) -> dict:
     """Medians of every run (tokens/s with the prompt, and after it), acceptance, tokens per round and shares; the
-    llama.cpp engine's goals as ratios."""
-    rates = {role: {k: statistics.median(v) for k, v in by.items()} for role, by in alone["tokens_per_s"].items()}
-    out: dict = {"alone": rates, "hybrid": {}}
+    llama.cpp engine's goals as ratios. Beside them the means over prompts with their intervals: "alone_ci" (every
+    sample of the models alone), "..._ci" of each hybrid run, "goals_ci" (paired per-prompt ratios)."""
+    samples = alone["tokens_per_s"]
+    rates = {role: {k: statistics.median(v) for k, v in by.items()} for role, by in samples.items()}
+    out: dict = {"alone": rates, "hybrid": {},
+                 "alone_ci": {role: {k: interval(v) for k, v in by.items()} for role, by in samples.items()}}
     for role, r in rates.items():  # llama.cpp's own request: the prompt, then n tokens
         if "llama-bench" in r:
             r["llama-bench-request"] = n / (alone["depth"] / r["llama-bench-prompt"] + n / r["llama-bench"])
@@ -219,7 +257,11 @@ def summarise(alone: dict, runs: Dict[str, Dict[str, List[dict]]], n: int) -> di
             drafted = sum(r.get("drafted", 0) for r in rows)
             entry = {"tokens_per_s": _median(rows, "tokens_per_s"),
                      "decode_tokens_per_s": _median(rows, "decode_tokens_per_s"),
-                     "acceptance": sum(r.get("accepted", 0) for r in rows) / drafted if drafted else None}
+                     "acceptance": sum(r.get("accepted", 0) for r in rows) / drafted if drafted else None,
+                     "tokens_per_s_ci": interval([r["tokens_per_s"] for r in rows]),
+                     "decode_tokens_per_s_ci": interval([r["decode_tokens_per_s"] for r in rows])}
+            if drafted:  # per prompt: that prompt's accepted / drafted
+                entry["acceptance_ci"] = interval([r["accepted"] / r["drafted"] for r in rows if r.get("drafted")])
             if "share" in rows[0]:
                 entry["tokens_per_round"] = sum(r["n"] for r in rows) / max(1, sum(r["rounds"] for r in rows))
                 entry["share"] = {k: statistics.mean(r["share"][k] for r in rows) for k in rows[0]["share"]}
@@ -233,7 +275,15 @@ def summarise(alone: dict, runs: Dict[str, Dict[str, List[dict]]], n: int) -> di
             table[name] = entry
         out["hybrid"][link] = table
     out["goals"] = goals(out)
+    out["goals_ci"] = goals_ci(out, alone, runs)
     return out
+
+
+def _best(table: Dict[str, dict], prefix: str, key: str) -> Tuple[Optional[str], Optional[float]]:
+    """The run under `prefix` with the highest median `key`, and that median."""
+    found = {k: v[key] for k, v in table.items() if k.startswith(prefix)}
+    top = max(found, key=found.get) if found else None
+    return top, found.get(top)
 
 
 def goals(summary: dict) -> dict:
@@ -245,11 +295,6 @@ def goals(summary: dict) -> dict:
     def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
         return a / b if a and b else None
 
-    def best(prefix: str, key: str) -> Tuple[Optional[str], Optional[float]]:
-        found = {k: v[key] for k, v in loop.items() if k.startswith(prefix)}
-        top = max(found, key=found.get) if found else None
-        return top, found.get(top)
-
     llm = loop.get("llamacpp/llm", {})
     out = {"draft_engine_vs_llama_bench (>= 0.9)": ratio(draft.get("llamacpp"), draft.get("llama-bench")),
            "target_engine_vs_llama_bench": ratio(target.get("llamacpp"), target.get("llama-bench")),
@@ -258,12 +303,72 @@ def goals(summary: dict) -> dict:
            "cloud_llm_request_vs_llama_bench_target_request": ratio(llm.get("tokens_per_s"),
                                                                      target.get("llama-bench-request"))}
     for key, what in (("tokens_per_s", "request"), ("decode_tokens_per_s", "decode")):
-        sd, sd_rate = best("llamacpp/sd_", key)
-        spec, spec_rate = best("llama-speculative/", key)
+        sd, sd_rate = _best(loop, "llamacpp/sd_", key)
+        spec, spec_rate = _best(loop, f"{LLAMA_SPECULATIVE}/", key)
         out[f"best_sd_{what}"] = sd
         out[f"best_sd_vs_best_llama_speculative_{what} (>= 1.0)"] = ratio(sd_rate, spec_rate)
         out[f"best_sd_vs_llamacpp_llm_{what} (>= 1.5)"] = ratio(sd_rate, llm.get(key))
     return out
+
+
+def goals_ci(summary: dict, alone: dict, runs: Dict[str, Dict[str, List[dict]]]) -> dict:
+    """The goals' ratios as means of paired per-sample ratios with their intervals (same keys as `goals`' ratios): an
+    engine alone against llama-bench per round and prompt (they took turns), a hybrid run against another per prompt
+    over loopback (the best runs `goals` chose). None where the samples are not paired: the hybrid `llm` against
+    llama-bench alone (different phases), or a side not run."""
+    samples = alone["tokens_per_s"]
+    target, draft = samples.get("target", {}), samples.get("draft", {})
+    loop, chosen = runs.get(LOOPBACK, {}), summary["hybrid"].get(LOOPBACK, {})
+
+    def paired(a: Optional[str], b: Optional[str], key: str) -> Optional[dict]:
+        if a not in loop or b not in loop:
+            return None
+        return ratio_ci([r[key] for r in loop[a]], [r[key] for r in loop[b]])
+
+    out = {"draft_engine_vs_llama_bench (>= 0.9)": ratio_ci(draft.get("llamacpp", []), draft.get(LLAMA_BENCH, [])),
+           "target_engine_vs_llama_bench": ratio_ci(target.get("llamacpp", []), target.get(LLAMA_BENCH, [])),
+           "cloud_llm_decode_vs_llama_bench_target (>= 0.9)": None,
+           "cloud_llm_request_vs_llama_bench_target_request": None}
+    for key, what in (("tokens_per_s", "request"), ("decode_tokens_per_s", "decode")):
+        sd, _ = _best(chosen, "llamacpp/sd_", key)
+        spec, _ = _best(chosen, f"{LLAMA_SPECULATIVE}/", key)
+        out[f"best_sd_vs_best_llama_speculative_{what} (>= 1.0)"] = paired(sd, spec, key)
+        out[f"best_sd_vs_llamacpp_llm_{what} (>= 1.5)"] = paired(sd, "llamacpp/llm", key)
+    return out
+
+
+def _ci_text(ci: Optional[dict], digits: int = 2) -> str:
+    """As text: "1.23 ± 0.05 (n=3)" (the larger half-width, so the ± never understates), "1.23 (n=1)", or "-"."""
+    if not ci or ci["mean"] is None:
+        return "-"
+    if ci["lo"] is None:
+        return f"{ci['mean']:.{digits}f} (n={ci['n']})"
+    return f"{ci['mean']:.{digits}f} ± {max(ci['mean'] - ci['lo'], ci['hi'] - ci['mean']):.{digits}f} (n={ci['n']})"
+
+
+def format_table(summary: dict) -> str:
+    """The headline figures as printed: medians, and means with their 95 % intervals and n."""
+    def num(x: Optional[float], fmt: str = ".1f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = ["\n models alone: decode tokens/s, median and mean ± 95% CI (n = rounds × prompts)"]
+    for role, by in summary["alone_ci"].items():
+        lines += [f"  {role:6s} {k:20s} {num(summary['alone'][role][k]):>8s}  {_ci_text(v, 1)}" for k, v in by.items()]
+    for link, table in summary["hybrid"].items():
+        lines.append(f"  {'hybrid over ' + link:26s} {'tok/s: median, mean ± 95% CI':>32s} "
+                     f"{'decode tok/s: the same':>32s} {'acceptance':>28s}")
+        for name, e in table.items():
+            acc = _ci_text(e.get("acceptance_ci"), 2) if "acceptance_ci" in e else num(e["acceptance"], ".2f")
+            lines.append(f"  {name:26s} {num(e['tokens_per_s']):>7s} {_ci_text(e['tokens_per_s_ci'], 1):>24s} "
+                         f"{num(e['decode_tokens_per_s']):>7s} {_ci_text(e['decode_tokens_per_s_ci'], 1):>24s} "
+                         f"{acc:>28s}")
+    lines.append(" goals: ratio of medians, and the mean of paired per-prompt ratios ± 95% CI")
+    for key, v in summary["goals"].items():
+        if key in summary["goals_ci"]:
+            lines.append(f"  {key:56s} {num(v, '.2f'):>6s}  {_ci_text(summary['goals_ci'][key])}")
+        else:
+            lines.append(f"  {key:56s} {v or '-'}")
+    return "\n".join(lines)
 
 
 def figure(summary: dict, path: str) -> str:
@@ -313,5 +418,6 @@ def run(args) -> int:
     write_report(args.out, report)
     note = figure(summary, os.path.splitext(args.out)[0] + ".png")
     print(json.dumps(summary, indent=1))
+    print(format_table(summary))
     print(f"hat-bench engines: report saved to {args.out}" + (f" ({note})" if note else ""))
     return 0

@@ -7,7 +7,8 @@ Rows (protocol, prompt chunking, parallel drafting), as Table 5:
   with `--draft-vocab N`, "HAT vNk": HAT drafting over the adapter's N most frequent tokens (beyond the paper).
 Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
 Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
-interleaved prompt by prompt so that drift of the machine hits every row alike. The link emulator shapes both
+interleaved prompt by prompt, the order of the rows (and backends) rotating by one per prompt (bench_cuhlm.rotated), so
+that drift of the machine hits every row alike. The link emulator shapes both
 directions to the named profile. A warm-up request per link gives the cloud's delay model and the device's link
 estimates their first observations, as a running fleet has.
 
@@ -24,6 +25,8 @@ Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time /
 U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
 token, prompt chunks, parallel-drafting hits; whether each request's tokens equal U-shape's (greedy: they must, up to
 float ties); Table 4: accept length, trained parameters of Λ, decode speedup (TBT of U-shape / TBT of +SD).
+Beside each mean, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n (bench_cuhlm.
+interval); changes against U-shape and the decode speedup take the per-prompt ratio on the same prompt (paired).
 `--backends torch,onnxruntime:int8,...` runs the device's parts on several backends side by side (a hat-export
 `--bundle` of the same model and Λ for onnxruntime / TensorRT), interleaved prompt by prompt, one table per link and
 backend. Writes JSON and a PNG beside it.
@@ -35,7 +38,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -44,6 +47,7 @@ from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.lm import wait_passively
 from profiles.bench.bench_args import adapter_dir, names
+from profiles.bench.stats import ci_text, interval, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
 from profiles.device.device_profiles import cloud_gpus, get_profile, speed_ratio
 from profiles.testbed.links import get_link_profile
@@ -138,8 +142,18 @@ def _request_row(r) -> dict:
     return row
 
 
+def _change(ci: dict) -> dict:
+    """A ratio's interval as a change: ratio - 1."""
+    return {k: (v - 1.0 if v is not None and k != "n" else v) for k, v in ci.items()}
+
+
+def _decode_rate(rows: List[dict], key: str) -> List[Optional[float]]:
+    """Per request: row[key] per decode round (the prefill round gives the first token), None with no decode round."""
+    return [r[key] / (r["rounds"] - 1) if r["rounds"] > 1 else None for r in rows]
+
+
 def summarise(runs: Dict[str, List[dict]]) -> dict:
-    """Per row: means over requests, and changes against U-shape where it ran."""
+    """Per row: means over requests, and changes against U-shape where it ran; `<key>_ci` beside them."""
     out: dict = {}
     for name, rows in runs.items():
         rounds = sum(r["rounds"] for r in rows)
@@ -153,9 +167,19 @@ def summarise(runs: Dict[str, List[dict]]) -> dict:
              "down_bytes_per_token": sum(r["down_bytes"] for r in rows) / max(n, 1),
              "prefill_chunks": float(np.mean([r["prefill_chunks"] for r in rows])),
              "cloud_compute_s": float(np.mean([r["cloud_compute_s"] for r in rows])),
-             "device_compute_s": float(np.mean([r["device_compute_s"] for r in rows]))}
+             "device_compute_s": float(np.mean([r["device_compute_s"] for r in rows])),
+             "n_requests": len(rows),
+             "ttft_s_ci": interval([r["ttft_s"] for r in rows]),
+             "tbt_s_ci": interval([r["tbt_s"] for r in rows]),
+             "tokens_per_round_ci": interval([(r["n_tokens"] - 1) / (r["rounds"] - 1) if r["rounds"] > 1 else None
+                                              for r in rows]),
+             "up_bytes_per_token_ci": interval([r["up_bytes"] / r["n_tokens"] if r["n_tokens"] else None
+                                                for r in rows]),
+             "down_bytes_per_token_ci": interval([r["down_bytes"] / r["n_tokens"] if r["n_tokens"] else None
+                                                  for r in rows])}
         if any(r["drafted"] for r in rows):
             s["accept_length"] = sum(r["accepted"] for r in rows) / max(decode_rounds, 1)
+            s["accept_length_ci"] = interval(_decode_rate(rows, "accepted"))
             s["drafts_per_round"] = sum(r["drafted"] for r in rows) / max(decode_rounds, 1)
             s["pd_hit_rate"] = sum(r["pd_hits"] for r in rows) / max(decode_rounds, 1)
             s["pd_steps_per_round"] = sum(r["pd_steps"] for r in rows) / max(decode_rounds, 1)
@@ -165,6 +189,9 @@ def summarise(runs: Dict[str, List[dict]]) -> dict:
         for name, s in out.items():
             s["ttft_change"] = s["ttft_s"] / base["ttft_s"] - 1.0
             s["tbt_change"] = s["tbt_s"] / base["tbt_s"] - 1.0
+            for key in ("ttft", "tbt"):  # per prompt: this row's over U-shape's on the same prompt
+                s[f"{key}_change_ci"] = _change(paired_ratio([r[f"{key}_s"] for r in runs[name]],
+                                                             [r[f"{key}_s"] for r in runs["U-shape"]]))
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs[name], runs["U-shape"]))
             s["same_tokens_as_ushape"] = f"{same}/{len(runs[name])}"
     return out
@@ -243,18 +270,19 @@ def run(args) -> int:
                             rt.config = dataclasses.replace(rt.config, split=hat_split)
                             rt.generate(ids[0], "hat", params, 16, seed=args.seed)
                     runs: Dict[str, Dict[str, List[dict]]] = {b: {v: [] for v in variants} for b in rts}
+                    systems = [(label, v) for label in rts for v in variants]
                     for i, x in enumerate(ids[1:]):
-                        for label, rt in rts.items():
-                            for v in variants:
-                                protocol, fields = rows[v]
-                                rt.config = dataclasses.replace(rt.config, split=dataclasses.replace(base, **fields))
-                                r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
-                                runs[label][v].append(_request_row(r))
-                                row = runs[label][v][-1]
-                                print(f"  {link.name} {label} prompt {i + 1}/{args.prompts} ({len(x)} tok) {v:9s}: "
-                                      f"TTFT {row['ttft_s'] * 1e3:7.1f} ms, TBT {row['tbt_s'] * 1e3:6.1f} ms, {r.n} "
-                                      f"tokens, {r.prefill_chunks} chunk(s), accepted {r.accepted}/{r.drafted} in "
-                                      f"{r.rounds} rounds", flush=True)
+                        for label, v in rotated(systems, i):
+                            rt = rts[label]
+                            protocol, fields = rows[v]
+                            rt.config = dataclasses.replace(rt.config, split=dataclasses.replace(base, **fields))
+                            r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed + i)
+                            runs[label][v].append(_request_row(r))
+                            row = runs[label][v][-1]
+                            print(f"  {link.name} {label} prompt {i + 1}/{args.prompts} ({len(x)} tok) {v:9s}: "
+                                  f"TTFT {row['ttft_s'] * 1e3:7.1f} ms, TBT {row['tbt_s'] * 1e3:6.1f} ms, {r.n} "
+                                  f"tokens, {r.prefill_chunks} chunk(s), accepted {r.accepted}/{r.drafted} in "
+                                  f"{r.rounds} rounds", flush=True)
             for label, by_variant in runs.items():
                 key = link.name if len(runs) == 1 else f"{link.name} {label}"
                 report["links"][key] = {"profile": dataclasses.asdict(link), "backend": label, "runs": by_variant}
@@ -275,13 +303,18 @@ def run(args) -> int:
 
 
 def table4(report: dict) -> dict:
-    """Per link: accept length and decode speedup of +SD over U-shape, with Λ's trained parameters."""
+    """Per link: accept length and decode speedup of +SD over U-shape, with Λ's trained parameters; the speedup's
+    interval from the per-prompt ratios (U-shape's TBT over +SD's on the same prompt)."""
     out = {}
     for link, t in report["tables"].items():
         if "+SD" in t and "U-shape" in t and report["trained_parameters"]:
+            runs = report["links"][link]["runs"]
             out[link] = {"accept_length": t["+SD"]["accept_length"], "tokens_per_round": t["+SD"]["tokens_per_round"],
                          "decode_speedup": t["U-shape"]["tbt_s"] / t["+SD"]["tbt_s"],
-                         "trained_parameters": report["trained_parameters"]}
+                         "trained_parameters": report["trained_parameters"],
+                         "accept_length_ci": t["+SD"].get("accept_length_ci"),
+                         "decode_speedup_ci": paired_ratio([r["tbt_s"] for r in runs["U-shape"]],
+                                                           [r["tbt_s"] for r in runs["+SD"]])}
     return out
 
 
@@ -290,18 +323,22 @@ def print_tables(report: dict) -> None:
     for link, t in report["tables"].items():
         print(f"\n[{link}] prompts {report['prompts']['tokens']} tokens; device emulated {d['slowdown']:.2f}x slower "
               f"than the cloud ({d['source']}); {cores_text(d)}")
-        print(f"  {'row':9s} {'TTFT ms':>8s} {'Δ':>6s} {'TBT ms':>7s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
+        n = sorted({s["n_requests"] for s in t.values()})
+        print(f"  TTFT, TBT: mean over n = {'/'.join(map(str, n))} requests ± 95 % bootstrap interval")
+        print(f"  {'row':9s} {'TTFT ms':>16s} {'Δ':>6s} {'TBT ms':>14s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
               f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
         for name, s in t.items():
-            print(f"  {name:9s} {s['ttft_s'] * 1e3:8.1f} {100 * s.get('ttft_change', 0):+5.0f}% "
-                  f"{s['tbt_s'] * 1e3:7.1f} {100 * s.get('tbt_change', 0):+5.0f}% {s.get('accept_length', 0):6.2f} "
+            print(f"  {name:9s} {ci_text(s['ttft_s_ci'], '{:.1f}', 1e3, with_n=False):>16s} "
+                  f"{100 * s.get('ttft_change', 0):+5.0f}% {ci_text(s['tbt_s_ci'], '{:.1f}', 1e3, with_n=False):>14s} "
+                  f"{100 * s.get('tbt_change', 0):+5.0f}% {s.get('accept_length', 0):6.2f} "
                   f"{s['tokens_per_round']:6.2f} "
                   f"{s['up_bytes_per_token']:9.0f} {s['prefill_chunks']:6.1f} {s.get('pd_hit_rate', 0):6.2f} "
                   f"{s.get('same_tokens_as_ushape', '')}")
     for link, row in report["table4"].items():
         print(f"[Table 4, {link}] accept length {row['accept_length']:.2f}, "
               f"tokens/round {row['tokens_per_round']:.2f}, "
-              f"decode speedup {row['decode_speedup']:.2f}x, trained parameters {row['trained_parameters']:,}")
+              f"decode speedup {row['decode_speedup']:.2f}x (per prompt {ci_text(row['decode_speedup_ci'])}), "
+              f"trained parameters {row['trained_parameters']:,}")
 
 
 def plot(path: str, tables: dict) -> str:

@@ -8,6 +8,10 @@
   4. encode + decode time of one 151,936-token distribution per support (K = V, top-K, conformal).
 The emulated uplink switches between its two rates on a discrete-time Markov chain (`--markov-step-s`); the cloud
 measures the rate each Verify saw and reports it back, which is what the adaptive policies read.
+Per temperature every method runs on every prompt, the methods in turn per prompt, the order rotating by one per prompt
+(bench_cuhlm.rotated), so the Markov link's state and a drift of the machine fall on every method alike. Beside each
+pooled figure, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n;
+`tokens_per_s_vs_llm_ci` is the per-prompt speedup over `llm` on the same prompt (bench_cuhlm.interval, paired_ratio).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import json
 import os
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -25,6 +29,7 @@ from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
 from hat_split.wire import dist_codec
 from hat_split.wire.sqs import ConformalThreshold, LatticeWire
+from profiles.bench.stats import ci_text, interval, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
 from profiles.testbed.links import LinkProfile
 from profiles.testbed.prompts import evaluation_prompts
@@ -94,7 +99,8 @@ def _regimes(text: str) -> Dict[str, tuple]:
     return out
 
 
-def _run_method(rt, method, ids, params, args, base) -> list:
+def _configure(rt, method, args, base) -> str:
+    """Set `rt`'s config for `method`; its protocol."""
     protocol = {"llm": "llm", "slm": "slm", "sq": "sq", "ksqs": "ksqs", "csqs": "csqs"}.get(method, "qs")
     qs = {"qs_heuristic": dataclasses.replace(base, policy="heuristic"),
           "qs_dqn": dataclasses.replace(base, policy="dqn", policy_file=args.policy_file),
@@ -102,15 +108,37 @@ def _run_method(rt, method, ids, params, args, base) -> list:
           "csqs": dataclasses.replace(base, budget_bits=args.budget_bits)}.get(method, base)
     draft_len = args.max_len if method in SPARSE else args.draft_len
     rt.config = dataclasses.replace(rt.config, qs=qs, draft_len=draft_len)
-    rows = []
+    return protocol
+
+
+def _run_methods(rt, methods, ids, params, args, base) -> Dict[str, list]:
+    """Every method on every prompt, the methods in turn per prompt in `rotated` order; rows in prompt order."""
+    runs: Dict[str, list] = {m: [None] * len(ids) for m in methods}
     for i, x in enumerate(ids):
-        r = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed * 1000 + i)
-        rows.append(r.to_json())
-    s = _summary(rows)
-    print(f"  {method:13s} T={params.temperature:g}: {s['tokens_per_s']:.2f} tok/s, "
-          f"resampling {s['resampling_rate']:.2f}"
-          f", {s.get('payload_bits_per_draft', 0):.0f} bits/draft", flush=True)
-    return rows
+        for method in rotated(methods, i):
+            protocol = _configure(rt, method, args, base)
+            runs[method][i] = rt.generate(x, protocol, params, args.max_new_tokens, seed=args.seed * 1000 + i).to_json()
+    for method, rows in runs.items():
+        s = _summary(rows)
+        print(f"  {method:13s} T={params.temperature:g}: {ci_text(s['tokens_per_s_ci'])} tok/s, "
+              f"resampling {s['resampling_rate']:.2f}"
+              f", {s.get('payload_bits_per_draft', 0):.0f} bits/draft", flush=True)
+    return runs
+
+
+def _per(rows: list, num, den) -> list:
+    """Per request: num(row) / den(row), None where den(row) is 0."""
+    return [num(r) / den(r) if den(r) else None for r in rows]
+
+
+def _rates(rows: list) -> list:
+    """Per request: tokens/s."""
+    return _per(rows, lambda r: r["n_tokens"], lambda r: r["total_s"])
+
+
+def _drafts(row: dict) -> int:
+    """Draft tokens sent in one request's rounds."""
+    return sum(g["L"] for g in row["round_log"])
 
 
 def _summary(rows: list) -> dict:
@@ -121,7 +149,12 @@ def _summary(rows: list) -> dict:
     out = {"tokens_per_s": n / secs if secs else 0.0, "latency_per_token_s": secs / max(n, 1),
            "latency_per_round_s": secs / max(rounds, 1), "rounds": rounds,
            "resampling_rate": sum(r["rejected"] for r in rows) / max(rounds, 1),
-           "accepted_per_round": sum(r["accepted"] for r in rows) / max(rounds, 1)}
+           "accepted_per_round": sum(r["accepted"] for r in rows) / max(rounds, 1),
+           "tokens_per_s_ci": interval(_rates(rows)),
+           "latency_per_token_s_ci": interval(_per(rows, lambda r: r["total_s"], lambda r: r["n_tokens"])),
+           "latency_per_round_s_ci": interval(_per(rows, lambda r: r["total_s"], lambda r: r["rounds"])),
+           "resampling_rate_ci": interval(_per(rows, lambda r: r["rejected"], lambda r: r["rounds"])),
+           "accepted_per_round_ci": interval(_per(rows, lambda r: r["accepted"], lambda r: r["rounds"]))}
     if logs:
         drafts = sum(g["L"] for g in logs)
         out.update(
@@ -134,6 +167,20 @@ def _summary(rows: list) -> dict:
         kept = [d for g in logs for d in g["dropped"][: min(g["accepted"] + 1, g["L"])]]
         out["mean_dropped_mass"] = float(np.mean(kept)) if kept else 0.0
         out["settled_rows"] = len(kept)
+        out["payload_bits_per_draft_ci"] = interval(
+            _per(rows, lambda r: sum(g["payload_bits"] for g in r["round_log"]), _drafts))
+        out["frame_bits_per_draft_ci"] = interval(_per(rows, lambda r: 8 * sum(r["round_up_bytes"]), _drafts))
+    return out
+
+
+def summarise(runs: Dict[str, list], llm: Optional[list] = None) -> Dict[str, dict]:
+    """Per method: `_summary`, and `tokens_per_s_vs_llm_ci` (per-prompt tokens/s over `llm`'s on the same prompt)
+    where `llm` ran: runs["llm"] unless given."""
+    base = llm if llm is not None else runs.get("llm")
+    out = {m: _summary(rows) for m, rows in runs.items()}
+    if base is not None:
+        for m, rows in runs.items():
+            out[m]["tokens_per_s_vs_llm_ci"] = paired_ratio(_rates(rows), _rates(base))
     return out
 
 
@@ -192,13 +239,13 @@ def run(args) -> int:
                     ids = [rt.encode_prompt(p.text, p.chat) for p in prompts]
                     rt.generate(ids[0], "qs", SamplingParams(1.0), 2, seed=0)  # warm-up
                     fig4: dict = {}
+                    dense = [m for m in methods if m not in SPARSE]
+                    sparse = list(SPARSE) if r_i == 0 else []  # SQS Fig. 2: the first (low-rate) regime
                     for temp in temps:
-                        params = SamplingParams(temp)
-                        fig4[f"{temp:g}"] = {m: _run_method(rt, m, ids, params, args, base)
-                                             for m in methods if m not in SPARSE}
-                        if r_i == 0:  # SQS Fig. 2: the sparse schemes in the first (low-rate) regime
-                            report["sqs"][f"{temp:g}"] = {m: _run_method(rt, m, ids, params, args, base)
-                                                          for m in SPARSE}
+                        runs = _run_methods(rt, dense + sparse, ids, SamplingParams(temp), args, base)
+                        fig4[f"{temp:g}"] = {m: runs[m] for m in dense}
+                        if sparse:
+                            report["sqs"][f"{temp:g}"] = {m: runs[m] for m in sparse}
                 markov.stop.set()
                 markov.join()
             report["fig4"][regime] = {"rates_bps": rates, "switches": len(markov.log) - 1, "runs": fig4}
@@ -206,10 +253,10 @@ def run(args) -> int:
     th = ConformalThreshold(base.alpha, base.eta, base.beta)
     report["tables"] = tables = {"fig4": {}, "sqs": {}}
     for regime, block in report["fig4"].items():
-        tables["fig4"][regime] = {t: {m: _summary(rows) for m, rows in runs.items()}
-                                  for t, runs in block["runs"].items()}
+        tables["fig4"][regime] = {t: summarise(runs) for t, runs in block["runs"].items()}
+    first = next(iter(report["fig4"].values()), {"runs": {}})["runs"]  # the regime the sparse schemes ran in
     for t, runs in report["sqs"].items():
-        tables["sqs"][t] = {m: _summary(rows) for m, rows in runs.items()}
+        tables["sqs"][t] = summarise(runs, first.get(t, {}).get("llm"))
         cs = tables["sqs"][t].get("csqs")
         if cs:
             cs["eq9_bound"] = th.mean_dropped_bound(cs["settled_rows"])
@@ -222,18 +269,22 @@ def run(args) -> int:
 
 def _print_tables(tables: dict) -> None:
     for regime, by_t in tables["fig4"].items():
-        print(f"\n[{regime} rate] tokens/s (mean L, ℓ; measured uplink kbit/s)")
+        print(f"\n[{regime} rate] tokens/s, mean over requests ± 95 % interval (n); per-prompt speedup over llm "
+              "(mean L, ℓ; measured uplink kbit/s)")
         for t, by_m in by_t.items():
-            cells = [f"{m} {s['tokens_per_s']:.2f}" + (f" (L {s['mean_L']:.1f}, ℓ {s['mean_ell']:.0f}; "
-                                                        f"{s['measured_uplink_bps'] / 1e3:.0f})"
-                                                        if "mean_L" in s else "")
+            cells = [f"{m} {ci_text(s['tokens_per_s_ci'])}"
+                     + (f"; {ci_text(s['tokens_per_s_vs_llm_ci'], with_n=False)}x" if m != "llm"
+                        and s.get("tokens_per_s_vs_llm_ci") else "")
+                     + (f" (L {s['mean_L']:.1f}, ℓ {s['mean_ell']:.0f}; {s['measured_uplink_bps'] / 1e3:.0f})"
+                        if "mean_L" in s else "")
                      for m, s in by_m.items()]
             print(f"  T={t}: " + " | ".join(cells))
-    print("\n[ksqs / csqs] latency/token s, latency/round s, resampling rate, bits/draft (formula, payload, frame)")
+    print("\n[ksqs / csqs] latency/token s (mean over requests ± 95 % interval (n)), latency/round s, resampling "
+          "rate, bits/draft (formula, payload, frame)")
     for t, by_m in tables["sqs"].items():
         for m, s in by_m.items():
             extra = (f", dropped {s['mean_dropped_mass']:.5f} <= eq.9 {s['eq9_bound']:.4f}" if "eq9_bound" in s else "")
-            print(f"  T={t} {m}: {s['latency_per_token_s']:.3f}, {s['latency_per_round_s']:.3f}, "
+            print(f"  T={t} {m}: {ci_text(s['latency_per_token_s_ci'], '{:.3f}')}, {s['latency_per_round_s']:.3f}, "
                   f"{s['resampling_rate']:.2f}, ({s['formula_bits_per_draft']:.0f}, {s['payload_bits_per_draft']:.0f}, "
                   f"{s['frame_bits_per_draft']:.0f}), K {s['mean_k']:.1f}, L {s['mean_L']:.1f}" + extra)
 

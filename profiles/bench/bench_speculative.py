@@ -38,7 +38,7 @@ from hat_split.models.chat import encode
 from hat_split.models.loading import load_tokenizer, resolve_dtype
 from profiles.bench.bench_args import parse_variants, variant_name
 from profiles.bench.provenance import write_report
-from profiles.bench.stats import bootstrap_ci
+from profiles.bench.stats import paired_ratio, rotated
 from profiles.bench.testbed import Testbed
 from profiles.testbed.prompts import calibration_prompts, evaluation_prompts
 
@@ -131,7 +131,7 @@ def _interleaved(rt, names: List[str], prompts: List[List[int]], variants_by_nam
     """Every system on every prompt, the systems in turn per prompt, the order rotating by one per prompt."""
     rows: Dict[str, list] = {n: [None] * len(prompts) for n in names}
     for i, ids in enumerate(prompts):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in rotated(names, i):
             r = _run_one(rt, name, ids, variants_by_name, max_new_tokens)
             rows[name][i] = r.to_json()
             print(f"  {label} {name:22s} prompt {i + 1}/{len(prompts)}: {r.n} tokens in {r.total_s:.2f} s, "
@@ -157,9 +157,10 @@ def choose(tuning: Dict[str, list]) -> Optional[str]:
 def ratio_ci(rows: List[dict], base: List[dict]) -> dict:
     """Per-prompt speedup (tokens/s over the baseline's on the same prompt): mean, 95 % bootstrap interval, n; and the
     aggregate ratio (all tokens over all time)."""
-    ratios = [(len(r["tokens"]) / r["total_s"]) / (len(b["tokens"]) / b["total_s"]) for r, b in zip(rows, base)]
-    m, lo, hi = bootstrap_ci(ratios)
-    return {"mean": m, "lo": lo, "hi": hi, "n": len(ratios), "aggregate": _rate(rows) / _rate(base)}
+    def rates(rs: List[dict]) -> List[float]:
+        return [len(r["tokens"]) / r["total_s"] for r in rs]
+
+    return {**paired_ratio(rates(rows), rates(base)), "aggregate": _rate(rows) / _rate(base)}
 
 
 def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]], chosen: Optional[str] = None) -> dict:

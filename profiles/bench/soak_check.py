@@ -1,5 +1,8 @@
 """`hat-bench soak`'s verdicts: every answer against the model's greedy continuation, the summary of a run, its
-printed table and its figure (pure: no processes, no models; profiles.bench.soak runs the soak)."""
+printed table and its figure (pure: no processes, no models; profiles.bench.soak runs the soak).
+
+Latencies are summarised over requests: P50 / P90 / P99, and the mean with its 95 % bootstrap interval and n (each
+"<key>_ci" beside its "<key>": {"mean", "lo", "hi", "n"}, lo and hi None below two requests)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
@@ -7,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
-from profiles.bench.stats import percentiles
+from profiles.bench.stats import interval, percentiles
 
 NEAR_TIE = 0.01  # logits: a reference whose top two are this close may flip with float rounding (batched vs alone)
 
@@ -69,16 +72,21 @@ def latencies(done: List[dict]) -> tuple:
     return ttft, tbt
 
 
+def latency_entries(key: str, values: Sequence[float]) -> dict:
+    """{key: percentiles, key + "_ci": the mean's interval} of one latency over requests."""
+    return {key: percentiles(values), f"{key}_ci": interval(values)}
+
+
 def hostile_sides(records: List[dict]) -> dict:
     """The well-behaved devices' answers without and with the hostile device on (by arrival): completed, lost, TTFT
-    and TBT percentiles; and the P99 TTFT ratio (with / without)."""
+    and TBT percentiles and mean intervals; and the P99 TTFT ratio (with / without)."""
     out: Dict[str, Any] = {}
     for side, on in (("without", False), ("with", True)):
         mine = [r for r in records if r.get("hostile_on") == on]
         done = [r for r in mine if r["verdict"]["completed"]]
         ttft, tbt = latencies(done)
         out[side] = {"requests": len(mine), "completed": len(done), "lost": len(mine) - len(done),
-                     "ttft_s": percentiles(ttft), "tbt_s": percentiles(tbt)}
+                     **latency_entries("ttft_s", ttft), **latency_entries("tbt_s", tbt)}
     p99 = [out[s]["ttft_s"]["p99"] for s in ("without", "with")]
     out["p99_ttft_ratio"] = p99[1] / p99[0] if None not in p99 and p99[0] else None
     return out
@@ -112,12 +120,14 @@ def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_en
         "cuts": len(cuts), "cuts_long": sum(c["long"] for c in cuts),
         "cuts_by_mode": {m: sum(c["mode"] == m for c in cuts) for m in ("reset", "stall")},
         "cuts_during_a_request": sum(c["busy"] for c in cuts),
-        "ttft_s": percentiles(ttft), "tbt_s": percentiles(tbt),
-        "queue_s": percentiles([r["verdict"]["queue_s"] for r in done]),  # waiting behind the device's earlier request
-        "ttft_after_queue_s": percentiles([r["response"]["times"][0] - r["verdict"]["queue_s"] for r in done
-                                    if r["response"]["times"]]),
-        "ttft_s_interrupted": percentiles([r["response"]["times"][0] for r in hit if r["response"]["times"]]),
-        "ttft_s_uninterrupted": percentiles([r["response"]["times"][0] for r in calm if r["response"]["times"]]),
+        **latency_entries("ttft_s", ttft), **latency_entries("tbt_s", tbt),
+        # waiting behind the device's earlier request
+        **latency_entries("queue_s", [r["verdict"]["queue_s"] for r in done]),
+        **latency_entries("ttft_after_queue_s", [r["response"]["times"][0] - r["verdict"]["queue_s"] for r in done
+                                                 if r["response"]["times"]]),
+        **latency_entries("ttft_s_interrupted", [r["response"]["times"][0] for r in hit if r["response"]["times"]]),
+        **latency_entries("ttft_s_uninterrupted", [r["response"]["times"][0] for r in calm
+                                                   if r["response"]["times"]]),
         "by_protocol": {p: sum(r["protocol"] == p for r in done) for p in sorted({r["protocol"] for r in records})},
         "by_policy": {p: {"completed": sum(r["policy"] == p for r in done),
                           "exact": sum(r["policy"] == p and r["verdict"]["reference"]["match"] == "exact"
@@ -142,6 +152,16 @@ def _f(x: Optional[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
     return "-" if x is None else fmt.format(x * scale)
 
 
+def _interval(ci: Optional[dict], scale: float = 1e3) -> str:
+    """The mean and its interval in ms: "123 ± 4" (the larger half-width, so the ± never understates an asymmetric
+    interval), "123" with one value, "-" with none."""
+    if not ci or ci["mean"] is None:
+        return "-"
+    if ci["lo"] is None:
+        return _f(ci["mean"], scale)
+    return f"{_f(ci['mean'], scale)} ± {_f(max(ci['mean'] - ci['lo'], ci['hi'] - ci['mean']), scale)}"
+
+
 def print_summary(report: dict) -> None:
     s = report["summary"]
     print(f"\n requests {s['requests']}: completed {s['completed']}, lost {s['lost']}, duplicated {s['duplicated']}, "
@@ -157,8 +177,8 @@ def print_summary(report: dict) -> None:
           f"({s['interruptions']} drops), degraded {s['degraded_requests']} ({s['degraded_tokens']} tokens)")
     for key in ("ttft_s", "queue_s", "ttft_after_queue_s", "ttft_s_uninterrupted", "ttft_s_interrupted", "tbt_s"):
         v = s[key]
-        print(f" {key:22s} mean {_f(v['mean'])} P50 {_f(v['p50'])} P90 {_f(v['p90'])} P99 {_f(v['p99'])} ms "
-              f"(n={v['n']})")
+        print(f" {key:22s} mean {_interval(s.get(f'{key}_ci')):>11s} (95% CI) P50 {_f(v['p50'])} P90 {_f(v['p90'])} "
+              f"P99 {_f(v['p99'])} ms (n={v['n']})")
     for name, m in s["memory"].items():
         print(f" RSS {name:8s} first {m['first_mb']:.0f} MB, last {m['last_mb']:.0f}, max {m['max_mb']:.0f}; slope "
               f"{_f(m['slope_mb_per_min'], 1, '{:+.2f}')} MB/min (second half "
@@ -168,8 +188,9 @@ def print_summary(report: dict) -> None:
         for side in ("without", "with"):
             h = hostile[side]
             print(f" {side} the hostile device: {h['completed']} of {h['requests']} answered (lost {h['lost']}); "
-                  f"TTFT P50 {_f(h['ttft_s']['p50'])} P99 {_f(h['ttft_s']['p99'])} ms, TBT P50 "
-                  f"{_f(h['tbt_s']['p50'])} P99 {_f(h['tbt_s']['p99'])} ms")
+                  f"TTFT mean {_interval(h.get('ttft_s_ci'))} P50 {_f(h['ttft_s']['p50'])} P99 "
+                  f"{_f(h['ttft_s']['p99'])} ms, TBT mean {_interval(h.get('tbt_s_ci'))} P50 {_f(h['tbt_s']['p50'])} "
+                  f"P99 {_f(h['tbt_s']['p99'])} ms (n={h['ttft_s']['n']}, {h['tbt_s']['n']})")
         ratio = hostile["p99_ttft_ratio"]
         print(f" P99 TTFT with / without: {'-' if ratio is None else f'{ratio:.2f}'}; the hostile device was "
               f"answered {hostile['answers']}")

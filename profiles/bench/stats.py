@@ -9,9 +9,11 @@ prompt-to-prompt variance both runs share. Fewer than two values give no interva
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def mean(values: Sequence[float]) -> Optional[float]:
@@ -89,3 +91,49 @@ def mean_ci_text(values: Sequence[float], level: float = 0.95, resamples: int = 
         half = max(m - lo, hi - m)
         return f"{m:.{digits}f} ± {math.ceil(half * 10 ** digits) / 10 ** digits:.{digits}f} (n={n})"
     return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}] (n={n})"
+
+
+def rotated(items: Sequence[T], i: int) -> List[T]:
+    """Prompt i's order of the systems: `items` starting at item i mod k, so that over k prompts each runs first once
+    and a drift of the machine's speed falls on all alike (every bench that compares systems)."""
+    start = i % len(items) if items else 0
+    return list(items[start:]) + list(items[:start])
+
+
+def interval(values: Sequence[Optional[float]]) -> dict:
+    """{"mean", "lo", "hi", "n"}: the mean of the finite values (one per prompt or request; None and NaN are the ones
+    without the figure, left out of n) and its 95 % percentile-bootstrap interval; lo and hi None below two values."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(v)]
+    m, lo, hi = bootstrap_ci(xs)
+    return {"mean": m, "lo": lo, "hi": hi, "n": len(xs)}
+
+
+def _pairs(a: Sequence[Optional[float]], b: Sequence[Optional[float]]) -> List[tuple]:
+    if len(a) != len(b):
+        raise ValueError(f"paired figures need one value per prompt in each: {len(a)} vs {len(b)}")
+    return [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
+
+
+def paired_ratio(a: Sequence[Optional[float]], b: Sequence[Optional[float]]) -> dict:
+    """`interval` of the per-prompt ratios a_i / b_i, `b` the baseline on the same prompts; prompts where either has
+    no value or b_i <= 0 are left out (n says how many remain)."""
+    return interval([x / y for x, y in _pairs(a, b) if y > 0])
+
+
+def paired_diff(a: Sequence[Optional[float]], b: Sequence[Optional[float]]) -> dict:
+    """{"mean", "lo", "hi", "n"} of the per-prompt differences a_i - b_i (stats.paired_diff_ci)."""
+    pairs = _pairs(a, b)
+    m, lo, hi = paired_diff_ci([x for x, _ in pairs], [y for _, y in pairs])
+    return {"mean": m, "lo": lo, "hi": hi, "n": len(pairs)}
+
+
+def ci_text(ci: Optional[dict], fmt: str = "{:.2f}", scale: float = 1.0, with_n: bool = True) -> str:
+    """An `interval` as text: "0.42 ± 0.05 (n=8)", the ± the larger half-width (as stats.mean_ci_text), values times
+    `scale`; "-" without a mean."""
+    if not ci or ci["mean"] is None:
+        return "-"
+    m = ci["mean"] * scale
+    n = f" (n={ci['n']})" if with_n else ""
+    if ci["lo"] is None or ci["hi"] is None:
+        return fmt.format(m) + n
+    return f"{fmt.format(m)} ± {fmt.format(max(m - ci['lo'] * scale, ci['hi'] * scale - m))}" + n
