@@ -45,9 +45,9 @@ def test_gsm8k_scores_the_final_number():
     assert "####" in gsm8k_prompt("How many?")
 
 
-def _rec(task, i, proto, score, n=10, skipped=0, tps=4.0):
+def _rec(task, i, proto, score, n=10, skipped=0, tps=4.0, answer=None):
     return {"task": task, "task_id": f"{task}/{i}", "protocol": proto, "score": score, "n_tokens": n,
-            "skipped": skipped, "tokens_per_s": tps}
+            "skipped": skipped, "tokens_per_s": tps, "answer": f"answer {score}" if answer is None else answer}
 
 
 def test_summary_intervals_and_paired_differences():
@@ -66,6 +66,7 @@ def test_summary_intervals_and_paired_differences():
     assert d["lo"] < -2 / 8 <= d["hi"] <= 0.0  # never a gain: the paired interval stays at or below 0
     assert out["uhlm"]["cosine_vs_llm"] == pytest.approx(0.5) and out["llm"]["cosine_vs_llm"] is None
     assert out["uhlm"]["skip_rate"] == pytest.approx(0.5) and out["llm"]["skip_rate"] == 0.0
+    assert out["llm"]["same_answer_as_llm"] == 8 and out["uhlm"]["same_answer_as_llm"] == 6  # the 6 equal scores
     assert "uhlm" in format_table({"gsm8k": out})
 
 

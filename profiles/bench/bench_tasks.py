@@ -1,9 +1,9 @@
 """`hat-bench tasks`: task accuracy of the lossy protocols against the target alone, on HumanEval and GSM8K.
 
 Each task's first N evaluation problems (profiles.bench.tasks.evaluation_ids: never a calibration problem) are generated
-greedily (temperature 0, so `llm` is deterministic) with every chosen protocol in turn per problem (interleaved, so
-drift in the machine's speed hits all protocols alike), same seed for every protocol, by an EdgeRuntime against a real
-`hat-cloud serve` (profiles.bench.testbed). Protocols are bench_cuhlm's variants plus `sq`.
+greedily by default (--temperature 0: `llm` is deterministic) with every chosen protocol in turn per problem
+(interleaved, so drift in the machine's speed hits all protocols alike), same seed for every protocol, by an
+EdgeRuntime against a real `hat-cloud serve` (profiles.bench.testbed). Protocols are bench_cuhlm's variants plus `sq`.
 
 Scores: HumanEval pass@1 by running the problem's tests on the cut completion in the sandbox (code_exec); GSM8K exact
 match of the final number (see task_scoring for the prompt and the cut). Per (task, protocol): the score with its 95 %
@@ -61,6 +61,9 @@ def add_parser(sub) -> None:
                    help="torch engine: the draft's weights (as cuhlm)")
     s.add_argument("--target-dtype", default="auto", help="torch engine: the target's dtype")
     s.add_argument("--seed", type=int, default=0, help="problem i runs with seed seed*1000+i under every protocol")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (llm deterministic; an uploaded token is the target's argmax, so cuhlm's compressed "
+                        "uploads equal uhlm's); > 0 samples, where CU-HLM's compression can change what is accepted")
     s.add_argument("--out", default="runs/bench_tasks.json", help="JSON report (PNG and the .jsonl records beside)")
 
 
@@ -93,7 +96,7 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
     if not todo:
         return
     tok = load_tokenizer(args.target)
-    params = SamplingParams(0.0)
+    params = SamplingParams(args.temperature)
     cloud_args = ["--engine", args.engine, "--threads", str(args.threads)]
     if args.engine == "torch":
         cloud_args += ["--dtype", args.target_dtype]
@@ -161,8 +164,9 @@ def run(args) -> int:
     try:
         tasks = names(args.tasks, TASKS, "task")
         protocols = names(args.protocols, PROTOCOLS, "protocol")
-        if not tasks or not protocols or args.prompts < 1 or args.max_new_tokens < 1:
-            raise ValueError("need a task, a protocol, --prompts >= 1 and --max-new-tokens >= 1")
+        if not tasks or not protocols or args.prompts < 1 or args.max_new_tokens < 1 or not 0 <= args.temperature <= 2:
+            raise ValueError("need a task, a protocol, --prompts >= 1, --max-new-tokens >= 1 and --temperature in "
+                             "[0, 2]")
         base_unc = UncertaintyConfig()
         if args.calibration:
             base_unc = base_unc.calibrated(load_calibration(args.calibration), args.threshold_rule)
@@ -179,6 +183,8 @@ def run(args) -> int:
               "weight_quant": args.weight_quant if torch_engine else "gguf",
               "target_dtype": args.target_dtype if torch_engine else "gguf",
               "uncertainty": dataclasses.asdict(base_unc)}
+    if args.temperature:  # greedy records carry no temperature (they predate the option)
+        config["temperature"] = args.temperature
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     jsonl = os.path.splitext(args.out)[0] + ".jsonl"
     t0 = time.perf_counter()

@@ -89,7 +89,8 @@ def summarise(records: Iterable[dict], cosine: Optional[Dict[Tuple[str, str, str
               baseline: str = "llm", seed: int = 0) -> dict:
     """{task: {protocol: entry}} over `records`: score with its 95 % bootstrap interval and n; the paired difference
     vs `baseline` on the prompts both ran (None without the baseline); the mean MiniLM cosine vs the baseline's
-    answer from `cosine` (keyed like the records); mean tokens/s; skip rate (skipped / generated tokens)."""
+    answer from `cosine` (keyed like the records); how many answers are identical to the baseline's; mean tokens/s;
+    skip rate (skipped / generated tokens)."""
     by: Dict[str, Dict[str, Dict[str, dict]]] = {}
     for r in records:
         by.setdefault(r["task"], {}).setdefault(r["protocol"], {})[r["task_id"]] = r
@@ -106,8 +107,9 @@ def summarise(records: Iterable[dict], cosine: Optional[Dict[Tuple[str, str, str
                 diff = paired_diff_ci([float(rows[i]["score"]) for i in both],
                                       [float(base[i]["score"]) for i in both], seed=seed)
                 entry["diff_vs_" + baseline] = {**_ci(diff), "n": len(both)}
+                entry["same_answer_as_" + baseline] = sum(rows[i]["answer"] == base[i]["answer"] for i in both)
             else:
-                entry["diff_vs_" + baseline] = None
+                entry["diff_vs_" + baseline] = entry["same_answer_as_" + baseline] = None
             cos = [cosine[(task, i, proto)] for i in ids if cosine and (task, i, proto) in cosine]
             entry["cosine_vs_" + baseline] = sum(cos) / len(cos) if cos else None
             entry["tokens_per_s"] = sum(rows[i]["tokens_per_s"] for i in ids) / len(ids)
@@ -122,14 +124,17 @@ def _fmt(v, spec: str) -> str:
 
 
 def format_table(summary: dict, baseline: str = "llm") -> str:
-    head = ["task", "protocol", "n", "score [95% CI]", f"diff vs {baseline} [95% CI]", "cos vs llm", "tok/s", "skip"]
+    head = ["task", "protocol", "n", "score [95% CI]", f"diff vs {baseline} [95% CI]", f"= {baseline}", "cos vs llm",
+            "tok/s", "skip"]
     rows: List[List[str]] = [head]
     for task, protos in summary.items():
         for proto, e in protos.items():
             s, d = e["score"], e["diff_vs_" + baseline]
             score = f"{_fmt(s['mean'], '.3f')} [{_fmt(s['lo'], '.2f')}, {_fmt(s['hi'], '.2f')}]"
             diff = "-" if d is None else f"{_fmt(d['mean'], '+.3f')} [{_fmt(d['lo'], '+.2f')}, {_fmt(d['hi'], '+.2f')}]"
-            rows.append([task, proto, str(e["n"]), score, diff, _fmt(e["cosine_vs_" + baseline], ".3f"),
+            same = e.get("same_answer_as_" + baseline)
+            rows.append([task, proto, str(e["n"]), score, diff, "-" if same is None else str(same),
+                         _fmt(e["cosine_vs_" + baseline], ".3f"),
                          _fmt(e["tokens_per_s"], ".2f"), _fmt(e["skip_rate"], ".1%")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
