@@ -127,3 +127,6 @@ def test_tiny_real_run(tmp_path):
     assert len(lines) == 8  # 2 tasks × 2 problems × 2 protocols
     assert main(argv) == 0  # a rerun finds everything done and generates nothing
     assert len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 8
+    more = [a if a != "2" else "3" for a in argv] + ["--report-only"]  # a third problem asked for, none generated
+    assert main(more) == 0 and len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 8
+    assert {e["n"] for t in json.loads(out.read_text())["summary"].values() for e in t.values()} == {2}

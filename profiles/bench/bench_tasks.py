@@ -64,6 +64,8 @@ def add_parser(sub) -> None:
     s.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (llm deterministic; an uploaded token is the target's argmax, so cuhlm's compressed "
                         "uploads equal uhlm's); > 0 samples, where CU-HLM's compression can change what is accepted")
+    s.add_argument("--report-only", action="store_true",
+                   help="generate nothing: report the records already in the .jsonl (a run stopped part-way)")
     s.add_argument("--out", default="runs/bench_tasks.json", help="JSON report (PNG and the .jsonl records beside)")
 
 
@@ -188,7 +190,8 @@ def run(args) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     jsonl = os.path.splitext(args.out)[0] + ".jsonl"
     t0 = time.perf_counter()
-    generate(args, tasks, protocols, base_unc, config, jsonl)
+    if not args.report_only:
+        generate(args, tasks, protocols, base_unc, config, jsonl)
     wanted = {(t, p.task_id) for t, p in problems(tasks, args.prompts)}
     order = {name: i for i, name in enumerate(PROTOCOLS)}
     records = sorted((r for r in load_done(jsonl, config).values() if (r["task"], r["task_id"]) in wanted),
