@@ -7,7 +7,7 @@ Rows (protocol, prompt chunking, parallel drafting), as Table 5:
   with `--draft-vocab N`, "HAT vNk": HAT drafting over the adapter's N most frequent tokens (beyond the paper).
 Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
 Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
-interleaved prompt by prompt, the order of the rows (and backends) rotating by one per prompt (bench_cuhlm.rotated), so
+interleaved prompt by prompt, the order of the rows (and backends) rotating by one per prompt (stats.rotated), so
 that drift of the machine hits every row alike. The link emulator shapes both
 directions to the named profile. A warm-up request per link gives the cloud's delay model and the device's link
 estimates their first observations, as a running fleet has.
@@ -25,7 +25,7 @@ Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time /
 U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
 token, prompt chunks, parallel-drafting hits; whether each request's tokens equal U-shape's (greedy: they must, up to
 float ties); Table 4: accept length, trained parameters of Λ, decode speedup (TBT of U-shape / TBT of +SD).
-Beside each mean, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n (bench_cuhlm.
+Beside each mean, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n (stats.
 interval); changes against U-shape and the decode speedup take the per-prompt ratio on the same prompt (paired).
 `--backends torch,onnxruntime:int8,...` runs the device's parts on several backends side by side (a hat-export
 `--bundle` of the same model and Λ for onnxruntime / TensorRT), interleaved prompt by prompt, one table per link and

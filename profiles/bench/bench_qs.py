@@ -9,9 +9,9 @@
 The emulated uplink switches between its two rates on a discrete-time Markov chain (`--markov-step-s`); the cloud
 measures the rate each Verify saw and reports it back, which is what the adaptive policies read.
 Per temperature every method runs on every prompt, the methods in turn per prompt, the order rotating by one per prompt
-(bench_cuhlm.rotated), so the Markov link's state and a drift of the machine fall on every method alike. Beside each
+(stats.rotated), so the Markov link's state and a drift of the machine fall on every method alike. Beside each
 pooled figure, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n;
-`tokens_per_s_vs_llm_ci` is the per-prompt speedup over `llm` on the same prompt (bench_cuhlm.interval, paired_ratio).
+`tokens_per_s_vs_llm_ci` is the per-prompt speedup over `llm` on the same prompt (stats.interval, paired_ratio).
 """
 from __future__ import annotations
 
