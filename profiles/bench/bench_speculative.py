@@ -163,7 +163,7 @@ def ratio_ci(rows: List[dict], base: List[dict]) -> dict:
     return {**paired_ratio(rates(rows), rates(base)), "aggregate": _rate(rows) / _rate(base)}
 
 
-def summarise(runs: Dict[str, list], variants: List[Tuple[int, float]], chosen: Optional[str] = None) -> dict:
+def summarise(runs: Dict[str, list], chosen: Optional[str] = None) -> dict:
     """Rates, α, γ, c, the bounded decode speedup and the end-to-end speedups with intervals, per speculative run."""
     rates = {name: _rate(rows) for name, rows in runs.items()}
     summary: dict = {"tokens_per_s": rates, "baseline": BASELINE if BASELINE in runs else None, "chosen": chosen}
@@ -274,7 +274,7 @@ def run(args) -> int:
                 report["runs"].update(_interleaved(rt, names, ids, by_name, args.max_new_tokens, "eval"))
     sd_runs = [n for n in names if n in by_name]
     chosen = choose(report.get("tuning", {})) or (sd_runs[0] if len(sd_runs) == 1 else None)
-    report["summary"] = summarise(report["runs"], variants, chosen)
+    report["summary"] = summarise(report["runs"], chosen)
     if report.get("tuning"):
         report["summary"]["tuning_tokens_per_s"] = {n: _rate(r) for n, r in report["tuning"].items()}
     write_report(args.out, report)
