@@ -87,7 +87,7 @@ class KVIO:
         self.past = past
         self.present: Dict[int, Tuple[Any, Any]] = {}
 
-    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
+    def update(self, key: Any, value: Any, layer_idx: int, *_: Any, **__: Any) -> Tuple[Any, Any]:
         k0, v0 = self.past[layer_idx]
         k, v = torch.cat([k0, key], dim=-2), torch.cat([v0, value], dim=-2)
         self.present[layer_idx] = (k, v)

@@ -211,6 +211,8 @@ def test_the_pipeline_runs_have_their_control_with_the_same_total_threads():
     runs = plan_runs(args, ["HAT", "SD"], ["sweep", "pipeline"], [0.1], [8], [2, 4])
     assert ("sweep", "SD", 16, 0.1, 1, 2) in runs and ("sweep", "HAT", 16, 0.1, 1, 2) in runs
     pipe = [r for r in runs if r[0].startswith("pipeline")]
+    assert pipe[0] == ("pipeline", "HAT", 16, 0.2, 1, 2)
+    pipe = pipe[1:]
     assert pipe == [("pipeline", "HAT", 16, 0.2, 2, 2), ("pipeline-control", "HAT", 16, 0.2, 1, 4),
                     ("pipeline", "HAT", 16, 0.2, 4, 2), ("pipeline-control", "HAT", 16, 0.2, 1, 8)]
     assert all(p * t == c_t for (_, _, _, _, p, t), (_, _, _, _, _, c_t) in zip(pipe[::2], pipe[1::2]))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from profiles.bench.soak_check import compare, slope_mb_per_min
+from profiles.bench.soak_check import check, compare, slope_mb_per_min
 
 REF = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -20,6 +20,14 @@ def test_compare_tells_exact_duplicated_lost_and_other():
     assert compare([1, 2, 9, 4, 5, 6, 7, 8], REF) == {"match": "other", "at": 2}
     assert compare([1, 2, 3, 9, 9], REF, upto=3) == {"match": "exact"}  # the rest was the device's own (degrade)
     assert compare([1, 7, 3, 9], REF, upto=3)["match"] == "other"
+
+
+def test_an_answer_without_a_reference_is_counted_unchecked_not_exact():
+    rec = {"response": {"error": None, "done": True, "finals": 1, "deltas": ["ab"], "times": [0.1], "usage":
+                        {"completion_tokens": 2}, "hatspec": {"tokens": [5, 6]}}}
+    v = check(rec, None, 2, [0], lambda ids: "ab")
+    assert v["completed"] and v["delivered"] and v["reference"] == {"match": "unchecked"}
+    assert check(rec, [5, 6], 2, [0], lambda ids: "ab")["reference"] == {"match": "exact"}
 
 
 def test_slope_is_in_mb_per_minute():
@@ -80,7 +88,7 @@ def test_a_short_soak_loses_and_repeats_nothing(tmp_path):
     if not is_installed("smollm2-135m"):
         pytest.skip("smollm2-135m is not installed")
     out = tmp_path / "soak.json"
-    rc = main(["soak", "--devices", "3", "--hosts", "1", "--draft", "model", "--protocols", "sd,llm",
+    rc = main(["soak", "--devices", "3", "--hosts", "1", "--draft", "model", "--protocols", "sd,llm,uhlm",
                "--duration", "20", "--rate", "0.4", "--max-tokens", "12", "--prompts", "4", "--max-prompt-tokens",
                "96", "--cut-rate", "0.4", "--cut-seconds", "0.5,4", "--long-cuts", "0.25", "--long-cut-seconds", "8",
                "--session-timeout", "5", "--heartbeat", "1", "--sample-every", "1", "--out", str(out)])
@@ -92,4 +100,8 @@ def test_a_short_soak_loses_and_repeats_nothing(tmp_path):
     assert s["reference_exact"] + s["by_policy"].get("degrade", {}).get("completed", 0) >= s["completed"] - \
         s["reference_other"]
     assert report["memory"][-1]["cloud"]["open"] == 0 and report["memory"][-1]["cloud"]["kv_positions"] == 0
+    # exact protocols against the model's greedy answer, the lossy uhlm against its calm replay
+    kinds = {p: b["reference"] for p, b in s["by_protocol"].items()}
+    assert all(kinds[p] == ["greedy"] for p in ("sd", "llm") if p in kinds), kinds
+    assert kinds.get("uhlm", ["replay"]) == ["replay"], kinds
     assert set(report["memory"][-1]["rss_mb"]) == {"cloud", "host-0", "driver"}

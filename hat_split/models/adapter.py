@@ -26,6 +26,7 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
+from hat_split.models.hf_cache import cache_kwargs
 from hat_split.models.partition import SplitModel, Stack, layer_types, model_fingerprint
 
 ADAPTER_FORMAT = 1
@@ -73,11 +74,12 @@ class Adapter(_module_base()):
                 model._init_weights(module)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None,
-                past_key_values=None, use_cache=True, **kwargs):
+                past_key_values=None, use_cache=True, cache=None, **kwargs):
         residual = hidden_states
+        kv = cache if cache is not None else past_key_values  # either keyword (hat_split.models.hf_cache)
         out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
                                 position_embeddings=position_embeddings, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache)
+                                use_cache=use_cache, **cache_kwargs(self.self_attn, kv))
         if self.post_attention_layernorm is not None:
             out = self.post_attention_layernorm(out)
         return residual + out

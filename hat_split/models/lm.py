@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Sequence
 
 import numpy as np
 
+from hat_split.models.hf_cache import cache_kwargs, output_cache
 from hat_split.models.loading import output_size
 from hat_split.models.placement import to_host
 
@@ -121,13 +122,13 @@ class CausalLM:
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids,
-                past_key_values=state.cache,
                 use_cache=True,
+                **cache_kwargs(self.model, state.cache),
                 cache_position=positions,
                 position_ids=positions[None],
                 logits_to_keep=max(n_logits, 1),
             )
-        state.cache = out.past_key_values
+        state.cache = output_cache(out)
         state.length += n
         state.forward_s += time.perf_counter() - t0
         state.forward_tokens += n

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hat_split.math.masks import allowed
+from hat_split.models.hf_cache import cache_kwargs
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "gemma3_text", "gemma3")  # model_type values whose layout is checked here
 FULL = "full_attention"
@@ -38,8 +39,8 @@ SLIDING = "sliding_attention"
 class PartCache:
     """KV cache of one part: per global layer index, key and value `# [1, kv_heads, length, head_dim]`.
 
-    It is what the decoder layers' attention calls `past_key_values.update(k, v, layer_idx)` on; a Stack advances
-    `length` once all its layers have appended a chunk.
+    It is what the decoder layers' attention calls `update(k, v, layer_idx)` on (hat_split.models.hf_cache); a Stack
+    advances `length` once all its layers have appended a chunk.
     """
 
     def __init__(self) -> None:
@@ -48,7 +49,7 @@ class PartCache:
         self.forward_s = 0.0  # accumulated compute time of the part on this cache
         self.forward_tokens = 0
 
-    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
+    def update(self, key: Any, value: Any, layer_idx: int, *_: Any, **__: Any) -> Tuple[Any, Any]:
         import torch
 
         old = self.kv.get(layer_idx)
@@ -185,7 +186,7 @@ class Stack:
                                   else rotary(hidden, positions))
             for layer, kind in layers:
                 out = layer(hidden, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions,
-                            past_key_values=cache, use_cache=True)
+                            use_cache=True, **cache_kwargs(layer, cache))
                 hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
@@ -204,7 +205,7 @@ class BatchCache:
         self.n = max(self.lengths)
         self.width = max(self.pasts) + self.n
 
-    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None) -> Tuple[Any, Any]:
+    def update(self, key: Any, value: Any, layer_idx: int, *_: Any, **__: Any) -> Tuple[Any, Any]:
         b, heads, _, dim = key.shape
         keys = key.new_zeros(b, heads, self.width, dim)
         values = value.new_zeros(b, heads, self.width, dim)

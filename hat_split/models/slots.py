@@ -87,7 +87,7 @@ class SlotStep:
     write_pos: Any  # [B, n]
     width: int
 
-    def update(self, key: Any, value: Any, layer_idx: int, cache_kwargs: Optional[dict] = None):
+    def update(self, key: Any, value: Any, layer_idx: int, *_: Any, **__: Any):
         layer = layer_idx - self.kv.lo  # key, value: [B, kv_heads, n, head_dim]
         k, v = self.kv.k[layer], self.kv.v[layer]  # [slots + 1, kv_heads, length, head_dim]
         k[self.write_slot, :, self.write_pos] = key.transpose(1, 2).to(k.dtype)  # [B, n, kv_heads, head_dim]

@@ -23,7 +23,8 @@ Three experiments share the systems and the arrival sequences (one sequence per 
             CDFs (Fig. 9-10), per-step cloud compute mean and standard deviation (Fig. 8)
   scale     N in --fleet-sizes at --scale-rate: the same figures per fleet size, and the server's own overhead per
             step (loop time outside model forwards) at the largest N
-  pipeline  HAT at N = --sweep-n and --scale-rate with --pipeline-stages P (one gloo process per stage; Fig. 11-12)
+  pipeline  HAT at N = --sweep-n and --scale-rate on P = 1 and --pipeline-stages P (one gloo process per stage;
+            Fig. 11-12), and the control: P = 1 with the P stages' threads
 Writes JSON and a PNG beside it.
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ def add_parser(sub) -> None:
     s.add_argument("--rates", default="0.1,0.2,0.4", help="fleet request rates of the sweep, requests/s")
     s.add_argument("--fleet-sizes", default="8,16,30")
     s.add_argument("--scale-rate", type=float, default=0.2, help="request rate of the scale and pipeline runs")
-    s.add_argument("--pipeline-stages", default="2,4", help="pipeline lengths for HAT (1 comes from the sweep)")
+    s.add_argument("--pipeline-stages", default="2,4", help="HAT pipeline lengths beside P = 1, each with its control")
     s.add_argument("--experiments", default="sweep,scale,pipeline")
     s.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     s.add_argument("--max-new-tokens", type=int, default=32)
@@ -240,8 +241,9 @@ def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) ->
 
 
 def plan_runs(args, systems, experiments, rates, sizes, stages) -> List[tuple]:
-    """(experiment, system, N, rate, pipeline P, threads per stage) per run. The pipeline experiment's control: for
-    each P, HAT on one stage with P times the threads, so a gain from stages is not a gain from more threads."""
+    """(experiment, system, N, rate, pipeline P, threads per stage) per run. The pipeline experiment runs HAT at P = 1
+    and at each P, and its control: for each P, HAT on one stage with P times the threads, so a gain from stages is
+    not a gain from more threads. A configuration another experiment already ran is not run again (`run`)."""
     one = args.threads
     runs = []
     if "sweep" in experiments:
@@ -249,6 +251,7 @@ def plan_runs(args, systems, experiments, rates, sizes, stages) -> List[tuple]:
     if "scale" in experiments:
         runs += [("scale", s, n, args.scale_rate, 1, one) for n in sizes for s in systems]
     if "pipeline" in experiments and "HAT" in systems:
+        runs.append(("pipeline", "HAT", args.sweep_n, args.scale_rate, 1, one))  # the baseline the stages divide
         for p in stages:
             runs += [("pipeline", "HAT", args.sweep_n, args.scale_rate, p, one),
                      ("pipeline-control", "HAT", args.sweep_n, args.scale_rate, 1, p * one)]

@@ -15,8 +15,10 @@ What runs, all real:
   request in flight, a share of them longer than the cloud's session timeout) and restores them; a sampler records
   every process's RSS and the cloud's open sessions and KV positions.
 
-Afterwards every answer is checked against the model's own greedy continuation of its prompt (hat_split.models.lm
-CausalLM.greedy; exact protocols must reproduce it at temperature 0):
+Afterwards every answer is checked against a reference: for the exact protocols the model's own greedy continuation
+of its prompt (hat_split.models.lm CausalLM.greedy; they must reproduce it at temperature 0), for the lossy ones
+(uhlm, cuhlm) the same request replayed after the load, alone and with every link up (deterministic at temperature
+0, so cuts and resumed sessions must not change a token):
 - completed: the stream ended with a finish reason and `[DONE]`; lost: anything else (HTTP error, broken stream,
   timeout);
 - the streamed text equals the text of the returned token ids, and usage counts them (nothing lost or repeated on
@@ -51,6 +53,7 @@ import psutil
 from cloud_runtime.quotas import parse_bytes
 from edge_runtime.api.agent import AgentConfig
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
+from hat_split.protocols import get as get_protocol
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer
 from hat_split.models.partition import free_layers
@@ -293,8 +296,11 @@ def run(args) -> int:
         report["devices"] = devices
         hostile = _start_hostile(args, bed, tok) if args.hostile_phases else None
         records = _load(args, devices, prompts, protocols, rng, bed.cloud, hosts, bed.status_path, report, hostile)
+        replays = _replays(args, records, devices, prompts)
+        if replays:
+            print(f"hat-bench soak: {len(replays)} calm replays of the lossy protocols' requests", flush=True)
     print("hat-bench soak: checking every answer against the model's greedy continuation", flush=True)
-    _verify(args, records, prompts)
+    _verify(args, records, prompts, replays)
     report["summary"] = summarise(records, report["cuts"], report["memory"], report["load_end_s"])
     if args.hostile_phases:
         report["summary"]["hostile"] = {**hostile_sides(records), "answers": report["hostile_answers"]}
@@ -331,19 +337,38 @@ def hostile_on(args, at_s: float) -> bool:
     return bool(args.hostile_phases) and int(at_s // (args.duration / args.hostile_phases)) % 2 == 1
 
 
+def _body(args, prompts, rec: dict) -> dict:
+    """A record's request: its prompt as token ids, greedy, streamed with usage, asking for the generated ids."""
+    return {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "hatspec": {"protocol": rec["protocol"], "tokens": True}}
+
+
+def _replays(args, records: List[dict], devices: List[dict], prompts) -> Dict[tuple, dict]:
+    """The reference of the lossy protocols (uhlm, cuhlm: the draft's own tokens where it skips): each (prompt,
+    protocol, max_tokens) asked once more after the load, one request at a time, on the device of its first request,
+    with every link up. At temperature 0 the protocol is deterministic, so an answer of the load, with its cuts and
+    resumed sessions, must equal its calm replay."""
+    by_name = {d["name"]: d for d in devices}
+    out: Dict[tuple, dict] = {}
+    for rec in records:
+        key = (rec["prompt"], rec["protocol"], rec["max_tokens"])
+        if key not in out and not get_protocol(rec["protocol"]).exact:
+            out[key] = stream_completion(by_name[rec["device"]]["http"], _body(args, prompts, rec),
+                                         args.request_timeout)
+    return out
+
+
 def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, status_path: str, report: dict,
           hostile=None):
     """Warm-up, then arrivals, cuts and memory samples (and the hostile device's phases); returns one record per
     request."""
 
     def request(rec: dict, device: dict) -> None:
-        body = {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                "hatspec": {"protocol": rec["protocol"], "tokens": True}}
         with lock:
             busy[device["name"]] += 1
         try:
-            rec["response"] = stream_completion(device["http"], body, args.request_timeout)
+            rec["response"] = stream_completion(device["http"], _body(args, prompts, rec), args.request_timeout)
         finally:
             with lock:
                 busy[device["name"]] -= 1
@@ -452,18 +477,27 @@ def _load(args, devices: List[dict], prompts, protocols, rng, cloud, hosts, stat
     return records
 
 
-def _verify(args, records: List[dict], prompts) -> None:
+def _verify(args, records: List[dict], prompts, replays: Dict[tuple, dict]) -> None:
+    """Each record's verdict: an exact protocol's answer against the model's greedy continuation, a lossy one's
+    against its calm replay (`_replays`; a replay that failed leaves the answer's tokens unchecked, said so)."""
     loaded = load_model(args.model, dtype="float32", quiet=True)
     lm = CausalLM(loaded.model)
     eos = eos_ids(loaded.model, loaded.tokenizer)
     refs: Dict[tuple, List[int]] = {}
     for rec in records:
-        key = (rec["prompt"], rec["max_tokens"])
-        if key not in refs:
-            refs[key] = lm.greedy(prompts[rec["prompt"]], rec["max_tokens"], eos)
-        rec["verdict"] = v = check(rec, refs[key], rec["max_tokens"], eos,
+        replay = replays.get((rec["prompt"], rec["protocol"], rec["max_tokens"]))
+        if replay is not None:
+            ref = (replay.get("hatspec") or {}).get("tokens") if replay["error"] is None and replay["done"] else None
+            rec["reference_kind"] = "replay" if ref is not None else f"none (the replay failed: {replay['error']})"
+        else:
+            key = (rec["prompt"], rec["max_tokens"])
+            if key not in refs:
+                refs[key] = lm.greedy(prompts[rec["prompt"]], rec["max_tokens"], eos)
+            ref, rec["reference_kind"] = refs[key], "greedy"
+        rec["verdict"] = v = check(rec, ref, rec["max_tokens"], eos,
                                    lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
-        if v["completed"] and v["reference"]["match"] == "other":  # how close the reference's choice was there
+        if v["completed"] and v["reference"]["match"] == "other" and rec["reference_kind"] == "greedy":
+            # how close the reference's choice was there
             at = v["reference"]["at"]
             logits = lm.forward(lm.new_state(), list(prompts[rec["prompt"]]) + refs[key][:at])[-1]
             top = np.argsort(-logits)[:2]

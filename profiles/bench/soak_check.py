@@ -37,7 +37,7 @@ def compare(got: Sequence[int], ref: Sequence[int], upto: Optional[int] = None) 
     return {"match": "other", "at": d}
 
 
-def check(rec: dict, ref: List[int], max_tokens: int, eos: Sequence[int], decode) -> dict:
+def check(rec: dict, ref: Optional[List[int]], max_tokens: int, eos: Sequence[int], decode) -> dict:
     """One request's verdict: completed or lost, delivery consistent, tokens against the reference."""
     r = rec["response"]
     completed = r["error"] is None and r["done"] and r["finals"] == 1 and r["hatspec"] is not None
@@ -52,7 +52,8 @@ def check(rec: dict, ref: List[int], max_tokens: int, eos: Sequence[int], decode
         queue_s=r["hatspec"].get("queue_s", 0.0),
         delivered=("".join(r["deltas"]) == decode(tokens)) and (r["usage"] or {}).get("completion_tokens") ==
         len(tokens) and full,
-        reference=compare(tokens, ref, degraded[0] if degraded else None))
+        reference=compare(tokens, ref, degraded[0] if degraded else None) if ref is not None
+        else {"match": "unchecked"})
     return out
 
 
@@ -128,7 +129,13 @@ def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_en
         **latency_entries("ttft_s_interrupted", [r["response"]["times"][0] for r in hit if r["response"]["times"]]),
         **latency_entries("ttft_s_uninterrupted", [r["response"]["times"][0] for r in calm
                                                    if r["response"]["times"]]),
-        "by_protocol": {p: sum(r["protocol"] == p for r in done) for p in sorted({r["protocol"] for r in records})},
+        "by_protocol": {p: {"completed": sum(r["protocol"] == p for r in done),
+                            "exact": sum(r["protocol"] == p and r["verdict"]["reference"]["match"] == "exact"
+                                         for r in done),
+                            "reference": sorted({r.get("reference_kind", "greedy") for r in records
+                                                 if r["protocol"] == p})}
+                        for p in sorted({r["protocol"] for r in records})},
+        "reference_unchecked": sum(m == "unchecked" for m in matches),
         "by_policy": {p: {"completed": sum(r["policy"] == p for r in done),
                           "exact": sum(r["policy"] == p and r["verdict"]["reference"]["match"] == "exact"
                                        for r in done)} for p in sorted({r["policy"] for r in records})},
@@ -168,10 +175,13 @@ def print_summary(report: dict) -> None:
           f"lost-token runs {s['lost_tokens']}, delivery inconsistent {s['delivery_inconsistent']}")
     for error in s["lost_errors"]:
         print(f" lost: {error}")
-    print(f" equal to the model's greedy answer: {s['reference_exact']} (other: {s['reference_other']}, of which "
-          f"{s['reference_other_near_tie']} where the reference's top two logits differ by < {NEAR_TIE} and the "
-          f"answer took the second); "
-          f"by policy {s['by_policy']}")
+    print(f" equal to the reference (exact protocols: the model's greedy answer; lossy ones: their calm replay): "
+          f"{s['reference_exact']} (other: {s['reference_other']}, of which {s['reference_other_near_tie']} where the "
+          f"greedy reference's top two logits differ by < {NEAR_TIE} and the answer took the second; unchecked: "
+          f"{s.get('reference_unchecked', 0)}); by policy {s['by_policy']}")
+    for p, b in s["by_protocol"].items():
+        print(f"   {p:7s} completed {b['completed']:4d}, equal to its reference {b['exact']:4d} "
+              f"({', '.join(b['reference'])})")
     print(f" cuts {s['cuts']} ({s['cuts_by_mode']}, long {s['cuts_long']}, during a request "
           f"{s['cuts_during_a_request']}); requests interrupted {s['interrupted_requests']} "
           f"({s['interruptions']} drops), degraded {s['degraded_requests']} ({s['degraded_tokens']} tokens)")
