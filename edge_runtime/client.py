@@ -317,6 +317,11 @@ class CloudClient:
         if left > 0:
             time.sleep(left)
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the socket is open: a handshake that failed every attempt (`connect`) closes it."""
+        return self._sock is not None
+
     def close(self) -> None:
         if self._monitor is not None:
             self._sock.disable_monitor()

@@ -132,6 +132,10 @@ class EdgeRuntime:
             self.client = None
 
     def connect(self) -> P.Welcome:
+        if self.client is not None and not self.client.is_open:
+            # closed under the runtime: a session's reconnect failed while it resumed (an answer that `degrade`
+            # finished alone ends that way); the next request or report connects afresh
+            self.client = None
         if self.client is None:
             link = self.config.link
             hello = P.Hello(link.device_id, self.model_name, self.vocab_size, self.fingerprint, "hatspec-edge/0.1")

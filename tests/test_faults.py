@@ -316,6 +316,15 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             if len(third.degraded) < 12:  # the cloud came back before the end: its tokens are the target's
                 n = len(third.degraded)
                 assert third.tokens[:n] == CausalLM(smollm2.model).greedy(PROMPT, n)  # the same model drafts
+            # an answer made wholly alone leaves its session's connection closed (every reconnect failed): the
+            # next request connects afresh instead of failing with "not connected"
+            link.cut("reset")
+            time.sleep(1.2)
+            fourth = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            assert fourth.n == 12 and fourth.degraded == list(range(12))
+            link.restore()
+            fifth = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            assert fifth.tokens == first.tokens and fifth.degraded == [] and fifth.interruptions == 0
     never = EdgeConfig(model="smollm2-135m", link=LinkConfig(f"tcp://127.0.0.1:{free_port()}",
                                                              security=LinkSecurity.plaintext(), connect_timeout_s=0.3,
                                                              connect_retries=1))
