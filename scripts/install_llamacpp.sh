@@ -41,6 +41,10 @@ if ! "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc
   fi
   "$PY" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
 fi
+# its own dependencies (the wheel went in without them, so that numpy is never reinstalled): a machine without
+# diskcache could not import llama_cpp, and every llama.cpp path skipped
+"$PY" -c "import diskcache, jinja2, typing_extensions" 2>/dev/null \
+  || "$PY" -m pip install --quiet --disable-pip-version-check "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"
 [ "$tools" = 1 ] || exit 0
 
 # llama.cpp's own programs, from the source tree vendored in the very llama-cpp-python release installed above.
