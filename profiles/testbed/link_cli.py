@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ def _serve(argv: Sequence[str]) -> int:
         return 2
     if config.netns:
         return _serve_netns(config)
+    _stop_on_signals()
     with LinkEmulator(config.profile, parse_address(config.upstream), parse_address(config.listen),
                       parse_address(config.control) if config.control else None, seed=config.seed,
                       connect_timeout_s=config.connect_timeout_s) as link:
@@ -132,12 +134,23 @@ def _serve(argv: Sequence[str]) -> int:
             return 0
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM stop the relay, even where SIGINT came in ignored (a process started in the
+    background by a shell without job control, or by a parent that ignores it), which Python would otherwise keep."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 def _serve_netns(config: LinkEmulatorConfig) -> int:
     try:
         link = NetnsLink(config.profile, parse_address(config.upstream), name=config.netns)
     except RuntimeError as exc:
         print(f"hat-link: {exc}", file=sys.stderr)
         return 1
+    _stop_on_signals()
     with link:
         print(f"hat-link {link.profile.name} in namespace {link.name}: devices there connect to {link.address}; run "
               f"them with `ip netns exec {link.name} ...`; Ctrl-C removes the namespace\n{link.qdiscs()}", flush=True)
