@@ -299,7 +299,7 @@ def run(args) -> int:
         replays = _replays(args, records, devices, prompts)
         if replays:
             print(f"hat-bench soak: {len(replays)} calm replays of the lossy protocols' requests", flush=True)
-    print("hat-bench soak: checking every answer against the model's greedy continuation", flush=True)
+    print("hat-bench soak: checking every answer against its reference (greedy or calm replay)", flush=True)
     _verify(args, records, prompts, replays)
     report["summary"] = summarise(records, report["cuts"], report["memory"], report["load_end_s"])
     if args.hostile_phases:
@@ -339,7 +339,7 @@ def hostile_on(args, at_s: float) -> bool:
 
 def _body(args, prompts, rec: dict) -> dict:
     """A record's request: its prompt as token ids, greedy, streamed with usage, asking for the generated ids. The
-    seed is the prompt's index: U-HLM's uncertainty draws from the request's random stream even when greedy, so a
+    seed follows from --seed and the prompt's index: U-HLM's uncertainty draws from the request's random stream even when greedy, so a
     lossy answer is reproducible only with its seed (a request without one gets a fresh seed)."""
     return {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
             "temperature": 0, "seed": args.seed * 1000 + rec["prompt"], "stream": True,
