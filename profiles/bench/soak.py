@@ -338,9 +338,9 @@ def hostile_on(args, at_s: float) -> bool:
 
 
 def _body(args, prompts, rec: dict) -> dict:
-    """A record's request: its prompt as token ids, greedy, streamed with usage, asking for the generated ids. The
-    seed follows from --seed and the prompt's index: U-HLM's uncertainty draws from the request's random stream even when greedy, so a
-    lossy answer is reproducible only with its seed (a request without one gets a fresh seed)."""
+    """A record's request: its prompt as token ids, greedy, streamed with usage, asking for the generated ids.
+    The seed follows from --seed and the prompt's index: U-HLM's uncertainty draws from the request's random stream
+    even when greedy, so a lossy answer is reproducible only with its seed (a request without one gets a fresh one)."""
     return {"model": args.model, "prompt": prompts[rec["prompt"]], "max_tokens": rec["max_tokens"],
             "temperature": 0, "seed": args.seed * 1000 + rec["prompt"], "stream": True,
             "stream_options": {"include_usage": True},
