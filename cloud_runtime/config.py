@@ -37,6 +37,8 @@ class CloudConfig:
     graphs: str = "auto"  # on: decode / verify steps on slots run as captured CUDA graphs (bucketed shapes,
     # cloud_runtime.buckets; other shapes eager) | off | auto: on where the device is CUDA
     poll_ms: int = 200  # milliseconds: how often the idle loop wakes to expire sessions and write the status file
+    heap_trim_s: float = 60.0  # seconds between two returns of the C heap's free pages to the system while sessions
+    # are open; also done once when the last session closes (hat_split.heap); 0: never
     token_budget: int = 512  # positions per batched step, all sessions (cloud_runtime.scheduler): bounds step latency
     prefill_floor: int = 64  # positions of each step kept for waiting prompt work, so decoding cannot starve it
     usage_half_life: int = 4096  # positions computed over which a device's recent usage halves; a device well over
@@ -89,6 +91,8 @@ class CloudConfig:
                              f"got {self.prefill_floor}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.heap_trim_s < 0:
+            raise ValueError(f"heap_trim_s must be >= 0 s (0: never), got {self.heap_trim_s}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port in 1..65535 (0: off), got {self.metrics_port}")
         if self.metrics_port and self.bind.startswith("tcp://") and self.bind.rpartition(":")[2] == str(

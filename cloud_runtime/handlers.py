@@ -67,6 +67,8 @@ class ServerStats:
     sessions_expired: int = 0
     errors_by_code: Dict[str, int] = field(default_factory=dict)
     busy_s: float = 0.0  # loop time spent handling messages and computing steps (waiting on the socket excluded)
+    heap_trims: int = 0  # times the C heap's free pages went back to the system (hat_split.heap)
+    heap_trim_s: float = 0.0  # seconds those took, on the serving loop
 
 
 @dataclass

@@ -83,7 +83,7 @@ def snapshot(server: Any, metrics: "CloudMetrics") -> Dict[str, Any]:
     return {
         "model": server.model_name, "engine": server.config.engine, "security": server.config.security.mode,
         "server": {k: getattr(stats, k) for k in ("bytes_in", "bytes_out", "sessions_opened", "sessions_expired",
-                                                  "busy_s")},
+                                                  "busy_s", "heap_trim_s")},
         "errors_by_code": dict(stats.errors_by_code),
         "requests_by_type": dict(metrics.requests),
         "verify": dict(metrics.verify),
@@ -146,6 +146,8 @@ def families(s: Dict[str, Any]) -> Iterator[Metric]:
     yield _counter("hatspec_cloud_sent_bytes", "bytes of reply frames sent", srv["bytes_out"])
     yield _counter("hatspec_cloud_busy_seconds", "serving loop time spent handling messages and computing steps",
                    srv["busy_s"])
+    yield _counter("hatspec_cloud_heap_trim_seconds", "serving loop time spent giving the C heap's free pages back "
+                   "to the system", srv["heap_trim_s"])
     yield _counter("hatspec_cloud_sessions_opened", "sessions opened (token and split)", srv["sessions_opened"])
     yield _counter("hatspec_cloud_sessions_expired", "sessions freed after session_timeout_s of silence",
                    srv["sessions_expired"])

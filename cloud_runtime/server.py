@@ -34,6 +34,7 @@ from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
 from cloud_runtime.quotas import Quota, QuotaBook, allow_list_quotas, format_bytes, parse_bytes
 from cloud_runtime.scheduler import SchedulerConfig
 from cloud_runtime.zap import DOMAIN, ZapAllowList
+from hat_split import heap
 from hat_split.files.atomic import write_json
 from hat_split.math.chunking import DelayModel
 from hat_split.models.llamacpp_lm import LlamaCppLM
@@ -129,6 +130,7 @@ class CloudServer:
         self.metrics = CloudMetrics(self)  # Prometheus, served on config.metrics_port (cloud_runtime.metrics)
         self.dashboard: Optional[Dashboard] = None  # the fleet page, while served on config.dashboard_port
         self._status_at = -1e9  # monotonic time of the last status file
+        self._trimmed = (time.monotonic(), (0, 0, 0))  # the last heap trim: (monotonic time, (steps, opened, open))
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
         self._running = False
@@ -229,6 +231,7 @@ class CloudServer:
             now = time.monotonic()
             if now - last_sweep >= 1.0:
                 self.expire_idle(now)
+                self.trim_heap(now)
                 self.handlers.quotas.prune(now)
                 self._reload_quotas()
                 last_sweep = now
@@ -250,6 +253,20 @@ class CloudServer:
                 del self.peers[peer]
                 self.devices.pop(peer, None)
                 self.handlers.users.pop(peer, None)
+
+    def trim_heap(self, now: float) -> None:
+        """Give the C heap's free pages back to the system (hat_split.heap) once the last session has closed, and at
+        most every heap_trim_s while sessions stay open, when steps ran or sessions came or went since the last time.
+        Freed activations and caches otherwise stay mapped to this process in its threads' malloc arenas: its RSS
+        would keep the peak of its busiest minute."""
+        state = (self.batcher.stats.steps, self.stats.sessions_opened, len(self.sessions))
+        if not self.config.heap_trim_s or state == self._trimmed[1]:
+            return
+        if self.sessions and now - self._trimmed[0] < self.config.heap_trim_s:
+            return
+        self.stats.heap_trim_s += heap.trim()
+        self.stats.heap_trims += 1
+        self._trimmed = (now, state)
 
     # -- stats ----------------------------------------------------------------------------------------------------
     def report(self) -> dict:

@@ -226,6 +226,35 @@ def test_idle_sessions_are_freed(tiny_server):
     sock.close()
 
 
+def test_the_cloud_gives_freed_heap_back_when_its_last_session_closes_and_each_interval_while_busy(
+        tiny_server, monkeypatch):
+    import time
+
+    from cloud_runtime import server as srv
+
+    trims = []
+    monkeypatch.setattr(srv.heap, "trim", lambda: trims.append(1) or 0.001)
+    start = tiny_server.stats.heap_trims
+    now = time.monotonic()
+    tiny_server._trimmed = (now, (tiny_server.batcher.stats.steps, tiny_server.stats.sessions_opened,
+                                  len(tiny_server.sessions)))
+    tiny_server.trim_heap(now + 1e6)
+    assert not trims  # nothing happened since the last trim
+    sock = _raw_socket(tiny_server)
+    assert isinstance(_ask(sock, _frames(P.Hello("trim", "tiny", 512, "tiny-vocab"))), P.Welcome)
+    assert isinstance(_ask(sock, _frames(P.OpenSession(1, "sd", ARR))), P.SessionOpened)
+    tiny_server.trim_heap(now + 1)
+    assert not trims  # a session is open and the interval has not passed
+    tiny_server.trim_heap(now + tiny_server.config.heap_trim_s + 1)
+    assert len(trims) == 1
+    tiny_server.trim_heap(now + 2 * tiny_server.config.heap_trim_s + 2)
+    assert len(trims) == 1  # nothing ran since
+    assert isinstance(_ask(sock, _frames(P.CloseSession(1))), P.Closed)
+    tiny_server.trim_heap(now + 2 * tiny_server.config.heap_trim_s + 3)
+    assert len(trims) == 2 and tiny_server.stats.heap_trims == start + 2  # the last session closed: at once
+    sock.close()
+
+
 def test_a_device_silent_past_the_cloud_timeout_says_hello_again(tiny_server):
     """The cloud forgets a peer with no session after its session timeout; the device's next request, after that
     long a silence, re-handshakes first instead of being refused."""

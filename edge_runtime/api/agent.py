@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, List, Optional
 
-from edge_runtime import heap
+from hat_split import heap
 from edge_runtime.api import openai_api as O
 from edge_runtime.api.metrics import EdgeMetrics, bundle_label
 from edge_runtime.client import CloudError
@@ -181,7 +181,7 @@ class Agent:
                     self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
                 self.last = {"protocol": result.protocol, "finish": result.finish_reason, "tokens": result.n}
                 self.metrics.completed(result, queued)
-                self.heap_trim_s += heap.trim()  # this request's arena pages back to the system (edge_runtime.heap)
+                self.heap_trim_s += heap.trim()  # this request's arena pages back to the system (hat_split.heap)
         finally:
             with self._admit_lock:
                 self._admitted -= 1

@@ -1,5 +1,5 @@
 """The RSS of one device host process (a soak host's shape), with and without the agents giving freed heap pages
-back after each request (edge_runtime/heap.py). Not part of the package: the experiment behind docs/SECURITY.md's
+back after each request (hat_split/heap.py). Not part of the package: the experiment behind docs/SECURITY.md's
 "Memory" figures, kept beside its output.
 
 Ten agents in this process share SmolLM2-135M (float32, one torch thread), each behind a link emulator (wifi-near,
@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import edge_runtime.heap as heap  # noqa: E402
+import hat_split.heap as heap  # noqa: E402
 from edge_runtime.api.agent import AgentConfig  # noqa: E402
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig  # noqa: E402
 from hat_split.models.loading import load_model, load_tokenizer  # noqa: E402

@@ -1,11 +1,13 @@
-"""Giving the C heap's free memory back to the system after a request (glibc's malloc_trim).
+"""Giving the C heap's free memory back to the system (glibc's malloc_trim), for the device agents and the cloud.
 
 An agent serves each HTTP request on a thread of its own, and the draft's tensors are allocated by whichever thread
 runs the generation. glibc's malloc gives threads separate arenas (up to 8 per core), and memory freed in an arena
 stays mapped to the process until it is trimmed: a long-running agent's RSS then climbs with every arena that held a
 request's activations at its peak, although nothing is alive in them (measured: 40-95 MB above the live heap within
 30 s on a host of 10 agents, and flat once trimmed; docs/SECURITY.md, "Memory"). `trim()` after each generation
-returns those pages; it costs 0.3-13 ms against a request's seconds. Elsewhere than glibc it does nothing.
+returns those pages; it costs 0.3-13 ms against a request's seconds. The cloud's batched steps allocate from its loop
+thread and torch's worker threads; it trims when its last session closes, and at most once per
+CloudConfig.heap_trim_s while sessions stay open (cloud_runtime.server). Elsewhere than glibc it does nothing.
 """
 from __future__ import annotations
 
