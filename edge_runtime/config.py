@@ -17,7 +17,7 @@ from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.dist_codec import MAX_ELL, MAX_SPARSE_K, WIRE_DTYPES
 from hat_split.wire.hidden_codec import HIDDEN_FORMATS
-from profiles.device.device_profiles import ProfileError, get_profile
+from hardware.device_profiles import ProfileError, get_profile
 
 OVERLAP_MODES = ("auto", "on", "off")
 LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (sessions.base.Session.resume)
@@ -218,7 +218,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class EdgeConfig:
     model: str  # registry short name, HF directory or .gguf path of the draft (small) model
-    device_profile: str = ""  # profiles/device/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
+    device_profile: str = ""  # hardware/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
     draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
     draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
     dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values

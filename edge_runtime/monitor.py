@@ -10,12 +10,12 @@ from typing import Optional
 from hat_split import protocols
 from hat_split.math.chunking import ema
 from hat_split.wire import messages as P
-from profiles.device.jetson_control import JetsonControlError, query_mode
+from hardware.jetson_control import JetsonControlError, query_mode
 
 
 @dataclass
 class DeviceMonitor:
-    profile: str = ""  # profiles/device/devices name, "" when not configured
+    profile: str = ""  # hardware/devices name, "" when not configured
     power_mode: str = ""  # the mode the board reports; "" off a Jetson (nothing is invented)
     draft_s: float = 0.0  # γ: moving average (α as HAT's) of seconds per draft token
     mode_error: str = ""  # why the mode could not be read, when it could not

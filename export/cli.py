@@ -24,7 +24,7 @@ from hat_split.files import bundle as M
 from hat_split.files.config_file import add_config_argument, config_from_command_line
 from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.partition import SplitModel, model_fingerprint
-from profiles.testbed.prompts import validation_prompts
+from testbed.prompts import validation_prompts
 
 # argparse dest -> ExportConfig key (dotted: a key of its [tensorrt] table), per command; the flags given override
 # the --config file's keys

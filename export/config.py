@@ -68,7 +68,7 @@ class ExportConfig:
     int4_embeddings: bool = True  # int4 quantizes the embedding table too (GatherBlockQuantized: onnxruntime >= 1.20);
     #                               false: its MatMuls only, which onnxruntime 1.17+ runs (Python 3.8 / JetPack 5
     #                               stops at 1.19)
-    device_profile: str = "any"  # the device profile the bundle targets (profiles/device/devices); any: every device
+    device_profile: str = "any"  # the device profile the bundle targets (hardware/devices); any: every device
     prompts: int = 4  # real prompts every artifact is validated on (half HumanEval, half ShareGPT); more: slower
     threads: int = 0  # onnxruntime intra-op threads while validating; 0: onnxruntime's default (every core)
     tensorrt: TensorRTConfig = field(default_factory=TensorRTConfig)  # `hat-export tensorrt` of this bundle

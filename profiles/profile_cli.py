@@ -17,9 +17,9 @@ import time
 from typing import List, Optional
 
 from profiles.bench.profile_sweep import add_arguments, run
-from profiles.device import device_profiles as D
-from profiles.device import jetson_control as J
-from profiles.device.power import BackendUnavailable, open_sampler
+from hardware import device_profiles as D
+from hardware import jetson_control as J
+from hardware.power import BackendUnavailable, open_sampler
 
 
 def main(argv: Optional[List[str]] = None) -> int:

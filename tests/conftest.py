@@ -88,7 +88,7 @@ def smollm2_bundle(smollm2, tmp_path_factory):
     from export.config import ExportConfig
     from export.onnx_export import export_bundle
     from hat_split.models.adapter import Adapter
-    from profiles.testbed.prompts import validation_prompts
+    from testbed.prompts import validation_prompts
 
     out = tmp_path_factory.mktemp("smollm2-bundle")
     prompts = validation_prompts(smollm2.tokenizer, 2)

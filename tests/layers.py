@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
-PACKAGES = ("hat_split", "edge_runtime", "cloud_runtime", "export", "profiles", "scripts")
+PACKAGES = ("hat_split", "hardware", "testbed", "edge_runtime", "cloud_runtime", "export", "profiles", "scripts")
 STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
 
 
@@ -57,14 +57,15 @@ RULES = (
     OnlyImports("hat_split.files", ("hat_split.files", "hat_split.wire", "hat_split.math", "tomli", "numpy",
                                     "matplotlib"),
                 "config files, the bundle contract and figures are read on a device without torch"),
-    NeverImports("hat_split", ("edge_runtime", "cloud_runtime", "export", "profiles"),
+    NeverImports("hat_split", ("hardware", "testbed", "edge_runtime", "cloud_runtime", "export", "profiles"),
                  "the core imports neither side"),
-    NeverImports("edge_runtime", ("cloud_runtime", "export", "profiles.bench"),
+    NeverImports("edge_runtime", ("cloud_runtime", "export", "profiles"),
                  "the device never imports the cloud, the exporter or the benchmarks"),
-    NeverImports("cloud_runtime", ("edge_runtime", "export", "profiles"), "the cloud never imports the device"),
-    NeverImports("profiles.device", ("edge_runtime", "cloud_runtime", "export", "profiles.bench", "profiles.testbed"),
+    NeverImports("cloud_runtime", ("edge_runtime", "export", "profiles", "testbed"),
+                 "the cloud never imports the device"),
+    NeverImports("hardware", ("edge_runtime", "cloud_runtime", "export", "profiles", "testbed"),
                  "the device's own knowledge stands below the runtimes"),
-    NeverImports("profiles.testbed", ("edge_runtime", "cloud_runtime", "export", "profiles.bench"),
+    NeverImports("testbed", ("edge_runtime", "cloud_runtime", "export", "profiles"),
                  "the link testbed stands below the runtimes"),
     NeverImports("", ("scripts",), "nothing imports scripts/ (shell and launch files)"),
     NeverLoads("cloud_runtime.scheduler", "torch", "the scheduler is plain Python"),

@@ -1,11 +1,11 @@
-"""Block-fading channel model (profiles.testbed.channel) and the accuracy metric's cosine."""
+"""Block-fading channel model (testbed.channel) and the accuracy metric's cosine."""
 import math
 
 import numpy as np
 import pytest
 
-from profiles.testbed.channel import Channel, token_throughput, uplink_times
-from profiles.testbed.prompts import HUMANEVAL_SPLIT, calibration_prompts, evaluation_prompts
+from testbed.channel import Channel, token_throughput, uplink_times
+from testbed.prompts import HUMANEVAL_SPLIT, calibration_prompts, evaluation_prompts
 from profiles.bench.accuracy import cosine
 
 

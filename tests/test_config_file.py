@@ -36,8 +36,8 @@ from export.validate import THRESHOLDS
 from hat_split.files import bundle
 from hat_split.net.security import LinkSecurity
 from hat_split.files.config_file import ConfigError, config_from_dict, config_to_dict, dump_toml, load_config
-from profiles.testbed import link_cli
-from profiles.testbed.link_cli import LinkEmulatorConfig
+from testbed import link_cli
+from testbed.link_cli import LinkEmulatorConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / ".device-envs"  # gitignored; made (or found up to date) by the first test that needs one
 VERSIONS = ("3.10", "3.8")  # JetPack 6, JetPack 5
-DEVICE_PACKAGES = ("hat_split", "edge_runtime", "profiles.device")
+DEVICE_PACKAGES = ("hat_split", "edge_runtime", "hardware")
 NEEDS_TORCH = ("edge_runtime.training.distill", "hat_split.models.adapter", "hat_split.models.draft_lm")
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys

@@ -41,7 +41,7 @@ def _edge(tmp_path, cloud, prompts, *args):
 
 @pytest.fixture(scope="module")
 def greedy_runs(cloud, tmp_path_factory):
-    from profiles.testbed.prompts import humaneval_prompts, sharegpt_prompts
+    from testbed.prompts import humaneval_prompts, sharegpt_prompts
 
     prompts = [p.to_json() for p in humaneval_prompts(1, offset=10) + sharegpt_prompts(1, offset=3)]
     results, stdout = _edge(tmp_path_factory.mktemp("greedy"), cloud, prompts, "--protocol", "llm,sd,hlm,uhlm,cuhlm",
@@ -87,7 +87,7 @@ def test_uncertainty_protocols_skip_on_real_pair(greedy_runs):
 
 
 def test_sampled_sd_runs_on_real_pair(cloud, tmp_path):
-    from profiles.testbed.prompts import humaneval_prompts
+    from testbed.prompts import humaneval_prompts
 
     prompts = [p.to_json() for p in humaneval_prompts(1, offset=20)]
     results, _ = _edge(tmp_path, cloud, prompts, "--protocol", "sd", "--max-new-tokens", "16", "--temperature", "0.8",

@@ -17,7 +17,7 @@ from edge_runtime.protocols import new_session
 from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
 from hat_split.net.security import LinkSecurity
-from profiles.testbed.link_emulator import LinkEmulator
+from testbed.link_emulator import LinkEmulator
 from cloud_runtime.process import free_port
 from tests.conftest import serving
 

@@ -1,4 +1,4 @@
-"""hat-flash (issue 7): bundles onto namespace "devices" over real ssh (profiles.testbed.netns_fleet), one by one and
+"""hat-flash (issue 7): bundles onto namespace "devices" over real ssh (testbed.netns_fleet), one by one and
 as a fleet through the Ansible playbook; verified on the device, idempotent, and refused when the bundle is damaged."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.netns
 
 @pytest.fixture(scope="module")
 def fleet():
-    from profiles.testbed.netns_fleet import LocalFleet, unavailable
+    from testbed.netns_fleet import LocalFleet, unavailable
 
     why = unavailable()
     if why:

@@ -72,7 +72,7 @@ def test_a_bad_inventory_is_refused_with_the_host_named(tmp_path, edit, error):
 
 
 def _fleet_reason():
-    from profiles.testbed.netns_fleet import unavailable
+    from testbed.netns_fleet import unavailable
 
     return unavailable()
 
@@ -85,7 +85,7 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
     cannot be set off a Jetson: recorded, not fatal), each agent reports its profile to the cloud; a request served
     by one agent shows in `status` (its drafting delay reaches the cloud); `down` leaves no agent or cloud process,
     and closing the local fleet leaves no namespace."""
-    from profiles.testbed.netns_fleet import LocalFleet
+    from testbed.netns_fleet import LocalFleet
 
     with LocalFleet(3, prefix="hsf", net=79, directory=tmp_path / "fleet") as local:
         inv_dict = local.inventory(sys.executable, cloud_port=5599, hatspec_model="smollm2-135m",
@@ -175,7 +175,7 @@ def test_software_on_a_namespace_device_then_its_agent_serves(smollm2_bundle, tm
     from export.deploy import flash_cli
     from export.deploy.flash import Target, flash
     from export.deploy.software import local_python
-    from profiles.testbed.netns_fleet import LocalFleet
+    from testbed.netns_fleet import LocalFleet
 
     base = local_python("3.10")
     if base is None:

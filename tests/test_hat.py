@@ -397,8 +397,8 @@ def test_split_protocols_greedy_equal_the_full_model(tiny_server, tiny_pair, tin
 
 def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tiny_adapter):
     """Over a link with 15 ms of delay each way, so the device has time to draft candidates while it waits."""
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import LinkProfile
+    from testbed.link_emulator import LinkEmulator
+    from testbed.links import LinkProfile
 
     model = tiny_pair[1].model
     hits = []
@@ -533,8 +533,8 @@ def test_parallel_drafting_on_a_slowed_board_keeps_the_uplink_estimate(tiny_serv
     made each round's few-kilobyte upload look many times slower, and the next prompt was cut into dozens of
     chunks)."""
     from edge_runtime.sessions.split import LinkState
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import LinkProfile
+    from testbed.link_emulator import LinkEmulator
+    from testbed.links import LinkProfile
 
     model = tiny_pair[1].model
     state = LinkState.configured(0.0, 0.0)

@@ -35,7 +35,7 @@ def _plant(path: Path, line: str) -> None:
                                                                              "cloud_runtime.config"),
     ("edge_runtime/runtime.py", "import export.cli", "edge_runtime.runtime imports export.cli"),
     ("hat_split/models/lm.py", "from edge_runtime import drafter", "hat_split.models.lm imports edge_runtime"),
-    ("profiles/testbed/links.py", "import cloud_runtime.process", "profiles.testbed.links imports cloud_runtime"),
+    ("testbed/links.py", "import cloud_runtime.process", "testbed.links imports cloud_runtime"),
     ("export/cli.py", "import scripts", "export.cli imports scripts"),
     (["cloud_runtime/scheduler.py", "hat_split/math/masks.py"], ["import hat_split.math.masks", "import torch"],
      "importing cloud_runtime.scheduler loads torch through cloud_runtime.scheduler -> hat_split.math.masks -> torch"),

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from profiles.testbed.link_emulator import LinkEmulator, send_control
-from profiles.testbed.links import LINK_PROFILES, LinkProfile, get_link_profile
+from testbed.link_emulator import LinkEmulator, send_control
+from testbed.links import LINK_PROFILES, LinkProfile, get_link_profile
 
 TIMEOUT_S = 10.0  # s: every blocking socket call in these tests; a failure, never a hang
 REPO = Path(__file__).resolve().parents[1]
@@ -313,7 +313,7 @@ def test_listen_conflict_and_close_idempotent():
 # -- (e) control channel, from another process ---------------------------------------------------------------------
 
 def hat_link(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "profiles.testbed.link_cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "testbed.link_cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=30)
 
 
@@ -379,7 +379,7 @@ def test_zmq_dealer_router_through_relay_and_reconnect_after_reset():
 
 def test_cli_runs_relay_until_interrupted():
     with tcp_server(echo) as (host, port):
-        proc = subprocess.Popen([sys.executable, "-m", "profiles.testbed.link_cli", "--profile", "wifi-far", "--listen",
+        proc = subprocess.Popen([sys.executable, "-m", "testbed.link_cli", "--profile", "wifi-far", "--listen",
                                  "127.0.0.1:0", "--upstream", f"{host}:{port}", "--stats-interval", "0.2"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         killer = threading.Timer(3 * TIMEOUT_S, proc.kill)  # unblocks the readline()s below if it hangs
@@ -420,7 +420,7 @@ def test_loss_delays_chunks_and_keeps_every_byte():
 # -- (f) the kernel's rate: a namespace behind a tbf-shaped veth (root) ----------------------------------------------
 
 def _netns_reason():
-    from profiles.testbed.netns_link import unavailable
+    from testbed.netns_link import unavailable
 
     return unavailable()
 
@@ -435,7 +435,7 @@ def test_netns_link_shapes_rate_in_the_kernel_and_delay_in_the_relay():
     import subprocess
     import sys
 
-    from profiles.testbed.netns_link import NetnsLink, tbf_args
+    from testbed.netns_link import NetnsLink, tbf_args
 
     assert tbf_args(250e3)[:2] == ["rate", "2000000bit"]
     script = """import socket, sys, time

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from profiles.device import device_profiles as D
-from profiles.device import jetson_control as J
-from profiles.device import power
-from profiles.device.tegrastats import TegrastatsParseError, parse_line
+from hardware import device_profiles as D
+from hardware import jetson_control as J
+from hardware import power
+from hardware.tegrastats import TegrastatsParseError, parse_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tegrastats.txt"
 

@@ -310,7 +310,7 @@ def test_the_monitor_measures_drafting_delay_and_never_invents_a_mode():
     assert m.draft_s == pytest.approx(0.02)
     m.observe(SimpleNamespace(protocol="hat"), split_draft_s=0.03)
     assert m.draft_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.03)
-    from profiles.device.jetson_control import shutil
+    from hardware.jetson_control import shutil
 
     if shutil.which("nvpmodel") is None:
         assert m.refresh_mode() == "" and "not a Jetson" in m.mode_error

@@ -94,8 +94,8 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     from hat_split.wire import messages as P
     from hat_split.models.lm import CausalLM
     from hat_split.math.sampling import SamplingParams
-    from profiles.testbed.link_emulator import LinkEmulator
-    from profiles.testbed.links import LinkProfile
+    from testbed.link_emulator import LinkEmulator
+    from testbed.links import LinkProfile
     from tests.test_registry import _tiny_model_and_tokenizer
 
     model, tok = _tiny_model_and_tokenizer(VOCAB)

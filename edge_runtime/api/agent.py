@@ -42,8 +42,8 @@ from hat_split import protocols
 from hat_split.files.atomic import write_json
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode_chat
-from profiles.device.device_profiles import get_profile
-from profiles.device.jetson_control import ModeCycler
+from hardware.device_profiles import get_profile
+from hardware.jetson_control import ModeCycler
 
 MAX_BODY_BYTES = 1 << 20
 SHED_RETRY_S = {"busy": 2, "memory_full": 2, "quota": 5}  # cloud refusals for load → 503, with Retry-After (s)

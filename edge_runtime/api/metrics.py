@@ -4,7 +4,7 @@ lists them).
 Each finished request is counted from its `GenerationResult` (edge_runtime.sessions.base: the session's own counters
 and clocks, link bytes from the real frames), each refused or failed one by why; the agent's state (queue, last
 report to the cloud, power mode, drafting delay γ) and the board's power and load are read at scrape time. Power
-comes from the first sampler backend that works here (profiles.device.power: jtop, tegrastats, INA3221, else psutil
+comes from the first sampler backend that works here (hardware.power: jtop, tegrastats, INA3221, else psutil
 with no power), opened at the first scrape and closed with the agent; a quantity the backend cannot measure is left
 out, never estimated. Every metric lives in this agent's own registry, never prometheus_client's global one. Runs on
 Python 3.8 (JetPack 5), with prometheus-client < 0.22 there.
@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from edge_runtime.client import CloudError, CloudUnavailable
 from hat_split import protocols
 from hat_split.wire import messages as P
-from profiles.device.power import open_sampler
+from hardware.power import open_sampler
 
 log = logging.getLogger("hatspec.agent")
 
@@ -123,7 +123,7 @@ def _gauge(name: str, doc: str, value: float, labels: Sequence[str] = (), values
 
 
 def reading_families(sampler: Any, reading: Any) -> Iterator[Metric]:
-    """Power and load of one sampler reading (profiles.device.power.Reading); what it lacks is left out."""
+    """Power and load of one sampler reading (hardware.power.Reading); what it lacks is left out."""
     yield _gauge("hatspec_edge_power_sampler_info", "the power sampler backend and what its power figure is (1)", 1,
                  ("backend", "power_source"), (sampler.backend.name, sampler.backend.power_source))
     if reading.power_mw is not None:

@@ -33,7 +33,7 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
 from hat_split.models.target import TargetSession
 from hat_split.wire import messages as P
-from profiles.testbed.prompts import calibration_prompts
+from testbed.prompts import calibration_prompts
 
 DEFAULT_ELLS = (4, 16, 64, 256)
 DEFAULT_LENGTHS = (1, 2, 3, 4, 6, 8)

@@ -30,7 +30,7 @@ from hat_split.models.chat import encode
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
 from hat_split.models.target import TargetSession
-from profiles.testbed.prompts import calibration_prompts
+from testbed.prompts import calibration_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:

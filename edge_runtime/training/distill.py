@@ -30,7 +30,7 @@ from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_
                                       teacher)
 from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
-from profiles.testbed.prompts import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
+from testbed.prompts import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
                                       sharegpt_conversations)
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)

@@ -22,7 +22,7 @@ host and an `edge` group, with `ansible_host`, `ansible_user`, `ansible_port`, `
   Python with hatspec on that host), hatspec_run_dir (pid, log and status files), hatspec_model (cloud: the target;
   device: the draft for the torch backend), hatspec_cloud_args;
   cloud: hatspec_bind; edge: hatspec_server (the endpoint the device dials), hatspec_bundle_dir, hatspec_backend,
-  hatspec_precision, hatspec_profile (profiles/device/devices), hatspec_power_mode (id or name in that profile),
+  hatspec_precision, hatspec_profile (hardware/devices), hatspec_power_mode (id or name in that profile),
   hatspec_protocol, hatspec_edge_args, hatspec_port, hatspec_mode_cycle / hatspec_mode_every (switch power modes every
   N requests, as HAT's testbed does); link security: hatspec_curve_secret (each host's secret key), hatspec_curve_allow
   (cloud: the allow-list directory), hatspec_curve_server_key (device: the cloud's public key), or hatspec_plaintext.
@@ -44,8 +44,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from hat_split.net.security import ephemeral
 from hat_split.net.ssh import ssh_argv
 from hat_split.version import mismatch
-from profiles.device.device_profiles import ProfileError, get_profile
-from profiles.testbed.netns_fleet import LocalFleet, unavailable
+from hardware.device_profiles import ProfileError, get_profile
+from testbed.netns_fleet import LocalFleet, unavailable
 
 SSH_TIMEOUT = ("-o", "ConnectTimeout=10")  # s: an unreachable device fails a fleet command after this, not minutes
 

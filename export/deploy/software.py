@@ -34,7 +34,7 @@ from hat_split.version import SOFTWARE_STAMP, describe
 
 SOFTWARE_DIR = "/opt/hatspec"  # the device's hatspec root: venv/ and wheels/ (bundles in bundle/)
 EXTRAS = ("edge-onnx", "edge-trt", "edge")
-PACKAGES = ("hat_split", "edge_runtime", "cloud_runtime", "export", "profiles")
+PACKAGES = ("hat_split", "hardware", "testbed", "edge_runtime", "cloud_runtime", "export", "profiles")
 MIN_PYTHON = (3, 8)
 SUMS = "SHA256SUMS"
 _SAVED = re.compile(r"(?:Saved|File was already downloaded) (\S+\.whl)")

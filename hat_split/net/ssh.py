@@ -1,5 +1,5 @@
 """ssh and scp command lines, built in one place: flashing bundles (export.deploy.flash), launching a fleet
-(export.deploy.fleet) and the namespace devices of the testbed (profiles.testbed.netns_fleet).
+(export.deploy.fleet) and the namespace devices of the testbed (testbed.netns_fleet).
 
 ssh keeps the first value it reads for an option, so the defaults come first and a caller's options can add to
 them but not override them: BatchMode=yes (never a password or host-key prompt, which would hang a fleet command)

@@ -131,7 +131,7 @@ class DeviceState(msgspec.Struct, frozen=True, omit_defaults=True):
     down_bps: float = 0.0  # downlink bandwidth β_down
     draft_s: float = 0.0  # drafting delay γ: seconds per draft token
     power_mode: str = ""  # the device's nvpmodel mode as the board reports it ("" where it has none)
-    profile: str = ""  # its device profile (profiles/device/devices), "" when not given
+    profile: str = ""  # its device profile (hardware/devices), "" when not given
     input_s: float = 0.0  # prefill: seconds per prompt position of the device's input layers (before an upload)
     adapter_s: float = 0.0  # prefill: seconds per prompt position of its Λ (after each upload, before the next)
 

@@ -39,9 +39,9 @@ from hat_split.models.loading import load_model, load_tokenizer, resolve_dtype
 from profiles.bench.accuracy import Embedder
 from profiles.bench.bench_args import names, numbers
 from profiles.bench.testbed import Testbed
-from profiles.testbed.channel import Channel, token_throughput
-from profiles.testbed.links import LinkProfile
-from profiles.testbed.prompts import evaluation_prompts
+from testbed.channel import Channel, token_throughput
+from testbed.links import LinkProfile
+from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, interval, paired_diff, paired_ratio, rotated
 

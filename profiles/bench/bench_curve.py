@@ -27,7 +27,7 @@ from profiles.bench.bench_args import names, numbers
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import interval, paired_ratio
 from profiles.bench.testbed import Testbed
-from profiles.testbed.prompts import evaluation_prompts
+from testbed.prompts import evaluation_prompts
 
 DEVICE = "curve-bench"
 SIDES = ("curve", "plaintext")

@@ -28,7 +28,7 @@ from hat_split.models.loading import load_model, quantize_weights
 from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names
 from profiles.bench.stats import interval, percentile, rotated
-from profiles.testbed.prompts import validation_prompts
+from testbed.prompts import validation_prompts
 from profiles.bench.provenance import write_report
 
 BACKENDS = ("torch-fp32", "torch-int8", "ort-fp32", "ort-int8", "ort-int4", "llamacpp")

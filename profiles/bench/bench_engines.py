@@ -46,8 +46,8 @@ from hat_split.models.loading import load_model, load_tokenizer
 from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names, parse_variants, variant_name
 from profiles.bench.testbed import Testbed
-from profiles.testbed.links import LINK_PROFILES
-from profiles.testbed.prompts import humaneval_prompts
+from testbed.links import LINK_PROFILES
+from testbed.prompts import humaneval_prompts
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import interval, rotated
 

@@ -47,8 +47,8 @@ from hat_split.models.partition import free_layers
 from profiles.bench.bench_args import adapter_dir, names, numbers
 from profiles.bench.stats import interval, mean, percentile
 from profiles.bench.testbed import Testbed
-from profiles.testbed.links import get_link_profile
-from profiles.testbed.prompts import long_chat_prompts
+from testbed.links import get_link_profile
+from testbed.prompts import long_chat_prompts
 from profiles.bench.provenance import write_report
 
 SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" / "engine" the SplitConfig / EngineConfig fields, cloud

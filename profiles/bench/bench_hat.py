@@ -14,7 +14,7 @@ estimates their first observations, as a running fleet has.
 
 The device is slower than the cloud, as a Jetson is beside a GPU server: its compute runs on this machine and is
 stretched by `--slowdown`, by default the ratio of the memory bandwidths of `--device-profile` and `--cloud-gpu`
-(profiles/device: an AGX Orin 32GB, HAT's device, against an RTX A6000, HAT's cloud GPU: 3.75x). The stretch is a sleep
+(hardware: an AGX Orin 32GB, HAT's device, against an RTX A6000, HAT's cloud GPU: 3.75x). The stretch is a sleep
 with torch's OpenMP workers waiting passively (hat_split.models.lm.wait_passively), so the device's emulated time
 leaves the cores to the cloud; the cloud gets `--threads` threads (the cores), the device `--device-threads`. The
 device's real compute (1 / slowdown of its emulated time) still takes the cloud's cores when both work at once
@@ -49,9 +49,9 @@ from hat_split.models.lm import wait_passively
 from profiles.bench.bench_args import adapter_dir, names
 from profiles.bench.stats import ci_text, interval, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
-from profiles.device.device_profiles import cloud_gpus, get_profile, speed_ratio
-from profiles.testbed.links import get_link_profile
-from profiles.testbed.prompts import long_chat_prompts
+from hardware.device_profiles import cloud_gpus, get_profile, speed_ratio
+from testbed.links import get_link_profile
+from testbed.prompts import long_chat_prompts
 from profiles.bench.provenance import write_report
 
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
@@ -87,7 +87,7 @@ def add_parser(sub) -> None:
                         "(threads: one per core on each side), so that the device's real compute never takes the "
                         "cloud's cores, as on separate hardware; 0: both share every core")
     s.add_argument("--device-profile", default="agx-orin-32gb", help="the emulated device (hat-profile list)")
-    s.add_argument("--cloud-gpu", default="a6000", help="the cloud GPU it is compared with (profiles/device/"
+    s.add_argument("--cloud-gpu", default="a6000", help="the cloud GPU it is compared with (hardware/"
                                                            "cloud_gpus.toml)")
     s.add_argument("--slowdown", type=float, default=0.0,
                    help="device compute stretch (0: the memory-bandwidth ratio of --device-profile to --cloud-gpu; "

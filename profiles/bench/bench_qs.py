@@ -31,8 +31,8 @@ from hat_split.wire import dist_codec
 from hat_split.wire.sqs import ConformalThreshold, LatticeWire
 from profiles.bench.stats import ci_text, interval, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
-from profiles.testbed.links import LinkProfile
-from profiles.testbed.prompts import evaluation_prompts
+from testbed.links import LinkProfile
+from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
 
 METHODS = ("llm", "slm", "sq", "qs_static", "qs_heuristic", "qs_dqn")

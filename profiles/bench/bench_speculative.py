@@ -10,7 +10,7 @@ Systems, side by side on the same prompts (token ids fixed once), greedy:
      `sd` variant and `hlm`; a real `hat-cloud serve` process and the edge runtime in this process over loopback
      (profiles.bench.testbed). Per prompt every system runs in turn, the order rotating from prompt to prompt, so a
      drift in the machine's speed falls on all of them alike.
-γ is chosen on tuning prompts (profiles.testbed.prompts.calibration_prompts: disjoint from the reported ones): with more
+γ is chosen on tuning prompts (testbed.prompts.calibration_prompts: disjoint from the reported ones): with more
 than one `sd` variant, each runs on them first and the fastest is "chosen"; every variant is reported, and the
 headline is the chosen one's figure on the reported prompts, never the best of them.
 
@@ -40,7 +40,7 @@ from profiles.bench.bench_args import parse_variants, variant_name
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import paired_ratio, rotated
 from profiles.bench.testbed import Testbed
-from profiles.testbed.prompts import calibration_prompts, evaluation_prompts
+from testbed.prompts import calibration_prompts, evaluation_prompts
 
 BASELINE = "hatspec_llm"
 DRAFT_ALONE = "hatspec_slm"

@@ -34,8 +34,8 @@ from hat_split.net.security import cli_args
 from hat_split.protocols import of_family
 from profiles.bench.bench_args import adapter_dir
 from profiles.bench.testbed import Testbed
-from profiles.testbed.links import get_link_profile
-from profiles.testbed.prompts import demo_prompts
+from testbed.links import get_link_profile
+from testbed.prompts import demo_prompts
 from profiles.bench.provenance import write_report
 
 DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm"

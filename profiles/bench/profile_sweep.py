@@ -4,7 +4,7 @@ For each power mode asked for (nvpmodel -m, root on a Jetson; the mode is verifi
 the end), each draft backend (torch with --model, or a hat-export --bundle's artifacts on onnxruntime / TensorRT) and
 each draft length L, the draft does what it does in speculative decoding: from a fixed prompt it drafts L tokens one
 forward at a time (greedy, logits to the host), then its cache is cropped back to the prompt as after a rejection;
-`--rounds` such drafts per cell. The power sampler (profiles.device.power) runs beside the workload; per cell: draft
+`--rounds` such drafts per cell. The power sampler (hardware.power) runs beside the workload; per cell: draft
 tokens/s, per-token latency mean / P50 / P90, mean power, joules per token and CPU load.
 
 What cannot run here is recorded, not invented: a mode that cannot be set (not a Jetson, not root, needs a reboot)
@@ -26,9 +26,9 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model
 from profiles.bench.bench_args import numbers
 from profiles.bench.stats import percentile
-from profiles.device import jetson_control as J
-from profiles.device.device_profiles import get_profile
-from profiles.device.power import open_sampler
+from hardware import jetson_control as J
+from hardware.device_profiles import get_profile
+from hardware.power import open_sampler
 from profiles.bench.provenance import write_report
 
 PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"

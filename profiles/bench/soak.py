@@ -6,7 +6,7 @@ What runs, all real:
   memory freed while it is away);
 - `--hosts` device host processes, each holding the device's parts of the model once and `--devices / --hosts`
   emulated devices: each its own `hat-edge serve` agent (edge_runtime.api.agent: OpenAI endpoint, state reports, its
-  own key, its own link policy) behind its own link emulator (profiles.testbed.link_emulator; WiFi near/mid/far and
+  own key, its own link policy) behind its own link emulator (testbed.link_emulator; WiFi near/mid/far and
   LTE, round robin), all on a testbed (profiles.bench.testbed) reaching the driver's. Devices share weights, not state:
   each has its own runtime, caches, cloud connection and sessions;
 - the driver: requests arrive as one Poisson process at `--rate`, each at a random device, as streamed
@@ -61,9 +61,9 @@ from profiles.bench.bench_args import adapter_dir, names, numbers
 from profiles.bench.bench_fleet import poisson_arrivals
 from profiles.bench.soak_check import NEAR_TIE, check, hostile_sides, plot, print_summary, summarise
 from profiles.bench.testbed import Testbed
-from profiles.testbed.link_emulator import send_control
-from profiles.testbed.links import get_link_profile
-from profiles.testbed.prompts import long_chat_prompts
+from testbed.link_emulator import send_control
+from testbed.links import get_link_profile
+from testbed.prompts import long_chat_prompts
 from profiles.bench.provenance import write_report
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")

@@ -26,8 +26,8 @@ from edge_runtime.api.agent import Agent, AgentConfig
 from edge_runtime.config import EdgeConfig, LinkConfig
 from edge_runtime.runtime import EdgeRuntime
 from hat_split.net.security import LinkSecurity, ephemeral
-from profiles.testbed.link_emulator import LinkEmulator
-from profiles.testbed.links import LinkProfile
+from testbed.link_emulator import LinkEmulator
+from testbed.links import LinkProfile
 
 AGENT_JOIN_S = 30.0  # s an agent's thread gets to finish its requests and report "stopped" at teardown
 
@@ -140,7 +140,7 @@ class Testbed:
     def add_link(self, profile: LinkProfile | str, *, control: bool = False,
                  seed: Optional[int] = None) -> LinkEmulator:
         """A new link emulator in front of the cloud (`address` for a device); `control`: also a loopback control
-        port (`control_address`, profiles.testbed.link_emulator.send_control) for cuts from other processes."""
+        port (`control_address`, testbed.link_emulator.send_control) for cuts from other processes."""
         stack = self._own()
         emu = LinkEmulator(profile, upstream=self.upstream, control=("127.0.0.1", 0) if control else None, seed=seed)
         stack.callback(emu.close)

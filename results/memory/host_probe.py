@@ -31,8 +31,8 @@ from hat_split.models.loading import load_model, load_tokenizer  # noqa: E402
 from profiles.bench.provenance import write_report  # noqa: E402
 from profiles.bench.soak import stream_completion  # noqa: E402
 from profiles.bench.testbed import Testbed  # noqa: E402
-from profiles.testbed.links import get_link_profile  # noqa: E402
-from profiles.testbed.prompts import long_chat_prompts  # noqa: E402
+from testbed.links import get_link_profile  # noqa: E402
+from testbed.prompts import long_chat_prompts  # noqa: E402
 
 MODEL, LINKS, DEVICES = "smollm2-135m", ("wifi-near", "wifi-far", "lte"), [f"d{i}" for i in range(10)]
 PROTOCOLS = ("sd", "llm", "uhlm", "qs", "cuhlm")

@@ -3,7 +3,7 @@
 The rate of each direction is a token-bucket filter on the sending side of the veth pair (up: the namespace's eth0,
 down: the host side), so the device's TCP meets a real bottleneck queue and its congestion control reacts as on a
 real link. This kernel has no netem, so delay, jitter, loss and cuts come from the user-space relay
-(profiles/testbed/link_emulator.py) in front of the server, run with the profile's rates removed.
+(testbed/link_emulator.py) in front of the server, run with the profile's rates removed.
 
     with NetnsLink("lte", upstream=("127.0.0.1", 5555)) as link:
         subprocess.run(link.exec(["hat-edge", "generate", "--server", link.address, ...]))
@@ -19,8 +19,8 @@ import shutil
 import subprocess
 from typing import List, Optional, Sequence, Tuple
 
-from profiles.testbed.link_emulator import LinkEmulator
-from profiles.testbed.links import LinkProfile, get_link_profile
+from testbed.link_emulator import LinkEmulator
+from testbed.links import LinkProfile, get_link_profile
 
 ETH_FRAME_BYTES = 1514
 KERNEL_HZ = 250  # timer ticks per second the burst must cover at high rates (CONFIG_HZ on common kernels)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hat_split.files.config_file import add_config_argument, config_from_command_line
-from profiles.testbed.link_emulator import CUT_MODES, LinkEmulator, send_control
-from profiles.testbed.links import LINK_PROFILES
-from profiles.testbed.netns_link import NetnsLink
+from testbed.link_emulator import CUT_MODES, LinkEmulator, send_control
+from testbed.links import LINK_PROFILES
+from testbed.netns_link import NetnsLink
 
 COMMANDS = ("cut", "restore", "profile", "stats")
 

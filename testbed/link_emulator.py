@@ -36,7 +36,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from profiles.testbed.links import LinkProfile, get_link_profile
+from testbed.links import LinkProfile, get_link_profile
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Backends, in the default order:
 1. `jtop`       jetson-stats (optional extra `jetson`, AGPL-3.0): needs its root service (jtop.service) on a Jetson.
-2. `tegrastats` JetPack's tegrastats as a subprocess, read with profiles.device.tegrastats.
+2. `tegrastats` JetPack's tegrastats as a subprocess, read with hardware.tegrastats.
 3. `ina3221`    the INA3221 power monitors in sysfs (hwmon on JetPack 5+, the ina3221x IIO driver on JetPack 4).
 4. `psutil`     CPU load and memory on any machine; no power.
 `open_sampler()` takes the first that starts and records why each earlier one did not (`Sampler.attempts`);
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from profiles.device.tegrastats import INPUT_RAILS, TegraSample, TegrastatsParseError, parse_line
+from hardware.tegrastats import INPUT_RAILS, TegraSample, TegrastatsParseError, parse_line
 
 QUANTITIES = ("power", "rails", "cpu", "memory", "gpu", "temperature")
 ORDER = ("jtop", "tegrastats", "ina3221", "psutil")

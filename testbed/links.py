@@ -1,4 +1,4 @@
-"""Named link profiles for the link emulator (profiles/testbed/link_emulator.py).
+"""Named link profiles for the link emulator (testbed/link_emulator.py).
 
 Terms, used the same way in the emulator and docs/LINKS.md:
 - up / uplink: device -> cloud; down / downlink: cloud -> device.
@@ -8,11 +8,11 @@ Terms, used the same way in the emulator and docs/LINKS.md:
   uniform in [delay - jitter, delay + jitter]. Delivery stays in order (TCP does not reorder), so a chunk
   never arrives before the one sent ahead of it.
 - loss: probability that one TCP segment is lost; TCP retransmits it, so a loss shows as a delay
-  (profiles/testbed/link_emulator.py), never as missing bytes.
+  (testbed/link_emulator.py), never as missing bytes.
 
-Two ways to impose a profile: the user-space relay (profiles/testbed/link_emulator.py: rate, delay, jitter, loss,
+Two ways to impose a profile: the user-space relay (testbed/link_emulator.py: rate, delay, jitter, loss,
 cuts; no root) and, as root, a network namespace whose veth link the kernel shapes with tc tbf
-(profiles/testbed/netns_link.py: the rate in the kernel, with real TCP congestion control) with the relay in front
+(testbed/netns_link.py: the rate in the kernel, with real TCP congestion control) with the relay in front
 for delay, loss and cuts (this kernel has no
 netem).
 

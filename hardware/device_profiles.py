@@ -1,6 +1,6 @@
 """Device profiles: what a Jetson module is and which power modes it reports, read from data files and validated.
 
-One TOML file per module in profiles/device/devices/ (`<name>.toml`), plus profiles/device/devices/jetpack.toml, the
+One TOML file per module in hardware/devices/ (`<name>.toml`), plus hardware/devices/jetpack.toml, the
 JetPack releases (L4T, Ubuntu, Python, CUDA, TensorRT, cuDNN). A profile lists the nvpmodel modes exactly as the board's
 /etc/nvpmodel conf defines them — id, NAME, power budget (none for MAXN), online CPUs, CPU and GPU frequency caps, and
 whether switching to it needs a reboot — and the default mode, memory, CPU and GPU, compute capability, the JetPack
