@@ -54,14 +54,17 @@ def _cut_after(link, k, seconds, mode="reset"):
     return hook
 
 
-@pytest.mark.parametrize("mode", ["reset", "stall"])
-def test_link_cut_under_wait_gives_the_uninterrupted_answer(tiny_server, tiny_pair, mode):
+@pytest.mark.parametrize("mode,protocol", [("reset", "sd"), ("stall", "sd"), ("reset", "randhlm"),
+                                           ("stall", "uhlm")])
+def test_link_cut_under_wait_gives_the_uninterrupted_answer(tiny_server, tiny_pair, mode, protocol):
+    """Also for the protocols that draw on the device per round (randhlm's coin, U-HLM's perturbations): the round
+    lost to the cut draws the same again when it is retried."""
     draft = tiny_pair[0]
     host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
-    reference = _generate(tiny_server.endpoint, draft)
+    reference = _generate(tiny_server.endpoint, draft, protocol=protocol)
     with LinkEmulator("loopback", (host, int(port))) as link:
         hook = _cut_after(link, 8, 3.0, mode)  # longer than the heartbeat
-        got = _generate(link.address, draft, "wait", hook)
+        got = _generate(link.address, draft, "wait", hook, protocol=protocol)
         hook.state["timer"].join()
     assert got.tokens == reference.tokens and got.n == N  # nothing lost, nothing duplicated
     assert got.interruptions >= 1 and got.degraded == []

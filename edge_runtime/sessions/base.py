@@ -266,14 +266,26 @@ class Session(ABC):
 
     # -- link drops ----------------------------------------------------------------------------------------------
     def _resuming(self, prompt: List[int], step: Callable[[], None]) -> bool:
-        """Run one step of the request; if it fails recoverably, resume. Whether the cloud holds the session after."""
+        """Run one step of the request; if it fails recoverably, resume. Whether the cloud holds the session after.
+        The step's retry draws what the lost step drew (the device's streams go back to where it began): the draft
+        samples, U-HLM's perturbations and randhlm's coins after a cut are those of an uninterrupted answer."""
+        drawn = self._draws()
         try:
             step()
             return True
         except (LinkDown, CloudError) as exc:
             if not recoverable(exc):
                 raise
+            self._redraw(drawn)
             return self.resume(prompt, exc)
+
+    def _draws(self) -> List[dict]:
+        """Where the device's random streams stand (their bit generators' states)."""
+        return [g.bit_generator.state for g in (self.rng, self.uncertainty_rng, self.skip_rng)]
+
+    def _redraw(self, states: List[dict]) -> None:
+        for g, state in zip((self.rng, self.uncertainty_rng, self.skip_rng), states):
+            g.bit_generator.state = state
 
     def resume(self, prompt: List[int], exc: Exception) -> bool:
         """The link dropped mid-answer, or the cloud forgot the session: reconnect with backoff and `reopen` from the
