@@ -281,11 +281,15 @@ class Session(ABC):
 
     def _draws(self) -> List[dict]:
         """Where the device's random streams stand (their bit generators' states)."""
-        return [g.bit_generator.state for g in (self.rng, self.uncertainty_rng, self.skip_rng)]
+        return [g.bit_generator.state for g in self._streams]
 
     def _redraw(self, states: List[dict]) -> None:
-        for g, state in zip((self.rng, self.uncertainty_rng, self.skip_rng), states):
+        for g, state in zip(self._streams, states):
             g.bit_generator.state = state
+
+    @property
+    def _streams(self) -> tuple:
+        return self.rng, self.uncertainty_rng, self.skip_rng
 
     def resume(self, prompt: List[int], exc: Exception) -> bool:
         """The link dropped mid-answer, or the cloud forgot the session: reconnect with backoff and `reopen` from the
