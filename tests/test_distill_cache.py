@@ -172,3 +172,14 @@ def test_hat_distill_trains_over_its_cache_on_the_real_cut(smollm2, tmp_path, ca
     assert set(record["acceptance"]) == set(record["eta_sweep"]["0.3"]) == {"sharegpt", "humaneval"}
     meta = json.loads((out / "teacher-cache" / "meta.json").read_text())
     assert meta["done"] == meta["spec"]["windows"] == 5 and meta["spec"]["hidden"] == 576
+
+
+@pytest.mark.parametrize("model,m,tail,expected", [
+    ("qwen2.5-coder-1.5b", 2, 0, "runs/adapters/qwen2.5-coder-1.5b-m2"),   # a registry name keeps its dots
+    ("smollm2-135m", 2, 2, "runs/adapters/smollm2-135m-m2-t2"),
+    ("/models/Qwen2.5-Coder-1.5B-Q8_0.gguf", 4, 0, "runs/adapters/Qwen2.5-Coder-1.5B-Q8_0-m4"),
+    ("/models/qwen2.5-coder-1.5b/", 2, 0, "runs/adapters/qwen2.5-coder-1.5b-m2"),  # an HF directory
+])
+def test_the_default_adapter_folder_is_named_after_the_whole_model_name(model, m, tail, expected):
+    from edge_runtime.training.distill import default_out
+    assert default_out(model, m, tail).as_posix() == expected

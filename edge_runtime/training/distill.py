@@ -144,6 +144,15 @@ def main(argv=None) -> int:
         return 2
 
 
+def default_out(model: str, m: int, tail: int) -> Path:
+    """runs/adapters/NAME-mM[-tT]: NAME is the registry name, or the HF directory's or the .gguf file's name.
+
+    Only a .gguf suffix is dropped: a registry name's dots (qwen2.5-coder-1.5b) are part of it.
+    """
+    name = Path(model).name.removesuffix(".gguf")
+    return Path("runs/adapters") / (f"{name}-m{m}" + (f"-t{tail}" if tail else ""))
+
+
 def run(args) -> int:
     import torch
     from tqdm import tqdm
@@ -156,7 +165,7 @@ def run(args) -> int:
     etas(args.eta_sweep)  # refused before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out or f"runs/adapters/{Path(args.model).stem}-m{args.m}" + (f"-t{args.tail}" if args.tail else ""))
+    out = Path(args.out) if args.out else default_out(args.model, args.m, args.tail)
     dtype = resolve_dtype(args.dtype)
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model.requires_grad_(False)
