@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hat_split.models.adapter import Adapter, adapter_stack
-from hat_split.models.adapter import load_adapter, save_adapter
+from hat_split.models.adapter import default_adapter_dir, load_adapter, save_adapter
 from hat_split.models.distill import CacheSpec, TeacherCache, ce_positions, student_loss, teacher, teacher_probs
 from hat_split.models.partition import SplitModel
 from tests.conftest import TINY_VOCAB, tiny_model
@@ -181,5 +181,4 @@ def test_hat_distill_trains_over_its_cache_on_the_real_cut(smollm2, tmp_path, ca
     ("/models/qwen2.5-coder-1.5b/", 2, 0, "runs/adapters/qwen2.5-coder-1.5b-m2"),  # an HF directory
 ])
 def test_the_default_adapter_folder_is_named_after_the_whole_model_name(model, m, tail, expected):
-    from edge_runtime.training.distill import default_out
-    assert default_out(model, m, tail).as_posix() == expected
+    assert default_adapter_dir(model, m, tail).as_posix() == expected

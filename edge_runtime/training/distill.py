@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import List
 
 from edge_runtime.split_drafter import local_accept_length
-from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
-                                      load_draft_vocab, rank_vocab, save_adapter, save_draft_vocab)
+from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, default_adapter_dir,
+                                      load_adapter, load_draft_vocab, rank_vocab, save_adapter, save_draft_vocab)
 from hat_split.models.chat import encode, encode_chat
 from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_positions, student_loss,
                                       teacher)
@@ -144,15 +144,6 @@ def main(argv=None) -> int:
         return 2
 
 
-def default_out(model: str, m: int, tail: int) -> Path:
-    """runs/adapters/NAME-mM[-tT]: NAME is the registry name, or the HF directory's or the .gguf file's name.
-
-    Only a .gguf suffix is dropped: a registry name's dots (qwen2.5-coder-1.5b) are part of it.
-    """
-    name = Path(model).name.removesuffix(".gguf")
-    return Path("runs/adapters") / (f"{name}-m{m}" + (f"-t{tail}" if tail else ""))
-
-
 def run(args) -> int:
     import torch
     from tqdm import tqdm
@@ -165,7 +156,7 @@ def run(args) -> int:
     etas(args.eta_sweep)  # refused before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out else default_out(args.model, args.m, args.tail)
+    out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail)
     dtype = resolve_dtype(args.dtype)
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model.requires_grad_(False)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, List, Tuple, TypeVar
 
+from hat_split.models.adapter import default_adapter_dir
+
 T = TypeVar("T")
 
 
@@ -28,7 +30,7 @@ def numbers(text: str, kind: Callable[[str], T] = float) -> List[T]:
 
 def adapter_dir(given: str, model: str, m: int, needed: bool) -> str:
     """The adapter directory (default runs/adapters/<model>-m<m>); ValueError when `needed` and none is there."""
-    path = given or f"runs/adapters/{model}-m{m}"
+    path = given or str(default_adapter_dir(model, m))
     if needed and not os.path.exists(os.path.join(path, "adapter.json")):
         raise ValueError(f"no adapter at {path!r}: run hat-distill --model {model} --m {m} first")
     return path
