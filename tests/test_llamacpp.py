@@ -195,7 +195,7 @@ def test_the_first_sampled_token_follows_the_llama_cpp_targets_softmax(smollm2_g
     p = warp(target.forward(target.new_state(), smollm2_ids)[-1], SamplingParams(1.0))  # [vocab]
     decoy = warp(target.forward(target.new_state(), smollm2_ids)[-1], SamplingParams(0.5))
     cells = [int(t) for t in np.argsort(-p)[:7]]  # the likeliest tokens, one cell each; the rest one cell
-    n = 400
+    n = 200  # the decoy lies at TV 0.52 from p, the bound at n = 200 is 0.38 (0.27 at 400, for twice the time)
     with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
         config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()),
                             draft_len=2)
