@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hat_split.models.adapter import Adapter, adapter_stack
-from hat_split.models.adapter import default_adapter_dir, load_adapter, save_adapter
+from hat_split.models.adapter import load_adapter, save_adapter
+from hat_split.models.registry import default_adapter_dir
 from hat_split.models.distill import CacheSpec, TeacherCache, ce_positions, student_loss, teacher, teacher_probs
 from hat_split.models.partition import SplitModel
 from tests.conftest import TINY_VOCAB, tiny_model

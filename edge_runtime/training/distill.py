@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import List
 
 from edge_runtime.split_drafter import local_accept_length
-from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, default_adapter_dir,
-                                      load_adapter, load_draft_vocab, rank_vocab, save_adapter, save_draft_vocab)
+from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
+                                      load_draft_vocab, rank_vocab, save_adapter, save_draft_vocab)
 from hat_split.models.chat import encode, encode_chat
 from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_positions, student_loss,
                                       teacher)
 from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
+from hat_split.models.registry import default_adapter_dir
 from testbed.prompts import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
                                       sharegpt_conversations)
 

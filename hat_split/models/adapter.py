@@ -88,14 +88,6 @@ class Adapter(_module_base()):
         return sum(p.numel() for p in self.parameters())
 
 
-def default_adapter_dir(model: str, m: int, tail: int = 0) -> Path:
-    """runs/adapters/NAME-mM[-tT], where hat-distill writes an adapter and the benchmarks look for it. NAME is the
-    registry name, or the HF directory's or the .gguf file's name; only a .gguf suffix is dropped, since a registry
-    name's dots (qwen2.5-coder-1.5b) are part of it."""
-    name = Path(model).name.removesuffix(".gguf")
-    return Path("runs/adapters") / (f"{name}-m{m}" + (f"-t{tail}" if tail else ""))
-
-
 def adapter_stack(split: SplitModel, adapter: Adapter) -> Stack:
     """Λ as a Stack of its own (no model layers, one extra layer) on the split model's rotary embedding."""
     return Stack(split.model, split.m, split.m, extra_layers=[(adapter, adapter.layer_type)])

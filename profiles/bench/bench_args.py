@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, List, Tuple, TypeVar
 
-from hat_split.models.adapter import default_adapter_dir
+from hat_split.models.registry import default_adapter_dir
 
 T = TypeVar("T")
 
