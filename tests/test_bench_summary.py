@@ -3,17 +3,32 @@ per-prompt intervals, γ chosen on tuning prompts; the cuhlm, hat and engines su
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from hat_split.math.verify import ideal_speedup
 from profiles.bench.bench_speculative import choose, format_table, summarise
-from profiles.bench.bench_args import parse_variants, variant_name
+from profiles.bench.bench_args import adapter_dir, parse_variants, variant_name
 
 
 def _row(tokens, total_s, open_s=0.0, drafted=0, accepted=0, log=()):
     return {"tokens": tokens, "total_s": total_s, "open_s": open_s, "drafted": drafted, "accepted": accepted,
             "verify_log": [list(e) for e in log]}
+
+
+def test_hat_bench_starts_without_torch_and_names_the_default_adapter_it_misses(tmp_path, monkeypatch):
+    """`hat-bench --help` and a refusal need no torch (a benchmark loads it when it runs); the adapter a HAT benchmark
+    looks for is where hat-distill writes it by default, the registry name's dots kept."""
+    code = "import sys, profiles.bench.bench; assert 'torch' not in sys.modules, 'torch imported'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"no adapter at 'runs/adapters/qwen2.5-coder-1.5b-m2': run hat-distill"):
+        adapter_dir("", "qwen2.5-coder-1.5b", 2, needed=True)
 
 
 def test_parse_variants():
