@@ -455,17 +455,17 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-__all__ = [
-    "MODELS", "ModelSpec", "cache_dir", "cache_is_valid", "concat_files", "default_adapter_dir", "format_table",
-    "get_model_spec",
-    "gguf_cache_path", "gguf_path", "hf_cache_path", "install", "is_assembled", "is_cached", "is_installed",
-    "missing_packages", "package_module", "part_paths", "read_cache_meta", "source_signature", "status",
-]
-
-
 def default_adapter_dir(model: str, m: int, tail: int = 0) -> Path:
     """runs/adapters/NAME-mM[-tT], where hat-distill writes an adapter and the benchmarks look for it. NAME is the
     registry name, or the HF directory's or the .gguf file's name; only a .gguf suffix is dropped, since a registry
     name's dots (qwen2.5-coder-1.5b) are part of it."""
     name = Path(model).name.removesuffix(".gguf")
     return Path("runs/adapters") / (f"{name}-m{m}" + (f"-t{tail}" if tail else ""))
+
+
+__all__ = [
+    "MODELS", "ModelSpec", "cache_dir", "cache_is_valid", "concat_files", "default_adapter_dir", "format_table",
+    "get_model_spec", "gguf_cache_path", "gguf_path", "hf_cache_path", "install", "is_assembled", "is_cached",
+    "is_installed", "missing_packages", "package_module", "part_paths", "read_cache_meta", "source_signature", "status",
+]
+

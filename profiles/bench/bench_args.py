@@ -29,7 +29,8 @@ def numbers(text: str, kind: Callable[[str], T] = float) -> List[T]:
 
 
 def adapter_dir(given: str, model: str, m: int, needed: bool) -> str:
-    """The adapter directory (default runs/adapters/<model>-m<m>); ValueError when `needed` and none is there."""
+    """The adapter directory (default: where hat-distill writes it, `default_adapter_dir`); ValueError when `needed`
+    and none is there."""
     path = given or str(default_adapter_dir(model, m))
     if needed and not os.path.exists(os.path.join(path, "adapter.json")):
         raise ValueError(f"no adapter at {path!r}: run hat-distill --model {model} --m {m} first")
