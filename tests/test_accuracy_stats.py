@@ -1,5 +1,6 @@
 """The foundations of accuracy numbers: the sandboxed pass@1 executor, GSM8K answer matching, the task split,
-bootstrap intervals, and speedup accounting against its bound."""
+the interval rule (percentile bootstrap from 8 values, Student's t below, n and method always named), and speedup
+accounting against its bound."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ from hat_split.math.speedup import speedup_report
 from hat_split.math.verify import ideal_speedup
 from profiles.bench.code_exec import (ExecConfig, check_humaneval, gsm8k_answer, gsm8k_correct, humaneval_program,
                                       run_program, sandbox_network_isolated)
-from profiles.bench.stats import bootstrap_ci, mean_ci_text, paired_diff_ci
+from profiles.bench.stats import (MIN_BOOTSTRAP_N, bootstrap_ci, ci_note, mean_ci, mean_ci_text, paired_diff_ci, t_ci,
+                                  t_quantile)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox uses Linux rlimits")
 FAST = ExecConfig(timeout_s=2.0)
@@ -223,13 +225,62 @@ def test_bootstrap_is_seeded_and_narrows_with_n():
     _, lo, hi = bootstrap_ci(x)
     _, lo4, hi4 = bootstrap_ci(np.tile(x, 4))
     assert hi4 - lo4 < 0.7 * (hi - lo)
-    assert bootstrap_ci([]) == (None, None, None)
-    assert bootstrap_ci([0.5]) == (0.5, None, None)
     for bad in ({"level": 1.0}, {"level": 95}, {"resamples": 10}):
         with pytest.raises(ValueError):
             bootstrap_ci(x, **bad)
     with pytest.raises(ValueError):
-        bootstrap_ci([1.0, float("nan")])
+        bootstrap_ci([1.0] * 8 + [float("nan")])
+
+
+def test_no_percentile_bootstrap_below_eight_values():
+    assert MIN_BOOTSTRAP_N == 8
+    for n in range(MIN_BOOTSTRAP_N):  # refused outright, so no bench can report one
+        with pytest.raises(ValueError, match="n >= 8"):
+            bootstrap_ci(np.arange(float(n)))
+    for n in range(2, MIN_BOOTSTRAP_N):
+        assert mean_ci(np.arange(float(n)))["method"] == "t"
+    assert mean_ci(np.arange(8.0))["method"] == "bootstrap"
+    # over two values the bootstrap's resample means are x1, the midpoint and x2: its "95 %" was the min and the max
+    assert mean_ci([1.0, 3.0])["lo"] < 1.0 and mean_ci([1.0, 3.0])["hi"] > 3.0
+
+
+def test_t_interval_against_hand_numbers():
+    # n = 2 of [1, 3]: mean 2, s = sqrt(2), s / sqrt(n) = 1, t(0.975, df 1) = 12.706 -> [-10.706, 14.706]
+    assert mean_ci([1.0, 3.0]) == {"mean": 2.0, "lo": pytest.approx(-10.7062047), "hi": pytest.approx(14.7062047),
+                                   "n": 2, "method": "t"}
+    # n = 4 of [2, 4, 4, 6]: mean 4, s = sqrt(8/3), s / 2 = 0.816497, t(0.975, df 3) = 3.182446 -> 4 ± 2.598457
+    m, lo, hi = t_ci([2.0, 4.0, 4.0, 6.0])
+    assert (m, lo, hi) == (4.0, pytest.approx(4 - 2.598457, abs=1e-6), pytest.approx(4 + 2.598457, abs=1e-6))
+    # the two-sided 95 % quantiles of Student's t, as tables print them, and a 90 % one (df 2: 2.920)
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 30: 2.042}
+    assert {df: round(t_quantile(df), 3) for df in table} == table
+    assert round(t_quantile(2, 0.9), 3) == 2.920
+    with pytest.raises(ValueError):
+        t_quantile(0)
+    with pytest.raises(ValueError):
+        t_ci([1.0])
+
+
+def test_t_quantile_matches_scipy_where_installed():
+    stats = pytest.importorskip("scipy.stats")
+    for df in range(1, 40):
+        for level in (0.8, 0.9, 0.95, 0.99):
+            assert t_quantile(df, level) == pytest.approx(stats.t.ppf((1 + level) / 2, df), rel=1e-9)
+
+
+def test_every_interval_names_its_n_and_method():
+    for values in ([], [0.5], [1.0, 3.0], list(np.linspace(0, 1, 12))):
+        ci = mean_ci(values)
+        assert set(ci) == {"mean", "lo", "hi", "n", "method"} and ci["n"] == len(values)
+        assert ci["method"] == (None if len(values) < 2 else "t" if len(values) < 8 else "bootstrap")
+    assert mean_ci([]) == {"mean": None, "lo": None, "hi": None, "n": 0, "method": None}
+    assert mean_ci([0.5]) == {"mean": 0.5, "lo": None, "hi": None, "n": 1, "method": None}
+    assert mean_ci_text([1.0, 3.0], form="interval") == "2.00 [-10.71, 14.71] (n=2, t)"
+    assert mean_ci_text([1.0, 3.0]) == "2.00 ± 12.71 (n=2, t)"
+    assert mean_ci_text(list(np.linspace(0, 1, 12))).endswith("(n=12, bootstrap)")
+    assert ci_note([mean_ci([1.0, 3.0]), mean_ci(list(range(12))), mean_ci([1.0])]) == \
+        "95 % intervals: n=2 (t), n=12 (bootstrap)"
+    assert ci_note([mean_ci([1.0]), None]) == "no intervals (fewer than 2 values each)"
 
 
 def test_paired_difference_removes_shared_variance():
@@ -237,21 +288,23 @@ def test_paired_difference_removes_shared_variance():
     difficulty = rng.normal(0, 1, 64)  # per prompt, shared by both runs
     base = difficulty + rng.normal(0, 0.05, 64)
     new = difficulty + 0.1 + rng.normal(0, 0.05, 64)
-    d, lo, hi = paired_diff_ci(new, base)
-    assert lo > 0 and lo < 0.1 < hi and abs(d - 0.1) < 0.03
+    d = paired_diff_ci(new, base)
+    assert d["lo"] > 0 and d["lo"] < 0.1 < d["hi"] and abs(d["mean"] - 0.1) < 0.03
+    assert d["n"] == 64 and d["method"] == "bootstrap"
     # unpaired, the same difference is lost in the prompt-to-prompt spread
     _, lo_b, hi_b = bootstrap_ci(base)
     _, lo_n, hi_n = bootstrap_ci(new)
     assert lo_n < hi_b
+    assert paired_diff_ci([3.0, 5.0], [2.0, 2.0])["method"] == "t"  # differences 1 and 3: the t interval of n = 2
     with pytest.raises(ValueError):
         paired_diff_ci([1.0, 2.0], [1.0])
 
 
 def test_mean_ci_text():
     x = [1.0] * 21 + [0.0] * 43
-    assert mean_ci_text(x).endswith("(n=64)") and mean_ci_text(x).startswith("0.33 ± ")
+    assert mean_ci_text(x).endswith("(n=64, bootstrap)") and mean_ci_text(x).startswith("0.33 ± ")
     m, lo, hi = bootstrap_ci(x)
-    assert mean_ci_text(x, form="interval") == f"0.33 [{lo:.2f}, {hi:.2f}] (n=64)"
+    assert mean_ci_text(x, form="interval") == f"0.33 [{lo:.2f}, {hi:.2f}] (n=64, bootstrap)"
     half = float(mean_ci_text(x).split("± ")[1].split()[0])
     assert half >= max(m - lo, hi - m) - 1e-12
     assert mean_ci_text([]) == "n/a (n=0)" and mean_ci_text([0.5]) == "0.50 (n=1)"

@@ -14,6 +14,7 @@ def test_both_socket_pairs_echo_every_size_and_the_ratio_is_paired_per_repeat():
         assert e["curve_round_trips_per_s"] > 0 and e["plaintext_round_trips_per_s"] > 0
         assert e["curve_mb_per_s"] == pytest.approx(2 * int(size) * e["curve_round_trips_per_s"] / 1e6)
         assert e["ratio"]["n"] == 2 and e["ratio"]["lo"] <= e["ratio"]["mean"] <= e["ratio"]["hi"]
+        assert e["ratio"]["method"] == "t" and len(e["curve_round_trips_per_s_repeats"]) == 2  # kept: recomputable
 
 
 def _row(tps, ttft, text="a"):
@@ -29,3 +30,4 @@ def test_request_ratios_are_encrypted_over_plaintext_on_the_same_prompt():
     assert e["ttft_ratio"]["mean"] == pytest.approx((2.0 + 1.25) / 2)
     assert e["curve"]["tokens_per_s"]["mean"] == pytest.approx(6.5) and e["curve"]["up_bytes_per_token"] == 10
     assert e["same_text"] == "1/2" and "sd" in format_table(summarise(rows))
+    assert "95 % intervals: n=2 (t)" in format_table(summarise(rows))

@@ -1,6 +1,7 @@
 """Intervals and interleaving of hat-bench cuhlm, qs and hat on hand-made runs: the `<key>_ci` entries beside the pooled
-figures (mean, 95 % bootstrap lo / hi, n), ratios against a baseline taken per prompt, and the rotated order in which
-the systems run on each prompt. No model, no cloud: the runtimes are stand-ins that record their calls."""
+figures (mean, 95 % lo / hi, n, method: a t interval below 8 values), ratios against a baseline taken per prompt, and
+the rotated order in which the systems run on each prompt. No model, no cloud: the runtimes are stand-ins that record
+their calls."""
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ from tests.test_bench_summary import _hlm_row
 
 
 def _ok(ci, n):
-    """An interval over n values: its keys, n, and lo <= mean <= hi."""
-    assert set(ci) == {"mean", "lo", "hi", "n"} and ci["n"] == n
+    """An interval over n values: its keys, n, the rule's method for n, and lo <= mean <= hi."""
+    assert set(ci) == {"mean", "lo", "hi", "n", "method"} and ci["n"] == n
+    assert ci["method"] == ("t" if n < 8 else "bootstrap")
     assert ci["lo"] <= ci["mean"] <= ci["hi"]
 
 
@@ -34,8 +36,8 @@ def test_interval_leaves_out_missing_values_and_needs_two_for_a_width():
     ci = interval([1.0, 2.0, None, 3.0, float("nan")])
     _ok(ci, 3)
     assert ci["mean"] == pytest.approx(2.0) and ci["lo"] < ci["hi"]
-    assert interval([4.0]) == {"mean": 4.0, "lo": None, "hi": None, "n": 1}
-    assert interval([]) == {"mean": None, "lo": None, "hi": None, "n": 0}
+    assert interval([4.0]) == {"mean": 4.0, "lo": None, "hi": None, "n": 1, "method": None}
+    assert interval([]) == {"mean": None, "lo": None, "hi": None, "n": 0, "method": None}
 
 
 def test_paired_ratio_is_the_mean_of_per_prompt_ratios():
@@ -47,10 +49,12 @@ def test_paired_ratio_is_the_mean_of_per_prompt_ratios():
         paired_ratio([1.0], [1.0, 2.0])
 
 
-def test_ci_text_shows_the_larger_half_width_and_n():
-    assert ci_text({"mean": 0.5, "lo": 0.4, "hi": 0.7, "n": 8}) == "0.50 ± 0.20 (n=8)"
-    assert ci_text({"mean": 0.05, "lo": 0.04, "hi": 0.06, "n": 3}, "{:.0f}", 1e3, with_n=False) == "50 ± 10"
-    assert ci_text({"mean": 2.0, "lo": None, "hi": None, "n": 1}) == "2.00 (n=1)"
+def test_ci_text_shows_the_larger_half_width_n_and_method():
+    assert ci_text({"mean": 0.5, "lo": 0.4, "hi": 0.7, "n": 8, "method": "bootstrap"}) == "0.50 ± 0.20 (n=8, bootstrap)"
+    assert ci_text({"mean": 0.05, "lo": 0.04, "hi": 0.06, "n": 3, "method": "t"}, "{:.0f}", 1e3,
+                   with_n=False) == "50 ± 10"
+    assert ci_text(interval([0.91, 0.87, 0.95]), form="interval") == "0.91 [0.81, 1.01] (n=3, t)"
+    assert ci_text({"mean": 2.0, "lo": None, "hi": None, "n": 1, "method": None}) == "2.00 (n=1)"
     assert ci_text(None) == "-" and ci_text(interval([])) == "-"
 
 

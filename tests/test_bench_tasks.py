@@ -60,19 +60,21 @@ def test_summary_intervals_and_paired_differences():
     assert out["llm"]["n"] == out["uhlm"]["n"] == 8
     assert out["llm"]["score"]["mean"] == pytest.approx(5 / 8)
     assert out["llm"]["score"]["lo"] < 5 / 8 < out["llm"]["score"]["hi"]
-    assert out["llm"]["diff_vs_llm"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 8}
+    assert out["llm"]["diff_vs_llm"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 8, "method": "bootstrap"}
+    assert out["llm"]["score"]["n"] == 8 and out["llm"]["score"]["method"] == "bootstrap"
     d = out["uhlm"]["diff_vs_llm"]
     assert d["mean"] == pytest.approx(-2 / 8) and d["n"] == 8
     assert d["lo"] < -2 / 8 <= d["hi"] <= 0.0  # never a gain: the paired interval stays at or below 0
     assert out["uhlm"]["cosine_vs_llm"] == pytest.approx(0.5) and out["llm"]["cosine_vs_llm"] is None
     assert out["uhlm"]["skip_rate"] == pytest.approx(0.5) and out["llm"]["skip_rate"] == 0.0
     assert out["llm"]["same_answer_as_llm"] == 8 and out["uhlm"]["same_answer_as_llm"] == 6  # the 6 equal scores
-    assert "uhlm" in format_table({"gsm8k": out})
+    table = format_table({"gsm8k": out})
+    assert "uhlm" in table and "-0.250 [" in table and "(n=8, bootstrap)" in table
 
 
 def test_summary_without_baseline_or_with_one_prompt():
     out = summarise([_rec("humaneval", 0, "slm", 1.0)])["humaneval"]["slm"]
-    assert out["n"] == 1 and out["score"] == {"mean": 1.0, "lo": None, "hi": None}
+    assert out["n"] == 1 and out["score"] == {"mean": 1.0, "lo": None, "hi": None, "n": 1, "method": None}
     assert out["diff_vs_llm"] is None
     assert "slm" in format_table({"humaneval": {"slm": out}})
 
@@ -116,7 +118,7 @@ def test_tiny_real_run(tmp_path):
     for task in summary:
         assert set(summary[task]) == {"llm", "uhlm"}
         for entry in summary[task].values():
-            assert entry["n"] == 2 and entry["diff_vs_llm"]["n"] == 2
+            assert entry["n"] == 2 and entry["diff_vs_llm"]["n"] == 2 and entry["diff_vs_llm"]["method"] == "t"
             assert 0.0 <= entry["score"]["mean"] <= 1.0 and entry["tokens_per_s"] > 0
         llm = summary[task]["llm"]
         assert (llm["diff_vs_llm"]["mean"], llm["diff_vs_llm"]["lo"], llm["diff_vs_llm"]["hi"]) == (0.0, 0.0, 0.0)
@@ -125,6 +127,11 @@ def test_tiny_real_run(tmp_path):
     assert len(report["provenance"]["git_commit"]) == 40 and report["provenance"]["machine"]["cpus"] >= 1
     lines = (tmp_path / "tasks.jsonl").read_text().splitlines()
     assert len(lines) == 8  # 2 tasks × 2 problems × 2 protocols
+    for line in lines:  # every record says which commit, command and machine made it
+        stamp = json.loads(line)["provenance"]
+        assert {k: stamp[k] for k in ("git_commit", "command")} == {k: report["provenance"][k]
+                                                                    for k in ("git_commit", "command")}
+        assert stamp["machine"]["cpus"] >= 1 and stamp["started_utc"].endswith("+00:00")
     assert main(argv) == 0  # a rerun finds everything done and generates nothing
     assert len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 8
     more = [a if a != "2" else "3" for a in argv] + ["--report-only"]  # a third problem asked for, none generated

@@ -89,6 +89,24 @@ def test_calibration_file_round_trip_and_edge_settings(tmp_path):
     assert unc.u_threshold == pytest.approx(min(cal.u_risk_prone, 1.0)) and unc.samples == 30  # flag wins
 
 
+def test_hat_calibrate_stamps_its_file_with_provenance_and_the_file_still_loads(tmp_path, monkeypatch):
+    from edge_runtime.training import calibrate
+
+    u, x_d, y_d = _records()
+    acc = C.OfflineKAccumulator(64)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        acc.add(rng.dirichlet(np.ones(64)), rng.dirichlet(np.ones(64)))
+    monkeypatch.setattr(calibrate, "record", lambda args: (u, x_d, y_d, acc, 1.5))  # no models: the records given
+    monkeypatch.setattr(calibrate, "plot", lambda *a: "no plot here")
+    out = tmp_path / "cal.json"
+    assert calibrate.main(["--out", str(out)]) == 0
+    stamp = json.loads(out.read_text())["extra"]["provenance"]
+    assert len(stamp["git_commit"]) == 40 and stamp["command"] and stamp["machine"]["cpus"] >= 1
+    assert "simd" in stamp["machine"] and stamp["finished_utc"].endswith("+00:00")
+    assert C.load(str(out)).extra["provenance"] == stamp  # the calibration format keeps it in its free field
+
+
 @pytest.mark.parametrize("content, match", [
     ("not json", "not JSON"),
     (json.dumps({"format": "other"}), "not a hatspec calibration"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hat_split.models.adapter import Adapter, adapter_stack
-from hat_split.models.adapter import load_adapter, save_adapter
+from hat_split.models.adapter import load_adapter, read_adapter_meta, save_adapter
 from hat_split.models.registry import default_adapter_dir
 from hat_split.models.distill import CacheSpec, TeacherCache, ce_positions, student_loss, teacher, teacher_probs
 from hat_split.models.partition import SplitModel
@@ -151,7 +151,8 @@ def test_lambda_starts_from_layer_m_the_last_layer_or_random_and_loads_back(tmp_
     assert float(rnd.self_attn.o_proj.weight.detach().std()) == pytest.approx(std, rel=0.2)
     assert torch.equal(rnd.input_layernorm.weight, torch.ones_like(rnd.input_layernorm.weight))
     last = Adapter(split.model, 1, "last")
-    save_adapter(tmp_path / "a", last, split, "tiny", {})
+    save_adapter(tmp_path / "a", last, split, "tiny", {}, {"git_commit": "c" * 40})
+    assert read_adapter_meta(tmp_path / "a")["provenance"] == {"git_commit": "c" * 40}
     back = load_adapter(tmp_path / "a", split)
     assert back.template == 3 and torch.equal(back.self_attn.q_proj.weight, last.self_attn.q_proj.weight)
     with pytest.raises(ValueError, match="unknown adapter init"):
@@ -170,6 +171,8 @@ def test_hat_distill_trains_over_its_cache_on_the_real_cut(smollm2, tmp_path, ca
     record = json.loads((out / "adapter.json").read_text())["record"]
     assert record["teacher_cache"]["dtype"] == "float16" and len(record["history"]) == 3
     assert record["init"] == "last" and record["windows"] == 5
+    stamp = json.loads((out / "adapter.json").read_text())["provenance"]
+    assert len(stamp["git_commit"]) == 40 and stamp["command"] and "simd" in stamp["machine"]
     assert set(record["acceptance"]) == set(record["eta_sweep"]["0.3"]) == {"sharegpt", "humaneval"}
     meta = json.loads((out / "teacher-cache" / "meta.json").read_text())
     assert meta["done"] == meta["spec"]["windows"] == 5 and meta["spec"]["hidden"] == 576

@@ -7,7 +7,8 @@ every examined draft token (accepted ones and the first rejected one of each rou
 y_d, and adds the token's tail-to-distortion ratios for CU-HLM's offline k*. hat_split.math.calibration turns the
 records into the rejection line, Δ, the two thresholds, the risk and its bound, and k*; the result is saved as JSON for
 `hat-edge --calibration`, the raw records as .npz, and a plot of u against β with the fit (the papers' Fig. 2 / 5) as
-PNG.
+PNG. The JSON carries its provenance (commit, command, machine: hat_split.files.provenance) under extra.provenance,
+the one free field of the calibration format.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from edge_runtime.drafter import Drafter
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot
+from hat_split.files.provenance import provenance
 from hat_split.math import calibration as C
 from hat_split.math.calibration import OfflineKAccumulator
 from hat_split.math.rng import session_rng
@@ -154,7 +156,8 @@ def main(argv=None) -> int:
     try:
         cal = C.calibrate(u, x_d, y_d, acc, args.k_theta, args.risk_budget, draft=args.draft, target=args.target,
                           temperature=args.temperature, perturb_samples=args.perturb_samples,
-                          theta_max=args.theta_max, extra={"seconds": seconds, "k_tokens": acc.count})
+                          theta_max=args.theta_max,
+                          extra={"seconds": seconds, "k_tokens": acc.count, "provenance": provenance()})
     except ValueError as exc:
         print(f"hat-calibrate: {exc}", file=sys.stderr)
         return 1

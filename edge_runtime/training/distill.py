@@ -10,7 +10,8 @@ over the cache. Progress bars, a resumable checkpoint every
 --checkpoint-every steps (`--resume` continues from it with the same data order), and at the end a held-out evaluation:
 loss and top-1 agreement on held-out windows, then the draft's acceptance length measured by greedy HAT decoding
 (η-stopped drafts verified by the full model, in this process) on held-out prompts. The adapter artifact (weights +
-adapter.json with the training record) is what `hat-edge --adapter DIR` loads.
+adapter.json with the training record and its provenance: commit, command, machine; an --eval-only run's keeps the
+training run's under "weights_from") is what `hat-edge --adapter DIR` loads.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import List
 
 from edge_runtime.split_drafter import local_accept_length
+from hat_split.files.provenance import provenance
 from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
-                                      load_draft_vocab, rank_vocab, save_adapter, save_draft_vocab)
+                                      load_draft_vocab, rank_vocab, read_adapter_meta, save_adapter, save_draft_vocab)
 from hat_split.models.chat import encode, encode_chat
 from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_positions, student_loss,
                                       teacher)
@@ -165,10 +167,11 @@ def run(args) -> int:
     tok = loaded.tokenizer
     torch.manual_seed(args.seed)
     eval_batches = [torch.tensor(w, dtype=torch.long)[None] for w in windows(tok, args.eval_windows, args.seq_len, 0)]
-    ranked = None
+    ranked, stamp = None, provenance()
     if args.eval_only:
         adapter = load_adapter(out, split)
-        record = json.loads((out / "adapter.json").read_text())["record"]
+        meta = read_adapter_meta(out)
+        record, stamp["weights_from"] = meta["record"], meta.get("provenance")  # None: trained before the stamps
         if args.draft_vocab and not (out / DRAFT_VOCAB).is_file():  # rank the tokens of the data it was trained on
             ranked = vocab_ranking(model, tok, windows(tok, record["windows"], record["seq_len"], TRAIN_FROM))
     else:
@@ -263,7 +266,7 @@ def run(args) -> int:
         print(f"hat-distill: teacher cache {cached:.0f} s, training {record['seconds']:.0f} s, evaluation "
               f"{record['eval_seconds']:.0f} s: {cached + record['seconds'] + record['eval_seconds']:.0f} s in all",
               file=sys.stderr)
-    save_adapter(out, adapter, split, loaded.name, record)
+    save_adapter(out, adapter, split, loaded.name, record, stamp)
     print(json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
                       "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
     return 0

@@ -22,7 +22,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -94,8 +94,9 @@ def adapter_stack(split: SplitModel, adapter: Adapter) -> Stack:
 
 
 def save_adapter(path: str | os.PathLike[str], adapter: Adapter, split: SplitModel, base_model: str,
-                 record: Dict[str, Any]) -> Path:
-    """Write the artifact directory (weights first, metadata last: a directory with adapter.json is complete)."""
+                 record: Dict[str, Any], provenance: Optional[Dict[str, Any]] = None) -> Path:
+    """Write the artifact directory (weights first, metadata last: a directory with adapter.json is complete);
+    `provenance` (hat_split.files.provenance: commit, command, machine) goes beside the record when given."""
     from safetensors.torch import save_file
 
     out = Path(path)
@@ -115,6 +116,8 @@ def save_adapter(path: str | os.PathLike[str], adapter: Adapter, split: SplitMod
         "params": adapter.n_params(),
         "record": record,
     }
+    if provenance is not None:
+        meta["provenance"] = provenance
     tmp = out / (META + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(out / META)

@@ -30,12 +30,14 @@ from profiles.bench.bench_tasks import add_parser as add_tasks_parser
 from profiles.bench.bench_tasks import run as run_tasks
 from profiles.bench.fuzz import add_parser as add_fuzz_parser
 from profiles.bench.fuzz import run as run_fuzz
+from profiles.bench.resummarise import add_parser as add_resummarise_parser
+from profiles.bench.resummarise import run as run_resummarise
 from profiles.bench.soak import add_parser as add_soak_parser
 from profiles.bench.soak import run as run_soak
 
 RUNS = {"speculative": run_speculative, "cuhlm": run_cuhlm, "qs": run_qs, "hat": run_hat, "fleet": run_fleet,
         "edge": run_edge, "engines": run_engines, "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu,
-        "tasks": run_tasks, "curve": run_curve}
+        "tasks": run_tasks, "curve": run_curve, "resummarise": run_resummarise}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (add_speculative_parser, add_cuhlm_parser, add_qs_parser, add_hat_parser, add_fleet_parser,
                 add_gpu_parser, add_edge_parser, add_engines_parser, add_fuzz_parser, add_soak_parser,
-                add_tasks_parser, add_curve_parser, add_hf_phase_parser):
+                add_tasks_parser, add_curve_parser, add_resummarise_parser, add_hf_phase_parser):
         add(sub)
     return ap
 

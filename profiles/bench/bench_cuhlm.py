@@ -11,10 +11,11 @@ Reported per variant: accuracy (mean cosine vs the dataset's reference answer, a
 rate TR (uploads per token), true skip rate TSR (mean acceptance probability min(1, y_d/x_d) of skipped tokens), skip
 rate, k mean / min / max, uplink bytes per token and as % of HLM, measured tokens/s, and the throughput of eq. 6 vs
 average SNR under Rayleigh and Rician fading from the real per-round payload bits and the measured compute times.
-Beside each pooled figure, `<key>_ci`: the mean of its per-prompt values with a 95 % percentile-bootstrap interval and
-n, the prompts that have the value (profiles.bench.stats); figures against another variant ("vs LLM", "% of HLM") take
-the per-prompt ratio on the same prompt and bootstrap those. Per prompt every variant runs in turn, the order rotating
-by one per prompt (`rotated`), so a drift of the machine's speed falls on every variant alike.
+Beside each pooled figure, `<key>_ci`: the mean of its per-prompt values with a 95 % interval, n (the prompts that
+have the value) and method (profiles.bench.stats: bootstrap from 8 values, t below); figures against another variant
+("vs LLM", "% of HLM") take the per-prompt ratio on the same prompt and the interval of those. Per prompt every
+variant runs in turn, the order rotating by one per prompt (`rotated`), so a drift of the machine's speed falls on
+every variant alike.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from testbed.channel import Channel, token_throughput
 from testbed.links import LinkProfile
 from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
-from profiles.bench.stats import ci_text, interval, paired_diff, paired_ratio, rotated
+from profiles.bench.stats import ci_note, ci_text, interval, paired_diff, paired_ratio, rotated
 
 
 # name -> (protocol, UncertaintyConfig overrides)
@@ -321,8 +322,9 @@ def format_table(summary: dict) -> str:
                 row.append("-" if v is None else fmt.format(v))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    note = (f"{', '.join(TABLE_INTERVALS)}: mean over the n prompts (per-prompt ratios against LLM) ± 95 % bootstrap "
-            "interval; the other columns pool all tokens")
+    cis = [e.get(key + "_ci") for e in summary["variants"].values() for key in TABLE_INTERVALS]
+    note = (f"{', '.join(TABLE_INTERVALS)}: mean over the prompts (per-prompt ratios against LLM) ± the larger half "
+            f"of its interval ({ci_note(cis)}); the other columns pool all tokens")
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows) + "\n" + note
 
 

@@ -3,12 +3,12 @@
 1. The socket alone: two DEALER/ROUTER pairs over loopback TCP, one with CurveZMQ (fresh keys), one plaintext, a
    thread echoing on each. For each message size (`--sizes`: a verify of a few tokens, a sparse distribution, a dense
    float16 distribution, a chunk of hidden states) both pairs echo for `--socket-seconds` in turn, `--repeats` times
-   alternating which goes first: round trips per second and MB/s, and the ratio encrypted / plaintext per repeat with
-   its 95 % bootstrap interval.
+   alternating which goes first: round trips per second (each repeat's kept) and MB/s, and the ratio encrypted /
+   plaintext per repeat with its 95 % interval, n and method (profiles.bench.stats: t below 8 repeats).
 2. Requests: two clouds of the same model, one CurveZMQ (the device in its allow-list, as `hat-cloud serve` runs by
    default) and one `--plaintext`, an EdgeRuntime on each sharing the device's loaded model. For every prompt and
    protocol the two run in turn (the side that goes first alternates): tokens/s, time to first token and link bytes
-   per token per side, and the per-prompt ratios encrypted / plaintext with 95 % bootstrap intervals (n = prompts).
+   per token per side, and the per-prompt ratios encrypted / plaintext with 95 % intervals (n = prompts).
    The default model cuts at `--m` for `ushape`, whose hidden states are the protocol family with the most bytes on
    the link.
 """
@@ -25,7 +25,7 @@ from hat_split.models.chat import encode
 from hat_split.models.loading import load_model
 from profiles.bench.bench_args import names, numbers
 from profiles.bench.provenance import write_report
-from profiles.bench.stats import interval, paired_ratio
+from profiles.bench.stats import ci_note, ci_text, interval, paired_ratio
 from profiles.bench.testbed import Testbed
 from testbed.prompts import evaluation_prompts
 
@@ -104,14 +104,15 @@ def socket_part(sizes: List[int], seconds: float, repeats: int) -> dict:
                     n, dt = _echo_for(pairs[side][0], payload, seconds)
                     rates[side].append(n / dt)
             ratio = paired_ratio(rates["curve"], rates["plaintext"])
-            m, lo, hi = ratio["mean"], ratio["lo"], ratio["hi"]
             out[str(size)] = {**{f"{side}_round_trips_per_s": sum(v) / len(v) for side, v in rates.items()},
+                              **{f"{side}_round_trips_per_s_repeats": v for side, v in rates.items()},
                               **{f"{side}_mb_per_s": 2 * size * sum(v) / len(v) / 1e6 for side, v in rates.items()},
                               "ratio": ratio,
                               "curve_extra_us_per_round_trip": 1e6 * (1 / (sum(rates["curve"]) / repeats)
                                                                       - 1 / (sum(rates["plaintext"]) / repeats))}
             print(f"  socket {size:8d} B: curve {out[str(size)]['curve_round_trips_per_s']:9.0f} rt/s, plaintext "
-                  f"{out[str(size)]['plaintext_round_trips_per_s']:9.0f} rt/s, ratio {m:.3f} [{lo:.3f}, {hi:.3f}]",
+                  f"{out[str(size)]['plaintext_round_trips_per_s']:9.0f} rt/s, "
+                  f"ratio {ci_text(ratio, '{:.3f}', form='interval')}",
                   flush=True)
         return out
     finally:
@@ -172,10 +173,8 @@ def summarise(rows: Dict[str, Dict[str, list]]) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    def ci(d: dict, scale: float = 1.0, fmt: str = ".3f") -> str:
-        if d["lo"] is None:
-            return format(d["mean"] * scale, fmt)
-        return f"{d['mean'] * scale:{fmt}} [{d['lo'] * scale:{fmt}}, {d['hi'] * scale:{fmt}}]"
+    def ci(d: dict) -> str:
+        return ci_text(d, "{:.3f}", form="interval", with_n=False)
 
     lines = [f"{'protocol':8s} {'tok/s curve':>12s} {'tok/s plain':>12s} {'tok/s ratio [95% CI]':>24s} "
              f"{'TTFT ms curve':>14s} {'TTFT ms plain':>14s} {'TTFT ratio [95% CI]':>24s} {'n':>3s}"]
@@ -184,6 +183,7 @@ def format_table(summary: dict) -> str:
                      f"{e['plaintext']['tokens_per_s']['mean']:12.2f} {ci(e['tokens_per_s_ratio']):>24s} "
                      f"{e['curve']['ttft_s']['mean'] * 1e3:14.1f} {e['plaintext']['ttft_s']['mean'] * 1e3:14.1f} "
                      f"{ci(e['ttft_ratio']):>24s} {e['tokens_per_s_ratio']['n']:3d}")
+    lines.append(ci_note(e[key] for e in summary.values() for key in ("tokens_per_s_ratio", "ttft_ratio")))
     return "\n".join(lines)
 
 

@@ -6,9 +6,9 @@ packaged GGUF, built by scripts/install_llamacpp.sh and cached by pip). Each mea
 decodes --new-tokens tokens one forward at a time, greedy (logits to the host and an argmax, as a draft does); the
 backends take turns for --repeats rounds so drift on a noisy machine spreads over all of them (round r starts at
 backend r mod k, so none always runs first). Reports tokens/s (median over rounds, and the mean over rounds with its
-95 % bootstrap interval and n), per-token latency mean / P50 / P90, prefill time, each backend's speed relative to
-llama.cpp (the ratio of medians, and the mean of the per-round ratios with its interval: paired, both ran in the same
-round), and whether its greedy tokens equal torch fp32's. Writes JSON.
+95 % interval, n and method: profiles.bench.stats), per-token latency mean / P50 / P90, prefill time, each backend's
+speed relative to llama.cpp (the ratio of medians, and the mean of the per-round ratios with its interval: paired, both
+ran in the same round), and whether its greedy tokens equal torch fp32's. Writes JSON.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, quantize_weights
 from hat_split.models.registry import gguf_path
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names
-from profiles.bench.stats import interval, percentile, rotated
+from profiles.bench.stats import ci_text, interval, paired_ratio, percentile, rotated
 from testbed.prompts import validation_prompts
 from profiles.bench.provenance import write_report
 
@@ -192,29 +192,21 @@ def summarise(runs: Dict[str, List[dict]], new_tokens: int, info: Optional[Dict[
         row["tokens_per_s_ci"] = interval(row["tokens_per_s_rounds"])
         row["prefill_ms_ci"] = interval([1e3 * r["prefill_s"] for r in runs[b]])
         if "llamacpp" in backends:  # paired by round: both ran in the same turn of the machine
-            row["vs_llamacpp_ci"] = interval([x / y for x, y in zip(row["tokens_per_s_rounds"],
-                                                                    backends["llamacpp"]["tokens_per_s_rounds"])])
+            row["vs_llamacpp_ci"] = paired_ratio(row["tokens_per_s_rounds"],
+                                                 backends["llamacpp"]["tokens_per_s_rounds"])
     return backends
-
-
-def _ci_text(ci: dict, fmt: str) -> str:
-    """As text: "12.3 ± 0.4 (n=3)" (the larger half-width, so the ± never understates), "12.3 (n=1)" without one."""
-    if ci["lo"] is None:
-        return f"{format(ci['mean'], fmt)} (n={ci['n']})"
-    half = max(ci["mean"] - ci["lo"], ci["hi"] - ci["mean"])
-    return f"{format(ci['mean'], fmt)} ± {format(half, fmt)} (n={ci['n']})"
 
 
 def format_table(backends: Dict[str, dict]) -> str:
     """The printed table: tokens/s (median; mean ± 95 % CI over rounds, n), latency, prefill, vs llama.cpp."""
-    lines = [f"\n {'backend':10s} {'tok/s':>7s} {'mean ± 95% CI':>22s} {'lat mean/P50/P90 ms':>22s} "
-             f"{'prefill ms':>10s} {'vs llama.cpp':>12s} {'per round ± 95% CI':>22s} same tokens"]
+    lines = [f"\n {'backend':10s} {'tok/s':>7s} {'mean ± 95% CI':>25s} {'lat mean/P50/P90 ms':>22s} "
+             f"{'prefill ms':>10s} {'vs llama.cpp':>12s} {'per round ± 95% CI':>25s} same tokens"]
     for b, row in backends.items():
         vs = row.get("vs_llamacpp")
-        vs_ci = _ci_text(row["vs_llamacpp_ci"], ".2f") if "vs_llamacpp_ci" in row else "-"
-        lines.append(f" {b:10s} {row['tokens_per_s']:7.1f} {_ci_text(row['tokens_per_s_ci'], '.1f'):>22s} "
+        vs_ci = ci_text(row.get("vs_llamacpp_ci"))
+        lines.append(f" {b:10s} {row['tokens_per_s']:7.1f} {ci_text(row['tokens_per_s_ci'], '{:.1f}'):>25s} "
                      f"{row['latency_mean_ms']:8.1f}{row['latency_p50_ms']:7.1f}{row['latency_p90_ms']:7.1f} "
-                     f"{row['prefill_ms']:10.1f} {'-' if vs is None else f'{vs:.2f}x':>12s} {vs_ci:>22s} "
+                     f"{row['prefill_ms']:10.1f} {'-' if vs is None else f'{vs:.2f}x':>12s} {vs_ci:>25s} "
                      f"{row['same_tokens_as_torch_fp32']}")
     return "\n".join(lines)
 

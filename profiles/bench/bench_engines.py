@@ -18,8 +18,9 @@ llama.cpp's programs are built from the source vendored in the installed llama-c
 hatspec's are (tokens − 1) / (time after the first token). Reports tokens/s, acceptance (accepted / drafted), tokens
 per round, and each side's share of a request's time (device compute, cloud compute, the rest: link and overhead);
 the goals of the llama.cpp engine as ratios. Medians as before, and beside them ("..._ci", "alone_ci", "goals_ci") the
-mean over prompts (models alone: over rounds × prompts) with its 95 % percentile-bootstrap interval and n; a ratio of
-two systems is the mean of the per-prompt ratios (paired: same prompt, same turn). Writes JSON and a PNG.
+mean over prompts (models alone: over rounds × prompts) with its 95 % interval, n and method (profiles.bench.stats: a
+t interval below 8 values); a ratio of two systems is the mean of the per-prompt ratios (paired: same prompt, same
+turn). Writes JSON and a PNG.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from profiles.bench.testbed import Testbed
 from testbed.links import LINK_PROFILES
 from testbed.prompts import humaneval_prompts
 from profiles.bench.provenance import write_report
-from profiles.bench.stats import interval, rotated
+from profiles.bench.stats import ci_text, interval, rotated
 
 ENGINES = ("torch", "llamacpp")
 LOOPBACK = "loopback"
@@ -337,35 +338,27 @@ def goals_ci(summary: dict, alone: dict, runs: Dict[str, Dict[str, List[dict]]])
     return out
 
 
-def _ci_text(ci: Optional[dict], digits: int = 2) -> str:
-    """As text: "1.23 ± 0.05 (n=3)" (the larger half-width, so the ± never understates), "1.23 (n=1)", or "-"."""
-    if not ci or ci["mean"] is None:
-        return "-"
-    if ci["lo"] is None:
-        return f"{ci['mean']:.{digits}f} (n={ci['n']})"
-    return f"{ci['mean']:.{digits}f} ± {max(ci['mean'] - ci['lo'], ci['hi'] - ci['mean']):.{digits}f} (n={ci['n']})"
-
-
 def format_table(summary: dict) -> str:
-    """The headline figures as printed: medians, and means with their 95 % intervals and n."""
+    """The headline figures as printed: medians, and means with their 95 % intervals, n and method."""
     def num(x: Optional[float], fmt: str = ".1f") -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = ["\n models alone: decode tokens/s, median and mean ± 95% CI (n = rounds × prompts)"]
     for role, by in summary["alone_ci"].items():
-        lines += [f"  {role:6s} {k:20s} {num(summary['alone'][role][k]):>8s}  {_ci_text(v, 1)}" for k, v in by.items()]
+        lines += [f"  {role:6s} {k:20s} {num(summary['alone'][role][k]):>8s}  {ci_text(v, '{:.1f}')}"
+                  for k, v in by.items()]
     for link, table in summary["hybrid"].items():
         lines.append(f"  {'hybrid over ' + link:26s} {'tok/s: median, mean ± 95% CI':>32s} "
                      f"{'decode tok/s: the same':>32s} {'acceptance':>28s}")
         for name, e in table.items():
-            acc = _ci_text(e.get("acceptance_ci"), 2) if "acceptance_ci" in e else num(e["acceptance"], ".2f")
-            lines.append(f"  {name:26s} {num(e['tokens_per_s']):>7s} {_ci_text(e['tokens_per_s_ci'], 1):>24s} "
-                         f"{num(e['decode_tokens_per_s']):>7s} {_ci_text(e['decode_tokens_per_s_ci'], 1):>24s} "
+            acc = ci_text(e.get("acceptance_ci")) if "acceptance_ci" in e else num(e["acceptance"], ".2f")
+            lines.append(f"  {name:26s} {num(e['tokens_per_s']):>7s} {ci_text(e['tokens_per_s_ci'], '{:.1f}'):>24s} "
+                         f"{num(e['decode_tokens_per_s']):>7s} {ci_text(e['decode_tokens_per_s_ci'], '{:.1f}'):>24s} "
                          f"{acc:>28s}")
     lines.append(" goals: ratio of medians, and the mean of paired per-prompt ratios ± 95% CI")
     for key, v in summary["goals"].items():
         if key in summary["goals_ci"]:
-            lines.append(f"  {key:56s} {num(v, '.2f'):>6s}  {_ci_text(summary['goals_ci'][key])}")
+            lines.append(f"  {key:56s} {num(v, '.2f'):>6s}  {ci_text(summary['goals_ci'][key])}")
         else:
             lines.append(f"  {key:56s} {v or '-'}")
     return "\n".join(lines)

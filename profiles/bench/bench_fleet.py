@@ -45,7 +45,7 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.models.loading import load_model, load_tokenizer
 from hat_split.models.partition import free_layers
 from profiles.bench.bench_args import adapter_dir, names, numbers
-from profiles.bench.stats import interval, mean, percentile
+from profiles.bench.stats import ci_text, interval, mean, percentile
 from profiles.bench.testbed import Testbed
 from testbed.links import get_link_profile
 from testbed.prompts import long_chat_prompts
@@ -236,7 +236,7 @@ def summarise(rows: List[dict], cloud: dict, ttft_sla: float, tbt_sla: float) ->
     if drafted > 0:
         out["tokens_per_round"] = (out["tokens"] - len(rows)) / drafted
     out["throughput_tok_s"] = out["tokens"] / out["makespan_s"] if out["makespan_s"] else None
-    out["ttft_mean_ci"], out["tbt_mean_ci"] = interval(ttft), interval(tbt)  # 95 % bootstrap over requests
+    out["ttft_mean_ci"], out["tbt_mean_ci"] = interval(ttft), interval(tbt)  # 95 % over requests (stats.mean_ci)
     return out
 
 
@@ -333,11 +333,9 @@ def _ms(x: Optional[float]) -> str:
     return "   -   " if x is None else f"{x * 1e3:7.0f}"
 
 
-def _ci_ms(ci: Optional[dict]) -> str:
-    """ "±half-width" of a mean's interval in ms (the larger half), n beside; empty without one."""
-    if not ci or ci["lo"] is None:
-        return ""
-    return f" ±{max(ci['mean'] - ci['lo'], ci['hi'] - ci['mean']) * 1e3:.0f} (n={ci['n']})"
+def _mean_ms(mean_s: Optional[float], ci: Optional[dict]) -> str:
+    """A mean in ms with its interval's larger half-width, n and method (stats.ci_text); the mean alone without one."""
+    return f" {ci_text(ci, '{:.0f}', 1e3):>6s}" if ci and ci["mean"] is not None else _ms(mean_s)
 
 
 def _line(e: dict) -> str:
@@ -346,8 +344,8 @@ def _line(e: dict) -> str:
     return (f"  {e['experiment']:8s} {e['system']:9s} N={e['devices']:2d} rate={e['rate']:.2f}/s P={e['pipeline']} "
             f"threads={e.get('total_threads', e['pipeline'])} "
             f"{s['requests']:3d}/{e['arrivals']:3d} req  "
-            f"TTFT mean/P50/P90 {_ms(s['ttft_mean_s'])}{_ci_ms(s.get('ttft_mean_ci'))}{_ms(s['ttft_p50_s'])}"
-            f"{_ms(s['ttft_p90_s'])} ms  TBT {_ms(s['tbt_mean_s'])}{_ci_ms(s.get('tbt_mean_ci'))}{_ms(s['tbt_p50_s'])}"
+            f"TTFT mean/P50/P90 {_mean_ms(s['ttft_mean_s'], s.get('ttft_mean_ci'))}{_ms(s['ttft_p50_s'])}"
+            f"{_ms(s['ttft_p90_s'])} ms  TBT {_mean_ms(s['tbt_mean_s'], s.get('tbt_mean_ci'))}{_ms(s['tbt_p50_s'])}"
             f"{_ms(s['tbt_p90_s'])} ms  "
             f"step {_ms(s['step_compute_mean_s'])}±{_ms(s['step_compute_std_s']).strip()} ms "
             f"({s['step_tokens_mean'] or 0:.0f} tok)  overhead "

@@ -25,8 +25,9 @@ Reported per link and row: TTFT and TBT (mean over requests; TBT = decode time /
 U-shape, accept length (accepted drafts per round, HAT's "accept length") and tokens per round, bytes up and down per
 token, prompt chunks, parallel-drafting hits; whether each request's tokens equal U-shape's (greedy: they must, up to
 float ties); Table 4: accept length, trained parameters of Λ, decode speedup (TBT of U-shape / TBT of +SD).
-Beside each mean, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n (stats.
-interval); changes against U-shape and the decode speedup take the per-prompt ratio on the same prompt (paired).
+Beside each mean, `<key>_ci`: the mean of its per-request values with a 95 % interval, n and method (stats.interval:
+a t interval below 8 requests); changes against U-shape and the decode speedup take the per-prompt ratio on the same
+prompt (paired).
 `--backends torch,onnxruntime:int8,...` runs the device's parts on several backends side by side (a hat-export
 `--bundle` of the same model and Λ for onnxruntime / TensorRT), interleaved prompt by prompt, one table per link and
 backend. Writes JSON and a PNG beside it.
@@ -47,7 +48,7 @@ from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.lm import wait_passively
 from profiles.bench.bench_args import adapter_dir, names
-from profiles.bench.stats import ci_text, interval, paired_ratio, rotated
+from profiles.bench.stats import ci_note, ci_text, interval, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
 from hardware.device_profiles import cloud_gpus, get_profile, speed_ratio
 from testbed.links import get_link_profile
@@ -144,7 +145,7 @@ def _request_row(r) -> dict:
 
 def _change(ci: dict) -> dict:
     """A ratio's interval as a change: ratio - 1."""
-    return {k: (v - 1.0 if v is not None and k != "n" else v) for k, v in ci.items()}
+    return {k: (v - 1.0 if v is not None and k in ("mean", "lo", "hi") else v) for k, v in ci.items()}
 
 
 def _decode_rate(rows: List[dict], key: str) -> List[Optional[float]]:
@@ -241,6 +242,7 @@ def run(args) -> int:
             adapter_meta = json.load(f)
     params = SamplingParams(args.temperature)
     report: dict = {"args": vars(args), "adapter": adapter, "adapter_record": adapter_meta.get("record"),
+                    "adapter_provenance": adapter_meta.get("provenance"),
                     "trained_parameters": adapter_meta.get("params"), "device": device, "links": {}, "tables": {}}
     print(f"hat-bench hat: the device is emulated {device['slowdown']:.2f}x slower than the cloud "
           f"({device['source']}); {cores_text(device)}", flush=True)
@@ -323,8 +325,8 @@ def print_tables(report: dict) -> None:
     for link, t in report["tables"].items():
         print(f"\n[{link}] prompts {report['prompts']['tokens']} tokens; device emulated {d['slowdown']:.2f}x slower "
               f"than the cloud ({d['source']}); {cores_text(d)}")
-        n = sorted({s["n_requests"] for s in t.values()})
-        print(f"  TTFT, TBT: mean over n = {'/'.join(map(str, n))} requests ± 95 % bootstrap interval")
+        cis = [s[key] for s in t.values() for key in ("ttft_s_ci", "tbt_s_ci")]
+        print(f"  TTFT, TBT: mean over requests ± the larger half of its interval ({ci_note(cis)})")
         print(f"  {'row':9s} {'TTFT ms':>16s} {'Δ':>6s} {'TBT ms':>14s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
               f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
         for name, s in t.items():

@@ -10,7 +10,7 @@ The emulated uplink switches between its two rates on a discrete-time Markov cha
 measures the rate each Verify saw and reports it back, which is what the adaptive policies read.
 Per temperature every method runs on every prompt, the methods in turn per prompt, the order rotating by one per prompt
 (stats.rotated), so the Markov link's state and a drift of the machine fall on every method alike. Beside each
-pooled figure, `<key>_ci`: the mean of its per-request values with a 95 % bootstrap interval and n;
+pooled figure, `<key>_ci`: the mean of its per-request values with a 95 % interval, n and method (stats.mean_ci);
 `tokens_per_s_vs_llm_ci` is the per-prompt speedup over `llm` on the same prompt (stats.interval, paired_ratio).
 """
 from __future__ import annotations
@@ -269,18 +269,18 @@ def run(args) -> int:
 
 def _print_tables(tables: dict) -> None:
     for regime, by_t in tables["fig4"].items():
-        print(f"\n[{regime} rate] tokens/s, mean over requests ± 95 % interval (n); per-prompt speedup over llm "
-              "(mean L, ℓ; measured uplink kbit/s)")
+        print(f"\n[{regime} rate] tokens/s, mean over requests ± 95 % interval (n, method); per-prompt speedup over "
+              "llm (mean L, ℓ; measured uplink kbit/s)")
         for t, by_m in by_t.items():
             cells = [f"{m} {ci_text(s['tokens_per_s_ci'])}"
-                     + (f"; {ci_text(s['tokens_per_s_vs_llm_ci'], with_n=False)}x" if m != "llm"
+                     + (f"; {ci_text(s['tokens_per_s_vs_llm_ci'])}x" if m != "llm"
                         and s.get("tokens_per_s_vs_llm_ci") else "")
                      + (f" (L {s['mean_L']:.1f}, ℓ {s['mean_ell']:.0f}; {s['measured_uplink_bps'] / 1e3:.0f})"
                         if "mean_L" in s else "")
                      for m, s in by_m.items()]
             print(f"  T={t}: " + " | ".join(cells))
-    print("\n[ksqs / csqs] latency/token s (mean over requests ± 95 % interval (n)), latency/round s, resampling "
-          "rate, bits/draft (formula, payload, frame)")
+    print("\n[ksqs / csqs] latency/token s (mean over requests ± 95 % interval (n, method)), latency/round s, "
+          "resampling rate, bits/draft (formula, payload, frame)")
     for t, by_m in tables["sqs"].items():
         for m, s in by_m.items():
             extra = (f", dropped {s['mean_dropped_mass']:.5f} <= eq.9 {s['eq9_bound']:.4f}" if "eq9_bound" in s else "")

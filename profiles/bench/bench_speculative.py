@@ -17,8 +17,8 @@ headline is the chosen one's figure on the reported prompts, never the best of t
 Per speculative run: α per examined position, γ, c = t_d / T (T: `llm`'s time per token after its request opened,
 t_d: `slm`'s), the measured decode speedup T·Σn_i/Σw_i over its verification rounds with its bound Σn_i/Σ(γ_i c + 1)
 and the closed-form ideal (a value above the bound is listed under "problems", never clipped), and end-to-end
-speedups per prompt (tokens/s of the run over the baseline's on the same prompt) with 95 % bootstrap intervals, against
-hatspec's `llm`, HF's target alone and HF assisted generation.
+speedups per prompt (tokens/s of the run over the baseline's on the same prompt) with 95 % intervals, n and method
+(profiles.bench.stats), against hatspec's `llm`, HF's target alone and HF assisted generation.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from hat_split.models.chat import encode
 from hat_split.models.loading import load_tokenizer, resolve_dtype
 from profiles.bench.bench_args import parse_variants, variant_name
 from profiles.bench.provenance import write_report
-from profiles.bench.stats import paired_ratio, rotated
+from profiles.bench.stats import ci_text, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
 from testbed.prompts import calibration_prompts, evaluation_prompts
 
@@ -155,7 +155,7 @@ def choose(tuning: Dict[str, list]) -> Optional[str]:
 
 
 def ratio_ci(rows: List[dict], base: List[dict]) -> dict:
-    """Per-prompt speedup (tokens/s over the baseline's on the same prompt): mean, 95 % bootstrap interval, n; and the
+    """Per-prompt speedup (tokens/s over the baseline's on the same prompt): mean, 95 % interval, n, method; and the
     aggregate ratio (all tokens over all time)."""
     def rates(rs: List[dict]) -> List[float]:
         return [len(r["tokens"]) / r["total_s"] for r in rs]
@@ -199,23 +199,21 @@ def summarise(runs: Dict[str, list], chosen: Optional[str] = None) -> dict:
 
 def format_table(summary: dict) -> str:
     def ci(d: Optional[dict]) -> str:
-        if not d or d["mean"] is None:
-            return "-"
-        return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" if d["lo"] is not None else f"{d['mean']:.2f}"
+        return ci_text(d, form="interval")
 
     def num(x, fmt=".2f") -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = [f"{'run':24s} {'tok/s':>6s} {'alpha':>5s} {'gamma':>5s} {'decode x':>8s} {'bound':>5s} {'eff':>4s}  "
-             f"{'vs llm [95% CI]':>19s}  {'vs HF target':>19s}  {'vs HF assisted':>19s}"]
+             f"{'vs llm [95% CI]':>34s}  {'vs HF target':>34s}  {'vs HF assisted':>34s}"]
     for name, e in summary.items():
         if not isinstance(e, dict) or "rounds" not in e:
             continue
         mark = " *" if name == summary.get("chosen") else ""
         lines.append(f"{name + mark:24s} {summary['tokens_per_s'][name]:6.2f} {num(e.get('alpha')):>5s} "
                      f"{num(e.get('gamma'), '.1f'):>5s} {num(e.get('decode_speedup')):>8s} {num(e.get('bound')):>5s} "
-                     f"{num(e.get('efficiency')):>4s}  {ci(e.get('vs_' + BASELINE)):>19s}  "
-                     f"{ci(e.get('vs_hf_target')):>19s}  {ci(e.get('vs_hf_hf_assisted')):>19s}")
+                     f"{num(e.get('efficiency')):>4s}  {ci(e.get('vs_' + BASELINE)):>34s}  "
+                     f"{ci(e.get('vs_hf_target')):>34s}  {ci(e.get('vs_hf_hf_assisted')):>34s}")
         lines += [f"    problem: {p}" for p in e.get("problems", [])]
     lines.append(f"c = {num(summary.get('c'), '.3f')} (T = {num(summary.get('T_s'), '.4f')} s, t_d = "
                  f"{num(summary.get('t_d_s'), '.4f')} s); * = γ chosen on the tuning prompts")

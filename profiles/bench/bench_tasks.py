@@ -7,10 +7,12 @@ EdgeRuntime against a real `hat-cloud serve` (profiles.bench.testbed). Protocols
 
 Scores: HumanEval pass@1 by running the problem's tests on the cut completion in the sandbox (code_exec); GSM8K exact
 match of the final number (see task_scoring for the prompt and the cut). Per (task, protocol): the score with its 95 %
-percentile-bootstrap interval, the paired difference vs `llm` on the same problems with its interval, the mean
-all-MiniLM-L6-v2 cosine vs the `llm` answer (CU-HLM Table I's metric, here against the target's answer), the mean
-tokens/s and the skip rate. Each finished (problem, protocol) is appended to <out>.jsonl and skipped on a restart with
-the same settings; the report covers every matching record there for the chosen tasks and problems.
+interval and n (profiles.bench.stats: a percentile bootstrap from 8 problems, a t interval below), the paired
+difference vs `llm` on the same problems with its interval, the mean all-MiniLM-L6-v2 cosine vs the `llm` answer
+(CU-HLM Table I's metric, here against the target's answer), the mean tokens/s and the skip rate. Each finished
+(problem, protocol) is appended to <out>.jsonl, stamped with the run's provenance (commit, command, machine, taken when
+the run starts), and skipped on a restart with the same settings; the report covers every matching record there for
+the chosen tasks and problems.
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ from hat_split.models.loading import load_tokenizer, resolve_dtype
 from profiles.bench.bench_args import names
 from profiles.bench.bench_cuhlm import VARIANTS
 from profiles.bench.code_exec import check_humaneval, gsm8k_answer, gsm8k_correct
+from profiles.bench.stats import ci_note
 from profiles.bench.task_scoring import (CutWatch, append_record, cut_completion, format_table, gsm8k_prompt,
                                          load_done, record_key, summarise)
 from profiles.bench.tasks import evaluation_ids, gsm8k_problems, humaneval_problems
 from profiles.bench.testbed import Testbed
-from profiles.bench.provenance import write_report
+from profiles.bench.provenance import provenance, write_report
 
 PROTOCOLS: Dict[str, tuple] = {**VARIANTS, "sq": ("sq", {})}  # name -> (protocol, UncertaintyConfig overrides)
 TASKS = ("humaneval", "gsm8k")
@@ -99,6 +102,7 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
         return
     tok = load_tokenizer(args.target)
     params = SamplingParams(args.temperature)
+    stamp = provenance("started_utc")  # on every record this run appends: a resumed file mixes runs
     cloud_args = ["--engine", args.engine, "--threads", str(args.threads)]
     if args.engine == "torch":
         cloud_args += ["--dtype", args.target_dtype]
@@ -123,7 +127,7 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
                 rec = {"task": task, "task_id": problem.task_id, "protocol": name, "config": config, "seed": seed,
                        "text": r.text, **score(task, problem, r.text), "n_tokens": r.n,
                        "tokens_per_s": s["tokens_per_s"], "skipped": r.skipped, "total_s": r.total_s,
-                       "finish_reason": r.finish_reason}
+                       "finish_reason": r.finish_reason, "provenance": stamp}
                 append_record(jsonl, rec)
                 print(f"  [{k + 1}/{len(todo)}] {task} {problem.task_id} {name:14s} score {rec['score']:.0f} "
                       f"({rec['detail']}), {r.n} tokens in {r.total_s:.1f} s, skipped {r.skipped}", flush=True)
@@ -155,8 +159,7 @@ def plot(path: str, summary: dict) -> str:
                 zip(names_, means)]]
         ax.bar(range(len(names_)), means, yerr=err, capsize=4)
         ax.set_xticks(range(len(names_)), names_, rotation=30, ha="right")
-        n = max(protos[p]["n"] for p in names_)
-        ax.set_title(f"{task} (n = {n}, 95 % bootstrap)")
+        ax.set_title(f"{task} ({ci_note(protos[p]['score'] for p in names_)})")
         ax.set_ylabel("pass@1" if task == "humaneval" else "exact match")
         ax.set_ylim(0, 1)
     return save_figure(fig, axes, path)

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from profiles.bench.stats import bootstrap_ci, paired_diff_ci
+from profiles.bench.stats import ci_text, mean_ci, paired_diff_ci
 
 GSM8K_INSTRUCTION = ("Solve the problem step by step. On the last line write the final answer as a number alone, "
                      "after \"####\".")
@@ -80,14 +80,9 @@ def append_record(path: str, rec: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _ci(m_lo_hi) -> dict:
-    m, lo, hi = m_lo_hi
-    return {"mean": m, "lo": lo, "hi": hi}
-
-
 def summarise(records: Iterable[dict], cosine: Optional[Dict[Tuple[str, str, str], float]] = None,
               baseline: str = "llm", seed: int = 0) -> dict:
-    """{task: {protocol: entry}} over `records`: score with its 95 % bootstrap interval and n; the paired difference
+    """{task: {protocol: entry}} over `records`: score with its 95 % interval (stats.mean_ci); the paired difference
     vs `baseline` on the prompts both ran (None without the baseline); the mean MiniLM cosine vs the baseline's
     answer from `cosine` (keyed like the records); how many answers are identical to the baseline's; mean tokens/s;
     skip rate (skipped / generated tokens)."""
@@ -101,12 +96,11 @@ def summarise(records: Iterable[dict], cosine: Optional[Dict[Tuple[str, str, str
         for proto, rows in protos.items():
             ids = sorted(rows)
             scores = [float(rows[i]["score"]) for i in ids]
-            entry = {"n": len(ids), "score": _ci(bootstrap_ci(scores, seed=seed))}
+            entry = {"n": len(ids), "score": mean_ci(scores, seed=seed)}
             if base is not None:
                 both = [i for i in ids if i in base]
-                diff = paired_diff_ci([float(rows[i]["score"]) for i in both],
-                                      [float(base[i]["score"]) for i in both], seed=seed)
-                entry["diff_vs_" + baseline] = {**_ci(diff), "n": len(both)}
+                entry["diff_vs_" + baseline] = paired_diff_ci([float(rows[i]["score"]) for i in both],
+                                                              [float(base[i]["score"]) for i in both], seed=seed)
                 entry["same_answer_as_" + baseline] = sum(rows[i]["answer"] == base[i]["answer"] for i in both)
             else:
                 entry["diff_vs_" + baseline] = entry["same_answer_as_" + baseline] = None
@@ -130,8 +124,8 @@ def format_table(summary: dict, baseline: str = "llm") -> str:
     for task, protos in summary.items():
         for proto, e in protos.items():
             s, d = e["score"], e["diff_vs_" + baseline]
-            score = f"{_fmt(s['mean'], '.3f')} [{_fmt(s['lo'], '.2f')}, {_fmt(s['hi'], '.2f')}]"
-            diff = "-" if d is None else f"{_fmt(d['mean'], '+.3f')} [{_fmt(d['lo'], '+.2f')}, {_fmt(d['hi'], '+.2f')}]"
+            score = ci_text(s, "{:.3f}", form="interval")
+            diff = ci_text(d, "{:+.3f}", form="interval")
             same = e.get("same_answer_as_" + baseline)
             rows.append([task, proto, str(e["n"]), score, diff, "-" if same is None else str(same),
                          _fmt(e["cosine_vs_" + baseline], ".3f"),
