@@ -1,6 +1,7 @@
 """Issue 28's intervals and interleaving in `hat-bench edge`, `hat-bench engines` and the soak's summary, on hand-made
-rows and stand-in engines (no model is loaded): every mean over prompts, rounds or requests has its 95 % bootstrap
-interval and n beside it, a ratio of two systems is bootstrapped over paired per-prompt ratios, and the systems take
+rows and stand-in engines (no model is loaded): every mean over prompts, rounds or requests has its 95 % interval, n
+and method beside it (a t interval below 8 values), a ratio of two systems is the interval of paired per-prompt
+ratios, and the systems take
 turns on every prompt in an order rotated by one per prompt."""
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ from types import SimpleNamespace
 import pytest
 
 from profiles.bench import bench_edge, bench_engines
+from profiles.bench.stats import t_ci
 from profiles.bench.soak_check import hostile_sides, print_summary
 from profiles.bench.soak_check import summarise as soak_summary
 
 
 def _within(ci: dict, values, n: int) -> None:
-    """`ci` is {"mean", "lo", "hi", "n"} of `values`: the mean, n, and lo <= mean <= hi inside the values' range."""
+    """`ci` is {"mean", "lo", "hi", "n", "method"} of `values` by the rule: the mean and n; below 8 values the t
+    interval (stats.t_ci), from 8 a bootstrap inside the values' range."""
     assert ci["n"] == n == len(values) and ci["mean"] == pytest.approx(statistics.mean(values))
+    if n < 8:
+        assert ci["method"] == "t" and (ci["lo"], ci["hi"]) == pytest.approx(t_ci(values)[1:])
+        return
     eps = 1e-9 * max(abs(v) for v in values)  # the tokens' times are sums: last-digit rounding
-    assert min(values) - eps <= ci["lo"] <= ci["mean"] <= ci["hi"] <= max(values) + eps
+    assert ci["method"] == "bootstrap" and min(values) - eps <= ci["lo"] <= ci["mean"] <= ci["hi"] <= max(values) + eps
 
 
 def test_the_order_rotates_by_one_per_prompt_so_every_system_leads_alike():
@@ -50,13 +56,13 @@ def test_edge_reports_tokens_per_s_and_vs_llamacpp_with_intervals_paired_by_roun
     assert vs["n"] == 3 and vs["mean"] == pytest.approx(0.5) and vs["lo"] == pytest.approx(0.5) == vs["hi"]
     assert b["llamacpp"]["gguf"] == "m.gguf" and b["llamacpp"]["vs_llamacpp_ci"]["mean"] == pytest.approx(1.0)
     table = bench_edge.format_table(b)
-    assert "50.0 ± 10.0 (n=3)" in table and "0.50 ± 0.00 (n=3)" in table
+    assert "50.0 ± 24.8 (n=3, t)" in table and "0.50 ± 0.00 (n=3, t)" in table  # s = 10, t(df 2) 4.303 / sqrt(3)
 
 
 def test_edge_alone_has_no_ratio_and_one_round_no_interval():
     b = bench_edge.summarise({"torch-fp32": [_edge_round(50.0, 0.02)]}, 4)
     ci = b["torch-fp32"]["tokens_per_s_ci"]
-    assert ci == {"mean": pytest.approx(50.0), "lo": None, "hi": None, "n": 1}
+    assert ci == {"mean": pytest.approx(50.0), "lo": None, "hi": None, "n": 1, "method": None}
     assert "vs_llamacpp_ci" not in b["torch-fp32"]
     assert "50.0 (n=1)" in bench_edge.format_table(b)
 
@@ -124,7 +130,7 @@ def test_engines_summary_keeps_its_medians_and_adds_intervals_over_prompts():
     s = bench_engines.summarise(alone, runs, n=64)
     assert s["alone"]["draft"]["llamacpp"] == 60.0  # the median, as before
     _within(s["alone_ci"]["draft"]["llamacpp"], [45.0, 90.0, 60.0], 3)
-    assert s["alone_ci"]["target"]["llama-bench"] == {"mean": 40.0, "lo": None, "hi": None, "n": 1}
+    assert s["alone_ci"]["target"]["llama-bench"] == {"mean": 40.0, "lo": None, "hi": None, "n": 1, "method": None}
     sd = s["hybrid"]["loopback"]["llamacpp/sd_g4"]
     assert sd["tokens_per_s"] == pytest.approx(24.0) and sd["acceptance"] == pytest.approx(42 / 60)
     _within(sd["tokens_per_s_ci"], [12.0, 24.0, 48.0], 3)
@@ -134,7 +140,7 @@ def test_engines_summary_keeps_its_medians_and_adds_intervals_over_prompts():
     _within(s["hybrid"]["loopback"]["llama-speculative/sd_g4"]["acceptance_ci"], [0.75] * 3, 3)
 
 
-def test_engines_goal_ratios_are_bootstrapped_over_paired_per_prompt_ratios():
+def test_engines_goal_ratios_are_intervals_of_paired_per_prompt_ratios():
     alone, runs = _engines_inputs()
     s = bench_engines.summarise(alone, runs, n=64)
     g, ci = s["goals"], s["goals_ci"]
@@ -150,14 +156,14 @@ def test_engines_goal_ratios_are_bootstrapped_over_paired_per_prompt_ratios():
     assert ci["target_engine_vs_llama_bench"] is None  # 2 engine samples against 1 llama-bench: nothing to pair
     assert ci["cloud_llm_decode_vs_llama_bench_target (>= 0.9)"] is None
     table = bench_engines.format_table(s)
-    assert "1.20 ± 0.00 (n=3)" in table and "60.0  65.0 ± " in table and "(n=3)" in table
+    assert "1.20 ± 0.00 (n=3, t)" in table and "60.0  65.0 ± " in table and "(n=3, t)" in table
 
 
 def test_engines_summary_still_reads_single_rows_and_pairs_nothing_unequal():
     assert bench_engines.ratio_ci([1.0, 2.0], [1.0]) is None and bench_engines.ratio_ci([], []) is None
     assert bench_engines.ratio_ci([1.0], [0.0]) is None
     one = bench_engines.ratio_ci([3.0], [2.0])
-    assert one == {"mean": 1.5, "lo": None, "hi": None, "n": 1}
+    assert one == {"mean": 1.5, "lo": None, "hi": None, "n": 1, "method": None}
 
 
 def test_hybrid_systems_and_their_rotation_keep_llama_speculative_beside_its_gamma():
@@ -295,14 +301,14 @@ def test_soak_summary_adds_mean_intervals_over_requests_beside_its_percentiles(c
         assert s[f"{key}_ci"]["mean"] == pytest.approx(s[key]["mean"]) and s[f"{key}_ci"]["n"] == s[key]["n"]
     print_summary({"summary": s, "memory": []})
     out = capsys.readouterr().out
-    assert " ttft_s " in out and "1875 ± " in out and "(95% CI)" in out and "(n=4)" in out
+    assert " ttft_s " in out and "1875 ± " in out and "(n=4, t) (95 %)" in out
 
 
 def test_soak_hostile_sides_have_mean_intervals_and_one_request_none():
     sides = hostile_sides([_soak_record(1.0, hostile_on=False), _soak_record(2.0, hostile_on=False),
                            _soak_record(3.0, hostile_on=True), _soak_record(9.0, hostile_on=True, done=False)])
     _within(sides["without"]["ttft_s_ci"], [1.0, 2.0], 2)
-    assert sides["with"]["ttft_s_ci"] == {"mean": pytest.approx(3.0), "lo": None, "hi": None, "n": 1}
+    assert sides["with"]["ttft_s_ci"] == {"mean": pytest.approx(3.0), "lo": None, "hi": None, "n": 1, "method": None}
     assert sides["with"]["tbt_s_ci"]["mean"] == pytest.approx(0.1) and sides["p99_ttft_ratio"] is not None
     empty = hostile_sides([])
-    assert empty["with"]["ttft_s_ci"] == {"mean": None, "lo": None, "hi": None, "n": 0}
+    assert empty["with"]["ttft_s_ci"] == {"mean": None, "lo": None, "hi": None, "n": 0, "method": None}

@@ -59,7 +59,7 @@ from hat_split.models.loading import eos_ids, load_model, load_tokenizer
 from hat_split.models.partition import free_layers
 from profiles.bench.bench_args import adapter_dir, names, numbers
 from profiles.bench.bench_fleet import poisson_arrivals
-from profiles.bench.soak_check import NEAR_TIE, check, hostile_sides, plot, print_summary, summarise
+from profiles.bench.soak_check import NEAR_TIE, check, failures, hostile_sides, plot, print_summary, summarise
 from profiles.bench.testbed import Testbed
 from testbed.link_emulator import send_control
 from testbed.links import get_link_profile
@@ -311,9 +311,10 @@ def run(args) -> int:
     print_summary(report)
     note = plot(os.path.splitext(args.out)[0] + ".png", report)
     print(f"hat-bench soak: {report['seconds']:.0f} s; wrote {args.out}" + (f" ({note})" if note else ""))
-    s = report["summary"]
-    return 0 if s["lost"] == 0 and s["duplicated"] == 0 and s["lost_tokens"] == 0 \
-        and s["delivery_inconsistent"] == 0 else 1
+    failed = failures(report["summary"])
+    for line in failed:
+        print(f"hat-bench soak: FAILED: {line}")
+    return 1 if failed else 0
 
 
 def _start_hostile(args, bed: Testbed, tok):

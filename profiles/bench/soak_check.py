@@ -1,7 +1,8 @@
 """`hat-bench soak`'s verdicts: every answer against the model's greedy continuation, the summary of a run, its
 printed table and its figure (pure: no processes, no models; profiles.bench.soak runs the soak).
 
-Latencies are summarised over requests: P50 / P90 / P99, and the mean with its 95 % bootstrap interval and n (each
+Latencies are summarised over requests: P50 / P90 / P99, and the mean with its 95 % interval, n and method (the rule of
+profiles.bench.stats: a bootstrap from 8 requests, a t interval below; each
 "<key>_ci" beside its "<key>": {"mean", "lo", "hi", "n"}, lo and hi None below two requests)."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
-from profiles.bench.stats import interval, percentiles
+from profiles.bench.stats import ci_text, interval, percentiles
 
 NEAR_TIE = 0.01  # logits: a reference whose top two are this close may flip with float rounding (batched vs alone)
 
@@ -114,6 +115,9 @@ def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_en
         "delivery_inconsistent": sum(not r["verdict"]["delivered"] for r in done),
         "reference_exact": sum(m == "exact" for m in matches), "reference_other": sum(m == "other" for m in matches),
         "reference_other_near_tie": sum(r["verdict"]["reference"].get("near_tie", False) for r in done),
+        # an answer that differs from its reference where the reference had no near tie: a wrong answer
+        "reference_wrong": sum(m == "other" and not r["verdict"]["reference"].get("near_tie", False)
+                               for m, r in zip(matches, done)),
         "interrupted_requests": len(hit), "interruptions": sum(r["verdict"]["interruptions"] for r in done),
         "degraded_requests": sum(bool(r["verdict"]["degraded"]) for r in done),
         "degraded_tokens": sum(r["verdict"]["degraded"] for r in done),
@@ -143,6 +147,18 @@ def summarise(records: List[dict], cuts: List[dict], memory: List[dict], load_en
     }
 
 
+def failures(summary: dict) -> List[str]:
+    """What makes a soak fail, one line each (empty: it passed): an answer lost, repeated, with a run of tokens lost
+    or repeated, delivered inconsistently, wrong (other than its reference where the reference had no near tie), or
+    left unchecked (its reference could not be made)."""
+    s = summary
+    checks = (("lost", "answers lost"), ("duplicated", "answers repeated"), ("lost_tokens", "answers with a run of "
+              "tokens lost"), ("delivery_inconsistent", "answers delivered inconsistently"), ("reference_wrong",
+              "answers other than their reference without a near tie there"), ("reference_unchecked",
+              "answers left unchecked (their reference failed)"))
+    return [f"{s.get(key, 0)} {what}" for key, what in checks if s.get(key, 0)]
+
+
 def cloud_kv(memory: List[dict]) -> dict:
     """The cloud's KV cache over the run (its status files): the byte budget, the most bytes and sessions held at a
     sample, and its error replies by code at the end (refusals: quota, busy, memory_full, ...)."""
@@ -160,13 +176,8 @@ def _f(x: Optional[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
 
 
 def _interval(ci: Optional[dict], scale: float = 1e3) -> str:
-    """The mean and its interval in ms: "123 ± 4" (the larger half-width, so the ± never understates an asymmetric
-    interval), "123" with one value, "-" with none."""
-    if not ci or ci["mean"] is None:
-        return "-"
-    if ci["lo"] is None:
-        return _f(ci["mean"], scale)
-    return f"{_f(ci['mean'], scale)} ± {_f(max(ci['mean'] - ci['lo'], ci['hi'] - ci['mean']), scale)}"
+    """The mean and its interval in ms with n and the method (stats.ci_text): "123 ± 4 (n=40, bootstrap)"."""
+    return ci_text(ci, "{:.0f}", scale)
 
 
 def print_summary(report: dict) -> None:
@@ -177,8 +188,9 @@ def print_summary(report: dict) -> None:
         print(f" lost: {error}")
     print(f" equal to the reference (exact protocols: the model's greedy answer; lossy ones: their calm replay): "
           f"{s['reference_exact']} (other: {s['reference_other']}, of which {s['reference_other_near_tie']} where the "
-          f"greedy reference's top two logits differ by < {NEAR_TIE} and the answer took the second; unchecked: "
-          f"{s.get('reference_unchecked', 0)}); by policy {s['by_policy']}")
+          f"greedy reference's top two logits differ by < {NEAR_TIE} and the answer took the second, "
+          f"{s.get('reference_wrong', 0)} wrong; unchecked: {s.get('reference_unchecked', 0)}); by policy "
+          f"{s['by_policy']}")
     for p, b in s["by_protocol"].items():
         print(f"   {p:7s} completed {b['completed']:4d}, equal to its reference {b['exact']:4d} "
               f"({', '.join(b['reference'])})")
@@ -187,7 +199,7 @@ def print_summary(report: dict) -> None:
           f"({s['interruptions']} drops), degraded {s['degraded_requests']} ({s['degraded_tokens']} tokens)")
     for key in ("ttft_s", "queue_s", "ttft_after_queue_s", "ttft_s_uninterrupted", "ttft_s_interrupted", "tbt_s"):
         v = s[key]
-        print(f" {key:22s} mean {_interval(s.get(f'{key}_ci')):>11s} (95% CI) P50 {_f(v['p50'])} P90 {_f(v['p90'])} "
+        print(f" {key:22s} mean {_interval(s.get(f'{key}_ci')):>28s} (95 %) P50 {_f(v['p50'])} P90 {_f(v['p90'])} "
               f"P99 {_f(v['p99'])} ms (n={v['n']})")
     for name, m in s["memory"].items():
         print(f" RSS {name:8s} first {m['first_mb']:.0f} MB, last {m['last_mb']:.0f}, max {m['max_mb']:.0f}; slope "
