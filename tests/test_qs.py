@@ -1,5 +1,6 @@
-"""qs / ksqs / csqs / sq: statistical exactness through the real device and cloud code, the conformal threshold's
-guarantees, the bit budget and the lattice payload on the wire."""
+"""qs / ksqs / csqs / sq through the real device and cloud code: sample-then-quantize's bias, the conformal threshold's
+guarantees, the bit budget and the lattice payload on the wire. (The quantize-then-sample protocols' exactness at
+T > 0 with a far draft, and a broken verifier caught: tests/test_exactness.py.)"""
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,8 @@ from hat_split.math import enumerative
 from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
 from hat_split.wire.sqs import ConformalThreshold, LatticeWire, force_token, quantize_row
-from tests.markov_lm import MarkovLM, chain_probability
-from tests.test_sampling import SEED, empirical, tv, tv_bound
+from tests.markov_lm import MarkovLM
+from tests.test_sampling import SEED, empirical
 from hat_split.net.security import LinkSecurity
 
 V = 4
@@ -59,29 +60,6 @@ def _generate(server, protocol, n_seqs, T, qs=QSConfig(ell=2, k=2, alpha=0.1, et
             out[i] = result.tokens
             results.append((result, gen))
     return out, results
-
-
-@pytest.mark.parametrize("protocol", ["qs", "ksqs", "csqs"])
-def test_quantize_then_sample_protocols_follow_the_target_exactly(markov_server, protocol):
-    """Joint law of the first three tokens (spanning rounds of 2 drafts) equals the target chain's, at ℓ = 2."""
-    n, T = 2500, 3
-    seqs, results = _generate(markov_server, protocol, n, T, seed=SEED % 1000)
-    joint = empirical(seqs @ np.array([V * V, V, 1]), V**3)
-    cells = np.array(np.meshgrid(*[np.arange(V)] * T, indexing="ij")).reshape(T, -1).T  # [V^3, T] in code order
-    truth = chain_probability(TARGET, START, cells)
-    decoy = chain_probability(DRAFT, START, cells)
-    d = tv(joint, truth)
-    print(f"{protocol}: TV(joint3, target)={d:.4f}  TV(joint3, draft)={tv(joint, decoy):.4f}  "
-          f"bound {tv_bound(n, V**3):.4f}")
-    assert d < tv_bound(n, V**3)
-    assert tv(joint, decoy) > 2 * d
-    logs = [r for res, _ in results for r in res.round_log]
-    assert all(r["ell"] == 2 and sum(r["bits"]) <= r["payload_bits"] for r in logs)
-    if protocol == "ksqs":
-        assert all(k == 2 for r in logs for k in r["k"])
-    if protocol == "csqs":
-        ks = {k for r in logs for k in r["k"]}
-        assert len(ks) > 1, "the conformal support never changed size"
 
 
 def _sq_first_token_law(q: np.ndarray, p: np.ndarray, ell: int) -> np.ndarray:

@@ -52,7 +52,9 @@ def round_hat(session: SplitSession) -> None:
     counters.accepted += n
     counters.rejected += n < L
     committed = state.drafts[:n] + [token]
+    before = len(session.generated)
     session.commit(committed, n, session.token_logprobs(logits[:n + 1], committed))
+    counters.verify_log.append([len(session.generated) - before, L, time.perf_counter() - t0])
 
 
 def _draft_candidates(dev: SplitDrafter, cands: List[DraftState], steps: int, c: SplitConfig,

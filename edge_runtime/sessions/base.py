@@ -50,7 +50,7 @@ class Counters:
     round_up_bytes: List[int] = field(default_factory=list)  # bytes of each round's request frame (channel models)
     skip_log: List[List[float]] = field(default_factory=list)  # [index in tokens, draft probability] per skipped token
     round_log: List[dict] = field(default_factory=list)  # qs, ksqs, csqs, sq: one entry per round (rounds.qs)
-    verify_log: List[List[float]] = field(default_factory=list)  # sd, hlm: [committed, drafted, wall s] per round
+    verify_log: List[List[float]] = field(default_factory=list)  # sd, hlm, hat: [committed, drafted, wall s] per round
     # (drafting, link and verification: hat_split.math.speedup's n_i, γ_i, w_i)
     prefill_chunks: int = 0  # hat / ushape: prompt chunks uploaded
     pd_steps: int = 0  # hat: draft steps spent on parallel-drafting candidates
