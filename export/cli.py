@@ -162,10 +162,11 @@ def _print(man) -> None:
     for a in sorted(man.artifacts, key=lambda a: (a.backend, a.part, a.precision)):
         regimes = a.validation.get("regimes", {})
         worst = max(regimes.values(), key=lambda f: f["max_rel_diff"], default=None)
-        agree = min((f.get("argmax_agreement", 1.0) for f in regimes.values()), default=None)
         fig = "" if worst is None else f"max rel |Δ| {worst['max_rel_diff']:.2e}"
-        if agree is not None and any("argmax_agreement" in f for f in regimes.values()):
-            fig += f", argmax agreement {100 * agree:.1f} %"
+        tvs = [f for f in regimes.values() if "mean_tv" in f]
+        if tvs:
+            far = max(tvs, key=lambda f: f["mean_tv"])
+            fig += f", mean TV {far['mean_tv']:.3f} (argmax agreement {100 * far['argmax_agreement']:.1f} %)"
         print(f"  {a.part:8s} {a.precision:5s} {a.backend:9s} {sum(a.sizes.values()) / 2 ** 20:8.1f}  "
               f"{a.status:11s} {fig}")
 

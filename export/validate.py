@@ -3,8 +3,16 @@
 The reference is the torch model in float32 through the same part graphs (export.graphs.TorchPart, which tests hold
 equal to the model itself); the candidate is the artifact chain of one precision. Both chains get the same feeds and
 every part's output is compared after every feed: the largest |Δ| relative to the reference's largest magnitude, and
-for logits the agreement of the argmax. An artifact whose figures miss its precision's thresholds is marked failed
-and a runtime refuses it (hat_split.files.bundle.Manifest.usable).
+for logits, per position, the total variation distance between the two softmaxes (and KL, and the argmax agreement,
+reported). An artifact whose figures miss its precision's thresholds is marked failed and a runtime refuses it
+(hat_split.files.bundle.Manifest.usable).
+
+Why mean TV and not the argmax agreement: a draft's worth is its acceptance, and a draft q verified against its own
+float32 model p is accepted with probability 1 − TV(p, q) at T = 1 (hat_split.math.verify.acceptance_rate), so the
+mean TV is the acceptance the artifact gives up. It moves continuously with the logits: a kernel that rounds a little
+differently (AVX2 against AVX-512 int8 products, a Jetson's ARM cores) moves it a little. The argmax flips wholesale
+at every near tie, so over the 8-16 positions of a regime the agreement of the same export swung across its old 65 %
+limit between machines (62.5 % on an AVX2-only machine, 70-81 % here). It stays in the figures, not in the verdict.
 """
 from __future__ import annotations
 
@@ -13,15 +21,22 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-# Largest |Δ| / max|reference| per part output, and the least argmax agreement of logits, per weight precision.
-# fp32 differs from torch only by kernel order; fp16 by rounding; int8 / int4 are weight-only block quantizations
-# whose top-1 agreement with float32 is the figure that matters for drafting (a disagreeing draft is rejected, never
-# wrong: verification keeps the output exact).
+# Per weight precision: the largest |Δ| / max|reference| of any part output, and the largest mean TV between the
+# reference's and the artifact's next-token distributions in any regime. fp32 differs from torch by kernel order, fp16
+# by rounding; int8 / int4 are weight-only block quantizations with int8 activation products (MatMulNBits accuracy
+# level 4). The TV limits: what a quantized draft may give up in acceptance against its own float32 model. Measured
+# on smollm2-135m (4 real prompts; 488 prefill, 32 chunk and 32 step positions; 2026-11-25, AVX-512): int8 0.022-0.030,
+# int4 0.21-0.26, fp16 0.0009, fp32 0.0. A regime's mean over 16-32 positions has a standard error of at most
+# 0.5 / sqrt(16) = 0.125 in the worst case and about 0.03 as measured (per-position sd ≈ 0.15 at int4), so int4's limit
+# sits > 4 standard errors above its figures, int8's > 2 worst-case ones. Broken exports planted on smollm2-135m
+# (tests/test_export.py) measure 0.43-0.98 in some regime: a cache that forgets the prompt, the first layer's attention
+# lost, every MLP output scale off by 2; one mid-layer MLP lost measures 0.14-0.16, refused from int8 up and within
+# int4's own loss.
 THRESHOLDS: Dict[str, Dict[str, float]] = {
-    "fp32": {"rel": 1e-3, "agree": 0.99},
-    "fp16": {"rel": 5e-2, "agree": 0.95},
-    "int8": {"rel": 0.25, "agree": 0.90},
-    "int4": {"rel": 1.0, "agree": 0.65},  # smollm2-135m measures 70-81 % (a 135M model loses much at 4 bits)
+    "fp32": {"rel": 1e-3, "tv": 0.01},
+    "fp16": {"rel": 5e-2, "tv": 0.02},
+    "int8": {"rel": 0.25, "tv": 0.10},
+    "int4": {"rel": 1.0, "tv": 0.40},
 }
 REGIMES = ("prefill", "chunks", "steps")
 
@@ -47,12 +62,24 @@ class Schedule:
         return out
 
 
+def divergences(ref: np.ndarray, got: np.ndarray) -> tuple:
+    """Per position, between the softmax of reference and candidate logits `# [n, vocab]`: the total variation
+    distance and KL(reference || candidate) in nats, in float64."""
+    def logp(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    lr, lg = logp(ref), logp(got)
+    pr, pg = np.exp(lr), np.exp(lg)
+    return 0.5 * np.abs(pr - pg).sum(-1), (pr * (lr - lg)).sum(-1)
+
+
 def compare(reference, candidate, prompts: Sequence[Sequence[int]], schedule: Schedule = Schedule()) -> List[dict]:
     """Feed both PartChainLMs identically; per part and regime: max relative |Δ| (and argmax agreement for logits)."""
     n_parts = len(candidate.parts)
     if len(reference.parts) != n_parts:
         raise ValueError("reference and candidate chains differ in length")
-    acc = [{r: {"rel": 0.0, "agree": [], "positions": 0} for r in REGIMES} for _ in range(n_parts)]
+    acc = [{r: {"rel": 0.0, "agree": [], "tv": [], "kl": [], "positions": 0} for r in REGIMES} for _ in range(n_parts)]
     for prompt in prompts:
         rs, cs = reference.new_state(), candidate.new_state()
         for regime, tokens in schedule.feeds(prompt):
@@ -66,6 +93,9 @@ def compare(reference, candidate, prompts: Sequence[Sequence[int]], schedule: Sc
                 a["positions"] += ref.shape[1]
                 if candidate.parts[i].io.logits_out:
                     a["agree"] += list(ref[0].argmax(-1) == got[0].argmax(-1))
+                    tv, kl = divergences(ref[0], got[0])
+                    a["tv"] += list(tv)
+                    a["kl"] += list(kl)
     out = []
     for i, per in enumerate(acc):
         row = {}
@@ -73,6 +103,8 @@ def compare(reference, candidate, prompts: Sequence[Sequence[int]], schedule: Sc
             row[regime] = {"max_rel_diff": a["rel"], "positions": a["positions"]}
             if a["agree"]:
                 row[regime]["argmax_agreement"] = float(np.mean(a["agree"]))
+                row[regime]["mean_tv"] = float(np.mean(a["tv"]))
+                row[regime]["mean_kl"] = float(np.mean(a["kl"]))
         out.append(row)
     return out
 
@@ -84,7 +116,7 @@ def verdict(figures: dict, precision: str, logits: bool) -> tuple:
         if f["max_rel_diff"] > limits["rel"]:
             return False, (f"{regime}: max |Δ| is {f['max_rel_diff']:.3g} of the reference's scale (limit "
                            f"{limits['rel']})")
-        if logits and f.get("argmax_agreement", 1.0) < limits["agree"]:
-            return False, (f"{regime}: argmax agrees with torch on {100 * f['argmax_agreement']:.1f} % of positions "
-                           f"(limit {100 * limits['agree']:.0f} %)")
+        if logits and f.get("mean_tv", 0.0) > limits["tv"]:
+            return False, (f"{regime}: the next-token distributions differ from torch's by a mean TV of "
+                           f"{f['mean_tv']:.3f} over {f['positions']} positions (limit {limits['tv']})")
     return True, "within the thresholds"
