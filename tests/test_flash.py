@@ -103,7 +103,9 @@ def test_fleet_flash_through_ansible_is_verified_and_idempotent(fleet, bundle, t
     second = flash_fleet(bundle, inv)
     assert all(r["changed"] == 0 for r in second.values())
     bad = tmp_path / "bad.yml"
-    bad.write_text(inv.read_text().replace(fleet.devices[1].address, "10.78.99.2"))
+    # a host that refuses ssh at once (a closed port here) rather than one that times out: the same failure, 10 s sooner
+    bad.write_text(inv.read_text().replace(f"ansible_host: {fleet.devices[1].address}\n",
+                                           "ansible_host: 127.0.0.1\n      ansible_port: 9\n"))
     with pytest.raises(Exception, match="fleet flash failed on"):
         flash_fleet(bundle, bad)
     assert M.load(bundle)  # the local bundle is untouched
