@@ -65,6 +65,8 @@ case "$mode" in
         --eval-windows 4 --eval-prompts 2 --eval-tokens 32 --out "$adapter" >/dev/null
     fi
     exec hat-demo "$@" ;;
-  test) exec "$PY" -m pytest -q -ra "$@" ;;
+  # two workers, one test file each at a time (module fixtures stay together): the suite's tests wait on processes,
+  # links and sockets much of their time, so a second worker fills the other core (HATSPEC_TEST_WORKERS=0: serial)
+  test) exec "$PY" -m pytest -q -ra -n "${HATSPEC_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
   install) echo "hatspec installed" ;;
 esac

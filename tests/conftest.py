@@ -80,22 +80,56 @@ def smollm2():
     return load_model("smollm2-135m", dtype="float32")
 
 
+@contextlib.contextmanager
+def refusing_port():
+    """A loopback port that refuses every connection while the block runs: bound and never listening, so that no other
+    process (a test running beside this one) can take it, as it could a port found free and let go."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    try:
+        yield held.getsockname()[1]
+    finally:
+        held.close()
+
+
+@contextlib.contextmanager
+def once_per_run(tmp_path_factory, name: str):
+    """(directory, done): a directory this test run's processes share (pytest-xdist's workers each have their own
+    session, so a session fixture alone would build its product once per worker), held under a file lock; `done`
+    says whether an earlier holder finished building it. Without xdist, a fresh directory of this session."""
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield tmp_path_factory.mktemp(name), False
+        return
+    root = tmp_path_factory.getbasetemp().parent  # the run's directory, above every worker's own
+    with FileLock(str(root / f"{name}.lock")):
+        out = root / name
+        yield out, (out / ".complete").exists()
+        (out / ".complete").touch()
+
+
 @pytest.fixture(scope="session")
 def smollm2_bundle(smollm2, tmp_path_factory):
-    """The real SmolLM2-135M as a device bundle, exported once per session: the whole model as a draft (fp32, int4)
-    and HAT's parts at m = 2 (fp32; an untrained Λ: exactness does not depend on it)."""
+    """The real SmolLM2-135M as a device bundle, exported once per test run (73 s here): the whole model as a draft
+    (fp32, int4) and HAT's parts at m = 2 (fp32; an untrained Λ: exactness does not depend on it)."""
     pytest.importorskip("onnxscript", reason="the export extra is not installed")
     from export.config import ExportConfig
     from export.onnx_export import export_bundle
     from hat_split.models.adapter import Adapter
     from testbed.prompts import validation_prompts
 
-    out = tmp_path_factory.mktemp("smollm2-bundle")
-    prompts = validation_prompts(smollm2.tokenizer, 2)
-    export_bundle(smollm2, ExportConfig(smollm2.name, str(out), "draft", precisions=("fp32", "int4")),
-                  prompts=prompts, progress=False)
-    export_bundle(smollm2, ExportConfig(smollm2.name, str(out), "hat", m=2, precisions=("fp32",)),
-                  adapter=Adapter(smollm2.model, 2).eval().requires_grad_(False), prompts=prompts, progress=False)
+    with once_per_run(tmp_path_factory, "smollm2-bundle") as (out, done):
+        if not done:
+            out.mkdir(exist_ok=True)
+            prompts = validation_prompts(smollm2.tokenizer, 2)
+            export_bundle(smollm2, ExportConfig(smollm2.name, str(out), "draft", precisions=("fp32", "int4")),
+                          prompts=prompts, progress=False)
+            export_bundle(smollm2, ExportConfig(smollm2.name, str(out), "hat", m=2, precisions=("fp32",)),
+                          adapter=Adapter(smollm2.model, 2).eval().requires_grad_(False), prompts=prompts,
+                          progress=False)
     return out
 
 

@@ -26,6 +26,7 @@ import pytest
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.dashboard import Dashboard
 from cloud_runtime.process import free_port
+from tests.conftest import refusing_port
 from export.deploy import top
 from hat_split.net.security import LinkSecurity
 
@@ -33,7 +34,8 @@ PLAIN = LinkSecurity.plaintext()
 ROOT = Path(__file__).parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TMUX = shutil.which("tmux")
-UTF8 = dict(os.environ, LANG="C.UTF-8", LC_ALL="C.UTF-8")
+# LINES / COLUMNS left out: pytest-xdist's workers set them to 24 x 80, and curses would take them over tmux's window
+UTF8 = {**{k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
 def device(name: str, **over) -> dict:
@@ -315,7 +317,11 @@ def test_hat_fleet_top_under_tmux(tiny_pair):
     cmd = [fleet] if fleet else [sys.executable, "-c", "import sys; from export.deploy.fleet import main; "
                                                        "sys.exit(main())"]
     names = ("jetson-a", "jetson-b", "jetson-c")
-    dead = f"http://127.0.0.1:{free_port()}"
+    with refusing_port() as port:
+        _top_under_tmux(cmd, names, f"http://127.0.0.1:{port}", tiny_pair)
+
+
+def _top_under_tmux(cmd, names, dead, tiny_pair):
     try:
         with reporting_fleet(tiny_pair[1], names) as url:
             for session, where in (("live", url), ("dead", dead)):

@@ -18,8 +18,7 @@ from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
 from hat_split.net.security import LinkSecurity
 from testbed.link_emulator import LinkEmulator
-from cloud_runtime.process import free_port
-from tests.conftest import serving
+from tests.conftest import refusing_port, serving
 
 PROMPT = [5, 17, 99, 3, 250, 7]
 N = 40
@@ -272,11 +271,12 @@ def test_a_cloud_slow_to_welcome_is_waited_for_not_given_up(tiny_server):
                                     connect_timeout_s=0.5, connect_retries=1, request_timeout_s=10),
                          P.Hello("slow", "tiny", 512, "tiny-vocab")) as client:
             assert client.welcome is not None
-        absent = CloudClient(LinkConfig(f"tcp://127.0.0.1:{free_port()}", security=LinkSecurity.plaintext(),
-                                        connect_timeout_s=0.3, connect_retries=1, request_timeout_s=10),
-                             P.Hello("x", "tiny", 512, "tiny-vocab"))
-        with pytest.raises(Exception, match="no answer from the cloud"):  # nobody listening: still fails fast
-            absent.connect()
+        with refusing_port() as nobody:
+            absent = CloudClient(LinkConfig(f"tcp://127.0.0.1:{nobody}", security=LinkSecurity.plaintext(),
+                                            connect_timeout_s=0.3, connect_retries=1, request_timeout_s=10),
+                                 P.Hello("x", "tiny", 512, "tiny-vocab"))
+            with pytest.raises(Exception, match="no answer from the cloud"):  # nobody listening: still fails fast
+                absent.connect()
     finally:
         stop.set()
         thread.join()
@@ -332,11 +332,12 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             link.restore()
             fifth = rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
             assert fifth.tokens == first.tokens and fifth.degraded == [] and fifth.interruptions == 0
-    never = EdgeConfig(model="smollm2-135m", link=LinkConfig(f"tcp://127.0.0.1:{free_port()}",
-                                                             security=LinkSecurity.plaintext(), connect_timeout_s=0.3,
-                                                             connect_retries=1))
-    with EdgeRuntime(never, smollm2) as rt:
-        t0 = time.monotonic()
-        with pytest.raises(Exception, match="no answer from the cloud"):
-            rt.generate(PROMPT, "sd", SamplingParams(0.0), 4)
-        assert time.monotonic() - t0 < 5
+    with refusing_port() as nobody:
+        never = EdgeConfig(model="smollm2-135m", link=LinkConfig(f"tcp://127.0.0.1:{nobody}",
+                                                                 security=LinkSecurity.plaintext(),
+                                                                 connect_timeout_s=0.3, connect_retries=1))
+        with EdgeRuntime(never, smollm2) as rt:
+            t0 = time.monotonic()
+            with pytest.raises(Exception, match="no answer from the cloud"):
+                rt.generate(PROMPT, "sd", SamplingParams(0.0), 4)
+            assert time.monotonic() - t0 < 5

@@ -87,7 +87,7 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
     and closing the local fleet leaves no namespace."""
     from testbed.netns_fleet import LocalFleet
 
-    with LocalFleet(3, prefix="hsf", net=79, directory=tmp_path / "fleet") as local:
+    with LocalFleet(3, prefix="hsg", net=79, directory=tmp_path / "fleet") as local:
         inv_dict = local.inventory(sys.executable, cloud_port=5599, hatspec_model="smollm2-135m",
                                    hatspec_profile="agx-orin-64gb", hatspec_power_mode="MODE_30W",
                                    hatspec_edge_args=["--threads", "1"])
@@ -121,17 +121,19 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
             report = F.status(inv)
             assert report["cloud"]["alive"] and all(d["alive"] for d in report["devices"].values())
             assert F.main(["status", path]) == 0
-            assert "hat-edge serve: hsf-dev2" in F.logs(inv, "hsf-dev2")["hsf-dev2"]
+            assert "hat-edge serve: hsg-dev2" in F.logs(inv, "hsg-dev2")["hsg-dev2"]
         finally:
             stopped = F.down(inv, grace_s=10)
         assert all(text.startswith(("stopped", "killed")) for text in stopped.values()), stopped
         assert F.main(["status", path]) == 1  # everything is down now
         assert not [d.name for d in inv.devices if F._alive(d, "edge")] and not F._alive(inv.cloud, "cloud")
-        left = subprocess.run(["pgrep", "-f", "edge_runtime.cli serve|cloud_runtime.cli serve --model smollm2-135m "
-                                           "--bind tcp://0.0.0.0:5599"], capture_output=True, text=True).stdout
+        # this fleet's processes only (another test's agents may run beside it)
+        left = subprocess.run(["pgrep", "-f", "edge_runtime.cli serve .*--device-id hsg-dev|cloud_runtime.cli serve "
+                                           "--model smollm2-135m --bind tcp://0.0.0.0:5599"], capture_output=True,
+                              text=True).stdout
         assert not left.strip(), left
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "hsf-dev" not in names
+    assert "hsg-dev" not in names
     assert not os.path.exists(tmp_path / "fleet" / "id_ed25519")  # the fleet's keys went with it
 
 

@@ -23,7 +23,7 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.models.loading import load_tokenizer, vocab_fingerprint
 from hat_split.models.registry import gguf_path
 from hat_split.net.security import LinkSecurity
-from tests.conftest import requires_real_pair, serving
+from tests.conftest import refusing_port, requires_real_pair, serving
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
 
@@ -150,8 +150,7 @@ def test_rpc_settings_are_checked_and_an_unreachable_server_is_named(smollm2_ggu
     from cloud_runtime import cli as cloud_cli
 
     assert cloud_cli.main(["rpc-server", "--port", "0"]) == 2
-    port = free_port()  # nothing listens there
-    with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} cannot be reached"):
+    with refusing_port() as port, pytest.raises(RuntimeError, match=f"127.0.0.1:{port} cannot be reached"):
         LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=64, rpc=(f"127.0.0.1:{port}",)))
 
 
