@@ -35,7 +35,8 @@ ROOT = Path(__file__).parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TMUX = shutil.which("tmux")
 # LINES / COLUMNS left out: pytest-xdist's workers set them to 24 x 80, and curses would take them over tmux's window
-UTF8 = {**{k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+UTF8 = {**{k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}, "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8"}
 
 
 def device(name: str, **over) -> dict:
