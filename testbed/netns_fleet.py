@@ -31,10 +31,11 @@ def unavailable() -> Optional[str]:
             return f"{tool} is not installed"
     if not Path("/usr/sbin/sshd").exists():
         return "sshd is not installed (apt-get install openssh-server; scripts/bootstrap.sh does it)"
-    probe = subprocess.run(["ip", "netns", "add", "hs-probe"], capture_output=True, text=True)
+    name = f"hs-probe-{os.getpid()}"  # this process's own: two processes probing at once must not collide
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"ip netns add failed: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "hs-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
