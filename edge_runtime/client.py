@@ -104,6 +104,9 @@ class CloudClient:
         self.close()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # a DEALER left with no connection to queue on (its handshake refused, or the link dropped) blocks a send
+        # forever; bounded, the send fails like an unanswered request and the caller reconnects or degrades
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(1000 * self.link.connect_timeout_s)))
         sock.setsockopt(zmq.IDENTITY, f"{self.hello.device_id}-{uuid.uuid4().hex[:8]}".encode())
         security = self.link.security
         if security.curve:
@@ -223,7 +226,11 @@ class CloudClient:
         if self._forgotten() and not isinstance(msg, P.Hello):
             self._rehello()
         frames = P.encode(msg)
-        self._sock.send_multipart(frames, copy=False)
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise self._lost(f"the connection to the cloud at {self.link.server} could not take a message within "
+                             f"{self.link.connect_timeout_s:.1f} s") from None
         self.last_sent_at = time.perf_counter()
         self.counters.up_bytes += P.frame_bytes(frames)
         if self.tap is not None:
@@ -235,6 +242,14 @@ class CloudClient:
         if isinstance(reply, P.Error):
             raise CloudError(reply)
         return reply
+
+    def _lost(self, what: str) -> Exception:
+        """The error for a connection that is gone: refused by the cloud when it reconnected (CloudError), dropped
+        after the Welcome (LinkDown), or never up (CloudUnavailable)."""
+        failure = self._handshake_failure()
+        if failure:
+            return CloudError(P.Error("unauthorized", failure))
+        return LinkDown(what) if self.welcome is not None else CloudUnavailable(what)
 
     def _forgotten(self) -> bool:
         """True when this client has been silent long enough that the cloud may have dropped it (it forgets a peer
@@ -268,7 +283,7 @@ class CloudClient:
                 break
             if self._monitor is not None and self._monitor in ready:
                 if self._monitor_event() == zmq.EVENT_DISCONNECTED and self.welcome is not None:
-                    raise LinkDown(f"the connection to the cloud at {self.link.server} dropped while a reply was due")
+                    raise self._lost(f"the connection to the cloud at {self.link.server} dropped while a reply was due")
                 continue
             raise CloudUnavailable(f"the cloud at {self.link.server} did not answer within {timeout_s:.1f} s")
         reply = [f.buffer for f in self._sock.recv_multipart(copy=False)]

@@ -6,12 +6,13 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from cloud_runtime.config import CloudConfig
-from edge_runtime.client import CloudClient, CloudError
+from edge_runtime.client import CloudClient, CloudError, CloudUnavailable
 from edge_runtime.config import LinkConfig
 from hat_split.wire import messages as P
 from hat_split.net.keys_cli import main as keys_main
@@ -27,11 +28,17 @@ def _server(tiny_pair, security):
 
 @contextlib.contextmanager
 def _recording_proxy(upstream: str):
-    """A TCP relay that keeps every byte it forwards (both directions)."""
+    """A TCP relay that keeps every byte it forwards (both directions); `cut()` drops the live connections."""
     host, port = upstream.split("//")[1].rsplit(":", 1)
     listener = socket.create_server(("127.0.0.1", 0))
     wire = bytearray()
     lock = threading.Lock()
+    live = []
+
+    def cut():
+        for s in live:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
     def pump(a, b):
         with contextlib.suppress(OSError):
@@ -48,11 +55,12 @@ def _recording_proxy(upstream: str):
             while True:
                 client, _ = listener.accept()
                 server = socket.create_connection((host, int(port)))
+                live.extend((client, server))
                 for a, b in ((client, server), (server, client)):
                     threading.Thread(target=pump, args=(a, b), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", wire
+    yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", wire, cut
     listener.close()
 
 
@@ -90,13 +98,51 @@ def test_allow_listed_device_served_others_refused_and_logged(tiny_pair, tmp_pat
 def test_traffic_is_not_readable_on_the_wire(tiny_pair, tmp_path):
     cloud, devices = ephemeral(tmp_path / "keys", ["orin-1"])
     marker = PROMPT.tobytes()[:16]  # four consecutive prompt token ids as they would be framed
-    with _server(tiny_pair, cloud) as server, _recording_proxy(server.endpoint) as (address, wire):
+    with _server(tiny_pair, cloud) as server, _recording_proxy(server.endpoint) as (address, wire, _):
         assert isinstance(_session(address, "orin-1", devices["orin-1"]), P.SessionOpened)
         assert len(wire) > PROMPT.nbytes
         assert marker not in wire and b"OpenSession" not in wire and b"tiny-vocab" not in wire
-    with _server(tiny_pair, LinkSecurity.plaintext()) as server, _recording_proxy(server.endpoint) as (address, wire):
+    with _server(tiny_pair, LinkSecurity.plaintext()) as server, _recording_proxy(server.endpoint) as (address, wire, _):
         assert isinstance(_session(address, "plain", None), P.SessionOpened)
         assert marker in wire and b"OpenSession" in wire  # the control: plaintext is readable
+
+
+def test_a_device_refused_on_reconnection_is_told_and_never_hangs(tiny_pair, tmp_path):
+    """A connected device whose key is revoked, then whose link drops: libzmq reconnects, the cloud refuses the new
+    handshake and the socket is left with nowhere to queue a message. The next request must fail at once with the
+    reason, not block in the send forever."""
+    cloud, devices = ephemeral(tmp_path / "keys", ["orin-1"])
+    link_of = lambda address: LinkConfig(address, security=devices["orin-1"], connect_timeout_s=2.0,  # noqa: E731
+                                         connect_retries=2, backoff_s=0.1)
+    with _server(tiny_pair, cloud) as server, _recording_proxy(server.endpoint) as (address, _, cut):
+        client = CloudClient(link_of(address), _hello("orin-1"))
+        client.connect()
+        assert isinstance(client.request(P.OpenSession(1, "sd", PROMPT)), P.SessionOpened)
+        assert keys_main(["revoke", "orin-1", "--allow-dir", cloud.allow_dir]) == 0
+        cut()
+        deadline = time.monotonic() + 3.0
+        while not server.report()["security"]["refused"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # libzmq's reconnection, refused
+        assert server.report()["security"]["refused"], "the reconnection was never refused"
+        outcome = []
+
+        def second_request():
+            try:
+                client.request(P.OpenSession(2, "sd", PROMPT))
+                outcome.append("answered")
+            except CloudError as exc:
+                outcome.append(str(exc))
+            except CloudUnavailable as exc:  # (LinkDown included)
+                outcome.append(f"unavailable: {exc}")
+
+        worker = threading.Thread(target=second_request, daemon=True)
+        t0 = time.monotonic()
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the request blocked in its send on a refused connection"
+        client.close()
+        assert time.monotonic() - t0 < 2.0 + 2.0 * 2 + 1.0, outcome
+        assert outcome and "refused this device's key" in outcome[0], outcome
 
 
 def test_plaintext_only_when_asked_for(tmp_path):
