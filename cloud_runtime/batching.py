@@ -40,7 +40,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class _Queued:
-    tag: Any  # the caller's handle for the request (cloud_runtime.handlers.Pending)
+    tag: Any  # the caller's handle for the request (cloud_runtime.work.Pending)
     logits: int  # token work: logits rows of its last positions to return
     states: int  # split work: deep states of its last positions to return
 

@@ -1,12 +1,13 @@
 """The cloud's Prometheus metrics: `GET /metrics` on `CloudConfig.metrics_port` (docs/METRICS.md lists them).
 
-Most of them are read at scrape time from what the server counts anyway (CloudServer.stats, the batcher's StepStats,
-the scheduler's sessions, the quota book, each device's self-report). A scrape runs on the HTTP server's thread while
-the serving loop changes those tables, so `snapshot` copies each dict or list in one step (a C-level copy the loop
-cannot interleave) before reading it, and touches nothing but plain Python values (never torch). `families` turns
-the copy into metric families (pure). What the server does not count already is kept here, written by the loop only:
-histograms of the batched steps (from StepStats' step log), requests by message type, and the verifications' draft
-tokens verified and accepted. Every metric lives in this server's own registry, never prometheus_client's global one.
+Most of them are read at scrape time from what the server counts anyway (CloudServer.stats, the work runner's
+StepStats, the scheduler's sessions, the quota book, each device's self-report). A scrape runs on the HTTP server's
+thread while the serving loop changes those tables, so `snapshot` copies each dict or list in one step (a C-level
+copy the loop cannot interleave) before reading it, and touches nothing but plain Python values (never torch).
+`families` turns the copy into metric families (pure). What the server does not count already is kept here, written
+by the loop only: histograms of the batched steps (from StepStats' step log), requests by message type, and the
+verifications' draft tokens verified and accepted. Every metric lives in this server's own registry, never
+prometheus_client's global one.
 """
 from __future__ import annotations
 
@@ -67,14 +68,15 @@ def label(device: Any) -> str:
 
 def snapshot(server: Any, metrics: "CloudMetrics") -> Dict[str, Any]:
     """The server's counters and tables now, copied into plain values (see the module's docstring)."""
-    stats, steps, sched = server.stats, server.batcher.stats, server.batcher.scheduler
+    stats, steps, sched = server.stats, server.work.stats, server.work.scheduler
+    registry, admission = server.tables.registry, server.admission
     held = list(sched.sessions.values())
-    users = dict(server.handlers.users)
+    users = dict(registry.users)
     kv_by_device: Dict[str, int] = collections.Counter()
     for s in held:
         kv_by_device[label(s.owner)] += s.held_bytes
     devices: Dict[str, dict] = {}
-    for identity, entry in list(server.devices.items()):
+    for identity, entry in list(registry.devices.items()):
         entry = dict(entry)
         name = label(users.get(identity) or entry.get("device_id") or identity)
         if entry.get("reported_at", 0) >= devices.get(name, {}).get("reported_at", 0):
@@ -87,16 +89,16 @@ def snapshot(server: Any, metrics: "CloudMetrics") -> Dict[str, Any]:
         "errors_by_code": dict(stats.errors_by_code),
         "requests_by_type": dict(metrics.requests),
         "verify": dict(metrics.verify),
-        "sessions": collections.Counter(label(s.device) for s in list(server.sessions.values())),
-        "max_sessions": server.config.max_sessions, "peers": len(server.peers),
+        "sessions": collections.Counter(label(s.device) for s in list(server.tables.sessions.values())),
+        "max_sessions": server.config.max_sessions, "peers": len(registry.peers),
         "kv_positions": sum(s.context + s.queued for s in held), "kv_capacity": sched.config.kv_capacity,
         "kv_bytes": sum(kv_by_device.values()), "kv_budget_bytes": server.kv_bytes, "kv_by_device": kv_by_device,
-        "evicted": server.handlers.evicted, "quota_refusals": dict(server.handlers.quotas.refusals),
+        "evicted": admission.evicted, "quota_refusals": dict(admission.quotas.refusals),
         "usage": {label(d): u for d, u in sched.usage.items()},
         "steps": {k: getattr(steps, k) for k in ("steps", "tokens", "segments", "forward_s", "head_s")},
         "load": (server.load.mu or 0.0, server.load.g_mu()), "devices": devices,
         "zap": (zap.accepted, len(zap.refused)) if zap is not None else None,
-        "connected": sorted({label(server.handlers.device_of(i)) for i in list(server.peers)}),
+        "connected": sorted({label(registry.device_of(i)) for i in list(registry.peers)}),
     }
 
 

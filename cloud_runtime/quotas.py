@@ -6,15 +6,28 @@ cloud_runtime.zap), on a plaintext link (a lab) the device id its Hello declares
 cloud's defaults (CloudConfig's `device_*` keys) unless its allow-list entry carries its own: a file
 `NAME.quota.toml` beside `NAME.key` (docs/SECURITY.md). A request over a quota is refused with an `Error` whose
 code is "quota" and whose message names the quota, the device and its usage; other devices are not affected.
+
+The quota math (`Quota`, `QuotaBook`, `eviction_order`, sizes and quota files) is pure. `Admission` applies it to
+the cloud's open sessions (cloud_runtime.sessions.SessionTable) and the work runner holding their caches: it charges
+each request to its device, refuses one over the cloud's session limit, and evicts idle sessions when the runner is
+out of KV memory or sessions.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Deque, Dict, Hashable, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Hashable, Optional, Sequence, Tuple
+
+from cloud_runtime.sessions import SessionTable
+from cloud_runtime.work import Key
+from hat_split.wire import messages as P
+
+log = logging.getLogger("hatspec.cloud")
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
          "gb": 10 ** 9, "tb": 10 ** 12}
@@ -171,3 +184,82 @@ def eviction_order(sessions: Sequence[Holding], capacity: int, asking: Hashable,
     over = lambda d: held[d] > share  # noqa: E731
     idle = [s for s in sessions if s.idle and s.key != spare and (over(s.device) or not over(asking))]
     return sorted(idle, key=lambda s: (not over(s.device), -(held[s.device] - share), s.last_active))
+
+
+class Admission:
+    """Who may take what of the cloud now: each request charged to its device (`charge`, `spend`), new sessions
+    within the cloud's limit (`admit`), room made by evicting idle sessions (`with_room`)."""
+
+    def __init__(self, sessions: SessionTable, quotas: QuotaBook, device_of: Callable[[bytes], Hashable],
+                 max_sessions: int, kv_bytes: int = 0):
+        """device_of: who a connection counts as (cloud_runtime.devices.DeviceRegistry.device_of); max_sessions: the
+        cloud's session limit (CloudConfig.max_sessions); kv_bytes: the cloud's KV memory, for fair shares (0: what
+        the sessions hold)."""
+        self.sessions = sessions
+        self.work = sessions.work
+        self.quotas = quotas
+        self.device_of = device_of
+        self.kv_bytes = kv_bytes
+        self.max_sessions = max_sessions
+        self.evicted = 0  # sessions evicted to make room
+
+    def usage(self, device: Any) -> Usage:
+        """What a device holds now: sessions, their KV bytes, requests being computed, prompt tokens this minute."""
+        u = Usage(prompt_tokens=self.quotas.prompt_tokens(device, time.monotonic()))
+        for key, s in self.sessions.items():
+            if s.device == device:
+                u.sessions += 1
+                u.kv_bytes += self.work.held_bytes(key)
+                u.in_flight += bool(self.work.held(key)[1])
+        return u
+
+    def charge(self, identity: bytes, key: Key, cost: int, positions: int, new_session: bool = False,
+               prompt: int = 0) -> Any:
+        """Refuse (ProtocolError "quota", naming the quota and the usage) a request that would take its device past a
+        quota: a new session, `positions` more KV positions at `cost` bytes each, one more request being computed,
+        `prompt` prompt tokens (spent with `spend` once the work is queued). Returns the device."""
+        device = self.device_of(identity)
+        busy = key in self.sessions and bool(self.work.held(key)[1])
+        try:
+            self.quotas.check(device, self.usage(device), sessions=int(new_session), kv_bytes=cost * positions,
+                              in_flight=int(positions > 0 and not busy), prompt_tokens=prompt)
+        except QuotaExceeded as exc:
+            raise P.ProtocolError("quota", str(exc)) from None
+        return device
+
+    def spend(self, device: Any, prompt: int) -> None:
+        """Count prompt tokens a device sent, once its work is queued."""
+        self.quotas.spend_prompt(device, prompt, time.monotonic())
+
+    def admit(self, identity: bytes, key: Key) -> None:
+        """Refuse (ProtocolError "busy") a new session while the cloud holds max_sessions and no idle one may go."""
+        def room() -> None:
+            if key not in self.sessions and len(self.sessions) >= self.max_sessions:
+                raise P.ProtocolError("busy", f"the cloud holds its limit of {self.max_sessions} sessions")
+        self.with_room(identity, key, room)
+
+    def with_room(self, identity: bytes, key: Key, fn: Callable[[], Any]) -> Any:
+        """fn() (it opens a session or queues work); when the cloud is out of KV memory or sessions, evict idle
+        sessions (`eviction_order`) one at a time and try again, until it fits or none is left."""
+        while True:
+            try:
+                return fn()
+            except P.ProtocolError as exc:
+                if exc.code not in ("memory_full", "busy") or not self.evict_one(identity, key):
+                    raise
+
+    def evict_one(self, identity: bytes, spare: Key) -> bool:
+        """Close the first idle session eviction picks; its device reopens it from its own history when it next
+        asks ("no_session"). False when none may go."""
+        holdings = [Holding(k, s.device, self.work.held_bytes(k), not self.work.held(k)[1], s.last_active)
+                    for k, s in self.sessions.items()]
+        capacity = self.kv_bytes or sum(h.kv_bytes for h in holdings)
+        order = eviction_order(holdings, capacity, self.device_of(identity), spare)
+        if not order:
+            return False
+        victim = order[0]
+        log.info("evicted session %s of device %s (idle, %d KV bytes) to make room for device %s", victim.key[1],
+                 victim.device, victim.kv_bytes, self.device_of(identity))
+        self.sessions.free(victim.key)
+        self.evicted += 1
+        return True

@@ -1,13 +1,14 @@
 """The cloud's ZeroMQ ROUTER server: the socket loop and the lifetime of what it serves.
 
 The loop drains every waiting message, answers each through the handlers (cloud_runtime.handlers: decode, validate,
-queue model work), then runs one batched step of many sessions' work (cloud_runtime.batching: token protocols'
-tokens through every layer, split protocols' hidden states through the middle ones; in this process or pipeline
-stages) and sends the replies the handlers build from what came back. Anything wrong in a request is answered with
-an `Error` naming the problem and the loop carries on with the next message. Sessions keep their KV caches between
-rounds and are dropped after `session_timeout_s` of silence, freeing their memory. A model whose layout the
-partition does not know (hat_split.models.partition.check_family), and a llama.cpp target, serve the token protocols
-on the model's own caches, planned by the same scheduler (cloud_runtime.cache_runner).
+queue model work), then runs one step of many sessions' work on the work runner (`work`, cloud_runtime.work.ModelWork;
+cloud_runtime.batching: token protocols' tokens through every layer, split protocols' hidden states through the
+middle ones, in this process or pipeline stages) and sends the replies the handlers build from what came back.
+Anything wrong in a request is answered with an `Error` naming the problem and the loop carries on with the next
+message. Sessions keep their KV caches between rounds and are dropped after `session_timeout_s` of silence, freeing
+their memory. The sessions, the devices and the counters have one owner, `tables` (cloud_runtime.state.CloudTables).
+A model whose layout the partition does not know (hat_split.models.partition.check_family), and a llama.cpp target,
+serve the token protocols on the model's own caches, planned by the same scheduler (cloud_runtime.cache_runner).
 
 Flow control is request/response: a device has at most one request in flight, so the ROUTER never queues more than
 one reply per device. ROUTER_MANDATORY makes a reply to a vanished device fail loudly (it is then dropped) rather
@@ -28,11 +29,15 @@ from cloud_runtime.cache_runner import CacheRunner
 from cloud_runtime.config import CloudConfig, device_kv_share
 from cloud_runtime.dashboard import Dashboard
 from cloud_runtime.fleet import fleet_view
-from cloud_runtime.handlers import Handlers, ModelFacts, Pending, ServerStats
+from cloud_runtime.devices import DeviceRegistry
+from cloud_runtime.handlers import Handlers
 from cloud_runtime.metrics import CloudMetrics, listen_host
 from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
-from cloud_runtime.quotas import Quota, QuotaBook, allow_list_quotas, format_bytes, parse_bytes
+from cloud_runtime.quotas import Admission, Quota, QuotaBook, allow_list_quotas, format_bytes, parse_bytes
 from cloud_runtime.scheduler import SchedulerConfig
+from cloud_runtime.sessions import SessionTable
+from cloud_runtime.state import CloudTables, ServerStats
+from cloud_runtime.work import ModelFacts, ModelWork, Pending
 from cloud_runtime.zap import DOMAIN, ZapAllowList
 from hat_split import heap
 from hat_split.files.atomic import write_json
@@ -107,25 +112,23 @@ class CloudServer:
             if executor is not None:
                 raise ValueError(f"pipeline stages need a model the partition knows: {facts.split_refusal}")
             self.kv_bytes, how = kv_budget(config, lm)
-            self.batcher: Any = CacheRunner(lm, scheduler_config(config, lm, 1, self.kv_bytes),
-                                            config.max_draft_len + 1, self.load)
+            self.work: ModelWork = CacheRunner(lm, scheduler_config(config, lm, 1, self.kv_bytes),
+                                               config.max_draft_len + 1, self.load)
         else:
             executor = LocalExecutor(lm.model, kv_layout(config, lm.model)) if executor is None else executor
             self.kv_bytes, how = kv_budget(config, lm, executor)
-            self.batcher = Batcher(scheduler_config(config, lm, executor.depth, self.kv_bytes), executor,
-                                   ModelEnds(lm.model), self.load, config.max_draft_len + 1)
+            self.work = Batcher(scheduler_config(config, lm, executor.depth, self.kv_bytes), executor,
+                                ModelEnds(lm.model), self.load, config.max_draft_len + 1)
         log.info("KV memory %s (%s); a device may hold %s of it", format_bytes(self.kv_bytes), how,
                  config.device_kv_memory)
-        self.stats = ServerStats()
-        self.sessions: Dict[Tuple[bytes, int], Any] = {}  # TokenSession or MiddleSession
-        self.peers: Dict[bytes, float] = {}  # identity → last message time, for devices that said Hello
-        self.devices: Dict[bytes, dict] = {}  # identity → HAT §3.2 state: device id, profile, power mode, γ, β
+        self.tables = CloudTables(SessionTable(self.work), DeviceRegistry(config, facts))
         kv_quota = device_kv_share(config.device_kv_memory, self.kv_bytes)
         kv_quota = 0 if kv_quota >= self.kv_bytes else kv_quota  # all of it: the cloud's own limits say it first
         self.quota = Quota(config.device_sessions, kv_quota, config.device_in_flight,
                            config.device_prompt_tokens_per_min)  # a device's, by default
-        self.handlers = Handlers(config, facts, self.batcher, self.load, self.stats, self.sessions, self.peers,
-                                 self.devices, QuotaBook(self.quota, self._allow_list_quotas()), self.kv_bytes)
+        self.admission = Admission(self.tables.sessions, QuotaBook(self.quota, self._allow_list_quotas()),
+                                   self.tables.registry.device_of, config.max_sessions, self.kv_bytes)
+        self.handlers = Handlers(config, facts, self.work, self.tables, self.admission)
         self.zap: Optional[ZapAllowList] = None  # when the link is CurveZMQ
         self.metrics = CloudMetrics(self)  # Prometheus, served on config.metrics_port (cloud_runtime.metrics)
         self.dashboard: Optional[Dashboard] = None  # the fleet page, while served on config.dashboard_port
@@ -134,6 +137,11 @@ class CloudServer:
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
         self._running = False
+
+    @property
+    def stats(self) -> ServerStats:
+        """The server's counters (kept with its tables)."""
+        return self.tables.stats
 
     def _allow_list_quotas(self) -> Dict[str, Quota]:
         """Per-device quotas of the allow-list entries (NAME.quota.toml), over CurveZMQ; none on plaintext."""
@@ -150,8 +158,8 @@ class CloudServer:
         if not security.curve or os.stat(security.allow_dir).st_mtime_ns == self._allow_mtime:
             return
         try:
-            self.handlers.quotas.overrides = self._allow_list_quotas()
-            log.info("allow-list quotas reloaded: %d devices with their own", len(self.handlers.quotas.overrides))
+            self.admission.quotas.overrides = self._allow_list_quotas()
+            log.info("allow-list quotas reloaded: %d devices with their own", len(self.admission.quotas.overrides))
         except (OSError, ValueError) as exc:
             log.error("allow-list quotas not reloaded: %s", exc)
 
@@ -197,8 +205,8 @@ class CloudServer:
         if self.dashboard is not None:
             self.dashboard.close()
             self.dashboard = None
-        self.sessions.clear()
-        self.batcher.shutdown()
+        self.tables.sessions.clear()
+        self.work.shutdown()
 
     @property
     def endpoint(self) -> str:
@@ -212,27 +220,27 @@ class CloudServer:
         self._running = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        wake = self.batcher.wake_socket  # readable when a pipeline batch is back
+        wake = self.work.wake_socket  # readable when a pipeline batch is back
         if wake is not None:
             poller.register(wake, zmq.POLLIN)
         last_sweep = time.monotonic()
         while self._running and not (until and until()):
             # launchable work: do not wait; batches in pipeline stages: until one is back (wake socket) or, without
             # one, look again soon; idle: wake to expire sessions
-            waiting = self.batcher.busy and wake is None
-            wait_ms = 0 if self.batcher.can_launch else 1 if waiting else self.config.poll_ms
+            waiting = self.work.busy and wake is None
+            wait_ms = 0 if self.work.can_launch else 1 if waiting else self.config.poll_ms
             ready = any(sock is self._sock for sock, _ in poller.poll(wait_ms))
-            t0, work = time.perf_counter(), (self.batcher.stats.steps, self.batcher.launches)
+            t0, progress = time.perf_counter(), (self.work.stats.steps, self.work.launches)
             if ready:
                 self.drain()
             self.step()
-            if ready or (self.batcher.stats.steps, self.batcher.launches) != work:
+            if ready or (self.work.stats.steps, self.work.launches) != progress:
                 self.stats.busy_s += time.perf_counter() - t0
             now = time.monotonic()
             if now - last_sweep >= 1.0:
                 self.expire_idle(now)
                 self.trim_heap(now)
-                self.handlers.quotas.prune(now)
+                self.admission.quotas.prune(now)
                 self._reload_quotas()
                 last_sweep = now
                 if self.config.status_file and now - self._status_at >= self.config.status_interval_s:
@@ -242,27 +250,17 @@ class CloudServer:
     def expire_idle(self, now: float) -> None:
         """Free sessions silent for session_timeout_s since their last reply (never one the cloud still owes an
         answer: under load a request can wait longer than the timeout), and forget peers with no session left."""
-        limit = self.config.session_timeout_s
-        for key in [k for k, s in self.sessions.items() if now - s.last_active > limit and not self.batcher.held(k)[1]]:
-            log.info("session %s of %r idle for over %.0f s: freed", key[1], key[0], limit)
-            del self.sessions[key]
-            self.batcher.close(key)
-            self.stats.sessions_expired += 1
-        for peer in [p for p, t in self.peers.items() if now - t > limit]:
-            if not any(k[0] == peer for k in self.sessions):
-                del self.peers[peer]
-                self.devices.pop(peer, None)
-                self.handlers.users.pop(peer, None)
+        self.tables.expire(now, self.config.session_timeout_s)
 
     def trim_heap(self, now: float) -> None:
         """Give the C heap's free pages back to the system (hat_split.heap) once the last session has closed, and at
         most every heap_trim_s while sessions stay open, when steps ran or sessions came or went since the last time.
         Freed activations and caches otherwise stay mapped to this process in its threads' malloc arenas: its RSS
         would keep the peak of its busiest minute."""
-        state = (self.batcher.stats.steps, self.stats.sessions_opened, len(self.sessions))
+        state = (self.work.stats.steps, self.stats.sessions_opened, len(self.tables.sessions))
         if not self.config.heap_trim_s or state == self._trimmed[1]:
             return
-        if self.sessions and now - self._trimmed[0] < self.config.heap_trim_s:
+        if self.tables.sessions and now - self._trimmed[0] < self.config.heap_trim_s:
             return
         self.stats.heap_trim_s += heap.trim()
         self.stats.heap_trims += 1
@@ -273,16 +271,16 @@ class CloudServer:
         """Counters of the server and of its batched steps (`hat-cloud serve --stats-json`). The overhead is
         1 − this process's model time (its stage of the batched steps, a pipeline: stage 0's, plus the token
         protocols' embeddings and head outside them) / the loop's busy time."""
-        b = self.batcher.stats
+        b = self.work.stats
         own = (b.stage_s[0] if b.stage_s else 0.0) + b.head_s
-        return {"server": dataclasses.asdict(self.stats), "stages": self.batcher.stages,
-                "sessions": {"open": len(self.sessions), "kv_positions": self.batcher.kv_used,
-                             "kv_bytes": self.batcher.scheduler.kv_bytes_used, "kv_budget_bytes": self.kv_bytes,
-                             "evicted": self.handlers.evicted},
+        return {"server": dataclasses.asdict(self.stats), "stages": self.work.stages,
+                "sessions": {"open": len(self.tables.sessions), "kv_positions": self.work.kv_used,
+                             "kv_bytes": self.work.scheduler.kv_bytes_used, "kv_budget_bytes": self.kv_bytes,
+                             "evicted": self.admission.evicted},
                 "quotas": {"default": dataclasses.asdict(self.quota),
-                           "refusals": dict(self.handlers.quotas.refusals),
-                           "usage": {str(d): round(u) for d, u in self.batcher.scheduler.usage.items()}},
-                "steps": dataclasses.asdict(b), "devices": list(self.devices.values()),
+                           "refusals": dict(self.admission.quotas.refusals),
+                           "usage": {str(d): round(u) for d, u in self.work.scheduler.usage.items()}},
+                "steps": dataclasses.asdict(b), "devices": list(self.tables.registry.devices.values()),
                 "security": {"mode": self.config.security.mode, **({"accepted": self.zap.accepted,
                                                                      "refused": self.zap.refused} if self.zap else {})},
                 "overhead": 1.0 - own / self.stats.busy_s if self.stats.busy_s > 0 and b.steps else None}
@@ -330,16 +328,16 @@ class CloudServer:
 
     def step(self) -> None:
         """Launch and collect batched steps of every session's queued work; sends the replies of what finished."""
-        before = self.batcher.stats.steps
+        before = self.work.stats.steps
         try:
-            finished: Finished = self.batcher.step()
+            finished: Finished = self.work.step()
         except Exception:  # a bug here must not take the server down; the batch's devices time out and retry
             log.exception("batched step failed")
             return
         finally:  # the histograms count every step StepStats counted
-            self.metrics.observe_steps(self.batcher.stats, before)
+            self.metrics.observe_steps(self.work.stats, before)
         for key in finished.dropped:
-            self.sessions.pop(key, None)
+            self.tables.sessions.forget(key)
         for pending, why in finished.failed:
             self._send(pending.identity, self._error("internal", why, pending.msg), pending.msg)
         for pending, rows in finished.done:
@@ -364,7 +362,7 @@ class CloudServer:
             self._sock.send_multipart([identity, *out], copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the device went away before its answer
             log.warning("dropping reply to vanished peer %r: %s", identity, exc)
-        session = self.sessions.get((identity, getattr(msg, "session_id", None)))
+        session = self.tables.sessions.get((identity, getattr(msg, "session_id", None)))
         if session is not None:
             session.replied_at = time.perf_counter()
 

@@ -9,15 +9,23 @@ the same (device identity, session id).
   device's rejected drafts) are cropped first, then the new shallow states run through layers [start, stop) in a
   batched step with other sessions' work and the last `want` deep states go back.
 
-Both keep what the uplink estimate and the idle timer need (cloud_runtime.handlers, cloud_runtime.server).
+Both keep what the uplink estimate (`Arrival.uplink_bps`) and the idle timer need.
+
+`SessionTable` is the one owner of the open sessions: the handlers (cloud_runtime.token_handlers,
+cloud_runtime.split_handlers), admission (cloud_runtime.quotas.Admission) and the server's loop add, replace and drop
+them only through it, and it checks that a request continuing a session is in step with the device.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, List, Optional
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
+from cloud_runtime.work import Key, ModelWork
 from hat_split.math.target_state import TargetState
+from hat_split.wire import messages as P
+
+RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
 
 
 @dataclass
@@ -53,3 +61,107 @@ class MiddleSession:
     compute_s: float = 0.0  # model time spent on this session (its share of each batched step), seconds
     link_rtt_s: float = 0.0  # the device's tiny-message round trip (OpenSplit): baseline of the uplink estimate
     replied_at: float = 0.0  # perf_counter() when the last reply to this session left
+
+
+Session = Union[TokenSession, MiddleSession]
+
+
+class SessionTable:
+    """The open sessions by (device identity, session id); their caches live in the work runner, `work`."""
+
+    def __init__(self, work: ModelWork):
+        self.work = work
+        self._open: Dict[Key, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._open
+
+    def get(self, key: Key) -> Optional[Session]:
+        return self._open.get(key)
+
+    def items(self) -> Iterable[Tuple[Key, Session]]:
+        return self._open.items()
+
+    def values(self) -> Iterable[Session]:
+        return self._open.values()
+
+    def put(self, key: Key, session: Session) -> None:
+        """A session opened (its cache already is, in the runner)."""
+        self._open[key] = session
+
+    def forget(self, key: Key) -> None:
+        """Drop a session whose cache is gone or about to be replaced (nothing happens for one not open)."""
+        self._open.pop(key, None)
+
+    def free(self, key: Key) -> None:
+        """Close an open session: its cache and queued work in the runner, then the session."""
+        self.work.close(key)
+        del self._open[key]
+
+    def clear(self) -> None:
+        self._open.clear()
+
+    def of_peer(self, identity: bytes) -> bool:
+        """Whether a connection holds any session."""
+        return any(k[0] == identity for k in self._open)
+
+    def idle(self, now: float, limit: float) -> List[Key]:
+        """Sessions silent for over `limit` seconds at monotonic time `now` and with no request being computed."""
+        return [k for k, s in self._open.items() if now - s.last_active > limit and not self.work.held(k)[1]]
+
+    def continuing(self, identity: bytes, msg: Any, kind: type = TokenSession) -> Any:
+        """The session a request continues, checked to be in step with the device."""
+        key = (identity, msg.session_id)
+        session = self._open.get(key)
+        if session is None:
+            raise P.ProtocolError("no_session", f"no open session {msg.session_id} (expired or never opened)")
+        if not isinstance(session, kind):
+            raise P.ProtocolError("invalid", f"session {msg.session_id} speaks {session.protocol!r}: "
+                                  f"{type(msg).__name__} does not belong to it")
+        if msg.step != session.step + 1:
+            raise P.ProtocolError("desync", f"step {msg.step} out of order: the cloud expects {session.step + 1}")
+        done, queued = self.work.held(key)
+        if kind is MiddleSession:
+            if msg.position > done + queued:
+                raise P.ProtocolError("desync", f"device assumes position {msg.position}, the cloud holds "
+                                      f"{done} positions and has {queued} queued")
+        else:
+            if msg.position != len(session.tokens):
+                raise P.ProtocolError(
+                    "desync", f"device assumes position {msg.position}, the cloud holds {len(session.tokens)} tokens")
+            if queued:
+                raise P.ProtocolError("busy_session", f"session {msg.session_id} still has a request being computed")
+        session.last_active = time.monotonic()
+        return session
+
+    def not_computing(self, key: Key) -> None:
+        """Refuse to close or replace a session while a request of it is being computed: closing drops its queued
+        work, and that request would never be answered (a device reconnecting comes with a new identity)."""
+        if key in self._open and self.work.held(key)[1]:
+            raise P.ProtocolError("busy_session", f"session {key[1]} still has a request being computed")
+
+
+@dataclass
+class Arrival:
+    """The request being handled: when it was taken off the socket and its size (the dispatcher,
+    cloud_runtime.handlers, sets both before each handler runs)."""
+
+    at: float = 0.0  # perf_counter() when it was taken off the socket
+    size: int = 0  # its bytes
+
+    def uplink_bps(self, session: Any, idle_s: float) -> float:
+        """The uplink rate this request saw: its bits over the time it spent on the link.
+
+        Time on the link = (arrival − the previous reply's departure) − the device's idle time in between − the
+        device's tiny-message round trip (propagation both ways and the reply's own transfer). Exact for one device on
+        an otherwise idle server; a request that queued behind other devices' compute reads as a slower link.
+        A transfer quicker than RATE_RESOLUTION_S is counted as taking that long: the answer is then a lower bound
+        (such a link is fast enough for any payload here). Returns 0 without a baseline (no link_rtt_s from the device).
+        """
+        if not session.replied_at or not session.link_rtt_s or not 0 <= idle_s < 1e6:
+            return 0.0
+        on_link = self.at - session.replied_at - idle_s - session.link_rtt_s
+        return 8.0 * self.size / max(on_link, RATE_RESOLUTION_S)

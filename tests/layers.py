@@ -70,6 +70,8 @@ RULES = (
     NeverImports("", ("scripts",), "nothing imports scripts/ (shell and launch files)"),
     NeverLoads("cloud_runtime.scheduler", "torch", "the scheduler is plain Python"),
     NeverLoads("cloud_runtime.handlers", "torch", "the cloud's message handlers validate, queue and verify"),
+    *(NeverLoads(f"cloud_runtime.{m}", "torch", "the cloud's request handling is plain Python and numpy")
+      for m in ("token_handlers", "split_handlers", "devices", "quotas", "sessions", "state", "work")),
     NeverLoads("hat_split.wire", "torch", "the wire runs without torch"),
 )
 

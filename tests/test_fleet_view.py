@@ -160,7 +160,7 @@ def test_a_device_report_reaches_the_fleet_view(tiny_pair):
                 with pytest.raises(CloudError, match=why):
                     a.request(P.Report(P.DeviceState(power_mode="7W"), bad))
             view = fleet_view(server)
-            kv = server.batcher.held_bytes(next(k for k in server.sessions))
+            kv = server.work.held_bytes(next(k for k, _ in server.tables.sessions.items()))
             status = json.loads(json.dumps(server.report()))  # the status file (--status-file) stays JSON
             assert [d.get("stats") for d in status["devices"]] == [msgspec.structs.asdict(STATS), None]
             families = {f.name: f for f in device_families(snapshot(server, server.metrics))}

@@ -102,7 +102,7 @@ def test_token_protocols_of_many_devices_share_batched_steps(tiny_server, tiny_p
     ref = _hf_greedy(target, 24)
     jobs = [("sd", 1), ("sd", 4), ("sd", 7), ("hlm", 1), ("llm", 1), ("sd", 3)]
     results, start = {}, threading.Barrier(len(jobs))
-    stats = tiny_server.batcher.stats
+    stats = tiny_server.work.stats
     steps0, segments0 = stats.steps, stats.segments
 
     def device(i, protocol, draft_len):
@@ -116,4 +116,4 @@ def test_token_protocols_of_many_devices_share_batched_steps(tiny_server, tiny_p
         t.join(timeout=120)
     assert [results.get(i) for i in range(len(jobs))] == [ref] * len(jobs)
     assert stats.segments - segments0 > stats.steps - steps0 > 0  # on average more than one session per step
-    assert not tiny_server.batcher.scheduler.sessions  # every session closed: its KV positions are free
+    assert not tiny_server.work.scheduler.sessions  # every session closed: its KV positions are free

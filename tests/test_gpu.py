@@ -29,7 +29,7 @@ def test_greedy_protocols_on_cuda_equal_the_model_alone():
     draft, target = CausalLM(tiny_model(1, 1).cuda()), CausalLM(tiny_model(2, 2).cuda())
     ref = target.greedy(PROMPT, 24)
     with serving(target, device="cuda") as server:
-        runner = server.batcher.engine.executor.runner
+        runner = server.work.engine.executor.runner
         assert runner.slots is not None and runner.graphs.enabled
         for protocol in ("sd", "hlm", "llm"):
             assert _run(server, draft, protocol, SamplingParams(0.0))[0].tokens == ref, protocol

@@ -736,9 +736,9 @@ def test_many_devices_at_once_are_batched_and_each_gets_the_full_models_tokens(t
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, jobs))
     assert all(r.tokens == ref for r in results), [r.tokens for r in results]
-    stats = tiny_server.batcher.stats
+    stats = tiny_server.work.stats
     assert stats.max_segments > 1 and stats.segments > stats.steps, stats  # several devices shared steps
-    assert not tiny_server.batcher.scheduler.sessions  # every session closed: its KV positions are free
+    assert not tiny_server.work.scheduler.sessions  # every session closed: its KV positions are free
 
 
 def _device_process(endpoint: str, protocol: str, chunk: int, out, start) -> None:
@@ -772,4 +772,4 @@ def test_eight_device_processes_generate_concurrently(tiny_server, tiny_pair):
     ref = _greedy(tiny_pair[1].model, 20)
     assert sorted((p, c) for p, c, _ in results) == sorted(jobs)
     assert all(tokens == ref for _, _, tokens in results)
-    assert tiny_server.batcher.stats.max_segments > 1
+    assert tiny_server.work.stats.max_segments > 1

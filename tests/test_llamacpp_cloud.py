@@ -50,7 +50,7 @@ def test_the_scheduler_plans_a_llama_cpp_clouds_steps(smollm2_gguf, smollm2, smo
             lp = concat(result.logprobs)
             assert len(lp) == 12 and lp.k == 3 and (lp.top_ids[:, 0] == reference).all()
             assert np.allclose(lp.values, lp.top_values[:, 0]) and (np.diff(lp.top_values, axis=1) <= 0).all()
-            stats = server.batcher.stats
+            stats = server.work.stats
             assert stats.steps >= 70 // 16 + 1 and max(t for t, _, _ in stats.step_log) <= 16
             with pytest.raises(CloudError, match="context_full.*limit is 160"):
                 rt.generate(smollm2_ids * 10, "sd", SamplingParams(0.0), 4, seed=0)

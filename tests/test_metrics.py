@@ -102,7 +102,7 @@ def test_the_cloud_metrics_move_as_a_device_is_served(tiny_pair):
             assert get(held, "hatspec_cloud_sessions") == 1 == get(held, "hatspec_cloud_device_sessions",
                                                                        device="dev-A")
             assert get(held, "hatspec_cloud_kv_positions") == len(PROMPT) - 1  # the last token comes with drafts
-            assert get(held, "hatspec_cloud_kv_bytes") == server.batcher.held_bytes((client_id(server), 1)) > 0
+            assert get(held, "hatspec_cloud_kv_bytes") == server.work.held_bytes((client_id(server), 1)) > 0
             with pytest.raises(CloudError, match="sessions quota"):
                 client.request(P.OpenSession(2, "sd", np.asarray(PROMPT, np.int32)))
             client.request(P.CloseSession(1))
@@ -113,7 +113,7 @@ def test_the_cloud_metrics_move_as_a_device_is_served(tiny_pair):
     assert steps > 0 and get(after, "hatspec_cloud_batch_tokens_count") == steps == get(
         after, "hatspec_cloud_step_seconds_count") == get(after, "hatspec_cloud_batch_segments_count")
     assert get(after, "hatspec_cloud_batch_tokens_sum") == get(after, "hatspec_cloud_step_tokens_total") > 0
-    assert get(after, "hatspec_cloud_step_seconds_sum") == pytest.approx(server.batcher.stats.forward_s)
+    assert get(after, "hatspec_cloud_step_seconds_sum") == pytest.approx(server.work.stats.forward_s)
     assert get(after, "hatspec_cloud_sessions_opened_total") == 2 and get(after, "hatspec_cloud_sessions") == 0
     assert get(after, "hatspec_cloud_kv_bytes") == 0
     assert get(after, "hatspec_cloud_errors_total", code="quota") == 1
@@ -133,7 +133,7 @@ def test_the_cloud_metrics_move_as_a_device_is_served(tiny_pair):
 
 def client_id(server) -> bytes:
     """The ROUTER identity of the one device connected."""
-    (identity,) = server.peers
+    (identity,) = server.tables.registry.peers
     return identity
 
 

@@ -218,9 +218,9 @@ def test_idle_sessions_are_freed(tiny_server):
     sock = _raw_socket(tiny_server)
     assert isinstance(_ask(sock, _frames(P.Hello("idle", "tiny", 512, "tiny-vocab"))), P.Welcome)
     assert isinstance(_ask(sock, _frames(P.OpenSession(1, "sd", ARR))), P.SessionOpened)
-    assert len(tiny_server.sessions) == 1
+    assert len(tiny_server.tables.sessions) == 1
     tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
-    assert len(tiny_server.sessions) == 0
+    assert len(tiny_server.tables.sessions) == 0
     reply = _ask(sock, _frames(P.Verify(1, 1, 5, ARR[:0], ARR[:1], DIST)))
     assert isinstance(reply, P.Error) and reply.code in ("no_session", "no_handshake")
     sock.close()
@@ -236,8 +236,8 @@ def test_the_cloud_gives_freed_heap_back_when_its_last_session_closes_and_each_i
     monkeypatch.setattr(srv.heap, "trim", lambda: trims.append(1) or 0.001)
     start = tiny_server.stats.heap_trims
     now = time.monotonic()
-    tiny_server._trimmed = (now, (tiny_server.batcher.stats.steps, tiny_server.stats.sessions_opened,
-                                  len(tiny_server.sessions)))
+    tiny_server._trimmed = (now, (tiny_server.work.stats.steps, tiny_server.stats.sessions_opened,
+                                  len(tiny_server.tables.sessions)))
     tiny_server.trim_heap(now + 1e6)
     assert not trims  # nothing happened since the last trim
     sock = _raw_socket(tiny_server)
@@ -265,7 +265,7 @@ def test_a_device_silent_past_the_cloud_timeout_says_hello_again(tiny_server):
     with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
                      P.Hello("quiet", "tiny", 512, "tiny-vocab")) as client:
         tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
-        assert not tiny_server.peers
+        assert not tiny_server.tables.registry.peers
         with pytest.raises(CloudError, match="no_handshake"):  # silent for less than the margin: sent as is
             client.request(P.OpenSession(1, "sd", ARR))
         tiny_server.expire_idle(time.monotonic() + tiny_server.config.session_timeout_s + 1)
@@ -284,7 +284,7 @@ def test_device_state_reaches_the_cloud(tiny_server):
                      P.Hello("orin-7", "tiny", 512, "tiny-vocab")) as client:
         opened = client.request(P.OpenSession(1, "sd", ARR, device=monitor.state()))
         assert isinstance(opened, P.SessionOpened)
-        (entry,) = [d for d in tiny_server.devices.values() if d["device_id"] == "orin-7"]
+        (entry,) = [d for d in tiny_server.tables.registry.devices.values() if d["device_id"] == "orin-7"]
         assert (entry["profile"], entry["power_mode"], entry["draft_s"]) == ("agx-orin-64gb", "MODE_30W", 0.012)
         monitor.power_mode = "MODE_15W"
         reply = client.request(P.Report(monitor.state(up_bps=8e6)))

@@ -108,7 +108,7 @@ def test_the_prompt_rate_quota_counts_what_was_queued(tiny_pair):
         a.request(P.CloseSession(1))
         with pytest.raises(CloudError, match="over its prompt_tokens_per_min quota: it holds 6 and asks 6 more"):
             _open(a, 3)
-        assert server.handlers.usage("A").prompt_tokens == 6
+        assert server.admission.usage("A").prompt_tokens == 6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,7 +160,7 @@ def test_an_evicted_session_resumes_with_identical_tokens(tiny_pair):
         gen_a = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), a, "sd",
                             SamplingParams(0.0), 24, frozenset(), 0, 1, on_tokens=mid_answer)
         result = gen_a.run(PROMPT, lambda t: "")
-        assert server.handlers.evicted >= 1
+        assert server.admission.evicted >= 1
         assert result.tokens == ref and result.interruptions >= 1
 
 
@@ -181,4 +181,4 @@ def test_over_curvezmq_a_device_is_its_certificate_and_its_entry_carries_its_quo
                         _open(c, 2)
                 else:
                     assert isinstance(_open(c, 2), P.SessionOpened)
-        assert sorted({s.device for s in server.sessions.values()}) == ["edge-7", "edge-8"]
+        assert sorted({s.device for s in server.tables.sessions.values()}) == ["edge-7", "edge-8"]

@@ -206,7 +206,7 @@ def test_served_greedy_on_the_slot_layout_equals_the_target(tiny_pair):
     draft, target = tiny_pair
     ref = _hf_greedy(target, 24)
     with serving(target, device="cpu", kv_layout="slots", kv_positions=4096) as server:
-        runner = server.batcher.engine.executor.runner
+        runner = server.work.engine.executor.runner
         assert runner.slots is not None and runner.slots.slots == 4
         for protocol in ("sd", "hlm", "llm"):
             assert _run(server, draft, protocol, SamplingParams(0.0))[0].tokens == ref, protocol

@@ -2,7 +2,7 @@
 random stream, and what the target does with its logits (verify drafts, or sample its own next token).
 
 Whoever runs the target model feeds this state: the cloud's handlers with logits rows that came back from the batched
-steps (cloud_runtime.handlers), the in-process driver with logits from its own HF cache (hat_split.models.target).
+steps (cloud_runtime.token_handlers), the in-process driver with logits from its own HF cache (hat_split.models.target).
 Terms (q, p, accepted, resampled, bonus) are hat_split.math.sampling's.
 """
 from __future__ import annotations
