@@ -13,78 +13,38 @@ and runtimes refuse it). `verify` checks a bundle's checksums and compatibility 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 from edge_runtime.backends.trt_backend import tensorrt_version
-from export.config import OPSETS, PART_SETS, ExportConfig, TensorRTConfig
+from export.config import ExportConfig
 from hat_split.files import bundle as M
-from hat_split.files.config_file import add_config_argument, config_from_command_line
+from hat_split.files.config_file import add_config_argument, config_from_flags
+from hat_split.files.settings import add_flags, fields_of, overrides
 from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.partition import SplitModel, model_fingerprint
 from testbed.prompts import validation_prompts
 
-# argparse dest -> ExportConfig key (dotted: a key of its [tensorrt] table), per command; the flags given override
-# the --config file's keys
-FLAG_KEYS: Dict[str, Dict[str, str]] = {
-    "onnx": {"model": "model", "out": "out", "parts": "parts", "m": "m", "tail": "tail", "adapter": "adapter",
-             "precision": "precisions", "opset": "opset", "device_profile": "device_profile", "prompts": "prompts",
-             "threads": "threads", "int4_embeddings": "int4_embeddings"},
-    "tensorrt": {"bundle": "out", "model": "model", "adapter": "adapter", "precision": "tensorrt.precisions",
-                 "max_context": "tensorrt.max_context", "max_chunk": "tensorrt.max_chunk", "prompts": "prompts"},
-}
-
-
-def _default(cls: type, name: str) -> Any:
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+# the ExportConfig keys `hat-export tensorrt` takes besides its [tensorrt] table (its positional bundle sets `out`)
+TENSORRT_KEYS = ("model", "adapter", "prompts")
 
 
 def _parser() -> argparse.ArgumentParser:
+    """onnx: a flag for every ExportConfig key but its [tensorrt] table; tensorrt: the [tensorrt] table's flags and
+    TENSORRT_KEYS' (hat_split.files.settings)."""
     p = argparse.ArgumentParser(prog="hat-export", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    keys = [key for key, _, _ in fields_of(ExportConfig)]
     o = sub.add_parser("onnx", help="export, validate and record ONNX artifacts")
     add_config_argument(o, "export")
-    o.add_argument("--model", default="", help="registry name, HF directory or .gguf file (required without --config)")
-    o.add_argument("--parts", default=_default(ExportConfig, "parts"), choices=sorted(PART_SETS),
-                   help="draft: the whole model as a draft; hat: input part, Λ and output part; ushape: input and "
-                        "output parts")
-    o.add_argument("--m", type=int, default=_default(ExportConfig, "m"), help="hat / ushape: layers of the input part")
-    o.add_argument("--tail", type=int, default=_default(ExportConfig, "tail"),
-                   help="hat / ushape: layers kept beside the head")
-    o.add_argument("--adapter", default="", help="hat: a hat-distill adapter directory")
-    o.add_argument("--precision", default=",".join(_default(ExportConfig, "precisions")),
-                   help="comma list of fp32, fp16, int8, int4")
-    o.add_argument("--opset", type=int, default=_default(ExportConfig, "opset"),
-                   help=f"ONNX opset of the fp32 / fp16 graphs, {OPSETS[0]}..{OPSETS[-1]}; 17 for TensorRT before 10 "
-                        "(JetPack 5), with --precision fp16 or fp32,fp16")
-    o.add_argument("--int4-embeddings", default=_default(ExportConfig, "int4_embeddings"),
-                   action=argparse.BooleanOptionalAction,
-                   help="int4: quantize the embedding table too (onnxruntime >= 1.20); --no-int4-embeddings for "
-                        "devices on onnxruntime 1.17-1.19 (Python 3.8, JetPack 5)")
-    o.add_argument("--out", default="", help="bundle directory (created; an existing bundle of the same model gains or "
-                                             "replaces artifacts; required without --config)")
-    o.add_argument("--device-profile", default=_default(ExportConfig, "device_profile"),
-                   help="the device profile the bundle targets")
-    o.add_argument("--prompts", type=int, default=_default(ExportConfig, "prompts"),
-                   help="real prompts to validate on (half HumanEval, half ShareGPT)")
-    o.add_argument("--threads", type=int, default=_default(ExportConfig, "threads"),
-                   help="onnxruntime threads during validation (0: default)")
+    o.set_defaults(flag_keys=add_flags(o, ExportConfig, skip=[k for k in keys if k.startswith("tensorrt.")]))
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     t = sub.add_parser("tensorrt", help="build TensorRT engines from a bundle's ONNX artifacts and validate them")
     add_config_argument(t, "export")
-    t.add_argument("bundle", nargs="?", default="", help="the bundle directory (required without --config)")
-    t.add_argument("--model", default="", help="the bundle's model (the torch reference for validation)")
-    t.add_argument("--adapter", default="", help="the adapter the bundle's hat parts were exported with")
-    t.add_argument("--precision", default=",".join(_default(TensorRTConfig, "precisions")),
-                   help="comma list of fp32, fp16")
-    t.add_argument("--max-context", type=int, default=_default(TensorRTConfig, "max_context"),
-                   help="longest cache + new positions an engine accepts")
-    t.add_argument("--max-chunk", type=int, default=_default(TensorRTConfig, "max_chunk"),
-                   help="most new positions per call (a prompt chunk)")
-    t.add_argument("--prompts", type=int, default=_default(ExportConfig, "prompts"))
+    t.add_argument("bundle", nargs="?", default="", help="the bundle directory, its `out` (required without --config)")
+    t.set_defaults(flag_keys=add_flags(t, ExportConfig, skip=[k for k in keys if not k.startswith("tensorrt.")
+                                                              and k not in TENSORRT_KEYS]))
     v = sub.add_parser("verify", help="check a bundle's checksums and compatibility, and list it")
     v.add_argument("bundle")
     v.add_argument("--model", default="", help="also check it holds this model (its weights and vocabulary)")
@@ -95,14 +55,15 @@ def _parser() -> argparse.ArgumentParser:
 def export_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> ExportConfig:
     """The command's ExportConfig: the --config file with the flags typed on this command line on top of it, or the
     flags alone."""
-    keys = FLAG_KEYS[args.cmd]
-    values = {dest: {key: _csv(getattr(args, dest)) if dest == "precision" else getattr(args, dest)}
-              for dest, key in keys.items()}
-    return config_from_command_line(ExportConfig, parser, args, argv, values)
-
-
-def _csv(text: str) -> List[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
+    typed = overrides(args, args.flag_keys)
+    if args.cmd == "tensorrt" and args.bundle:
+        typed["out"] = args.bundle
+    if not args.config:
+        missing = [what for key, what in (("model", "--model"), ("out", "--out" if args.cmd == "onnx" else "a bundle"))
+                   if key not in typed]
+        if missing:
+            raise ValueError(f"hat-export {args.cmd}: give {' and '.join(missing)} (or --config FILE)")
+    return config_from_flags(ExportConfig, args.config, typed)
 
 
 def _onnx(config: ExportConfig, args: argparse.Namespace) -> int:

@@ -5,10 +5,11 @@ No torch, onnx or TensorRT: a config file is checked before any of them is loade
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 from hat_split.files.bundle import PRECISIONS
+from hat_split.files.settings import setting
 
 # The part sets a bundle is exported as (`parts`), each the parts of export.graphs.PartSpec it holds, in chain order.
 PART_SETS: Dict[str, Tuple[str, ...]] = {"draft": ("draft",), "hat": ("input", "adapter", "output"),
@@ -34,11 +35,15 @@ def _check_precisions(key: str, precisions: Tuple[str, ...], known: Tuple[str, .
 class TensorRTConfig:
     """`hat-export tensorrt`: engines built on the device from the bundle's ONNX artifacts (export.tensorrt_build)."""
 
-    precisions: Tuple[str, ...] = ("fp16",)  # fp32 | fp16: the ONNX artifacts engines are built from (fp16 halves
-    #                                          memory and doubles tensor-core throughput on a Jetson)
-    max_context: int = 2048  # positions: the longest cache + new positions an engine accepts (its profiles' top)
-    max_chunk: int = 256  # positions: most new positions in one call (a prompt chunk); the "prefill" profile's top
-    workspace_gb: float = 4.0  # GiB of scratch memory the builder may use per engine (TensorRT's WORKSPACE pool)
+    precisions: Tuple[str, ...] = setting(("fp16",), "fp32 | fp16: the ONNX artifacts engines are built from (fp16 "
+                                          "halves memory and doubles tensor-core throughput on a Jetson)",
+                                          flag="--precision", metavar="LIST")
+    max_context: int = setting(2048, "positions: the longest cache + new positions an engine accepts (its profiles' "
+                               "top)", metavar="N")
+    max_chunk: int = setting(256, "positions: most new positions in one call (a prompt chunk); the \"prefill\" "
+                             "profile's top", metavar="N")
+    workspace_gb: float = setting(4.0, "GiB of scratch memory the builder may use per engine (TensorRT's WORKSPACE "
+                                  "pool)", metavar="GIB")
 
     def __post_init__(self) -> None:
         _check_precisions("tensorrt.precisions", self.precisions, TENSORRT_PRECISIONS,
@@ -54,24 +59,34 @@ class TensorRTConfig:
 class ExportConfig:
     """One bundle: which model, which parts in which precisions, validated how; `[tensorrt]` for its engines."""
 
-    model: str  # registry name, HF directory or .gguf file: the weights exported and the torch reference
-    out: str  # the bundle directory (created; an existing bundle of the same model gains or replaces artifacts)
-    parts: str = "draft"  # draft: the whole model as a draft; hat: input part, Λ and output part; ushape: input and
-    #                       output parts (PART_SETS)
-    m: int = 2  # layers in the input part (hat / ushape): HAT's cut; 2 keeps the device's share of the model small
-    tail: int = 0  # layers kept beside the head in the output part (hat / ushape); 0: final norm and head only
-    adapter: str = ""  # hat: the hat-distill output directory Λ is loaded from ("" for draft / ushape)
-    precisions: Tuple[str, ...] = ("fp32", "int8", "int4")  # weights of the ONNX artifacts: fp32 | fp16 | int8 |
-    #                                                         int4 (int8 / int4 weight-only: smaller, faster drafts)
-    opset: int = OPSET  # ONNX opset of the fp32 / fp16 graphs, 17..23; 17 for TensorRT before 10 (8.5 on JetPack 5),
-    #                     which misreads opset 18's ReduceMean; int4 graphs are lifted to 21 by the quantizer
-    int4_embeddings: bool = True  # int4 quantizes the embedding table too (GatherBlockQuantized: onnxruntime >= 1.20);
-    #                               false: its MatMuls only, which onnxruntime 1.17+ runs (Python 3.8 / JetPack 5
-    #                               stops at 1.19)
-    device_profile: str = "any"  # the device profile the bundle targets (hardware/devices); any: every device
-    prompts: int = 4  # real prompts every artifact is validated on (half HumanEval, half ShareGPT); more: slower
-    threads: int = 0  # onnxruntime intra-op threads while validating; 0: onnxruntime's default (every core)
-    tensorrt: TensorRTConfig = field(default_factory=TensorRTConfig)  # `hat-export tensorrt` of this bundle
+    model: str = setting(help="registry name, HF directory or .gguf file: the weights exported and the torch "
+                         "reference", metavar="NAME")
+    out: str = setting(help="the bundle directory (created; an existing bundle of the same model gains or replaces "
+                       "artifacts)", metavar="DIR")
+    parts: str = setting("draft", "draft: the whole model as a draft; hat: input part, Λ and output part; ushape: "
+                         "input and output parts (PART_SETS)", choices=tuple(PART_SETS))
+    m: int = setting(2, "layers in the input part (hat / ushape): HAT's cut; 2 keeps the device's share of the model "
+                     "small", metavar="M")
+    tail: int = setting(0, "layers kept beside the head in the output part (hat / ushape); 0: final norm and head "
+                        "only", metavar="N")
+    adapter: str = setting("", "hat: the hat-distill output directory Λ is loaded from (\"\" for draft / ushape)",
+                           metavar="DIR")
+    precisions: Tuple[str, ...] = setting(("fp32", "int8", "int4"), "weights of the ONNX artifacts: fp32 | fp16 | "
+                                          "int8 | int4 (int8 / int4 weight-only: smaller, faster drafts)",
+                                          flag="--precision", metavar="LIST")
+    opset: int = setting(OPSET, "ONNX opset of the fp32 / fp16 graphs, 17..23; 17 for TensorRT before 10 (8.5 on "
+                         "JetPack 5), which misreads opset 18's ReduceMean; int4 graphs are lifted to 21 by the "
+                         "quantizer", metavar="N")
+    int4_embeddings: bool = setting(True, "int4 quantizes the embedding table too (GatherBlockQuantized: onnxruntime "
+                                    ">= 1.20); false: its MatMuls only, which onnxruntime 1.17+ runs (Python 3.8 / "
+                                    "JetPack 5 stops at 1.19)")
+    device_profile: str = setting("any", "the device profile the bundle targets (hardware/devices); any: every "
+                                  "device", metavar="NAME")
+    prompts: int = setting(4, "real prompts every artifact is validated on (half HumanEval, half ShareGPT); more: "
+                           "slower", metavar="N")
+    threads: int = setting(0, "onnxruntime intra-op threads while validating; 0: onnxruntime's default (every core)",
+                           metavar="N")
+    tensorrt: TensorRTConfig = setting(help="`hat-export tensorrt` of this bundle", factory=TensorRTConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import signal
 import sys
@@ -21,10 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hat_split.files.config_file import add_config_argument, config_from_command_line
+from hat_split.files.config_file import add_config_argument, config_from_flags
+from hat_split.files.settings import add_flags, overrides, setting
 from testbed.link_emulator import CUT_MODES, LinkEmulator, send_control
 from testbed.links import LINK_PROFILES
 from testbed.netns_link import NetnsLink
+from hat_split.files import strict_json
 
 COMMANDS = ("cut", "restore", "profile", "stats")
 
@@ -41,15 +42,20 @@ def parse_address(text: str) -> tuple[str, int]:
 class LinkEmulatorConfig:
     """`hat-link serve`: one emulated link between devices and the cloud (docs/LINKS.md, docs/CONFIG.md)."""
 
-    upstream: str  # HOST:PORT of the real server (the cloud's endpoint without tcp://)
-    profile: str = "loopback"  # link profile (`hat-link --list`): rates, delay, jitter, loss; loopback only forwards
-    listen: str = "127.0.0.1:5601"  # HOST:PORT devices connect to instead of the server; port 0 picks a free one
-    control: str = ""  # HOST:PORT for line commands (cut, restore, profile, stats) from other processes; "": none
-    netns: str = ""  # root: the device's network namespace NAME behind a tc-tbf-shaped veth (rates in the kernel);
-    #                  "": the user-space relay alone
-    stats_interval_s: float = 5.0  # s between stats lines on stdout; 0: none
-    seed: Optional[int] = None  # seed of the jitter and loss draws, for a reproducible run; None: a fresh one
-    connect_timeout_s: float = 5.0  # s the relay waits for the upstream connection before resetting the device's
+    upstream: str = setting(help="HOST:PORT of the real server (the cloud's endpoint without tcp://)",
+                            metavar="HOST:PORT")
+    profile: str = setting("loopback", "link profile (`hat-link --list`): rates, delay, jitter, loss; loopback only "
+                           "forwards", choices=tuple(LINK_PROFILES))
+    listen: str = setting("127.0.0.1:5601", "HOST:PORT devices connect to instead of the server; port 0 picks a free "
+                          "one", metavar="HOST:PORT")
+    control: str = setting("", "HOST:PORT for line commands (cut, restore, profile, stats) from other processes; \"\": "
+                           "none", metavar="HOST:PORT")
+    netns: str = setting("", "root: the device's network namespace NAME behind a tc-tbf-shaped veth (rates in the "
+                         "kernel); \"\": the user-space relay alone", metavar="NAME")
+    stats_interval_s: float = setting(5.0, "s between stats lines on stdout; 0: none", metavar="SECONDS")
+    seed: Optional[int] = setting(None, "seed of the jitter and loss draws, for a reproducible run; None: a fresh one")
+    connect_timeout_s: float = setting(5.0, "s the relay waits for the upstream connection before resetting the "
+                                       "device's", metavar="SECONDS")
 
     def __post_init__(self) -> None:
         if self.profile not in LINK_PROFILES:
@@ -65,11 +71,6 @@ class LinkEmulatorConfig:
             raise ValueError(f"connect_timeout_s must be > 0 s, got {self.connect_timeout_s}")
 
 
-# argparse dest -> LinkEmulatorConfig key; the flags given override the --config file's keys
-FLAG_KEYS = {"profile": "profile", "listen": "listen", "upstream": "upstream", "control": "control",
-             "netns": "netns", "stats_interval": "stats_interval_s"}
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:
@@ -78,29 +79,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
+    """--list, --config and a flag for every LinkEmulatorConfig key (hat_split.files.settings; its __post_init__
+    checks the HOST:PORT addresses and names the key)."""
     parser = argparse.ArgumentParser(prog="hat-link", description="User-space link emulator (TCP relay); "
                                      f"also `hat-link {{{','.join(COMMANDS)}}} --control HOST:PORT`.")
     parser.add_argument("--list", action="store_true", help="print the link profiles and exit")
     add_config_argument(parser, "link")
-    parser.add_argument("--profile", default=LinkEmulatorConfig.profile, choices=list(LINK_PROFILES))
-    parser.add_argument("--listen", type=_address, default=LinkEmulatorConfig.listen,
-                        help="HOST:PORT devices connect to")
-    parser.add_argument("--upstream", type=_address, help="HOST:PORT of the real server")
-    parser.add_argument("--control", type=_address, help="HOST:PORT for line commands (cut, restore, ...)")
-    parser.add_argument("--netns", default=LinkEmulatorConfig.netns, metavar="NAME",
-                        help="root: put the device in network namespace NAME behind a tc-tbf-shaped veth (rates in "
-                             "the kernel; delay, jitter and loss from the relay); run it there with ip netns exec")
-    parser.add_argument("--stats-interval", type=float, default=LinkEmulatorConfig.stats_interval_s,
-                        help="seconds between stats lines; 0 = none")
+    parser.set_defaults(flag_keys=add_flags(parser, LinkEmulatorConfig))
     return parser
 
 
 def link_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> LinkEmulatorConfig:
     """The --config file with the flags typed on this command line on top of it, or the flags alone."""
-    values = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None}
-    if not args.config and args.upstream is None:
+    typed = overrides(args, args.flag_keys)
+    if not args.config and "upstream" not in typed:
         parser.error("--upstream HOST:PORT is required to run the emulator")
-    return config_from_command_line(LinkEmulatorConfig, parser, args, argv, values)
+    return config_from_flags(LinkEmulatorConfig, args.config, typed)
 
 
 def _serve(argv: Sequence[str]) -> int:
@@ -179,7 +173,7 @@ def _send(argv: list[str]) -> int:
     except (OSError, RuntimeError, ValueError) as e:
         print(f"hat-link {args.command}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(reply.get("stats", reply)))
+    print(strict_json.dumps(reply.get("stats", reply)))
     return 0
 
 
@@ -212,7 +206,7 @@ def _stats_line(before: dict, now: dict, seconds: float) -> str:
 
 
 def _address(text: str) -> str:
-    """argparse type: a HOST:PORT checked and kept as text (LinkEmulatorConfig's form)."""
+    """argparse type: a HOST:PORT checked and kept as text (the control commands' --control)."""
     try:
         parse_address(text)
     except ValueError as exc:

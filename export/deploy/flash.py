@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.files import bundle as M
+from hat_split.files.settings import setting
 from hat_split.net.ssh import login, scp_argv, ssh_argv
 
 DEFAULT_DIR = "/opt/hatspec/bundle"
@@ -78,12 +79,16 @@ class Target:
 class FlashConfig:
     """`hat-flash`: which bundle goes to which devices, and how ssh reaches them (docs/CONFIG.md)."""
 
-    bundle: str  # a hat-export bundle directory (checked before anything is sent)
-    devices: Tuple[str, ...] = ()  # [user@]host[:port][:/absolute/path] each (default path /opt/hatspec/bundle)
-    inventory: str = ""  # an Ansible inventory: flash its hosts through flash.yml instead of `devices`
-    limit: str = ""  # Ansible host pattern within the inventory; "": every host
-    identity: str = ""  # ssh private key file; "": ssh's own (the agent, ~/.ssh/id_*)
-    ssh_options: Tuple[str, ...] = ()  # more `ssh -o` options, e.g. "ConnectTimeout=10" (a slow link to the device)
+    bundle: str = setting(help="a hat-export bundle directory (checked before anything is sent)", flag="")
+    devices: Tuple[str, ...] = setting((), "[user@]host[:port][:/absolute/path] each (default path "
+                                       "/opt/hatspec/bundle)", flag="")
+    inventory: str = setting("", "an Ansible inventory: flash its hosts through flash.yml instead of `devices`",
+                             metavar="FILE")
+    limit: str = setting("", "Ansible host pattern within the inventory; \"\": every host", metavar="PATTERN")
+    identity: str = setting("", "ssh private key file; \"\": ssh's own (the agent, ~/.ssh/id_*)", short="-i",
+                            metavar="KEY")
+    ssh_options: Tuple[str, ...] = setting((), "more `ssh -o` options, e.g. \"ConnectTimeout=10\" (a slow link to the "
+                                           "device)", flag="--ssh-option", short="-o", append=True, metavar="OPTION")
 
     def __post_init__(self) -> None:
         if not self.bundle:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -20,23 +19,20 @@ from typing import Optional, Sequence
 from export.deploy.flash import FlashConfig, FlashError, flash, flash_fleet, ssh_args
 from export.deploy.software import EXTRAS, install, install_fleet, parse_targets, summary
 from hat_split.files.bundle import BundleError
-from hat_split.files.config_file import add_config_argument, config_from_command_line
-
-# argparse dest -> FlashConfig key; the flags given override the --config file's keys
-FLAG_KEYS = {"bundle": "bundle", "devices": "devices", "inventory": "inventory", "limit": "limit",
-             "identity": "identity", "ssh_option": "ssh_options"}
+from hat_split.files.config_file import add_config_argument, config_from_flags
+from hat_split.files.settings import add_flags, overrides
+from hat_split.files import strict_json
 
 
 def _parser() -> argparse.ArgumentParser:
+    """--config, the positionals (the bundle and devices), a flag for every other FlashConfig key
+    (hat_split.files.settings; --software uses --inventory, --limit, -i and -o as well) and --software's own."""
     p = argparse.ArgumentParser(prog="hat-flash", description=__doc__.split("\n\n")[0])
     add_config_argument(p, "flash")
     p.add_argument("bundle", nargs="?", default="",
                    help="a hat-export bundle directory (checked before anything is sent; required without --config)")
     p.add_argument("devices", nargs="*", help="[user@]host[:port][:/absolute/path]")
-    p.add_argument("--inventory", default="", help="an Ansible inventory: flash every host (or --limit)")
-    p.add_argument("--limit", default="", help="Ansible host pattern within the inventory")
-    p.add_argument("-i", "--identity", default="", help="ssh private key")
-    p.add_argument("-o", "--ssh-option", action="append", default=[], help="extra ssh -o option (repeatable)")
+    p.set_defaults(flag_keys=add_flags(p, FlashConfig))
     s = p.add_argument_group("software (--software)")
     s.add_argument("--software", action="store_true",
                    help="install hatspec itself (this checkout's wheel and its device extra) instead of a bundle")
@@ -51,9 +47,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def flash_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> FlashConfig:
-    """The --config file with the flags typed on this command line on top of it, or the flags alone."""
-    values = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items()}
-    return config_from_command_line(FlashConfig, parser, args, argv, values)
+    """The --config file with the bundle, devices and flags typed on this command line on top of it, or those
+    alone."""
+    typed = overrides(args, args.flag_keys)
+    if args.bundle:
+        typed["bundle"] = args.bundle
+    if args.devices:
+        typed["devices"] = tuple(args.devices)
+    if not args.config and "bundle" not in typed:
+        raise ValueError("give a bundle directory (or --config FILE naming one)")
+    return config_from_flags(FlashConfig, args.config, typed)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -77,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"hat-flash: {r.target}: verified {r.files} files, sent {len(r.sent_files)} "
                       f"({r.sent_bytes / 2 ** 20:.1f} MB)")
         if args.json:
-            print(json.dumps(report, indent=1))
+            print(strict_json.dumps(report, indent=1))
         return 0
     except (ValueError, FlashError, BundleError, OSError) as exc:  # a ConfigError is a ValueError
         print(f"hat-flash: error: {exc}", file=sys.stderr)
@@ -86,14 +89,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _software(args: argparse.Namespace) -> int:
     devices = [d for d in [args.bundle, *args.devices] if d]
+    typed = overrides(args, args.flag_keys)  # FlashConfig's flags --software uses: devices through ssh, or a fleet
+    inventory = typed.get("inventory", "")
     try:
-        if bool(devices) == bool(args.inventory):
+        if bool(devices) == bool(inventory):
             raise ValueError("hat-flash --software: give devices or --inventory (one of the two)")
-        ssh = ssh_args(args.identity, args.ssh_option)
+        ssh = ssh_args(typed.get("identity", ""), typed.get("ssh_options", ()))
         report = {}
         wheel = Path(args.wheel) if args.wheel else None
-        if args.inventory:
-            report = install_fleet(Path(args.inventory), args.extra, args.limit, tuple(ssh), wheel)
+        if inventory:
+            report = install_fleet(Path(inventory), args.extra, typed.get("limit", ""), tuple(ssh), wheel)
             for host, r in report.items():
                 print(f"hat-flash: {host}: hatspec {r['hatspec']} (build {r['build']}, [{r['extra']}]) "
                       + ("installed" if r["changed"] else "already installed: nothing to do"))
@@ -102,7 +107,7 @@ def _software(args: argparse.Namespace) -> int:
             print("\n".join(summary(r)))
             report[r.target] = r.__dict__
         if args.json:
-            print(json.dumps(report, indent=1))
+            print(strict_json.dumps(report, indent=1))
         return 0
     except (ValueError, FlashError, OSError) as exc:
         print(f"hat-flash: error: {exc}", file=sys.stderr)
