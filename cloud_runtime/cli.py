@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -18,11 +17,12 @@ import time
 from typing import Optional, Sequence
 
 from cloud_runtime import pipeline
-from cloud_runtime.config import ENGINES, GRAPHS, KV_LAYOUTS, CloudConfig
+from cloud_runtime.config import CloudConfig
 from cloud_runtime.runner import kv_layout
 from cloud_runtime.server import CloudServer
 from hat_split.extras import MissingExtra, need, require_python
-from hat_split.files.config_file import add_config_argument, config_from_command_line
+from hat_split.files.config_file import add_config_argument, config_from_flags
+from hat_split.files.settings import add_flags, overrides
 from hat_split.models import llamacpp_rpc
 from hat_split.models.llamacpp_lib import FALLBACK_NOTE, INSTALL_HINT, llama_cpp_installed
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
@@ -31,96 +31,23 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, load_tokenizer, resolve_dtype, vocab_fingerprint
 from hat_split.models.partition import holds_all_layers
 from hat_split.models.placement import resolve_device
-from hat_split.models.registry import MODEL_DTYPES, MODELS, get_model_spec
+from hat_split.models.registry import MODELS, get_model_spec
+from hat_split.files import strict_json
 
 READY_LINE = "hatspec-cloud ready"  # printed (and flushed) once the socket is bound and the model loaded
 RPC_READY_LINE = "hatspec-rpc starting"  # printed before the RPC server binds (a client retries until it answers)
 
-# argparse dest -> CloudConfig key (dotted: a table); the flags given override the --config file's keys
-FLAG_KEYS = {"model": "model", "bind": "bind", "session_timeout": "session_timeout_s", "max_sessions": "max_sessions",
-             "max_draft_len": "max_draft_len", "max_context": "max_context", "token_budget": "token_budget",
-             "prefill_floor": "prefill_floor", "usage_half_life": "usage_half_life", "kv_positions": "kv_positions",
-             "stats_json": "stats_json",
-             "status_file": "status_file", "status_interval": "status_interval_s", "pipeline": "pipeline",
-             "threads": "threads", "dtype": "dtype", "curve_secret": "security.secret_key",
-             "curve_allow": "security.allow_dir", "plaintext": "security.mode", "engine": "engine", "n_ctx": "n_ctx",
-             "n_batch": "n_batch", "n_gpu_layers": "n_gpu_layers", "rpc": "rpc", "device": "device",
-             "kv_layout": "kv_layout", "graphs": "graphs", "kv_memory": "kv_memory",
-             "device_sessions": "device_sessions", "device_kv_memory": "device_kv_memory",
-             "device_in_flight": "device_in_flight", "device_prompt_tokens_per_min": "device_prompt_tokens_per_min",
-             "metrics_port": "metrics_port", "dashboard_port": "dashboard_port"}
+SECTIONS = {"security.": "link security (CurveZMQ unless --plaintext)",
+            "device_": "per-device quotas (0: none; an allow-list entry's NAME.quota.toml overrides them)"}
+NOT_IN_THE_CLOUD = ("security.server_key",)  # the device's key: the cloud holds its own pair and the allow-list
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hat-cloud", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the target model to devices")
-    d = CloudConfig.__dataclass_fields__
     add_config_argument(s, "cloud")
-    s.add_argument("--model", default="",
-                   help="registry name (see `hat-models list`), HF directory or .gguf file (required without --config)")
-    s.add_argument("--bind", default=d["bind"].default, help="ZeroMQ endpoint to bind (default %(default)s)")
-    s.add_argument("--session-timeout", type=float, default=d["session_timeout_s"].default, help="seconds")
-    s.add_argument("--max-sessions", type=int, default=d["max_sessions"].default)
-    s.add_argument("--max-draft-len", type=int, default=d["max_draft_len"].default)
-    s.add_argument("--max-context", type=int, default=d["max_context"].default)
-    s.add_argument("--token-budget", type=int, default=d["token_budget"].default,
-                   help="positions per batched step, all devices (default %(default)s)")
-    s.add_argument("--prefill-floor", type=int, default=d["prefill_floor"].default,
-                   help="positions of each step kept for waiting prompts (default %(default)s)")
-    s.add_argument("--usage-half-life", type=int, default=d["usage_half_life"].default,
-                   help="positions computed over which a device's recent usage halves; a device well over its share "
-                        "gets what the others leave (0: off; default %(default)s)")
-    s.add_argument("--kv-positions", type=int, default=d["kv_positions"].default,
-                   help="KV cache positions of the batched steps, all sessions (default %(default)s)")
-    s.add_argument("--kv-memory", default=d["kv_memory"].default, metavar="SIZE",
-                   help="KV cache of all sessions, e.g. 8GiB (default %(default)s: the slots plus half the free "
-                        "memory of the model's device)")
-    q = s.add_argument_group("per-device quotas (0: none; an allow-list entry's NAME.quota.toml overrides them)")
-    q.add_argument("--device-sessions", type=int, default=d["device_sessions"].default, metavar="N")
-    q.add_argument("--device-kv-memory", default=d["device_kv_memory"].default, metavar="SIZE|PCT",
-                   help="e.g. 2GiB or 25%% of --kv-memory (default %(default)s)")
-    q.add_argument("--device-in-flight", type=int, default=d["device_in_flight"].default, metavar="N")
-    q.add_argument("--device-prompt-tokens-per-min", type=int,
-                   default=d["device_prompt_tokens_per_min"].default, metavar="N")
-    s.add_argument("--stats-json", default="", metavar="PATH",
-                   help="on exit, write the server's counters and its recent batched steps here")
-    k = s.add_argument_group("link security (CurveZMQ unless --plaintext)")
-    k.add_argument("--curve-secret", default="", metavar="FILE", help="the cloud's secret key (hat-keys generate)")
-    k.add_argument("--curve-allow", default="", metavar="DIR", help="directory of the device public keys accepted")
-    k.add_argument("--plaintext", action="store_true", help="no encryption or device authentication (a lab only)")
-    s.add_argument("--status-file", default="", metavar="PATH",
-                   help="while serving, rewrite the counters and every device's reported state here (hat-fleet)")
-    s.add_argument("--status-interval", type=float, default=d["status_interval_s"].default, metavar="S")
-    s.add_argument("--metrics-port", type=int, default=d["metrics_port"].default, metavar="PORT",
-                   help="serve Prometheus metrics (GET /metrics, docs/METRICS.md) on this TCP port, on the --bind "
-                        "host (default %(default)s: off)")
-    s.add_argument("--dashboard-port", type=int, default=d["dashboard_port"].default, metavar="PORT",
-                   help="serve the fleet dashboard (GET /: a page, GET /fleet.json; docs/DASHBOARD.md) on this TCP "
-                        "port, on the --bind host (default %(default)s: off)")
-    s.add_argument("--pipeline", type=int, default=d["pipeline"].default,
-                   help="pipeline stages for the middle layers, one process each under torchrun (default %(default)s)")
-    s.add_argument("--threads", type=int, default=d["threads"].default,
-                   help="torch or llama.cpp threads (0: their default)")
-    s.add_argument("--engine", default=d["engine"].default, choices=ENGINES,
-                   help="torch (every protocol) or llamacpp (the model's GGUF file on llama.cpp; token protocols)")
-    s.add_argument("--n-ctx", type=int, default=d["n_ctx"].default,
-                   help="llamacpp: KV positions of all sessions together (default %(default)s)")
-    s.add_argument("--n-batch", type=int, default=d["n_batch"].default,
-                   help="llamacpp: positions per llama_decode (default %(default)s)")
-    s.add_argument("--n-gpu-layers", type=int, default=d["n_gpu_layers"].default,
-                   help="llamacpp: layers on a CUDA build's GPUs or the --rpc servers, -1 all (default %(default)s)")
-    s.add_argument("--rpc", default=d["rpc"].default, metavar="HOST:PORT,...",
-                   help="llamacpp: RPC servers (hat-cloud rpc-server on each host) to spread the model's layers over")
-    s.add_argument("--dtype", default=d["dtype"].default, choices=MODEL_DTYPES,
-                   help="model dtype (default %(default)s: bfloat16 where the hardware multiplies it, else float32)")
-    s.add_argument("--device", default=d["device"].default, metavar="auto|cpu|cuda|cuda:N",
-                   help="torch engine: where the model runs (default %(default)s: the first CUDA GPU when present)")
-    s.add_argument("--kv-layout", default=d["kv_layout"].default, choices=KV_LAYOUTS,
-                   help="slots: preallocated per-session KV slots; dynamic: growing caches (default %(default)s: "
-                        "slots on CUDA)")
-    s.add_argument("--graphs", default=d["graphs"].default, choices=GRAPHS,
-                   help="decode / verify steps as captured CUDA graphs (default %(default)s: on for CUDA)")
+    s.set_defaults(flag_keys=add_flags(s, CloudConfig, skip=NOT_IN_THE_CLOUD, sections=SECTIONS))
     s.add_argument("-v", "--verbose", action="store_true")
     r = sub.add_parser("rpc-server", help="lend this host's compute device (its GPUs, else its CPU) to a llama.cpp "
                                           "cloud (hat-cloud serve --engine llamacpp --rpc HOST:PORT,...)",
@@ -135,11 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 def cloud_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> CloudConfig:
     """The --config file with the flags typed on this command line on top of it, or the flags alone (ValueError,
     naming the key, for what cannot be served)."""
-    values = {dest: {key: getattr(args, dest)} for dest, key in FLAG_KEYS.items()}
-    values["plaintext"] = {"security.mode": "plaintext" if args.plaintext else "curve"}
-    if not args.config and not args.model:
+    typed = overrides(args, args.flag_keys)
+    if not args.config and "model" not in typed:
         parser.error("serve: --model is required (or a --config file naming the model)")
-    return config_from_command_line(CloudConfig, parser, args, argv, values)
+    return config_from_flags(CloudConfig, args.config, typed)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -288,7 +214,7 @@ def run_server(config: CloudConfig, server: CloudServer, details: str) -> int:
         server.close()  # stops the pipeline stages too
         if config.stats_json:
             with open(config.stats_json, "w", encoding="utf-8") as f:
-                json.dump(server.report(), f)
+                strict_json.dump(server.report(), f)
     return 0
 
 if __name__ == "__main__":

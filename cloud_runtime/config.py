@@ -9,6 +9,7 @@ from cloud_runtime.quotas import parse_bytes
 from hat_split.models.llamacpp_rpc import parse_endpoints
 from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES
+from hat_split.files.settings import setting
 from hat_split.net.security import LinkSecurity
 from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -19,56 +20,77 @@ GRAPHS = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class CloudConfig:
-    model: str  # registry short name, HF directory or .gguf path of the target (large) model
-    bind: str = "tcp://127.0.0.1:5555"  # ZeroMQ endpoint the ROUTER socket binds (loopback: a lab by default)
-    session_timeout_s: float = 120.0  # seconds: a session silent this long is dropped and its KV cache freed
-    max_sessions: int = 64  # concurrent sessions; more are refused with an Error("busy")
-    max_draft_len: int = 16  # tokens: longest draft accepted in one Verify (bounds verify latency and memory)
-    max_context: int = 8192  # tokens (positions) per session, prompt + generated (bounds KV memory)
-    max_generate: int = 256  # tokens one Generate request may ask for (bounds one request's time)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # bytes: larger requests are refused unread
-    threads: int = 0  # torch intra-op threads, or llama.cpp's; 0 keeps their default (all cores)
-    device: str = "auto"  # torch engine: where the model runs: auto (the first CUDA GPU when present, else the CPU) |
-    # cpu | cuda | cuda:N (hat_split.models.placement); pipeline stages on CUDA take the GPU of their local rank
-    dtype: str = "auto"  # model dtype; "auto": bfloat16 where the device multiplies it in hardware (CPU: AMX /
-    # AVX512-BF16; CUDA: Ampere and later), float16 on older GPUs (Volta), else float32 (hat_split.models.loading)
-    kv_layout: str = "auto"  # slots: every session's KV in preallocated slots of max_context positions (as many as
-    # kv_positions holds; later sessions get growing caches) | dynamic: growing caches | auto: slots on CUDA
-    graphs: str = "auto"  # on: decode / verify steps on slots run as captured CUDA graphs (bucketed shapes,
-    # cloud_runtime.buckets; other shapes eager) | off | auto: on where the device is CUDA
-    poll_ms: int = 200  # milliseconds: how often the idle loop wakes to expire sessions and write the status file
-    heap_trim_s: float = 60.0  # seconds between two returns of the C heap's free pages to the system while sessions
-    # are open; also done once when the last session closes (hat_split.heap); 0: never
-    token_budget: int = 512  # positions per batched step, all sessions (cloud_runtime.scheduler): bounds step latency
-    prefill_floor: int = 64  # positions of each step kept for waiting prompt work, so decoding cannot starve it
-    usage_half_life: int = 4096  # positions computed over which a device's recent usage halves; a device well over
-    # the mean of those with work waits for theirs, its prompts at most prefill_floor a step meanwhile (0: off)
-    kv_positions: int = 1 << 18  # KV cache positions of the batched steps, all sessions together (memory bound)
-    kv_memory: str = "auto"  # bytes of KV cache all sessions together may hold, each position at its session's cost
-    # (a size: 8GiB, 512MiB; or auto: the KV slots plus half the memory free on the model's device at start, logged)
-    device_sessions: int = 16  # quota: sessions one device may hold at once (0: only max_sessions)
-    device_kv_memory: str = "100%"  # quota: KV cache one device may hold: a size, or a percentage of kv_memory (by
-    # default none below the cloud's own: fair-share eviction keeps room for the others)
-    device_in_flight: int = 16  # quota: requests of one device being computed at once (0: no quota)
-    device_prompt_tokens_per_min: int = 0  # quota: prompt positions one device may send per minute (0: no quota)
-    # (a device's allow-list entry may carry its own: NAME.quota.toml beside NAME.key, docs/SECURITY.md)
+    model: str = setting(help="registry short name, HF directory or .gguf path of the target (large) model")
+    bind: str = setting("tcp://127.0.0.1:5555", "ZeroMQ endpoint the ROUTER socket binds (loopback: a lab by "
+                        "default)")
+    session_timeout_s: float = setting(120.0, "seconds: a session silent this long is dropped and its KV cache "
+                                       "freed")
+    max_sessions: int = setting(64, "concurrent sessions; more are refused with an Error(\"busy\")")
+    max_draft_len: int = setting(16, "tokens: longest draft accepted in one Verify (bounds verify latency and "
+                                 "memory)")
+    max_context: int = setting(8192, "tokens (positions) per session, prompt + generated (bounds KV memory)")
+    max_generate: int = setting(256, "tokens one Generate request may ask for (bounds one request's time)")
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "bytes: larger requests are refused unread")
+    threads: int = setting(0, "torch intra-op threads, or llama.cpp's; 0 keeps their default (all cores)")
+    device: str = setting("auto", "torch engine: where the model runs: auto (the first CUDA GPU when present, else "
+                          "the CPU) | cpu | cuda | cuda:N (hat_split.models.placement); pipeline stages on CUDA "
+                          "take the GPU of their local rank", metavar="auto|cpu|cuda|cuda:N")
+    dtype: str = setting("auto", "model dtype; \"auto\": bfloat16 where the device multiplies it in hardware (CPU: "
+                         "AMX / AVX512-BF16; CUDA: Ampere and later), float16 on older GPUs (Volta), else float32 "
+                         "(hat_split.models.loading)", choices=MODEL_DTYPES)
+    kv_layout: str = setting("auto", "slots: every session's KV in preallocated slots of max_context positions (as "
+                             "many as kv_positions holds; later sessions get growing caches) | dynamic: growing "
+                             "caches | auto: slots on CUDA", choices=KV_LAYOUTS)
+    graphs: str = setting("auto", "on: decode / verify steps on slots run as captured CUDA graphs (bucketed "
+                          "shapes, cloud_runtime.buckets; other shapes eager) | off | auto: on where the device is "
+                          "CUDA", choices=GRAPHS)
+    poll_ms: int = setting(200, "milliseconds: how often the idle loop wakes to expire sessions and write the "
+                           "status file")
+    heap_trim_s: float = setting(60.0, "seconds between two returns of the C heap's free pages to the system while "
+                                 "sessions are open; also done once when the last session closes (hat_split.heap); "
+                                 "0: never")
+    token_budget: int = setting(512, "positions per batched step, all sessions (cloud_runtime.scheduler): bounds "
+                                "step latency")
+    prefill_floor: int = setting(64, "positions of each step kept for waiting prompt work, so decoding cannot "
+                                 "starve it")
+    usage_half_life: int = setting(4096, "positions computed over which a device's recent usage halves; a device "
+                                   "well over the mean of those with work waits for theirs, its prompts at most "
+                                   "prefill_floor a step meanwhile (0: off)")
+    kv_positions: int = setting(1 << 18, "KV cache positions of the batched steps, all sessions together (memory "
+                                "bound)")
+    kv_memory: str = setting("auto", "bytes of KV cache all sessions together may hold, each position at its "
+                             "session's cost (a size: 8GiB, 512MiB; or auto: the KV slots plus half the memory "
+                             "free on the model's device at start, logged)", metavar="SIZE")
+    device_sessions: int = setting(16, "quota: sessions one device may hold at once (0: only max_sessions)")
+    device_kv_memory: str = setting("100%", "quota: KV cache one device may hold: a size, or a percentage of "
+                                    "kv_memory (by default none below the cloud's own: fair-share eviction keeps "
+                                    "room for the others)", metavar="SIZE|PCT")
+    device_in_flight: int = setting(16, "quota: requests of one device being computed at once (0: no quota)")
+    device_prompt_tokens_per_min: int = setting(0, "quota: prompt positions one device may send per minute (0: no "
+                                                "quota) (a device's allow-list entry may carry its own: "
+                                                "NAME.quota.toml beside NAME.key, docs/SECURITY.md)")
     security: LinkSecurity = LinkSecurity()  # CurveZMQ with an allow-list unless mode = "plaintext" (a lab only)
-    stats_json: str = ""  # path: on exit, write the server's counters and per-step log here (benchmarks); "" none
-    status_file: str = ""  # path: while serving, rewrite the same report here (hat-fleet status); "" none
-    status_interval_s: float = 5.0  # seconds between two status files (each costs a report and a write)
-    metrics_port: int = 0  # TCP port of the Prometheus endpoint (GET /metrics, docs/METRICS.md) on the host `bind`
-    # names (0.0.0.0 for *, loopback for ipc / inproc); 0: off
-    dashboard_port: int = 0  # TCP port of the fleet dashboard (GET /: the page, GET /fleet.json; docs/DASHBOARD.md)
-    # on the same host as the metrics; 0: off
-    pipeline: int = 1  # stages of the layers, one torch.distributed process each (cloud_runtime.pipeline)
-    engine: str = "torch"  # what runs the target: torch (every protocol) | llamacpp (the model's GGUF file on
-    # llama.cpp, quantised as shipped: the token protocols, every session's work in one llama_decode per step)
-    n_ctx: int = 16384  # llamacpp: KV positions of all sessions together (the llama.cpp context's size: memory)
-    n_batch: int = 512  # llamacpp: positions per llama_decode; a step's token budget is at most this (one
-    # llama_decode per step)
-    n_gpu_layers: int = -1  # llamacpp: layers on the offload devices (a CUDA build's GPUs, the rpc servers); -1 all
-    rpc: str = ""  # llamacpp: HOST:PORT,... of RPC servers (hat-cloud rpc-server on each host) the model's layers are
-    # spread over, instead of this machine; "" none
+    stats_json: str = setting("", "path: on exit, write the server's counters and per-step log here (benchmarks); "
+                              "\"\" none", metavar="PATH")
+    status_file: str = setting("", "path: while serving, rewrite the same report here (hat-fleet status); \"\" "
+                               "none", metavar="PATH")
+    status_interval_s: float = setting(5.0, "seconds between two status files (each costs a report and a write)")
+    metrics_port: int = setting(0, "TCP port of the Prometheus endpoint (GET /metrics, docs/METRICS.md) on the "
+                                "host `bind` names (0.0.0.0 for *, loopback for ipc / inproc); 0: off")
+    dashboard_port: int = setting(0, "TCP port of the fleet dashboard (GET /: the page, GET /fleet.json; "
+                                  "docs/DASHBOARD.md) on the same host as the metrics; 0: off")
+    pipeline: int = setting(1, "stages of the layers, one torch.distributed process each (cloud_runtime.pipeline)")
+    engine: str = setting("torch", "what runs the target: torch (every protocol) | llamacpp (the model's GGUF file "
+                          "on llama.cpp, quantised as shipped: the token protocols, every session's work in one "
+                          "llama_decode per step)", choices=ENGINES)
+    n_ctx: int = setting(16384, "llamacpp: KV positions of all sessions together (the llama.cpp context's size: "
+                         "memory)")
+    n_batch: int = setting(512, "llamacpp: positions per llama_decode; a step's token budget is at most this (one "
+                           "llama_decode per step)")
+    n_gpu_layers: int = setting(-1, "llamacpp: layers on the offload devices (a CUDA build's GPUs, the rpc "
+                                "servers); -1 all")
+    rpc: str = setting("", "llamacpp: HOST:PORT,... of RPC servers (hat-cloud rpc-server on each host) the model's "
+                       "layers are spread over, instead of this machine; \"\" none", metavar="HOST:PORT,...")
 
     def __post_init__(self) -> None:
         if not self.model:

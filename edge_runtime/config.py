@@ -10,6 +10,7 @@ import numpy as np
 
 from edge_runtime.policy.policies import POLICIES
 from hat_split.files.bundle import PRECISIONS
+from hat_split.files.settings import setting
 from hat_split.math.calibration import Calibration
 from hat_split.math.uncertainty import PerturbationConfig
 from hat_split.models.placement import check_device
@@ -25,25 +26,30 @@ CHUNKING_MODES = ("auto", "off")
 TOKEN_DRAFTS = ("model", "adapter")
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "llamacpp")
 BUNDLE_BACKENDS = ("onnxruntime", "tensorrt")  # run a hat-export bundle's graphs
+K_MODES = ("online", "offline")
+DIST_FORMATS = ("dense", "sparse", "auto")
 
 
 @dataclass(frozen=True)
 class UncertaintyConfig:
     """U-HLM / CU-HLM settings (papers 001 and 000); defaults are the papers' unless calibrated."""
 
-    u_threshold: float = 0.5  # skip the upload when u <= this (U-HLM eq. 8); < 0 never skips
-    samples: int = 20  # M perturbed temperatures
-    theta_max: float = 2.0  # temperatures ~ U[0, θmax]
-    random_skip_prob: float = 0.5  # randhlm: skip with this probability
-    beta_a: float = 0.82  # rejection model β = a·u + b (U-HLM eq. 5; the paper's fit until hat-calibrate runs)
-    beta_b: float = -0.06
-    k_mode: str = "online"  # cuhlm: "online" (eq. 24, per token) or "offline" (fixed k, eq. 21)
-    k_offline: int = 30  # cuhlm offline k* (paper: 30 for θ = 0.1)
-    k_theta: float = 0.1  # tolerance θ on the resampling distortion
-    k_max: int = 8192  # cap on online k
-    softplus_eta: float = 10.0  # η of the softplus in eq. 22-23
-    prob_bits: int = 8  # b_prob: bits per uploaded probability
-    exact: bool = False  # cuhlm: sample the draft from the reconstruction it sends, so verification is unbiased
+    u_threshold: float = setting(0.5, "skip the upload when u <= this (U-HLM eq. 8); < 0 never skips")
+    samples: int = setting(20, "M perturbed temperatures", flag="--perturb-samples")
+    theta_max: float = setting(2.0, "temperatures ~ U[0, θmax]")
+    random_skip_prob: float = setting(0.5, "randhlm: skip with this probability", flag="--skip-prob")
+    beta_a: float = setting(0.82, "rejection model β = a·u + b (U-HLM eq. 5; the paper's fit until hat-calibrate "
+                            "runs)")
+    beta_b: float = setting(-0.06, "rejection model's intercept b (beta_a's line)")
+    k_mode: str = setting("online", "cuhlm: \"online\" (eq. 24, per token) or \"offline\" (fixed k, eq. 21)",
+                          choices=K_MODES)
+    k_offline: int = setting(30, "cuhlm offline k* (paper: 30 for θ = 0.1)")
+    k_theta: float = setting(0.1, "tolerance θ on the resampling distortion")
+    k_max: int = setting(8192, "cap on online k")
+    softplus_eta: float = setting(10.0, "η of the softplus in eq. 22-23")
+    prob_bits: int = setting(8, "b_prob: bits per uploaded probability")
+    exact: bool = setting(False, "cuhlm: sample the draft from the reconstruction it sends, so verification is "
+                          "unbiased")
 
     def __post_init__(self) -> None:
         if not -1.0 <= self.u_threshold <= 1.0:
@@ -51,7 +57,7 @@ class UncertaintyConfig:
         self.perturbation  # validates samples and theta_max
         if not 0.0 <= self.random_skip_prob <= 1.0:
             raise ValueError(f"random_skip_prob must be in [0, 1], got {self.random_skip_prob}")
-        if self.k_mode not in ("online", "offline"):
+        if self.k_mode not in K_MODES:
             raise ValueError(f"k_mode must be online or offline, got {self.k_mode!r}")
         if self.k_offline < 1 or self.k_max < 1 or not self.k_theta > 0 or not self.softplus_eta > 0:
             raise ValueError("k_offline and k_max must be >= 1, k_theta and softplus_eta > 0")
@@ -73,14 +79,16 @@ class UncertaintyConfig:
 class QSConfig:
     """QS-SD / SQS-SD settings (papers 003 and 002); defaults are the papers' where they give one."""
 
-    ell: int = 100  # lattice resolution ℓ (SQS §4: 100); the dqn policy picks its own
-    k: int = 16  # ksqs: top-K support size
-    alpha: float = 0.0005  # csqs: target dropped mass α (SQS §4)
-    eta: float = 0.001  # csqs: learning rate η of the threshold (SQS §4)
-    beta: float = 0.01  # csqs: initial threshold β_1
-    budget_bits: int = 0  # B > 0: each round drafts the longest L whose rows fit in B bits (SQS §4: 5000)
-    policy: str = "static"  # "static" (draft_len, ell) | "heuristic" (QS-SD §V) | "dqn" (hat-train-policy)
-    policy_file: str = ""  # dqn: the trained network
+    ell: int = setting(100, "lattice resolution ℓ (SQS §4: 100); the dqn policy picks its own")
+    k: int = setting(16, "ksqs: top-K support size")
+    alpha: float = setting(0.0005, "csqs: target dropped mass α (SQS §4)", flag="--csqs-alpha", aliases=("--alpha",))
+    eta: float = setting(0.001, "csqs: learning rate η of the threshold (SQS §4)",
+                         flag="--csqs-eta", aliases=("--eta",))
+    beta: float = setting(0.01, "csqs: initial threshold β_1", flag="--csqs-beta", aliases=("--beta",))
+    budget_bits: int = setting(0, "B > 0: each round drafts the longest L whose rows fit in B bits (SQS §4: 5000)")
+    policy: str = setting("static", "\"static\" (draft_len, ell) | \"heuristic\" (QS-SD §V) | \"dqn\" "
+                          "(hat-train-policy)", choices=POLICIES)
+    policy_file: str = setting("", "dqn: the trained network", metavar="PATH")
 
     def __post_init__(self) -> None:
         if not 1 <= self.ell <= MAX_ELL:
@@ -101,30 +109,39 @@ class QSConfig:
 class SplitConfig:
     """HAT / U-shape settings (paper 004); defaults are the paper's where it gives one."""
 
-    m: int = 2  # layers of the device's input part (HAT: 2 of 32); the model is the runtime's `model`
-    tail: int = 0  # last layers kept on the device with the head
-    adapter: str = ""  # hat-distill artifact directory (protocol hat needs one)
-    hidden_format: str = "float16"  # hidden states on the wire: float16 | float32 | int8 (hat_split.wire.hidden_codec)
-    eta: float = 0.6  # drafting threshold η (eq. 5)
-    max_draft: int = 8  # longest draft per round
-    chunking: str = "auto"  # prompt chunking: "auto" (the cloud's eq. 3 answer) | "off" (one chunk)
-    chunk_tokens: int = 0  # > 0: a fixed chunk size instead
-    parallel_draft: bool = True  # §3.5: draft continuations of the top-k alternatives while the cloud verifies
-    pd_topk: int = 3  # k of parallel drafting
-    up_bps: float = 0.0  # initial β_up guess (a link profile's), bit/s; replaced by the cloud's measurements
-    down_bps: float = 0.0  # initial β_down guess, bit/s; replaced by the device's own measurements
-    slowdown: float = 1.0  # > 1 emulates a slower board: device compute is stretched to this many times its time
-    draft_vocab: int = 0  # > 0: Λ's drafts over the adapter's N most frequent tokens (a head N rows tall); 0: all
+    m: int = setting(2, "layers of the device's input part (HAT: 2 of 32); the model is the runtime's `model`")
+    tail: int = setting(0, "last layers kept on the device with the head")
+    adapter: str = setting("", "hat-distill artifact directory (protocol hat needs one)", metavar="DIR")
+    hidden_format: str = setting("float16", "hidden states on the wire: float16 | float32 | int8 "
+                                 "(hat_split.wire.hidden_codec)", choices=HIDDEN_FORMATS)
+    draft_stop_prob: float = setting(0.6, "HAT's η (eq. 5): end a draft after a token whose draft probability is "
+                                     "below it",
+                         flag="--hat-draft-stop-prob", aliases=("--hat-eta",), old_keys=("eta",))
+    draft_len: int = setting(8, "tokens drafted per round at most (HAT's draft length)",
+                             flag="--hat-draft-len", aliases=("--max-draft",), old_keys=("max_draft",))
+    chunking: str = setting("auto", "prompt chunking: \"auto\" (the cloud's eq. 3 answer) | \"off\" (one chunk)",
+                            choices=CHUNKING_MODES)
+    chunk_tokens: int = setting(0, "> 0: a fixed chunk size instead")
+    parallel_draft: bool = setting(True, "§3.5: draft continuations of the top-k alternatives while the cloud "
+                                   "verifies")
+    pd_topk: int = setting(3, "k of parallel drafting")
+    up_bps: float = setting(0.0, "initial β_up guess (a link profile's), bit/s; replaced by the cloud's "
+                            "measurements")
+    down_bps: float = setting(0.0, "initial β_down guess, bit/s; replaced by the device's own measurements")
+    slowdown: float = setting(1.0, "> 1 emulates a slower board: device compute is stretched to this many times "
+                              "its time")
+    draft_vocab: int = setting(0, "> 0: Λ's drafts over the adapter's N most frequent tokens (a head N rows tall); "
+                               "0: all", metavar="N")
 
     def __post_init__(self) -> None:
         if self.m < 1 or self.tail < 0:
             raise ValueError("m must be >= 1 (embeddings alone reveal the tokens) and tail >= 0")
         if self.hidden_format not in HIDDEN_FORMATS:
             raise ValueError(f"hidden_format must be one of {', '.join(HIDDEN_FORMATS)}, got {self.hidden_format!r}")
-        if not 0.0 <= self.eta < 1.0:
-            raise ValueError(f"eta must be in [0, 1), got {self.eta}")
-        if not 1 <= self.max_draft <= 64:
-            raise ValueError(f"max_draft must be in 1..64, got {self.max_draft}")
+        if not 0.0 <= self.draft_stop_prob < 1.0:
+            raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
+        if not 1 <= self.draft_len <= 64:
+            raise ValueError(f"draft_len must be in 1..64, got {self.draft_len}")
         if self.chunking not in CHUNKING_MODES:
             raise ValueError(f"chunking must be one of {', '.join(CHUNKING_MODES)}, got {self.chunking!r}")
         if self.chunk_tokens < 0 or self.pd_topk < 0 or self.up_bps < 0 or self.down_bps < 0 or self.draft_vocab < 0:
@@ -138,17 +155,21 @@ class LinkConfig:
     """How the device reaches the cloud (edge_runtime.client.CloudClient is built from it whole) and what a request
     does when the link drops (edge_runtime.sessions.base.Session.resume)."""
 
-    server: str = "tcp://127.0.0.1:5555"  # the cloud's ZeroMQ endpoint (or a link emulator in front of it)
-    device_id: str = "edge-0"  # shown in the cloud's logs
+    server: str = setting("tcp://127.0.0.1:5555", "the cloud's ZeroMQ endpoint (or a link emulator in front of it)")
+    device_id: str = setting("edge-0", "shown in the cloud's logs")
     security: LinkSecurity = LinkSecurity()  # CurveZMQ keys (checked when connecting); plaintext only when asked
-    connect_timeout_s: float = 5.0  # wait for the handshake reply per attempt
-    connect_retries: int = 3  # handshake attempts before giving up with a clear error
-    backoff_s: float = 0.5  # first retry delay, doubled per attempt (also between reconnections after a drop)
-    request_timeout_s: float = 120.0  # one verify/generate round trip (a slow CPU target needs seconds)
-    heartbeat_s: float = 3.0  # ZMTP heartbeats: a link silent this long counts as dropped (then link_policy applies)
-    link_policy: str = "wait"  # link drops mid-answer: "wait" (pause, reconnect, resume from the history), "degrade"
-    # (keep generating with the device's own model meanwhile, those tokens marked), "fail" (raise)
-    reconnect_timeout_s: float = 300.0  # give up resuming after this long
+    connect_timeout_s: float = setting(5.0, "wait for the handshake reply per attempt")
+    connect_retries: int = setting(3, "handshake attempts before giving up with a clear error",
+                                   flag="--connect-retries", aliases=("--retries",))
+    backoff_s: float = setting(0.5, "first retry delay, doubled per attempt (also between reconnections after a "
+                               "drop)")
+    request_timeout_s: float = setting(120.0, "one verify/generate round trip (a slow CPU target needs seconds)")
+    heartbeat_s: float = setting(3.0, "ZMTP heartbeats: a link silent this long counts as dropped (then "
+                                 "link_policy applies)")
+    link_policy: str = setting("wait", "link drops mid-answer: \"wait\" (pause, reconnect, resume from the "
+                               "history), \"degrade\" (keep generating with the device's own model meanwhile, "
+                               "those tokens marked), \"fail\" (raise)", choices=LINK_POLICIES)
+    reconnect_timeout_s: float = setting(300.0, "give up resuming after this long")
 
     def __post_init__(self) -> None:
         if not self.server.startswith(("tcp://", "ipc://", "inproc://")):
@@ -171,21 +192,29 @@ class LinkConfig:
 class EngineConfig:
     """What runs the draft on the device, and how: torch on the model, or a hat-export bundle's graphs."""
 
-    backend: str = "torch"  # what runs the draft: torch (the model) | onnxruntime | tensorrt (a hat-export bundle) |
-    # llamacpp (the model's GGUF file, quantised as shipped, on llama.cpp: token protocols only)
-    bundle: str = ""  # hat-export bundle directory (onnxruntime / tensorrt)
-    precision: str = "fp32"  # which of the bundle's artifacts: fp32 | fp16 | int8 | int4
-    providers: tuple = ()  # onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU
-    dtype: str = "float32"  # draft model dtype: one-token forwards gain nothing from bfloat16 on CPU (ARCHITECTURE.md)
-    device: str = "auto"  # torch backend: where the model runs: auto (a CUDA GPU when present: a Jetson's) | cpu |
-    # cuda | cuda:N (hat_split.models.placement); the bundle backends choose theirs by providers / TensorRT
-    threads: int = 0  # torch intra-op threads, or llama.cpp threads (llamacpp); 0 keeps their default (every core)
-    weight_quant: str = "none"  # "int8": dynamic int8 weights for the draft's linear layers (CPU; ~2x faster drafts)
-    token_draft: str = "model"  # what drafts for the token protocols: "model" (the whole model) | "adapter" (the split
-    # draft output ∘ Λ ∘ input of split.adapter, for a device holding only its parts of a large model)
-    n_ctx: int = 4096  # llamacpp: KV positions of the draft's context (the longest prompt + answer)
-    n_batch: int = 512  # llamacpp: tokens per llama_decode (a longer prompt is fed in several)
-    n_gpu_layers: int = -1  # llamacpp: layers on the GPU of a CUDA build (a Jetson); -1 all; a CPU build has none
+    backend: str = setting("torch", "what runs the draft: torch (the model) | onnxruntime | tensorrt (a hat-export "
+                           "bundle) | llamacpp (the model's GGUF file, quantised as shipped, on llama.cpp: token "
+                           "protocols only)", aliases=("--engine",), choices=BACKENDS)
+    bundle: str = setting("", "hat-export bundle directory (onnxruntime / tensorrt)", metavar="DIR")
+    precision: str = setting("fp32", "which of the bundle's artifacts: fp32 | fp16 | int8 | int4", choices=PRECISIONS)
+    providers: tuple = setting((), "onnxruntime execution providers; () = available ones, TensorRT → CUDA → CPU",
+                               metavar="EP,...")
+    dtype: str = setting("float32", "draft model dtype: one-token forwards gain nothing from bfloat16 on CPU "
+                         "(ARCHITECTURE.md)", choices=MODEL_DTYPES)
+    device: str = setting("auto", "torch backend: where the model runs: auto (a CUDA GPU when present: a Jetson's) "
+                          "| cpu | cuda | cuda:N (hat_split.models.placement); the bundle backends choose theirs "
+                          "by providers / TensorRT", metavar="auto|cpu|cuda|cuda:N")
+    threads: int = setting(0, "torch intra-op threads, or llama.cpp threads (llamacpp); 0 keeps their default "
+                           "(every core)")
+    weight_quant: str = setting("none", "\"int8\": dynamic int8 weights for the draft's linear layers (CPU; ~2x "
+                                "faster drafts)", choices=WEIGHT_QUANTS)
+    token_draft: str = setting("model", "what drafts for the token protocols: \"model\" (the whole model) | "
+                               "\"adapter\" (the split draft output ∘ Λ ∘ input of split.adapter, for a device "
+                               "holding only its parts of a large model)", choices=TOKEN_DRAFTS)
+    n_ctx: int = setting(4096, "llamacpp: KV positions of the draft's context (the longest prompt + answer)")
+    n_batch: int = setting(512, "llamacpp: tokens per llama_decode (a longer prompt is fed in several)")
+    n_gpu_layers: int = setting(-1, "llamacpp: layers on the GPU of a CUDA build (a Jetson); -1 all; a CPU build "
+                                "has none")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -217,15 +246,22 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EdgeConfig:
-    model: str  # registry short name, HF directory or .gguf path of the draft (small) model
-    device_profile: str = ""  # hardware/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT §3.2)
-    draft_len: int = 4  # γ, drafts per round for `sd` (`hlm` always drafts 1); the most when draft_stop_prob > 0
-    draft_stop_prob: float = 0.0  # η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = fixed γ
-    dist_dtype: str = "float16"  # wire dtype of draft distributions; the draft is sampled from the rounded values
-    dist_format: str = "auto"  # "dense" | "sparse" | "auto" (smaller of the two); `hlm` always sends dense
-    llm_chunk: int = 8  # tokens per Generate round for `llm` (trades streaming granularity for round trips)
-    overlap_prefill: str = "auto"  # "on": draft prefill runs while the cloud prefills; "off": after; "auto": on unless
-    # the server is on this host (loopback / ipc), where the two processes would fight over the same cores
+    model: str = setting(help="registry short name, HF directory or .gguf path of the draft (small) model")
+    device_profile: str = setting("", "hardware/devices name (e.g. agx-orin-64gb), reported to the cloud (HAT "
+                                  "§3.2)")
+    draft_len: int = setting(4, "γ, drafts per round for `sd` (`hlm` always drafts 1); the most when "
+                             "draft_stop_prob > 0")
+    draft_stop_prob: float = setting(0.0, "η: end a draft after a token with draft confidence < η (HAT eq. 5); 0 = "
+                                     "fixed γ")
+    dist_dtype: str = setting("float16", "wire dtype of draft distributions; the draft is sampled from the rounded "
+                              "values", choices=WIRE_DTYPES)
+    dist_format: str = setting("auto", "\"dense\" | \"sparse\" | \"auto\" (smaller of the two); `hlm` always sends "
+                               "dense", choices=DIST_FORMATS)
+    llm_chunk: int = setting(8, "tokens per Generate round for `llm` (trades streaming granularity for round "
+                             "trips)")
+    overlap_prefill: str = setting("auto", "\"on\": draft prefill runs while the cloud prefills; \"off\": after; "
+                                   "\"auto\": on unless the server is on this host (loopback / ipc), where the two "
+                                   "processes would fight over the same cores", choices=OVERLAP_MODES)
     link: LinkConfig = LinkConfig()  # the cloud's address, security, timeouts, retries and what a drop does
     engine: EngineConfig = EngineConfig()  # what runs the draft (torch or a bundle) and how
     uncertainty: UncertaintyConfig = UncertaintyConfig()  # uhlm / randhlm / cuhlm
@@ -245,7 +281,7 @@ class EdgeConfig:
             raise ValueError(f"draft_len must be in 1..64, got {self.draft_len}")
         if self.dist_dtype not in WIRE_DTYPES:
             raise ValueError(f"dist_dtype must be one of {WIRE_DTYPES}, got {self.dist_dtype!r}")
-        if self.dist_format not in ("dense", "sparse", "auto"):
+        if self.dist_format not in DIST_FORMATS:
             raise ValueError(f"dist_format must be dense, sparse or auto, got {self.dist_format!r}")
         if self.llm_chunk < 1:
             raise ValueError("llm_chunk must be >= 1")

@@ -2,11 +2,12 @@
 its family picks the session class. `new_session` is the one way a request becomes a session."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig
 from edge_runtime.monitor import DeviceMonitor
+from edge_runtime.request import GenerationRequest
 from edge_runtime.rounds.hat import round_hat, round_ushape
 from edge_runtime.rounds.local import round_slm
 from edge_runtime.rounds.qs import round_qs
@@ -17,7 +18,6 @@ from edge_runtime.sessions.local import LocalSession
 from edge_runtime.sessions.split import LinkState, SplitSession
 from edge_runtime.sessions.token import TokenSession
 from hat_split import protocols
-from hat_split.math.sampling import SamplingParams
 
 ROUNDS: Dict[str, Callable] = {  # keyed by hat_split.protocols.Protocol.round
     "sd": round_sd,
@@ -34,24 +34,22 @@ ROUNDS: Dict[str, Callable] = {  # keyed by hat_split.protocols.Protocol.round
 assert {p.round for p in protocols.PROTOCOLS.values()} == set(ROUNDS), "a protocol's round is missing on the device"
 
 
-def new_session(config: EdgeConfig, drafter, client: Optional[CloudClient], protocol: str, params: SamplingParams,
-                max_new_tokens: int, eos_ids: frozenset, seed: int, session_id: int,
-                on_tokens: Callable[[List[int]], None] = lambda tokens: None,
-                should_stop: Callable[[], str] = lambda: "", monitor: Optional[DeviceMonitor] = None,
+def new_session(config: EdgeConfig, request: GenerationRequest, drafter, client: Optional[CloudClient],
+                eos_ids: frozenset = frozenset(), session_id: int = 1, monitor: Optional[DeviceMonitor] = None,
                 link_state: Optional[LinkState] = None) -> Session:
-    """The session of one request under `protocol` (a ValueError names the known ones): a LocalSession, a
-    TokenSession or a SplitSession by the protocol's family, stepped by its round function.
+    """The session of one request under its protocol: a LocalSession, a TokenSession or a SplitSession by the
+    protocol's family, stepped by its round function.
 
-    drafter: edge_runtime.drafter.Drafter, or edge_runtime.split_drafter.SplitDrafter for the split family; client:
-    the connection (unused by the local family); monitor: the device state sent with session openings; link_state:
-    the connection's estimates kept across requests (split family; default: fresh ones from config.split)."""
-    record = protocols.get(protocol)
-    request = dict(protocol=record, round_fn=ROUNDS[record.round], params=params, max_new_tokens=max_new_tokens,
-                   eos_ids=eos_ids, seed=seed, session_id=session_id, on_tokens=on_tokens, should_stop=should_stop)
+    request: the generation, whole (edge_runtime.request); drafter: edge_runtime.drafter.Drafter, or
+    edge_runtime.split_drafter.SplitDrafter for the split family; client: the connection (unused by the local
+    family); monitor: the device state sent with session openings; link_state: the connection's estimates kept across
+    requests (split family; default: fresh ones from config.split)."""
+    record = protocols.get(request.protocol)
+    common = dict(round_fn=ROUNDS[record.round], eos_ids=eos_ids, session_id=session_id)
     if record.family == "local":
-        return LocalSession(config, drafter, None, **request)
+        return LocalSession(config, request, drafter, None, **common)
     if record.family == "token":
-        return TokenSession(config, drafter, client, **request, monitor=monitor)
+        return TokenSession(config, request, drafter, client, **common, monitor=monitor)
     if link_state is None:
         link_state = LinkState.configured(config.split.up_bps, config.split.down_bps)
-    return SplitSession(config, drafter, client, **request, link_state=link_state, monitor=monitor)
+    return SplitSession(config, request, drafter, client, **common, link_state=link_state, monitor=monitor)

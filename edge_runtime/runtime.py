@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import random
 import time
-from typing import Callable, List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 from edge_runtime.backends.loader import open_bundle
 from edge_runtime.backends.split_parts import TorchSplitParts
@@ -16,13 +14,13 @@ from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.protocols import new_session
+from edge_runtime.request import DEFAULT_MAX_NEW_TOKENS, GenerationRequest
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.split import LinkState
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocols
 from hat_split.extras import need
 from hat_split.files.bundle import BundleError
-from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
 from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
@@ -34,29 +32,6 @@ from hat_split.models.registry import MODELS, get_model_spec
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
-
-
-class TextStream:
-    """Turns a growing token list into text deltas, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer, on_text: Callable[[str], None]):
-        self.tokenizer = tokenizer
-        self.on_text = on_text
-        self.tokens: List[int] = []
-        self.emitted = ""
-
-    def __call__(self, new_tokens: List[int]) -> None:
-        self.tokens.extend(new_tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return
-        if text.startswith(self.emitted):
-            delta = text[len(self.emitted):]
-        else:  # decoding is not always prefix-stable (merged spaces): emit the rest honestly
-            delta = text[len(os.path.commonprefix([text, self.emitted])):]
-        self.emitted = text
-        if delta:
-            self.on_text(delta)
 
 
 class EdgeRuntime:
@@ -171,41 +146,37 @@ class EdgeRuntime:
     def encode_prompt(self, prompt: str, chat: bool = False) -> List[int]:
         return encode(self.tokenizer, prompt, chat)
 
-    def generate(self, prompt: Union[str, List[int]], protocol: str = "sd", params: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 128, seed: Optional[int] = None, chat: bool = False,
-                 on_text: Optional[Callable[[str], None]] = None,
-                 should_stop: Optional[Callable[[], str]] = None, logprobs: Optional[int] = None,
-                 on_tokens: Optional[Callable[[List[int], Optional[Logprobs]], None]] = None) -> GenerationResult:
-        """One request. `prompt`: text (a chat user turn with `chat`) or token ids; `on_text` gets the text as it is
-        accepted; `should_stop()` is asked after every accepted chunk and ends the request with the reason it
-        returns (a stop sequence, a client that went away). `logprobs` = k: the result carries each token's
-        log-probability and k alternatives (hat_split.math.logprobs); `on_tokens(tokens, their logprobs)` is called
-        with each commit, before `on_text` gets its text."""
-        record = protocols.get(protocol)  # a ValueError naming the known ones
-        ids = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        """One request (edge_runtime.request), whole: its prompt encoded (text in the chat template with `chat`),
+        the cloud connected when its protocol needs one, its session run. The request's on_text gets the text as it
+        is accepted, on_tokens each commit's tokens (and their logprobs when asked) before that; should_stop is asked
+        after every commit and ends the request with the reason it returns (a stop sequence, a client gone)."""
+        record = protocols.get(request.protocol)
+        request = request.seeded()
+        prompt = request.prompt
+        ids = self.encode_prompt(prompt, request.chat) if isinstance(prompt, str) else list(prompt)
         if record.needs_cloud:
             self._connect_for_request()
             self.monitor.refresh_mode()
-        stream = TextStream(self.tokenizer, on_text) if on_text else (lambda tokens: None)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
-        seed = seed if seed is not None else random.SystemRandom().randrange(2**62)
         split = record.family == "split"
         if split:
-            drafter = self._split_drafter(record.round == "hat", params, seed)
+            drafter = self._split_drafter(record.round == "hat", request.sampling, request.seed)
             if self.link_state is None:
                 self.link_state = LinkState.configured(self.config.split.up_bps, self.config.split.down_bps)
         else:
-            drafter = Drafter(self._token_lm(), params, self.config.dist_dtype)
-        session = new_session(self.config, drafter, self.client, protocol, params, max_new_tokens, self.eos_ids, seed,
-                              next(self._session_ids), on_tokens=stream, should_stop=should_stop or (lambda: ""),
+            drafter = Drafter(self._token_lm(), request.sampling, self.config.dist_dtype)
+        session = new_session(self.config, request, drafter, self.client, self.eos_ids, next(self._session_ids),
                               monitor=self.monitor, link_state=self.link_state if split else None)
-        session.logprobs_k, session.on_commit = logprobs, on_tokens
         result = session.run(ids, lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result
+
+    def generate(self, prompt: Union[str, Sequence[int]], protocol: str = "sd", params: Optional[SamplingParams] = None,
+                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **fields) -> GenerationResult:
+        """`run` for a request written out: GenerationRequest(prompt, protocol, params, max_new_tokens, **fields)
+        (params None: the default sampling, edge_runtime.request)."""
+        sampling = GenerationRequest.__dataclass_fields__["sampling"].default if params is None else params
+        return self.run(GenerationRequest(prompt, protocol, sampling, max_new_tokens, **fields))
 
     def report(self, stats: Optional[P.DeviceStats] = None) -> P.CloudState:
         """Send the device's current state (power mode read now, γ so far) and, from an agent, what it served lately

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import List, Optional
@@ -20,6 +19,7 @@ from profiles.bench.profile_sweep import add_arguments, run
 from hardware import device_profiles as D
 from hardware import jetson_control as J
 from hardware.power import BackendUnavailable, open_sampler
+from hat_split.files import strict_json
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -92,14 +92,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"now {mode} {name}")
         elif args.command == "sample":
             sampler = open_sampler(interval_s=args.interval_s)
-            print(json.dumps(sampler.describe(), indent=1))
+            print(strict_json.dumps(sampler.describe(), indent=1))
             with sampler:
                 t0 = time.perf_counter()
                 time.sleep(args.seconds)
                 t1 = time.perf_counter()
             for r in sampler.readings:
-                print(json.dumps({k: v for k, v in vars(r).items() if v not in (None, {}, [])}))
-            print(json.dumps({"window": sampler.window(t0, t1)}))
+                print(strict_json.dumps({k: v for k, v in vars(r).items() if v not in (None, {}, [])}))
+            print(strict_json.dumps({"window": sampler.window(t0, t1)}))
         elif args.command == "sweep":
             return run(args)
     except (D.ProfileError, J.JetsonControlError, BackendUnavailable, ValueError) as exc:

@@ -5,12 +5,12 @@ keys, and the doc listing every key.
 The configs are built with their required arguments and then every simple field that validates is moved off its
 default, so the tests follow the configs as fields are added, nested or renamed.
 
-    python -m tests.test_config_file    prints docs/CONFIG.md's key tables from the configs' field comments
+    python -m tests.test_config_file    prints docs/CONFIG.md's key tables from the configs' declarations
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import inspect
 import re
 import sys
 import typing
@@ -25,7 +25,9 @@ except ImportError:  # Python < 3.11 (a GPU machine's): the backport
 import pytest
 import yaml
 
+from cloud_runtime import cli as cloud_cli
 from cloud_runtime.config import CloudConfig
+from edge_runtime import cli as edge_cli
 from edge_runtime.api.agent import AgentConfig
 from edge_runtime.config import EdgeConfig
 from export import cli as export_cli
@@ -36,6 +38,7 @@ from export.validate import THRESHOLDS
 from hat_split.files import bundle
 from hat_split.net.security import LinkSecurity
 from hat_split.files.config_file import ConfigError, config_from_dict, config_to_dict, dump_toml, load_config
+from hat_split.files.settings import fields_of, key_rows, setting, undocumented
 from testbed import link_cli
 from testbed.link_cli import LinkEmulatorConfig
 
@@ -245,53 +248,98 @@ def test_hat_flash_reads_its_config_and_flags_replace_its_keys(tmp_path, capsys)
     assert "no-bundle is not a bundle" in capsys.readouterr().err
 
 
-def field_docs(cls: type) -> Dict[str, str]:
-    """Each field's trailing comment (with its continuation lines) from the class source: its unit and why."""
-    lines, _ = inspect.getsourcelines(cls)
-    out: Dict[str, str] = {}
-    last = None
-    for line in lines:
-        m = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line)
-        if m and not line.strip().startswith(("def ", "@", "#")):
-            last = m[1]
-            out[last] = (m[2] or "").strip()
-        elif last and re.match(r"\s+#\s", line):
-            out[last] += " " + line.strip()[1:].strip()
-        elif line.strip():
-            last = None
-    return out
-
-
 def tables() -> str:
-    """docs/CONFIG.md's key tables: one per role, every key with its default and its comment."""
+    """docs/CONFIG.md's key tables: one per role, every key with its default, its flag and its meaning, all from the
+    fields' own declarations (hat_split.files.settings)."""
     out = []
     for role, (cls, _) in ROLES.items():
-        out.append(f"### {role}: `{cls.__module__}.{cls.__name__}`\n\n| key | default | unit, meaning |\n|---|---|---|")
-        out += [f"| `{key}` | {default} | {doc} |" for key, default, doc in _rows(cls)]
+        out.append(f"### {role}: `{cls.__module__}.{cls.__name__}`\n\n| key | default | flag | unit, meaning |\n"
+                   f"|---|---|---|---|")
+        out += [f"| `{key}` | {default} | {flag} | {doc} |" for key, default, flag, doc in key_rows(cls)]
         out.append("")
     return "\n".join(out)
 
 
-def _rows(cls: type, prefix: str = "") -> Iterator[Tuple[str, str, str]]:
-    """(dotted key, default, comment) of every key of `cls`; a nested config's keys in its table."""
-    docs, hints = field_docs(cls), _hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _rows(hints[f.name], f"{prefix}{f.name}.")
-            continue
-        default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
-            else f"`{f.default if f.default is not dataclasses.MISSING else f.default_factory()!r}`"
-        yield prefix + f.name, default, docs.get(f.name, "").replace("|", "\\|")
+def test_the_doc_tables_are_the_configs_own():
+    """docs/CONFIG.md's tables are exactly what the declarations give (`python -m tests.test_config_file`)."""
+    assert tables() in DOC.read_text(), "docs/CONFIG.md's key tables are stale: `python -m tests.test_config_file`"
 
 
-def test_the_doc_lists_every_key_of_every_role():
-    text = DOC.read_text()
-    for role, (cls, required) in ROLES.items():
-        missing = [key for key, _ in keys(cls) if f"`{key}`" not in text]
-        assert not missing, f"docs/CONFIG.md lacks {role}'s keys {missing}: `python -m tests.test_config_file`"
-        assert f"{cls.__module__}.{cls.__name__}" in text
+def test_every_field_declares_its_meaning():
+    for role, (cls, _) in ROLES.items():
+        assert undocumented(cls) == [], f"{role}: no help declared for {undocumented(cls)}"
+
+
+def test_a_planted_undocumented_field_is_caught():
+    planted = dataclasses.make_dataclass("Planted", [("ok", int, setting(1, "a number")), ("silent", int, 2),
+                                                     ("blank", int, setting(3, " "))], frozen=True)
+    assert undocumented(planted) == ["silent", "blank"]
+
+
+# command line → (its parser, the config it builds, keys it leaves out on purpose, why)
+COMMAND_LINES = {
+    "hat-edge generate": (lambda: _sub(edge_cli.build_parser(), "generate"), EdgeConfig, edge_cli.NOT_ON_THE_DEVICE),
+    "hat-edge serve": (lambda: _sub(edge_cli.build_parser(), "serve"), AgentConfig,
+                       tuple("edge." + k for k in edge_cli.NOT_ON_THE_DEVICE)),
+    "hat-cloud serve": (lambda: _sub(cloud_cli.build_parser(), "serve"), CloudConfig, cloud_cli.NOT_IN_THE_CLOUD),
+    "hat-export onnx": (lambda: _sub(export_cli._parser(), "onnx"), ExportConfig,
+                        tuple(k for k, _, _ in fields_of(ExportConfig) if k.startswith("tensorrt."))),
+    "hat-export tensorrt": (lambda: _sub(export_cli._parser(), "tensorrt"), ExportConfig,  # its positional: `out`
+                            tuple(k for k, _, _ in fields_of(ExportConfig)
+                                  if not k.startswith("tensorrt.") and k not in export_cli.TENSORRT_KEYS)),
+    "hat-link serve": (link_cli._serve_parser, LinkEmulatorConfig, ()),
+    "hat-flash": (flash_cli._parser, FlashConfig, ("bundle", "devices")),  # its positionals
+}
+
+
+def _sub(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_LINES))
+def test_every_field_has_exactly_one_flag_and_the_doc_names_it(command):
+    make, cls, left_out = COMMAND_LINES[command]
+    parser, text = make(), DOC.read_text()
+    shown = {}  # dest → the flags that set it and are listed in --help (deprecated spellings are not)
+    for action in parser._actions:
+        if action.help != argparse.SUPPRESS and action.option_strings:
+            shown.setdefault(action.dest, []).append(action.option_strings[0])
+    for key, _, _ in fields_of(cls):
+        if key in left_out:
+            assert key not in shown, f"{command}: {key} is left out, yet has {shown[key]}"
+            continue
+        assert len(shown.get(key, [])) == 1, f"{command}: {key} has flags {shown.get(key)}"
+        assert f"`{shown[key][0]}`" in text, f"docs/CONFIG.md does not name {command}'s {shown[key][0]}"
+
+
+def test_old_flag_spellings_work_and_name_the_new_one(capsys):
+    argv = ["generate", "--model", "m", "--plaintext", "--hat-eta", "0.2", "--max-draft", "5", "--retries", "2",
+            "--eta", "0.01", "--engine", "torch", "x"]
+    parser = edge_cli.build_parser()
+    config = edge_cli._configs(parser, parser.parse_args(argv), argv)
+    assert (config.split.draft_stop_prob, config.split.draft_len, config.link.connect_retries, config.qs.eta) == \
+        (0.2, 5, 2, 0.01)
+    err = capsys.readouterr().err
+    for old, new in [("--hat-eta", "--hat-draft-stop-prob"), ("--max-draft", "--hat-draft-len"),
+                     ("--retries", "--connect-retries"), ("--eta", "--csqs-eta"), ("--engine", "--backend")]:
+        assert f"{old} is deprecated: use {new}" in err, err
+
+
+def test_old_key_spellings_are_read_and_named(tmp_path, capsys):
+    path = tmp_path / "edge.toml"
+    path.write_text('model = "m"\n[split]\neta = 0.3\nmax_draft = 6\n')
+    config = load_config(EdgeConfig, path)
+    assert (config.split.draft_stop_prob, config.split.draft_len) == (0.3, 6)
+    err = capsys.readouterr().err
+    assert "key 'eta' is deprecated: use 'draft_stop_prob'" in err and "'max_draft' is deprecated" in err
+    path.write_text('model = "m"\n[split]\neta = 0.3\ndraft_stop_prob = 0.4\n')
+    with pytest.raises(ConfigError, match="both 'eta'"):
+        load_config(EdgeConfig, path)
+    path = tmp_path / "agent.toml"  # a key that moved into a table of its own
+    path.write_text('default_protocol = "llm"\n[edge]\nmodel = "m"\n')
+    assert load_config(AgentConfig, path).request.protocol == "llm"
+    assert "key 'default_protocol' is deprecated: use [request] 'protocol'" in capsys.readouterr().err
 
 
 def test_the_doc_examples_load():
@@ -300,12 +348,6 @@ def test_the_doc_examples_load():
     assert sorted(role for role, _ in blocks) == sorted(ROLES)
     for role, text in blocks:
         config_from_dict(ROLES[role][0], tomllib.loads(text), source=f"docs/CONFIG.md ({role})")
-
-
-def test_every_field_says_its_unit_or_meaning():
-    for role in ("export", "link", "flash"):
-        silent = [key for key, _, doc in _rows(ROLES[role][0]) if not doc]
-        assert not silent, f"{role}: no comment on {silent}"
 
 
 if __name__ == "__main__":

@@ -140,8 +140,8 @@ def test_bundles_run_in_the_device_env_exactly(device_python, smollm2, smollm2_b
     (tmp_path / "p.json").write_text(json.dumps([FIB]))
     (tmp_path / "pc.json").write_text(json.dumps([FIB, {"text": CHAT, "chat": True}]))
     common = ["-m", "edge_runtime.cli", "generate", "--backend", "onnxruntime", "--bundle", str(smollm2_bundle),
-              "--server", smollm2_cloud.endpoint, "--max-new-tokens", str(n), "--threads", "1", "--quiet",
-              "--plaintext"]
+              "--server", smollm2_cloud.endpoint, "--max-new-tokens", str(n), "--temperature", "0", "--threads", "1",
+              "--quiet", "--plaintext"]
     runs = {"split": common + ["--precision", "fp32", "--prompts-file", str(tmp_path / "p.json"), "--protocol",
                                ",".join(SPLIT_RUN), "--m", "2", "--hidden-format", "float32", "--chunk-tokens", "7",
                                "--json", str(tmp_path / "a.json")],

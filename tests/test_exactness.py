@@ -45,7 +45,7 @@ TARGET[np.arange(V), (np.arange(V) + 1) % V] = 0.7  # after x: x + 1
 DRAFT = _rows.copy()
 DRAFT[np.arange(V), (np.arange(V) + 2) % V] = 0.7  # after x: x + 2 (the target's 0.1)
 TOKEN_PROTOCOLS = ("sd", "hlm", "qs", "ksqs", "csqs")
-QS_ARGS = ["--ell", "8", "--k", "2", "--alpha", "0.1", "--eta", "0.2", "--beta", "0.2"]
+QS_ARGS = ["--ell", "8", "--k", "2", "--csqs-alpha", "0.1", "--csqs-eta", "0.2", "--csqs-beta", "0.2"]
 
 
 def tempered(table: np.ndarray, temperature: float = T) -> np.ndarray:
@@ -167,7 +167,7 @@ def test_a_broken_cloud_verifier_is_caught(bigrams, tmp_path, fault):
 # -- the split protocols: the device verifies with the cloud's deep states -------------------------------------------
 SPLIT_TOKENS = 800  # Λ's q is nearer p than the token draft's: more positions for the same power
 LAMBDA_SCALE = 30.0  # Λ random, its value and output projections scaled: TV(p, q) about 0.55 at T = 0.7
-SPLIT_ARGS = ["--m", "1", "--hidden-format", "float32", "--hat-eta", "0", "--max-draft", str(DRAFT_LEN)]
+SPLIT_ARGS = ["--m", "1", "--hidden-format", "float32", "--hat-draft-stop-prob", "0", "--hat-draft-len", str(DRAFT_LEN)]
 
 
 @pytest.fixture(scope="module")

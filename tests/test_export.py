@@ -250,7 +250,7 @@ def test_split_protocols_on_onnxruntime_give_torchs_tokens(tiny_server, target_b
 
     out, model, adapter = target_bundle
     hat = protocol == "hat"
-    kw = dict(adapter=adapter if hat else None, eta=0.3, max_draft=4, chunk_tokens=5)
+    kw = dict(adapter=adapter if hat else None, draft_stop_prob=0.3, draft_len=4, chunk_tokens=5)
     greedy = _run_split(tiny_server, model, protocol, SamplingParams(0.0), parts=_bundle_parts(out, hat), **kw)
     assert greedy.tokens == _greedy(model, 20)
     sampled = [_run_split(tiny_server, model, protocol, SamplingParams(1.0), seed=9, parts=parts, **kw)

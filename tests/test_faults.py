@@ -14,6 +14,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, LinkConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
 from hat_split.net.security import LinkSecurity
@@ -31,9 +32,8 @@ def _generate(endpoint, draft, policy="wait", on_tokens=None, protocol="sd"):
                      P.Hello("faulty", "tiny", 512, "tiny-vocab")) as client:
         config = EdgeConfig(model="tiny", link=LinkConfig(security=LinkSecurity.plaintext(), link_policy=policy,
                                                           backoff_s=0.2, reconnect_timeout_s=60))
-        gen = new_session(config, Drafter(draft, params), client, protocol, params, N, frozenset(), 0, 1)
-        if on_tokens is not None:
-            gen.on_tokens = on_tokens
+        gen = new_session(config, GenerationRequest(PROMPT, protocol, params, N, seed=0, on_tokens=on_tokens),
+                          Drafter(draft, params), client, frozenset(), 1)
         return gen.run(PROMPT, lambda toks: "")
 
 
@@ -41,7 +41,7 @@ def _cut_after(link, k, seconds, mode="reset"):
     """An on_tokens hook cutting the link once `k` tokens are out, restoring it `seconds` later."""
     state = {"n": 0, "cut": False}
 
-    def hook(tokens):
+    def hook(tokens, _logprobs=None):
         state["n"] += len(tokens)
         if state["n"] >= k and not state["cut"]:
             state["cut"] = True
@@ -104,7 +104,7 @@ def test_a_cloud_restarted_mid_session_lets_the_device_finish(tiny_pair):
 
     state = {"n": 0}
 
-    def hook(tokens):
+    def hook(tokens, _logprobs=None):
         state["n"] += len(tokens)
         if state["n"] >= 10 and "thread" not in state:
             first_ctx.__exit__(None, None, None)  # the cloud dies
@@ -142,10 +142,9 @@ def _generate_split(endpoint, model, adapter, protocol, policy="wait", on_tokens
         client.tap = tap
         config = EdgeConfig(model="tiny", link=LinkConfig(security=LinkSecurity.plaintext(), link_policy=policy,
                                                           backoff_s=0.2, reconnect_timeout_s=60),
-                            split=SplitConfig(m=1, eta=0.0, max_draft=4, chunk_tokens=3))
-        gen = new_session(config, SplitDrafter(parts, params, 0), client, protocol, params, N, frozenset(), 0, 1)
-        if on_tokens is not None:
-            gen.on_tokens = on_tokens
+                            split=SplitConfig(m=1, draft_stop_prob=0.0, draft_len=4, chunk_tokens=3))
+        gen = new_session(config, GenerationRequest(PROMPT, protocol, params, N, seed=0, on_tokens=on_tokens),
+                          SplitDrafter(parts, params, 0), client, frozenset(), 1)
         return gen.run(PROMPT, lambda toks: "")
 
 
@@ -210,8 +209,8 @@ def test_a_cut_while_the_prompt_is_on_the_link_is_survived(tiny_server, tiny_pai
                 params = SamplingParams(0.0)
                 config = EdgeConfig(model="tiny", link=LinkConfig(security=LinkSecurity.plaintext(), backoff_s=0.2,
                                                                   reconnect_timeout_s=60))
-                got = new_session(config, Drafter(draft, params), client, "sd", params, N, frozenset(), 0,
-                                  1).run(PROMPT, lambda toks: "")
+                got = new_session(config, GenerationRequest(PROMPT, "sd", params, N, seed=0),
+                                  Drafter(draft, params), client, frozenset(), 1).run(PROMPT, lambda toks: "")
         else:
             reference = _generate_split(tiny_server.endpoint, target.model, tiny_adapter, "hat")
             got = _generate_split(link.address, target.model, tiny_adapter, "hat", tap=tap)
@@ -227,7 +226,7 @@ def test_a_session_the_cloud_forgot_is_reopened_from_the_history(tiny_pair):
         reference = _generate(server.endpoint, draft)
         state = {"n": 0}
 
-        def hook(tokens):
+        def hook(tokens, _logprobs=None):
             state["n"] += len(tokens)
             if state["n"] >= 10 and "slept" not in state:
                 state["slept"] = True

@@ -104,7 +104,7 @@ def test_fleet_up_status_logs_down_on_namespace_devices(smollm2, tmp_path):
                        for d in inv.devices)
             dev = inv.devices[0]
             ask = ("import json, urllib.request as u; r = u.urlopen(u.Request('http://127.0.0.1:8642/hatspec/generate',"
-                   " data=json.dumps({'prompt': 'def add(a, b):', 'max_tokens': 8}).encode())); "
+                   " data=json.dumps({'prompt': 'def add(a, b):', 'max_tokens': 8, 'temperature': 0}).encode())); "
                    "print(json.load(r)['n_tokens'])")
             rc, out = dev.run(f"{sys.executable} -c {F._q(ask)}", timeout=120)
             assert rc == 0 and out.strip().endswith("8"), out

@@ -219,7 +219,8 @@ def test_an_agent_report_reaches_the_fleet_view(smollm2):
             first = fleet_view(server)
             req = urllib.request.Request(agent.address + "/hatspec/generate", headers={"Content-Type":
                                                                                        "application/json"},
-                                         data=json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 6}).encode())
+                                         data=json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 6,
+                                                          "temperature": 0}).encode())
             with urllib.request.urlopen(req, timeout=300) as r:
                 out = json.loads(r.read())
             agent.report()

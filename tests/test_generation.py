@@ -8,6 +8,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, LinkConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from hat_split.net.security import LinkSecurity
 from hat_split.wire import messages as P
 from hat_split.math.sampling import SamplingParams
@@ -19,8 +20,8 @@ def _run(server, draft_lm, protocol, params, n=24, seed=0, draft_len=4, stop=0.0
     link = LinkConfig(server.endpoint, security=LinkSecurity.plaintext())
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         config = EdgeConfig(model="tiny", draft_len=draft_len, llm_chunk=5, draft_stop_prob=stop)
-        gen = new_session(config, Drafter(draft_lm, params),
-                          client, protocol, params, n, frozenset(), seed, 1)
+        gen = new_session(config, GenerationRequest(PROMPT, protocol, params, n, seed=seed),
+                          Drafter(draft_lm, params), client, frozenset(), 1)
         return gen.run(PROMPT, lambda toks: ""), gen
 
 
@@ -61,8 +62,8 @@ def test_drafts_longer_than_the_clouds_limit_are_cut_to_it(tiny_server, tiny_pai
 
 def test_slm_is_the_draft_model_alone(tiny_pair):
     draft, _ = tiny_pair
-    gen = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), None, "slm", SamplingParams(0.0),
-                      16, frozenset(), 0, 1)
+    gen = new_session(EdgeConfig(model="tiny"), GenerationRequest(PROMPT, "slm", SamplingParams(0.0), 16, seed=0),
+                      Drafter(draft, SamplingParams(0.0)), None, frozenset(), 1)
     result = gen.run(PROMPT, lambda toks: "")
     assert result.tokens == _hf_greedy(draft, 16) and result.up_bytes == 0 and result.round_trips == 0
 
@@ -80,8 +81,8 @@ def test_eos_stops_generation(tiny_server, tiny_pair):
     eos = ref[5]
     with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
                      P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = new_session(EdgeConfig(model="tiny"), Drafter(tiny_pair[0], SamplingParams(0.0)), client, "sd",
-                          SamplingParams(0.0), 24, frozenset([eos]), 0, 1)
+        gen = new_session(EdgeConfig(model="tiny"), GenerationRequest(PROMPT, "sd", SamplingParams(0.0), 24, seed=0),
+                          Drafter(tiny_pair[0], SamplingParams(0.0)), client, frozenset([eos]), 1)
         result = gen.run(PROMPT, lambda toks: "")
     assert result.tokens == ref[: ref.index(eos) + 1] and result.finish_reason == "eos"
 

@@ -35,8 +35,8 @@ def test_greedy_protocols_on_cuda_equal_the_model_alone():
             assert _run(server, draft, protocol, SamplingParams(0.0))[0].tokens == ref, protocol
         adapter = Adapter(target.model, 1).eval().requires_grad_(False).cuda()
         for protocol in ("ushape", "hat"):
-            res = _run_split(server, target.model, protocol, SamplingParams(0.0), n=24, chunk_tokens=3, eta=0.0,
-                             max_draft=4, adapter=adapter if protocol == "hat" else None)
+            res = _run_split(server, target.model, protocol, SamplingParams(0.0), n=24, chunk_tokens=3,
+                             draft_stop_prob=0.0, draft_len=4, adapter=adapter if protocol == "hat" else None)
             assert res.tokens == ref, protocol
         assert runner.graphs.replays > 0, runner.graphs.report()
 

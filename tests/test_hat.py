@@ -14,6 +14,7 @@ import torch
 from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from edge_runtime.split_drafter import SplitDrafter
 from edge_runtime.backends.split_parts import TorchSplitParts
 from hat_split.wire import messages as P
@@ -341,8 +342,8 @@ def test_sd_drafting_with_the_split_draft_gives_the_targets_tokens(tiny_server, 
     lm = AdapterLM(SplitModel(model, 1), tiny_adapter)
     link = LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext())
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = new_session(EdgeConfig(model="tiny", draft_len=3), Drafter(lm, params), client, "sd", params, 20,
-                          frozenset(), 0, 1)
+        gen = new_session(EdgeConfig(model="tiny", draft_len=3), GenerationRequest(PROMPT, "sd", params, 20, seed=0),
+                          Drafter(lm, params), client, frozenset(), 1)
         res = gen.run(PROMPT, lambda toks: "")
     assert res.tokens == _greedy(model, 20)
     assert res.drafted >= 3 and res.rounds < 20
@@ -365,8 +366,9 @@ def _run_split(server, model, protocol, params, n=20, seed=0, adapter=None, tap=
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         client.tap = tap
         drafter = SplitDrafter(parts, params, seed, slowdown=split_cfg.slowdown)
-        gen = new_session(EdgeConfig(model="tiny", split=split_cfg), drafter, client, protocol, params, n,
-                          frozenset(), seed, 1, link_state=link_state)
+        gen = new_session(EdgeConfig(model="tiny", split=split_cfg), GenerationRequest(PROMPT, protocol, params, n,
+                                                                                        seed=seed),
+                          drafter, client, frozenset(), 1, link_state=link_state)
         return gen.run(PROMPT, lambda toks: "")
 
 
@@ -387,8 +389,8 @@ def tiny_adapter(tiny_pair):
 def test_split_protocols_greedy_equal_the_full_model(tiny_server, tiny_pair, tiny_adapter, protocol, chunk):
     model = tiny_pair[1].model
     adapter = tiny_adapter if protocol == "hat" else None
-    res = _run_split(tiny_server, model, protocol, SamplingParams(0.0), adapter=adapter, eta=0.0, max_draft=4,
-                     chunk_tokens=chunk)
+    res = _run_split(tiny_server, model, protocol, SamplingParams(0.0), adapter=adapter, draft_stop_prob=0.0,
+                     draft_len=4, chunk_tokens=chunk)
     assert res.tokens == _greedy(model, 20)
     assert res.prefill_chunks == (4 if chunk else 1)
     if protocol == "hat":
@@ -428,9 +430,9 @@ def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tin
     host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
     with LinkEmulator(LinkProfile("pd-test", delay_s=0.015), (host, int(port))) as link:
         for params in (SamplingParams(0.0), SamplingParams(1.0)):
-            on = _run_split(tiny_server, model, "hat", params, n=30, seed=7, adapter=tiny_adapter, eta=0.3,
+            on = _run_split(tiny_server, model, "hat", params, n=30, seed=7, adapter=tiny_adapter, draft_stop_prob=0.3,
                             parallel_draft=True, pd_topk=4, endpoint=link.address)
-            off = _run_split(tiny_server, model, "hat", params, n=30, seed=7, adapter=tiny_adapter, eta=0.3,
+            off = _run_split(tiny_server, model, "hat", params, n=30, seed=7, adapter=tiny_adapter, draft_stop_prob=0.3,
                              parallel_draft=False)
             assert on.tokens == off.tokens
             assert on.pd_steps > 0
@@ -510,7 +512,8 @@ def test_drafting_over_a_token_subset_is_exact_and_drafts_only_those_tokens(tiny
     sub = sub_parts.run_output(b, sub_parts.run_adapter(sub_parts.new_cache(), states), 2, draft=True)
     np.testing.assert_allclose(sub, full[:, ids], rtol=1e-5, atol=1e-5)
     assert sub_parts.run_output(sub_parts.new_cache(), states, 1).shape == (1, vocab)  # the target keeps its whole head
-    res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=20, parts=sub_parts, eta=0.0, max_draft=4)
+    res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=20, parts=sub_parts, draft_stop_prob=0.0,
+                     draft_len=4)
     assert res.tokens == _greedy(model, 20)
     drafted = []
     for seed in range(3):
@@ -522,8 +525,8 @@ def test_drafting_over_a_token_subset_is_exact_and_drafts_only_those_tokens(tiny
         drafted += state.drafts
         assert all(float(q[np.setdiff1d(np.arange(vocab), ids)].sum()) == 0.0 for q in state.q)
     assert drafted and set(drafted) <= set(ids.tolist())
-    sampled = _run_split(tiny_server, model, "hat", SamplingParams(1.0), n=20, seed=5, parts=sub_parts, eta=0.0,
-                         max_draft=4)
+    sampled = _run_split(tiny_server, model, "hat", SamplingParams(1.0), n=20, seed=5, parts=sub_parts,
+                         draft_stop_prob=0.0, draft_len=4)
     assert len(sampled.tokens) == 20 and sampled.drafted > 0
 
 
@@ -564,8 +567,9 @@ def test_parallel_drafting_on_a_slowed_board_keeps_the_uplink_estimate(tiny_serv
     state = LinkState.configured(0.0, 0.0)
     host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
     with LinkEmulator(LinkProfile("pd-rate", 200e3, 400e3, 0.05), (host, int(port))) as link:
-        res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=24, adapter=tiny_adapter, eta=0.3,
-                         parallel_draft=True, pd_topk=4, slowdown=40.0, endpoint=link.address, link_state=state)
+        res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=24, adapter=tiny_adapter,
+                         draft_stop_prob=0.3, parallel_draft=True, pd_topk=4, slowdown=40.0, endpoint=link.address,
+                         link_state=state)
     assert res.tokens == _greedy(model, 24)
     assert res.pd_steps > 0
     print(f"uplink estimate {state.up_bps:.0f} bit/s of {8 * 200e3:.0f}")
@@ -629,7 +633,8 @@ def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "
         cmd = [sys.executable, "-m", "edge_runtime.cli", "generate", "--model", loaded.name, "--server",
                cloud.endpoint, "--prompts-file", str(tmp_path / "p.json"), "--protocol", ",".join(protocols),
                "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
-               "--max-new-tokens", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / "out.json"),
+               "--max-new-tokens", "16", "--temperature", "0", "--threads", "1", "--quiet", "--json",
+               str(tmp_path / "out.json"),
                "--plaintext"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
         info = cloud.ready_info
@@ -663,7 +668,7 @@ def test_the_runtime_drafts_over_the_vocabulary_each_request_asks_for(smollm2, t
     save_draft_vocab(tmp_path / "a", rank_vocab([list(range(0, vocab, 7))], vocab))
     ref = greedy_reference(model, ids, 12)
     with serving(CausalLM(model), vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
-        split = SplitConfig(m=2, adapter=str(tmp_path / "a"), hidden_format="float32", eta=0.0, max_draft=3)
+        split = SplitConfig(m=2, adapter=str(tmp_path / "a"), hidden_format="float32", draft_stop_prob=0.0, draft_len=3)
         config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()),
                             split=split)
         with EdgeRuntime(config, smollm2) as rt:
@@ -730,8 +735,8 @@ def test_many_devices_at_once_are_batched_and_each_gets_the_full_models_tokens(t
 
     def one(job):
         protocol, chunk = job
-        return _run_split(tiny_server, model, protocol, SamplingParams(0.0), eta=0.0, max_draft=4, chunk_tokens=chunk,
-                          adapter=tiny_adapter if protocol == "hat" else None)
+        return _run_split(tiny_server, model, protocol, SamplingParams(0.0), draft_stop_prob=0.0, draft_len=4,
+                          chunk_tokens=chunk, adapter=tiny_adapter if protocol == "hat" else None)
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, jobs))
@@ -750,7 +755,7 @@ def _device_process(endpoint: str, protocol: str, chunk: int, out, start) -> Non
     model = tiny_model(2, layers=2)
     adapter = Adapter(model, 1).eval().requires_grad_(False) if protocol == "hat" else None
     start.wait(timeout=240)
-    res = _run_split(None, model, protocol, SamplingParams(0.0), eta=0.0, max_draft=4, chunk_tokens=chunk,
+    res = _run_split(None, model, protocol, SamplingParams(0.0), draft_stop_prob=0.0, draft_len=4, chunk_tokens=chunk,
                      adapter=adapter, endpoint=endpoint)
     out.put((protocol, chunk, res.tokens))
 

@@ -172,7 +172,7 @@ def test_the_clis_run_torch_and_say_so_when_llama_cpp_is_absent(monkeypatch, cap
 
     monkeypatch.setattr(edge_cli, "llama_cpp_installed", lambda: False)
     args = edge_cli.build_parser().parse_args(["generate", "--model", "smollm2-135m", "--engine", "llamacpp"])
-    config = edge_cli._configs(edge_cli.build_parser(), args, ["--engine", "llamacpp"], ["sd"])
+    config = edge_cli._configs(edge_cli.build_parser(), args, ["--engine", "llamacpp"])
     assert config.engine.backend == "torch"
     assert "llama-cpp-python is not installed" in capsys.readouterr().err
     monkeypatch.setattr(cloud_cli, "llama_cpp_installed", lambda: False)

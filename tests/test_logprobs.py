@@ -12,6 +12,7 @@ from edge_runtime.backends.split_parts import TorchSplitParts
 from edge_runtime.config import EdgeConfig, LinkConfig, SplitConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, concat, sources, token_logprobs
 from hat_split.math.sampling import SamplingParams
@@ -79,9 +80,9 @@ def test_token_protocols_return_the_targets_logprobs(tiny_server, tiny_pair, pro
     link = LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext())
     params = SamplingParams(0.0)
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = new_session(EdgeConfig(model="tiny", draft_len=3), Drafter(draft, params), client, protocol, params,
-                          12, frozenset(), 0, 1)
-        gen.logprobs_k = K
+        gen = new_session(EdgeConfig(model="tiny", draft_len=3), GenerationRequest(PROMPT, protocol, params, 12, seed=0,
+                                                                                    logprobs=K),
+                          Drafter(draft, params), client, frozenset(), 1)
         result = gen.run(PROMPT, lambda t: "")
     lp = _check(result, target.model)
     assert lp.source == "target" and set(sources(result.logprobs)) == {"target"}
@@ -93,8 +94,8 @@ def test_uhlm_marks_the_tokens_it_committed_without_the_target_as_the_drafts(tin
     params = SamplingParams(0.0)
     config = EdgeConfig(model="tiny", uncertainty=UncertaintyConfig(u_threshold=1.0))  # every token may skip
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-        gen = new_session(config, Drafter(draft, params), client, "uhlm", params, 8, frozenset(), 0, 1)
-        gen.logprobs_k = 2
+        gen = new_session(config, GenerationRequest(PROMPT, "uhlm", params, 8, seed=0, logprobs=2),
+                          Drafter(draft, params), client, frozenset(), 1)
         result = gen.run(PROMPT, lambda t: "")
     assert result.skipped > 0 and sources(result.logprobs).count("draft") == result.skipped
     first_skip = sources(result.logprobs).index("draft")
@@ -111,10 +112,10 @@ def test_split_protocols_return_the_targets_logprobs_from_the_devices_head(tiny_
     link = LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext())
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         drafter = SplitDrafter(TorchSplitParts(SplitModel(model, 1), adapter), params, 0)
-        gen = new_session(EdgeConfig(model="tiny", split=SplitConfig(m=1, hidden_format="float32", eta=0.0,
-                                                                      max_draft=4)),
-                          drafter, client, protocol, params, 12, frozenset(), 0, 1)
-        gen.logprobs_k = K
+        config = EdgeConfig(model="tiny", split=SplitConfig(m=1, hidden_format="float32", draft_stop_prob=0.0,
+                                                            draft_len=4))
+        gen = new_session(config, GenerationRequest(PROMPT, protocol, params, 12, seed=0, logprobs=K), drafter, client,
+                          frozenset(), 1)
         result = gen.run(PROMPT, lambda t: "")
     _check(result, model)
     if protocol == "hat":
@@ -127,9 +128,9 @@ def test_without_asking_nothing_is_computed_or_sent(tiny_server, tiny_pair):
     sizes = {}
     for k in (None, MAX_TOP_LOGPROBS):
         with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
-            gen = new_session(EdgeConfig(model="tiny", draft_len=3), Drafter(draft, SamplingParams(0.0)), client,
-                              "sd", SamplingParams(0.0), 12, frozenset(), 0, 1)
-            gen.logprobs_k = k
+            gen = new_session(EdgeConfig(model="tiny", draft_len=3),
+                              GenerationRequest(PROMPT, "sd", SamplingParams(0.0), 12, seed=0, logprobs=k),
+                              Drafter(draft, SamplingParams(0.0)), client, frozenset(), 1)
             result = gen.run(PROMPT, lambda t: "")
         sizes[k] = result.down_bytes
         assert (result.logprobs is None) == (k is None)
@@ -151,10 +152,10 @@ def test_hat_on_the_real_smollm2_returns_its_own_logprobs(smollm2):
             CloudClient(LinkConfig(server.endpoint, security=LinkSecurity.plaintext()),
                         P.Hello("t", "smollm2", len(tok), "smollm2")) as client:
         parts = TorchSplitParts(SplitModel(model, 2), Adapter(model, 2).eval().requires_grad_(False))
-        gen = new_session(EdgeConfig(model="smollm2", split=SplitConfig(m=2, hidden_format="float32", eta=0.0,
-                                                                         max_draft=4)),
-                          SplitDrafter(parts, params, 0), client, "hat", params, 12, frozenset(), 0, 1)
-        gen.logprobs_k = K
+        config = EdgeConfig(model="smollm2", split=SplitConfig(m=2, hidden_format="float32", draft_stop_prob=0.0,
+                                                               draft_len=4))
+        gen = new_session(config, GenerationRequest(prompt, "hat", params, 12, seed=0, logprobs=K),
+                          SplitDrafter(parts, params, 0), client, frozenset(), 1)
         result = gen.run(prompt, lambda t: "")
     with torch.no_grad():
         logits = model(torch.tensor([prompt + result.tokens])).logits[0].double()

@@ -85,6 +85,7 @@ def test_the_cloud_metrics_move_as_a_device_is_served(tiny_pair):
     from edge_runtime.config import EdgeConfig, LinkConfig
     from edge_runtime.drafter import Drafter
     from edge_runtime.protocols import new_session
+    from edge_runtime.request import GenerationRequest
     from hat_split.math.sampling import SamplingParams
     from tests.conftest import serving
 
@@ -106,8 +107,9 @@ def test_the_cloud_metrics_move_as_a_device_is_served(tiny_pair):
             with pytest.raises(CloudError, match="sessions quota"):
                 client.request(P.OpenSession(2, "sd", np.asarray(PROMPT, np.int32)))
             client.request(P.CloseSession(1))
-            result = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), client, "sd",
-                                 SamplingParams(0.0), 12, frozenset(), 0, 3).run(PROMPT, lambda t: "")
+            request = GenerationRequest(PROMPT, "sd", SamplingParams(0.0), 12, seed=0)
+            result = new_session(EdgeConfig(model="tiny"), request, Drafter(draft, SamplingParams(0.0)), client,
+                                 frozenset(), 3).run(PROMPT, lambda t: "")
         after = scrape(url)
     steps = get(after, "hatspec_cloud_steps_total")
     assert steps > 0 and get(after, "hatspec_cloud_batch_tokens_count") == steps == get(

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from edge_runtime.api import openai_api as O
+from edge_runtime.request import RequestDefaults
 from hat_split.net.security import LinkSecurity
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (test extra)")
@@ -16,9 +17,9 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 
 def test_request_checking_names_the_field():
     ok = O.parse_request({"prompt": "x", "max_tokens": 5, "stop": "\n", "hatspec": {"protocol": "llm"}}, False,
-                         ("sd", "llm"), "sd")
+                         ("sd", "llm"), RequestDefaults())
     assert (ok.max_tokens, ok.stop, ok.protocol, ok.temperature) == (5, ["\n"], "llm", 1.0)
-    ids = O.parse_request({"prompt": [[3, 0, 7]], "hatspec": {"tokens": True}}, False, ("sd",), "sd")
+    ids = O.parse_request({"prompt": [[3, 0, 7]], "hatspec": {"tokens": True}}, False, ("sd",), RequestDefaults())
     assert ids.prompt == [3, 0, 7] and ids.return_tokens
     for body, chat, param in [({"prompt": "x", "n": 2}, False, "n"),
                               ({"prompt": "x", "presence_penalty": 0.5}, False, "presence_penalty"),
@@ -42,27 +43,27 @@ def test_request_checking_names_the_field():
                               ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                 "top_logprobs": 21}, True, "top_logprobs")]:
         with pytest.raises(O.ApiError) as info:
-            O.parse_request(body, chat, ("sd", "llm"), "sd")
+            O.parse_request(body, chat, ("sd", "llm"), RequestDefaults())
         assert info.value.param == param and info.value.body()["error"]["type"] == "invalid_request_error"
 
 
 def test_logprobs_parameters_and_their_response_shapes():
     chat = [{"role": "user", "content": "hi"}]
-    assert O.parse_request({"prompt": "x", "logprobs": 3}, False, ("sd",), "sd").logprobs == 3
-    assert O.parse_request({"prompt": "x"}, False, ("sd",), "sd").logprobs is None
-    assert O.parse_request({"messages": chat, "logprobs": True}, True, ("sd",), "sd").logprobs == 0
-    assert O.parse_request({"messages": chat, "logprobs": False}, True, ("sd",), "sd").logprobs is None
-    req = O.parse_request({"messages": chat, "logprobs": True, "top_logprobs": 2}, True, ("sd",), "sd")
+    assert O.parse_request({"prompt": "x", "logprobs": 3}, False, ("sd",), RequestDefaults()).logprobs == 3
+    assert O.parse_request({"prompt": "x"}, False, ("sd",), RequestDefaults()).logprobs is None
+    assert O.parse_request({"messages": chat, "logprobs": True}, True, ("sd",), RequestDefaults()).logprobs == 0
+    assert O.parse_request({"messages": chat, "logprobs": False}, True, ("sd",), RequestDefaults()).logprobs is None
+    req = O.parse_request({"messages": chat, "logprobs": True, "top_logprobs": 2}, True, ("sd",), RequestDefaults())
     entries = [O.TokenLogprob("Hé", -0.5, [("Hé", -0.5), ("A", -1.5)], "target", 0),
                O.TokenLogprob("!", -2.0, [("?", -0.1), ("!", -2.0)], "draft", 2)]
     body = O.logprobs_body(req, entries)["content"]
     assert body[0]["bytes"] == list("Hé".encode()) and body[1]["top_logprobs"][0] == {
         "token": "?", "logprob": -0.1, "bytes": [63]} and [e["hatspec_source"] for e in body] == ["target", "draft"]
-    req = O.parse_request({"prompt": "x", "logprobs": 2}, False, ("sd",), "sd")
+    req = O.parse_request({"prompt": "x", "logprobs": 2}, False, ("sd",), RequestDefaults())
     assert O.logprobs_body(req, entries) == {"tokens": ["Hé", "!"], "token_logprobs": [-0.5, -2.0],
                                              "top_logprobs": [{"Hé": -0.5, "A": -1.5}, {"?": -0.1, "!": -2.0}],
                                              "text_offset": [0, 2], "hatspec_sources": ["target", "draft"]}
-    assert O.logprobs_body(O.parse_request({"prompt": "x"}, False, ("sd",), "sd"), entries) is None
+    assert O.logprobs_body(O.parse_request({"prompt": "x"}, False, ("sd",), RequestDefaults()), entries) is None
 
 
 def test_stop_matcher_holds_back_what_may_become_a_stop():
@@ -268,7 +269,7 @@ def test_a_cloud_that_sheds_load_gives_503_and_the_openai_client_retries(endpoin
     from hat_split.wire import messages as P
 
     client, agent = endpoint
-    real, refusals = agent.runtime.generate, []
+    real, refusals = agent.runtime.run, []
 
     def shedding(*args, **kwargs):
         if len(refusals) < 2:
@@ -276,7 +277,7 @@ def test_a_cloud_that_sheds_load_gives_503_and_the_openai_client_retries(endpoin
             raise CloudError(P.Error("busy", "the cloud holds its limit of 64 sessions"))
         return real(*args, **kwargs)
 
-    agent.runtime.generate = shedding
+    agent.runtime.run = shedding
     try:
         status, retry_after, body = _post(agent, {"prompt": "x = ", "max_tokens": 4})
         assert status == 503 and retry_after == "2" and "the cloud sheds load: busy" in body["error"]["message"]
@@ -284,4 +285,42 @@ def test_a_cloud_that_sheds_load_gives_503_and_the_openai_client_retries(endpoin
                                                                   temperature=0)
         assert r.usage.completion_tokens == 4 and len(refusals) == 2 and agent.shed["cloud"] >= 2
     finally:
-        agent.runtime.generate = real
+        agent.runtime.run = real
+
+
+@pytest.mark.real_models
+def test_every_entry_point_gives_a_request_the_same_defaults(endpoint):
+    """The agent's /hatspec/generate, its /v1/completions and `hat-edge generate`, each with the same defaults
+    (those of `hat-edge serve FLAGS`) and a request naming nothing: the runtime is handed equal requests."""
+    import dataclasses
+
+    from edge_runtime import cli
+    from hat_split.math.sampling import SamplingParams
+    from tests.test_request import FLAGS, _parsed
+
+    _, agent = endpoint
+    argv = ["serve", "--model", "smollm2-135m", "--plaintext", *FLAGS]
+    parser, args = _parsed(argv)
+    served = cli._configs(parser, args, argv)
+    _, gen_args = _parsed(["generate", "--model", "m", *FLAGS, "x"])
+    from_cli = cli._request_defaults(gen_args, "llm").request("x = ")
+    seen, real, kept = [], agent.runtime.run, agent.config
+
+    def recording(req):
+        seen.append(req)
+        return real(req)
+
+    agent.runtime.run, agent.config = recording, dataclasses.replace(agent.config, request=served.request)
+    try:
+        out = agent.generate({"prompt": "x = "})
+        status, _, body = _post(agent, {"prompt": "x = "})
+        assert status == 200, body
+    finally:
+        agent.runtime.run, agent.config = real, kept
+    assert len(seen) == 2
+    for req in seen:
+        assert (req.protocol, req.sampling, req.max_new_tokens, req.seed) == \
+            (from_cli.protocol, from_cli.sampling, from_cli.max_new_tokens, from_cli.seed) == \
+            ("llm", SamplingParams(0.7, 5, 1.0), 3, 11)
+    assert out["n_tokens"] == 3 and body["usage"]["completion_tokens"] == 3
+    assert out["tokens"] == body["hatspec"].get("tokens", out["tokens"])

@@ -144,6 +144,7 @@ def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, ti
     from edge_runtime.config import EdgeConfig
     from edge_runtime.drafter import Drafter
     from edge_runtime.protocols import new_session
+    from edge_runtime.request import GenerationRequest
     from hat_split.math.sampling import SamplingParams
 
     bad = _raw_socket(tiny_server)
@@ -156,8 +157,8 @@ def test_server_answers_bad_frames_with_errors_and_keeps_serving(tiny_server, ti
                        P.Hello("good", "tiny", 512, "tiny-vocab"))
     with good:
         cfg = EdgeConfig(model="tiny", draft_len=3)
-        gen = new_session(cfg, Drafter(tiny_pair[0], SamplingParams(0.0)), good, "sd", SamplingParams(0.0), 12,
-                          frozenset(), 7, 1)
+        gen = new_session(cfg, GenerationRequest([1, 2, 3, 4], "sd", SamplingParams(0.0), 12, seed=7),
+                          Drafter(tiny_pair[0], SamplingParams(0.0)), good, frozenset(), 1)
         # interleave: every bad frame is answered, the good client's session goes on between them
         for name in sorted(BAD):
             frames, code = BAD[name]

@@ -14,6 +14,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, LinkConfig, QSConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from hat_split.wire import dist_codec
 from hat_split.math import enumerative
 from hat_split.wire import messages as P
@@ -54,8 +55,8 @@ def _generate(server, protocol, n_seqs, T, qs=QSConfig(ell=2, k=2, alpha=0.1, et
     with CloudClient(config.link, P.Hello("t", "markov", V, "markov-vocab")) as client:
         draft = MarkovLM(DRAFT)
         for i in range(n_seqs):
-            gen = new_session(config, Drafter(draft, params), client, protocol, params, T, frozenset(),
-                              seed * 1_000_003 + i, i + 1)
+            gen = new_session(config, GenerationRequest([START], protocol, params, T, seed=seed * 1_000_003 + i),
+                              Drafter(draft, params), client, frozenset(), i + 1)
             result = gen.run([START], lambda toks: "")
             out[i] = result.tokens
             results.append((result, gen))

@@ -91,6 +91,7 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     from edge_runtime.config import EdgeConfig, LinkConfig, QSConfig
     from edge_runtime.drafter import Drafter
     from edge_runtime.protocols import new_session
+    from edge_runtime.request import GenerationRequest
     from hat_split.wire import messages as P
     from hat_split.models.lm import CausalLM
     from hat_split.math.sampling import SamplingParams
@@ -113,13 +114,14 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
                 params = SamplingParams(1.0)
                 switched = []
 
-                def on_tokens(tokens):
+                def on_tokens(tokens, _logprobs):
                     if len(gen.generated) >= 30 and not switched:
                         link.set_profile(slow)
                         switched.append(gen.counters.rounds)
 
-                gen = new_session(config, Drafter(CausalLM(model), params), client, "qs", params, 60, frozenset(),
-                                  7, 1, on_tokens=on_tokens)
+                gen = new_session(config, GenerationRequest([5, 6, 7, 8], "qs", params, 60, seed=7,
+                                                            on_tokens=on_tokens),
+                                  Drafter(CausalLM(model), params), client, frozenset(), 1)
                 result = gen.run([5, 6, 7, 8], lambda t: "")
     log = result.round_log
     assert switched, "the link never switched"

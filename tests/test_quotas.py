@@ -12,6 +12,7 @@ from edge_runtime.client import CloudClient, CloudError
 from edge_runtime.config import EdgeConfig, LinkConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from hat_split.math.sampling import SamplingParams
 from hat_split.net.security import LinkSecurity
 from hat_split.wire import messages as P
@@ -87,8 +88,8 @@ def test_a_device_over_its_quota_is_refused_while_another_is_served(tiny_pair):
         with pytest.raises(CloudError, match="over its kv_memory quota: it holds 2.50 KiB and asks 19.50 KiB"):
             _open(a, 4, n=40)
         assert isinstance(_open(b, 1), P.SessionOpened)
-        gen = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), b, "sd",
-                          SamplingParams(0.0), 12, frozenset(), 0, 9)
+        gen = new_session(EdgeConfig(model="tiny"), GenerationRequest(PROMPT, "sd", SamplingParams(0.0), 12, seed=0),
+                          Drafter(draft, SamplingParams(0.0)), b, frozenset(), 9)
         assert gen.run(PROMPT, lambda t: "").tokens == _hf_greedy(target.model, 12)
         report = server.report()
         assert report["quotas"]["refusals"] == {"sessions": 1, "kv_memory": 1}
@@ -150,15 +151,17 @@ def test_an_evicted_session_resumes_with_identical_tokens(tiny_pair):
     seen = []
     with serving(target, kv_memory=str(36 * cost), device_kv_memory="100%") as server, \
             _client(server, "A") as a, _client(server, "B") as b:
-        def mid_answer(tokens):
+        def mid_answer(tokens, _logprobs):
             seen.append(len(tokens))
             if len(seen) == 9:  # A holds 15 positions and is between rounds
-                gen_b = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), b, "sd",
-                                    SamplingParams(0.0), 24, frozenset(), 0, 1)
+                gen_b = new_session(EdgeConfig(model="tiny"),
+                                    GenerationRequest(PROMPT, "sd", SamplingParams(0.0), 24, seed=0),
+                                    Drafter(draft, SamplingParams(0.0)), b, frozenset(), 1)
                 assert gen_b.run(PROMPT, lambda t: "").tokens == ref
 
-        gen_a = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), a, "sd",
-                            SamplingParams(0.0), 24, frozenset(), 0, 1, on_tokens=mid_answer)
+        gen_a = new_session(EdgeConfig(model="tiny"),
+                            GenerationRequest(PROMPT, "sd", SamplingParams(0.0), 24, seed=0, on_tokens=mid_answer),
+                            Drafter(draft, SamplingParams(0.0)), a, frozenset(), 1)
         result = gen_a.run(PROMPT, lambda t: "")
         assert server.admission.evicted >= 1
         assert result.tokens == ref and result.interruptions >= 1

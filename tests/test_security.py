@@ -102,7 +102,8 @@ def test_traffic_is_not_readable_on_the_wire(tiny_pair, tmp_path):
         assert isinstance(_session(address, "orin-1", devices["orin-1"]), P.SessionOpened)
         assert len(wire) > PROMPT.nbytes
         assert marker not in wire and b"OpenSession" not in wire and b"tiny-vocab" not in wire
-    with _server(tiny_pair, LinkSecurity.plaintext()) as server, _recording_proxy(server.endpoint) as (address, wire, _):
+    with _server(tiny_pair, LinkSecurity.plaintext()) as server, \
+            _recording_proxy(server.endpoint) as (address, wire, _):
         assert isinstance(_session(address, "plain", None), P.SessionOpened)
         assert marker in wire and b"OpenSession" in wire  # the control: plaintext is readable
 
@@ -155,7 +156,7 @@ def test_plaintext_only_when_asked_for(tmp_path):
         LinkSecurity("curve", str(tmp_path / "nope.key_secret"), str(tmp_path / "c.key")).check("device")
     from cloud_runtime.cli import build_parser
 
-    assert build_parser().parse_args(["serve", "--model", "m", "--plaintext"]).plaintext
+    assert getattr(build_parser().parse_args(["serve", "--model", "m", "--plaintext"]), "security.mode") == "plaintext"
 
 
 def test_a_closed_cloud_gives_the_zap_endpoint_back_at_once(tmp_path):

@@ -8,6 +8,7 @@ from edge_runtime.client import CloudClient
 from edge_runtime.config import EdgeConfig, LinkConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
+from edge_runtime.request import GenerationRequest
 from hat_split.net.security import LinkSecurity
 from hat_split.wire import messages as P
 from hat_split.math import topk_codec
@@ -21,7 +22,8 @@ def _run(server, draft_lm, protocol, params, n=32, seed=0, **unc):
     link = LinkConfig(server.endpoint, security=LinkSecurity.plaintext())
     with CloudClient(link, P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
         config = EdgeConfig(model="tiny", uncertainty=UncertaintyConfig(**unc))
-        gen = new_session(config, Drafter(draft_lm, params), client, protocol, params, n, frozenset(), seed, 1)
+        gen = new_session(config, GenerationRequest(PROMPT, protocol, params, n, seed=seed),
+                          Drafter(draft_lm, params), client, frozenset(), 1)
         before = server.stats.bytes_in
         result = gen.run(PROMPT, lambda toks: "")  # raises if device and cloud sequences differ at close
         return result, server.stats.bytes_in - before
@@ -36,8 +38,8 @@ def test_uhlm_that_never_skips_is_hlm(tiny_server, tiny_pair):
 
 def test_always_skipping_is_the_draft_alone_and_the_cloud_catches_up(tiny_server, tiny_pair):
     draft = tiny_pair[0]
-    slm = new_session(EdgeConfig(model="tiny"), Drafter(draft, SamplingParams(0.0)), None, "slm",
-                      SamplingParams(0.0), 20, frozenset(), 0, 1).run(PROMPT, lambda t: "")
+    slm = new_session(EdgeConfig(model="tiny"), GenerationRequest(PROMPT, "slm", SamplingParams(0.0), 20, seed=0),
+                      Drafter(draft, SamplingParams(0.0)), None, frozenset(), 1).run(PROMPT, lambda t: "")
     res, _ = _run(tiny_server, draft, "uhlm", SamplingParams(0.0), n=20, u_threshold=1.0)
     assert res.tokens == slm.tokens and res.skipped == 20 and res.rounds == 0
     assert res.round_trips == 2  # open, and close carrying the 20 skipped tokens

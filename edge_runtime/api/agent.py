@@ -9,7 +9,9 @@ What it does:
   `/v1/chat/completions`, streamed or not, stop sequences, cancellation when the client goes away, the protocol per
   request in the `hatspec` field), `GET /metrics` (Prometheus: edge_runtime.api.metrics, docs/METRICS.md),
   `GET /hatspec/status` (the status JSON) and `POST /hatspec/generate` (JSON
-  {"prompt", "protocol", "max_tokens", "temperature", "top_p", "seed", "chat"} → the generation's summary);
+  {"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat"} → the generation's summary);
+  what a request leaves out comes from the agent's request defaults (`[request]`, `hat-edge serve --temperature`
+  ...: edge_runtime.request), the same for both APIs;
   generations run one at a time (a device has one draft model);
 - sheds load as OpenAI-compatible servers do, so clients back off and retry by themselves: with `max_queue` requests
   already waiting, a new one is answered 429 with Retry-After (the expected wait); a request the cloud refuses for
@@ -37,17 +39,20 @@ from edge_runtime.api import openai_api as O
 from edge_runtime.api.metrics import EdgeMetrics, bundle_label
 from edge_runtime.client import CloudError
 from edge_runtime.config import EdgeConfig
+from edge_runtime.request import MAX_NEW_TOKENS_LIMIT, GenerationRequest, RequestDefaults
 from edge_runtime.runtime import EdgeRuntime
 from hat_split import protocols
 from hat_split.files.atomic import write_json
-from hat_split.math.sampling import SamplingParams
+from hat_split.files.settings import setting
 from hat_split.models.chat import encode_chat
 from hardware.device_profiles import get_profile
 from hardware.jetson_control import ModeCycler
+from hat_split.files import strict_json
 
 MAX_BODY_BYTES = 1 << 20
 SHED_RETRY_S = {"busy": 2, "memory_full": 2, "quota": 5}  # cloud refusals for load → 503, with Retry-After (s)
 SHED_CODES = tuple(SHED_RETRY_S)
+GENERATE_KEYS = frozenset({"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat"})
 log = logging.getLogger("hatspec.agent")
 
 
@@ -66,18 +71,21 @@ class _Server(ThreadingHTTPServer):
 class AgentConfig:
     """`hat-edge serve`'s config; as TOML (`--config FILE`), the device's EdgeConfig is its [edge] table."""
 
-    edge: EdgeConfig
-    host: str = "127.0.0.1"  # apps on the device talk to it; not the network
-    port: int = 8642  # HTTP port (0: any free one, e.g. many emulated devices in one process)
-    report_interval_s: float = 10.0  # seconds between state reports to the cloud (power mode, drafting delay)
-    status_file: str = ""  # rewrite the agent's status JSON here (hat-fleet status reads it); "" = none
-    default_protocol: str = "sd"  # requests that name none (hat_split.protocols)
-    mode_cycle: tuple = ()  # nvpmodel modes (ids or names of the device profile) to switch among ...
-    mode_every: int = 0  # ... every this many requests (HAT's testbed); () / 0: never switch
-    max_queue: int = 8  # requests that may wait for the draft model behind the one running; more get 429
+    edge: EdgeConfig  # the device: draft, link, engine, protocols (the [edge] table)
+    host: str = setting("127.0.0.1", "apps on the device talk to it; not the network")
+    port: int = setting(8642, "HTTP port (0: any free one, e.g. many emulated devices in one process)")
+    report_interval_s: float = setting(10.0, "seconds between state reports to the cloud (power mode, drafting "
+                                       "delay)")
+    status_file: str = setting("", "rewrite the agent's status JSON here (hat-fleet status reads it); \"\" = none",
+                               metavar="PATH")
+    request: RequestDefaults = RequestDefaults()  # what a request gets for what it does not name: protocol,
+    # sampling, length, seed (edge_runtime.request; hat-edge serve's --protocol, --temperature, ... set it)
+    mode_cycle: tuple = setting((), "nvpmodel modes (ids or names of the device profile) to switch among ...",
+                                metavar="MODES")
+    mode_every: int = setting(0, "... every this many requests (HAT's testbed); () / 0: never switch", metavar="N")
+    max_queue: int = setting(8, "requests that may wait for the draft model behind the one running; more get 429")
 
     def __post_init__(self) -> None:
-        protocols.get(self.default_protocol)  # a ValueError naming the known ones
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.report_interval_s > 0:
@@ -166,16 +174,16 @@ class Agent:
                 self.runtime.close()  # reconnect on the next attempt
         self._write_status()
 
-    def _run(self, *args):
-        """One generation (EdgeRuntime.generate's arguments), one at a time, counted; the mode cycle advances.
-        Returns (result, seconds spent waiting for the generation before it, if any). Refused with 429 when
-        max_queue requests already wait, with 503 when the cloud refuses it for load (both with Retry-After)."""
-        self._admit(args[1])
+    def _run(self, request: GenerationRequest):
+        """One generation, one at a time, counted; the mode cycle advances. Returns (result, seconds spent waiting
+        for the generation before it, if any). Refused with 429 when max_queue requests already wait, with 503 when
+        the cloud refuses it for load (both with Retry-After)."""
+        self._admit(request.protocol)
         t0 = time.perf_counter()
         try:
             with self._lock:
                 queued = time.perf_counter() - t0
-                result = self._generate(args)
+                result = self._generate(request)
                 self.requests += 1
                 if self.cycle is not None and self.cycle.after_request():
                     self.runtime.monitor.refresh_mode(max_age_s=0.0)  # the next request reports the new mode
@@ -199,14 +207,14 @@ class Agent:
                                  kind="rate_limit_exceeded", retry_after_s=max(1, math.ceil(wait)))
             self._admitted += 1
 
-    def _generate(self, args: tuple):
-        """runtime.generate, timed for the Retry-After estimate; the cloud's refusals for load become 503."""
+    def _generate(self, request: GenerationRequest):
+        """runtime.run, timed for the Retry-After estimate; the cloud's refusals for load become 503."""
         started = time.perf_counter()
         try:
-            result = self.runtime.generate(*args)
+            result = self.runtime.run(request)
         except CloudError as exc:
             self.failures += 1
-            self.metrics.failed(args[1], exc)
+            self.metrics.failed(request.protocol, exc)
             if exc.error.code not in SHED_CODES:
                 raise
             self.shed["cloud"] += 1
@@ -214,24 +222,45 @@ class Agent:
                              kind="server_error", retry_after_s=SHED_RETRY_S[exc.error.code]) from None
         except Exception as exc:
             self.failures += 1
-            self.metrics.failed(args[1], exc)
+            self.metrics.failed(request.protocol, exc)
             raise
         self._generation_s = 0.7 * self._generation_s + 0.3 * (time.perf_counter() - started)
         return result
 
+    def _request(self, prompt, protocol: Optional[str], **named) -> GenerationRequest:
+        """The request, from what it names and the agent's defaults; one that cannot be built is counted as failed
+        (its protocol, or "unknown") before the ValueError becomes a 400."""
+        try:
+            return self.config.request.request(prompt, protocol=protocol, **named)
+        except ValueError as exc:
+            self.failures += 1
+            self.metrics.failed(protocol, exc)
+            raise
+
     def generate(self, body: dict) -> dict:
+        """`POST /hatspec/generate`: {"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed",
+        "chat"}; what it leaves out comes from the agent's request defaults (config.request)."""
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        unknown = sorted(set(body) - GENERATE_KEYS)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}: a request takes "
+                             f"{', '.join(sorted(GENERATE_KEYS))}")
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("'prompt' must be a non-empty string")
-        protocol = body.get("protocol", self.config.default_protocol)
-        max_tokens = body.get("max_tokens", 64)
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
-            raise ValueError("'max_tokens' must be an integer in 1..4096")
-        params = SamplingParams(float(body.get("temperature", 0.0)), 0, float(body.get("top_p", 1.0)))
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise ValueError("'seed' must be an integer")
-        result, queued = self._run(prompt, protocol, params, max_tokens, seed, bool(body.get("chat")))
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT):
+            raise ValueError(f"'max_tokens' must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}")
+        named = {key: body.get(name) for name, key in (("protocol", "protocol"), ("max_tokens", "max_new_tokens"),
+                                                       ("temperature", "temperature"), ("top_p", "top_p"),
+                                                       ("top_k", "top_k"), ("seed", "seed"))}
+        for name in ("temperature", "top_p"):  # JSON numbers: 1 and 1.0 alike
+            if isinstance(body.get(name), int) and not isinstance(body.get(name), bool):
+                named[name] = float(body[name])
+        request = self._request(prompt, named.pop("protocol"), **named, chat=bool(body.get("chat")))
+        result, queued = self._run(request)
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                 "protocol": result.protocol, "queue_s": queued, **result.summary()}
 
@@ -239,7 +268,7 @@ class Agent:
                    client_gone: Callable[[], bool] = lambda: False) -> Optional[dict]:
         """An OpenAI completion or chat completion. With `send`, the response is streamed as events through it
         (a failing send, like a client that went away, cancels the generation); without, it is returned."""
-        req = O.parse_request(body, chat, protocols.NAMES, self.config.default_protocol)
+        req = O.parse_request(body, chat, protocols.NAMES, self.config.request)
         if req.stream != (send is not None):
             raise O.ApiError("internal: stream flag and transport disagree", status=500, kind="server_error")
         tok = self.runtime.tokenizer
@@ -294,9 +323,10 @@ class Agent:
                 return "stop"
             return "cancelled" if cancelled or client_gone() else ""
 
-        params = SamplingParams(req.temperature, 0, req.top_p)
-        result, queued = self._run(ids, req.protocol, params, req.max_tokens, req.seed, False, on_text, should_stop,
-                                   req.logprobs, on_tokens)
+        request = self._request(ids, req.protocol, temperature=req.temperature, top_p=req.top_p,
+                                max_new_tokens=req.max_tokens, seed=req.seed, logprobs=req.logprobs, on_text=on_text,
+                                on_tokens=on_tokens, should_stop=should_stop)
+        result, queued = self._run(request)
         text, stopped = O.cut_at_stop(result.text, req.stop)
         reason = "stop" if stopped else result.finish_reason
         extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
@@ -349,7 +379,7 @@ def _handler(agent: Agent):
             pass
 
         def _json(self, code: int, payload: dict, retry_after_s: int = 0) -> None:
-            body = json.dumps(payload).encode()
+            body = strict_json.dumps(payload).encode()
             agent.metrics.responded(self.path, code)
             self.send_response(code)
             if retry_after_s:
@@ -421,7 +451,7 @@ def _handler(agent: Agent):
                     self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()
                     started.append(True)
-                self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self._chunk(b"data: " + strict_json.dumps(event).encode() + b"\n\n")
 
             try:
                 agent.completion(body, chat, send, self._client_gone)  # its last event carries the finish reason
@@ -443,7 +473,7 @@ def _handler(agent: Agent):
 
         def _end_with_error(self, body: dict) -> None:
             try:
-                self._chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
+                self._chunk(b"data: " + strict_json.dumps(body).encode() + b"\n\n")
                 self._chunk(b"data: [DONE]\n\n")
                 self._chunk(b"")
             except OSError:

@@ -22,10 +22,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from edge_runtime.request import MAX_NEW_TOKENS_LIMIT, RequestDefaults
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOPS = 4
-MAX_TOKENS_LIMIT = 8192
+MAX_TOKENS_LIMIT = MAX_NEW_TOKENS_LIMIT
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on the text
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
            "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "functions": None,
@@ -74,8 +75,9 @@ class TokenLogprob:
     offset: int  # where its text starts in the completion (characters)
 
 
-def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_protocol: str,
-                  default_max_tokens: int = 256) -> CompletionRequest:
+def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], defaults: RequestDefaults) -> CompletionRequest:
+    """An OpenAI (chat) completion body, checked; what it leaves out comes from `defaults` (the agent's: the same
+    a `/hatspec/generate` request or `hat-edge generate` gets, edge_runtime.request)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     known = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
@@ -115,11 +117,11 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
                            "request)", "prompt")
     max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(max_key)
-    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
         raise ApiError(f"{max_key} must be an integer in 1..{MAX_TOKENS_LIMIT}", max_key)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    temperature = _number(body, "temperature", defaults.temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", defaults.top_p, 0.0, 1.0)
     if top_p == 0.0:
         raise ApiError("top_p must be in (0, 1]", "top_p")
     stop = body.get("stop")
@@ -131,6 +133,8 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
         raise ApiError("seed must be an integer", "seed")
     if seed is not None:
         seed %= 2**63  # any integer a client sends (negative ones too) names one non-negative stream
+    else:
+        seed = defaults.seed
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("stream must be true or false", "stream")
@@ -142,7 +146,7 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], default_pro
         raise ApiError("hatspec must be an object with at most a protocol and tokens", "hatspec")
     if not isinstance(ext.get("tokens", False), bool):
         raise ApiError("hatspec.tokens must be true or false", "hatspec")
-    protocol = ext.get("protocol", default_protocol)
+    protocol = ext.get("protocol", defaults.protocol)
     if protocol not in protocols:
         raise ApiError(f"hatspec.protocol {protocol!r} is not one of {', '.join(protocols)}", "hatspec")
     return CompletionRequest(chat, prompt, messages, max_tokens, temperature, top_p, stop, seed, stream,

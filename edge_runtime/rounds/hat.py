@@ -28,9 +28,9 @@ def round_hat(session: SplitSession) -> None:
     c = session.config.split
     dev = session.drafter
     st = session.link_state
-    limit = max(1, min(c.max_draft, session.remaining - 1))
+    limit = max(1, min(c.draft_len, session.remaining - 1))
     t0 = time.perf_counter()
-    state = dev.draft(limit, c.eta)
+    state = dev.draft(limit, c.draft_stop_prob)
     L = len(state.drafts)
     st.draft_s = ema(st.draft_s or None, (time.perf_counter() - t0) / max(L, 1))
     upload = session.send_hidden(state.base, dev.upload_states(state), L + 1)
@@ -39,7 +39,7 @@ def round_hat(session: SplitSession) -> None:
         cands = dev.candidates(state, c.pd_topk)
         a = bytes_per_position(c.hidden_format, dev.parts.hidden_size)
         steps = parallel_steps(L + 1, a, st.up_bps or 1e9, st.down_bps or 1e9, st.g_mu, st.draft_s,
-                               session.client.base_rtt_s) if st.draft_s > 0 else c.max_draft
+                               session.client.base_rtt_s) if st.draft_s > 0 else c.draft_len
         session.counters.pd_steps += _draft_candidates(dev, cands, steps, c, session.client.ready)
     deep = session.receive_deep(upload)
     logits = dev.target_logits(deep, state.base, L + 1)  # [L + 1, vocab]
@@ -61,7 +61,7 @@ def _draft_candidates(dev: SplitDrafter, cands: List[DraftState], steps: int, c:
                       stop: Callable[[], bool]) -> int:
     """Round-robin one draft step per candidate (most probable first) until `steps` or the reply is waiting."""
     done = 0
-    limit = c.max_draft
+    limit = c.draft_len
     while done < steps and not stop():
         progressed = False
         for cand in cands:
@@ -69,7 +69,7 @@ def _draft_candidates(dev: SplitDrafter, cands: List[DraftState], steps: int, c:
                 break
             if cand.stopped or len(cand.drafts) >= limit:
                 continue
-            dev.extend(cand, limit, c.eta, steps=1)
+            dev.extend(cand, limit, c.draft_stop_prob, steps=1)
             done += 1
             progressed = True
         if not progressed:

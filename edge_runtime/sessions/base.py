@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from edge_runtime.client import (
 from edge_runtime.config import EdgeConfig
 from hat_split.math.logprobs import Logprobs, token_logprobs
 from hat_split.math.rng import session_rng
-from hat_split.math.sampling import SamplingParams
+from edge_runtime.request import GenerationRequest
+from hat_split import protocols
 from hat_split.protocols import Protocol
 
 log = logging.getLogger("hatspec.edge")
@@ -84,7 +86,7 @@ class GenerationResult(Counters):
     def n(self) -> int:
         return len(self.tokens)
 
-    def summary(self) -> Dict[str, float]:
+    def summary(self) -> Dict[str, Optional[float]]:
         n = max(self.n, 1)
         decode_s = self.total_s - self.ttft_s
         return {
@@ -93,10 +95,11 @@ class GenerationResult(Counters):
             "decode_tokens_per_s": (self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
             "after_open_tokens_per_s": self.n / (self.total_s - self.open_s) if self.total_s > self.open_s else 0.0,
             "ttft_s": self.ttft_s,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
-            "alpha": self.accepted / (self.accepted + self.rejected) if self.drafted else float("nan"),
-            "accepted_per_round": self.accepted / self.rounds if self.rounds and self.drafted else float("nan"),
-            "tokens_per_round": self.n / self.rounds if self.rounds else float("nan"),
+            # None (JSON null) where there is nothing to divide by: a protocol that drafts nothing (slm, llm)
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "alpha": self.accepted / (self.accepted + self.rejected) if self.drafted else None,
+            "accepted_per_round": self.accepted / self.rounds if self.rounds and self.drafted else None,
+            "tokens_per_round": self.n / self.rounds if self.rounds else None,
             "up_bytes_per_token": self.up_bytes / n,
             "down_bytes_per_token": self.down_bytes / n,
             "round_trips_per_token": self.round_trips / n,
@@ -108,6 +111,29 @@ class GenerationResult(Counters):
         return out
 
 
+class TextStream:
+    """Turns a growing token list into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, decode: Callable[[List[int]], str], on_text: Callable[[str], None]):
+        self.decode = decode
+        self.on_text = on_text
+        self.tokens: List[int] = []
+        self.emitted = ""
+
+    def __call__(self, new_tokens: List[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return
+        if text.startswith(self.emitted):
+            delta = text[len(self.emitted):]
+        else:  # decoding is not always prefix-stable (merged spaces): emit the rest honestly
+            delta = text[len(os.path.commonprefix([text, self.emitted])):]
+        self.emitted = text
+        if delta:
+            self.on_text(delta)
+
+
 def recoverable(exc: Exception) -> bool:
     """A dropped link, or a cloud that no longer holds the session (it expired there, or the cloud restarted)."""
     return isinstance(exc, LinkDown) or isinstance(exc, CloudError) and exc.error.code == "no_session"
@@ -116,40 +142,36 @@ def recoverable(exc: Exception) -> bool:
 class Session(ABC):
     """One request's state on the device; a family subclass says how it opens, reopens and closes with the cloud."""
 
-    def __init__(self, config: EdgeConfig, drafter, client: Optional[CloudClient], protocol: Protocol,
-                 round_fn: Callable[["Session"], None], params: SamplingParams, max_new_tokens: int,
-                 eos_ids: frozenset, seed: int, session_id: int,
-                 on_tokens: Callable[[List[int]], None] = lambda tokens: None,
-                 should_stop: Callable[[], str] = lambda: ""):
-        """drafter: edge_runtime.drafter.Drafter (token and local families) or edge_runtime.split_drafter.SplitDrafter
-        (split); client: None for the local family. should_stop is asked after each commit: a finish reason it
+    def __init__(self, config: EdgeConfig, request: GenerationRequest, drafter, client: Optional[CloudClient],
+                 round_fn: Callable[["Session"], None], eos_ids: frozenset = frozenset(), session_id: int = 1):
+        """request: the generation, whole (edge_runtime.request; a seed is drawn when it names none); drafter:
+        edge_runtime.drafter.Drafter (token and local families) or edge_runtime.split_drafter.SplitDrafter (split);
+        client: None for the local family. The request's should_stop is asked after each commit: a finish reason it
         returns ("stop", "cancelled") ends the request there (the session is still closed properly: every committed
         token is one the cloud verified)."""
+        request = request.seeded()
         self.config = config
+        self.generation = request  # what was asked, whole (its callbacks among it)
         self.drafter = drafter
         self.client = client
-        self.protocol = protocol
+        self.protocol: Protocol = protocols.get(request.protocol)
         self.round_fn = round_fn
-        self.params = params
-        self.max_new_tokens = max_new_tokens
+        self.params = request.sampling
+        self.max_new_tokens = request.max_new_tokens
         self.eos_ids = eos_ids
-        self.seed = seed  # one seed per request: the device and the cloud derive independent streams from it
+        self.seed: int = request.seed  # one seed per request: the device and the cloud derive independent streams
         self.session_id = session_id
-        self.on_tokens = on_tokens
-        self.should_stop = should_stop
+        self.logprobs_k = request.logprobs  # k: record each committed token's log-probability and k alternatives
         self.counters = Counters()
         self.generated: List[int] = []
         self.finish_reason = ""
         self.first_token_at: Optional[float] = None
         self.round_state = None  # a round function's own state across rounds (qs: wire, threshold, policy)
-        self.rng = session_rng(seed, "device")  # the device's stream: draft sampling, local sampling
-        self.uncertainty_rng = session_rng(seed, "uncertainty")  # temperature perturbation (its own stream)
-        self.skip_rng = session_rng(seed, "skip")  # randhlm's coin
-        self.logprobs_k: Optional[int] = None  # k: record each committed token's log-probability and k alternatives
+        self.rng = session_rng(self.seed, "device")  # the device's stream: draft sampling, local sampling
+        self.uncertainty_rng = session_rng(self.seed, "uncertainty")  # temperature perturbation (its own stream)
+        self.skip_rng = session_rng(self.seed, "skip")  # randhlm's coin
         self.logprobs: List[Logprobs] = []  # theirs, in commit order (hat_split.math.logprobs), when logprobs_k is set
-        self.on_commit: Optional[Callable[[List[int], Optional[Logprobs]], None]] = None  # each commit's tokens and
-        # their logprobs, before on_tokens (an attribute, not a closure over the session: no reference cycle keeps a
-        # finished session's draft state alive)
+        self._text: Optional[TextStream] = None  # the request's on_text, fed while `run` runs
 
     # -- what a family defines -----------------------------------------------------------------------------------
     @abstractmethod
@@ -207,11 +229,12 @@ class Session(ABC):
         if out:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            if self.on_commit is not None:
-                self.on_commit(out, self.logprobs[-1] if logprobs is not None else None)
-            self.on_tokens(out)
-        if not self.finish_reason:
-            self.finish_reason = self.should_stop()
+            if self.generation.on_tokens is not None:
+                self.generation.on_tokens(out, self.logprobs[-1] if logprobs is not None else None)
+            if self._text is not None:
+                self._text(out)
+        if not self.finish_reason and self.generation.should_stop is not None:
+            self.finish_reason = self.generation.should_stop()
         return out
 
     def commit_local(self) -> None:
@@ -220,11 +243,12 @@ class Session(ABC):
         self.commit([token], logprobs=self.token_logprobs(self.drafter.local_logits, [token], "draft"))
 
     def run(self, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
-        """Open, step the protocol's round until the request is done, close; what was measured."""
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        """Open, step the protocol's round until the request is done, close; what was measured. `prompt`: the
+        request's prompt as token ids; `decode_text`: token ids to text (the request's on_text gets it as it grows)."""
         if not prompt:
             raise ValueError("the prompt is empty")
+        if self.generation.on_text is not None:
+            self._text = TextStream(decode_text, self.generation.on_text)
         before = self.client.counters.snapshot() if self.client is not None else LinkCounters()
         t0 = time.perf_counter()
         # a drop while the prompt is on the link is resumed like one mid-answer; False: the request ended while the

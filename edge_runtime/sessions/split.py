@@ -152,7 +152,7 @@ class SplitSession(Session):
         """Close the session; the cloud reports the positions it held (it has no tokens to compare)."""
         n = len(prompt) + len(self.generated)
         closed = expect(self.client.request(P.CloseSession(self.session_id, None, None, n)), P.Closed, P.CloseSession)
-        if closed.n_tokens > n + self.config.split.max_draft:
+        if closed.n_tokens > n + self.config.split.draft_len:
             raise RuntimeError(f"the cloud held {closed.n_tokens} positions for a {len(prompt)}+{len(self.generated)} "
                                "token sequence")
 

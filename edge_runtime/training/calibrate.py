@@ -13,7 +13,6 @@ the one free field of the calibration format.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
 from hat_split.models.target import TargetSession
 from testbed.prompts import calibration_prompts
+from hat_split.files import strict_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     beta = C.rejection_probability(x_d, y_d)
     np.savez_compressed(base + ".npz", u=u, x_d=x_d, y_d=y_d, beta=beta, mean_u_k=acc.mean())
     note = plot(base + ".png", u, beta, cal)
-    print(json.dumps(cal.to_json(), indent=1))
+    print(strict_json.dumps(cal.to_json(), indent=1))
     print(f"hat-calibrate: {cal.n_tokens} tokens in {seconds:.0f} s; β = {cal.fit.a:.3f}·u + {cal.fit.b:.3f} "
           f"(MSE {cal.fit.mse:.4f}, R² {cal.fit.r2:.3f}, corr {cal.fit.corr:.3f}); Δ = {cal.delta:.3f}; "
           f"u_th risk-averse {cal.u_risk_averse:.3f}, risk-prone {cal.u_risk_prone:.3f}, "

@@ -16,7 +16,6 @@ training run's under "weights_from") is what `hat-edge --adapter DIR` loads.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -34,7 +33,8 @@ from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
 from hat_split.models.registry import default_adapter_dir
 from testbed.prompts import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
-                                      sharegpt_conversations)
+                             sharegpt_conversations)
+from hat_split.files import strict_json
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 CHECKPOINT = "checkpoint.pt"
@@ -267,7 +267,7 @@ def run(args) -> int:
               f"{record['eval_seconds']:.0f} s: {cached + record['seconds'] + record['eval_seconds']:.0f} s in all",
               file=sys.stderr)
     save_adapter(out, adapter, split, loaded.name, record, stamp)
-    print(json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
+    print(strict_json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
                       "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
     return 0
 

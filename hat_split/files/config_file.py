@@ -20,6 +20,8 @@ import typing
 from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Set, Tuple, Type, TypeVar, Union
 
+from hat_split.files.settings import renamed_keys
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.8-3.10 (JetPack 5 and 6)
@@ -120,9 +122,14 @@ def _build(cls: Type[T], data: Mapping[str, Any], source: str, prefix: str = "")
 
 
 def config_from_dict(cls: Type[T], data: Mapping[str, Any], source: str = "") -> T:
-    """Build the dataclass `cls` from a (TOML) mapping; nested dataclass fields come from sub-tables."""
+    """Build the dataclass `cls` from a (TOML) mapping; nested dataclass fields come from sub-tables. A key's old
+    spelling (its Setting's old_keys, hat_split.files.settings) is read as the new one, said on stderr."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
+    try:
+        data = renamed_keys(cls, dict(data), source)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return _build(cls, data, source)
 
 
@@ -237,6 +244,17 @@ def with_overrides(config: T, overrides: Mapping[str, Any], source: str = "") ->
     for key, value in overrides.items():
         _set_dotted(data, key, value)
     return config_from_dict(type(config), data, source=source)
+
+
+def config_from_flags(cls: Type[T], path: Union[str, Path, None], typed: Mapping[str, Any]) -> T:
+    """A role's config from its command line: the TOML file at `path` (none: the defaults) with the flags the user
+    typed on top (`typed`: dotted key → value, hat_split.files.settings.overrides)."""
+    if path:
+        return load_config(cls, path, typed)
+    data: Dict[str, Any] = {}
+    for key, value in typed.items():
+        _set_dotted(data, key, value)
+    return config_from_dict(cls, data, source="the command line")
 
 
 def config_from_command_line(cls: Type[T], parser: argparse.ArgumentParser, args: argparse.Namespace,

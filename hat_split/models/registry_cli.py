@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import sys
 import time
 from typing import Any, Sequence
 
 from hat_split.models import registry
 from hat_split.models.loading import load_model
+from hat_split.files import strict_json
 
 LIST_COLUMNS = ["name", "arch", "layers", "hidden", "vocab", "quant", "installed", "assembled", "cached"]
 
@@ -48,7 +48,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     rows = registry.status()
     if args.json:
         for row in rows:
-            print(json.dumps(row))
+            print(strict_json.dumps(row))
     else:
         print(registry.format_table(rows, LIST_COLUMNS))
         print(f"\ncache: {registry.cache_dir()}  (set ${registry.CACHE_ENV} to move it)")
@@ -123,7 +123,7 @@ def _cmd_load_time(args: argparse.Namespace) -> int:
         return 1
     if "gguf_seconds" in result and "cache_seconds" in result:
         result["speedup"] = round(result["gguf_seconds"] / max(result["cache_seconds"], 1e-9), 1)
-    print(json.dumps(result))
+    print(strict_json.dumps(result))
     return 0
 
 

@@ -13,15 +13,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from hat_split.files.settings import setting
+
 MODES = ("curve", "plaintext")
 
 
 @dataclass(frozen=True)
 class LinkSecurity:
-    mode: str = "curve"
-    secret_key: str = ""  # this side's secret certificate (NAME.key_secret)
-    server_key: str = ""  # device: the cloud's public certificate (NAME.key)
-    allow_dir: str = ""  # cloud: directory of the device public certificates it accepts
+    mode: str = setting("curve", "curve: CurveZMQ encryption and authentication | plaintext: neither (a lab only)",
+                        flag="--plaintext", const="plaintext")
+    secret_key: str = setting("", "this side's secret certificate (NAME.key_secret)",
+                              flag="--curve-secret", metavar="FILE")
+    server_key: str = setting("", "device: the cloud's public certificate (NAME.key)",
+                              flag="--curve-server-key", metavar="FILE")
+    allow_dir: str = setting("", "cloud: directory of the device public certificates it accepts",
+                             flag="--curve-allow", metavar="DIR")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

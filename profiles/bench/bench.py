@@ -34,10 +34,12 @@ from profiles.bench.resummarise import add_parser as add_resummarise_parser
 from profiles.bench.resummarise import run as run_resummarise
 from profiles.bench.soak import add_parser as add_soak_parser
 from profiles.bench.soak import run as run_soak
+from profiles.bench.bench_verify import add_parser as add_verify_parser
+from profiles.bench.bench_verify import run as run_verify
 
 RUNS = {"speculative": run_speculative, "cuhlm": run_cuhlm, "qs": run_qs, "hat": run_hat, "fleet": run_fleet,
         "edge": run_edge, "engines": run_engines, "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu,
-        "tasks": run_tasks, "curve": run_curve, "resummarise": run_resummarise}
+        "tasks": run_tasks, "curve": run_curve, "resummarise": run_resummarise, "verify": run_verify}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (add_speculative_parser, add_cuhlm_parser, add_qs_parser, add_hat_parser, add_fleet_parser,
                 add_gpu_parser, add_edge_parser, add_engines_parser, add_fuzz_parser, add_soak_parser,
-                add_tasks_parser, add_curve_parser, add_resummarise_parser, add_hf_phase_parser):
+                add_tasks_parser, add_curve_parser, add_resummarise_parser, add_verify_parser, add_hf_phase_parser):
         add(sub)
     return ap
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import os
 import sys
@@ -45,6 +44,7 @@ from testbed.links import LinkProfile
 from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_note, ci_text, interval, paired_diff, paired_ratio, rotated
+from hat_split.files import strict_json
 
 
 # name -> (protocol, UncertaintyConfig overrides)
@@ -371,6 +371,6 @@ def run(args) -> int:
     note = plot(os.path.splitext(args.out)[0] + ".png", summary)
     print(format_table(summary))
     print(f"τ_SLM {summary['tau_slm_s'] * 1e3:.1f} ms, τ_LLM {summary['tau_llm_s'] * 1e3:.1f} ms")
-    print(json.dumps(summary["emulated"], indent=1))
+    print(strict_json.dumps(summary["emulated"], indent=1))
     print(f"hat-bench cuhlm: report saved to {args.out}" + (f" ({note})" if note else ""))
     return 0

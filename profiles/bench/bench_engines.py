@@ -51,6 +51,7 @@ from testbed.links import LINK_PROFILES
 from testbed.prompts import humaneval_prompts
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, interval, rotated
+from hat_split.files import strict_json
 
 ENGINES = ("torch", "llamacpp")
 LOOPBACK = "loopback"
@@ -410,7 +411,7 @@ def run(args) -> int:
               "cpu": cpu_name(), "alone": alone, "hybrid": runs, "summary": summary}
     write_report(args.out, report)
     note = figure(summary, os.path.splitext(args.out)[0] + ".png")
-    print(json.dumps(summary, indent=1))
+    print(strict_json.dumps(summary, indent=1))
     print(format_table(summary))
     print(f"hat-bench engines: report saved to {args.out}" + (f" ({note})" if note else ""))
     return 0

@@ -251,7 +251,7 @@ def run(args) -> int:
                  cloud_cpus=device["cloud_cores"]) as bed:
         for link in links:
             with bed.add_link(link) as emu:
-                base = SplitConfig(m=args.m, adapter=adapter, eta=args.eta, up_bps=8 * link.rate("up"),
+                base = SplitConfig(m=args.m, adapter=adapter, draft_stop_prob=args.eta, up_bps=8 * link.rate("up"),
                                    down_bps=8 * link.rate("down"), slowdown=device["slowdown"])
                 with contextlib.ExitStack() as stack:
                     rts = {}

@@ -16,7 +16,6 @@ pooled figure, `<key>_ci`: the mean of its per-request values with a 95 % interv
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -34,6 +33,7 @@ from profiles.bench.testbed import Testbed
 from testbed.links import LinkProfile
 from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
+from hat_split.files import strict_json
 
 METHODS = ("llm", "slm", "sq", "qs_static", "qs_heuristic", "qs_dqn")
 SPARSE = ("ksqs", "csqs")
@@ -225,7 +225,7 @@ def run(args) -> int:
     prompts = evaluation_prompts(args.prompts)
     base = QSConfig(ell=args.ell, k=args.k)
     report: dict = {"args": vars(args), "codec": codec_timing(), "fig4": {}, "sqs": {}}
-    print(json.dumps(report["codec"], indent=1, ensure_ascii=False), flush=True)
+    print(strict_json.dumps(report["codec"], indent=1, ensure_ascii=False), flush=True)
     t_start = time.perf_counter()
     with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
         for r_i, (regime, rates) in enumerate(regimes.items()):

@@ -41,6 +41,7 @@ from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, paired_ratio, rotated
 from profiles.bench.testbed import Testbed
 from testbed.prompts import calibration_prompts, evaluation_prompts
+from hat_split.files import strict_json
 
 BASELINE = "hatspec_llm"
 DRAFT_ALONE = "hatspec_slm"
@@ -107,7 +108,7 @@ def hf_phase(args) -> int:
             res[name].append({"tokens": toks, "total_s": dt})
             print(f"  hf {name:12s} prompt {i + 1}/{len(prompts)}: {len(toks)} tokens in {dt:.1f} s", flush=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(res, f)
+        strict_json.dump(res, f)
     return 0
 
 
@@ -224,7 +225,7 @@ def _hf_runs(args, ids: List[List[int]], tmp: str) -> Optional[Dict[str, list]]:
     """The HF baselines' rows, None when the child failed (it printed why)."""
     ids_path, hf_out = os.path.join(tmp, "ids.json"), os.path.join(tmp, "hf.json")
     with open(ids_path, "w", encoding="utf-8") as f:
-        json.dump(ids, f)
+        strict_json.dump(ids, f)
     print("hat-bench speculative: Hugging Face baselines (child process) ...", flush=True)
     rc = subprocess.call([sys.executable, "-m", "profiles.bench.bench", "_hf-phase", "--draft", args.draft,
                           "--target", args.target, "--ids", ids_path, "--max-new-tokens", str(args.max_new_tokens),

@@ -19,6 +19,7 @@ import os
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from profiles.bench.stats import ci_text, mean_ci, paired_diff_ci
+from hat_split.files import strict_json
 
 GSM8K_INSTRUCTION = ("Solve the problem step by step. On the last line write the final answer as a number alone, "
                      "after \"####\".")
@@ -75,7 +76,7 @@ def load_done(path: str, config: dict) -> Dict[Tuple[str, str, str], dict]:
 
 def append_record(path: str, rec: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec) + "\n")
+        f.write(strict_json.dumps(rec) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
