@@ -412,7 +412,7 @@ def test_smollm2_bundle_runs_token_identical_on_onnxruntime(smollm2, smollm2_bun
     onnx_cfg = EdgeConfig(model=str(smollm2_bundle), engine=EngineConfig(backend="onnxruntime",
                                                                          bundle=str(smollm2_bundle), precision="fp32"))
     with EdgeRuntime(onnx_cfg) as rt:
-        assert rt.loaded is None and rt.lm.providers == [["CPUExecutionProvider"]]
+        assert not hasattr(rt.engine, "loaded") and rt.engine.lm.providers == [["CPUExecutionProvider"]]
         got = rt.generate(prompt, "slm", params, 24, seed=0)
     with EdgeRuntime(EdgeConfig(model="smollm2-135m"), loaded=smollm2) as rt:
         want = rt.generate(prompt, "slm", params, 24, seed=0)

@@ -233,7 +233,7 @@ def test_an_agent_report_reaches_the_fleet_view(smollm2):
     assert [(r["device"], r["state"], r["requests"]) for r in first["devices"]] == [("agent-fleet", "ready", 0)]
     (row,) = view["devices"]
     assert (row["device"], row["connected"], row["state"], row["bundle"], row["model"]) == (
-        "agent-fleet", True, "ready", "torch", agent.runtime.model_name)
+        "agent-fleet", True, "ready", "torch", agent.runtime.engine.model_name)
     assert (row["requests"], row["protocols"], row["link_drops"]) == (1, {"sd": 1}, 0)
     assert row["acceptance"] == pytest.approx(out["acceptance_rate"])
     assert row["tokens_per_s"] == pytest.approx(out["tokens_per_s"])

@@ -676,8 +676,8 @@ def test_the_runtime_drafts_over_the_vocabulary_each_request_asks_for(smollm2, t
             rt.config = dataclasses.replace(config, split=dataclasses.replace(split, draft_vocab=2000))
             sub = rt.generate(ids, "hat", SamplingParams(0.0), 12, seed=0)
             assert sub.tokens == ref and sub.drafted > 0
-            parts = rt._split_parts[(True, 2000)]
-            assert len(parts.draft_ids) == 2000 and rt._split_parts[(True, 0)].draft_ids is None
+            parts = rt.engine._parts[(True, 2000)]
+            assert len(parts.draft_ids) == 2000 and rt.engine._parts[(True, 0)].draft_ids is None
             rt.config = dataclasses.replace(config, split=dataclasses.replace(split, draft_vocab=vocab))
             with pytest.raises(ValueError, match="ranked .* distinct tokens"):
                 rt.generate(ids, "hat", SamplingParams(0.0), 4, seed=0)

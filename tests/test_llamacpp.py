@@ -105,13 +105,13 @@ def test_a_device_on_llama_cpp_with_a_torch_target_gives_the_torch_targets_token
         config = EdgeConfig(model="smollm2-135m", engine=EngineConfig(backend="llamacpp", n_ctx=1024, threads=2),
                             link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()))
         with EdgeRuntime(config) as rt:
-            assert isinstance(rt.lm, LlamaCppLM) and rt.eos_ids
-            reference = target.greedy(smollm2_ids, 24, eos=sorted(rt.eos_ids))
+            assert isinstance(rt.engine.lm, LlamaCppLM) and rt.engine.eos_ids
+            reference = target.greedy(smollm2_ids, 24, eos=sorted(rt.engine.eos_ids))
             for protocol in ("sd", "hlm"):
                 result = rt.generate(smollm2_ids, protocol, SamplingParams(0.0), 24, seed=0)
                 assert result.tokens == reference, protocol
                 assert result.accepted > 0
-            alone = rt.lm.greedy(smollm2_ids, 24)
+            alone = rt.engine.lm.greedy(smollm2_ids, 24)
             assert rt.generate(smollm2_ids, "slm", SamplingParams(0.0), 24, seed=0).tokens == alone
             for protocol in ("qs", "ksqs", "csqs"):  # lattice-quantized drafts: exact too
                 assert rt.generate(smollm2_ids, protocol, SamplingParams(0.0), 24, seed=0).tokens == reference

@@ -52,7 +52,7 @@ def test_devices_generate_through_the_link_and_everything_is_gone_after(tiny_dir
             assert remote.cloud is None and remote.endpoint == bed.cloud.endpoint
             own = remote.add_link("wifi-near", control=True)
             remote_rt = remote.runtime(EdgeConfig(model=tiny_dir, link=remote.link_config("dev-a", own.address)),
-                                       loaded=rt.loaded)
+                                       loaded=rt.engine.loaded)
             assert remote_rt.generate([5, 6, 7, 8], "sd", SamplingParams(0.0), 6, seed=0).tokens == result.tokens
         assert not _listening(own.port) and not _listening(own.control_address[1]) and bed.cloud.proc.poll() is None
         deadline = time.monotonic() + 10.0  # the cloud sweeps (and rewrites its status) once a second

@@ -163,7 +163,7 @@ class Agent:
             try:
                 # a report the cloud receives finds it reachable: the agent is ready then, unless stopping
                 stats = self.metrics.stats("stopped" if self._stop.is_set() else "ready",
-                                           bundle_label(self.config.edge.engine), self.runtime.model_name)
+                                           bundle_label(self.config.edge.engine), self.runtime.engine.model_name)
                 cloud = self.runtime.report(stats)
                 self.last_report = {"time": time.time(), "ok": True, "cloud_batch_tokens": cloud.batch_tokens,
                                     "cloud_step_s": cloud.step_s, "cloud_pipeline": cloud.pipeline}
@@ -271,20 +271,20 @@ class Agent:
         req = O.parse_request(body, chat, protocols.NAMES, self.config.request)
         if req.stream != (send is not None):
             raise O.ApiError("internal: stream flag and transport disagree", status=500, kind="server_error")
-        tok = self.runtime.tokenizer
+        tok = self.runtime.engine.tokenizer
         if chat:
             if getattr(tok, "chat_template", None) is None:
-                raise O.ApiError(f"model {self.runtime.model_name} has no chat template: use /v1/completions",
+                raise O.ApiError(f"model {self.runtime.engine.model_name} has no chat template: use /v1/completions",
                                  "messages")
             ids = encode_chat(tok, O.chat_messages(req.messages), add_generation_prompt=True)
         elif isinstance(req.prompt, list):
             ids = list(req.prompt)
-            if max(ids) >= self.runtime.vocab_size:
-                raise O.ApiError(f"prompt token id {max(ids)} is outside the vocabulary of {self.runtime.vocab_size}",
-                                 "prompt")
+            vocab = self.runtime.engine.vocab_size
+            if max(ids) >= vocab:
+                raise O.ApiError(f"prompt token id {max(ids)} is outside the vocabulary of {vocab}", "prompt")
         else:
             ids = self.runtime.encode_prompt(req.prompt)
-        rid, model = O.new_id(chat), self.runtime.model_name
+        rid, model = O.new_id(chat), self.runtime.engine.model_name
         matcher = O.StopMatcher(req.stop)
         cancelled, opened = [], []
         entries: List[O.TokenLogprob] = []  # each token's log-probabilities, when asked
@@ -410,7 +410,7 @@ def _handler(agent: Agent):
             if self.path == "/hatspec/status":
                 self._json(200, agent.status())
             elif self.path == "/v1/models":
-                self._json(200, O.models(agent.runtime.model_name))
+                self._json(200, O.models(agent.runtime.engine.model_name))
             elif self.path.split("?")[0] == "/metrics":  # Prometheus text (edge_runtime.api.metrics)
                 body, kind = agent.metrics.exposition()
                 self.send_response(200)

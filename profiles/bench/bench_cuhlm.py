@@ -115,7 +115,7 @@ def run_models(args, variants, ids, base_unc) -> dict:
             rt.generate(ids[0], "hlm", params, 2, seed=0)  # warm-up of both processes
             out["loopback"] = _generate_all(rt, variants, ids, params, args.max_new_tokens, args.seed, base_unc,
                                             "loopback")
-            loaded = rt.loaded
+            loaded = rt.engine.loaded
         for snr in numbers(args.emulate_snr_db):
             ch = Channel("rayleigh", snr, args.bandwidth_mhz * 1e6)
             rate = ch.mean_rate() / 8  # bytes/s

@@ -1,0 +1,162 @@
+"""The device's model, opened in one place: `open_engine(config)` gives one object with what every request needs —
+the whole-model draft `lm` of the token protocols, the tokenizer, the vocabulary size and fingerprint, the model's
+name and end tokens — and, beside them, the parts the split protocols and the adapter's draft run on, built on first
+use and kept (`token_lm`, `split_parts`).
+
+Three engines (EngineConfig.backend): torch on the model (`TorchEngine`, which cuts it at split.m), a hat-export
+bundle's graphs on onnxruntime or TensorRT (`BundleEngine`), or the model's GGUF file on llama.cpp (`LlamaCppEngine`,
+token protocols only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from edge_runtime.backends.loader import open_bundle
+from edge_runtime.backends.split_parts import TorchSplitParts
+from edge_runtime.config import EdgeConfig, SplitConfig
+from hat_split.extras import need
+from hat_split.files.bundle import BundleError
+from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
+from hat_split.models.lm import CausalLM
+from hat_split.models.loading import eos_ids, load_model, load_tokenizer, quantize_weights, vocab_fingerprint
+from hat_split.models.partition import SplitModel, holds_all_layers
+from hat_split.models.placement import resolve_device
+from hat_split.models.registry import MODELS, get_model_spec
+
+
+@dataclass
+class Engine:
+    """What one device's model is, whatever runs it."""
+
+    lm: Any  # the whole model as the token protocols' draft; None for a bundle of split parts only
+    tokenizer: Any
+    vocab_size: int
+    model_name: str
+    fingerprint: str  # the vocabulary's (hat_split.models.loading.vocab_fingerprint): the cloud's must match
+    eos_ids: frozenset
+
+    def token_lm(self, config: EdgeConfig) -> Any:
+        """The token protocols' draft (engine.token_draft: the whole model, or the adapter's split draft)."""
+        return self.lm
+
+    def split_parts(self, hat: bool, split: SplitConfig) -> Any:
+        """The device's parts of the model for the split protocols (and Λ for `hat`), built once per
+        (hat, draft vocabulary): edge_runtime.backends.split_parts."""
+        raise ValueError(f"the split protocols (ushape, hat) and the adapter's draft run on the torch engine or a "
+                         f"hat-export bundle; this device runs {type(self).__name__.replace('Engine', '').lower()}")
+
+
+@dataclass
+class LlamaCppEngine(Engine):
+    pass
+
+
+@dataclass
+class BundleEngine(Engine):
+    bundle: Any = None  # edge_runtime.backends.loader.Bundle: its part runners open on first use and stay
+    _parts: Dict[bool, Any] = field(default_factory=dict)
+
+    def token_lm(self, config: EdgeConfig) -> Any:
+        return self.lm if self.lm is not None else self.bundle.draft_lm()  # the latter says what is missing
+
+    def split_parts(self, hat: bool, split: SplitConfig) -> Any:
+        if hat and split.draft_vocab:
+            raise ValueError("split.draft_vocab needs the torch engine: a bundle's output part is the whole head "
+                             "(drafting over a subset from a bundle is not exported)")
+        if hat not in self._parts:
+            self._parts[hat] = self.bundle.split_parts(adapter=hat)
+        return self._parts[hat]
+
+
+@dataclass
+class TorchEngine(Engine):
+    loaded: Any = None  # hat_split.models.loading.LoadedModel
+    _split: Optional[SplitModel] = None  # the model cut at split.m, on first use
+    _adapter: Any = None  # Λ (hat_split.models.adapter.Adapter), on first use
+    _adapter_lm: Any = None  # hat_split.models.draft_lm.AdapterLM when token_draft is "adapter"
+    _parts: Dict[Tuple[bool, int], TorchSplitParts] = field(default_factory=dict)
+
+    def token_lm(self, config: EdgeConfig) -> Any:
+        if config.engine.token_draft == "model":
+            return self.lm
+        if self._adapter_lm is None:
+            from hat_split.models.draft_lm import AdapterLM  # torch
+
+            self._adapter_lm = AdapterLM(*self._cut(config.split, adapter=True), slowdown=config.split.slowdown)
+            self._adapter_lm.warm_up()
+        return self._adapter_lm
+
+    def split_parts(self, hat: bool, split: SplitConfig) -> TorchSplitParts:
+        key = (hat, split.draft_vocab if hat else 0)  # the config may change between requests (hat-bench's rows)
+        if key not in self._parts:
+            from hat_split.models.adapter import load_draft_vocab
+
+            cut, adapter = self._cut(split, adapter=hat)
+            ids = load_draft_vocab(split.adapter, split.draft_vocab) if key[1] else None
+            self._parts[key] = TorchSplitParts(cut, adapter if hat else None, ids)
+        return self._parts[key]
+
+    def _cut(self, split: SplitConfig, adapter: bool):
+        """The model cut at split.m (and, when asked, its distilled Λ), built once."""
+        from hat_split.models.adapter import load_adapter  # torch
+
+        if self._split is None:
+            self._split = SplitModel(self.loaded.model, split.m, split.tail)
+        if adapter and self._adapter is None:
+            if not split.adapter:
+                raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with "
+                                 "hat-distill)")
+            self._adapter = load_adapter(split.adapter, self._split)
+        return self._split, self._adapter
+
+
+def open_engine(config: EdgeConfig, loaded: Any = None) -> Engine:
+    """The device's model as `config.engine` says, warmed up. `loaded`: a torch model already in memory
+    (hat_split.models.loading.load_model), e.g. one shared by several emulated devices in one process."""
+    engine = config.engine
+    if engine.backend != "torch" and loaded is not None:
+        what = "the model's GGUF file" if engine.backend == "llamacpp" else "a bundle"
+        raise ValueError(f"backend {engine.backend} runs {what}; it takes no pre-loaded torch model")
+    if engine.backend == "llamacpp":  # the model's GGUF file on llama.cpp: no torch model on the device
+        # sequences: a request's drafter state and the next one's overlap for a moment (a state's id is freed when it
+        # is dropped); they share the n_ctx positions
+        lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads,
+                                                                   n_seq_max=4, n_gpu_layers=engine.n_gpu_layers))
+        tokenizer = load_tokenizer(config.model)
+        name = get_model_spec(config.model).name if config.model in MODELS else str(config.model)
+        lm.warm_up()
+        return LlamaCppEngine(lm, tokenizer, lm.vocab_size, name, vocab_fingerprint(tokenizer),
+                              frozenset(lm.eog_ids()))
+    if engine.backend != "torch":  # exported artifacts: no torch model on the device
+        bundle = open_bundle(config)
+        model = bundle.manifest.model
+        return BundleEngine(_bundle_draft(bundle), bundle.tokenizer, model["vocab"], model["name"],
+                            model["vocab_fingerprint"], frozenset(model.get("eos_ids", [])), bundle=bundle)
+    torch = need("torch", "hat-edge --backend torch (a model; a device without torch runs a bundle: --backend "
+                          "onnxruntime --bundle DIR)")
+    need("transformers", "hat-edge --backend torch")
+    if engine.threads:
+        torch.set_num_threads(engine.threads)
+    if loaded is None:
+        loaded = load_model(config.model, dtype=engine.dtype, device=resolve_device(engine.device))
+        quantize_weights(loaded.model, engine.weight_quant)
+    elif engine.weight_quant != "none":
+        raise ValueError("weight_quant applies when the runtime loads the model; quantize a pre-loaded one first")
+    lm = CausalLM(loaded.model)
+    if holds_all_layers(loaded.model):  # a model holding only its split parts runs no whole pass
+        lm.warm_up()
+    name = loaded.spec.name if loaded.spec is not None else str(config.model)
+    return TorchEngine(lm, loaded.tokenizer, lm.vocab_size, name, vocab_fingerprint(loaded.tokenizer),
+                       frozenset(eos_ids(loaded.model, loaded.tokenizer)), loaded=loaded)
+
+
+def _bundle_draft(bundle: Any) -> Any:
+    """A bundle's draft chain for the token protocols, opened and warmed up now if the bundle has it; a bundle of
+    split parts only (hat-export --parts hat) opens it on demand, so asking a token protocol says what is missing."""
+    try:
+        lm = bundle.draft_lm()
+    except BundleError:
+        return None
+    lm.warm_up()
+    return lm
