@@ -1,0 +1,150 @@
+"""The device's connection to the cloud (edge_runtime/client.py: `CloudClient`) against the tiny target served from a
+thread: the handshake and its Welcome, bounded retries against an address that refuses, requests before a connection,
+`expect`, the link counters (counted from the frames that really crossed) and the bound on a send.
+
+The send bound's real case — a connection the cloud refused on reconnection, where an unbounded send hung CI — is
+tests/test_security.py::test_a_device_refused_on_reconnection_is_told_and_never_hangs; the server's answers to bad
+frames are tests/test_wire.py's; link drops mid-answer are tests/test_faults.py's."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from edge_runtime.client import RTT_PROBES, CloudClient, CloudError, CloudUnavailable, expect
+from edge_runtime.config import LinkConfig
+from hat_split.net.security import LinkSecurity
+from hat_split.wire import messages as P
+from tests.conftest import refusing_port
+
+HELLO = P.Hello("client-test", "tiny", 512, "tiny-vocab")
+PROMPT = np.array([5, 17, 99, 3, 250, 7], np.int32)
+
+
+def link(endpoint: str, **fields) -> LinkConfig:
+    return LinkConfig(endpoint, security=LinkSecurity.plaintext(), **fields)
+
+
+def size(frames) -> int:
+    return sum(len(bytes(f)) for f in frames)
+
+
+def test_connect_says_hello_and_keeps_the_clouds_welcome(tiny_server):
+    with CloudClient(link(tiny_server.endpoint), HELLO) as client:
+        welcome = client.welcome
+        assert isinstance(welcome, P.Welcome) and welcome.protocol_version == P.PROTOCOL_VERSION
+        assert (welcome.model, welcome.vocab_size, welcome.vocab_fingerprint) == ("tiny-target", 512, "tiny-vocab")
+        assert "sd" in welcome.protocols and welcome.max_draft_len == tiny_server.config.max_draft_len
+        assert client.is_open and client.base_rtt_s > 0
+        assert isinstance(client.request(P.Report(P.DeviceState())), P.Reported)
+    assert not client.is_open
+    with pytest.raises(CloudUnavailable, match="not connected"):  # closed: no request goes out
+        client.request(P.Report(P.DeviceState()))
+
+
+def test_a_refusing_address_gives_cloud_unavailable_after_the_configured_attempts(monkeypatch):
+    attempts = []
+    opened = CloudClient._open_socket
+    monkeypatch.setattr(CloudClient, "_open_socket", lambda self: (attempts.append(1), opened(self))[1])
+    with refusing_port() as port:
+        server = f"tcp://127.0.0.1:{port}"
+        client = CloudClient(link(server, connect_timeout_s=0.2, connect_retries=3, backoff_s=0.05), HELLO)
+        t0 = time.monotonic()
+        with pytest.raises(CloudUnavailable, match=f"no answer from the cloud at {server} after 3 attempts .*"
+                                                   "hat-cloud serve"):
+            client.connect()
+    assert len(attempts) == 3 and not client.is_open and client.welcome is None
+    assert 3 * 0.2 <= time.monotonic() - t0 < 5  # each attempt waited its connect_timeout_s for an answer
+
+
+def test_a_refusal_is_a_cloud_error_at_once_not_a_retry(tiny_server, monkeypatch):
+    attempts = []
+    opened = CloudClient._open_socket
+    monkeypatch.setattr(CloudClient, "_open_socket", lambda self: (attempts.append(1), opened(self))[1])
+    client = CloudClient(link(tiny_server.endpoint, connect_retries=3), P.Hello("d", "other", 512, "another-vocab"))
+    with pytest.raises(CloudError, match=r"cloud refused \(vocab_mismatch\)") as refused:
+        client.connect()
+    assert refused.value.error.code == "vocab_mismatch" and len(attempts) == 1 and not client.is_open
+
+
+def test_a_request_before_connecting_raises_not_connected():
+    client = CloudClient(link("tcp://127.0.0.1:9"), HELLO)
+    for ask in (client.request, client.send):
+        with pytest.raises(CloudUnavailable, match="not connected: use the client as a context manager or call "
+                                                   r"connect\(\)"):
+            ask(P.OpenSession(1, "sd", PROMPT))
+    assert client.counters.up_bytes == 0 and client.counters.round_trips == 0
+
+
+def test_expect_returns_the_reply_of_the_kind_asked_and_refuses_another(tiny_server):
+    with CloudClient(link(tiny_server.endpoint), HELLO) as client:
+        reply = client.request(P.Report(P.DeviceState()))
+        assert expect(reply, P.Reported, P.Report) is reply
+        with pytest.raises(RuntimeError, match=r"unexpected answer to Hello: Reported\("):
+            expect(reply, P.Welcome, P.Hello)
+
+
+def test_the_link_counters_count_the_frames_that_crossed(tiny_server):
+    crossed = {"up": [], "down": []}
+    client = CloudClient(link(tiny_server.endpoint), HELLO)
+    client.tap = lambda direction, frames: crossed[direction].append(frames)
+    with client:
+        handshake = 1 + RTT_PROBES  # the Hello, then the probes of the round trip's baseline
+        c = client.counters
+        assert c.round_trips == handshake == len(crossed["up"]) == len(crossed["down"])
+        assert c.up_bytes == handshake * P.frame_bytes(P.encode(HELLO)) == sum(map(size, crossed["up"]))
+        assert c.down_bytes == sum(map(size, crossed["down"])) > 0
+
+        before = c.snapshot()
+        opened = client.request(P.OpenSession(1, "sd", PROMPT))  # a header frame and the prompt's frame
+        assert isinstance(opened, P.SessionOpened)
+        with pytest.raises(CloudError, match=r"cloud refused \(no_session\)"):  # an Error reply crossed too
+            client.request(P.CloseSession(99))
+        assert isinstance(client.request(P.CloseSession(1)), P.Closed)
+        delta = client.counters.since(before)
+        assert len(crossed["up"][handshake]) == 2
+        assert delta.round_trips == 3
+        assert delta.up_bytes == sum(map(size, crossed["up"][handshake:])) > PROMPT.nbytes
+        assert delta.down_bytes == sum(map(size, crossed["down"][handshake:]))
+        assert client.last_reply_bytes == size(crossed["down"][-1])
+        assert before.round_trips == handshake  # a snapshot does not move with the counters
+
+
+class _QueueNothing:
+    """A ZeroMQ context whose sockets queue nothing for a peer they have not reached (ZMQ_IMMEDIATE): a send has
+    nowhere to go, as on a connection the cloud refused."""
+
+    def socket(self, kind):
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        return sock
+
+
+def test_a_send_with_nowhere_to_queue_fails_within_the_connect_timeout():
+    """The send is bounded (SNDTIMEO = connect_timeout_s) and fails with the reason instead of blocking forever."""
+    with refusing_port() as port:
+        server = f"tcp://127.0.0.1:{port}"
+        client = CloudClient(link(server, connect_timeout_s=0.3), HELLO)
+        client._ctx = _QueueNothing()
+        client._open_socket()
+        outcome = []
+
+        def send():
+            try:
+                client.send(P.Report(P.DeviceState()))
+                outcome.append("queued")
+            except CloudUnavailable as exc:
+                outcome.append(str(exc))
+
+        worker = threading.Thread(target=send, daemon=True)
+        t0 = time.monotonic()
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the send blocked with nowhere to queue"
+        client.close()
+    assert 0.25 <= time.monotonic() - t0 < 5
+    assert outcome == [f"the connection to the cloud at {server} could not take a message within 0.3 s"]
+    assert client.counters.up_bytes == 0  # nothing was sent
