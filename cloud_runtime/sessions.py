@@ -1,7 +1,7 @@
 """What the cloud keeps per device session, plain Python (no torch): the model's caches live in the runner, keyed by
 the same (device identity, session id).
 
-- `TokenSession` (`sd`, `hlm`, `llm`, ...): the target's state (hat_split.math.target_state: committed tokens,
+- `TargetSession` (`sd`, `hlm`, `llm`, ...): the target's state (hat_split.math.target_state: committed tokens,
   sampling, the cloud's random stream); the cache covers a prefix of the committed tokens, the runner says how much.
 - `MiddleSession` (`hat`, `ushape`): the middle part's bookkeeping, nothing else. The cloud never sees a token: it
   holds hidden states' keys and values for `position` positions of the device's sequence (in this process, or spread
@@ -29,7 +29,11 @@ RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter u
 
 
 @dataclass
-class TokenSession:
+class TargetSession:
+    """The cloud's side of one token-family session (`sd`, `hlm`, `llm`, ...): the target's state (the committed
+    tokens, its sampling parameters and random stream), what the device's quotas and the uplink estimate need, and the
+    idle timer. Its cache lives in the work runner. The other end is the device's edge_runtime.sessions.token
+    `TokenSession`; hat_split.models.target's `TargetSession` drives a target in process (the offline trainers)."""
     session_id: int
     protocol: str
     target: TargetState  # committed tokens, sampling parameters, the cloud's random stream
@@ -63,7 +67,7 @@ class MiddleSession:
     replied_at: float = 0.0  # perf_counter() when the last reply to this session left
 
 
-Session = Union[TokenSession, MiddleSession]
+Session = Union[TargetSession, MiddleSession]
 
 
 class SessionTable:
@@ -112,7 +116,7 @@ class SessionTable:
         """Sessions silent for over `limit` seconds at monotonic time `now` and with no request being computed."""
         return [k for k, s in self._open.items() if now - s.last_active > limit and not self.work.held(k)[1]]
 
-    def continuing(self, identity: bytes, msg: Any, kind: type = TokenSession) -> Any:
+    def continuing(self, identity: bytes, msg: Any, kind: type = TargetSession) -> Any:
         """The session a request continues, checked to be in step with the device."""
         key = (identity, msg.session_id)
         session = self._open.get(key)

@@ -37,7 +37,7 @@ class ServerStats:
 class CloudTables:
     """The sessions, the devices and the counters of one cloud."""
 
-    sessions: SessionTable  # (identity, session id) → TokenSession or MiddleSession, caches in sessions.work
+    sessions: SessionTable  # (identity, session id) → TargetSession or MiddleSession, caches in sessions.work
     registry: DeviceRegistry  # identity → last message, allow-list name, HAT §3.2 state
     stats: ServerStats = field(default_factory=ServerStats)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.quotas import Admission
-from cloud_runtime.sessions import Arrival, TokenSession
+from cloud_runtime.sessions import Arrival, TargetSession
 from cloud_runtime.state import CloudTables
 from cloud_runtime.work import ModelFacts, ModelWork, Pending
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs, concat, token_logprobs
@@ -60,7 +60,7 @@ class TokenHandlers:
         admission.admit(identity, key)
         self.sessions.forget(key)  # reopening an id replaces the old session (which may have been a split one)
         admission.with_room(identity, key, lambda: self.work.open(key, 0, self.model.layers, device))
-        session = TokenSession(msg.session_id, msg.protocol, TargetState(params, msg.seed, prompt.tolist()),
+        session = TargetSession(msg.session_id, msg.protocol, TargetState(params, msg.seed, prompt.tolist()),
                                device)
         session.link_rtt_s = max(0.0, float(msg.link_rtt_s))
         session.logprobs = msg.logprobs
@@ -143,7 +143,7 @@ class TokenHandlers:
         return P.Generated(msg.session_id, msg.step, np.asarray(p.generated, np.int32), len(p.session.tokens),
                            p.compute_s, _wire(concat(p.logprobs) if p.logprobs else None))
 
-    def close(self, identity: bytes, msg: P.CloseSession, session: TokenSession) -> P.Message:
+    def close(self, identity: bytes, msg: P.CloseSession, session: TargetSession) -> P.Message:
         """Close `session` (the one msg names) and report the digest of the tokens the device holds. Everything is
         checked before anything changes: a refused CloseSession leaves the session intact."""
         key = (identity, msg.session_id)

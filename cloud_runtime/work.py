@@ -42,7 +42,7 @@ class Pending:
 
     identity: bytes
     msg: Any  # the request
-    session: Any  # TokenSession or MiddleSession; its compute_s gets this work's share of each step
+    session: Any  # TargetSession or MiddleSession; its compute_s gets this work's share of each step
     uplink_bps: float = 0.0  # the rate the request's upload saw (Verdict, Deep)
     compute_s: float = 0.0  # compute time of the steps this request took part in
     draft: List[int] = field(default_factory=list)  # Verify: the drafts

@@ -24,7 +24,7 @@ from hat_split.files.config_file import add_config_argument, config_from_flags
 from hat_split.files.settings import add_flags, fields_of, overrides
 from hat_split.models.loading import load_model, vocab_fingerprint
 from hat_split.models.partition import SplitModel, model_fingerprint
-from testbed.prompts import validation_prompts
+from hat_split.prompt_sets import validation_prompts
 
 # the ExportConfig keys `hat-export tensorrt` takes besides its [tensorrt] table (its positional bundle sets `out`)
 TENSORRT_KEYS = ("model", "adapter", "prompts")

@@ -119,7 +119,7 @@ def smollm2_bundle(smollm2, tmp_path_factory):
     from export.config import ExportConfig
     from export.onnx_export import export_bundle
     from hat_split.models.adapter import Adapter
-    from testbed.prompts import validation_prompts
+    from hat_split.prompt_sets import validation_prompts
 
     with once_per_run(tmp_path_factory, "smollm2-bundle") as (out, done):
         if not done:

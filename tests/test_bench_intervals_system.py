@@ -217,7 +217,7 @@ def test_the_engines_hybrid_loop_runs_every_system_per_prompt_in_rotated_turns(m
         calls.append((int(text), "llama-speculative", "sd", gamma))
         return {"tokens_per_s": 9.0, "decode_tokens_per_s": 9.0, "drafted": 4, "accepted": 3}
 
-    monkeypatch.setattr(bench_engines, "Testbed", Bed)
+    monkeypatch.setattr(bench_engines, "Rig", Bed)
     monkeypatch.setattr(bench_engines, "EdgeConfig", lambda **kw: kw)
     monkeypatch.setattr(bench_engines, "llama_speculative", speculative)
     monkeypatch.setattr(bench_engines, "dataclasses", SimpleNamespace(

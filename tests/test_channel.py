@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from testbed.channel import Channel, token_throughput, uplink_times
-from testbed.prompts import HUMANEVAL_SPLIT, calibration_prompts, evaluation_prompts
+from hat_split.prompt_sets import HUMANEVAL_SPLIT, calibration_prompts, evaluation_prompts
 from profiles.bench.accuracy import cosine
 
 

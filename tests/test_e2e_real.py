@@ -41,7 +41,7 @@ def _edge(tmp_path, cloud, prompts, *args):
 
 @pytest.fixture(scope="module")
 def greedy_runs(cloud, tmp_path_factory):
-    from testbed.prompts import humaneval_prompts
+    from hat_split.prompt_sets import humaneval_prompts
 
     # one prompt: each request costs the 1.5B float32 target a 2.5-3.5 s prefill and 0.33 s a token on 2 cores (the
     # five protocols on two prompts took 76 s on AVX-512, about twice that on an AVX2-only machine)
@@ -89,7 +89,7 @@ def test_uncertainty_protocols_skip_on_real_pair(greedy_runs):
 
 
 def test_sampled_sd_runs_on_real_pair(cloud, tmp_path):
-    from testbed.prompts import humaneval_prompts
+    from hat_split.prompt_sets import humaneval_prompts
 
     prompts = [p.to_json() for p in humaneval_prompts(1, offset=20)]
     results, _ = _edge(tmp_path, cloud, prompts, "--protocol", "sd", "--max-new-tokens", "8", "--temperature", "0.8",

@@ -348,7 +348,7 @@ def test_validation_refuses_broken_exports_by_their_distributions(smollm2):
 
     from export.validate import THRESHOLDS, Schedule, compare, verdict
     from hat_split.models.loading import output_size
-    from testbed.prompts import validation_prompts
+    from hat_split.prompt_sets import validation_prompts
 
     model = smollm2.model
     n = model.config.num_hidden_layers

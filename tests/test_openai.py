@@ -129,7 +129,7 @@ def test_completion_and_chat_through_the_openai_client(endpoint, smollm2_module)
     assert r.choices[0].text == want and smollm2_module.tokenizer.decode(r.model_extra["hatspec"]["tokens"]) == want
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model="m", prompt=[1, 10 ** 7])
-    from testbed.prompts import encode_chat
+    from hat_split.prompt_sets import encode_chat
 
     messages = [{"role": "user", "content": "Name a prime number."}]
     chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)

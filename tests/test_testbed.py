@@ -1,4 +1,4 @@
-"""The benchmarks' testbed (profiles.bench.testbed): a real cloud process, a link emulator and CurveZMQ keys on
+"""The benchmarks' rig (profiles.bench.rig): a real cloud process, a link emulator and CurveZMQ keys on
 loopback with a tiny random model; every process, port and file it started is gone after the `with`, also when the
 body raises."""
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 from edge_runtime.config import EdgeConfig
 from hat_split.math.sampling import SamplingParams
 from profiles.bench.fuzz import tiny_target
-from profiles.bench import testbed
+from profiles.bench import rig
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("testbed") / "tiny")
+    path = str(tmp_path_factory.mktemp("rig") / "tiny")
     tiny_target(path, seed=3)
     return path
 
@@ -28,15 +28,15 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _assert_gone(bed: testbed.Testbed, ports, threads) -> None:
-    assert bed.cloud.proc.poll() is not None, "the cloud process outlived the testbed"
+def _assert_gone(bed: rig.Rig, ports, threads) -> None:
+    assert bed.cloud.proc.poll() is not None, "the cloud process outlived the rig"
     assert not [p for p in ports if _listening(p)], "a port is still listening"
     assert not [t for t in threads if t.is_alive()], "a link emulator's thread is still running"
     assert not os.path.exists(bed.dir), "the run's directory (keys, log) is still there"
 
 
 def test_devices_generate_through_the_link_and_everything_is_gone_after(tiny_dir):
-    with testbed.Testbed(tiny_dir, cloud_args=["--dtype", "float32"], threads=1, link="loopback", devices=["dev-a"],
+    with rig.Rig(tiny_dir, cloud_args=["--dtype", "float32"], threads=1, link="loopback", devices=["dev-a"],
                  secure=True, status_interval_s=0.2) as bed:
         assert bed.cloud.proc.poll() is None and bed.endpoint == bed.link.address
         security = bed.security("dev-a")
@@ -47,8 +47,8 @@ def test_devices_generate_through_the_link_and_everything_is_gone_after(tiny_dir
         assert rt.config.link.server == bed.endpoint and rt.config.link.security == security
         result = rt.generate([5, 6, 7, 8], "sd", SamplingParams(0.0), 6, seed=0)
         assert result.n == 6 and bed.link.stats()["up"]["bytes"] > 0
-        # a second testbed reaching the same cloud, as a device process of a fleet holds: its own link and device
-        with testbed.Testbed(upstream=bed.upstream, keys=bed.keys) as remote:
+        # a second rig reaching the same cloud, as a device process of a fleet holds: its own link and device
+        with rig.Rig(upstream=bed.upstream, keys=bed.keys) as remote:
             assert remote.cloud is None and remote.endpoint == bed.cloud.endpoint
             own = remote.add_link("wifi-near", control=True)
             remote_rt = remote.runtime(EdgeConfig(model=tiny_dir, link=remote.link_config("dev-a", own.address)),
@@ -65,7 +65,7 @@ def test_devices_generate_through_the_link_and_everything_is_gone_after(tiny_dir
 
 def test_everything_is_gone_when_the_body_raises(tiny_dir):
     with pytest.raises(RuntimeError, match="the body failed"):
-        with testbed.Testbed(tiny_dir, cloud_args=["--dtype", "float32"], threads=1, link="wifi-far") as bed:
+        with rig.Rig(tiny_dir, cloud_args=["--dtype", "float32"], threads=1, link="wifi-far") as bed:
             extra = bed.add_link("lte")
             ports, threads = [bed.cloud.port, bed.link.port, extra.port], [bed.link._thread, extra._thread]
             assert all(_listening(p) for p in ports)
@@ -74,7 +74,7 @@ def test_everything_is_gone_when_the_body_raises(tiny_dir):
 
 
 def test_a_cloud_that_cannot_start_leaves_nothing_behind(tmp_path):
-    bed = testbed.Testbed(str(tmp_path / "no-such-model"), link="loopback", ready_timeout_s=120)
+    bed = rig.Rig(str(tmp_path / "no-such-model"), link="loopback", ready_timeout_s=120)
     with pytest.raises(RuntimeError, match="did not become ready"):
         bed.__enter__()
     assert bed.link is None and not os.path.exists(bed.dir)
@@ -82,10 +82,10 @@ def test_a_cloud_that_cannot_start_leaves_nothing_behind(tmp_path):
 
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="model of a cloud to start, or the upstream"):
-        testbed.Testbed()
+        rig.Rig()
     with pytest.raises(ValueError, match="model of a cloud to start, or the upstream"):
-        testbed.Testbed("m", upstream=("127.0.0.1", 1))
+        rig.Rig("m", upstream=("127.0.0.1", 1))
     with pytest.raises(ValueError, match="named devices"):
-        testbed.Testbed("m", secure=True)
+        rig.Rig("m", secure=True)
     with pytest.raises(RuntimeError, match="not running"):
-        testbed.Testbed("m").add_link("loopback")
+        rig.Rig("m").add_link("loopback")

@@ -32,8 +32,8 @@ from hat_split.models.chat import encode
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
 from hat_split.models.target import TargetSession
+from hat_split.prompt_sets import calibration_prompts
 from hat_split.wire import messages as P
-from testbed.prompts import calibration_prompts
 
 DEFAULT_ELLS = (4, 16, 64, 256)
 DEFAULT_LENGTHS = (1, 2, 3, 4, 6, 8)

@@ -31,8 +31,8 @@ from hat_split.models.chat import encode
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
 from hat_split.models.target import TargetSession
-from testbed.prompts import calibration_prompts
 from hat_split.files import strict_json
+from hat_split.prompt_sets import calibration_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:

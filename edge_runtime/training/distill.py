@@ -32,9 +32,9 @@ from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_
 from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
 from hat_split.models.registry import default_adapter_dir
-from testbed.prompts import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
-                             sharegpt_conversations)
 from hat_split.files import strict_json
+from hat_split.prompt_sets import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
+                                   sharegpt_conversations)
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 CHECKPOINT = "checkpoint.pt"

@@ -36,12 +36,12 @@ from hat_split.math.sampling import SamplingParams, warp
 from hat_split.models.chat import encode
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, load_tokenizer, resolve_dtype
+from hat_split.prompt_sets import evaluation_prompts
 from profiles.bench.accuracy import Embedder
 from profiles.bench.bench_args import names, numbers
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from testbed.channel import Channel, token_throughput
 from testbed.links import LinkProfile
-from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_note, ci_text, interval, paired_diff, paired_ratio, rotated
 from hat_split.files import strict_json
@@ -108,7 +108,7 @@ def run_models(args, variants, ids, base_unc) -> dict:
     """Phases 1 and 2: the loopback runs and the emulated-link runs."""
     params = SamplingParams(args.temperature, 0, args.top_p)
     out: dict = {"loopback": {}, "emulated": {}}
-    with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+    with Rig(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
         cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
                          engine=EngineConfig(weight_quant=args.weight_quant), uncertainty=base_unc)
         with bed.runtime(cfg) as rt:

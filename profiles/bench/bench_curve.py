@@ -23,11 +23,11 @@ from edge_runtime.config import EdgeConfig, EngineConfig, SplitConfig
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
 from hat_split.models.loading import load_model
+from hat_split.prompt_sets import evaluation_prompts
 from profiles.bench.bench_args import names, numbers
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_note, ci_text, interval, paired_ratio
-from profiles.bench.testbed import Testbed
-from testbed.prompts import evaluation_prompts
+from profiles.bench.rig import Rig
 
 DEVICE = "curve-bench"
 SIDES = ("curve", "plaintext")
@@ -131,8 +131,8 @@ def request_part(args, protocols: List[str]) -> Tuple[Dict[str, Dict[str, list]]
     ids = [encode(loaded.tokenizer, p.text, p.chat) for p in prompts]
     cloud_args = ["--dtype", "float32"]
     rows: Dict[str, Dict[str, list]] = {p: {side: [] for side in SIDES} for p in protocols}
-    with Testbed(args.model, cloud_args=cloud_args, threads=args.threads, secure=True, devices=[DEVICE]) as secure, \
-            Testbed(args.model, cloud_args=cloud_args, threads=args.threads) as plain:
+    with Rig(args.model, cloud_args=cloud_args, threads=args.threads, secure=True, devices=[DEVICE]) as secure, \
+            Rig(args.model, cloud_args=cloud_args, threads=args.threads) as plain:
         runtimes = {}
         for side, bed in (("curve", secure), ("plaintext", plain)):
             cfg = EdgeConfig(model=args.model, link=bed.link_config(DEVICE if side == "curve" else ""),

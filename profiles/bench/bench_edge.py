@@ -26,9 +26,9 @@ from hat_split.files import bundle as M
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, quantize_weights
 from hat_split.models.registry import gguf_path
+from hat_split.prompt_sets import validation_prompts
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names
 from profiles.bench.stats import ci_text, interval, paired_ratio, percentile, rotated
-from testbed.prompts import validation_prompts
 from profiles.bench.provenance import write_report
 
 BACKENDS = ("torch-fp32", "torch-int8", "ort-fp32", "ort-int8", "ort-int4", "llamacpp")

@@ -45,10 +45,10 @@ from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, load_tokenizer
 from hat_split.models.registry import gguf_path
+from hat_split.prompt_sets import humaneval_prompts
 from profiles.bench.bench_args import LLAMACPP_SCRIPT, cpu_name, names, parse_variants, variant_name
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from testbed.links import LINK_PROFILES
-from testbed.prompts import humaneval_prompts
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, interval, rotated
 from hat_split.files import strict_json
@@ -202,7 +202,7 @@ def hybrid(args, ids: List[List[int]], texts: List[str], tools: Optional[Path], 
         with contextlib.ExitStack() as stack:
             rts = {}
             for engine in engines:
-                bed = stack.enter_context(Testbed(args.target, cloud_args=["--engine", engine], threads=args.threads,
+                bed = stack.enter_context(Rig(args.target, cloud_args=["--engine", engine], threads=args.threads,
                                                   link=None if link == LOOPBACK else link))
                 config = EdgeConfig(model=args.draft, link=bed.link_config(),
                                     engine=EngineConfig(backend=engine, threads=args.threads))

@@ -44,11 +44,11 @@ from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.loading import load_model, load_tokenizer
 from hat_split.models.partition import free_layers
+from hat_split.prompt_sets import long_chat_prompts
 from profiles.bench.bench_args import adapter_dir, names, numbers
 from profiles.bench.stats import ci_text, interval, mean, percentile
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from testbed.links import get_link_profile
-from testbed.prompts import long_chat_prompts
 from profiles.bench.provenance import write_report
 
 SYSTEMS = {  # name: (protocol, EdgeConfig fields with "split" / "engine" the SplitConfig / EngineConfig fields, cloud
@@ -115,7 +115,7 @@ def _serve(index: int, conn, loaded, model: str, m: int, adapter: str, cmd: dict
     board, slowdown = BOARDS[(index // len(LINKS)) % len(BOARDS)]
     params = SamplingParams(0.0)
     rows = []
-    with Testbed(upstream=("127.0.0.1", cmd["port"]), link=link) as bed:  # the cloud is the driver's
+    with Rig(upstream=("127.0.0.1", cmd["port"]), link=link) as bed:  # the cloud is the driver's
         edge = dict(cmd["edge"])
         split = SplitConfig(m=m, adapter=adapter, up_bps=8 * link.rate("up"), down_bps=8 * link.rate("down"),
                             slowdown=slowdown, **edge.pop("split"))
@@ -298,7 +298,7 @@ def run(args) -> int:
             cmd = {"protocol": protocol, "edge": fields, "warm_up": warm_up, "prompts": prompts,
                    "max_new_tokens": args.max_new_tokens}
             t0 = time.perf_counter()
-            with Testbed(args.model, cloud_args=extra, threads=threads) as bed:
+            with Rig(args.model, cloud_args=extra, threads=threads) as bed:
                 rows = fleet.run(n, dict(cmd, port=bed.cloud.port), arrivals, timeout=args.duration * 20 + 600)
             cloud_stats = {}
             if os.path.exists(stats_path):

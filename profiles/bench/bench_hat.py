@@ -47,12 +47,12 @@ from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfi
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.lm import wait_passively
+from hat_split.prompt_sets import long_chat_prompts
 from profiles.bench.bench_args import adapter_dir, names
 from profiles.bench.stats import ci_note, ci_text, interval, paired_ratio, rotated
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from hardware.device_profiles import cloud_gpus, get_profile, speed_ratio
 from testbed.links import get_link_profile
-from testbed.prompts import long_chat_prompts
 from profiles.bench.provenance import write_report
 
 VARIANTS = {  # name: (protocol, SplitConfig fields) — HAT Table 5's rows, then the 8-bit codec
@@ -247,7 +247,7 @@ def run(args) -> int:
     print(f"hat-bench hat: the device is emulated {device['slowdown']:.2f}x slower than the cloud "
           f"({device['source']}); {cores_text(device)}", flush=True)
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    with Testbed(args.model, cloud_args=["--dtype", args.dtype], threads=device["cloud_threads"],
+    with Rig(args.model, cloud_args=["--dtype", args.dtype], threads=device["cloud_threads"],
                  cloud_cpus=device["cloud_cores"]) as bed:
         for link in links:
             with bed.add_link(link) as emu:

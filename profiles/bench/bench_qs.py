@@ -26,12 +26,12 @@ import numpy as np
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, QSConfig
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
+from hat_split.prompt_sets import evaluation_prompts
 from hat_split.wire import dist_codec
 from hat_split.wire.sqs import ConformalThreshold, LatticeWire
 from profiles.bench.stats import ci_text, interval, paired_ratio, rotated
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from testbed.links import LinkProfile
-from testbed.prompts import evaluation_prompts
 from profiles.bench.provenance import write_report
 from hat_split.files import strict_json
 
@@ -227,7 +227,7 @@ def run(args) -> int:
     report: dict = {"args": vars(args), "codec": codec_timing(), "fig4": {}, "sqs": {}}
     print(strict_json.dumps(report["codec"], indent=1, ensure_ascii=False), flush=True)
     t_start = time.perf_counter()
-    with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+    with Rig(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
         for r_i, (regime, rates) in enumerate(regimes.items()):
             with bed.add_link("loopback") as link:
                 markov = MarkovLink(link, rates, args.p_switch, args.markov_step_s, args.delay_ms / 1e3,

@@ -8,9 +8,9 @@ Systems, side by side on the same prompts (token ids fixed once), greedy:
   2. hatspec: `llm` (the target alone through the same cloud and link: the baseline every speedup is taken against),
      `slm` (the draft alone through the same code path: its per-token time includes the draft's overheads), every
      `sd` variant and `hlm`; a real `hat-cloud serve` process and the edge runtime in this process over loopback
-     (profiles.bench.testbed). Per prompt every system runs in turn, the order rotating from prompt to prompt, so a
+     (profiles.bench.rig). Per prompt every system runs in turn, the order rotating from prompt to prompt, so a
      drift in the machine's speed falls on all of them alike.
-γ is chosen on tuning prompts (testbed.prompts.calibration_prompts: disjoint from the reported ones): with more
+γ is chosen on tuning prompts (hat_split.prompt_sets.calibration_prompts: disjoint from the reported ones): with more
 than one `sd` variant, each runs on them first and the fastest is "chosen"; every variant is reported, and the
 headline is the chosen one's figure on the reported prompts, never the best of them.
 
@@ -36,11 +36,11 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.math.speedup import speedup_report
 from hat_split.models.chat import encode
 from hat_split.models.loading import load_tokenizer, resolve_dtype
+from hat_split.prompt_sets import calibration_prompts, evaluation_prompts
 from profiles.bench.bench_args import parse_variants, variant_name
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, paired_ratio, rotated
-from profiles.bench.testbed import Testbed
-from testbed.prompts import calibration_prompts, evaluation_prompts
+from profiles.bench.rig import Rig
 from hat_split.files import strict_json
 
 BASELINE = "hatspec_llm"
@@ -262,7 +262,7 @@ def run(args) -> int:
                 return 1
             report["runs"].update(hf)
         print("hat-bench speculative: hatspec over loopback ...", flush=True)
-        with Testbed(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+        with Rig(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
             cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
                              engine=EngineConfig(dtype=args.draft_dtype, weight_quant=args.weight_quant))
             with bed.runtime(cfg) as rt:

@@ -3,7 +3,7 @@
 Each task's first N evaluation problems (profiles.bench.tasks.evaluation_ids: never a calibration problem) are generated
 greedily by default (--temperature 0: `llm` is deterministic) with every chosen protocol in turn per problem
 (interleaved, so drift in the machine's speed hits all protocols alike), same seed for every protocol, by an
-EdgeRuntime against a real `hat-cloud serve` (profiles.bench.testbed). Protocols are bench_cuhlm's variants plus `sq`.
+EdgeRuntime against a real `hat-cloud serve` (profiles.bench.rig). Protocols are bench_cuhlm's variants plus `sq`.
 
 Scores: HumanEval pass@1 by running the problem's tests on the cut completion in the sandbox (code_exec); GSM8K exact
 match of the final number (see task_scoring for the prompt and the cut). Per (task, protocol): the score with its 95 %
@@ -35,7 +35,7 @@ from profiles.bench.stats import ci_note
 from profiles.bench.task_scoring import (CutWatch, append_record, cut_completion, format_table, gsm8k_prompt,
                                          load_done, record_key, summarise)
 from profiles.bench.tasks import evaluation_ids, gsm8k_problems, humaneval_problems
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from profiles.bench.provenance import provenance, write_report
 
 PROTOCOLS: Dict[str, tuple] = {**VARIANTS, "sq": ("sq", {})}  # name -> (protocol, UncertaintyConfig overrides)
@@ -109,7 +109,7 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
         engine = EngineConfig(weight_quant=args.weight_quant, threads=args.threads)
     else:
         engine = EngineConfig(backend="llamacpp", threads=args.threads)
-    with Testbed(args.target, cloud_args=cloud_args) as bed:
+    with Rig(args.target, cloud_args=cloud_args) as bed:
         cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()), engine=engine,
                          uncertainty=base_unc)
         with bed.runtime(cfg) as rt:

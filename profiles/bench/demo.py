@@ -2,7 +2,7 @@
 
     cloud:  hat-cloud serve --model <target> --engine <engine>    (separate process, ZeroMQ ROUTER)
     link:   LinkEmulator(<profile>) relaying 127.0.0.1:<link> → cloud   (user-space: rate, delay, jitter)
-            (both, and the run's CurveZMQ keys, from profiles.bench.testbed.Testbed)
+            (both, and the run's CurveZMQ keys, from profiles.bench.rig.Rig)
     edge:   hat-edge generate --model <draft> --server <link> --protocol sd,hlm,llm,slm --json ...   (separate process)
 
 Both sides run the fastest engine installed (`--engine auto`): llama.cpp on the GGUF files when llama-cpp-python is
@@ -31,11 +31,11 @@ from typing import Dict, List
 from hat_split.models import registry
 from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
+from hat_split.prompt_sets import demo_prompts
 from hat_split.protocols import of_family
 from profiles.bench.bench_args import adapter_dir
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from testbed.links import get_link_profile
-from testbed.prompts import demo_prompts
 from profiles.bench.provenance import write_report
 
 DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm"
@@ -193,7 +193,7 @@ def _side(args, profile, prompts, cloud_model: str, engine: str, device_model: s
     """A cloud on `engine`, the emulated link, and one edge process running `protocols`."""
     print(f"hat-demo: starting the cloud ({cloud_model}, {engine}) ...", flush=True)
     # the link is CurveZMQ-encrypted, the demo device in the cloud's allow-list: keys made for this run
-    with Testbed(cloud_model, cloud_args=["--engine", engine], threads=args.threads, link=profile,
+    with Rig(cloud_model, cloud_args=["--engine", engine], threads=args.threads, link=profile,
                  devices=["demo-device"], secure=True) as bed:
         print(f"hat-demo: {bed.cloud.ready_info}", flush=True)
         print(f"hat-demo: link {profile.name} ({profile.description}) at {bed.endpoint}", flush=True)

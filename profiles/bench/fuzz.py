@@ -6,10 +6,10 @@ Generate, CloseSession, OpenSplit, Hidden, Report, and replies a device never se
 truncated, frames dropped / duplicated / swapped / appended, oversized, garbage headers, wrong magic or version,
 fields of the wrong type or range, or replayed from earlier cases (same session ids and steps). Each case goes
   1. to `protocol.decode`: it must return a message or raise ProtocolError, nothing else;
-  2. over a real DEALER socket to a `hat-cloud serve` process on a testbed (profiles.bench.testbed; a small random
+  2. over a real DEALER socket to a `hat-cloud serve` process on a rig (profiles.bench.rig; a small random
      model saved for the run): every case must be answered, a bad one with an Error, and no handler may fail
      internally (`internal` errors count as bugs).
-Meanwhile a legitimate device (an edge runtime on the testbed, its own identity, the target as its draft) generates
+Meanwhile a legitimate device (an edge runtime on the rig, its own identity, the target as its draft) generates
 with `sd` every `--check-every` cases; its tokens must equal the target's greedy tokens every time: fuzzing never
 corrupts another session. Writes JSON with the counts.
 
@@ -38,7 +38,7 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import vocab_fingerprint
 from hat_split.wire import messages as P
 from profiles.bench.fuzz_state import Facts, coverage_table, run_stateful
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from profiles.bench.provenance import write_report
 
 VOCAB = 256
@@ -180,7 +180,7 @@ def fuzz(cases: int, seed: int = 0, check_every: int = 2000, progress: bool = Tr
         reference = greedy(lm, prompt, 16)
         stats_path = os.path.join(tmp, "stats.json")
         cloud_args = ["--dtype", "float32", "--max-context", "1024", "--stats-json", stats_path]
-        with Testbed(os.path.join(tmp, "tiny"), cloud_args=cloud_args, threads=1) as bed:
+        with Rig(os.path.join(tmp, "tiny"), cloud_args=cloud_args, threads=1) as bed:
             legit = bed.runtime(EdgeConfig(model=os.path.join(tmp, "tiny"), link=bed.link_config("legit")))
             if stateful:
                 _stateful_cases(bed.endpoint, cases, rng, lm, vocab, legit, prompt, reference, check_every, progress,

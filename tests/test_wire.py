@@ -1,4 +1,5 @@
-"""Wire protocol: every message round-trips; bad frames are refused with an Error while the server keeps serving."""
+"""The wire (hat_split.wire): every message round-trips; bad frames are refused with an Error while the server keeps
+serving."""
 from __future__ import annotations
 
 import msgspec
