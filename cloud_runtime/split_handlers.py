@@ -13,11 +13,9 @@ from typing import Optional
 
 import numpy as np
 
-from cloud_runtime.config import CloudConfig
-from cloud_runtime.quotas import Admission
-from cloud_runtime.sessions import Arrival, MiddleSession
-from cloud_runtime.state import CloudTables
-from cloud_runtime.work import ModelFacts, ModelWork, Pending, cloud_state
+from cloud_runtime.family import FamilyHandlers
+from cloud_runtime.sessions import MiddleSession
+from cloud_runtime.work import Pending, cloud_state
 from hat_split.math.chunking import chunk_size
 from hat_split.protocols import of_family
 from hat_split.wire import messages as P
@@ -26,19 +24,8 @@ from hat_split.wire.hidden_codec import HIDDEN_FORMATS, bytes_per_position, deco
 SPLIT_PROTOCOLS = of_family("split")  # the cloud runs middle layers over hidden states (HAT)
 
 
-class SplitHandlers:
+class SplitHandlers(FamilyHandlers):
     """One method per split-protocol request, and the finisher of Hidden."""
-
-    def __init__(self, config: CloudConfig, model: ModelFacts, work: ModelWork, tables: CloudTables,
-                 admission: Admission, arrival: Arrival):
-        """arrival: the request being handled, set by the dispatcher (cloud_runtime.handlers)."""
-        self.config = config
-        self.model = model
-        self.work = work
-        self.tables = tables
-        self.sessions = tables.sessions
-        self.admission = admission
-        self.arrival = arrival
 
     def open(self, identity: bytes, msg: P.OpenSplit) -> P.Message:
         if msg.protocol not in SPLIT_PROTOCOLS:

@@ -13,6 +13,7 @@ from typing import List, Optional
 import numpy as np
 
 from cloud_runtime.config import CloudConfig
+from cloud_runtime.family import FamilyHandlers
 from cloud_runtime.quotas import Admission
 from cloud_runtime.sessions import Arrival, TargetSession
 from cloud_runtime.state import CloudTables
@@ -27,18 +28,12 @@ from hat_split.wire.dist_codec import decode_dist
 TOKEN_PROTOCOLS = of_family("token")  # verified by the full target
 
 
-class TokenHandlers:
+class TokenHandlers(FamilyHandlers):
     """One method per token-protocol request, and a finisher per request that queues work."""
 
     def __init__(self, config: CloudConfig, model: ModelFacts, work: ModelWork, tables: CloudTables,
                  admission: Admission, arrival: Arrival):
-        """arrival: the request being handled, set by the dispatcher (cloud_runtime.handlers)."""
-        self.model = model
-        self.work = work
-        self.tables = tables
-        self.sessions = tables.sessions
-        self.admission = admission
-        self.arrival = arrival
+        super().__init__(config, model, work, tables, admission, arrival)
         self.limits = P.Limits(model.vocab_size, config.max_draft_len, config.max_context, config.max_generate)
 
     def open(self, identity: bytes, msg: P.OpenSession) -> Optional[P.Message]:

@@ -80,6 +80,20 @@ def smollm2():
     return load_model("smollm2-135m", dtype="float32")
 
 
+def finishes_within(fn, seconds: float, what: str) -> float:
+    """Run fn() on a thread and wait at most `seconds`: a call that would block forever fails the test (saying
+    `what` blocked) instead of hanging the suite. Returns the seconds it took."""
+    import threading
+    import time
+
+    worker = threading.Thread(target=fn, daemon=True)
+    t0 = time.monotonic()
+    worker.start()
+    worker.join(timeout=seconds)
+    assert not worker.is_alive(), f"{what} blocked"
+    return time.monotonic() - t0
+
+
 @contextlib.contextmanager
 def refusing_port():
     """A loopback port that refuses every connection while the block runs: bound and never listening, so that no other

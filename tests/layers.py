@@ -59,8 +59,8 @@ RULES = (
                 "config files, the bundle contract and figures are read on a device without torch"),
     NeverImports("hat_split", ("hardware", "testbed", "edge_runtime", "cloud_runtime", "export", "profiles"),
                  "the core imports neither side"),
-    NeverImports("edge_runtime", ("cloud_runtime", "export", "profiles"),
-                 "the device never imports the cloud, the exporter or the benchmarks"),
+    NeverImports("edge_runtime", ("cloud_runtime", "export", "profiles", "testbed"),
+                 "the device never imports the cloud, the exporter, the benchmarks or the link testbed"),
     NeverImports("cloud_runtime", ("edge_runtime", "export", "profiles", "testbed"),
                  "the cloud never imports the device"),
     NeverImports("hardware", ("edge_runtime", "cloud_runtime", "export", "profiles", "testbed"),
@@ -71,7 +71,7 @@ RULES = (
     NeverLoads("cloud_runtime.scheduler", "torch", "the scheduler is plain Python"),
     NeverLoads("cloud_runtime.handlers", "torch", "the cloud's message handlers validate, queue and verify"),
     *(NeverLoads(f"cloud_runtime.{m}", "torch", "the cloud's request handling is plain Python and numpy")
-      for m in ("token_handlers", "split_handlers", "devices", "quotas", "sessions", "state", "work")),
+      for m in ("token_handlers", "split_handlers", "family", "devices", "quotas", "sessions", "state", "work")),
     NeverLoads("hat_split.wire", "torch", "the wire runs without torch"),
 )
 

@@ -4,11 +4,11 @@
     hat-train-policy train --traces runs/policy_traces.npz --out runs/policy.npz
 
 `record` runs the draft and target models in this process along real generations (speculative decoding with
-L_max drafts per round, exact verification by the cloud's own TargetSession) and stores, per round, the acceptance
-probability of every draft at every resolution of the action set, the draft's confidences and the measured model
-times (edge_runtime.policy.env.Trace). `train` fits a double DQN (online and target Q-networks, replay, ε-greedy;
-reward = expected new tokens / round time, QS-SD eq. 13) in edge_runtime.policy.env's two-state Markov uplink, then
-compares it on held-out traces with the static and heuristic policies, and saves the network for
+L_max drafts per round, exact verification by TargetDriver, on the cloud's own TargetState) and stores, per round,
+the acceptance probability of every draft at every resolution of the action set, the draft's confidences and the
+measured model times (edge_runtime.policy.env.Trace). `train` fits a double DQN (online and target Q-networks, replay,
+ε-greedy; reward = expected new tokens / round time, QS-SD eq. 13) in edge_runtime.policy.env's two-state Markov
+uplink, then compares it on held-out traces with the static and heuristic policies, and saves the network for
 `hat-edge --policy dqn --policy-file …` (numpy only on the device).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
-from hat_split.models.target import TargetSession
+from hat_split.models.target import TargetDriver
 from hat_split.prompt_sets import calibration_prompts
 from hat_split.wire import messages as P
 
@@ -88,7 +88,7 @@ def record_traces(d_lm, t_lm, prompts, params, ells, max_len, max_new_tokens, eo
     for i, ids in enumerate(prompts):
         rng = session_rng(seed * 1000 + i, "device")
         drafter = Drafter(d_lm, params)
-        session = TargetSession(t_lm, i, "sd", params, seed * 1000 + i, list(ids))
+        session = TargetDriver(t_lm, i, "sd", params, seed * 1000 + i, list(ids))
         session.prefill()
         drafter.start(ids)
         accept, conf, n_out, draft_s, verify_s, drafted = [], [], 0, 0.0, 0.0, 0

@@ -1,14 +1,14 @@
 """`hat-calibrate`: measure how the draft's uncertainty predicts rejection, on real prompts kept apart from evaluation.
 
 Both models run in this process, on the path an HLM generation takes: the draft proposes a few tokens, the target
-verifies them exactly (hat_split.math.verify through the cloud's own `TargetSession`), the accepted text goes on. For
-every examined draft token (accepted ones and the first rejected one of each round) it records the uncertainty u
-(temperature perturbation of the draft's logits, U-HLM eq. 8-9), the draft probability x_d and the target probability
-y_d, and adds the token's tail-to-distortion ratios for CU-HLM's offline k*. hat_split.math.calibration turns the
-records into the rejection line, Δ, the two thresholds, the risk and its bound, and k*; the result is saved as JSON for
-`hat-edge --calibration`, the raw records as .npz, and a plot of u against β with the fit (the papers' Fig. 2 / 5) as
-PNG. The JSON carries its provenance (commit, command, machine: hat_split.files.provenance) under extra.provenance,
-the one free field of the calibration format.
+verifies them exactly (hat_split.math.verify through `TargetDriver`, on the cloud's own `TargetState`), the accepted
+text goes on. For every examined draft token (accepted ones and the first rejected one of each round) it records the
+uncertainty u (temperature perturbation of the draft's logits, U-HLM eq. 8-9), the draft probability x_d and the target
+probability y_d, and adds the token's tail-to-distortion ratios for CU-HLM's offline k*. hat_split.math.calibration
+turns the records into the rejection line, Δ, the two thresholds, the risk and its bound, and k*; the result is saved
+as JSON for `hat-edge --calibration`, the raw records as .npz, and a plot of u against β with the fit (the papers' Fig.
+2 / 5) as PNG. The JSON carries its provenance (commit, command, machine: hat_split.files.provenance) under
+extra.provenance, the one free field of the calibration format.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from hat_split.math.uncertainty import PerturbationConfig, perturbation_uncertai
 from hat_split.models.chat import encode
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_pair
-from hat_split.models.target import TargetSession
+from hat_split.models.target import TargetDriver
 from hat_split.files import strict_json
 from hat_split.prompt_sets import calibration_prompts
 
@@ -87,7 +87,7 @@ def record_pair(d_lm, t_lm, prompts, params, pert, max_new_tokens, draft_len, k_
     for i, ids in enumerate(prompts):
         rng, u_rng = session_rng(seed * 1000 + i, "device"), session_rng(seed * 1000 + i, "uncertainty")
         drafter = Drafter(d_lm, params)
-        session = TargetSession(t_lm, i, "sd", params, seed * 1000 + i, list(ids))
+        session = TargetDriver(t_lm, i, "sd", params, seed * 1000 + i, list(ids))
         session.prefill()
         drafter.start(ids)
         n_out = 0

@@ -20,7 +20,7 @@ from hat_split.models.lm import CausalLM
 T = TypeVar("T")
 
 
-class TargetSession:
+class TargetDriver:
     """`lm`'s side of one generation: `prefill`, then `verify` rounds (or `generate`), each timed into compute_s."""
 
     def __init__(self, lm: CausalLM, session_id: int, protocol: str, params: SamplingParams, seed: Optional[int],
