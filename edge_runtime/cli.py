@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 from edge_runtime.api.agent import AgentConfig, run_agent
 from edge_runtime.client import CloudError, CloudUnavailable
-from edge_runtime.config import EdgeConfig
+from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.request import RequestDefaults
 from edge_runtime.runtime import EdgeRuntime
 from hat_split.files import strict_json
@@ -120,8 +120,6 @@ def _typed(args) -> Dict[str, Any]:
 
 def _uncertainty_config(args, base=None):
     """`base` (the papers' defaults, or the config file's), then the calibration file, then the typed flags."""
-    from edge_runtime.config import UncertaintyConfig
-
     base = UncertaintyConfig() if base is None else base
     if args.calibration:
         base = base.calibrated(load(args.calibration), args.threshold_rule)

@@ -14,7 +14,7 @@ from edge_runtime.drafter import Drafter
 from edge_runtime.engine import open_engine
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.protocols import new_session
-from edge_runtime.request import DEFAULT_MAX_NEW_TOKENS, GenerationRequest
+from edge_runtime.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE, GenerationRequest
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.split import LinkState
 from edge_runtime.split_drafter import SplitDrafter
@@ -120,7 +120,7 @@ class EdgeRuntime:
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **fields) -> GenerationResult:
         """`run` for a request written out: GenerationRequest(prompt, protocol, params, max_new_tokens, **fields)
         (params None: the default sampling, edge_runtime.request)."""
-        sampling = GenerationRequest.__dataclass_fields__["sampling"].default if params is None else params
+        sampling = SamplingParams(DEFAULT_TEMPERATURE) if params is None else params
         return self.run(GenerationRequest(prompt, protocol, sampling, max_new_tokens, **fields))
 
     def report(self, stats: Optional[P.DeviceStats] = None) -> P.CloudState:

@@ -253,13 +253,9 @@ class Agent:
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT):
             raise ValueError(f"'max_tokens' must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}")
-        named = {key: body.get(name) for name, key in (("protocol", "protocol"), ("max_tokens", "max_new_tokens"),
-                                                       ("temperature", "temperature"), ("top_p", "top_p"),
-                                                       ("top_k", "top_k"), ("seed", "seed"))}
-        for name in ("temperature", "top_p"):  # JSON numbers: 1 and 1.0 alike
-            if isinstance(body.get(name), int) and not isinstance(body.get(name), bool):
-                named[name] = float(body[name])
-        request = self._request(prompt, named.pop("protocol"), **named, chat=bool(body.get("chat")))
+        sampling = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed")}
+        request = self._request(prompt, body.get("protocol"), max_new_tokens=max_tokens, **sampling,
+                                chat=bool(body.get("chat")))
         result, queued = self._run(request)
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                 "protocol": result.protocol, "queue_s": queued, **result.summary()}

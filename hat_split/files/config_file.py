@@ -7,7 +7,8 @@ the dataclass and every value against its annotation, and names the dotted key a
     'draft_len' in edge.toml must be an integer, got 'four'
 
 Values are then checked by the dataclass's own `__post_init__` (ranges, choices), whose message is kept.
-A command line takes `--config FILE`; flags the user typed override the file (`given_flags`).
+A command line takes `--config FILE`; flags the user typed override the file (`config_from_flags`, with the flags
+that hat_split.files.settings generates).
 
 Stdlib only (tomllib, or tomli before Python 3.11): the device reads its config on Python 3.8.
 """
@@ -18,7 +19,7 @@ import dataclasses
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Set, Tuple, Type, TypeVar, Union
+from typing import Any, Dict, Mapping, Set, Type, TypeVar, Union
 
 from hat_split.files.settings import renamed_keys
 
@@ -257,52 +258,8 @@ def config_from_flags(cls: Type[T], path: Union[str, Path, None], typed: Mapping
     return config_from_dict(cls, data, source="the command line")
 
 
-def config_from_command_line(cls: Type[T], parser: argparse.ArgumentParser, args: argparse.Namespace,
-                             argv: Iterable[str], values: Mapping[str, Mapping[str, Any]]) -> T:
-    """A role's config from its command line: with `--config FILE`, the file plus what the flags the user typed set;
-    without, what every flag sets. `values`: argparse dest -> {dotted config key: value} that flag sets."""
-    if args.config:
-        given = given_flags(parser, argv)
-        return load_config(cls, args.config, {k: v for dest in given if dest in values
-                                              for k, v in values[dest].items()})
-    data: Dict[str, Any] = {}
-    for keys in values.values():
-        for key, value in keys.items():
-            _set_dotted(data, key, value)
-    return config_from_dict(cls, data, source="the command line")
-
-
 def add_config_argument(parser: argparse.ArgumentParser, role: str = "") -> None:
     """`--config FILE`: the role's config as TOML; flags given on the command line override its keys."""
     parser.add_argument("--config", default="", metavar="FILE",
                         help=f"TOML file with the {role + ' ' if role else ''}config (docs/CONFIG.md); flags given "
                              "here override its keys")
-
-
-def _all_actions(parser: argparse.ArgumentParser) -> Iterable[Tuple[argparse.ArgumentParser, argparse.Action]]:
-    for action in parser._actions:
-        yield parser, action
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _all_actions(sub)
-
-
-def given_flags(parser: argparse.ArgumentParser, argv: Iterable[str]) -> Set[str]:
-    """The argparse dests the user typed on this command line (so they override a config file), whatever their
-    values: the command line is parsed again with every default suppressed."""
-    saved = [(p, a, a.default) for p, a in _all_actions(parser)]
-    saved_parser_defaults = [(p, dict(p._defaults)) for p in {id(p): p for p, _, _ in saved}.values()]
-    try:
-        for _, a, _ in saved:
-            if not isinstance(a, (argparse._SubParsersAction, argparse._HelpAction)):
-                a.default = argparse.SUPPRESS
-        for p, _ in saved_parser_defaults:
-            p._defaults.clear()
-        ns, _ = parser.parse_known_args(list(argv))
-    finally:
-        for _, a, default in saved:
-            a.default = default
-        for p, defaults in saved_parser_defaults:
-            p._defaults.update(defaults)
-    subparser_dests = {a.dest for _, a, _ in saved if isinstance(a, argparse._SubParsersAction)}
-    return {k for k in vars(ns) if k not in subparser_dests}
