@@ -53,3 +53,16 @@ def test_an_engines_report_is_summarised_again_and_other_files_are_refused(tmp_p
     path.write_text(json.dumps(report))
     assert main(["resummarise", str(path), "--key", "summary"]) == 2  # would overwrite the run's own summary
     assert json.loads(path.read_text()) == report
+
+
+def test_a_report_with_nan_is_rewritten_as_strict_json_and_says_how_many(tmp_path):
+    from hat_split.files import strict_json
+
+    path = tmp_path / "old.json"
+    path.write_text('{"rows": [{"acceptance_rate": NaN, "n": 3}, {"acceptance_rate": 0.5}], "x": Infinity}')
+    assert main(["resummarise", "--strict-only", str(path)]) == 0
+    back = strict_json.loads(path.read_text())  # a strict parser reads it now
+    assert back["rows"] == [{"acceptance_rate": None, "n": 3}, {"acceptance_rate": 0.5}] and back["x"] is None
+    assert back["strict_json"]["non_finite_written_as_null"] == 2 and back["strict_json"]["provenance"]["git_commit"]
+    assert main(["resummarise", "--strict-only", str(path)]) == 0  # again: nothing to count, the record stays
+    assert strict_json.loads(path.read_text())["strict_json"]["non_finite_written_as_null"] == 2

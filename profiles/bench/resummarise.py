@@ -5,11 +5,15 @@ A report whose intervals rest on fewer than 8 values was written with a percenti
 is the min and the max. This reads the records the report kept (`hat-bench hat`: every request of every row;
 `hat-bench engines`: every sample alone and every prompt of every hybrid run), summarises them again with the bench's
 own `summarise` (and Table 4 for hat), and writes the result into the same file under KEY (default "resummarised"),
-beside the original summary, with the provenance of the recomputation and the rule. Nothing else in the file changes.
+beside the original summary, with the provenance of the recomputation and the rule. Nothing else in the file changes,
+except that the file is written as strict JSON: a non-finite number (a report written before hat_split.files.
+strict_json wrote `NaN`) becomes null, and how many did is recorded under "strict_json" with the rewrite's provenance.
+`--strict-only` does only that, for a report of any bench.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Callable, Dict
 
@@ -51,11 +55,24 @@ def resummarise(report: dict) -> dict:
     return {"rule": RULE, "bench": bench, **SUMMARISERS[bench](report)}
 
 
+def non_finite(obj) -> int:
+    """How many non-finite numbers `obj` (a parsed report) holds."""
+    if isinstance(obj, float):
+        return int(not math.isfinite(obj))
+    if isinstance(obj, dict):
+        return sum(non_finite(v) for v in obj.values())
+    if isinstance(obj, list):
+        return sum(non_finite(v) for v in obj)
+    return 0
+
+
 def add_parser(sub) -> None:
     s = sub.add_parser("resummarise", help="recompute stored reports' summaries from their records with the current "
                                            "interval rule; written into each file under --key")
     s.add_argument("files", nargs="+", help="reports of hat-bench hat or engines (JSON)")
     s.add_argument("--key", default="resummarised", help="where in each file the recomputed summary goes")
+    s.add_argument("--strict-only", action="store_true",
+                   help="only rewrite each report as strict JSON (any bench's: NaN becomes null, counted)")
 
 
 def run(args) -> int:
@@ -64,9 +81,14 @@ def run(args) -> int:
             report = json.load(f)
         if args.key in ("provenance", "summary", "tables", "table4"):
             raise ValueError(f"--key {args.key} would overwrite the run's own {args.key}")
-        report[args.key] = {**resummarise(report), "from": "the records stored in this file",
-                            "provenance": provenance()}
+        nulls = non_finite(report)
+        if not args.strict_only:
+            report[args.key] = {**resummarise(report), "from": "the records stored in this file",
+                                "provenance": provenance()}
+            print(f"hat-bench resummarise: {path}: {report[args.key]['bench']} summary recomputed under "
+                  f"{args.key!r}", file=sys.stderr)
+        if nulls:
+            report["strict_json"] = {"non_finite_written_as_null": nulls, "provenance": provenance()}
+            print(f"hat-bench resummarise: {path}: {nulls} non-finite numbers written as null", file=sys.stderr)
         write_json(path, report, indent=1)
-        print(f"hat-bench resummarise: {path}: {report[args.key]['bench']} summary recomputed under {args.key!r}",
-              file=sys.stderr)
     return 0
