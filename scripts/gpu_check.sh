@@ -13,7 +13,7 @@
 # (570 s: the lent machine allows 600 s a command): the tests get at most 300 s and hat-bench 240 s, less where the
 # steps before them took longer.
 # Environment: PYTHON (the interpreter; default the first of python3, python that imports torch), GPU_KIT, OUT,
-# GPU_CHECK_BUDGET_S.
+# GPU_CHECK_BUDGET_S, GPU_CHECK_BENCH_ARGS (more arguments of hat-bench gpu, e.g. "--models qwen2.5-1.5b --steps 16").
 set -u
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -25,6 +25,7 @@ KIT="${GPU_KIT:-$ROOT/.gpu-kit}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-570}"  # s, for all steps together
 PYTEST_MAX_S=300                       # s, the gpu tests at most
 BENCH_MAX_S=240                        # s, hat-bench gpu at most
+BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:-}"  # split on spaces, as written
 BENCH_MIN_S=60                         # s kept for the bench when the tests' time is cut
 START=$SECONDS
 SUMMARY="$OUT/summary.txt"
@@ -318,11 +319,12 @@ if ! grep -q '^torch.cuda.is_available() True' "$OUT/env.txt" && [ "${GPU_CHECK_
   rc=1
   note="not run: no CUDA GPU"
 elif [ -n "$HAT_BENCH" ]; then
-  limited "$cap" "$OUT/bench.log" "$HAT_BENCH" gpu --out "$OUT/gpu-bench"
+  # shellcheck disable=SC2086  # BENCH_ARGS: words
+  limited "$cap" "$OUT/bench.log" "$HAT_BENCH" gpu --out "$OUT/gpu-bench" $BENCH_ARGS
   rc=$?
   note="limit ${cap} s"
 elif [ -n "$PY" ]; then  # no console script (no pip there): the same entry point through the module
-  limited "$cap" "$OUT/bench.log" "$PY" -m profiles.bench.bench gpu --out "$OUT/gpu-bench"
+  limited "$cap" "$OUT/bench.log" "$PY" -m profiles.bench.bench gpu --out "$OUT/gpu-bench" $BENCH_ARGS
   rc=$?
   note="limit ${cap} s, python -m profiles.bench.bench"
 else

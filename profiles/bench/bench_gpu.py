@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
                               else "cpu", "dtype": dtype, "torch": torch.__version__, "copy_GBps": bandwidth / 1e9,
                               "context": args.context, "steps": args.steps, "models": {}}
     print(f"{result['name']}: {dtype}, device-to-device copy {bandwidth / 1e9:.0f} GB/s", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         config = model_config(name)
         label = Path(name).stem if name.endswith(".json") else name
@@ -242,12 +244,10 @@ def run(args: argparse.Namespace) -> int:
             row["graphs_over_eager_decode"] = (row["ways"]["graphs"]["decode_tok_s"]
                                                / row["ways"]["slots"]["decode_tok_s"])
         result["models"][label] = row
+        write_report(str(out / "gpu_bench.json"), result)  # after each model: a run stopped early keeps what it did
         del model
         if is_cuda(device):
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(str(out / "gpu_bench.json"), result)
     print(f"wrote {out / 'gpu_bench.json'}; {plot(result, out / 'gpu_bench.png') or 'and gpu_bench.png'}")
     return 0
 
