@@ -44,9 +44,11 @@ def serving(lm, security=None, bind="tcp://127.0.0.1:0", vocab="tiny-vocab", nam
     with CloudServer(cfg, lm, name, vocab) as server:
         thread = threading.Thread(target=server.serve_forever, kwargs={"until": stop.is_set}, daemon=True)
         thread.start()
-        yield server
-        stop.set()
-        thread.join(timeout=10)
+        try:
+            yield server
+        finally:  # a failed test's server stops polling before its socket closes
+            stop.set()
+            thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -24,10 +24,11 @@ def test_greedy_protocols_on_cuda_equal_the_model_alone():
     """sd, hlm, llm (token protocols) and ushape, hat (split) on a CUDA cloud (slots + graphs: the defaults there)
     with the device's model on the same GPU: the target's own greedy tokens."""
     from tests.test_generation import PROMPT, _run
+    from tests.test_hat import PROMPT as SPLIT_PROMPT
     from tests.test_hat import _run_split
 
     draft, target = CausalLM(tiny_model(1, 1).cuda()), CausalLM(tiny_model(2, 2).cuda())
-    ref = target.greedy(PROMPT, 24)
+    ref, split_ref = target.greedy(PROMPT, 24), target.greedy(SPLIT_PROMPT, 24)  # each helper's own prompt
     with serving(target, device="cuda") as server:
         runner = server.work.engine.executor.runner
         assert runner.slots is not None and runner.graphs.enabled
@@ -37,7 +38,7 @@ def test_greedy_protocols_on_cuda_equal_the_model_alone():
         for protocol in ("ushape", "hat"):
             res = _run_split(server, target.model, protocol, SamplingParams(0.0), n=24, chunk_tokens=3,
                              draft_stop_prob=0.0, draft_len=4, adapter=adapter if protocol == "hat" else None)
-            assert res.tokens == ref, protocol
+            assert res.tokens == split_ref, protocol
         assert runner.graphs.replays > 0, runner.graphs.report()
 
 

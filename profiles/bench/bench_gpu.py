@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
     s.add_argument("--batches", default="1,2,4,8,16,32,64", help="sessions per batched step")
     s.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="drafts per verify step (γ + 1 positions)")
     s.add_argument("--steps", type=int, default=32, help="timed steps per figure (after one untimed)")
+    s.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's table of each way's decode steps (after the figures)")
     s.add_argument("--out", default="runs/gpu-bench", help="directory of gpu_bench.json and gpu_bench.png")
 
 
@@ -102,15 +104,26 @@ class Cloud:
         self.layers = model.config.num_hidden_layers
         self.vocab = model.config.vocab_size
         self.held: Dict[int, int] = {}
+        self.parts = [0.0, 0.0, 0.0]  # s in the inputs, the layers, the head and copy to the host (when `timed`)
+        self.timed = False  # a synchronize between the parts: their times add up, at the cost of the overlap
 
     def step(self, work: Dict[int, List[int]]) -> None:
         """One batched step: each session's tokens embedded, run, and its last position's logits to the host."""
         from cloud_runtime.runner import Job
+        from hat_split.models.placement import synchronize
 
+        t0 = time.perf_counter()
         jobs = [Job(sid, 0, self.layers, self.held.get(sid, 0), len(tokens)) for sid, tokens in work.items()]
         xs = self.ends.inputs([np.asarray(tokens, dtype=np.int64) for tokens in work.values()])
-        outs, _ = self.runner.run(jobs, xs)
+        if self.timed:
+            synchronize(self.runner.device)
+        t1 = time.perf_counter()
+        outs, _ = self.runner.run(jobs, xs)  # synchronized at its end
+        t2 = time.perf_counter()
         self.ends.rows([(out, 1, 0) for out in outs])
+        if self.timed:
+            for i, t in enumerate((t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                self.parts[i] += t
         for sid, tokens in work.items():
             self.held[sid] = self.held.get(sid, 0) + len(tokens)
 
@@ -150,6 +163,26 @@ def interleaved(clouds: Dict[str, Cloud], setup: Callable[[Cloud], None], step: 
     return {way: t / (ROUNDS * per_round) for way, t in total.items()}
 
 
+def profile_table(fn: Callable[[], Any], rows: int = 18) -> str:
+    """torch.profiler's table of `fn`'s operators, the device's time first (CPU time where there is no device)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    keys = ("self_device_time_total", "self_cuda_time_total") if torch.cuda.is_available() else ()
+    for key in (*keys, "self_cpu_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return str(averages)
+
+
 def measure(model: Any, ways: Sequence[str], args: argparse.Namespace, batches: List[int],
             gammas: List[int]) -> Dict[str, Dict[str, Any]]:
     """Every figure of one model, the ways interleaved."""
@@ -178,6 +211,18 @@ def measure(model: Any, ways: Sequence[str], args: argparse.Namespace, batches: 
     for way, t in interleaved(clouds, one_session, decode(1), args.steps).items():
         out[way]["decode_tok_s"] = 1 / t
         out[way]["verify_ms"] = {}
+    for c in clouds.values():  # where a decode step's time goes, the parts synchronized apart
+        c.timed, c.parts = True, [0.0, 0.0, 0.0]
+    interleaved(clouds, one_session, decode(1), args.steps)
+    for way, c in clouds.items():
+        c.timed = False
+        n = ROUNDS * max(1, args.steps // ROUNDS) + 1  # the untimed step is counted in the parts too
+        out[way]["decode_parts_ms"] = dict(zip(("inputs", "layers", "head_to_host"), (1e3 * t / n for t in c.parts)))
+    if args.profile:
+        for way, c in clouds.items():
+            print(f"== {way}: the profiler over {args.steps} decode steps", flush=True)
+            print(profile_table(lambda c=c: (one_session(c), [decode(1)(c) for _ in range(args.steps)], c.close())),
+                  flush=True)
     for g in gammas:
         for way, t in interleaved(clouds, one_session, decode(g + 1), max(ROUNDS, args.steps // 4)).items():
             out[way]["verify_ms"][str(g)] = t * 1e3
@@ -238,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{label} {way:>7}: decode {m['decode_tok_s']:.1f} tok/s "
                   f"({100 * m['decode_of_limit']:.0f} % of the {limit:.0f} tok/s limit), verify γ=4 "
                   f"{m['verify_ms'].get('4', float('nan')):.2f} ms, {batches[-1]} sessions "
-                  f"{m['batched_tok_s'][str(batches[-1])]:.0f} tok/s, prefill {m['prefill_tok_s']:.0f} tok/s",
+                  f"{m['batched_tok_s'][str(batches[-1])]:.0f} tok/s, prefill {m['prefill_tok_s']:.0f} tok/s; "
+                  "a decode step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in m["decode_parts_ms"].items()),
                   flush=True)
         if "graphs" in row["ways"]:
             row["graphs_over_eager_decode"] = (row["ways"]["graphs"]["decode_tok_s"]
