@@ -65,7 +65,9 @@ class StepGraphs:
                 fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA work that other threads of this process do meanwhile (a device's model beside the cloud
+        # in one process, a monitor asking for free memory) neither breaks the capture nor fails there
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn(*static)
         return graph, static, out
 
