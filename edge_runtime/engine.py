@@ -10,6 +10,7 @@ token protocols only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from edge_runtime.backends.loader import open_bundle
@@ -64,6 +65,9 @@ class BundleEngine(Engine):
         if hat and split.draft_vocab:
             raise ValueError("split.draft_vocab needs the torch engine: a bundle's output part is the whole head "
                              "(drafting over a subset from a bundle is not exported)")
+        if hat and split.adapter and (Path(split.adapter) / "drafter.json").is_file():
+            raise ValueError(f"{split.adapter} holds a feature drafter: it runs on the torch backend (a bundle drafts "
+                             "with the Λ exported into it; the feature drafter's export is not built yet)")
         if hat not in self._parts:
             self._parts[hat] = self.bundle.split_parts(adapter=hat)
         return self._parts[hat]
@@ -73,42 +77,49 @@ class BundleEngine(Engine):
 class TorchEngine(Engine):
     loaded: Any = None  # hat_split.models.loading.LoadedModel
     _split: Optional[SplitModel] = None  # the model cut at split.m, on first use
-    _adapter: Any = None  # Λ (hat_split.models.adapter.Adapter), on first use
+    _adapters: Dict[str, Any] = field(default_factory=dict)  # draft modules (Λ or feature drafters) by directory
     _adapter_lm: Any = None  # hat_split.models.draft_lm.AdapterLM when token_draft is "adapter"
-    _parts: Dict[Tuple[bool, int], TorchSplitParts] = field(default_factory=dict)
+    _parts: Dict[Tuple[bool, str, int], TorchSplitParts] = field(default_factory=dict)
 
     def token_lm(self, config: EdgeConfig) -> Any:
         if config.engine.token_draft == "model":
             return self.lm
         if self._adapter_lm is None:
             from hat_split.models.draft_lm import AdapterLM  # torch
+            from hat_split.models.feature_drafter import FeatureDrafter
 
-            self._adapter_lm = AdapterLM(*self._cut(config.split, adapter=True), slowdown=config.split.slowdown)
+            cut, adapter = self._cut(config.split, adapter=True)
+            if isinstance(adapter, FeatureDrafter):
+                raise ValueError(f"token_draft adapter drafts with Λ; {config.split.adapter} holds a feature drafter, "
+                                 "which drafts in protocol hat only")
+            self._adapter_lm = AdapterLM(cut, adapter, slowdown=config.split.slowdown)
             self._adapter_lm.warm_up()
         return self._adapter_lm
 
     def split_parts(self, hat: bool, split: SplitConfig) -> TorchSplitParts:
-        key = (hat, split.draft_vocab if hat else 0)  # the config may change between requests (hat-bench's rows)
+        # the config may change between requests (hat-bench's rows): the parts are kept per draft module and vocabulary
+        key = (hat, split.adapter if hat else "", split.draft_vocab if hat else 0)
         if key not in self._parts:
             from hat_split.models.adapter import load_draft_vocab
 
             cut, adapter = self._cut(split, adapter=hat)
-            ids = load_draft_vocab(split.adapter, split.draft_vocab) if key[1] else None
+            ids = load_draft_vocab(split.adapter, split.draft_vocab) if key[2] else None
             self._parts[key] = TorchSplitParts(cut, adapter if hat else None, ids)
         return self._parts[key]
 
     def _cut(self, split: SplitConfig, adapter: bool):
-        """The model cut at split.m (and, when asked, its distilled Λ), built once."""
-        from hat_split.models.adapter import load_adapter  # torch
+        """The model cut at split.m (and, when asked, its draft module: Λ or the feature drafter), built once."""
+        from hat_split.models.feature_drafter import load_drafter  # torch
 
         if self._split is None:
             self._split = SplitModel(self.loaded.model, split.m, split.tail)
-        if adapter and self._adapter is None:
-            if not split.adapter:
-                raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with "
-                                 "hat-distill)")
-            self._adapter = load_adapter(split.adapter, self._split)
-        return self._split, self._adapter
+        if not adapter:
+            return self._split, None
+        if not split.adapter:
+            raise ValueError("protocol hat needs a distilled adapter: pass --adapter DIR (make one with hat-distill)")
+        if split.adapter not in self._adapters:
+            self._adapters[split.adapter] = load_drafter(split.adapter, self._split)
+        return self._split, self._adapters[split.adapter]
 
 
 def open_engine(config: EdgeConfig, loaded: Any = None) -> Engine:

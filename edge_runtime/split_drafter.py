@@ -10,6 +10,16 @@ Cache convention (one request; T = the committed sequence, prompt + generated):
   itself (exact speculative sampling; greedy at temperature 0) and crops every cache to the accepted prefix; the next
   upload's `position` tells the cloud where to crop its own.
 
+The feature drafter (hat_split.models.feature_drafter, parts of kind "feature") drafts instead of Λ: its cache holds
+the pairs (f_{p-1}, s_p) of the target's feature before position p and p's shallow state. The features come from the
+deep states the cloud returns anyway (`target_logits` keeps them: every prompt position's at the prefill, the verified
+positions' each round); a draft step on its own predicted feature needs nothing from the link. At a round start the
+pairs since the last round run as one chunk on true features, and after the verdict the drafter's cache is cropped back
+to its true pairs (`DraftState.true_len`): the accepted positions run again next round with the features the cloud
+computed for them. A drafter whose tokens enter as embeddings (`token_input` "embedding") needs no shallow state to
+draft, so the input part runs once per round over all the drafts as they upload (`upload_states`): its weights are read
+once a round instead of once a draft.
+
 Parallel drafting (§3.5) forks the caches (cache tensors are never written in place, so a fork is a shallow copy) and
 drafts continuations of the top-k alternatives to the last draft token while the cloud works; a continuation whose
 first token is the one the verification emits becomes the next round's draft. Randomness is position-keyed
@@ -37,7 +47,7 @@ class DraftState:
 
     base: int  # position of the first shallow state (the last committed token's)
     inp: PartCacheLike  # input part, covering base + len(shallow)
-    lam: PartCacheLike  # Λ, covering base + len(drafts) once the next step has run Λ
+    lam: PartCacheLike  # Λ (or the feature drafter), covering base + len(drafts) once the next step has run it
     dout: PartCacheLike  # the draft's output tail layers (same coverage as lam)
     drafts: List[int] = field(default_factory=list)
     q: List[np.ndarray] = field(default_factory=list)  # per draft `# [vocab]`
@@ -45,6 +55,8 @@ class DraftState:
     stopped: bool = False  # η fired: the draft is complete
     first: int = -1  # a parallel-drafting candidate: the token it replaces the last draft with
     last_logits: Optional[np.ndarray] = None  # `# [vocab]` raw draft logits of the last draft's position
+    fhat: Dict[int, Any] = field(default_factory=dict)  # feature drafter: predicted f̂_p `# [1, 1, hidden]` by position
+    true_len: int = 0  # feature drafter: lam's first positions that hold true features (kept after the verdict)
 
 
 @dataclass
@@ -67,6 +79,18 @@ class SplitDrafter:
         self.inp, self.lam, self.dout, self.tout = (self.parts.new_cache() for _ in range(4))
         self.pending: Optional[DraftState] = None  # the draft in flight
         self.adopted: Optional[DraftState] = None  # a parallel-drafted continuation the next round starts from
+        self.feats: Dict[int, Any] = {}  # feature drafter: the target's f_p `# [1, 1, hidden]` by position
+        self.shallows: Dict[int, Any] = {}  # feature drafter: committed positions' shallow states not yet in lam
+
+    @property
+    def features(self) -> bool:
+        """The feature drafter drafts: it needs the deep state of every prompt position at the prefill."""
+        return self.parts.kind == "feature"
+
+    @property
+    def deferred(self) -> bool:
+        """The drafts' shallow states wait for the upload (a feature drafter that reads embeddings)."""
+        return self.features and self.parts.token_input == "embedding"
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def start(self, prompt: Sequence[int]) -> None:
@@ -78,13 +102,17 @@ class SplitDrafter:
     def prompt_states(self, end: int) -> Any:
         """Shallow states `# [1, n, hidden]` of prompt positions inp.length .. end - 1 (one chunk); Λ follows them."""
         t0 = time.perf_counter()
-        shallow = self.parts.run_input(self.inp, self.tokens[self.inp.length:end])
+        start = self.inp.length
+        shallow = self.parts.run_input(self.inp, self.tokens[start:end])
+        if self.features:
+            self.shallows.update({start + i: shallow[:, i:i + 1] for i in range(end - start)})
         self.input_s += self._timed(t0, prefill=True)
         return shallow
 
     def lam_prefill(self, shallow: Any) -> None:
-        """Λ (and the draft's tail layers) over a prompt chunk: device-only work done while the chunk uploads."""
-        if not self.parts.has_adapter:
+        """Λ (and the draft's tail layers) over a prompt chunk: device-only work done while the chunk uploads. (The
+        feature drafter waits for the chunk's features: it runs over the prompt at the first draft.)"""
+        if self.parts.kind != "adapter":
             return
         t0 = time.perf_counter()
         self._lam_step(self.lam, self.dout, shallow, logits=False)
@@ -99,7 +127,11 @@ class SplitDrafter:
             self.tout.crop(position)
         if self.tout.length != position:
             raise RuntimeError(f"output part holds {self.tout.length} positions, deep states start at {position}")
-        logits = self.parts.run_output(self.tout, deep, n_logits)
+        if self.features:  # the features of every position: the drafter's pairs
+            logits, feats = self.parts.run_output_features(self.tout, deep, n_logits)
+            self.feats.update({position + i: feats[:, i:i + 1] for i in range(feats.shape[1])})
+        else:
+            logits = self.parts.run_output(self.tout, deep, n_logits)
         self._timed(t0)
         return logits
 
@@ -111,8 +143,11 @@ class SplitDrafter:
 
     def rollback(self) -> None:
         """Back to the committed sequence: drafts in flight, forks and half-sent prompt chunks are forgotten, and the
-        caches are rebuilt over T[:-1] on the device (the cost of a prompt prefill)."""
+        caches are rebuilt over T[:-1] on the device (the cost of a prompt prefill). The feature drafter keeps the
+        features it had: they belong to the committed positions."""
+        feats = {p: f for p, f in self.feats.items() if p < len(self.tokens) - 1}
         self.start(self.tokens)
+        self.feats = feats
         if len(self.tokens) > 1:
             self.lam_prefill(self.prompt_states(len(self.tokens) - 1))
 
@@ -139,7 +174,8 @@ class SplitDrafter:
         state = self.adopted
         self.adopted = None
         if state is None:
-            state = DraftState(len(self.tokens) - 1, self.inp, self.lam, self.dout)
+            base = len(self.tokens) - 1
+            state = DraftState(base, self.inp, self.lam, self.dout, true_len=base + 1)
             state.shallow.append(self._input(state.inp, self.tokens[-1]))
         if len(state.drafts) > max_len:  # a reused continuation longer than this round allows
             self._truncate(state, max_len)
@@ -153,20 +189,29 @@ class SplitDrafter:
         t0 = time.perf_counter()
         done = 0
         while not state.stopped and len(state.drafts) < max_len and (steps is None or done < steps) and not stop():
-            logits = self._lam_step(state.lam, state.dout, state.shallow[-1], logits=True)  # [1, vocab]
+            logits = (self._feature_step(state) if self.features else
+                      self._lam_step(state.lam, state.dout, state.shallow[-1], logits=True))  # [1, vocab]
             q = warp(logits, self.params)  # [1, vocab]
             position = state.base + len(state.drafts) + 1
             token = int(sample(q, np.array([keyed_uniform(self.seed, "draft", position)]))[0])
             state.drafts.append(token)
             state.q.append(q[0])
             state.last_logits = logits[0]
-            state.shallow.append(self._input(state.inp, token))
+            if not self.deferred:
+                state.shallow.append(self._input(state.inp, token))
             state.stopped = eta > 0 and float(softmax_prob(logits, np.array([token]))[0]) < eta
             done += 1
         self._timed(t0)
 
     def upload_states(self, state: DraftState) -> Any:
-        """The L + 1 shallow states `# [1, L + 1, hidden]` the cloud needs to verify this draft."""
+        """The L + 1 shallow states `# [1, L + 1, hidden]` the cloud needs to verify this draft (the drafts' own, when
+        deferred, computed now in one pass)."""
+        missing = len(state.drafts) + 1 - len(state.shallow)
+        if missing > 0:
+            t0 = time.perf_counter()
+            states = self.parts.run_input(state.inp, state.drafts[-missing:])
+            state.shallow.extend(states[:, i:i + 1] for i in range(missing))
+            self._timed(t0)
         return self.parts.cat(state.shallow)
 
     def verify(self, state: DraftState, logits: np.ndarray) -> Tuple[int, int]:
@@ -197,13 +242,18 @@ class SplitDrafter:
         self.pending = None
         self.tokens.extend(new_tokens)
         keep = len(self.tokens) - 1
+        if self.features:
+            floor = min([keep, self.lam.length] + [s.true_len for s in (state, adopted) if s is not None])
+            self._keep_pairs(state, keep, floor)
         if adopted is not None and adopted.base == keep:
             self.inp, self.lam, self.dout = adopted.inp, adopted.lam, adopted.dout
             return
         self.adopted = None
         if state is not None:
             self.inp, self.lam, self.dout = state.inp, state.lam, state.dout
-            if self.parts.has_adapter:
+            if self.features:
+                self.lam.crop(min(self.lam.length, state.true_len))
+            elif self.parts.has_adapter:
                 t0 = time.perf_counter()
                 for s in state.shallow[self.lam.length - state.base: keep - state.base]:
                     self._lam_step(self.lam, self.dout, s, logits=False)
@@ -226,9 +276,12 @@ class SplitDrafter:
         out = []
         for token in order:
             # before the last draft: input part without dL, Λ and tail already without it
+            if len(state.shallow) < L + 1:  # deferred drafts' shallow states (they upload anyway)
+                self.upload_states(state)
             inp = state.inp.fork()
             inp.crop(state.base + L)
-            c = DraftState(state.base + L, inp, state.lam.fork(), state.dout.fork())
+            c = DraftState(state.base + L, inp, state.lam.fork(), state.dout.fork(), fhat=dict(state.fhat),
+                           true_len=state.true_len)
             c.shallow.append(self._input(c.inp, token))
             c.first = token
             out.append(c)
@@ -253,16 +306,64 @@ class SplitDrafter:
         """Λ (and the draft's tail) over one shallow state; with `logits` the draft's `# [1, vocab]`, -inf outside its
         tokens when it drafts over a subset (q is then 0 there, and verification stays exact)."""
         out = self.parts.run_output(dout, self.parts.run_adapter(lam, shallow), 1 if logits else 0, draft=True)
+        return self._over_vocab(out) if logits else None
+
+    def _feature_step(self, state: DraftState) -> np.ndarray:
+        """The feature drafter on the pairs its cache lacks, up to the draft's last shallow state: at a round start
+        the committed positions since the last round (true features), then one pair per draft step (its own predicted
+        feature before it). The next token's logits `# [1, vocab]`, -inf outside a draft vocabulary."""
+        end = state.base + len(state.drafts)  # the position of shallow[-1]
+        positions = range(state.lam.length, end + 1)
+        feats = self.parts.cat([self._feature(state, p - 1) for p in positions])
+        states = None if self.deferred else self.parts.cat([state.shallow[p - state.base] if p >= state.base
+                                                            else self.shallows[p] for p in positions])
+        tokens = [self._token_at(state, p) for p in positions]
+        logits, fhat = self.parts.run_feature(state.lam, feats, states, tokens)
+        state.fhat[end] = fhat[:, -1:]
+        return self._over_vocab(logits)
+
+    def _feature(self, state: DraftState, p: int) -> Any:
+        """f_p for a pair: the draft's own prediction where it made one, else the target's; zeros before position 0
+        (and for a position generated alone with no prediction kept)."""
+        if p in state.fhat:
+            return state.fhat[p]
+        f = self.feats.get(p)
+        return f if f is not None else self.parts.zeros(1)
+
+    def _token_at(self, state: DraftState, p: int) -> int:
+        if p < state.base:
+            return self.tokens[p]
+        if p == state.base:
+            return state.first if state.first >= 0 else self.tokens[p]
+        return state.drafts[p - state.base - 1]
+
+    def _keep_pairs(self, state: Optional[DraftState], keep: int, floor: int) -> None:
+        """After the verdict: the accepted positions' shallow states wait for the next round's chunk, with the
+        target's features of the verified positions (a position committed without one keeps the draft's prediction:
+        tokens generated alone); what lies past the committed sequence, or before `floor` (the first pair any live
+        cache may still need), is dropped."""
+        if state is not None:
+            for p in range(state.base, keep):
+                if not self.deferred:
+                    self.shallows[p] = state.shallow[p - state.base]
+                if p not in self.feats and p in state.fhat:
+                    self.feats[p] = state.fhat[p]
+        self.feats = {p: f for p, f in self.feats.items() if floor - 1 <= p < keep}
+        self.shallows = {p: s for p, s in self.shallows.items() if floor <= p < keep}
+
+    def _over_vocab(self, out: np.ndarray) -> np.ndarray:
+        """Draft logits over a draft vocabulary `# [1, subset]` → `# [1, vocab]`, -inf elsewhere."""
         ids = self.parts.draft_ids
-        if not logits or ids is None:
-            return out if logits else None
+        if ids is None:
+            return out
         full = np.full((1, self.parts.vocab), -np.inf, dtype=np.float32)
         full[:, ids] = out
         return full
 
     def _truncate(self, state: DraftState, n: int) -> None:
         del state.drafts[n:], state.q[n:], state.shallow[n + 1:]
-        state.inp.crop(state.base + n + 1)
+        state.fhat = {p: f for p, f in state.fhat.items() if p < state.base + n}
+        state.inp.crop(min(state.inp.length, state.base + n + 1))
         for cache in (state.lam, state.dout):
             if cache.length > state.base + n:
                 cache.crop(state.base + n)

@@ -164,3 +164,26 @@ def smollm2_gguf(smollm2):
 def smollm2_ids(smollm2):
     """A real code prompt's token ids under SmolLM2's tokenizer."""
     return list(smollm2.tokenizer(CODE_PROMPT)["input_ids"])
+
+
+@pytest.fixture
+def pd_driven(monkeypatch):
+    """Parallel drafting driven, not hoped for: each round drafts at least one candidate step before it looks for the
+    cloud's reply (the planned steps are at least 1, and the first look says "not yet"), as a round does whenever the
+    link and the board leave time for one. Whether a loaded machine leaves that time is no longer the test's
+    question; what the device does with a reply it sees only after a draft step is."""
+    from edge_runtime.rounds import hat as rounds
+
+    real = rounds._draft_candidates
+
+    def at_least_one_step(dev, cands, steps, c, stop):
+        looked = []
+
+        def late(*args):
+            if not looked:
+                looked.append(True)
+                return False
+            return stop(*args)
+        return real(dev, cands, max(1, steps), c, late)
+
+    monkeypatch.setattr(rounds, "_draft_candidates", at_least_one_step)

@@ -2,6 +2,7 @@
 per-prompt intervals, γ chosen on tuning prompts; the cuhlm, hat and engines summaries."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -143,6 +144,33 @@ def test_hat_bench_summary_rows_and_changes_against_ushape():
     # 12 rounds, 2 of them prefill: 10 decode rounds gave 20 tokens with 10 accepted drafts
     assert h["accept_length"] == 1.0 and h["tokens_per_round"] == 2.0 and h["drafts_per_round"] == 1.6
     assert h["same_tokens_as_ushape"] == "1/2" and h["prefill_chunks"] == 3.0
+
+
+def test_hat_bench_adds_the_feature_drafters_rows_and_its_table4(tmp_path):
+    """--feature-drafter DIR: +SD F and HAT F (and HAT F v16k) draft with that directory; Table 4 has a row for it
+    beside Λ's; a directory without a feature drafter is refused in one line."""
+    from profiles.bench.bench_hat import VARIANTS, feature_rows, summarise, table4
+
+    (tmp_path / "fd").mkdir()
+    (tmp_path / "fd" / "drafter.json").write_text(json.dumps({"format": 1, "kind": "feature", "params": 51}))
+    rows = dict(VARIANTS)
+    meta = feature_rows(rows, str(tmp_path / "fd"), 16384)
+    assert meta["params"] == 51
+    assert rows["HAT F"] == ("hat", {**VARIANTS["HAT"][1], "adapter": str(tmp_path / "fd")})
+    assert rows["+SD F"][1]["adapter"] == str(tmp_path / "fd") and rows["HAT F v16k"][1]["draft_vocab"] == 16384
+    with pytest.raises(FileNotFoundError, match="not a feature drafter"):
+        feature_rows(dict(VARIANTS), str(tmp_path), 0)
+
+    def row(tbt, rounds, accepted):
+        return {"ttft_s": 1.0, "tbt_s": tbt, "n_tokens": 11, "rounds": rounds, "drafted": 2 * accepted,
+                "accepted": accepted, "up_bytes": 1, "down_bytes": 1, "prefill_chunks": 1, "cloud_compute_s": 1.0,
+                "device_compute_s": 1.0, "pd_hits": 0, "pd_steps": 0, "tokens": [1] * 11}
+    runs = {"U-shape": [row(0.2, 11, 0)] * 2, "+SD": [row(0.1, 6, 5)] * 2, "+SD F": [row(0.05, 3, 8)] * 2}
+    report = {"tables": {"wifi": summarise(runs)}, "links": {"wifi": {"runs": runs}}, "trained_parameters": 5,
+              "feature_parameters": 51}
+    t4 = table4(report)
+    assert t4["wifi"]["decode_speedup"] == 2.0 and t4["wifi"]["trained_parameters"] == 5
+    assert t4["wifi, feature"]["decode_speedup"] == 4.0 and t4["wifi, feature"]["trained_parameters"] == 51
 
 
 def test_hat_bench_emulates_the_device_at_the_profiles_bandwidth_ratio():

@@ -227,3 +227,60 @@ def test_a_broken_device_verifier_is_caught(split_target, tmp_path, fault):
     d, pw = _verifier_test(r, q_along(r["tokens"]), first=1)
     print(f"hat with {fault}: {d}; power {pw[fault]:.3f}")
     assert pw[fault] >= 0.99 and d.z > Z_CRIT, str(d)
+
+
+# -- the split protocols with the feature drafter --------------------------------------------------------------------
+# one draft a round: each drafted position's law is the drafter's on true features
+FEATURE_ARGS = ["--m", "1", "--hidden-format", "float32", "--hat-draft-stop-prob", "0", "--hat-draft-len", "1",
+                "--no-parallel-draft"]
+FC_SCALE = 8.0  # the fusion layer's token half scaled: the draft far from the target
+FEATURE_TOKENS = 2 * SPLIT_TOKENS  # one draft a round: twice the tokens for the drafted positions' power
+
+
+@pytest.fixture(scope="module")
+def feature_target(tmp_path_factory, split_target):
+    """A far feature drafter for the target bigram checkpoint (saved as hat-distill writes one) and its first-draft
+    law along a sequence: the drafter over the sequence's true features, the target's own (one pass)."""
+    import torch
+
+    from hat_split.models.distill import teacher
+    from hat_split.models.feature_drafter import FeatureDrafter, draft_logits, save_feature_drafter, ttt_forward
+    from hat_split.models.loading import load_model
+    from hat_split.models.partition import SplitModel
+
+    path, _, _, cloud = split_target
+    root = tmp_path_factory.mktemp("feature")
+    loaded = load_model(str(path), dtype="float32")
+    split = SplitModel(loaded.model, 1)
+    torch.manual_seed(0)
+    drafter = FeatureDrafter(loaded.model, 1).eval().requires_grad_(False)
+    hidden = loaded.model.config.hidden_size
+    with torch.no_grad():
+        drafter.fc.weight[:, hidden:].normal_(0.0, FC_SCALE / hidden ** 0.5)
+    save_feature_drafter(root / "drafter", drafter, split, loaded.name, {"steps": 0, "note": "random: a far draft"})
+
+    def q_along(tokens):
+        ids = PROMPT + list(tokens)
+        t = teacher(split, torch.tensor([ids]))
+        fhat = ttt_forward(drafter, drafter.stack(split), t.features, t.shallow, 1, train=False)[0]
+        logits = draft_logits(loaded.model, fhat[0, len(PROMPT) - 1:len(ids) - 1]).numpy()
+        return tempered(np.exp(logits - logits.max(-1, keepdims=True)))
+
+    yield path, root / "drafter", q_along, cloud
+
+
+def test_hat_with_the_feature_drafter_follows_the_target(feature_target, tmp_path):
+    """hat with a far feature drafter at T = 0.7 through a cloud process and a device process: every drafted position,
+    the second generated token the first of them, follows the target given its prefix; the drafter's law there is
+    its own on the target's true features (the runtime's chunks and crops are checked against it: a wrong feature
+    context would shift q, and the test would not know the law it is testing against)."""
+    path, drafter, q_along, cloud = feature_target
+    (hat,) = _generate(cloud.endpoint, path, ["hat"], tmp_path, ["--adapter", str(drafter), *FEATURE_ARGS],
+                       tokens=FEATURE_TOKENS)
+    q = q_along(hat["tokens"])
+    tv = tv_rows(laws_along(hat["tokens"], TARGET), q)
+    d, pw = _verifier_test(hat, q, first=1, draft_len=1)
+    print(f"hat (feature drafter) {d}; mean TV(p, q) {tv.mean():.2f}; "
+          f"power {', '.join(f'{k} {v:.3f}' for k, v in pw.items())}")
+    assert tv.mean() >= 0.3 and hat["drafted"] > 0
+    assert abs(d.z) < Z_CRIT and min(pw.values()) >= 0.99, (str(d), pw)

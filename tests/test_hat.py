@@ -397,29 +397,6 @@ def test_split_protocols_greedy_equal_the_full_model(tiny_server, tiny_pair, tin
         assert res.drafted > 0
 
 
-@pytest.fixture
-def pd_driven(monkeypatch):
-    """Parallel drafting driven, not hoped for: each round drafts at least one candidate step before it looks for the
-    cloud's reply (the planned steps are at least 1, and the first look says "not yet"), as a round does whenever the
-    link and the board leave time for one. Whether a loaded machine leaves that time is no longer the test's
-    question; what the device does with a reply it sees only after a draft step is."""
-    from edge_runtime.rounds import hat as rounds
-
-    real = rounds._draft_candidates
-
-    def at_least_one_step(dev, cands, steps, c, stop):
-        looked = []
-
-        def late(*args):
-            if not looked:
-                looked.append(True)
-                return False
-            return stop(*args)
-        return real(dev, cands, max(1, steps), c, late)
-
-    monkeypatch.setattr(rounds, "_draft_candidates", at_least_one_step)
-
-
 def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tiny_adapter, pd_driven):
     """Over a link with 15 ms of delay each way, so the device has time to draft candidates while it waits."""
     from testbed.link_emulator import LinkEmulator
@@ -440,10 +417,18 @@ def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tin
     assert sum(hits) > 0  # some rounds did start from a parallel-drafted continuation
 
 
-def test_no_token_text_or_distribution_crosses_the_link(tiny_server, tiny_pair, tiny_adapter):
+@pytest.mark.parametrize("drafter", ["adapter", "feature"])
+def test_no_token_text_or_distribution_crosses_the_link(tiny_server, tiny_pair, tiny_adapter, drafter):
+    """Λ or the feature drafter: only OpenSplit / Hidden / Close up and their replies down, states as float16 rows,
+    no run of token ids anywhere in the frames."""
+    from hat_split.models.feature_drafter import FeatureDrafter
+
     frames = []
-    res = _run_split(tiny_server, tiny_pair[1].model, "hat", SamplingParams(1.0), seed=1, adapter=tiny_adapter,
+    model = tiny_pair[1].model
+    module = tiny_adapter if drafter == "adapter" else FeatureDrafter(model, 1).eval().requires_grad_(False)
+    res = _run_split(tiny_server, model, "hat", SamplingParams(1.0), seed=1, adapter=module,
                      hidden_format="float16", chunk_tokens=4, tap=lambda d, f: frames.append((d, f)))
+    assert res.drafted > 0
     allowed = {"up": (P.OpenSplit, P.Hidden, P.CloseSession), "down": (P.SplitOpened, P.Deep, P.Closed)}
     sequence = np.asarray(PROMPT + res.tokens, "<i4")
     for direction, f in frames:
@@ -611,11 +596,14 @@ def greedy_reference(model, ids, n):
     return CausalLM(model).greedy(ids, n)
 
 
-def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "hat", "sd", "llm"), prompt=FIB):
+def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "hat", "sd", "llm"), prompt=FIB,
+                            drafter="adapter"):
     """A `hat-cloud serve` process (with `cloud_args`) holds the model's middle layers, a `hat-edge generate` process
-    its input and output parts (and an adapter, untrained: exactness does not depend on it); temperature 0 must give
-    the full model's tokens for both split protocols, and for token protocols through the same batched steps (`sd`
-    drafting with the model itself, `llm`)."""
+    its input and output parts (and a draft module, untrained: exactness does not depend on it; `drafter`: Λ or the
+    feature drafter); temperature 0 must give the full model's tokens for both split protocols, and for token
+    protocols through the same batched steps (`sd` drafting with the model itself, `llm`)."""
+    from hat_split.models.feature_drafter import FeatureDrafter, save_feature_drafter
+
     import json
     import os
     import subprocess
@@ -625,7 +613,10 @@ def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "
 
     model = loaded.model
     split = SplitModel(model, 2)
-    save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, loaded.name, {"steps": 0})
+    if drafter == "feature":
+        save_feature_drafter(tmp_path / "adapter", FeatureDrafter(model, 2).eval(), split, loaded.name, {"steps": 0})
+    else:
+        save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, loaded.name, {"steps": 0})
     ids = loaded.tokenizer(prompt)["input_ids"]
     ref = greedy_reference(model, ids, 16)
     (tmp_path / "p.json").write_text(json.dumps([prompt]))
@@ -676,8 +667,8 @@ def test_the_runtime_drafts_over_the_vocabulary_each_request_asks_for(smollm2, t
             rt.config = dataclasses.replace(config, split=dataclasses.replace(split, draft_vocab=2000))
             sub = rt.generate(ids, "hat", SamplingParams(0.0), 12, seed=0)
             assert sub.tokens == ref and sub.drafted > 0
-            parts = rt.engine._parts[(True, 2000)]
-            assert len(parts.draft_ids) == 2000 and rt.engine._parts[(True, 0)].draft_ids is None
+            parts = rt.engine._parts[(True, split.adapter, 2000)]
+            assert len(parts.draft_ids) == 2000 and rt.engine._parts[(True, split.adapter, 0)].draft_ids is None
             rt.config = dataclasses.replace(config, split=dataclasses.replace(split, draft_vocab=vocab))
             with pytest.raises(ValueError, match="ranked .* distinct tokens"):
                 rt.generate(ids, "hat", SamplingParams(0.0), 4, seed=0)

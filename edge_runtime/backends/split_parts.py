@@ -16,7 +16,7 @@ protocol to the same cloud as a torch device with the same weights (the fingerpr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Protocol, Sequence
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -41,7 +41,9 @@ class SplitParts(Protocol):
     stop: int  # first layer of the output part (n_layers - tail)
     tail: int
     hidden_size: int
-    has_adapter: bool
+    has_adapter: bool  # a draft module of either kind (protocol hat)
+    kind: str  # which: "adapter" (Λ), "feature" (hat_split.models.feature_drafter), "" (none: U-shape only)
+    token_input: str  # a feature drafter's: "shallow" or "embedding" (then drafting needs no input part)
     vocab: int  # the head's rows
     draft_ids: Optional[np.ndarray]  # the draft's tokens when it drafts over a subset (split.draft_vocab), else None
 
@@ -54,6 +56,15 @@ class SplitParts(Protocol):
     def run_output(self, cache: Any, states: Any, n_logits: int, draft: bool = False) -> np.ndarray: ...
     # float32 `# [n_logits, vocab]`; draft=True with draft_ids: `# [n_logits, len(draft_ids)]` over those tokens
 
+    def run_output_features(self, cache: Any, states: Any, n_logits: int) -> Tuple[np.ndarray, Any]: ...
+    # run_output's logits and the normed features `# [1, n, hidden]` of every position (kind "feature")
+
+    def run_feature(self, cache: Any, features: Any, states: Any, tokens: Sequence[int]) -> Tuple[np.ndarray, Any]: ...
+    # the feature drafter over n pairs (f_{p-1}, the token's shallow state / id): the last position's draft logits
+    # float32 `# [1, vocab or len(draft_ids)]` and the predicted features `# [1, n, hidden]`
+
+    def zeros(self, n: int) -> Any: ...  # `# [1, n, hidden]` of the states' type (the feature before position 0)
+
     def cat(self, states: List[Any]) -> Any: ...  # along positions
 
     def to_wire(self, states: Any) -> np.ndarray: ...  # `# [1, n, hidden]` → float32 `# [n, hidden]`
@@ -64,14 +75,19 @@ class SplitParts(Protocol):
 @dataclass
 class TorchSplitParts:
     split: Any  # hat_split.models.partition.SplitModel
-    adapter: Any = None  # hat_split.models.adapter.Adapter; None: U-shape only
+    adapter: Any = None  # the draft module: an Adapter (Λ) or a FeatureDrafter; None: U-shape only
     draft_ids: Optional[np.ndarray] = None  # the draft's head over these tokens only (their weight rows, copied)
 
     def __post_init__(self) -> None:
         from hat_split.models.adapter import adapter_stack
+        from hat_split.models.feature_drafter import FeatureDrafter
         from hat_split.models.partition import head_rows
 
-        self.lam_stack = adapter_stack(self.split, self.adapter) if self.adapter is not None else None
+        self.kind = ("" if self.adapter is None else
+                     "feature" if isinstance(self.adapter, FeatureDrafter) else "adapter")
+        self.lam_stack = adapter_stack(self.split, self.adapter) if self.kind == "adapter" else None
+        self.feature_stack = self.adapter.stack(self.split) if self.kind == "feature" else None
+        self.token_input = self.adapter.token_input if self.kind == "feature" else ""
         self.vocab = int(self.split.model.lm_head.weight.shape[0])
         self._draft_rows = None if self.draft_ids is None else head_rows(self.split.model, self.draft_ids)
         self.fingerprint = self.split.fingerprint()
@@ -93,6 +109,25 @@ class TorchSplitParts:
 
     def run_output(self, cache, states, n_logits: int, draft: bool = False) -> np.ndarray:
         return to_host(self.split.run_output(cache, states, n_logits, self._draft_rows if draft else None))
+
+    def run_output_features(self, cache, states, n_logits: int) -> Tuple[np.ndarray, Any]:
+        logits, features = self.split.run_output(cache, states, n_logits, features=True)
+        return to_host(logits), features
+
+    def run_feature(self, cache, features, states, tokens: Sequence[int]) -> Tuple[np.ndarray, Any]:
+        from hat_split.models.feature_drafter import draft_logits, token_states
+
+        if self.feature_stack is None:
+            raise RuntimeError("these parts have no feature drafter")
+        fhat = self.adapter.step(self.feature_stack, cache, features,
+                                 token_states(self.split, self.adapter, states, tokens))
+        return to_host(draft_logits(self.split.model, fhat[:, -1:], self._draft_rows)[0]), fhat
+
+    def zeros(self, n: int):
+        import torch
+
+        weight = self.split.model.model.embed_tokens.weight
+        return torch.zeros(1, n, self.hidden_size, dtype=weight.dtype, device=weight.device)
 
     def cat(self, states: List[Any]):
         import torch
@@ -141,6 +176,8 @@ class BundleSplitParts:
         self.vocab = int(m["vocab"])
         self.draft_ids = None  # the exported output part is the whole head (split.draft_vocab: torch engine only)
         self.has_adapter = self.adapter is not None
+        self.kind = "adapter" if self.adapter is not None else ""  # no exported feature drafter yet
+        self.token_input = ""
         self.state_dtype = self.output.io.float_dtype
         for name, part, tokens_in, logits_out in (("input", self.input, True, False),
                                                   ("output", self.output, False, True),

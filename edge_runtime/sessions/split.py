@@ -117,7 +117,7 @@ class SplitSession(Session):
         chunk = c.chunk_tokens if c.chunk_tokens > 0 else (opened.chunk_size if c.chunking == "auto" else 0)
         ends = chunk_plan(len(prompt), chunk)
         self.counters.prefill_chunks += len(ends)
-        all_deep = split.tail > 0  # tail layers on the device need every position's deep state
+        all_deep = split.tail > 0 or dev.features  # tail layers, and the feature drafter, need every position's
         uploads, start = [], 0
         input0, prefill0 = dev.input_s, dev.prefill_s
         for i, end in enumerate(ends):

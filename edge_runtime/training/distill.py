@@ -16,27 +16,23 @@ training run's under "weights_from") is what `hat-edge --adapter DIR` loads.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
-from typing import List
 
-from edge_runtime.split_drafter import local_accept_length
+from edge_runtime.training.common import (TRAIN_FROM, acceptance, etas, lr_at, print_acceptance, teacher_cache,
+                                          visit_order, vocab_ranking, windows)
 from hat_split.files.provenance import provenance
 from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
-                                      load_draft_vocab, rank_vocab, read_adapter_meta, save_adapter, save_draft_vocab)
-from hat_split.models.chat import encode, encode_chat
-from hat_split.models.distill import (CACHE_DTYPES, CacheSpec, TeacherCache, ce_positions, student_loss,
-                                      teacher)
+                                      load_draft_vocab, read_adapter_meta, save_adapter, save_draft_vocab)
+from hat_split.models.distill import CACHE_DTYPES, ce_positions, student_loss, teacher
+from hat_split.models.feature_drafter import TOKEN_INPUTS
 from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
 from hat_split.models.registry import default_adapter_dir
 from hat_split.files import strict_json
-from hat_split.prompt_sets import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
-                                   sharegpt_conversations)
 
-TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
+DRAFTERS = ("adapter", "feature")  # HAT's Λ (paper 004), or the feature drafter (hat_split.models.feature_drafter)
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -44,6 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hat-distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="registry name, HF directory or .gguf of the LLM to cut")
+    ap.add_argument("--drafter", default="adapter", choices=DRAFTERS,
+                    help="adapter: HAT's Λ (one attention block on the shallow states); feature: the feature drafter "
+                         "(the target's own top-layer features, EAGLE-style; edge_runtime/training/feature.py)")
+    ap.add_argument("--unroll", type=int, default=3,
+                    help="feature drafter: steps of the training-time test (1: teacher-forced only)")
+    ap.add_argument("--token-input", default="shallow", choices=TOKEN_INPUTS,
+                    help="feature drafter: what stands for a token, its shallow state or its embedding")
+    ap.add_argument("--train-vocab", type=int, default=16384, metavar="N",
+                    help="feature drafter: the CE term over the N most frequent training tokens (0: the whole "
+                         "vocabulary)")
     ap.add_argument("--m", type=int, default=2, help="layers in the device's input part (HAT: 2 of 32)")
     ap.add_argument("--tail", type=int, default=0, help="last layers kept with the head on the device")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -88,43 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversation: int = 4) -> List[List[int]]:
-    """n_windows token windows of exactly seq_len tokens from conversations offset, offset + 1, ..."""
-
-    out: List[List[int]] = []
-    at = offset
-    while len(out) < n_windows:
-        convs = sharegpt_conversations(256, at)
-        if not convs:
-            raise ValueError(f"ShareGPT ran out after {len(out)} windows of {seq_len} tokens")
-        at += len(convs)
-        for conv in convs:
-            ids = encode_chat(tokenizer, conv)
-            for k in range(min(per_conversation, len(ids) // seq_len)):
-                out.append(ids[k * seq_len:(k + 1) * seq_len])
-                if len(out) == n_windows:
-                    return out
-    return out
-
-
-def visit_order(n: int, count: int, seed: int) -> List[int]:
-    """`count` window indices: passes over range(n), each in its own random order (seeded)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    order: List[int] = []
-    while len(order) < count:
-        order += torch.randperm(n, generator=gen).tolist()
-    return order[:count]
-
-
-def lr_at(step: int, steps: int, peak: float) -> float:
-    warm = max(1, steps // 20)
-    if step < warm:
-        return peak * (step + 1) / warm
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
-
-
 def evaluate_windows(split, lam, batches, w_ce: float) -> dict:
     import torch
 
@@ -154,16 +123,22 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.windows < 0 or args.draft_vocab < 0:
         raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8, --windows and --draft-vocab >= 0")
+    if args.unroll < 1 or args.train_vocab < 0:
+        raise ValueError("--unroll must be >= 1 and --train-vocab >= 0")
     if not 0 < args.ce_fraction <= 1:
         raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
     etas(args.eta_sweep)  # refused before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail)
+    out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail, args.drafter)
     dtype = resolve_dtype(args.dtype)
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model.requires_grad_(False)
     split = SplitModel(model, args.m, args.tail)
+    if args.drafter == "feature":
+        from edge_runtime.training import feature
+
+        return feature.run(args, loaded, split, out, dtype)
     tok = loaded.tokenizer
     torch.manual_seed(args.seed)
     eval_batches = [torch.tensor(w, dtype=torch.long)[None] for w in windows(tok, args.eval_windows, args.seq_len, 0)]
@@ -254,12 +229,7 @@ def run(args) -> int:
     sweep = {eta: acceptance(split, adapter, tok, args, eta, draft_ids) for eta in etas(args.eta_sweep)}
     if sweep:
         record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
-    vocab = f", draft over {args.draft_vocab} tokens" if args.draft_vocab else ""
-    for eta, by_set in [(args.eta, record["acceptance" + suffix]), *sweep.items()]:
-        for name, a in by_set.items():
-            print(f"held-out acceptance on {name} (greedy, η={eta}{vocab}): {a['accepted_per_round']:.2f} accepted "
-                  f"drafts per round, {a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds",
-                  file=sys.stderr)
+    print_acceptance(args, record["acceptance" + suffix], sweep)
     record["eval_seconds"] = time.perf_counter() - t_eval
     if not args.eval_only:
         cached = (record["teacher_cache"] or {}).get("seconds", 0.0)
@@ -270,60 +240,6 @@ def run(args) -> int:
     print(strict_json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
                       "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
     return 0
-
-
-def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> TeacherCache:
-    """The frozen model's states of every training window, on disk: filled now where missing (a progress bar;
-    an interrupted fill resumes), then read by every step."""
-    from tqdm import tqdm
-
-    hidden = int(split.model.config.hidden_size)
-    spec = CacheSpec(name, args.m, args.seq_len, len(train), hidden, args.cache_dtype,
-                     CacheSpec.digest_of(train), str(next(split.model.parameters()).dtype).removeprefix("torch."))
-    cache = TeacherCache(Path(args.cache) if args.cache else out / "teacher-cache", spec)
-    if not cache.complete:
-        gb = 2 * len(train) * args.seq_len * hidden * (2 if args.cache_dtype == "float16" else 4) / 1e9
-        print(f"hat-distill: caching the teacher's states of {len(train)} windows ({gb:.2f} GB) in {cache.path}",
-              file=sys.stderr)
-        with tqdm(total=len(train), initial=cache.done, desc="teacher", unit="window") as bar:
-            cache.fill(split, train, args.batch, bar.update)
-    return cache
-
-
-def etas(text: str) -> List[float]:
-    """"0.3,0.8" → [0.3, 0.8]; ValueError for a value outside (0, 1)."""
-    out = []
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        try:
-            eta = float(item)
-        except ValueError:
-            raise ValueError(f"--eta-sweep: {item!r} is not a number") from None
-        if not 0 < eta < 1:
-            raise ValueError(f"--eta-sweep: η must be in (0, 1), got {eta}")
-        out.append(eta)
-    return out
-
-
-def vocab_ranking(model, tokenizer, train: List[List[int]]):
-    """The training windows' tokens by frequency, the end-of-sequence ids first (hat_split.models.adapter)."""
-    eos = tokenizer.eos_token_id
-    first = [eos] if isinstance(eos, int) else list(eos or [])
-    return rank_vocab(train, int(model.lm_head.weight.shape[0]), first)
-
-
-def acceptance(split, adapter, tokenizer, args, eta: float, draft_ids=None) -> dict:
-    """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round, on ShareGPT
-    conversations (templated) and on HumanEval problems of the evaluation split (raw completion prompts)."""
-
-    eos = tokenizer.eos_token_id
-    sets = {"sharegpt": long_chat_prompts(tokenizer, args.eval_prompts, 32, 512),
-            "humaneval": [encode(tokenizer, p.text, p.chat)
-                          for p in humaneval_prompts(min(args.eval_prompts, HUMANEVAL_SPLIT))]}
-    return {name: local_accept_length(split, adapter, prompts, args.eval_tokens, eta, args.max_draft,
-                                      frozenset([eos] if eos is not None else []), draft_ids)
-            for name, prompts in sets.items()}
 
 
 if __name__ == "__main__":

@@ -267,11 +267,13 @@ class SplitModel:
             raise ValueError("run_input needs at least one token")
         return self.input.forward(cache, self.embed(tokens))
 
-    def run_output(self, cache: PartCache, hidden: Any, n_logits: Optional[int] = None, rows: Any = None) -> Any:
+    def run_output(self, cache: PartCache, hidden: Any, n_logits: Optional[int] = None, rows: Any = None,
+                   features: bool = False) -> Any:
         """Float32 logits `# [n_logits, vocab]` of the last n_logits positions of deep hidden states `# [1, n, hidden]`.
 
         The tail layers (if any) see every position (their cache must stay complete); norm and head only the last
-        n_logits (default: all). rows: `head_rows` of a token subset, for logits over that subset only.
+        n_logits (default: all). rows: `head_rows` of a token subset, for logits over that subset only. features:
+        return (logits, the normed features `# [1, n, hidden]` of every position: what the head reads).
         """
         import torch
 
@@ -283,6 +285,10 @@ class SplitModel:
             hidden = self.output.forward(cache, hidden)
         else:
             cache.length += n
+        if features:
+            with torch.inference_mode():
+                normed = self.model.model.norm(hidden)
+            return lm_head_logits(self.model, normed[:, n - n_logits:], rows=rows)[0], normed
         if n_logits == 0:
             return torch.zeros(0, self.model.config.vocab_size if rows is None else rows.shape[0],
                                device=hidden.device)

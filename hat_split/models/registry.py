@@ -455,12 +455,13 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def default_adapter_dir(model: str, m: int, tail: int = 0) -> Path:
-    """runs/adapters/NAME-mM[-tT], where hat-distill writes an adapter and the benchmarks look for it. NAME is the
-    registry name, or the HF directory's or the .gguf file's name; only a .gguf suffix is dropped, since a registry
-    name's dots (qwen2.5-coder-1.5b) are part of it."""
+def default_adapter_dir(model: str, m: int, tail: int = 0, drafter: str = "adapter") -> Path:
+    """runs/adapters/NAME-mM[-tT][-feature], where hat-distill writes a draft module (Λ, or the feature drafter) and
+    the benchmarks look for it. NAME is the registry name, or the HF directory's or the .gguf file's name; only a
+    .gguf suffix is dropped, since a registry name's dots (qwen2.5-coder-1.5b) are part of it."""
     name = Path(model).name.removesuffix(".gguf")
-    return Path("runs/adapters") / (f"{name}-m{m}" + (f"-t{tail}" if tail else ""))
+    return Path("runs/adapters") / (f"{name}-m{m}" + (f"-t{tail}" if tail else "")
+                                    + ("" if drafter == "adapter" else f"-{drafter}"))
 
 
 __all__ = [

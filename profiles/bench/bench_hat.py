@@ -4,7 +4,9 @@ with its distilled adapter, over emulated WiFi links, in one run.
 Rows (protocol, prompt chunking, parallel drafting), as Table 5:
   U-shape (ushape, one chunk), +SD (hat, one chunk, no PD), +PC (ushape, chunked), +SD+PC (hat, chunked, no PD),
   +SD+PD (hat, one chunk, PD), HAT (hat, chunked, PD); and HAT int8: HAT with 8-bit hidden states on the wire;
-  with `--draft-vocab N`, "HAT vNk": HAT drafting over the adapter's N most frequent tokens (beyond the paper).
+  with `--draft-vocab N`, "HAT vNk": HAT drafting over the adapter's N most frequent tokens (beyond the paper);
+  with `--feature-drafter DIR`, "+SD F" and "HAT F" (and "HAT F vNk"): the same rows drafting with the feature drafter
+  (hat_split.models.feature_drafter) instead of Λ, and Table 4 for it beside Λ's.
 Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
 Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
 interleaved prompt by prompt, the order of the rows (and backends) rotating by one per prompt (stats.rotated), so
@@ -71,6 +73,8 @@ def add_parser(sub) -> None:
     s.add_argument("--model", default="qwen2.5-coder-1.5b")
     s.add_argument("--m", type=int, default=2, help="layers of the device's input part")
     s.add_argument("--adapter", default="", help="hat-distill artifact (default runs/adapters/<model>-m<m>)")
+    s.add_argument("--feature-drafter", default="", metavar="DIR",
+                   help="a `hat-distill --drafter feature` directory: adds the rows +SD F, HAT F (and HAT F vNk)")
     s.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT conversation prompts")
     s.add_argument("--min-prompt-tokens", type=int, default=300)
     s.add_argument("--max-prompt-tokens", type=int, default=2000)
@@ -229,6 +233,7 @@ def run(args) -> int:
     rows = dict(VARIANTS)
     if args.draft_vocab:  # beyond the paper: the draft's head over the data's most frequent tokens
         rows[vocab_row(args.draft_vocab)] = ("hat", {**VARIANTS["HAT"][1], "draft_vocab": args.draft_vocab})
+    feature_meta = feature_rows(rows, args.feature_drafter, args.draft_vocab)
     variants = names(args.variants, VARIANTS, "variant") + [v for v in rows if v not in VARIANTS]
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
@@ -243,7 +248,10 @@ def run(args) -> int:
     params = SamplingParams(args.temperature)
     report: dict = {"args": vars(args), "adapter": adapter, "adapter_record": adapter_meta.get("record"),
                     "adapter_provenance": adapter_meta.get("provenance"),
-                    "trained_parameters": adapter_meta.get("params"), "device": device, "links": {}, "tables": {}}
+                    "trained_parameters": adapter_meta.get("params"), "device": device, "links": {}, "tables": {},
+                    "feature_drafter": args.feature_drafter or None,
+                    "feature_record": feature_meta.get("record"), "feature_provenance": feature_meta.get("provenance"),
+                    "feature_parameters": feature_meta.get("params")}
     print(f"hat-bench hat: the device is emulated {device['slowdown']:.2f}x slower than the cloud "
           f"({device['source']}); {cores_text(device)}", flush=True)
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -304,19 +312,40 @@ def run(args) -> int:
     return 0
 
 
+FEATURE_SUFFIX = " F"  # the rows drafting with the feature drafter
+
+
+def feature_rows(rows: dict, directory: str, draft_vocab: int) -> dict:
+    """Add the feature drafter's rows (+SD F, HAT F, and HAT F vNk with a draft vocabulary) to `rows`; its record
+    (drafter.json), or {} without one. ValueError when the directory holds no feature drafter."""
+    if not directory:
+        return {}
+    from hat_split.models.feature_drafter import read_feature_meta
+
+    meta = read_feature_meta(directory)
+    for name in ("+SD", "HAT"):
+        protocol, fields = VARIANTS[name]
+        rows[name + FEATURE_SUFFIX] = (protocol, {**fields, "adapter": directory})
+    if draft_vocab:
+        rows[f"HAT{FEATURE_SUFFIX} v{vocab_row(draft_vocab).split(' v')[1]}"] = (
+            "hat", {**VARIANTS["HAT"][1], "adapter": directory, "draft_vocab": draft_vocab})
+    return meta
+
+
 def table4(report: dict) -> dict:
-    """Per link: accept length and decode speedup of +SD over U-shape, with Λ's trained parameters; the speedup's
-    interval from the per-prompt ratios (U-shape's TBT over +SD's on the same prompt)."""
+    """Per link (and drafter): accept length and decode speedup of +SD over U-shape, with the draft module's trained
+    parameters; the speedup's interval from the per-prompt ratios (U-shape's TBT over +SD's on the same prompt)."""
     out = {}
     for link, t in report["tables"].items():
-        if "+SD" in t and "U-shape" in t and report["trained_parameters"]:
-            runs = report["links"][link]["runs"]
-            out[link] = {"accept_length": t["+SD"]["accept_length"], "tokens_per_round": t["+SD"]["tokens_per_round"],
-                         "decode_speedup": t["U-shape"]["tbt_s"] / t["+SD"]["tbt_s"],
-                         "trained_parameters": report["trained_parameters"],
-                         "accept_length_ci": t["+SD"].get("accept_length_ci"),
-                         "decode_speedup_ci": paired_ratio([r["tbt_s"] for r in runs["U-shape"]],
-                                                           [r["tbt_s"] for r in runs["+SD"]])}
+        for row, params, key in (("+SD", report["trained_parameters"], link),
+                                 ("+SD" + FEATURE_SUFFIX, report.get("feature_parameters"), f"{link}, feature")):
+            if row in t and "U-shape" in t and params:
+                runs = report["links"][link]["runs"]
+                out[key] = {"accept_length": t[row]["accept_length"], "tokens_per_round": t[row]["tokens_per_round"],
+                            "decode_speedup": t["U-shape"]["tbt_s"] / t[row]["tbt_s"], "trained_parameters": params,
+                            "accept_length_ci": t[row].get("accept_length_ci"),
+                            "decode_speedup_ci": paired_ratio([r["tbt_s"] for r in runs["U-shape"]],
+                                                              [r["tbt_s"] for r in runs[row]])}
     return out
 
 
@@ -327,10 +356,10 @@ def print_tables(report: dict) -> None:
               f"than the cloud ({d['source']}); {cores_text(d)}")
         cis = [s[key] for s in t.values() for key in ("ttft_s_ci", "tbt_s_ci")]
         print(f"  TTFT, TBT: mean over requests ± the larger half of its interval ({ci_note(cis)})")
-        print(f"  {'row':9s} {'TTFT ms':>16s} {'Δ':>6s} {'TBT ms':>14s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
+        print(f"  {'row':11s} {'TTFT ms':>16s} {'Δ':>6s} {'TBT ms':>14s} {'Δ':>6s} {'acc/rd':>6s} {'tok/rd':>6s} "
               f"{'up B/tok':>9s} {'chunks':>6s} {'PD hit':>6s} same")
         for name, s in t.items():
-            print(f"  {name:9s} {ci_text(s['ttft_s_ci'], '{:.1f}', 1e3, with_n=False):>16s} "
+            print(f"  {name:11s} {ci_text(s['ttft_s_ci'], '{:.1f}', 1e3, with_n=False):>16s} "
                   f"{100 * s.get('ttft_change', 0):+5.0f}% {ci_text(s['tbt_s_ci'], '{:.1f}', 1e3, with_n=False):>14s} "
                   f"{100 * s.get('tbt_change', 0):+5.0f}% {s.get('accept_length', 0):6.2f} "
                   f"{s['tokens_per_round']:6.2f} "

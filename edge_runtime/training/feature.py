@@ -1,0 +1,159 @@
+"""`hat-distill --drafter feature`: train the feature drafter (hat_split.models.feature_drafter) over the teacher cache
+with the training-time test, then evaluate it like Λ (held-out windows, greedy HAT acceptance) and write its artifact.
+
+    hat-distill --drafter feature --model qwen2.5-coder-1.5b --m 2 --windows 1200 --steps 600 --unroll 3
+
+The cache is hat-distill's own (the same windows, the same spec: one cache serves Λ and the feature drafter). The
+drafter trains in float32 master weights; the frozen model's matmuls autocast to its dtype. The CE term runs over the
+`--train-vocab` most frequent tokens of the training data (the teacher's distribution renormalised on them): the head's
+vocabulary-wide matmul is most of a step otherwise, and the device drafts over such a subset anyway
+(split.draft_vocab). A checkpoint every --checkpoint-every steps; --resume continues with the same data order.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from edge_runtime.training.common import (TRAIN_FROM, acceptance, etas, lr_at, print_acceptance, teacher_cache,
+                                          visit_order, vocab_ranking, windows)
+from hat_split.files import strict_json
+from hat_split.models.adapter import load_draft_vocab, save_draft_vocab
+from hat_split.models.distill import autocast, ce_positions, teacher
+from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_drafter, read_feature_meta,
+                                              save_feature_drafter, token_states, ttt_loss)
+from hat_split.models.partition import head_rows
+
+CHECKPOINT = "checkpoint.pt"
+RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "seed", "unroll", "token_input", "train_vocab")
+
+
+def window_states(cache: Any, split: Any, drafter: FeatureDrafter, train: List[List[int]], idx: List[int]):
+    """(features, token states) `# [B, n, hidden]` of cached windows `idx`."""
+    import torch
+
+    t = cache.teacher(split, idx)
+    tokens = torch.tensor([train[i] for i in idx], dtype=torch.long)
+    return t.features, token_states(split, drafter, t.shallow, tokens)
+
+
+def evaluate(split: Any, drafter: FeatureDrafter, eval_sets: List[Any], unroll: int, w_ce: float, rows: Any
+             ) -> Dict[str, Any]:
+    """Held-out loss and top-1 agreement (per unroll step) of the drafter with the target's own next token."""
+    import torch
+
+    stack = drafter.stack(split)
+    sums: Dict[str, Any] = {"loss": 0.0, "smooth_l1": 0.0, "ce": 0.0, "top1": 0.0, "top1_steps": [0.0] * unroll}
+    with torch.no_grad(), autocast(split):
+        for feats, states in eval_sets:
+            r = ttt_loss(split, drafter, stack, feats, states, unroll, w_ce, rows, train=False)
+            for k in ("smooth_l1", "ce", "top1"):
+                sums[k] += r[k] / len(eval_sets)
+            sums["loss"] += float(r["loss"]) / len(eval_sets)
+            sums["top1_steps"] = [a + b / len(eval_sets) for a, b in zip(sums["top1_steps"], r["top1_steps"])]
+    return sums
+
+
+def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
+    """The feature drafter's training and evaluation (hat-distill's arguments, model and split)."""
+    import torch
+    from tqdm import tqdm
+
+    from hat_split.files.provenance import provenance
+
+    model, tok = loaded.model, loaded.tokenizer
+    torch.manual_seed(args.seed)
+    stamp = provenance()
+    if args.eval_only:
+        drafter = load_feature_drafter(out, split)
+        meta = read_feature_meta(out)
+        record, stamp["weights_from"] = meta["record"], meta.get("provenance")
+    else:
+        drafter = FeatureDrafter(model, args.m, args.token_input).float()
+        opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
+        n_windows = args.windows or args.steps * args.batch
+        print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m}: the feature drafter ({args.token_input}) has "
+              f"{drafter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
+              file=sys.stderr)
+        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
+        ranked = vocab_ranking(model, tok, train)
+        out.mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(out, ranked)
+        rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
+        start, history = 0, []
+        ckpt = out / CHECKPOINT
+        if args.resume:
+            if not ckpt.is_file():
+                raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
+            state = torch.load(ckpt, weights_only=False)
+            differ = [k for k in RESUME_KEYS if state["args"].get(k) != vars(args)[k]]
+            if differ:
+                raise ValueError(f"{ckpt} was made with other " + ", ".join(
+                    f"--{k.replace('_', '-')} ({state['args'].get(k)!r} there, {vars(args)[k]!r} here)"
+                    for k in differ))
+            drafter.load_state_dict(state["drafter"])
+            opt.load_state_dict(state["optimizer"])
+            start, history = state["step"], state["history"]
+            torch.set_rng_state(state["torch_rng"])
+        order = visit_order(len(train), args.steps * args.batch, args.seed)
+        t0 = time.perf_counter()
+        cache = teacher_cache(args, out, loaded.name, split, train)
+        cache_s = time.perf_counter() - t0
+        stack = drafter.stack(split)
+        t0 = time.perf_counter()
+        bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="feature drafter", unit="step")
+        drafter.train()
+        for step in bar:
+            idx = order[step * args.batch:(step + 1) * args.batch]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args.lr)
+            feats, states = window_states(cache, split, drafter, train, idx)
+            where = ce_positions(feats.shape[:2], args.ce_fraction,
+                                 torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+            with autocast(split):
+                r = ttt_loss(split, drafter, stack, feats, states, args.unroll, args.w_ce, rows, where)
+            opt.zero_grad(set_to_none=True)
+            r["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            history.append([step, float(r["loss"].detach()), r["smooth_l1"], r["ce"], r["top1"],
+                            r["top1_steps"]])
+            bar.set_postfix(loss=f"{float(r['loss'].detach()):.3f}", top1=f"{r['top1']:.3f}",
+                            last=f"{r['top1_steps'][-1]:.3f}")
+            if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+                torch.save({"args": vars(args), "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
+                            "step": step + 1, "history": history, "torch_rng": torch.get_rng_state()},
+                           out / (CHECKPOINT + ".tmp"))
+                (out / (CHECKPOINT + ".tmp")).replace(ckpt)
+        bar.close()
+        drafter.eval().requires_grad_(False)
+        drafter.to(next(model.parameters()).dtype)
+        record = {"drafter": "feature", "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
+                  "lr": args.lr, "w_ce": args.w_ce, "ce_fraction": args.ce_fraction, "unroll": args.unroll,
+                  "token_input": args.token_input, "train_vocab": args.train_vocab, "dtype": dtype,
+                  "windows": len(train), "train_tokens": args.steps * args.batch * args.seq_len,
+                  "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
+                  "teacher_cache": {"dtype": args.cache_dtype, "seconds": cache_s}, "history": history}
+    t_eval = time.perf_counter()
+    rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
+    eval_windows = windows(tok, args.eval_windows, args.seq_len, 0)
+    eval_sets = []
+    for w in eval_windows:
+        t = teacher(split, torch.tensor([w], dtype=torch.long))
+        eval_sets.append((t.features, token_states(split, drafter, t.shallow, torch.tensor([w]))))
+    record["eval"] = evaluate(split, drafter, eval_sets, args.unroll, args.w_ce, rows)
+    print(f"held-out windows: loss {record['eval']['loss']:.4f}, top-1 agreement {record['eval']['top1']:.3f} "
+          "(per unroll step " + ", ".join(f"{x:.3f}" for x in record["eval"]["top1_steps"]) + ")", file=sys.stderr)
+    draft_ids = load_draft_vocab(out, args.draft_vocab) if args.draft_vocab else None
+    suffix = f"_draft_vocab_{args.draft_vocab}" if args.draft_vocab else ""
+    record["acceptance" + suffix] = acceptance(split, drafter, tok, args, args.eta, draft_ids)
+    sweep = {eta: acceptance(split, drafter, tok, args, eta, draft_ids) for eta in etas(args.eta_sweep)}
+    if sweep:
+        record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
+    print_acceptance(args, record["acceptance" + suffix], sweep)
+    record["eval_seconds"] = time.perf_counter() - t_eval
+    save_feature_drafter(out, drafter, split, loaded.name, record, stamp)
+    print(strict_json.dumps({"out": str(out), "params": drafter.n_params(), "eval": record["eval"],
+                             "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
+    return 0

@@ -1,0 +1,206 @@
+"""The feature drafter (hat_split.models.feature_drafter): its incremental steps equal one pass over the same pairs,
+each unrolled training step equals the inference-time draft step it stands for, and training really learns (tiny
+random models, float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hat_split.models.distill import teacher
+from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_drafter, save_feature_drafter,
+                                              shift_features, ttt_forward, ttt_loss)
+from hat_split.models.partition import PartCache, SplitModel
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def split():
+    return SplitModel(tiny_model(2, layers=3), 1)
+
+
+def _window(split, n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, split.model.config.vocab_size, (1, n), generator=gen)
+    t = teacher(split, tokens)
+    return t.features, t.shallow
+
+
+def _perturbed(split, seed=5, token_input="shallow"):
+    torch.manual_seed(seed)
+    d = FeatureDrafter(split.model, split.m, token_input)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return d.eval()
+
+
+def test_incremental_steps_equal_one_pass(split):
+    feats, shallow = _window(split)
+    d = _perturbed(split)
+    stack = d.stack(split)
+    whole = ttt_forward(d, stack, feats, shallow, 1, train=False)[0]
+    cache, pairs = PartCache(), shift_features(feats)
+    steps = [d.step(stack, cache, pairs[:, :3], shallow[:, :3])]  # a chunk, then one pair at a time
+    for p in range(3, feats.shape[1]):
+        steps.append(d.step(stack, cache, pairs[:, p:p + 1], shallow[:, p:p + 1]))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    assert cache.length == feats.shape[1]
+
+
+@pytest.mark.parametrize("j", [1, 2, 3])
+def test_each_unrolled_step_is_the_draft_step_it_stands_for(split, j):
+    """Row p of unroll step j = inference: the true pairs up to p − j as a chunk, then j draft steps on the drafter's
+    own predicted features (the window's tokens as the drafts)."""
+    feats, shallow = _window(split, n=10, seed=1)
+    d = _perturbed(split, seed=6)
+    stack = d.stack(split)
+    unrolled = ttt_forward(d, stack, feats, shallow, j + 1, train=False)
+    pairs = shift_features(feats)
+    for p in (j, 6, 9):
+        cache = PartCache()
+        fhat = d.step(stack, cache, pairs[:, :p - j + 1], shallow[:, :p - j + 1])[:, -1:]
+        for k in range(1, j + 1):
+            q = p - j + k
+            fhat = d.step(stack, cache, fhat, shallow[:, q:q + 1])
+        torch.testing.assert_close(fhat[0, 0], unrolled[j][0, p], rtol=1e-4, atol=1e-5)
+
+
+def test_training_learns_and_the_artifact_round_trips(split, tmp_path):
+    """Fifty steps of the training-time test on the tiny model's own features reach a top-1 agreement the untrained
+    drafter does not; saved and loaded, the drafter computes the same; another cut is refused in one line."""
+    torch.manual_seed(0)
+    d = FeatureDrafter(split.model, split.m).float()
+    stack = d.stack(split)
+    batches = [_window(split, n=24, seed=s) for s in range(4)]
+    feats = torch.cat([b[0] for b in batches])
+    shallow = torch.cat([b[1] for b in batches])
+
+    def top1():
+        with torch.no_grad():
+            return ttt_loss(split, d, stack, feats, shallow, 2, 0.1, train=False)["top1"]
+    before = top1()
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    for _ in range(50):
+        r = ttt_loss(split, d, stack, feats, shallow, 2, 0.1)
+        opt.zero_grad()
+        r["loss"].backward()
+        opt.step()
+    after = top1()
+    assert after > before + 0.3, (before, after)
+    save_feature_drafter(tmp_path / "fd", d, split, "tiny", {"steps": 50})
+    loaded = load_feature_drafter(tmp_path / "fd", split)
+    a = ttt_forward(d.eval(), stack, feats[:1], shallow[:1], 1, train=False)[0]
+    b = ttt_forward(loaded, loaded.stack(split), feats[:1], shallow[:1], 1, train=False)[0]
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="trained for the cut m=1, tail=0; this split is m=2, tail=0"):
+        load_feature_drafter(tmp_path / "fd", SplitModel(split.model, 2))
+
+
+def _reference_first_draft(split, d, tokens):
+    """The drafter's first draft after committed `tokens`, computed from nothing: the full model's features and the
+    input part's shallow states (or the embeddings) of the whole sequence, one pass of the drafter, the head's
+    argmax."""
+    from hat_split.models.feature_drafter import draft_logits, token_states
+
+    ids = torch.tensor([tokens])
+    t = teacher(split, ids)
+    fhat = ttt_forward(d, d.stack(split), t.features, token_states(split, d, t.shallow, ids), 1, train=False)[0]
+    return int(draft_logits(split.model, fhat[:, -1]).argmax(-1))
+
+
+@pytest.mark.parametrize("token_input", ["shallow", "embedding"])
+def test_each_rounds_first_draft_equals_the_drafter_run_from_nothing(split, token_input):
+    """Greedy HAT with the middle part in this process: every round's first draft is what the drafter computes from
+    the committed sequence's true features alone (the runtime's chunks, crops and kept pairs lose nothing; with
+    embeddings, the drafts' shallow states computed at the upload), and the tokens are the full model's."""
+    from edge_runtime.backends.split_parts import TorchSplitParts
+    from edge_runtime.split_drafter import SplitDrafter
+    from hat_split.math.sampling import SamplingParams
+
+    d = _perturbed(split, seed=8, token_input=token_input)
+    dev = SplitDrafter(TorchSplitParts(split, d), SamplingParams(0.0), seed=0)
+    prompt = [5, 17, 99, 3, 250, 7, 41, 8]
+    dev.start(prompt)
+    middle = PartCache()
+    deep = split.middle.forward(middle, dev.prompt_states(len(prompt)))
+    dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
+    rounds = 0
+    while len(dev.tokens) < len(prompt) + 30:
+        state = dev.draft(4, 0.0)
+        assert state.drafts[0] == _reference_first_draft(split, d, dev.tokens), rounds
+        middle.crop(state.base)
+        deep = split.middle.forward(middle, dev.upload_states(state))
+        n, token = dev.verify(state, dev.target_logits(deep, state.base, len(state.drafts) + 1))
+        dev.commit(state.drafts[:n] + [token], n)
+        rounds += 1
+    full = split.model.generate(torch.tensor([prompt]), max_new_tokens=len(dev.tokens) - len(prompt),
+                                do_sample=False, pad_token_id=0, eos_token_id=None)[0].tolist()
+    assert dev.tokens == full
+    assert max(dev.lam.length, 0) <= len(dev.tokens) and set(dev.feats) <= set(range(-1, len(dev.tokens)))
+
+
+@pytest.mark.parametrize("chunk,token_input", [(0, "shallow"), (3, "shallow"), (3, "embedding")])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_hat_with_the_feature_drafter_gives_the_full_models_tokens(tiny_server, tiny_pair, chunk, token_input,
+                                                                  parallel, pd_driven):
+    """Through a cloud: sequential and parallel drafting (driven: every round drafts candidates), chunked and
+    whole prefill, tokens as shallow states or embeddings; greedy tokens are the full model's."""
+    from hat_split.math.sampling import SamplingParams
+    from tests.test_hat import _greedy, _run_split
+
+    model = tiny_pair[1].model
+    d = _perturbed(SplitModel(model, 1), seed=9, token_input=token_input)
+    res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), adapter=d, draft_stop_prob=0.0, draft_len=4,
+                     chunk_tokens=chunk, parallel_draft=parallel, pd_topk=2)
+    assert res.tokens == _greedy(model, 20)
+    assert res.drafted > 0
+
+
+@pytest.mark.real_models
+def test_hat_with_the_feature_drafter_across_processes_on_the_real_smollm2_cut(smollm2, tmp_path):
+    """`hat-cloud serve` and `hat-edge generate --adapter DIR` (a feature drafter's directory) as processes: hat's
+    greedy tokens are the full model's on the real SmolLM2-135M cut at m = 2, float32, chunked prefill."""
+    from tests.test_hat import _split_across_processes
+
+    _split_across_processes(smollm2, tmp_path, [], ("ushape", "hat"), drafter="feature")
+
+
+def test_a_feature_drafter_is_refused_where_it_cannot_run(split, tmp_path):
+    """A bundle device and the token protocols' adapter draft refuse a feature drafter's directory in one line; the
+    export reading it as Λ says what it is."""
+    from edge_runtime.config import SplitConfig
+    from edge_runtime.engine import BundleEngine
+    from hat_split.models.adapter import load_adapter
+
+    save_feature_drafter(tmp_path / "fd", FeatureDrafter(split.model, split.m), split, "tiny", {"steps": 0})
+    engine = BundleEngine(None, None, 0, "tiny", "", frozenset())
+    with pytest.raises(ValueError, match="holds a feature drafter: it runs on the torch backend"):
+        engine.split_parts(True, SplitConfig(m=1, adapter=str(tmp_path / "fd")))
+    with pytest.raises(ValueError, match="holds a feature drafter, not HAT's adapter"):
+        load_adapter(tmp_path / "fd", split)
+
+
+@pytest.mark.parametrize("token_input", ["shallow", "embedding"])
+def test_parallel_drafting_with_the_feature_drafter_changes_timing_not_output(tiny_server, tiny_pair, token_input,
+                                                                             pd_driven):
+    """Over a link with 15 ms of delay each way (time to draft candidates while the cloud works): rounds that adopt a
+    parallel-drafted continuation (its pairs on predicted features, cropped back after) give the tokens drafting
+    without it gives, greedy and sampled (position-keyed randomness); some rounds do adopt."""
+    from hat_split.math.sampling import SamplingParams
+    from testbed.link_emulator import LinkEmulator
+    from testbed.links import LinkProfile
+    from tests.test_hat import _run_split
+
+    model = tiny_pair[1].model
+    d = _perturbed(SplitModel(model, 1), seed=9, token_input=token_input)
+    hits = 0
+    host, port = tiny_server.endpoint.split("//")[1].rsplit(":", 1)
+    with LinkEmulator(LinkProfile("pd-test", delay_s=0.015), (host, int(port))) as link:
+        for params in (SamplingParams(0.0), SamplingParams(1.0)):
+            kw = dict(n=30, seed=7, adapter=d, draft_stop_prob=0.3)
+            on = _run_split(tiny_server, model, "hat", params, parallel_draft=True, pd_topk=4, endpoint=link.address,
+                            **kw)
+            off = _run_split(tiny_server, model, "hat", params, parallel_draft=False, **kw)
+            assert on.tokens == off.tokens and on.pd_steps > 0
+            hits += on.pd_hits
+    assert hits > 0
