@@ -253,7 +253,7 @@ def feature_target(tmp_path_factory, split_target):
     loaded = load_model(str(path), dtype="float32")
     split = SplitModel(loaded.model, 1)
     torch.manual_seed(0)
-    drafter = FeatureDrafter(loaded.model, 1).eval().requires_grad_(False)
+    drafter = FeatureDrafter(loaded.model).eval().requires_grad_(False)
     hidden = loaded.model.config.hidden_size
     with torch.no_grad():
         drafter.fc.weight[:, hidden:].normal_(0.0, FC_SCALE / hidden ** 0.5)

@@ -27,7 +27,7 @@ def _window(split, n=12, seed=0):
 
 def _perturbed(split, seed=5, token_input="shallow"):
     torch.manual_seed(seed)
-    d = FeatureDrafter(split.model, split.m, token_input)
+    d = FeatureDrafter(split.model, token_input)
     with torch.no_grad():
         for p in d.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -69,7 +69,7 @@ def test_training_learns_and_the_artifact_round_trips(split, tmp_path):
     """Fifty steps of the training-time test on the tiny model's own features reach a top-1 agreement the untrained
     drafter does not; saved and loaded, the drafter computes the same; another cut is refused in one line."""
     torch.manual_seed(0)
-    d = FeatureDrafter(split.model, split.m).float()
+    d = FeatureDrafter(split.model).float()
     stack = d.stack(split)
     batches = [_window(split, n=24, seed=s) for s in range(4)]
     feats = torch.cat([b[0] for b in batches])
@@ -172,7 +172,7 @@ def test_a_feature_drafter_is_refused_where_it_cannot_run(split, tmp_path):
     from edge_runtime.engine import BundleEngine
     from hat_split.models.adapter import load_adapter
 
-    save_feature_drafter(tmp_path / "fd", FeatureDrafter(split.model, split.m), split, "tiny", {"steps": 0})
+    save_feature_drafter(tmp_path / "fd", FeatureDrafter(split.model), split, "tiny", {"steps": 0})
     engine = BundleEngine(None, None, 0, "tiny", "", frozenset())
     with pytest.raises(ValueError, match="holds a feature drafter: it runs on the torch backend"):
         engine.split_parts(True, SplitConfig(m=1, adapter=str(tmp_path / "fd")))
@@ -204,3 +204,36 @@ def test_parallel_drafting_with_the_feature_drafter_changes_timing_not_output(ti
             assert on.tokens == off.tokens and on.pd_steps > 0
             hits += on.pd_hits
     assert hits > 0
+
+
+@pytest.mark.real_models
+def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2, tmp_path, capsys):
+    """`hat-distill --drafter feature` on SmolLM2-135M cut at m = 2: two steps, then --resume to three continues the
+    same history; a resume with other data order is refused in one line; the artifact loads onto the cut and names
+    what it is."""
+    import json
+
+    from edge_runtime.training.distill import main
+    from hat_split.models.feature_drafter import load_drafter
+    from hat_split.models.registry import default_adapter_dir
+
+    out = tmp_path / "fd"
+    args = ["--drafter", "feature", "--model", "smollm2-135m", "--m", "2", "--batch", "2", "--seq-len", "32",
+            "--windows", "4", "--unroll", "2", "--train-vocab", "64", "--draft-vocab", "64", "--checkpoint-every", "1",
+            "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4", "--out", str(out)]
+    assert main([*args, "--steps", "2"]) == 0
+    first = json.loads((out / "drafter.json").read_text())["record"]["history"]
+    assert main([*args, "--steps", "3", "--resume"]) == 0
+    meta = json.loads((out / "drafter.json").read_text())
+    record = meta["record"]
+    assert len(record["history"]) == 3 and record["history"][0] == first[0]
+    assert record["drafter"] == "feature" and record["unroll"] == 2 and len(record["eval"]["top1_steps"]) == 2
+    assert set(record["acceptance_draft_vocab_64"]) == {"sharegpt", "humaneval"}
+    assert meta["kind"] == "feature" and meta["token_input"] == "shallow"
+    assert len(meta["provenance"]["git_commit"]) == 40
+    capsys.readouterr()
+    assert main([*args, "--steps", "3", "--resume", "--seed", "1"]) == 2
+    assert "was made with other --seed (0 there, 1 here)" in capsys.readouterr().err
+    split = SplitModel(smollm2.model, 2)
+    assert isinstance(load_drafter(out, split), FeatureDrafter)
+    assert default_adapter_dir("smollm2-135m", 2, 0, "feature").as_posix() == "runs/adapters/smollm2-135m-m2-feature"

@@ -425,7 +425,7 @@ def test_no_token_text_or_distribution_crosses_the_link(tiny_server, tiny_pair, 
 
     frames = []
     model = tiny_pair[1].model
-    module = tiny_adapter if drafter == "adapter" else FeatureDrafter(model, 1).eval().requires_grad_(False)
+    module = tiny_adapter if drafter == "adapter" else FeatureDrafter(model).eval().requires_grad_(False)
     res = _run_split(tiny_server, model, "hat", SamplingParams(1.0), seed=1, adapter=module,
                      hidden_format="float16", chunk_tokens=4, tap=lambda d, f: frames.append((d, f)))
     assert res.drafted > 0
@@ -614,7 +614,7 @@ def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "
     model = loaded.model
     split = SplitModel(model, 2)
     if drafter == "feature":
-        save_feature_drafter(tmp_path / "adapter", FeatureDrafter(model, 2).eval(), split, loaded.name, {"steps": 0})
+        save_feature_drafter(tmp_path / "adapter", FeatureDrafter(model).eval(), split, loaded.name, {"steps": 0})
     else:
         save_adapter(tmp_path / "adapter", Adapter(model, 2).eval(), split, loaded.name, {"steps": 0})
     ids = loaded.tokenizer(prompt)["input_ids"]

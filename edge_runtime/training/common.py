@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Callable, List, Sequence, Tuple
 
 from edge_runtime.split_drafter import local_accept_length
 from hat_split.models.adapter import rank_vocab
@@ -118,3 +118,81 @@ def print_acceptance(args, at_eta: dict, sweep: dict) -> None:
             print(f"held-out acceptance on {name} (greedy, η={eta}{vocab}): {a['accepted_per_round']:.2f} accepted "
                   f"drafts per round, {a['tokens_per_round']:.2f} tokens per round over {a['rounds']} rounds",
                   file=sys.stderr)
+
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def resume(out: Path, args, keys: Sequence[str], module: Any, opt: Any) -> Tuple[int, list]:
+    """The step and history of OUT/checkpoint.pt, with `module`'s and `opt`'s state and torch's random state restored
+    from it; ValueError naming every argument in `keys` the checkpoint was made with otherwise."""
+    import torch
+
+    ckpt = out / CHECKPOINT
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
+    state = torch.load(ckpt, weights_only=False)
+    differ = [k for k in keys if state["args"].get(k) != vars(args)[k]]
+    if differ:
+        raise ValueError(f"{ckpt} was made with other " + ", ".join(
+            f"--{k.replace('_', '-')} ({state['args'].get(k)!r} there, {vars(args)[k]!r} here)" for k in differ))
+    # checkpoints written before this function keep the weights under "adapter" or "drafter"
+    module.load_state_dict(next(state[k] for k in ("module", "adapter", "drafter") if k in state))
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["step"], state["history"]
+
+
+def save_checkpoint(out: Path, args, module: Any, opt: Any, step: int, history: list) -> None:
+    """OUT/checkpoint.pt, written whole or not at all."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"args": vars(args), "module": module.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "history": history, "torch_rng": torch.get_rng_state()}, out / (CHECKPOINT + ".tmp"))
+    (out / (CHECKPOINT + ".tmp")).replace(out / CHECKPOINT)
+
+
+def train_steps(args, out: Path, module: Any, opt: Any, order: List[int], start: int, history: list,
+                loss_at: Callable[[int, List[int], Any], dict], desc: str) -> None:
+    """Steps start .. args.steps: the windows `order` gives each step, the cosine learning rate, `loss_at(step, idx,
+    generator)` (its "loss" a graph, and floats "smooth_l1", "ce", "top1", maybe "top1_steps"), the gradient clipped
+    to norm 1, a progress bar, the history row [step, loss, smooth_l1, ce, top1(, top1_steps)] and a checkpoint every
+    --checkpoint-every steps and at the end. `generator` seeds the step's CE positions."""
+    import torch
+    from tqdm import tqdm
+
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=desc, unit="step")
+    module.train()
+    for step in bar:
+        idx = order[step * args.batch:(step + 1) * args.batch]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        r = loss_at(step, idx, torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+        opt.zero_grad(set_to_none=True)
+        r["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        loss = float(r["loss"].detach())
+        extra = [r["top1_steps"]] if "top1_steps" in r else []
+        history.append([step, loss, r["smooth_l1"], r["ce"], r["top1"], *extra])
+        bar.set_postfix(loss=f"{loss:.3f}", top1=f"{r['top1']:.3f}",
+                        **({"last": f"{r['top1_steps'][-1]:.3f}"} if extra else {}))
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            save_checkpoint(out, args, module, opt, step + 1, history)
+    bar.close()
+
+
+def held_out_acceptance(split, module: Any, tokenizer, args, out: Path) -> dict:
+    """The record's acceptance at --eta (and the --eta-sweep), with the draft vocabulary when --draft-vocab asks
+    (keys suffixed `_draft_vocab_N`: kept apart from the whole vocabulary's figures); printed as it goes."""
+    from hat_split.models.adapter import load_draft_vocab
+
+    draft_ids = load_draft_vocab(out, args.draft_vocab) if args.draft_vocab else None
+    suffix = f"_draft_vocab_{args.draft_vocab}" if args.draft_vocab else ""
+    record = {"acceptance" + suffix: acceptance(split, module, tokenizer, args, args.eta, draft_ids)}
+    sweep = {eta: acceptance(split, module, tokenizer, args, eta, draft_ids) for eta in etas(args.eta_sweep)}
+    if sweep:
+        record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
+    print_acceptance(args, record["acceptance" + suffix], sweep)
+    return record

@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from edge_runtime.training.common import (TRAIN_FROM, acceptance, etas, lr_at, print_acceptance, teacher_cache,
-                                          visit_order, vocab_ranking, windows)
+from edge_runtime.training.common import (TRAIN_FROM, etas, held_out_acceptance, resume,
+                                          teacher_cache, train_steps, visit_order, vocab_ranking, windows)
 from hat_split.files.provenance import provenance
 from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
-                                      load_draft_vocab, read_adapter_meta, save_adapter, save_draft_vocab)
+                                      read_adapter_meta, save_adapter, save_draft_vocab)
 from hat_split.models.distill import CACHE_DTYPES, ce_positions, student_loss, teacher
 from hat_split.models.feature_drafter import TOKEN_INPUTS
 from hat_split.models.loading import load_model, resolve_dtype
@@ -33,7 +33,6 @@ from hat_split.models.registry import default_adapter_dir
 from hat_split.files import strict_json
 
 DRAFTERS = ("adapter", "feature")  # HAT's Λ (paper 004), or the feature drafter (hat_split.models.feature_drafter)
-CHECKPOINT = "checkpoint.pt"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +117,6 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     import torch
-    from tqdm import tqdm
 
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.windows < 0 or args.draft_vocab < 0:
@@ -154,21 +152,9 @@ def run(args) -> int:
         lam = adapter_stack(split, adapter)
         opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
         start, history = 0, []
-        ckpt = out / CHECKPOINT
         if args.resume:
-            if not ckpt.is_file():
-                raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
-            state = torch.load(ckpt, weights_only=False)
-            differ = [k for k in ("model", "m", "tail", "init", "seq_len", "batch", "windows", "seed")
-                      if state["args"].get(k) != vars(args)[k]]
-            if differ:
-                raise ValueError(f"{ckpt} was made with other " + ", ".join(
-                    f"--{k.replace('_', '-')} ({state['args'].get(k)!r} there, {vars(args)[k]!r} here)"
-                    for k in differ))
-            adapter.load_state_dict(state["adapter"])
-            opt.load_state_dict(state["optimizer"])
-            start, history = state["step"], state["history"]
-            torch.set_rng_state(state["torch_rng"])
+            start, history = resume(out, args, ("model", "m", "tail", "init", "seq_len", "batch", "windows", "seed"),
+                                    adapter, opt)
         n_windows = args.windows or args.steps * args.batch
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m} tail={args.tail}: Λ ({args.init}) has "
               f"{adapter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
@@ -180,32 +166,16 @@ def run(args) -> int:
         cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train)
         cache_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="distil", unit="step")
-        adapter.train()
-        for step in bar:
-            idx = order[step * args.batch:(step + 1) * args.batch]
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, args.steps, args.lr)
+
+        def loss_at(step, idx, generator):
             if cache is not None:
                 t = cache.teacher(split, idx)
             else:
                 t = teacher(split, torch.tensor([train[i] for i in idx], dtype=torch.long))
-            where = ce_positions(t.shallow.shape[:2], args.ce_fraction,
-                                 torch.Generator().manual_seed(args.seed * 1_000_003 + step))
-            r = student_loss(split, lam, t, args.w_ce, where)
-            opt.zero_grad(set_to_none=True)
-            r["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
-            opt.step()
-            history.append([step, float(r["loss"].detach()), r["smooth_l1"], r["ce"], r["top1"]])
-            bar.set_postfix(loss=f"{float(r['loss'].detach()):.3f}", top1=f"{r['top1']:.3f}")
-            if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
-                out.mkdir(parents=True, exist_ok=True)
-                torch.save({"args": vars(args), "adapter": adapter.state_dict(), "optimizer": opt.state_dict(),
-                            "step": step + 1, "history": history, "torch_rng": torch.get_rng_state()},
-                           out / (CHECKPOINT + ".tmp"))
-                (out / (CHECKPOINT + ".tmp")).replace(ckpt)
-        bar.close()
+            return student_loss(split, lam, t, args.w_ce, ce_positions(t.shallow.shape[:2], args.ce_fraction,
+                                                                       generator))
+
+        train_steps(args, out, adapter, opt, order, start, history, loss_at, "distil")
         adapter.eval()
         adapter.to(next(model.parameters()).dtype)
         record = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
@@ -217,19 +187,14 @@ def run(args) -> int:
     if ranked is not None:
         out.mkdir(parents=True, exist_ok=True)
         save_draft_vocab(out, ranked)
-    draft_ids = load_draft_vocab(out, args.draft_vocab) if args.draft_vocab else None
     lam = adapter_stack(split, adapter)
     t_eval = time.perf_counter()
     record["eval"] = evaluate_windows(split, lam, eval_batches, args.w_ce)
     print(f"held-out windows: loss {record['eval']['loss']:.4f}, top-1 agreement {record['eval']['top1']:.3f}",
           file=sys.stderr)
     # measured with a draft vocabulary: kept apart from the whole-vocabulary figures
+    record.update(held_out_acceptance(split, adapter, tok, args, out))
     suffix = f"_draft_vocab_{args.draft_vocab}" if args.draft_vocab else ""
-    record["acceptance" + suffix] = acceptance(split, adapter, tok, args, args.eta, draft_ids)
-    sweep = {eta: acceptance(split, adapter, tok, args, eta, draft_ids) for eta in etas(args.eta_sweep)}
-    if sweep:
-        record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
-    print_acceptance(args, record["acceptance" + suffix], sweep)
     record["eval_seconds"] = time.perf_counter() - t_eval
     if not args.eval_only:
         cached = (record["teacher_cache"] or {}).get("seconds", 0.0)

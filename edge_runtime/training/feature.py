@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from edge_runtime.training.common import (TRAIN_FROM, acceptance, etas, lr_at, print_acceptance, teacher_cache,
-                                          visit_order, vocab_ranking, windows)
+from edge_runtime.training.common import (TRAIN_FROM, held_out_acceptance, resume,
+                                          teacher_cache, train_steps, visit_order, vocab_ranking, windows)
 from hat_split.files import strict_json
 from hat_split.models.adapter import load_draft_vocab, save_draft_vocab
 from hat_split.models.distill import autocast, ce_positions, teacher
@@ -25,7 +25,6 @@ from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_draft
                                               save_feature_drafter, token_states, ttt_loss)
 from hat_split.models.partition import head_rows
 
-CHECKPOINT = "checkpoint.pt"
 RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "seed", "unroll", "token_input", "train_vocab")
 
 
@@ -58,7 +57,6 @@ def evaluate(split: Any, drafter: FeatureDrafter, eval_sets: List[Any], unroll: 
 def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
     """The feature drafter's training and evaluation (hat-distill's arguments, model and split)."""
     import torch
-    from tqdm import tqdm
 
     from hat_split.files.provenance import provenance
 
@@ -70,7 +68,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         meta = read_feature_meta(out)
         record, stamp["weights_from"] = meta["record"], meta.get("provenance")
     else:
-        drafter = FeatureDrafter(model, args.m, args.token_input).float()
+        drafter = FeatureDrafter(model, args.token_input).float()
         opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
         n_windows = args.windows or args.steps * args.batch
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m}: the feature drafter ({args.token_input}) has "
@@ -82,51 +80,22 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         save_draft_vocab(out, ranked)
         rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
         start, history = 0, []
-        ckpt = out / CHECKPOINT
         if args.resume:
-            if not ckpt.is_file():
-                raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
-            state = torch.load(ckpt, weights_only=False)
-            differ = [k for k in RESUME_KEYS if state["args"].get(k) != vars(args)[k]]
-            if differ:
-                raise ValueError(f"{ckpt} was made with other " + ", ".join(
-                    f"--{k.replace('_', '-')} ({state['args'].get(k)!r} there, {vars(args)[k]!r} here)"
-                    for k in differ))
-            drafter.load_state_dict(state["drafter"])
-            opt.load_state_dict(state["optimizer"])
-            start, history = state["step"], state["history"]
-            torch.set_rng_state(state["torch_rng"])
+            start, history = resume(out, args, RESUME_KEYS, drafter, opt)
         order = visit_order(len(train), args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
         cache = teacher_cache(args, out, loaded.name, split, train)
         cache_s = time.perf_counter() - t0
         stack = drafter.stack(split)
         t0 = time.perf_counter()
-        bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="feature drafter", unit="step")
-        drafter.train()
-        for step in bar:
-            idx = order[step * args.batch:(step + 1) * args.batch]
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, args.steps, args.lr)
+
+        def loss_at(step, idx, generator):
             feats, states = window_states(cache, split, drafter, train, idx)
-            where = ce_positions(feats.shape[:2], args.ce_fraction,
-                                 torch.Generator().manual_seed(args.seed * 1_000_003 + step))
             with autocast(split):
-                r = ttt_loss(split, drafter, stack, feats, states, args.unroll, args.w_ce, rows, where)
-            opt.zero_grad(set_to_none=True)
-            r["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            opt.step()
-            history.append([step, float(r["loss"].detach()), r["smooth_l1"], r["ce"], r["top1"],
-                            r["top1_steps"]])
-            bar.set_postfix(loss=f"{float(r['loss'].detach()):.3f}", top1=f"{r['top1']:.3f}",
-                            last=f"{r['top1_steps'][-1]:.3f}")
-            if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
-                torch.save({"args": vars(args), "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
-                            "step": step + 1, "history": history, "torch_rng": torch.get_rng_state()},
-                           out / (CHECKPOINT + ".tmp"))
-                (out / (CHECKPOINT + ".tmp")).replace(ckpt)
-        bar.close()
+                return ttt_loss(split, drafter, stack, feats, states, args.unroll, args.w_ce, rows,
+                                ce_positions(feats.shape[:2], args.ce_fraction, generator))
+
+        train_steps(args, out, drafter, opt, order, start, history, loss_at, "feature drafter")
         drafter.eval().requires_grad_(False)
         drafter.to(next(model.parameters()).dtype)
         record = {"drafter": "feature", "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
@@ -145,13 +114,8 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
     record["eval"] = evaluate(split, drafter, eval_sets, args.unroll, args.w_ce, rows)
     print(f"held-out windows: loss {record['eval']['loss']:.4f}, top-1 agreement {record['eval']['top1']:.3f} "
           "(per unroll step " + ", ".join(f"{x:.3f}" for x in record["eval"]["top1_steps"]) + ")", file=sys.stderr)
-    draft_ids = load_draft_vocab(out, args.draft_vocab) if args.draft_vocab else None
+    record.update(held_out_acceptance(split, drafter, tok, args, out))
     suffix = f"_draft_vocab_{args.draft_vocab}" if args.draft_vocab else ""
-    record["acceptance" + suffix] = acceptance(split, drafter, tok, args, args.eta, draft_ids)
-    sweep = {eta: acceptance(split, drafter, tok, args, eta, draft_ids) for eta in etas(args.eta_sweep)}
-    if sweep:
-        record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
-    print_acceptance(args, record["acceptance" + suffix], sweep)
     record["eval_seconds"] = time.perf_counter() - t_eval
     save_feature_drafter(out, drafter, split, loaded.name, record, stamp)
     print(strict_json.dumps({"out": str(out), "params": drafter.n_params(), "eval": record["eval"],

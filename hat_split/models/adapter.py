@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
+from hat_split.files.atomic import write_json
 from hat_split.models.hf_cache import cache_kwargs
 from hat_split.models.partition import SplitModel, Stack, layer_types, model_fingerprint
 
@@ -118,9 +119,7 @@ def save_adapter(path: str | os.PathLike[str], adapter: Adapter, split: SplitMod
     }
     if provenance is not None:
         meta["provenance"] = provenance
-    tmp = out / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(out / META)
+    write_json(out / META, meta, indent=1)
     return out
 
 
@@ -137,18 +136,24 @@ def read_adapter_meta(path: str | os.PathLike[str]) -> Dict[str, Any]:
     return meta
 
 
+def check_cut(meta: Dict[str, Any], split: SplitModel, what: str, made: str, make: str) -> None:
+    """One line naming what differs between a draft module's record (Λ's or a feature drafter's) and the split it is
+    asked to run on: the model's fingerprint, or the cut."""
+    fp = model_fingerprint(split.model)
+    if meta["fingerprint"] != fp:
+        raise ValueError(f"{what} was {made} for {meta['base_model']!r} (fingerprint {meta['fingerprint'][:12]}), "
+                         f"this model's is {fp[:12]}: {make} one for this model")
+    if (meta["m"], meta["tail"]) != (split.m, split.tail):
+        raise ValueError(f"{what} was {made} for the cut m={meta['m']}, tail={meta['tail']}; this split is "
+                         f"m={split.m}, tail={split.tail}")
+
+
 def load_adapter(path: str | os.PathLike[str], split: SplitModel) -> Adapter:
     """Λ from an artifact, checked against the split model it will run on."""
     from safetensors.torch import load_file
 
     meta = read_adapter_meta(path)
-    fp = model_fingerprint(split.model)
-    if meta["fingerprint"] != fp:
-        raise ValueError(f"adapter {path} was distilled for {meta['base_model']!r} (fingerprint "
-                         f"{meta['fingerprint'][:12]}), this model's is {fp[:12]}: distil one for this model")
-    if (meta["m"], meta["tail"]) != (split.m, split.tail):
-        raise ValueError(f"adapter {path} was distilled for the cut m={meta['m']}, tail={meta['tail']}; "
-                         f"this split is m={split.m}, tail={split.tail}")
+    check_cut(meta, split, f"adapter {path}", "distilled", "distil")
     adapter = Adapter(split.model, split.m, meta.get("init", "layer-m"))
     state = load_file(str(Path(path) / WEIGHTS))
     missing, unexpected = adapter.load_state_dict(state, strict=False)

@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from hat_split.files.atomic import write_json
 from hat_split.models.partition import SplitModel, Stack, layer_types, lm_head_logits, model_fingerprint
 
 FEATURE_FORMAT = 1
@@ -52,13 +53,11 @@ def _module_base():
 class FeatureDrafter(_module_base()):
     """The fusion layer, one decoder layer shaped like the model's last, and the norms around them."""
 
-    def __init__(self, model: Any, m: int, token_input: str = "shallow"):
+    def __init__(self, model: Any, token_input: str = "shallow"):
         import torch
 
         super().__init__()
         layers = model.model.layers
-        if not 0 <= m < len(layers):
-            raise ValueError(f"cut m={m} outside the model's {len(layers)} layers")
         if token_input not in TOKEN_INPUTS:
             raise ValueError(f"token_input must be one of {', '.join(TOKEN_INPUTS)}, got {token_input!r}")
         self.token_input = token_input
@@ -217,9 +216,7 @@ def save_feature_drafter(path: str | os.PathLike[str], drafter: FeatureDrafter, 
             "params": drafter.n_params(), "record": record}
     if provenance is not None:
         meta["provenance"] = provenance
-    tmp = out / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(out / META)
+    write_json(out / META, meta, indent=1)
     return out
 
 
@@ -239,23 +236,14 @@ def read_feature_meta(path: str | os.PathLike[str]) -> Dict[str, Any]:
     return meta
 
 
-def check_fits(meta: Dict[str, Any], split: SplitModel, path: Any) -> None:
-    """One line naming what differs between a drafter's record and the split it is asked to run on."""
-    fp = model_fingerprint(split.model)
-    if meta["fingerprint"] != fp:
-        raise ValueError(f"feature drafter {path} was trained for {meta['base_model']!r} (fingerprint "
-                         f"{meta['fingerprint'][:12]}), this model's is {fp[:12]}: train one for this model")
-    if (meta["m"], meta["tail"]) != (split.m, split.tail):
-        raise ValueError(f"feature drafter {path} was trained for the cut m={meta['m']}, tail={meta['tail']}; this "
-                         f"split is m={split.m}, tail={split.tail}")
-
-
 def load_feature_drafter(path: str | os.PathLike[str], split: SplitModel) -> FeatureDrafter:
     from safetensors.torch import load_file
 
+    from hat_split.models.adapter import check_cut
+
     meta = read_feature_meta(path)
-    check_fits(meta, split, path)
-    drafter = FeatureDrafter(split.model, split.m, meta["token_input"])
+    check_cut(meta, split, f"feature drafter {path}", "trained", "train")
+    drafter = FeatureDrafter(split.model, meta["token_input"])
     missing, unexpected = drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS)), strict=False)
     if missing or unexpected:
         raise ValueError(f"feature drafter {path}: weights do not fit (missing {missing}, unexpected {unexpected})")
