@@ -33,34 +33,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from edge_runtime.backends.split_parts import PartCacheLike, SplitParts, TorchSplitParts
-from hat_split.models.lm import board_time
-from hat_split.models.partition import PartCache
+from edge_runtime.backends.split_parts import PartCacheLike, SplitParts
+from edge_runtime.feature_pairs import DraftState, FeaturePairs
 from hat_split.math.rng import keyed_uniform
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
 from hat_split.math.verify import speculative_verify
+from hat_split.models.lm import board_time
 
 
 @dataclass
-class DraftState:
-    """A draft in progress: its tokens, the distributions they were sampled from, and the caches after them."""
-
-    base: int  # position of the first shallow state (the last committed token's)
-    inp: PartCacheLike  # input part, covering base + len(shallow)
-    lam: PartCacheLike  # Λ (or the feature drafter), covering base + len(drafts) once the next step has run it
-    dout: PartCacheLike  # the draft's output tail layers (same coverage as lam)
-    drafts: List[int] = field(default_factory=list)
-    q: List[np.ndarray] = field(default_factory=list)  # per draft `# [vocab]`
-    shallow: List[Any] = field(default_factory=list)  # per position `# [1, 1, hidden]`: T[-1], d1, ..., dL (backend's)
-    stopped: bool = False  # η fired: the draft is complete
-    first: int = -1  # a parallel-drafting candidate: the token it replaces the last draft with
-    last_logits: Optional[np.ndarray] = None  # `# [vocab]` raw draft logits of the last draft's position
-    fhat: Dict[int, Any] = field(default_factory=dict)  # feature drafter: predicted f̂_p `# [1, 1, hidden]` by position
-    true_len: int = 0  # feature drafter: lam's first positions that hold true features (kept after the verdict)
-
-
-@dataclass
-class SplitDrafter:
+class SplitDrafter(FeaturePairs):
     parts: SplitParts  # edge_runtime.backends.split_parts: torch, or a bundle's graphs; no adapter: U-shape only
     params: SamplingParams
     seed: Optional[int]
@@ -308,49 +290,6 @@ class SplitDrafter:
         out = self.parts.run_output(dout, self.parts.run_adapter(lam, shallow), 1 if logits else 0, draft=True)
         return self._over_vocab(out) if logits else None
 
-    def _feature_step(self, state: DraftState) -> np.ndarray:
-        """The feature drafter on the pairs its cache lacks, up to the draft's last shallow state: at a round start
-        the committed positions since the last round (true features), then one pair per draft step (its own predicted
-        feature before it). The next token's logits `# [1, vocab]`, -inf outside a draft vocabulary."""
-        end = state.base + len(state.drafts)  # the position of shallow[-1]
-        positions = range(state.lam.length, end + 1)
-        feats = self.parts.cat([self._feature(state, p - 1) for p in positions])
-        states = None if self.deferred else self.parts.cat([state.shallow[p - state.base] if p >= state.base
-                                                            else self.shallows[p] for p in positions])
-        tokens = [self._token_at(state, p) for p in positions]
-        logits, fhat = self.parts.run_feature(state.lam, feats, states, tokens)
-        state.fhat[end] = fhat[:, -1:]
-        return self._over_vocab(logits)
-
-    def _feature(self, state: DraftState, p: int) -> Any:
-        """f_p for a pair: the draft's own prediction where it made one, else the target's; zeros before position 0
-        (and for a position generated alone with no prediction kept)."""
-        if p in state.fhat:
-            return state.fhat[p]
-        f = self.feats.get(p)
-        return f if f is not None else self.parts.zeros(1)
-
-    def _token_at(self, state: DraftState, p: int) -> int:
-        if p < state.base:
-            return self.tokens[p]
-        if p == state.base:
-            return state.first if state.first >= 0 else self.tokens[p]
-        return state.drafts[p - state.base - 1]
-
-    def _keep_pairs(self, state: Optional[DraftState], keep: int, floor: int) -> None:
-        """After the verdict: the accepted positions' shallow states wait for the next round's chunk, with the
-        target's features of the verified positions (a position committed without one keeps the draft's prediction:
-        tokens generated alone); what lies past the committed sequence, or before `floor` (the first pair any live
-        cache may still need), is dropped."""
-        if state is not None:
-            for p in range(state.base, keep):
-                if not self.deferred:
-                    self.shallows[p] = state.shallow[p - state.base]
-                if p not in self.feats and p in state.fhat:
-                    self.feats[p] = state.fhat[p]
-        self.feats = {p: f for p, f in self.feats.items() if floor - 1 <= p < keep}
-        self.shallows = {p: s for p, s in self.shallows.items() if floor <= p < keep}
-
     def _over_vocab(self, out: np.ndarray) -> np.ndarray:
         """Draft logits over a draft vocabulary `# [1, subset]` → `# [1, vocab]`, -inf elsewhere."""
         ids = self.parts.draft_ids
@@ -375,35 +314,3 @@ class SplitDrafter:
         if prefill:
             self.prefill_s += dt
         return dt
-
-
-# -- in-process evaluation (hat-distill) -------------------------------------------------------------------------
-def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
-                        eta: float, max_draft: int, eos: frozenset = frozenset(),
-                        draft_ids: Optional[np.ndarray] = None) -> Dict[str, float]:
-    """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round (draft_ids: the
-    draft's head over those tokens only)."""
-    dev = SplitDrafter(TorchSplitParts(split, adapter, draft_ids), SamplingParams(temperature=0.0), seed=0)
-    rounds = accepted = produced = 0
-    for prompt in prompts:
-        dev.start(prompt)
-        middle = PartCache()
-        shallow = dev.prompt_states(len(prompt))
-        dev.lam_prefill(shallow)
-        deep = split.middle.forward(middle, shallow)
-        dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
-        n_out = 1
-        while n_out < max_new_tokens and dev.tokens[-1] not in eos:
-            state = dev.draft(max(1, min(max_draft, max_new_tokens - n_out - 1)), eta)
-            position = state.base
-            middle.crop(position)
-            deep = split.middle.forward(middle, dev.upload_states(state))
-            n, token = dev.verify(state, dev.target_logits(deep, position, len(state.drafts) + 1))
-            dev.commit(state.drafts[:n] + [token], n)
-            rounds += 1
-            accepted += n
-            produced += n + 1
-            n_out += n + 1
-    return {"rounds": rounds, "accepted_per_round": accepted / max(rounds, 1),
-            "tokens_per_round": produced / max(rounds, 1), "prompts": len(prompts), "eta": eta,
-            "max_draft": max_draft}

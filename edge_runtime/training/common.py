@@ -5,14 +5,24 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from edge_runtime.split_drafter import local_accept_length
+import numpy as np
+
+from edge_runtime.backends.split_parts import TorchSplitParts
+from edge_runtime.split_drafter import SplitDrafter
+from hat_split.math.sampling import SamplingParams
 from hat_split.models.adapter import rank_vocab
 from hat_split.models.chat import encode, encode_chat
 from hat_split.models.distill import CacheSpec, TeacherCache
-from hat_split.prompt_sets import (DISTILL_SPLIT, HUMANEVAL_SPLIT, humaneval_prompts, long_chat_prompts,
-                                   sharegpt_conversations)
+from hat_split.models.partition import PartCache
+from hat_split.prompt_sets import (
+    DISTILL_SPLIT,
+    HUMANEVAL_SPLIT,
+    humaneval_prompts,
+    long_chat_prompts,
+    sharegpt_conversations,
+)
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 
@@ -196,3 +206,34 @@ def held_out_acceptance(split, module: Any, tokenizer, args, out: Path) -> dict:
         record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
     print_acceptance(args, record["acceptance" + suffix], sweep)
     return record
+
+
+def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
+                        eta: float, max_draft: int, eos: frozenset = frozenset(),
+                        draft_ids: Optional[np.ndarray] = None) -> Dict[str, float]:
+    """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round (draft_ids: the
+    draft's head over those tokens only)."""
+    dev = SplitDrafter(TorchSplitParts(split, adapter, draft_ids), SamplingParams(temperature=0.0), seed=0)
+    rounds = accepted = produced = 0
+    for prompt in prompts:
+        dev.start(prompt)
+        middle = PartCache()
+        shallow = dev.prompt_states(len(prompt))
+        dev.lam_prefill(shallow)
+        deep = split.middle.forward(middle, shallow)
+        dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
+        n_out = 1
+        while n_out < max_new_tokens and dev.tokens[-1] not in eos:
+            state = dev.draft(max(1, min(max_draft, max_new_tokens - n_out - 1)), eta)
+            position = state.base
+            middle.crop(position)
+            deep = split.middle.forward(middle, dev.upload_states(state))
+            n, token = dev.verify(state, dev.target_logits(deep, position, len(state.drafts) + 1))
+            dev.commit(state.drafts[:n] + [token], n)
+            rounds += 1
+            accepted += n
+            produced += n + 1
+            n_out += n + 1
+    return {"rounds": rounds, "accepted_per_round": accepted / max(rounds, 1),
+            "tokens_per_round": produced / max(rounds, 1), "prompts": len(prompts), "eta": eta,
+            "max_draft": max_draft}
