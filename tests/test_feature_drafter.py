@@ -219,7 +219,7 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
 
     out = tmp_path / "fd"
     args = ["--drafter", "feature", "--model", "smollm2-135m", "--m", "2", "--batch", "2", "--seq-len", "32",
-            "--windows", "4", "--unroll", "2", "--train-vocab", "64", "--draft-vocab", "64", "--checkpoint-every", "1",
+            "--windows", "4", "--train-windows", "3", "--unroll", "2", "--train-vocab", "32", "--draft-vocab", "32", "--checkpoint-every", "1",
             "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4", "--out", str(out)]
     assert main([*args, "--steps", "2"]) == 0
     first = json.loads((out / "drafter.json").read_text())["record"]["history"]
@@ -228,7 +228,8 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
     record = meta["record"]
     assert len(record["history"]) == 3 and record["history"][0] == first[0]
     assert record["drafter"] == "feature" and record["unroll"] == 2 and len(record["eval"]["top1_steps"]) == 2
-    assert set(record["acceptance_draft_vocab_64"]) == {"sharegpt", "humaneval"}
+    assert record["windows"] == 4 and record["train_windows"] == 3
+    assert set(record["acceptance_draft_vocab_32"]) == {"sharegpt", "humaneval"}
     assert meta["kind"] == "feature" and meta["token_input"] == "shallow"
     assert len(meta["provenance"]["git_commit"]) == 40
     capsys.readouterr()
@@ -237,3 +238,32 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
     split = SplitModel(smollm2.model, 2)
     assert isinstance(load_drafter(out, split), FeatureDrafter)
     assert default_adapter_dir("smollm2-135m", 2, 0, "feature").as_posix() == "runs/adapters/smollm2-135m-m2-feature"
+
+
+@pytest.mark.real_models
+def test_hat_bench_runs_the_feature_drafters_rows_end_to_end(smollm2, tmp_path):
+    """`hat-bench hat --feature-drafter DIR` on SmolLM2-135M (one prompt, 8 tokens, wifi-near): a cloud process, the
+    link emulator and the device's rows U-shape, +SD F and HAT F v64 run and are summarised, Table 4 has the feature
+    drafter's row, and greedy tokens are U-shape's in every row."""
+    import json
+    import subprocess
+    import sys
+
+    from hat_split.models.adapter import rank_vocab, save_draft_vocab
+
+    split = SplitModel(smollm2.model, 2)
+    save_feature_drafter(tmp_path / "fd", FeatureDrafter(smollm2.model).eval(), split, smollm2.name, {"steps": 0})
+    save_draft_vocab(tmp_path / "fd", rank_vocab([list(range(200))], smollm2.model.config.vocab_size))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "profiles.bench.bench", "hat", "--model", "smollm2-135m", "--m", "2",
+                           "--feature-drafter", str(tmp_path / "fd"), "--draft-vocab", "64",
+                           "--variants", "U-shape,+SD F,HAT F v64", "--links", "wifi-near", "--prompts", "1",
+                           "--min-prompt-tokens", "40", "--max-prompt-tokens", "300", "--max-new-tokens", "8",
+                           "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    table = report["tables"]["wifi-near"]
+    assert list(table) == ["U-shape", "+SD F", "HAT F v64"]
+    assert all(row["same_tokens_as_ushape"] == "1/1" for row in table.values())
+    assert table["+SD F"]["drafts_per_round"] > 0 and "wifi-near, feature" in report["table4"]
+    assert report["feature_parameters"] == FeatureDrafter(smollm2.model).n_params()

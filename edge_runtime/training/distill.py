@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--windows", type=int, default=0,
                     help="distinct training windows (default --steps × --batch: each seen once); fewer are cached "
                          "and revisited in a new random order each pass")
+    ap.add_argument("--train-windows", type=int, default=0, metavar="N",
+                    help="train on the first N of the --windows only (0: all): points of a data-scaling curve over "
+                         "one teacher cache")
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows for loss / top-1")
     ap.add_argument("--eval-prompts", type=int, default=8,
                     help="held-out prompts for the acceptance length, of ShareGPT and of HumanEval each")
@@ -123,6 +126,8 @@ def run(args) -> int:
         raise ValueError("--steps and --batch must be >= 1, --seq-len >= 8, --windows and --draft-vocab >= 0")
     if args.unroll < 1 or args.train_vocab < 0:
         raise ValueError("--unroll must be >= 1 and --train-vocab >= 0")
+    if args.train_windows < 0 or (args.windows and args.train_windows > args.windows):
+        raise ValueError(f"--train-windows must be in [0, --windows], got {args.train_windows}")
     if not 0 < args.ce_fraction <= 1:
         raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
     etas(args.eta_sweep)  # refused before any work
@@ -153,15 +158,16 @@ def run(args) -> int:
         opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
         start, history = 0, []
         if args.resume:
-            start, history = resume(out, args, ("model", "m", "tail", "init", "seq_len", "batch", "windows", "seed"),
-                                    adapter, opt)
+            start, history = resume(out, args, ("model", "m", "tail", "init", "seq_len", "batch", "windows",
+                                                "train_windows", "seed"), adapter, opt)
         n_windows = args.windows or args.steps * args.batch
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m} tail={args.tail}: Λ ({args.init}) has "
               f"{adapter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
-        ranked = vocab_ranking(model, tok, train)
-        order = visit_order(len(train), args.steps * args.batch, args.seed)
+        used = args.train_windows or len(train)
+        ranked = vocab_ranking(model, tok, train[:used])
+        order = visit_order(used, args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
         cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train)
         cache_s = time.perf_counter() - t0
@@ -180,7 +186,8 @@ def run(args) -> int:
         adapter.to(next(model.parameters()).dtype)
         record = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                   "w_ce": args.w_ce, "ce_fraction": args.ce_fraction, "init": args.init, "dtype": dtype,
-                  "windows": len(train), "train_tokens": args.steps * args.batch * args.seq_len,
+                  "windows": len(train), "train_windows": used,
+                  "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
                   "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
                   "history": history}

@@ -25,7 +25,8 @@ from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_draft
                                               save_feature_drafter, token_states, ttt_loss)
 from hat_split.models.partition import head_rows
 
-RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "seed", "unroll", "token_input", "train_vocab")
+RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "train_windows", "seed", "unroll", "token_input",
+               "train_vocab")
 
 
 def window_states(cache: Any, split: Any, drafter: FeatureDrafter, train: List[List[int]], idx: List[int]):
@@ -75,14 +76,15 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
               f"{drafter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
-        ranked = vocab_ranking(model, tok, train)
+        used = args.train_windows or len(train)
+        ranked = vocab_ranking(model, tok, train[:used])
         out.mkdir(parents=True, exist_ok=True)
         save_draft_vocab(out, ranked)
         rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
         start, history = 0, []
         if args.resume:
             start, history = resume(out, args, RESUME_KEYS, drafter, opt)
-        order = visit_order(len(train), args.steps * args.batch, args.seed)
+        order = visit_order(used, args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
         cache = teacher_cache(args, out, loaded.name, split, train)
         cache_s = time.perf_counter() - t0
@@ -101,7 +103,8 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         record = {"drafter": "feature", "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
                   "lr": args.lr, "w_ce": args.w_ce, "ce_fraction": args.ce_fraction, "unroll": args.unroll,
                   "token_input": args.token_input, "train_vocab": args.train_vocab, "dtype": dtype,
-                  "windows": len(train), "train_tokens": args.steps * args.batch * args.seq_len,
+                  "windows": len(train), "train_windows": used,
+                  "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
                   "teacher_cache": {"dtype": args.cache_dtype, "seconds": cache_s}, "history": history}
     t_eval = time.perf_counter()

@@ -80,7 +80,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-prompt-tokens", type=int, default=2000)
     s.add_argument("--max-new-tokens", type=int, default=128, help="HAT §4.1: 128")
     s.add_argument("--links", default="wifi-near,wifi-far", help="link profiles (hat-link --list)")
-    s.add_argument("--variants", default=",".join(VARIANTS))
+    s.add_argument("--variants", default="",
+                   help="rows to run, comma separated (default: every row, with those --draft-vocab and "
+                        "--feature-drafter add)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
     s.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -234,12 +236,13 @@ def run(args) -> int:
     if args.draft_vocab:  # beyond the paper: the draft's head over the data's most frequent tokens
         rows[vocab_row(args.draft_vocab)] = ("hat", {**VARIANTS["HAT"][1], "draft_vocab": args.draft_vocab})
     feature_meta = feature_rows(rows, args.feature_drafter, args.draft_vocab)
-    variants = names(args.variants, VARIANTS, "variant") + [v for v in rows if v not in VARIANTS]
+    variants = names(args.variants, rows, "variant") if args.variants else list(rows)
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
         raise ValueError("give at least one link profile")
     backends = parse_backends(args.backends, args.bundle)
-    needs_adapter = any(b == "torch" for b, _ in backends) and any(rows[v][0] == "hat" for v in variants)
+    needs_adapter = any(b == "torch" for b, _ in backends) and any(rows[v][0] == "hat" and "adapter" not in rows[v][1]
+                                                                   for v in variants)
     adapter = adapter_dir(args.adapter, args.model, args.m, needs_adapter)  # a bundle brings its own Λ
     adapter_meta: dict = {}
     if os.path.exists(os.path.join(adapter, "adapter.json")):
@@ -271,14 +274,16 @@ def run(args) -> int:
                                          engine=engine, split=base)
                         rts[backend_label(backend, precision, args.dtype)] = stack.enter_context(bed.runtime(cfg))
                     if "prompts" not in report:
-                        ids = long_chat_prompts(next(iter(rts.values())).tokenizer, args.prompts + 1,
+                        ids = long_chat_prompts(next(iter(rts.values())).engine.tokenizer, args.prompts + 1,
                                                 args.min_prompt_tokens, args.max_prompt_tokens)
                         report["prompts"] = {"tokens": [len(x) for x in ids[1:]], "warm_up_tokens": len(ids[0])}
-                    hat_split = dataclasses.replace(base, **VARIANTS["HAT"][1])
+                    # warm-up with the first row that drafts (the rows' own draft module), else the first row
+                    warm = next((v for v in variants if rows[v][0] == "hat"), variants[0])
+                    warm_split = dataclasses.replace(base, **rows[warm][1])
                     for rt in rts.values():
                         for _ in range(2):  # warm-up: the cloud's g() gets a prefill and decode steps, the device β
-                            rt.config = dataclasses.replace(rt.config, split=hat_split)
-                            rt.generate(ids[0], "hat", params, 16, seed=args.seed)
+                            rt.config = dataclasses.replace(rt.config, split=warm_split)
+                            rt.generate(ids[0], rows[warm][0], params, 16, seed=args.seed)
                     runs: Dict[str, Dict[str, List[dict]]] = {b: {v: [] for v in variants} for b in rts}
                     systems = [(label, v) for label in rts for v in variants]
                     for i, x in enumerate(ids[1:]):
