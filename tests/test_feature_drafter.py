@@ -219,7 +219,8 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
 
     out = tmp_path / "fd"
     args = ["--drafter", "feature", "--model", "smollm2-135m", "--m", "2", "--batch", "2", "--seq-len", "32",
-            "--windows", "4", "--train-windows", "3", "--unroll", "2", "--train-vocab", "32", "--draft-vocab", "32", "--checkpoint-every", "1",
+            "--windows", "4", "--train-windows", "3", "--unroll", "2", "--train-vocab", "32", "--draft-vocab", "32",
+            "--checkpoint-every", "1",
             "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4", "--out", str(out)]
     assert main([*args, "--steps", "2"]) == 0
     first = json.loads((out / "drafter.json").read_text())["record"]["history"]
