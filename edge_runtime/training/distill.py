@@ -166,7 +166,7 @@ def run(args) -> int:
               file=sys.stderr)
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
         used = args.train_windows or len(train)
-        ranked = vocab_ranking(model, tok, train[:used])
+        ranked = vocab_ranking(model, tok, train)  # of every window: one draft vocabulary for a data-scaling curve
         order = visit_order(used, args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
         cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train)

@@ -77,7 +77,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
               file=sys.stderr)
         train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
         used = args.train_windows or len(train)
-        ranked = vocab_ranking(model, tok, train[:used])
+        ranked = vocab_ranking(model, tok, train)  # of every window: one draft vocabulary for a data-scaling curve
         out.mkdir(parents=True, exist_ok=True)
         save_draft_vocab(out, ranked)
         rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
