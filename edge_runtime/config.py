@@ -111,7 +111,8 @@ class SplitConfig:
 
     m: int = setting(2, "layers of the device's input part (HAT: 2 of 32); the model is the runtime's `model`")
     tail: int = setting(0, "last layers kept on the device with the head")
-    adapter: str = setting("", "hat-distill artifact directory (protocol hat needs one)", metavar="DIR")
+    adapter: str = setting("", "hat-distill artifact directory: Λ, or a feature drafter (protocol hat needs one)",
+                           metavar="DIR")
     hidden_format: str = setting("float16", "hidden states on the wire: float16 | float32 | int8 "
                                  "(hat_split.wire.hidden_codec)", choices=HIDDEN_FORMATS)
     draft_stop_prob: float = setting(0.6, "HAT's η (eq. 5): end a draft after a token whose draft probability is "
