@@ -108,11 +108,13 @@ def _reference_first_draft(split, d, tokens):
     return int(draft_logits(split.model, fhat[:, -1]).argmax(-1))
 
 
-@pytest.mark.parametrize("token_input", ["shallow", "embedding"])
-def test_each_rounds_first_draft_equals_the_drafter_run_from_nothing(split, token_input):
-    """Greedy HAT with the middle part in this process: every round's first draft is what the drafter computes from
-    the committed sequence's true features alone (the runtime's chunks, crops and kept pairs lose nothing; with
-    embeddings, the drafts' shallow states computed at the upload), and the tokens are the full model's."""
+@pytest.mark.parametrize("token_input,parallel", [("shallow", False), ("embedding", False), ("shallow", True),
+                                                   ("embedding", True)])
+def test_each_rounds_first_draft_equals_the_drafter_run_from_nothing(split, token_input, parallel):
+    """Greedy HAT with the middle part in this process: every fresh round's first draft is what the drafter computes
+    from the committed sequence's true features alone (the runtime's chunks, crops and kept pairs lose nothing; with
+    embeddings, the drafts' shallow states computed at the upload; with parallel drafting, also after rounds that
+    adopted a continuation drafted on predicted features), and the tokens are the full model's."""
     from edge_runtime.backends.split_parts import TorchSplitParts
     from edge_runtime.split_drafter import SplitDrafter
     from hat_split.math.sampling import SamplingParams
@@ -124,15 +126,24 @@ def test_each_rounds_first_draft_equals_the_drafter_run_from_nothing(split, toke
     middle = PartCache()
     deep = split.middle.forward(middle, dev.prompt_states(len(prompt)))
     dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
-    rounds = 0
-    while len(dev.tokens) < len(prompt) + 30:
-        state = dev.draft(4, 0.0)
-        assert state.drafts[0] == _reference_first_draft(split, d, dev.tokens), rounds
+    rounds = adopted = fresh_after_adoption = 0
+    while len(dev.tokens) < len(prompt) + 40:
+        fresh = dev.adopted is None
+        state = dev.draft(3, 0.3 if parallel else 0.0)
+        if fresh:
+            assert state.drafts[0] == _reference_first_draft(split, d, dev.tokens), rounds
+            fresh_after_adoption += adopted > 0
         middle.crop(state.base)
         deep = split.middle.forward(middle, dev.upload_states(state))
+        cands = dev.candidates(state, 8) if parallel else []
+        for c in cands:
+            dev.extend(c, 3, 0.0, steps=2)
         n, token = dev.verify(state, dev.target_logits(deep, state.base, len(state.drafts) + 1))
+        adopted += dev.adopt(cands, token, n, len(state.drafts)) if cands else 0
         dev.commit(state.drafts[:n] + [token], n)
         rounds += 1
+    if parallel:
+        assert adopted > 0 and fresh_after_adoption > 0, (adopted, fresh_after_adoption)
     full = split.model.generate(torch.tensor([prompt]), max_new_tokens=len(dev.tokens) - len(prompt),
                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0].tolist()
     assert dev.tokens == full
