@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / ".device-envs"  # gitignored; made (or found up to date) by the first test that needs one
 VERSIONS = ("3.10", "3.8")  # JetPack 6, JetPack 5
 DEVICE_PACKAGES = ("hat_split", "edge_runtime", "hardware")
-NEEDS_TORCH = ("edge_runtime.training.distill", "hat_split.models.adapter", "hat_split.models.draft_lm")
+NEEDS_TORCH = ("edge_runtime.training.common", "edge_runtime.training.distill", "edge_runtime.training.feature",
+               "hat_split.models.adapter", "hat_split.models.draft_lm", "hat_split.models.feature_drafter")
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys
 bad = {}
