@@ -86,7 +86,7 @@ class SplitDrafter(FeaturePairs):
         t0 = time.perf_counter()
         start = self.inp.length
         shallow = self.parts.run_input(self.inp, self.tokens[start:end])
-        if self.features:
+        if self.features and not self.deferred:  # the pairs' token states (embeddings need none kept)
             self.shallows.update({start + i: shallow[:, i:i + 1] for i in range(end - start)})
         self.input_s += self._timed(t0, prefill=True)
         return shallow
@@ -256,10 +256,10 @@ class SplitDrafter(FeaturePairs):
         ranked = np.argsort(-state.last_logits)[: k + 1]  # by the draft's own scores: also at temperature 0
         order = [int(t) for t in ranked if int(t) != state.drafts[-1]][:k]
         out = []
+        if order and len(state.shallow) < L + 1:  # deferred drafts' shallow states (they upload anyway)
+            self.upload_states(state)
         for token in order:
             # before the last draft: input part without dL, Λ and tail already without it
-            if len(state.shallow) < L + 1:  # deferred drafts' shallow states (they upload anyway)
-                self.upload_states(state)
             inp = state.inp.fork()
             inp.crop(state.base + L)
             c = DraftState(state.base + L, inp, state.lam.fork(), state.dout.fork(), fhat=dict(state.fhat),
