@@ -68,6 +68,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         drafter = load_feature_drafter(out, split)
         meta = read_feature_meta(out)
         record, stamp["weights_from"] = meta["record"], meta.get("provenance")
+        rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
     else:
         drafter = FeatureDrafter(model, args.token_input).float()
         opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
@@ -108,7 +109,6 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
                   "teacher_cache": {"dtype": args.cache_dtype, "seconds": cache_s}, "history": history}
     t_eval = time.perf_counter()
-    rows = head_rows(model, load_draft_vocab(out, args.train_vocab)) if args.train_vocab else None
     eval_windows = windows(tok, args.eval_windows, args.seq_len, 0)
     eval_sets = []
     for w in eval_windows:
