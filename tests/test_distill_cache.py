@@ -186,3 +186,28 @@ def test_hat_distill_trains_over_its_cache_on_the_real_cut(smollm2, tmp_path, ca
 ])
 def test_the_default_adapter_folder_is_named_after_the_whole_model_name(model, m, tail, expected):
     assert default_adapter_dir(model, m, tail).as_posix() == expected
+
+
+def test_a_larger_cache_grows_from_a_smaller_one_of_its_first_windows(tmp_path, split):
+    """--grow-from: the first windows are copied, the rest computed; the grown cache equals one filled from scratch;
+    a source of other data, another cut or more windows is refused naming why."""
+    windows = _windows(7, seed=4)
+    small = _cache(tmp_path / "small", split, windows[:3])
+    small.fill(split, windows[:3], batch=2)
+    grown = _cache(tmp_path / "grown", split, windows)
+    assert grown.grow_from(tmp_path / "small" / "cache", windows) == 3 and grown.done == 3
+    assert json.loads((tmp_path / "grown" / "cache" / "meta.json").read_text())["done"] == 3
+    assert grown.grow_from(tmp_path / "small" / "cache", windows) == 0  # already there
+    grown.fill(split, windows, batch=3)
+    scratch = _cache(tmp_path / "scratch", split, windows)
+    scratch.fill(split, windows, batch=7)
+    np.testing.assert_allclose(np.asarray(grown.shallow), np.asarray(scratch.shallow), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grown.features), np.asarray(scratch.features), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not the first windows of this run"):
+        _cache(tmp_path / "g2", split, _windows(7, seed=5)).grow_from(tmp_path / "small" / "cache", _windows(7, seed=5))
+    with pytest.raises(ValueError, match="holds 7 windows, more than the 3"):
+        _cache(tmp_path / "g3", split, windows[:3]).grow_from(tmp_path / "grown" / "cache", windows[:3])
+    with pytest.raises(ValueError, match="dtype 'float32' there, 'float16' here"):
+        _cache(tmp_path / "g4", split, windows, dtype="float16").grow_from(tmp_path / "small" / "cache", windows)
+    with pytest.raises(ValueError, match="no teacher cache in"):
+        _cache(tmp_path / "g5", split, windows).grow_from(tmp_path / "nothing", windows)

@@ -73,6 +73,9 @@ def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> 
     spec = CacheSpec(name, args.m, args.seq_len, len(train), hidden, args.cache_dtype,
                      CacheSpec.digest_of(train), str(next(split.model.parameters()).dtype).removeprefix("torch."))
     cache = TeacherCache(Path(args.cache) if args.cache else out / "teacher-cache", spec)
+    if not cache.complete and args.grow_from:
+        copied = cache.grow_from(args.grow_from, train)
+        print(f"hat-distill: {copied} windows copied from the teacher cache in {args.grow_from}", file=sys.stderr)
     if not cache.complete:
         gb = 2 * len(train) * args.seq_len * hidden * (2 if args.cache_dtype == "float16" else 4) / 1e9
         print(f"hat-distill: caching the teacher's states of {len(train)} windows ({gb:.2f} GB) in {cache.path}",

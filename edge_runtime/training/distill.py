@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache", default="", metavar="DIR",
                     help="the teacher cache (default OUT/teacher-cache): the frozen model's states of every training "
                          "window, computed once (resumable), then Λ trains over it")
+    ap.add_argument("--grow-from", default="", metavar="DIR",
+                    help="a smaller teacher cache of the same model and cut whose windows are this run's first ones: "
+                         "they are copied, so only the new windows run through the teacher (a data-scaling curve)")
     ap.add_argument("--cache-dtype", default="float16", choices=CACHE_DTYPES, help="storage of the cached states")
     ap.add_argument("--no-cache", action="store_true", help="run the frozen model live at every step instead")
     return ap

@@ -207,6 +207,39 @@ class TeacherCache:
             self._save_meta()
             progress(hi - lo)
 
+    def grow_from(self, source: Path | str, windows: List[List[int]], chunk: int = 64) -> int:
+        """Copy the filled windows of a smaller cache whose windows are the first ones of `windows` (the same model,
+        cut, length, storage and teacher; its digest that of the prefix), so a larger run computes only the new
+        windows. Returns how many windows were copied; a source that does not match is refused, naming why."""
+        meta = Path(source) / self.META
+        if not meta.is_file():
+            raise ValueError(f"--grow-from: no teacher cache in {source} (no {self.META})")
+        saved = json.loads(meta.read_text())
+        theirs = CacheSpec(**saved["spec"])
+        same = ("model", "m", "seq_len", "hidden", "dtype", "teacher_dtype")
+        differ = [f"{k} {getattr(theirs, k)!r} there, {getattr(self.spec, k)!r} here"
+                  for k in same if getattr(theirs, k) != getattr(self.spec, k)]
+        if differ:
+            raise ValueError(f"--grow-from: the cache in {source} was made for another run: " + ", ".join(differ))
+        if theirs.windows > self.spec.windows:
+            raise ValueError(f"--grow-from: the cache in {source} holds {theirs.windows} windows, more than the "
+                             f"{self.spec.windows} of this run (give it as --cache, or a larger --windows)")
+        if CacheSpec.digest_of(windows[:theirs.windows]) != theirs.digest:
+            raise ValueError(f"--grow-from: the {theirs.windows} windows of {source} are not the first windows of "
+                             "this run (other data or another order)")
+        n = int(saved["done"])
+        if n <= self.done:
+            return 0
+        shape = (theirs.windows, theirs.seq_len, theirs.hidden)
+        for name, dst in (("shallow.npy", self.shallow), ("features.npy", self.features)):
+            src = np.lib.format.open_memmap(Path(source) / name, "r", theirs.dtype, shape)
+            for lo in range(self.done, n, chunk):
+                dst[lo:min(n, lo + chunk)] = src[lo:min(n, lo + chunk)]
+            dst.flush()
+        copied, self.done = n - self.done, n
+        self._save_meta()
+        return copied
+
     def teacher(self, split: SplitModel, idx: Sequence[int]) -> Teacher:
         """The cached teacher of windows `idx`, in the model's dtype."""
         import torch
