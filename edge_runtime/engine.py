@@ -56,21 +56,36 @@ class LlamaCppEngine(Engine):
 @dataclass
 class BundleEngine(Engine):
     bundle: Any = None  # edge_runtime.backends.loader.Bundle: its part runners open on first use and stay
-    _parts: Dict[bool, Any] = field(default_factory=dict)
+    _parts: Dict[str, Any] = field(default_factory=dict)
 
     def token_lm(self, config: EdgeConfig) -> Any:
         return self.lm if self.lm is not None else self.bundle.draft_lm()  # the latter says what is missing
 
     def split_parts(self, hat: bool, split: SplitConfig) -> Any:
-        if hat and split.draft_vocab:
-            raise ValueError("split.draft_vocab needs the torch engine: a bundle's output part is the whole head "
-                             "(drafting over a subset from a bundle is not exported)")
-        if hat and split.adapter and (Path(split.adapter) / "drafter.json").is_file():
-            raise ValueError(f"{split.adapter} holds a feature drafter: it runs on the torch backend (a bundle drafts "
-                             "with the Λ exported into it; the feature drafter's export is not built yet)")
-        if hat not in self._parts:
-            self._parts[hat] = self.bundle.split_parts(adapter=hat)
-        return self._parts[hat]
+        drafter = self._drafter(split) if hat else ""
+        if drafter not in self._parts:
+            self._parts[drafter] = self.bundle.split_parts(drafter)
+        return self._parts[drafter]
+
+    def _drafter(self, split: SplitConfig) -> str:
+        """The bundle's draft part protocol hat runs: the kind in split.adapter's directory when given (it must be
+        exported into the bundle), else the best the bundle holds; split.draft_vocab must be the one exported."""
+        held = self.bundle.drafters()
+        want = ""
+        if split.adapter:
+            want = "feature" if (Path(split.adapter) / "drafter.json").is_file() else "adapter"
+        if not held or (want and want not in held):
+            what = {"feature": "the feature drafter", "adapter": "Λ", "": "a draft part"}[want]
+            parts = "hat-feature" if want == "feature" else "hat"
+            raise ValueError(f"the bundle {self.bundle.root} holds no {what}: export it with hat-export onnx --parts "
+                             f"{parts} --adapter DIR")
+        drafter = want or held[0]
+        exported = int(self.bundle.manifest.model.get("draft_vocab") or 0) if drafter == "feature" else 0
+        if split.draft_vocab and split.draft_vocab != exported:
+            raise ValueError(f"split.draft_vocab is {split.draft_vocab}, but the bundle's {drafter} part drafts over "
+                             + (f"{exported} tokens" if exported else "the whole head")
+                             + " (a bundle's draft vocabulary is fixed at export: hat-export onnx --draft-vocab N)")
+        return drafter
 
 
 @dataclass

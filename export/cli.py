@@ -1,6 +1,7 @@
 """`hat-export`: build and check the bundles devices run.
 
-    hat-export onnx --model NAME --parts draft|hat|ushape [--m M --adapter DIR] --precision fp32,int8 --out DIR
+    hat-export onnx --model NAME --parts draft|hat|hat-feature|ushape [--m M --adapter DIR] --precision fp32,int8 \
+        --out DIR [--draft-vocab N]
     hat-export onnx --model NAME --precision fp16 --opset 17 --out DIR   (for TensorRT 8.5, JetPack 5)
     hat-export tensorrt DIR --model NAME [--adapter DIR] --precision fp16 [--max-context N --max-chunk N]
     hat-export onnx|tensorrt --config export.toml [flags]   (an ExportConfig, docs/CONFIG.md; flags given win)
@@ -28,6 +29,19 @@ from hat_split.prompt_sets import validation_prompts
 
 # the ExportConfig keys `hat-export tensorrt` takes besides its [tensorrt] table (its positional bundle sets `out`)
 TENSORRT_KEYS = ("model", "adapter", "prompts")
+
+
+def _draft_module(path: str, split: SplitModel, feature: bool):
+    """The hat-distill output at `path` for the bundle's draft part: the feature drafter (hat-feature) or Λ (hat);
+    the other kind is refused, naming the parts that export it."""
+    from hat_split.models.adapter import load_adapter  # torch
+    from hat_split.models.feature_drafter import is_feature_drafter, load_feature_drafter
+
+    holds = is_feature_drafter(path)
+    if holds != feature:
+        raise ValueError(f"{path} holds {'a feature drafter' if holds else 'Λ (an adapter)'}: export it with --parts "
+                         f"{'hat-feature' if holds else 'hat'}")
+    return load_feature_drafter(path, split) if feature else load_adapter(path, split)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,16 +82,18 @@ def export_config(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
 
 def _onnx(config: ExportConfig, args: argparse.Namespace) -> int:
     from export.onnx_export import export_bundle  # torch, onnx, onnxruntime: the export extra
-    from hat_split.models.adapter import load_adapter  # torch
+    from hat_split.models.adapter import load_draft_vocab
 
-    if "adapter" in config.part_kinds and not config.adapter:
-        raise ValueError("--parts hat needs --adapter DIR (a hat-distill output)")
+    drafts = {"adapter", "feature"} & set(config.part_kinds)
+    if drafts and not config.adapter:
+        raise ValueError(f"--parts {config.parts} needs --adapter DIR (a hat-distill output)")
     loaded = load_model(config.model, dtype="float32")
-    adapter = None
-    if "adapter" in config.part_kinds:
-        adapter = load_adapter(config.adapter, SplitModel(loaded.model, config.m, config.tail))
+    adapter = ids = None
+    if drafts:
+        adapter = _draft_module(config.adapter, SplitModel(loaded.model, config.m, config.tail), "feature" in drafts)
+        ids = load_draft_vocab(config.adapter, config.draft_vocab) if config.draft_vocab else None
     prompts = validation_prompts(loaded.tokenizer, config.prompts)
-    man = export_bundle(loaded, config, adapter, prompts, progress=not args.quiet)
+    man = export_bundle(loaded, config, adapter, prompts, progress=not args.quiet, draft_ids=ids)
     _print(man)
     failed = [a for a in man.artifacts
               if a.status == "failed" and a.precision in config.precisions and a.part in config.part_kinds]
@@ -88,17 +104,26 @@ def _onnx(config: ExportConfig, args: argparse.Namespace) -> int:
 
 def _tensorrt(config: ExportConfig, args: argparse.Namespace) -> int:
     from export.tensorrt_build import build_bundle  # torch
-    from hat_split.models.adapter import load_adapter  # torch
 
     tensorrt_version()  # says so before a model is loaded when TensorRT is absent
     man = M.read(Path(config.out))
     loaded = load_model(config.model, dtype="float32")
-    adapter = None
-    if any(a.part == "adapter" for a in man.artifacts):
+    adapter = ids = None
+    drafts = {a.part for a in man.artifacts} & {"adapter", "feature"}
+    if len(drafts) > 1:
+        raise ValueError("the bundle holds both Λ and the feature part: build engines for a bundle of one (export "
+                         "hat and hat-feature into directories of their own)")
+    if drafts:
         if not config.adapter:
-            raise ValueError("the bundle holds Λ: give --adapter DIR (the one it was exported with)")
-        adapter = load_adapter(config.adapter, SplitModel(loaded.model, man.model["m"], man.model["tail"]))
-    man = build_bundle(loaded, config, adapter, validation_prompts(loaded.tokenizer, config.prompts))
+            raise ValueError(f"the bundle holds {'the feature drafter' if 'feature' in drafts else 'Λ'}: give "
+                             "--adapter DIR (the one it was exported with)")
+        split = SplitModel(loaded.model, man.model["m"], man.model["tail"])
+        adapter = _draft_module(config.adapter, split, "feature" in drafts)
+        if man.model.get("draft_vocab"):
+            import numpy as np
+
+            ids = np.load(Path(config.out) / M.DRAFT_VOCAB)
+    man = build_bundle(loaded, config, adapter, validation_prompts(loaded.tokenizer, config.prompts), ids)
     _print(man)
     failed = [a for a in man.artifacts if a.backend == "tensorrt" and a.status == "failed"]
     return 1 if failed else 0

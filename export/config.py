@@ -13,6 +13,7 @@ from hat_split.files.settings import setting
 
 # The part sets a bundle is exported as (`parts`), each the parts of export.graphs.PartSpec it holds, in chain order.
 PART_SETS: Dict[str, Tuple[str, ...]] = {"draft": ("draft",), "hat": ("input", "adapter", "output"),
+                                         "hat-feature": ("input", "feature", "output"),
                                          "ushape": ("input", "output")}
 # TensorRT parses fp32 and fp16 graphs only: int8 / int4 use onnxruntime's MatMulNBits.
 TENSORRT_PRECISIONS = ("fp32", "fp16")
@@ -63,14 +64,17 @@ class ExportConfig:
                          "reference", metavar="NAME")
     out: str = setting(help="the bundle directory (created; an existing bundle of the same model gains or replaces "
                        "artifacts)", metavar="DIR")
-    parts: str = setting("draft", "draft: the whole model as a draft; hat: input part, Λ and output part; ushape: "
-                         "input and output parts (PART_SETS)", choices=tuple(PART_SETS))
+    parts: str = setting("draft", "draft: the whole model as a draft; hat: input part, Λ and output part; "
+                         "hat-feature: input part, the feature drafter and an output part that also gives the "
+                         "features; ushape: input and output parts (PART_SETS)", choices=tuple(PART_SETS))
     m: int = setting(2, "layers in the input part (hat / ushape): HAT's cut; 2 keeps the device's share of the model "
                      "small", metavar="M")
     tail: int = setting(0, "layers kept beside the head in the output part (hat / ushape); 0: final norm and head "
                         "only", metavar="N")
-    adapter: str = setting("", "hat: the hat-distill output directory Λ is loaded from (\"\" for draft / ushape)",
-                           metavar="DIR")
+    adapter: str = setting("", "hat / hat-feature: the hat-distill output directory Λ or the feature drafter is "
+                           "loaded from (\"\" for draft / ushape)", metavar="DIR")
+    draft_vocab: int = setting(0, "hat-feature: the feature part's head over the N most frequent tokens of the "
+                               "drafter's training data (its draft_vocab.npy); 0: the whole head", metavar="N")
     precisions: Tuple[str, ...] = setting(("fp32", "int8", "int4"), "weights of the ONNX artifacts: fp32 | fp16 | "
                                           "int8 | int4 (int8 / int4 weight-only: smaller, faster drafts)",
                                           flag="--precision", metavar="LIST")
@@ -108,6 +112,10 @@ class ExportConfig:
         if self.parts != "draft" and self.m < 1:
             raise ValueError(f"m must be >= 1 layer for the {self.parts} parts (layer 0 stays on the device), got "
                              f"{self.m}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 tokens (0: the whole head), got {self.draft_vocab}")
+        if self.draft_vocab and self.parts != "hat-feature":
+            raise ValueError(f"draft_vocab is the feature part's head: it needs parts hat-feature, not {self.parts}")
         if self.tail < 0:
             raise ValueError(f"tail must be >= 0 layers, got {self.tail}")
         if self.prompts < 1:

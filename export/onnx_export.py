@@ -23,13 +23,12 @@ import numpy as np
 import torch
 
 from edge_runtime.backends.onnx_backend import OrtPart
-from edge_runtime.backends.part_lm import PartChainLM
 from export.config import OPSET, ExportConfig
-from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs
-from export.validate import THRESHOLDS, Schedule, compare, verdict
+from export.graphs import PartGraph, PartSpec, TorchPart, example_inputs, part_specs
+from export.validate import THRESHOLDS, Schedule, compare, validation_chain, verdict
 from hat_split.files import bundle as M
 from hat_split.models.loading import eos_ids, output_size, vocab_fingerprint
-from hat_split.models.partition import model_fingerprint
+from hat_split.models.partition import head_rows, model_fingerprint
 from hat_split.wire.messages import PROTOCOL_VERSION
 
 QUANT_BLOCK = 32
@@ -39,8 +38,9 @@ ACCURACY_LEVEL = 4
 
 
 def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, opset: int = OPSET,
-                 untie: bool = False) -> None:
-    """One part as an ONNX graph at `path` (weights in `path`.data) in `opset` (export.config.OPSETS).
+                 untie: bool = False, rows: Any = None) -> None:
+    """One part as an ONNX graph at `path` (weights in `path`.data) in `opset` (export.config.OPSETS); rows: the
+    feature part's draft-vocabulary head (hat_split.models.partition.head_rows), None: the model's head.
 
     untie: a head tied to the embeddings reaches the graph as Transpose(shared table), which the weight-only
     quantizers cannot use (no constant weight), so the largest matmul of a small model would stay float; the graph
@@ -50,10 +50,10 @@ def export_graph(model: Any, spec: PartSpec, adapter: Any, path: Path, opset: in
         tied = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(tied.detach().clone(), requires_grad=False)
         try:
-            return export_graph(model, spec, adapter, path, opset)
+            return export_graph(model, spec, adapter, path, opset, rows=rows)
         finally:
             model.lm_head.weight = tied
-    graph = PartGraph(model, spec, adapter).eval()
+    graph = PartGraph(model, spec, adapter, rows).eval()
     args = example_inputs(model, spec, adapter)
     adapter_type = adapter.layer_type if adapter is not None else None
     names = spec.input_names(model.config, adapter_type)
@@ -171,7 +171,7 @@ def _static(name: str, dim: int) -> bool:
         return False
     if dim == 0:
         return True
-    if name == M.X:
+    if name in (M.X, M.TOKENS):
         return dim == 2
     if name.startswith((M.PAST_KEY, M.PAST_VALUE)):
         return dim in (1, 3)
@@ -225,11 +225,13 @@ def _io(path: Path) -> tuple:
 
 
 def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompts: Sequence[Sequence[int]] = (),
-                  progress: bool = True) -> M.Manifest:
+                  progress: bool = True, draft_ids: Any = None) -> M.Manifest:
     """Export `config.parts` of `loaded` (hat_split.models.loading.LoadedModel; its tokenizer may be None) in
     `config.precisions` into the bundle directory `config.out`, validate each artifact on `prompts` (token ids) and
-    write the manifest. `adapter`: Λ (hat_split.models.adapter) for the hat parts, loaded from `config.adapter`.
-    Returns the manifest; artifacts that failed are in it, marked."""
+    write the manifest. `adapter`: the draft module loaded from `config.adapter`, Λ (hat_split.models.adapter) for
+    the hat parts or the feature drafter (hat_split.models.feature_drafter) for hat-feature; draft_ids: the feature
+    part's head over these token ids (ascending), None: the whole head. Returns the manifest; artifacts that failed
+    are in it, marked."""
     import onnx
     import onnxruntime
     from tqdm import tqdm
@@ -237,9 +239,16 @@ def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompt
     parts, precisions, m, tail = config.part_kinds, config.precisions, config.m, config.tail
     model = loaded.model
     n = model.config.num_hidden_layers
-    specs = [PartSpec.of(kind, n, m, tail) for kind in parts]
-    if any(s.adapter for s in specs) and adapter is None:
-        raise ValueError("the adapter part needs a hat-distill adapter (--adapter)")
+    specs = part_specs(list(parts), n, m, tail)
+    if any(s.adapter or s.drafter for s in specs) and adapter is None:
+        raise ValueError(f"the {'feature' if any(s.drafter for s in specs) else 'adapter'} part needs a hat-distill "
+                         "output (--adapter)")
+    if any(s.drafter for s in specs) and getattr(adapter, "token_input", "shallow") != "shallow":
+        raise ValueError(f"the feature part takes the tokens' shallow states; this drafter pairs features with token "
+                         f"{adapter.token_input}s, which would need the embedding table in the feature part as well "
+                         "(not exported): train one with hat-distill --token-input shallow")
+    if draft_ids is not None and not any(s.drafter for s in specs):
+        raise ValueError("a draft vocabulary is the feature part's head: export --parts hat-feature")
     if not prompts:
         raise ValueError("validation needs prompts")
     out = Path(config.out)
@@ -270,13 +279,23 @@ def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompt
         man.model["m"], man.model["tail"] = m, tail
     if adapter is not None:
         man.model["adapter"] = os.path.basename(os.path.normpath(config.adapter)) if config.adapter else "given"
+    vocab_file: Dict[str, str] = {}
+    if any(s.drafter for s in specs):
+        man.model["draft_vocab"] = 0 if draft_ids is None else int(len(draft_ids))
+        (out / M.DRAFT_VOCAB).unlink(missing_ok=True)
+        if draft_ids is not None:
+            np.save(out / M.DRAFT_VOCAB, np.asarray(draft_ids, dtype=np.int64))
+            vocab_file = {M.DRAFT_VOCAB: M.sha256(out / M.DRAFT_VOCAB)}
+
+    def rows(src: Any, s: PartSpec) -> Any:
+        return head_rows(src, draft_ids) if s.drafter and draft_ids is not None else None
     if loaded.tokenizer is not None:  # a device needs no model directory: the bundle brings its tokenizer
         loaded.tokenizer.save_pretrained(str(out / "tokenizer"))
         man.tokenizer = {str(p.relative_to(out)): M.sha256(p) for p in sorted((out / "tokenizer").rglob("*"))
                          if p.is_file()}
 
     window = man.model["sliding_window"] or None
-    reference = PartChainLM([TorchPart(model, s, adapter) for s in specs], vocab, window)
+    reference = validation_chain([TorchPart(model, s, adapter, rows(model, s)) for s in specs], vocab, window)
     todo = [(prec, s) for prec in precisions for s in specs]
     bar = tqdm(total=len(todo) * 2, desc="hat-export onnx", unit="step", disable=not progress)
     scratch = out / ".fp32-for-quantization"
@@ -295,20 +314,22 @@ def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompt
                     if prec == "fp16":
                         src_model = copy.deepcopy(model).half()
                         src_adapter = copy.deepcopy(adapter).half() if adapter is not None else None
-                    export_graph(src_model, s, src_adapter, path, config.opset)
+                    export_graph(src_model, s, src_adapter, path, config.opset, rows=rows(src_model, s))
                 else:  # from an fp32 graph with an untied head, shared by int8 and int4
-                    src = _quantization_source(model, s, adapter, out, scratch, config.opset, "fp32" in done)
+                    src = _quantization_source(model, s, adapter, out, scratch, config.opset, "fp32" in done,
+                                               rows(model, s))
                     quant = quantize_graph(src, path, int(prec[3:]), config.int4_embeddings)
                 paths.append(path)
                 bar.update()
             bar.set_postfix_str(f"{prec}: validate")
-            chain = PartChainLM([OrtPart(p, ["CPUExecutionProvider"], config.threads) for p in paths], vocab, window)
+            chain = validation_chain([OrtPart(p, ["CPUExecutionProvider"], config.threads) for p in paths], vocab,
+                                     window)
             figures = compare(reference, chain, prompts, Schedule())
             bar.update(len(specs))
             for s, path, part, fig in zip(specs, paths, chain.parts, figures):
                 ok, reason = verdict(fig, prec, part.io.logits_out)
                 inputs, outputs, graph_opset = _io(path)
-                files = _files(out, path)
+                files = {**_files(out, path), **(vocab_file if s.drafter else {})}
                 man.replace(M.Artifact(
                     part=s.name, precision=prec, backend="onnx", files=files,
                     sizes={f: (out / f).stat().st_size for f in files}, path=path.name, inputs=inputs,
@@ -326,7 +347,7 @@ def export_bundle(loaded: Any, config: ExportConfig, adapter: Any = None, prompt
 
 
 def _quantization_source(model: Any, spec: PartSpec, adapter: Any, out: Path, scratch: Path, opset: int,
-                         have_fp32: bool) -> Path:
+                         have_fp32: bool, rows: Any = None) -> Path:
     """The fp32 graph of `spec` with an untied head that int8 / int4 quantize: this run's fp32 artifact when it made
     one (itself when its head is not tied, else `untie_graph` of it), else a fresh export; kept in `scratch` for the
     next precision."""
@@ -337,7 +358,7 @@ def _quantization_source(model: Any, spec: PartSpec, adapter: Any, out: Path, sc
     exported = out / f"{spec.name}.fp32.onnx"
     if have_fp32:
         return untied if untie_graph(exported, untied) else exported
-    export_graph(model, spec, adapter, untied, opset, untie=True)
+    export_graph(model, spec, adapter, untied, opset, untie=True, rows=rows)
     return untied
 
 

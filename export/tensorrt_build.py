@@ -21,13 +21,12 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from edge_runtime.backends.part_lm import PartChainLM
 from edge_runtime.backends.trt_backend import TrtPart, tensorrt_version
 from export.config import ExportConfig
-from export.graphs import PartSpec, TorchPart
-from export.validate import THRESHOLDS, Schedule, compare, verdict
+from export.graphs import TorchPart, part_specs
+from export.validate import THRESHOLDS, Schedule, compare, validation_chain, verdict
 from hat_split.files import bundle as M
-from hat_split.models.partition import model_fingerprint
+from hat_split.models.partition import head_rows, model_fingerprint
 
 DECODE_MAX = 8  # new positions: the top of the "decode" profile (a draft step, a short verification)
 OPSET_17_BEFORE = 10  # TensorRT major version from which opset-18 graphs parse right; before it, opset <= 17
@@ -54,7 +53,7 @@ def _flags(trt: Any, strongly_typed: bool) -> int:
 def profile_shapes(name: str, shape: Sequence, n_range: tuple, max_context: int) -> tuple:
     """(min, opt, max) of one input under a profile whose new positions n span n_range = (lo, opt, hi)."""
     lo, opt, hi = n_range
-    if name in (M.X, M.POSITION_IDS):
+    if name in (M.X, M.POSITION_IDS, M.TOKENS):
         rest = [int(d) for d in shape[2:]]
         return tuple((1, k, *rest) for k in (lo, opt, hi))
     if name == M.LOGIT_INDEX:
@@ -105,9 +104,11 @@ def build_engine(onnx_path: Path, engine_path: Path, precision: str, max_context
             "build_s": time.perf_counter() - t0, "from": onnx_path.name}
 
 
-def build_bundle(loaded: Any, config: ExportConfig, adapter: Any, prompts: Sequence[Sequence[int]]) -> M.Manifest:
+def build_bundle(loaded: Any, config: ExportConfig, adapter: Any, prompts: Sequence[Sequence[int]],
+                 draft_ids: Any = None) -> M.Manifest:
     """Engines for every ONNX part of `config.tensorrt.precisions` in the bundle `config.out`, validated against torch
-    (on `prompts`, token ids) like the ONNX artifacts; `adapter`: the Λ the bundle's hat parts were exported with."""
+    (on `prompts`, token ids) like the ONNX artifacts; `adapter`: the Λ or feature drafter the bundle's hat parts were
+    exported with (draft_ids: the feature part's draft vocabulary, None: the whole head)."""
     trt_version = tensorrt_version()
     trt_config, bundle = config.tensorrt, Path(config.out)
     man = M.load(bundle, model_fingerprint=model_fingerprint(loaded.model))
@@ -121,7 +122,7 @@ def build_bundle(loaded: Any, config: ExportConfig, adapter: Any, prompts: Seque
                             key=lambda a: M.PARTS.index(a.part))
         chains = [[a for a in onnx_parts if a.part == "draft"], [a for a in onnx_parts if a.part != "draft"]]
         for chain in [c for c in chains if c]:
-            specs = [PartSpec.of(a.part, n, man.model["m"], man.model["tail"]) for a in chain]
+            specs = part_specs([a.part for a in chain], n, man.model["m"], man.model["tail"])
             builds, runners = [], []
             for a in chain:
                 engine = bundle / f"{a.part}.{prec}.engine"
@@ -129,8 +130,10 @@ def build_bundle(loaded: Any, config: ExportConfig, adapter: Any, prompts: Seque
                                            trt_config.max_chunk, trt_config.workspace_gb))
                 runners.append(TrtPart(engine))
             window = man.model.get("sliding_window") or None
-            reference = PartChainLM([TorchPart(model, s, adapter) for s in specs], man.model["vocab"], window)
-            figures = compare(reference, PartChainLM(runners, man.model["vocab"], window), prompts, Schedule())
+            rows = [head_rows(model, draft_ids) if s.drafter and draft_ids is not None else None for s in specs]
+            reference = validation_chain([TorchPart(model, s, adapter, r) for s, r in zip(specs, rows)],
+                                         man.model["vocab"], window)
+            figures = compare(reference, validation_chain(runners, man.model["vocab"], window), prompts, Schedule())
             for a, build, fig, runner in zip(chain, builds, figures, runners):
                 ok, reason = verdict(fig, prec, runner.io.logits_out)
                 name = f"{a.part}.{prec}.engine"

@@ -16,10 +16,12 @@ limit between machines (62.5 % on an AVX2-only machine, 70-81 % here). It stays 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from edge_runtime.backends.part_lm import empty_cache, run_part_outputs
 
 # Per weight precision: the largest |Δ| / max|reference| of any part output, and the largest mean TV between the
 # reference's and the artifact's next-token distributions in any regime. fp32 differs from torch by kernel order, fp16
@@ -60,6 +62,50 @@ class Schedule:
         out += [("chunks", list(mid[i:i + self.chunk])) for i in range(0, len(mid), self.chunk)]
         out += [("steps", [t]) for t in prompt[cut + self.chunk_tokens:]]
         return out
+
+
+@dataclass
+class FeatureChain:
+    """The feature drafter's parts as validation feeds them, with PartChainLM's interface for `compare`: the input
+    part over the tokens, the output part over its shallow states (standing in for the cloud's deep states: the
+    same function either way) giving logits and features, and the feature part over the pairs (f_{p-1}, s_p), the
+    feature before the first new position kept from the previous feed (zeros at position 0). last_outputs, in the
+    parts' order: the shallow states, the draft logits, the output part's logits."""
+
+    parts: List[Any]  # input, feature, output (exported with features): hat_split.files.bundle.PARTS order
+    vocab_size: int
+    window: Optional[int] = None
+    last_outputs: List[np.ndarray] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        io = [p.io for p in self.parts]
+        if len(io) != 3 or not io[0].tokens_in or not io[1].pairs_in or not io[2].features_out:
+            raise ValueError("a feature chain is the input part, the feature part, and an output part that gives the "
+                             "features")
+
+    def new_state(self) -> Dict[str, Any]:
+        return {"cache": [empty_cache(p) for p in self.parts], "length": 0, "feature": None}
+
+    def forward(self, state: Dict[str, Any], tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        inp, feat, out = self.parts
+        caches, past = state["cache"], state["length"]
+        shallow = run_part_outputs(inp, caches[0], np.asarray([list(tokens)], np.int64), past, 0, self.window)[0]
+        logits, features = run_part_outputs(out, caches[2], shallow, past, n_logits, self.window)
+        before = state["feature"] if state["feature"] is not None else np.zeros_like(features[:, :1])
+        pairs = np.concatenate([before.astype(features.dtype), features[:, :-1]], axis=1)
+        draft, _ = run_part_outputs(feat, caches[1], pairs, past, n_logits, self.window, tokens=shallow)
+        state["feature"], state["length"] = features[:, -1:], past + len(tokens)
+        self.last_outputs = [shallow, draft, logits]
+        return np.asarray(draft[0], np.float32)
+
+
+def validation_chain(parts: List[Any], vocab: int, window: Optional[int]) -> Any:
+    """The chain `compare` feeds: a FeatureChain when the feature part is among `parts`, else a PartChainLM."""
+    from edge_runtime.backends.part_lm import PartChainLM
+
+    if any(p.io.pairs_in for p in parts):
+        return FeatureChain(parts, vocab, window)
+    return PartChainLM(parts, vocab, window)
 
 
 def divergences(ref: np.ndarray, got: np.ndarray) -> tuple:

@@ -177,16 +177,11 @@ def test_hat_with_the_feature_drafter_across_processes_on_the_real_smollm2_cut(s
 
 
 def test_a_feature_drafter_is_refused_where_it_cannot_run(split, tmp_path):
-    """A bundle device and the token protocols' adapter draft refuse a feature drafter's directory in one line; the
-    export reading it as Λ says what it is."""
-    from edge_runtime.config import SplitConfig
-    from edge_runtime.engine import BundleEngine
+    """Λ's loader (the token protocols' adapter draft) refuses a feature drafter's directory in one line, saying what
+    it is (a bundle's refusals: tests/test_feature_export.py)."""
     from hat_split.models.adapter import load_adapter
 
     save_feature_drafter(tmp_path / "fd", FeatureDrafter(split.model), split, "tiny", {"steps": 0})
-    engine = BundleEngine(None, None, 0, "tiny", "", frozenset())
-    with pytest.raises(ValueError, match="holds a feature drafter: it runs on the torch backend"):
-        engine.split_parts(True, SplitConfig(m=1, adapter=str(tmp_path / "fd")))
     with pytest.raises(ValueError, match="holds a feature drafter, not HAT's adapter"):
         load_adapter(tmp_path / "fd", split)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
+
+import numpy as np
 
 from edge_runtime.backends.onnx_backend import OrtPart
 from edge_runtime.backends.part_lm import PartChainLM, PartRunner
@@ -54,15 +56,29 @@ class Bundle:
         return PartChainLM([self.part(n) for n in names], self.manifest.model["vocab"], self.window,
                            self.config.split.slowdown)
 
-    def split_parts(self, adapter: bool) -> BundleSplitParts:
-        """The split protocols' parts: input and output, and Λ for `hat` (hat-export onnx --parts ushape|hat)."""
+    def drafters(self) -> List[str]:
+        """The draft parts the bundle holds: "feature" (hat-export onnx --parts hat-feature), "adapter" (Λ, --parts
+        hat), best first."""
+        held = {a.part for a in self.manifest.artifacts}
+        return [k for k in ("feature", "adapter") if k in held]
+
+    def split_parts(self, drafter: str = "") -> BundleSplitParts:
+        """The split protocols' parts: input and output, and for `hat` its draft part, "adapter" (Λ) or "feature"
+        (the feature drafter, its draft vocabulary read from the bundle); "": U-shape."""
         precision = self.config.engine.precision
         if precision in ("int8", "int4"):
             log.warning("split protocols on %s parts: the input and output parts are part of the target, so its "
                         "tokens are the quantized model's, not the original's (fp32 / fp16 keep them)",
                         precision)
-        return BundleSplitParts(self.part("input"), self.part("output"), self.part("adapter") if adapter else None,
-                                self.manifest.model, self.window)
+        if drafter not in ("", "adapter", "feature"):
+            raise ValueError(f"unknown draft part {drafter!r}")
+        ids = None
+        if drafter == "feature" and self.manifest.model.get("draft_vocab"):
+            self.manifest.usable("feature", self.config.engine.precision, self.kind)  # says what is missing first
+            ids = np.load(self.root / M.DRAFT_VOCAB).astype(np.int64)
+        return BundleSplitParts(self.part("input"), self.part("output"),
+                                self.part("adapter") if drafter == "adapter" else None, self.manifest.model,
+                                self.window, self.part("feature") if drafter == "feature" else None, ids)
 
 
 def open_bundle(config: EdgeConfig) -> Bundle:

@@ -76,8 +76,8 @@ class OrtPart(PartRunner):
             if i.type not in _ORT_DTYPES:
                 raise ValueError(f"{path}: input {i.name} has unsupported type {i.type}")
             inputs.append((i.name, _ORT_DTYPES[i.type], i.shape))
-        self.io = PartIO.from_inputs(inputs)
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.io = PartIO.from_inputs(inputs, self.output_names)
 
     def run(self, feed: Dict[str, np.ndarray]) -> List[np.ndarray]:
         return self.session.run(self.output_names, feed)

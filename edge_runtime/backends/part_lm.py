@@ -29,10 +29,12 @@ class PartIO:
     logits_out: bool
     cached: List[int]  # cache keys, in graph order
     kv_shape: Tuple[int, int]  # (kv heads, head dim)
+    pairs_in: bool = False  # the feature part: `tokens` beside x (the features)
+    features_out: bool = False  # the normed features follow the logits (hat_split.files.bundle.FEATURES)
 
     @staticmethod
-    def from_inputs(inputs: Sequence[Tuple[str, np.dtype, Sequence]]) -> "PartIO":
-        """inputs: (name, numpy dtype, shape with symbolic dims as strings or None)."""
+    def from_inputs(inputs: Sequence[Tuple[str, np.dtype, Sequence]], outputs: Sequence[str] = ()) -> "PartIO":
+        """inputs: (name, numpy dtype, shape with symbolic dims as strings or None); outputs: the output names."""
         by_name = {n: (d, s) for n, d, s in inputs}
         for need in (B.X, B.POSITION_IDS):
             if need not in by_name:
@@ -48,7 +50,13 @@ class PartIO:
         if cached:
             shape = by_name[B.past_names(cached[0])[0]][1]
             kv = (int(shape[1]), int(shape[3]))
-        return PartIO([n for n, _, _ in inputs], float_dtype, tokens_in, B.LOGIT_INDEX in by_name, cached, kv)
+        return PartIO([n for n, _, _ in inputs], float_dtype, tokens_in, B.LOGIT_INDEX in by_name, cached, kv,
+                      B.TOKENS in by_name, B.FEATURES in outputs)
+
+    @property
+    def main_outputs(self) -> int:
+        """Outputs before the grown caches: the states or logits, and the features where the part gives them."""
+        return 2 if self.features_out else 1
 
 
 class PartRunner(Protocol):
@@ -114,11 +122,25 @@ def run_part(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int
     """One part over the positions past .. past + n - 1 of `x` (ids `# [1, n]` or states `# [1, n, hidden]`): its
     output (states, or logits `# [1, max(n_logits, 1), vocab]`); `cache` (the part's past keys and values, in
     `io.cached` order) is replaced by the grown one. `masks` shares the masks between the parts of one step."""
+    return run_part_outputs(part, cache, x, past, n_logits, window, masks)[0]
+
+
+def run_part_outputs(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int, n_logits: int,
+                     window: Optional[int], masks: Optional[Dict[tuple, np.ndarray]] = None,
+                     tokens: Optional[np.ndarray] = None) -> List[np.ndarray]:
+    """`run_part`'s, with every output before the caches (`io.main_outputs`: the features after the logits where the
+    part gives them); `tokens`: the feature part's token states `# [1, n, hidden]`."""
     io = part.io
     n = x.shape[1]
+    if io.pairs_in != (tokens is not None):
+        raise ValueError("the feature part takes token states beside the features; no other part does")
     masks = {} if masks is None else masks
     feed = {B.X: x if io.tokens_in else x.astype(io.float_dtype, copy=False),
             B.POSITION_IDS: np.arange(past, past + n, dtype=np.int64)[None]}
+    if tokens is not None:
+        if tokens.shape[:2] != x.shape[:2]:
+            raise ValueError(f"{tokens.shape[1]} token states for {n} features")
+        feed[B.TOKENS] = tokens.astype(io.float_dtype, copy=False)
     for name, w in ((B.MASK, None), (B.MASK_SLIDING, window)):
         if name in io.names:
             key = (w, io.float_dtype)
@@ -131,8 +153,8 @@ def run_part(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int
         key, value = B.past_names(layer)
         feed[key], feed[value] = cache[2 * j], cache[2 * j + 1]
     outs = part.run(feed)
-    cache[:] = outs[1:]
-    return outs[0]
+    cache[:] = outs[io.main_outputs:]
+    return list(outs[:io.main_outputs])
 
 
 def empty_cache(part: PartRunner) -> List[np.ndarray]:

@@ -6,9 +6,9 @@ the cut's identity for OpenSplit and the conversion of states to and from the wi
 them:
 
 - `TorchSplitParts`: a `SplitModel` (and its `Adapter`) in torch; states are torch tensors of the model's dtype.
-- `BundleSplitParts`: a hat-export bundle's `input`, `adapter` and `output` graphs run by onnxruntime or TensorRT part
-  runners (edge_runtime.backends.part_lm); states are numpy arrays of the graphs' float dtype, caches are `ArrayCache`s.
-  No torch on the device.
+- `BundleSplitParts`: a hat-export bundle's `input`, `adapter` (or `feature`) and `output` graphs run by onnxruntime
+  or TensorRT part runners (edge_runtime.backends.part_lm); states are numpy arrays of the graphs' float dtype, caches
+  are `ArrayCache`s. No torch on the device.
 
 Both compute the same functions (export.validate checks the graphs against torch), so a bundle's device speaks the same
 protocol to the same cloud as a torch device with the same weights (the fingerprint in OpenSplit is the model's).
@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from edge_runtime.backends.part_lm import PartRunner, empty_cache, run_part
+from edge_runtime.backends.part_lm import PartRunner, empty_cache, run_part_outputs
 from hat_split.models.partition import PartCache
 from hat_split.models.placement import model_device, to_device, to_host
 
@@ -163,9 +163,12 @@ class ArrayCache:
 class BundleSplitParts:
     input: PartRunner
     output: PartRunner
-    adapter: Optional[PartRunner]  # None: U-shape only
+    adapter: Optional[PartRunner]  # Λ; None: U-shape, or the feature drafter
     model: dict  # the bundle manifest's `model` record
     window: Optional[int] = None  # Gemma 3's sliding window
+    feature: Optional[PartRunner] = None  # the feature drafter (its head over draft_ids when given)
+    draft_ids: Optional[np.ndarray] = None  # the feature part's draft vocabulary (None: the whole head); Λ's output
+    # part is always the whole head
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -174,16 +177,23 @@ class BundleSplitParts:
         self.stop = int(m["layers"]) - self.tail
         self.hidden_size = int(m["hidden"])
         self.vocab = int(m["vocab"])
-        self.draft_ids = None  # the exported output part is the whole head (split.draft_vocab: torch engine only)
-        self.has_adapter = self.adapter is not None
-        self.kind = "adapter" if self.adapter is not None else ""  # no exported feature drafter yet
-        self.token_input = ""
+        if self.adapter is not None and self.feature is not None:
+            raise ValueError("a device drafts with Λ or with the feature drafter, not both")
+        self.has_adapter = self.adapter is not None or self.feature is not None
+        self.kind = "feature" if self.feature is not None else "adapter" if self.adapter is not None else ""
+        self.token_input = "shallow" if self.feature is not None else ""
         self.state_dtype = self.output.io.float_dtype
         for name, part, tokens_in, logits_out in (("input", self.input, True, False),
                                                   ("output", self.output, False, True),
-                                                  ("adapter", self.adapter, False, False)):
+                                                  ("adapter", self.adapter, False, False),
+                                                  ("feature", self.feature, False, True)):
             if part is not None and (part.io.tokens_in, part.io.logits_out) != (tokens_in, logits_out):
                 raise ValueError(f"the {name} graph does not take and give what an {name} part does")
+        if self.feature is not None and not (self.feature.io.pairs_in and self.feature.io.features_out):
+            raise ValueError("the feature graph does not take the pairs and give the features a feature part does")
+        if self.feature is not None and not self.output.io.features_out:
+            raise ValueError("the bundle's output part gives no features, which the feature drafter reads: export "
+                             "the bundle again with hat-export onnx --parts hat-feature")
 
     def new_cache(self) -> ArrayCache:
         return ArrayCache([])  # a part's empty arrays come with its first run (`_run`)
@@ -191,12 +201,12 @@ class BundleSplitParts:
     def run_input(self, cache: ArrayCache, tokens: Sequence[int]) -> np.ndarray:
         if not tokens:
             raise ValueError("run_input needs at least one token")
-        return self._run(self.input, cache, np.asarray([list(tokens)], dtype=np.int64), 0)
+        return self._run(self.input, cache, np.asarray([list(tokens)], dtype=np.int64), 0)[0]
 
     def run_adapter(self, cache: ArrayCache, states: np.ndarray) -> np.ndarray:
         if self.adapter is None:
             raise RuntimeError("these parts have no adapter (protocol hat needs one)")
-        return self._run(self.adapter, cache, states, 0)
+        return self._run(self.adapter, cache, states, 0)[0]
 
     def run_output(self, cache: ArrayCache, states: np.ndarray, n_logits: int, draft: bool = False) -> np.ndarray:
         n = states.shape[1]
@@ -205,8 +215,27 @@ class BundleSplitParts:
         if n_logits == 0 and not self.output.io.cached:  # norm + head only: nothing to remember, nothing to compute
             cache.length += n
             return np.zeros((0, self.vocab), np.float32)
-        logits = self._run(self.output, cache, states, n_logits)
+        logits = self._run(self.output, cache, states, n_logits)[0]
         return np.asarray(logits[0], dtype=np.float32)[logits.shape[1] - n_logits:]
+
+    def run_output_features(self, cache: ArrayCache, states: np.ndarray, n_logits: int) -> Tuple[np.ndarray, Any]:
+        n = states.shape[1]
+        if not 0 <= n_logits <= n:
+            raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+        if not self.output.io.features_out:
+            raise RuntimeError("the bundle's output part gives no features (hat-export onnx --parts hat-feature)")
+        logits, features = self._run(self.output, cache, states, n_logits)
+        return np.asarray(logits[0], dtype=np.float32)[logits.shape[1] - n_logits:], features
+
+    def run_feature(self, cache: ArrayCache, features: np.ndarray, states: np.ndarray,
+                    tokens: Sequence[int]) -> Tuple[np.ndarray, Any]:
+        if self.feature is None:
+            raise RuntimeError("these parts have no feature drafter")
+        logits, fhat = self._run(self.feature, cache, features, 1, tokens=states)
+        return np.asarray(logits[0, -1:], dtype=np.float32), fhat
+
+    def zeros(self, n: int) -> np.ndarray:
+        return np.zeros((1, n, self.hidden_size), dtype=self.state_dtype)
 
     def cat(self, states: List[np.ndarray]) -> np.ndarray:
         return np.concatenate(states, axis=1)
@@ -217,11 +246,12 @@ class BundleSplitParts:
     def from_wire(self, rows: np.ndarray) -> np.ndarray:
         return rows.astype(self.state_dtype, copy=False)[None]
 
-    def _run(self, part: PartRunner, cache: ArrayCache, x: np.ndarray, n_logits: int) -> np.ndarray:
+    def _run(self, part: PartRunner, cache: ArrayCache, x: np.ndarray, n_logits: int,
+             tokens: Optional[np.ndarray] = None) -> List[np.ndarray]:
         if x.shape[1] < 1:
             raise ValueError("a part needs at least one position")
         if not cache.arrays:
             cache.arrays = empty_cache(part)
-        out = run_part(part, cache.arrays, x, cache.length, n_logits, self.window)
+        out = run_part_outputs(part, cache.arrays, x, cache.length, n_logits, self.window, tokens=tokens)
         cache.length += x.shape[1]
         return out

@@ -49,7 +49,8 @@ class TrtPart(PartRunner):
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == mode]
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) != mode]
         self.dtypes = {n: np.dtype(trt.nptype(self.engine.get_tensor_dtype(n))) for n in names}
-        self.io = PartIO.from_inputs([(n, self.dtypes[n], tuple(self.engine.get_tensor_shape(n))) for n in self.inputs])
+        self.io = PartIO.from_inputs([(n, self.dtypes[n], tuple(self.engine.get_tensor_shape(n))) for n in self.inputs],
+                                     self.outputs)
         self.contexts = []
         for k in range(self.engine.num_optimization_profiles):
             ctx = self.engine.create_execution_context()

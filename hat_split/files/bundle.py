@@ -22,12 +22,13 @@ from hat_split.wire.messages import PROTOCOL_VERSION
 
 FORMAT = "hatspec-bundle/1"
 MANIFEST = "manifest.json"
-PARTS = ("draft", "input", "adapter", "output")  # an artifact's part (export.graphs.PartSpec), in chain order
+PARTS = ("draft", "input", "adapter", "feature", "output")  # an artifact's part (export.graphs.PartSpec), chain order
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # an artifact's weights (int8 / int4: weight-only, float activations)
 
 # A part's graph inputs, in this order (a name absent from a graph is an input the part does not take):
 X = "x"  # int64 token ids `# [1, n]` (a part with the embeddings) or states `# [1, n, hidden]`
 POSITION_IDS = "position_ids"  # int64 `# [1, n]`: absolute positions of the n new tokens
+TOKENS = "tokens"  # the feature part's: `# [1, n, hidden]` the shallow states of the pairs' tokens (x: the features)
 MASK = "mask"  # additive causal mask `# [1, 1, n, past + n]` (hat_split.math.masks)
 MASK_SLIDING = "mask_sliding"  # the same within the sliding window, when a part has a sliding-window layer
 LOGIT_INDEX = "logit_index"  # int64 `# [k]`: the positions whose logits a part with the head returns
@@ -35,6 +36,9 @@ PAST_KEY, PAST_VALUE = "past_key_", "past_value_"  # + layer: cache `# [1, kv_he
 # ... and its outputs: the states or the logits first, then each cached layer's grown cache (past ++ new).
 HIDDEN = "hidden"  # `# [1, n, hidden]`
 LOGITS = "logits"  # float32 `# [1, k, vocab]`
+FEATURES = "features"  # after the logits, where a part gives them: `# [1, n, hidden]` the normed features the head
+# reads (an output part exported for the feature drafter; the feature part: its predicted ones, f̂)
+DRAFT_VOCAB = "feature.vocab.npy"  # the feature part's head rows' token ids (int64, ascending), when over a subset
 PRESENT_KEY, PRESENT_VALUE = "present_key_", "present_value_"  # + layer: `# [1, kv_heads, past + n, head_dim]`
 
 

@@ -126,8 +126,9 @@ def save_adapter(path: str | os.PathLike[str], adapter: Adapter, split: SplitMod
 def read_adapter_meta(path: str | os.PathLike[str]) -> Dict[str, Any]:
     meta_path = Path(path) / META
     if not meta_path.is_file() and (Path(path) / "drafter.json").is_file():
-        raise ValueError(f"{path} holds a feature drafter, not HAT's adapter Λ: it drafts in protocol hat on the torch "
-                         "backend (its ONNX export is not built yet; use an adapter made by `hat-distill` here)")
+        raise ValueError(f"{path} holds a feature drafter, not HAT's adapter Λ: it drafts in protocol hat (torch, or "
+                         "a bundle exported with `hat-export onnx --parts hat-feature`); use an adapter made by "
+                         "`hat-distill` here")
     if not meta_path.is_file():
         raise FileNotFoundError(f"{path} is not an adapter directory (no {META}); make one with `hat-distill`")
     meta = json.loads(meta_path.read_text())
