@@ -42,7 +42,8 @@ def _bundle_parts(out, precision="fp32"):
     from edge_runtime.backends.onnx_backend import OrtPart
     from edge_runtime.backends.split_parts import BundleSplitParts
 
-    parts = {k: OrtPart(out / f"{k}.{precision}.onnx", ["CPUExecutionProvider"]) for k in ("input", "feature", "output")}
+    parts = {k: OrtPart(out / f"{k}.{precision}.onnx", ["CPUExecutionProvider"])
+             for k in ("input", "feature", "output")}
     return BundleSplitParts(parts["input"], parts["output"], None, M.load(out).model, feature=parts["feature"],
                             draft_ids=np.load(out / M.DRAFT_VOCAB))
 
@@ -114,7 +115,8 @@ def test_a_bundle_device_picks_its_draft_part_and_refuses_what_it_lacks(feature_
     from hat_split.models.adapter import Adapter, save_adapter
 
     out, model, drafter, _ = feature_bundle
-    bundle = Bundle(M.load(out), None, out, EdgeConfig(model="tiny", engine=EngineConfig(backend="onnxruntime", bundle=str(out))))
+    config = EdgeConfig(model="tiny", engine=EngineConfig(backend="onnxruntime", bundle=str(out)))
+    bundle = Bundle(M.load(out), None, out, config)
     engine = BundleEngine(None, None, 0, "tiny", "", frozenset(), bundle=bundle)
     assert bundle.drafters() == ["feature"]
     parts = engine.split_parts(True, SplitConfig(m=1))
