@@ -56,13 +56,16 @@ fi
 
 case "$mode" in
   demo)
-    # HAT's adapter for the demo's `hat` rows: distilled here when absent (~5 min on 2 cores: a short run, shown with
-    # its progress bars and times). The full recipe (docs/HAT.md, ~50 min) drafts better; the demo uses it when there.
-    adapter=runs/adapters/qwen2.5-coder-1.5b-m2
-    if [ ! -f "$adapter/adapter.json" ]; then
-      echo "bootstrap: distilling HAT's adapter for qwen2.5-coder-1.5b (short demo recipe, ~5 min) into $adapter"
-      hat-distill --model qwen2.5-coder-1.5b --m 2 --windows 96 --steps 120 --batch 4 --ce-fraction 0.25 --lr 1e-3 \
-        --eval-windows 4 --eval-prompts 2 --eval-tokens 32 --out "$adapter" >/dev/null
+    # HAT's draft module for the demo's `hat` rows: a feature drafter distilled here when there is none (nor a Λ),
+    # its cache and training fitted into 210 s by --budget-s (under 5 minutes with loading and a short evaluation, on
+    # any machine: a slower one caches fewer windows and trains fewer steps). The full recipe (docs/HAT.md) writes the
+    # same directory and drafts better; the demo uses whatever is there.
+    drafter=runs/adapters/qwen2.5-coder-1.5b-m2-feature
+    if [ ! -f "$drafter/drafter.json" ] && [ ! -f runs/adapters/qwen2.5-coder-1.5b-m2/adapter.json ]; then
+      echo "bootstrap: distilling a feature drafter for qwen2.5-coder-1.5b (demo recipe, 5 minutes) into $drafter"
+      hat-distill --drafter feature --model qwen2.5-coder-1.5b --m 2 --budget-s 210 --windows 1200 --batch 4 \
+        --unroll 3 --lr 5e-4 --ce-fraction 0.25 --train-vocab 16384 --eval-windows 1 --eval-prompts 1 \
+        --eval-tokens 32 --draft-vocab 16384 --out "$drafter" >/dev/null
     fi
     exec hat-demo "$@" ;;
   # two workers, one test file each at a time (module fixtures stay together): the suite's tests wait on processes,

@@ -242,7 +242,31 @@ def test_the_demo_refuses_protocols_of_the_wrong_kind_and_a_missing_adapter(tmp_
     assert "--split-protocols: ushape, hat" in capsys.readouterr().err
     assert main(["--protocols", "", "--split-protocols", "ushape,hat", "--adapter", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
-    assert f"no HAT adapter at {tmp_path / 'none'}" in err and "hat-distill --model qwen2.5-coder-1.5b --m 2" in err
+    assert f"no HAT draft module at {tmp_path / 'none'}" in err
+    assert "hat-distill --drafter feature --model qwen2.5-coder-1.5b --m 2" in err
+
+
+def test_the_demo_picks_the_feature_drafter_and_its_draft_vocabulary(tmp_path, monkeypatch):
+    """The demo's draft module: the feature drafter when there is one, else Λ, else where the bootstrap makes the
+    feature drafter; a feature drafter drafts over its 16k most frequent tokens (fewer when its data had fewer)."""
+    import numpy as np
+
+    from profiles.bench.demo import demo_drafter, draft_vocab_flags
+
+    monkeypatch.chdir(tmp_path)
+    feature, lam = tmp_path / "runs/adapters/q-m2-feature", tmp_path / "runs/adapters/q-m2"
+    assert demo_drafter("q", 2) == "runs/adapters/q-m2-feature"
+    lam.mkdir(parents=True)
+    (lam / "adapter.json").write_text("{}")
+    np.save(lam / "draft_vocab.npy", np.arange(20000))
+    assert demo_drafter("q", 2) == "runs/adapters/q-m2" and draft_vocab_flags(str(lam)) == []
+    feature.mkdir(parents=True)
+    (feature / "drafter.json").write_text("{}")
+    np.save(feature / "draft_vocab.npy", np.arange(20000))
+    assert demo_drafter("q", 2) == "runs/adapters/q-m2-feature"
+    assert draft_vocab_flags(str(feature)) == ["--draft-vocab", "16384"]
+    np.save(feature / "draft_vocab.npy", np.arange(900))
+    assert draft_vocab_flags(str(feature)) == ["--draft-vocab", "900"]
 
 
 def test_the_pipeline_runs_have_their_control_with_the_same_total_threads():

@@ -213,6 +213,29 @@ def test_parallel_drafting_with_the_feature_drafter_changes_timing_not_output(ti
 
 
 @pytest.mark.real_models
+def test_hat_distill_fits_a_feature_drafter_into_a_time_budget(smollm2, tmp_path, capsys):
+    """--budget-s: the cache stops filling at half the budget (short of --windows, and resumable), one step is timed
+    and the steps are what the rest holds; the record says what the budget bought. The budget is refused for Λ."""
+    import json
+
+    from edge_runtime.training.distill import main
+
+    out = tmp_path / "fd"
+    args = ["--model", "smollm2-135m", "--m", "2", "--batch", "2", "--seq-len", "64", "--windows", "2000",
+            "--train-vocab", "64", "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4",
+            "--out", str(out)]
+    assert main(["--drafter", "feature", "--budget-s", "16", *args]) == 0
+    record = json.loads((out / "drafter.json").read_text())["record"]
+    budget = record["budget"]
+    cached = json.loads((out / "teacher-cache" / "meta.json").read_text())["done"]
+    assert 2 <= budget["windows"] == cached == record["train_windows"] < 2000
+    assert budget["steps"] == record["steps"] == len(record["history"]) >= 1 and budget["step_s"] > 0
+    assert "--budget-s 16: " in capsys.readouterr().err
+    assert main(["--budget-s", "16", *args]) == 2
+    assert "--budget-s is a time in seconds > 0 for training a feature drafter afresh" in capsys.readouterr().err
+
+
+@pytest.mark.real_models
 def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2, tmp_path, capsys):
     """`hat-distill --drafter feature` on SmolLM2-135M cut at m = 2: two steps, then --resume to three continues the
     same history; a resume with other data order is refused in one line; the artifact loads onto the cut and names

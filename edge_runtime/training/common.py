@@ -64,9 +64,10 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
-def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> TeacherCache:
+def teacher_cache(args, out: Path, name: str, split, train: List[List[int]], deadline: Optional[float] = None
+                  ) -> TeacherCache:
     """The frozen model's states of every training window, on disk: filled now where missing (a progress bar;
-    an interrupted fill resumes), then read by every step."""
+    an interrupted fill resumes), then read by every step. deadline: stop filling then (TeacherCache.fill)."""
     from tqdm import tqdm
 
     hidden = int(split.model.config.hidden_size)
@@ -81,7 +82,7 @@ def teacher_cache(args, out: Path, name: str, split, train: List[List[int]]) -> 
         print(f"hat-distill: caching the teacher's states of {len(train)} windows ({gb:.2f} GB) in {cache.path}",
               file=sys.stderr)
         with tqdm(total=len(train), initial=cache.done, desc="teacher", unit="window") as bar:
-            cache.fill(split, train, args.batch, bar.update)
+            cache.fill(split, train, args.batch, bar.update, deadline)
     return cache
 
 

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-vocab", type=int, default=16384, metavar="N",
                     help="feature drafter: the CE term over the N most frequent training tokens (0: the whole "
                          "vocabulary)")
+    ap.add_argument("--budget-s", type=float, default=0.0, metavar="S",
+                    help="feature drafter: fit the teacher cache (at most --windows, until half of S) and the training "
+                         "(as many steps as the rest holds) into S seconds from the start: the demo's recipe, sized "
+                         "by the machine (0: --windows and --steps as given)")
     ap.add_argument("--m", type=int, default=2, help="layers in the device's input part (HAT: 2 of 32)")
     ap.add_argument("--tail", type=int, default=0, help="last layers kept with the head on the device")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -113,7 +117,9 @@ def evaluate_windows(split, lam, batches, w_ce: float) -> dict:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    args.started = started
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -133,6 +139,9 @@ def run(args) -> int:
         raise ValueError(f"--train-windows must be in [0, --windows], got {args.train_windows}")
     if not 0 < args.ce_fraction <= 1:
         raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
+    if args.budget_s < 0 or (args.budget_s and (args.drafter != "feature" or args.resume or args.eval_only)):
+        raise ValueError("--budget-s is a time in seconds > 0 for training a feature drafter afresh (--drafter "
+                         "feature, without --resume or --eval-only)")
     etas(args.eta_sweep)  # refused before any work
     if args.threads:
         torch.set_num_threads(args.threads)

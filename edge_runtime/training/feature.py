@@ -8,6 +8,11 @@ drafter trains in float32 master weights; the frozen model's matmuls autocast to
 `--train-vocab` most frequent tokens of the training data (the teacher's distribution renormalised on them): the head's
 vocabulary-wide matmul is most of a step otherwise, and the device drafts over such a subset anyway
 (split.draft_vocab). A checkpoint every --checkpoint-every steps; --resume continues with the same data order.
+
+--budget-s S fits the cache and the training into S seconds from the start of the command (the demo's recipe, sized by
+the machine it runs on): the cache fills at most --windows windows until BUDGET_CACHE of the budget is spent (it stays
+resumable: a later run with the same windows continues it), one step is timed, and the steps are as many as the rest
+of the budget holds at that pace. The record says what the budget bought.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_draft
                                               save_feature_drafter, token_states, ttt_loss)
 from hat_split.models.partition import head_rows
 
+BUDGET_CACHE = 0.5  # the share of --budget-s the teacher cache may take; the training gets the rest
 RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "train_windows", "seed", "unroll", "token_input",
                "train_vocab")
 
@@ -53,6 +59,23 @@ def evaluate(split: Any, drafter: FeatureDrafter, eval_sets: List[Any], unroll: 
             sums["loss"] += float(r["loss"]) / len(eval_sets)
             sums["top1_steps"] = [a + b / len(eval_sets) for a, b in zip(sums["top1_steps"], r["top1_steps"])]
     return sums
+
+
+def budget_steps(args, drafter: FeatureDrafter, loss_at: Any, used: int) -> Dict[str, Any]:
+    """--budget-s: time one step (its gradient thrown away) and set args.steps to as many as the rest of the budget
+    holds (at least 1); returns what the budget bought."""
+    import torch
+
+    t0 = time.perf_counter()
+    r = loss_at(0, list(range(min(args.batch, used))), torch.Generator().manual_seed(args.seed))
+    r["loss"].backward()
+    drafter.zero_grad(set_to_none=True)
+    step_s = time.perf_counter() - t0
+    left = args.started + args.budget_s - time.perf_counter()
+    args.steps = max(1, int(left / step_s))
+    print(f"hat-distill: --budget-s {args.budget_s:g}: {used} windows cached, a step takes {step_s:.2f} s, so "
+          f"{args.steps} steps", file=sys.stderr)
+    return {"budget_s": args.budget_s, "windows": used, "step_s": step_s, "steps": args.steps}
 
 
 def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
@@ -85,12 +108,13 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         start, history = 0, []
         if args.resume:
             start, history = resume(out, args, RESUME_KEYS, drafter, opt)
-        order = visit_order(used, args.steps * args.batch, args.seed)
         t0 = time.perf_counter()
-        cache = teacher_cache(args, out, loaded.name, split, train)
+        deadline = args.started + BUDGET_CACHE * args.budget_s if args.budget_s else None
+        cache = teacher_cache(args, out, loaded.name, split, train, deadline)
         cache_s = time.perf_counter() - t0
+        if args.budget_s:
+            used = min(used, cache.done)
         stack = drafter.stack(split)
-        t0 = time.perf_counter()
 
         def loss_at(step, idx, generator):
             feats, states = window_states(cache, split, drafter, train, idx)
@@ -98,6 +122,9 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
                 return ttt_loss(split, drafter, stack, feats, states, args.unroll, args.w_ce, rows,
                                 ce_positions(feats.shape[:2], args.ce_fraction, generator))
 
+        budget = budget_steps(args, drafter, loss_at, used) if args.budget_s else None
+        order = visit_order(used, args.steps * args.batch, args.seed)
+        t0 = time.perf_counter()
         train_steps(args, out, drafter, opt, order, start, history, loss_at, "feature drafter")
         drafter.eval().requires_grad_(False)
         drafter.to(next(model.parameters()).dtype)
@@ -108,6 +135,8 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
                   "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
                   "teacher_cache": {"dtype": args.cache_dtype, "seconds": cache_s}, "history": history}
+        if budget is not None:
+            record["budget"] = {**budget, "seconds_used": time.perf_counter() - args.started}
     t_eval = time.perf_counter()
     eval_windows = windows(tok, args.eval_windows, args.seq_len, 0)
     eval_sets = []

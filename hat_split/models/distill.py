@@ -27,7 +27,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -189,14 +189,19 @@ class TeacherCache:
         return self.done == self.spec.windows
 
     def fill(self, split: SplitModel, windows: List[List[int]], batch: int,
-             progress: Callable[[int], None] = lambda n: None) -> None:
+             progress: Callable[[int], None] = lambda n: None, deadline: Optional[float] = None) -> None:
         """Compute the teacher for the windows not filled yet, `batch` at a time; meta.json records each batch, so
-        an interrupted fill continues from the last one."""
+        an interrupted fill continues from the last one. deadline: a time.perf_counter() after which no batch starts
+        (at least one batch is filled); the cache stays incomplete and a later fill continues it."""
+        import time
+
         import torch
 
         if len(windows) != self.spec.windows or CacheSpec.digest_of(windows) != self.spec.digest:
             raise ValueError("these windows are not the ones the cache was made for")
         while self.done < self.spec.windows:
+            if deadline is not None and self.done > 0 and time.perf_counter() >= deadline:
+                return
             lo, hi = self.done, min(self.spec.windows, self.done + batch)
             t = teacher(split, torch.tensor(windows[lo:hi], dtype=torch.long))
             self.shallow[lo:hi] = t.shallow.float().numpy().astype(self.spec.dtype)

@@ -9,8 +9,10 @@ Both sides run the fastest engine installed (`--engine auto`): llama.cpp on the 
 there (the bootstrap builds it), else torch; the demo prints which.
 
 Then the split protocols (`--split-protocols ushape,hat`) on the target cut at layer --m: a torch cloud holding the
-middle layers, and an edge process holding the input layers, the head and HAT's distilled adapter (`--adapter`, made
-by hat-distill; the bootstrap distils one when there is none). They run at this machine's speed (no board emulation;
+middle layers, and an edge process holding the input layers, the head and HAT's draft module (`--adapter`, made by
+hat-distill: by default the feature drafter in runs/adapters/<target>-m<m>-feature, drafting over its 16k most frequent
+tokens, else Λ in runs/adapters/<target>-m<m>; the bootstrap distils a feature drafter in a 5-minute budget when there
+is neither). They run at this machine's speed (no board emulation;
 `hat-bench hat` emulates a slower device).
 
 Streams each answer as it is accepted, then prints and saves per protocol: tokens/s, time to first token, accepted
@@ -33,7 +35,6 @@ from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
 from hat_split.prompt_sets import demo_prompts
 from hat_split.protocols import of_family
-from profiles.bench.bench_args import adapter_dir
 from profiles.bench.rig import Rig
 from testbed.links import get_link_profile
 from profiles.bench.provenance import write_report
@@ -59,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--split-protocols", default="ushape,hat",
                     help="protocols run on the target's cut, after the token protocols ('' for none)")
     ap.add_argument("--m", type=int, default=2, help="layers of the target on the device for the split protocols")
-    ap.add_argument("--adapter", default="", help="HAT's adapter (default runs/adapters/<target>-m<m>)")
+    ap.add_argument("--adapter", default="", help="HAT's draft module: a hat-distill directory (default "
+                    "runs/adapters/<target>-m<m>-feature when it holds a feature drafter, else "
+                    "runs/adapters/<target>-m<m>)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
     ap.add_argument("--out", default="runs/demo.json", help="where to save the JSON report (default %(default)s)")
@@ -119,6 +122,30 @@ def pick_engine(asked: str) -> str:
     return "llamacpp" if llama_cpp_installed() else "torch"
 
 
+DEMO_DRAFT_VOCAB = 16384  # the feature drafter's draft head in the demo: its most frequent training tokens
+
+
+def demo_drafter(target: str, m: int) -> str:
+    """The demo's draft module: the feature drafter's directory when it holds one, else Λ's when it holds one, else
+    the feature drafter's (where the bootstrap distils one)."""
+    feature = str(registry.default_adapter_dir(target, m, 0, "feature"))
+    lam = str(registry.default_adapter_dir(target, m))
+    if os.path.isfile(os.path.join(feature, "drafter.json")) or not os.path.isfile(os.path.join(lam, "adapter.json")):
+        return feature
+    return lam
+
+
+def draft_vocab_flags(adapter: str) -> List[str]:
+    """A feature drafter drafts over its DEMO_DRAFT_VOCAB most frequent training tokens (fewer when its data had
+    fewer): a draft step then reads a small head, not the whole vocabulary's."""
+    ranked = os.path.join(adapter, "draft_vocab.npy")
+    if not os.path.isfile(os.path.join(adapter, "drafter.json")) or not os.path.isfile(ranked):
+        return []
+    import numpy as np
+
+    return ["--draft-vocab", str(min(DEMO_DRAFT_VOCAB, len(np.load(ranked, mmap_mode="r"))))]
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     engine = pick_engine(args.engine)
@@ -132,10 +159,12 @@ def main(argv=None) -> int:
         if bad or not protocols + split_protocols:
             raise ValueError(f"unknown protocol(s) {bad}; --protocols: {', '.join(token_names)}; "
                              f"--split-protocols: {', '.join(split_names)}")
-        adapter = adapter_dir(args.adapter, args.target, args.m, needed=False)
-        if "hat" in split_protocols and not os.path.isfile(os.path.join(adapter, "adapter.json")):
-            raise ValueError(f"no HAT adapter at {adapter}: distil one (`hat-distill --model {args.target} --m "
-                             f"{args.m}`; the bootstrap's demo does), or leave hat out of --split-protocols")
+        adapter = args.adapter or demo_drafter(args.target, args.m)
+        if "hat" in split_protocols and not any(os.path.isfile(os.path.join(adapter, f))
+                                                for f in ("adapter.json", "drafter.json")):
+            raise ValueError(f"no HAT draft module at {adapter}: distil one (`hat-distill --drafter feature --model "
+                             f"{args.target} --m {args.m}`; the bootstrap's demo does), or leave hat out of "
+                             "--split-protocols")
         for name in (args.draft, args.target):
             if name in registry.MODELS and not registry.is_installed(name):
                 raise ValueError(f"model {name} is not installed: run `hat-models install {name}`")
@@ -159,7 +188,8 @@ def main(argv=None) -> int:
         if split_protocols:
             print(f"hat-demo: split protocols {', '.join(split_protocols)}: {args.target} cut at layer {args.m}, "
                   f"torch on both sides, adapter {adapter}", flush=True)
-            extra = ["--m", str(args.m), *(["--adapter", adapter] if "hat" in split_protocols else [])]
+            extra = ["--m", str(args.m), *(["--adapter", adapter, *draft_vocab_flags(adapter)]
+                                           if "hat" in split_protocols else [])]
             results += _side(args, profile, prompts, args.target, "torch", args.target, split_protocols, extra, wire)
     except RuntimeError as exc:
         print(f"hat-demo: {exc}", file=sys.stderr)
