@@ -267,6 +267,14 @@ def test_the_demo_picks_the_feature_drafter_and_its_draft_vocabulary(tmp_path, m
     assert draft_vocab_flags(str(feature)) == ["--draft-vocab", "16384"]
     np.save(feature / "draft_vocab.npy", np.arange(900))
     assert draft_vocab_flags(str(feature)) == ["--draft-vocab", "900"]
+    from profiles.bench.demo import drafter_line
+
+    (feature / "drafter.json").write_text(json.dumps({"record": {
+        "budget": {"windows": 104, "steps": 57, "budget_s": 210.0}, "eval": {"top1": 0.258}}}))
+    line = drafter_line(str(feature))
+    assert "feature drafter" in line and "104 windows and 57 steps in 210 s" in line and "top-1 0.258" in line
+    assert "drafts poorly" in line
+    assert "Λ" in drafter_line(str(lam)) and "drafts poorly" not in drafter_line(str(lam))
 
 
 def test_the_pipeline_runs_have_their_control_with_the_same_total_threads():

@@ -135,6 +135,33 @@ def demo_drafter(target: str, m: int) -> str:
     return lam
 
 
+FULL_RECIPE_TOP1 = 0.435  # the full recipe's held-out top-1 on the 1.5B cut (docs/HAT.md, 1200 windows, 600 steps)
+
+
+def drafter_line(adapter: str) -> str:
+    """What the hat row drafted with: the module, what trained it, its held-out top-1 beside the full recipe's, so a
+    short demo recipe's slow `hat` row is read for what it is."""
+    for name, kind in (("drafter.json", "feature drafter"), ("adapter.json", "Λ")):
+        path = os.path.join(adapter, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f).get("record", {})
+            break
+    else:
+        return f"hat: drafted with {adapter}"
+    budget = record.get("budget")
+    how = (f"the demo recipe: {budget['windows']} windows and {budget['steps']} steps in {budget['budget_s']:g} s"
+           if budget else f"{record.get('train_windows', record.get('windows', '?'))} windows, "
+           f"{record.get('steps', '?')} steps")
+    top1 = (record.get("eval") or {}).get("top1")
+    line = f"hat: drafted with the {kind} in {adapter} ({how}; held-out top-1 " + \
+           (f"{top1:.3f}" if isinstance(top1, float) else "?") + f", the full recipe's {FULL_RECIPE_TOP1})"
+    if budget:
+        line += ("; it drafts poorly, so hat here pays for drafts the cloud rejects: the full recipe (docs/HAT.md) "
+                 "writes the same directory")
+    return line
+
+
 def draft_vocab_flags(adapter: str) -> List[str]:
     """A feature drafter drafts over its DEMO_DRAFT_VOCAB most frequent training tokens (fewer when its data had
     fewer): a draft step then reads a small head, not the whole vocabulary's."""
@@ -214,6 +241,8 @@ def main(argv=None) -> int:
           + (f"; {', '.join(split_protocols)} on torch, the target cut at layer {args.m}" if split_protocols else "")
           + " ===")
     print(format_table(agg))
+    if "hat" in split_protocols:
+        print(drafter_line(adapter))
     print(f"\nhat-demo: report saved to {args.out}")
     return 0
 
