@@ -131,8 +131,9 @@ class SplitConfig:
     down_bps: float = setting(0.0, "initial β_down guess, bit/s; replaced by the device's own measurements")
     slowdown: float = setting(1.0, "> 1 emulates a slower board: device compute is stretched to this many times "
                               "its time")
-    draft_vocab: int = setting(0, "> 0: Λ's drafts over the adapter's N most frequent tokens (a head N rows tall); "
-                               "0: all", metavar="N")
+    draft_vocab: int = setting(0, "> 0: hat's drafts (Λ or the feature drafter) over the N most frequent tokens of "
+                               "its training data (a head N rows tall; a bundle's is fixed at export); 0: all",
+                               metavar="N")
 
     def __post_init__(self) -> None:
         if self.m < 1 or self.tail < 0:

@@ -443,6 +443,7 @@ def test_tensorrt_profile_shapes_cover_prefill_and_decode():
     prefill, ctx = (1, 128, 256), 2048
     assert profile_shapes("x", (1, "n"), prefill, ctx) == ((1, 1), (1, 128), (1, 256))
     assert profile_shapes("x", (1, "n", 576), prefill, ctx) == ((1, 1, 576), (1, 128, 576), (1, 256, 576))
+    assert profile_shapes("tokens", (1, "n", 576), prefill, ctx) == ((1, 1, 576), (1, 128, 576), (1, 256, 576))
     assert profile_shapes("mask", (1, 1, "n", "w"), prefill, ctx) == ((1, 1, 1, 1), (1, 1, 128, 1024),
                                                                       (1, 1, 256, 2048))
     assert profile_shapes("logit_index", ("k",), prefill, ctx) == ((1,), (128,), (256,))
