@@ -224,8 +224,9 @@ def test_hat_distill_fits_a_feature_drafter_into_a_time_budget(smollm2, tmp_path
     args = ["--model", "smollm2-135m", "--m", "2", "--batch", "2", "--seq-len", "64", "--windows", "2000",
             "--train-vocab", "64", "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4",
             "--out", str(out)]
-    assert main(["--drafter", "feature", "--budget-s", "16", *args]) == 0
+    assert main(["--drafter", "feature", "--budget-s", "16", "--record", str(tmp_path / "results/fd.json"), *args]) == 0
     record = json.loads((out / "drafter.json").read_text())["record"]
+    assert json.loads((tmp_path / "results/fd.json").read_text()) == json.loads((out / "drafter.json").read_text())
     budget = record["budget"]
     cached = json.loads((out / "teacher-cache" / "meta.json").read_text())["done"]
     assert 2 <= budget["windows"] == cached == record["train_windows"] < 2000

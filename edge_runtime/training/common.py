@@ -2,6 +2,7 @@
 schedule, the teacher cache, and the held-out acceptance (greedy HAT in this process)."""
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 
 from edge_runtime.backends.split_parts import TorchSplitParts
 from edge_runtime.split_drafter import SplitDrafter
+from hat_split.files.atomic import write_json
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.adapter import rank_vocab
 from hat_split.models.chat import encode, encode_chat
@@ -84,6 +86,15 @@ def teacher_cache(args, out: Path, name: str, split, train: List[List[int]], dea
         with tqdm(total=len(train), initial=cache.done, desc="teacher", unit="window") as bar:
             cache.fill(split, train, args.batch, bar.update, deadline)
     return cache
+
+
+def copy_record(args, meta: Path) -> None:
+    """--record FILE: the artifact's metadata (its training record, held-out figures and provenance, as written into
+    the artifact's directory) copied to FILE too, e.g. into results/; its weights stay in the directory."""
+    if args.record:
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        write_json(Path(args.record), json.loads(meta.read_text()), indent=1)
+        print(f"hat-distill: record written to {args.record}", file=sys.stderr)
 
 
 def etas(text: str) -> List[float]:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from edge_runtime.training.common import (TRAIN_FROM, etas, held_out_acceptance, resume,
+from edge_runtime.training.common import (TRAIN_FROM, copy_record, etas, held_out_acceptance, resume,
                                           teacher_cache, train_steps, visit_order, vocab_ranking, windows)
 from hat_split.files.provenance import provenance
 from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-vocab", type=int, default=16384, metavar="N",
                     help="feature drafter: the CE term over the N most frequent training tokens (0: the whole "
                          "vocabulary)")
+    ap.add_argument("--record", default="", metavar="FILE",
+                    help="also write the artifact's record (recipe, history, held-out figures, provenance) to FILE, "
+                         "e.g. results/hat/<name>.json; the weights stay in --out")
     ap.add_argument("--budget-s", type=float, default=0.0, metavar="S",
                     help="feature drafter: fit the teacher cache (at most --windows, until half of S) and the training "
                          "(as many steps as the rest holds) into S seconds from the start: the demo's recipe, sized "
@@ -220,7 +223,7 @@ def run(args) -> int:
         print(f"hat-distill: teacher cache {cached:.0f} s, training {record['seconds']:.0f} s, evaluation "
               f"{record['eval_seconds']:.0f} s: {cached + record['seconds'] + record['eval_seconds']:.0f} s in all",
               file=sys.stderr)
-    save_adapter(out, adapter, split, loaded.name, record, stamp)
+    copy_record(args, save_adapter(out, adapter, split, loaded.name, record, stamp) / "adapter.json")
     print(strict_json.dumps({"out": str(out), "params": adapter.n_params(), "eval": record["eval"],
                       "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
     return 0

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from edge_runtime.training.common import (TRAIN_FROM, held_out_acceptance, resume,
+from edge_runtime.training.common import (TRAIN_FROM, copy_record, held_out_acceptance, resume,
                                           teacher_cache, train_steps, visit_order, vocab_ranking, windows)
 from hat_split.files import strict_json
 from hat_split.models.adapter import load_draft_vocab, save_draft_vocab
@@ -149,7 +149,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
     record.update(held_out_acceptance(split, drafter, tok, args, out))
     suffix = f"_draft_vocab_{args.draft_vocab}" if args.draft_vocab else ""
     record["eval_seconds"] = time.perf_counter() - t_eval
-    save_feature_drafter(out, drafter, split, loaded.name, record, stamp)
+    copy_record(args, save_feature_drafter(out, drafter, split, loaded.name, record, stamp) / "drafter.json")
     print(strict_json.dumps({"out": str(out), "params": drafter.n_params(), "eval": record["eval"],
                              "acceptance": record["acceptance" + suffix], "draft_vocab": args.draft_vocab}, indent=1))
     return 0
