@@ -119,10 +119,7 @@ def _tensorrt(config: ExportConfig, args: argparse.Namespace) -> int:
                              "--adapter DIR (the one it was exported with)")
         split = SplitModel(loaded.model, man.model["m"], man.model["tail"])
         adapter = _draft_module(config.adapter, split, "feature" in drafts)
-        if man.model.get("draft_vocab"):
-            import numpy as np
-
-            ids = np.load(Path(config.out) / M.DRAFT_VOCAB)
+        ids = M.read_draft_vocab(config.out, man.model) if "feature" in drafts else None
     man = build_bundle(loaded, config, adapter, validation_prompts(loaded.tokenizer, config.prompts), ids)
     _print(man)
     failed = [a for a in man.artifacts if a.backend == "tensorrt" and a.status == "failed"]

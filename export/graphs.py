@@ -118,7 +118,7 @@ class PartGraph(torch.nn.Module):
         if (spec.adapter or spec.drafter) and adapter is None:
             raise ValueError(f"part {spec.name!r} needs the {'feature drafter' if spec.drafter else 'adapter'}")
         self.model, self.spec, self.adapter, self.rows = model, spec, adapter, rows
-        layer = (adapter.layer if spec.drafter else adapter) if spec.adapter or spec.drafter else None
+        layer = adapter.layer if spec.drafter else adapter if spec.adapter else None
         extra = [(layer, adapter.layer_type)] if layer is not None else []
         self.stack = Stack(model, spec.start, spec.stop, extra_layers=extra)
         self.kinds = spec.mask_kinds(model.config, adapter.layer_type if adapter is not None else None)

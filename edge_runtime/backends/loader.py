@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
 
-import numpy as np
-
 from edge_runtime.backends.onnx_backend import OrtPart
 from edge_runtime.backends.part_lm import PartChainLM, PartRunner
 from edge_runtime.backends.split_parts import BundleSplitParts
@@ -72,13 +70,11 @@ class Bundle:
                         precision)
         if drafter not in ("", "adapter", "feature"):
             raise ValueError(f"unknown draft part {drafter!r}")
-        ids = None
-        if drafter == "feature" and self.manifest.model.get("draft_vocab"):
-            self.manifest.usable("feature", self.config.engine.precision, self.kind)  # says what is missing first
-            ids = np.load(self.root / M.DRAFT_VOCAB).astype(np.int64)
+        feature = self.part("feature") if drafter == "feature" else None
         return BundleSplitParts(self.part("input"), self.part("output"),
                                 self.part("adapter") if drafter == "adapter" else None, self.manifest.model,
-                                self.window, self.part("feature") if drafter == "feature" else None, ids)
+                                self.window, feature,
+                                M.read_draft_vocab(self.root, self.manifest.model) if feature else None)
 
 
 def open_bundle(config: EdgeConfig) -> Bundle:

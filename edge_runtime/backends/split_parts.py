@@ -159,6 +159,11 @@ class ArrayCache:
         return ArrayCache(list(self.arrays), self.length)  # arrays are replaced, never written: sharing is safe
 
 
+def _check_logits(n_logits: int, n: int) -> None:
+    if not 0 <= n_logits <= n:
+        raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
+
+
 @dataclass
 class BundleSplitParts:
     input: PartRunner
@@ -209,23 +214,24 @@ class BundleSplitParts:
         return self._run(self.adapter, cache, states, 0)[0]
 
     def run_output(self, cache: ArrayCache, states: np.ndarray, n_logits: int, draft: bool = False) -> np.ndarray:
-        n = states.shape[1]
-        if not 0 <= n_logits <= n:
-            raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
         if n_logits == 0 and not self.output.io.cached:  # norm + head only: nothing to remember, nothing to compute
-            cache.length += n
+            _check_logits(n_logits, states.shape[1])
+            cache.length += states.shape[1]
             return np.zeros((0, self.vocab), np.float32)
-        logits = self._run(self.output, cache, states, n_logits)[0]
-        return np.asarray(logits[0], dtype=np.float32)[logits.shape[1] - n_logits:]
+        return self._output(cache, states, n_logits)[0]
 
     def run_output_features(self, cache: ArrayCache, states: np.ndarray, n_logits: int) -> Tuple[np.ndarray, Any]:
-        n = states.shape[1]
-        if not 0 <= n_logits <= n:
-            raise ValueError(f"n_logits={n_logits} must be in [0, {n}]")
         if not self.output.io.features_out:
             raise RuntimeError("the bundle's output part gives no features (hat-export onnx --parts hat-feature)")
-        logits, features = self._run(self.output, cache, states, n_logits)
-        return np.asarray(logits[0], dtype=np.float32)[logits.shape[1] - n_logits:], features
+        logits, features = self._output(cache, states, n_logits)
+        return logits, features
+
+    def _output(self, cache: ArrayCache, states: np.ndarray, n_logits: int) -> List[Any]:
+        """The output part's outputs, its logits cut to the last n_logits rows as float32 `# [n_logits, vocab]`."""
+        _check_logits(n_logits, states.shape[1])
+        outs = self._run(self.output, cache, states, n_logits)
+        logits = outs[0]
+        return [np.asarray(logits[0], dtype=np.float32)[logits.shape[1] - n_logits:], *outs[1:]]
 
     def run_feature(self, cache: ArrayCache, features: np.ndarray, states: np.ndarray,
                     tokens: Sequence[int]) -> Tuple[np.ndarray, Any]:

@@ -2,8 +2,8 @@
 schedule, the teacher cache, and the held-out acceptance (greedy HAT in this process)."""
 from __future__ import annotations
 
-import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -12,7 +12,6 @@ import numpy as np
 
 from edge_runtime.backends.split_parts import TorchSplitParts
 from edge_runtime.split_drafter import SplitDrafter
-from hat_split.files.atomic import write_json
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.adapter import rank_vocab
 from hat_split.models.chat import encode, encode_chat
@@ -93,7 +92,7 @@ def copy_record(args, meta: Path) -> None:
     the artifact's directory) copied to FILE too, e.g. into results/; its weights stay in the directory."""
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
-        write_json(Path(args.record), json.loads(meta.read_text()), indent=1)
+        shutil.copyfile(meta, args.record)
         print(f"hat-distill: record written to {args.record}", file=sys.stderr)
 
 

@@ -42,6 +42,16 @@ DRAFT_VOCAB = "feature.vocab.npy"  # the feature part's head rows' token ids (in
 PRESENT_KEY, PRESENT_VALUE = "present_key_", "present_value_"  # + layer: `# [1, kv_heads, past + n, head_dim]`
 
 
+def read_draft_vocab(root: Path | str, model: Dict[str, Any]) -> Optional[Any]:
+    """The feature part's draft-vocabulary ids (int64 numpy, ascending) of the bundle at `root` whose manifest's
+    model record is `model`; None when its head is the whole vocabulary."""
+    if not model.get("draft_vocab"):
+        return None
+    import numpy as np
+
+    return np.load(Path(root) / DRAFT_VOCAB).astype(np.int64)
+
+
 def past_names(layer: int) -> Tuple[str, str]:
     """The cache inputs of one layer: (key, value)."""
     return f"{PAST_KEY}{layer}", f"{PAST_VALUE}{layer}"
