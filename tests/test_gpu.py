@@ -13,6 +13,7 @@ import torch
 from cloud_runtime.runner import KvLayout, StageRunner
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.adapter import Adapter
+from hat_split.models.feature_drafter import FeatureDrafter
 from hat_split.models.lm import CausalLM
 from tests.conftest import serving, tiny_model
 
@@ -20,9 +21,10 @@ CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (scripts/gpu_check.sh)")]
 
 
-def test_greedy_protocols_on_cuda_equal_the_model_alone():
-    """sd, hlm, llm (token protocols) and ushape, hat (split) on a CUDA cloud (slots + graphs: the defaults there)
-    with the device's model on the same GPU: the target's own greedy tokens."""
+def test_greedy_protocols_on_cuda_equal_the_model_alone(pd_driven):
+    """sd, hlm, llm (token protocols) and ushape, hat (split; hat with Λ, and with the feature drafter drafting
+    sequentially and in parallel) on a CUDA cloud (slots + graphs: the defaults there) with the device's model on the
+    same GPU: the target's own greedy tokens."""
     from tests.test_generation import PROMPT, _run
     from tests.test_hat import PROMPT as SPLIT_PROMPT
     from tests.test_hat import _run_split
@@ -39,6 +41,11 @@ def test_greedy_protocols_on_cuda_equal_the_model_alone():
             res = _run_split(server, target.model, protocol, SamplingParams(0.0), n=24, chunk_tokens=3,
                              draft_stop_prob=0.0, draft_len=4, adapter=adapter if protocol == "hat" else None)
             assert res.tokens == split_ref, protocol
+        feature = FeatureDrafter(target.model).eval().requires_grad_(False).cuda()
+        for parallel in (False, True):  # the feature drafter (deep features off the wire onto the GPU), both ways
+            res = _run_split(server, target.model, "hat", SamplingParams(0.0), n=24, chunk_tokens=3,
+                             draft_stop_prob=0.0, draft_len=4, adapter=feature, parallel_draft=parallel, pd_topk=2)
+            assert res.tokens == split_ref and res.drafted > 0, ("feature", parallel)
         assert runner.graphs.replays > 0 and not runner.graphs.failure, runner.graphs.report()
 
 
