@@ -24,7 +24,7 @@ from cloud_runtime.sessions import Arrival, MiddleSession
 from cloud_runtime.split_handlers import SplitHandlers
 from cloud_runtime.state import CloudTables
 from cloud_runtime.token_handlers import TokenHandlers
-from cloud_runtime.work import ModelFacts, ModelWork, Pending, cloud_state
+from cloud_runtime.work import ModelFacts, ModelWork, Pending, cloud_cost, cloud_state
 from hat_split.wire import messages as P
 
 
@@ -79,7 +79,7 @@ class Handlers:
 
     def _report(self, identity: bytes, msg: P.Report) -> P.Message:
         self.registry.report(identity, msg)
-        return P.Reported(cloud_state(self.work))
+        return P.Reported(cloud_state(self.work), cloud_cost(self.work))
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
         """Everything is checked before anything changes: a refused CloseSession leaves the session intact."""

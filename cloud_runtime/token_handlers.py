@@ -17,7 +17,7 @@ from cloud_runtime.family import FamilyHandlers
 from cloud_runtime.quotas import Admission
 from cloud_runtime.sessions import Arrival, TargetSession
 from cloud_runtime.state import CloudTables
-from cloud_runtime.work import ModelFacts, ModelWork, Pending
+from cloud_runtime.work import ModelFacts, ModelWork, Pending, cloud_cost
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs, concat, token_logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.target_state import TargetState
@@ -62,14 +62,14 @@ class TokenHandlers(FamilyHandlers):
         self.sessions.put(key, session)
         self.tables.stats.sessions_opened += 1
         if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
-            return P.SessionOpened(msg.session_id, 1, 0.0)
+            return P.SessionOpened(msg.session_id, 1, 0.0, cloud_cost(self.work))
         admission.with_room(identity, key, lambda: self.work.submit_tokens(key, session.tokens[:-1], 0,
                                                                            Pending(identity, msg, session)))
         admission.spend(device, len(prompt))
         return None
 
     def opened(self, p: Pending, _: None) -> P.Message:
-        return P.SessionOpened(p.msg.session_id, len(p.session.tokens), p.compute_s)
+        return P.SessionOpened(p.msg.session_id, len(p.session.tokens), p.compute_s, cloud_cost(self.work))
 
     def verify(self, identity: bytes, msg: P.Verify) -> Optional[P.Message]:
         session = self.sessions.continuing(identity, msg)

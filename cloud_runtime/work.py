@@ -98,3 +98,12 @@ class ModelWork(Protocol):
 def cloud_state(work: ModelWork) -> P.CloudState:
     """The cloud's load as devices see it (HAT §3.2): μ, g(μ) and the pipeline's stages."""
     return P.CloudState(work.load.mu or 0.0, work.load.g_mu(), work.stages)
+
+
+def cloud_cost(work: ModelWork) -> P.CloudCost:
+    """What a step costs now (hat_split.wire.messages.CloudCost): g's points, μ, the sessions with work waiting and the
+    KV positions free, for the devices' cost models."""
+    sched = work.scheduler
+    queued = sum(1 for s in sched.sessions.values() if s.queued)
+    free = max(0, sched.config.kv_capacity - sched.kv_used)
+    return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, queued, free)

@@ -22,7 +22,7 @@ from hat_split.files.settings import add_flags, overrides
 from hat_split.math.calibration import THRESHOLD_RULES, load
 from hat_split.models.llamacpp_lib import FALLBACK_NOTE, llama_cpp_installed
 from hat_split.models.lm import wait_passively
-from hat_split.protocols import NAMES
+from hat_split.protocols import REQUESTABLE as NAMES
 from hat_split.version import describe
 
 SECTIONS = {  # the help's sections, by the table a flag's key is in
@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help='a JSON list of prompts (strings or {"text": ..., "chat": bool}), or a '
                    "text file with one prompt per line")
     g.add_argument("--protocol", default="sd",
-                   help=f"one of {', '.join(NAMES)}; several separated by commas run one after another")
+                   help=f"one of {', '.join(NAMES)} (auto: the device chooses among the exact protocols and switches "
+                   "at round boundaries, and says what ran and why); several separated by commas run one after "
+                   "another")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--json", metavar="PATH",
                    help="write a machine-readable result ('-' for stdout, text then on stderr; strict JSON: a ratio "
@@ -226,6 +228,9 @@ def main(argv=None) -> int:
                           f"accepted/round {accepted}, up {s['up_bytes_per_token']:.0f} B/tok, "
                           f"down {s['down_bytes_per_token']:.0f} B/tok, rt/tok {s['round_trips_per_token']:.2f}",
                           file=text_out, flush=True)
+                    for seg in res.auto:  # protocol auto: what ran and why
+                        print(f"    auto: {seg['protocol']} (knob {seg['knob']}) {seg['tokens']} tokens in "
+                              f"{seg['rounds']} rounds: {seg['reason']}", file=text_out, flush=True)
                     results.append({"prompt_index": i, **res.to_json()})
     except (CloudUnavailable, CloudError) as exc:
         print(f"hat-edge: {exc}", file=sys.stderr)

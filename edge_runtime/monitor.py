@@ -39,7 +39,8 @@ class DeviceMonitor:
         gamma = split_draft_s
         if gamma is None:
             decode_s = result.device_compute_s - result.device_prefill_s
-            local = protocols.get(result.protocol).family == "local"
+            record = protocols.PROTOCOLS.get(result.protocol)  # None for auto (a token session)
+            local = record is not None and record.family == "local"
             steps = result.drafted or (result.n if local else 0)
             gamma = decode_s / steps if steps and decode_s > 0 else None
         if gamma:

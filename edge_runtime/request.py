@@ -30,13 +30,18 @@ class RequestDefaults:
     """What a request gets for each field it does not name (module docstring): `hat-edge generate`'s flags, or the
     agent's `[request]` table (`hat-edge serve`'s flags)."""
 
-    protocol: str = setting("sd", "a protocol of hat_split.protocols", old_keys=("../default_protocol",))
+    protocol: str = setting("sd", "a protocol of hat_split.protocols, or auto (the device chooses among the exact "
+                            "ones and switches at round boundaries: edge_runtime.auto)", old_keys=("../default_protocol",))
     temperature: float = setting(1.0, "sampling temperature; 0 = greedy (1.0: OpenAI's API default)")
     top_p: float = setting(1.0, "nucleus mass; 1 = off")
     top_k: int = setting(0, "most likely tokens kept; 0 = off")
     max_new_tokens: int = setting(128, "tokens generated at most")
     seed: Optional[int] = setting(None, "None: a fresh random seed per request; a number: every request that names "
                                   "none")
+    private: bool = setting(False, "tokens never leave the device: only the split protocols (hidden states cross) and "
+                            "slm run; a token protocol is refused")
+    allow_lossy: bool = setting(False, "protocol auto may also choose slm (the device alone, not the target's "
+                                "distribution) when it is predicted faster")
 
     def __post_init__(self) -> None:
         self.request("x")  # the same checks a request gets, with the field's name in each message
@@ -47,14 +52,17 @@ class RequestDefaults:
 
     def request(self, prompt: Union[str, Sequence[int]], *, protocol: Optional[str] = None,
                 temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
-                max_new_tokens: Optional[int] = None, seed: Optional[int] = None, **rest) -> GenerationRequest:
+                max_new_tokens: Optional[int] = None, seed: Optional[int] = None, private: Optional[bool] = None,
+                allow_lossy: Optional[bool] = None, **rest) -> GenerationRequest:
         """A request for `prompt`: what is given (not None) wins, the rest comes from these defaults. `rest`: the
         request's other fields (chat, logprobs, the callbacks)."""
         pick = lambda given, default: default if given is None else given  # noqa: E731
         sampling = SamplingParams(pick(temperature, self.temperature), pick(top_k, self.top_k),
                                   pick(top_p, self.top_p))
         return GenerationRequest(prompt, pick(protocol, self.protocol), sampling,
-                                 pick(max_new_tokens, self.max_new_tokens), pick(seed, self.seed), **rest)
+                                 pick(max_new_tokens, self.max_new_tokens), pick(seed, self.seed),
+                                 private=pick(private, self.private), allow_lossy=pick(allow_lossy, self.allow_lossy),
+                                 **rest)
 
 
 DEFAULT_TEMPERATURE = RequestDefaults.temperature
@@ -72,6 +80,8 @@ class GenerationRequest:
     seed: Optional[int] = None  # None: a fresh random one (the session draws it)
     chat: bool = False
     logprobs: Optional[int] = None  # k: each token's log-probability and its k most likely alternatives
+    private: bool = False  # only the split protocols and slm (token ids never leave the device)
+    allow_lossy: bool = False  # auto may choose slm
     on_text: Optional[OnText] = field(default=None, compare=False)
     on_tokens: Optional[OnTokens] = field(default=None, compare=False)  # called before on_text gets the text
     should_stop: Optional[ShouldStop] = field(default=None, compare=False)
@@ -81,7 +91,16 @@ class GenerationRequest:
             object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
         if not self.prompt:
             raise ValueError("the prompt is empty")
-        protocols.get(self.protocol)  # a ValueError naming the known ones
+        protocols.check_requestable(self.protocol)  # a ValueError naming the known ones
+        for name in ("private", "allow_lossy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.private and self.protocol != protocols.AUTO and protocols.get(self.protocol).family == "token":
+            raise ValueError(f"protocol {self.protocol} sends token ids to the cloud; a private request runs "
+                             f"{', '.join(protocols.of_family('split') + protocols.of_family('local'))} or auto")
+        if self.allow_lossy and self.protocol != protocols.AUTO:
+            raise ValueError(f"allow_lossy lets protocol auto choose a lossy protocol; this request names "
+                             f"{self.protocol}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \

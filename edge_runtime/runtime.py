@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import List, Optional, Sequence, Union
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Union
 
+from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig
 from edge_runtime.drafter import Drafter
@@ -15,10 +17,12 @@ from edge_runtime.engine import open_engine
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.protocols import new_session
 from edge_runtime.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE, GenerationRequest
+from edge_runtime.sessions.auto import AutoSession
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.split import LinkState
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocols
+from hat_split.math.chunking import ema
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
 from hat_split.wire import messages as P
@@ -37,6 +41,8 @@ class EdgeRuntime:
         self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         self.link_state: Optional[LinkState] = None  # the split protocols' estimates of this connection
+        self.auto_estimates = AutoEstimates()  # protocol auto's measurements (edge_runtime.auto), kept across requests
+        self.split_rates: Dict[str, float] = {}  # private auto requests: decode tokens/s per split protocol
         self.engine = open_engine(config, loaded)
 
     def __enter__(self) -> "EdgeRuntime":
@@ -95,11 +101,14 @@ class EdgeRuntime:
         """One request (edge_runtime.request), whole: its prompt encoded (text in the chat template with `chat`),
         the cloud connected when its protocol needs one, its session run. The request's on_text gets the text as it
         is accepted, on_tokens each commit's tokens (and their logprobs when asked) before that; should_stop is asked
-        after every commit and ends the request with the reason it returns (a stop sequence, a client gone)."""
-        record = protocols.get(request.protocol)
+        after every commit and ends the request with the reason it returns (a stop sequence, a client gone).
+        Protocol auto: `_run_auto`."""
         request = request.seeded()
         prompt = request.prompt
         ids = self.encode_prompt(prompt, request.chat) if isinstance(prompt, str) else list(prompt)
+        if request.protocol == protocols.AUTO:
+            return self._run_auto(replace(request, prompt=tuple(ids), chat=False), ids)
+        record = protocols.get(request.protocol)
         if record.needs_cloud:
             self._connect_for_request()
             self.monitor.refresh_mode()
@@ -114,6 +123,74 @@ class EdgeRuntime:
                               monitor=self.monitor, link_state=self.link_state if split else None)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
+        return result
+
+    def _run_auto(self, request: GenerationRequest, ids: List[int]) -> GenerationResult:
+        """Protocol auto (edge_runtime.auto): a private request runs the split protocol measured fastest so far (each
+        tried once first), or slm without split parts; a cloud that cannot be reached, slm; otherwise a token session
+        whose rounds the controller picks, degrading to the device alone while the link is down (unless the link
+        policy is `fail`). With allow_lossy, slm when it is predicted faster than the best exact protocol."""
+        if request.private:
+            return self._auto_private(request)
+        try:
+            self._connect_for_request()
+        except CloudUnavailable as exc:
+            return self._auto_fixed(request, "slm", f"the cloud unreachable ({exc})")
+        self.monitor.refresh_mode()
+        welcome, config = self.client.welcome, self.config
+        controller = AutoController(self.auto_estimates, [p for p in AUTO_TOKEN if p in welcome.protocols],
+                                    min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
+                                    shares_host=not config.overlaps_prefill)
+        if request.allow_lossy:
+            why = controller.local_wins(self.client.base_rtt_s)
+            if why:
+                return self._auto_fixed(request, "slm", why)
+        if config.link.link_policy == "wait":  # auto: the device alone while the cloud is unreachable
+            config = replace(config, link=replace(config.link, link_policy="degrade"))
+        drafter = Drafter(self.engine.token_lm(config), request.sampling, config.dist_dtype)
+        session = AutoSession(config, replace(request, protocol="sd", private=False, allow_lossy=False), drafter,
+                              self.client, eos_ids=self.engine.eos_ids, session_id=next(self._session_ids),
+                              monitor=self.monitor, controller=controller)
+        result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
+        self.monitor.observe(result)
+        return result
+
+    def _auto_private(self, request: GenerationRequest) -> GenerationResult:
+        """A private auto request: ushape and hat where this device has split parts (hat with its drafter), each
+        tried once, then the one whose requests decoded fastest (a moving average of tokens/s); slm without split
+        parts or without the cloud."""
+        candidates = []
+        for name, hat in (("ushape", False), ("hat", True)):
+            try:
+                self.engine.split_parts(hat, self.config.split)
+                candidates.append(name)
+            except (ValueError, OSError) as exc:
+                log.debug("auto (private): %s cannot run here: %s", name, exc)
+        if not candidates:
+            return self._auto_fixed(request, "slm", "private, and this device has no split parts")
+        try:
+            self._connect_for_request()
+        except CloudUnavailable as exc:
+            return self._auto_fixed(request, "slm", f"private, the cloud unreachable ({exc})")
+        rates = self.split_rates
+        unmeasured = [c for c in candidates if c not in rates]
+        if unmeasured:
+            pick, why = unmeasured[0], f"private: measuring {unmeasured[0]}"
+        else:
+            pick = max(candidates, key=lambda c: rates[c])
+            why = "private: " + ", ".join(f"{c} {rates[c]:.2f} tok/s" for c in candidates) + " (measured)"
+        result = self._auto_fixed(request, pick, why)
+        rate = result.summary()["decode_tokens_per_s"]
+        if rate:
+            rates[pick] = ema(rates.get(pick), rate)
+        return result
+
+    def _auto_fixed(self, request: GenerationRequest, protocol: str, reason: str) -> GenerationResult:
+        """An auto request run whole by one protocol, saying so and why."""
+        result = self.run(replace(request, protocol=protocol, allow_lossy=False))
+        result.protocol = protocols.AUTO
+        result.auto = [{"protocol": protocol, "knob": 0, "tokens": result.n, "rounds": result.rounds,
+                        "reason": reason}]
         return result
 
     def generate(self, prompt: Union[str, Sequence[int]], protocol: str = "sd", params: Optional[SamplingParams] = None,

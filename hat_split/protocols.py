@@ -62,6 +62,10 @@ _TABLE: Tuple[Protocol, ...] = (
 )
 PROTOCOLS: Dict[str, Protocol] = {p.name: p for p in _TABLE}
 NAMES: Tuple[str, ...] = tuple(PROTOCOLS)
+# Not a protocol: a request naming it lets the device choose among the exact ones, and switch at round boundaries,
+# by the cost model (edge_runtime.auto, hat_split.math.costmodel). The cloud never sees the name.
+AUTO = "auto"
+REQUESTABLE: Tuple[str, ...] = NAMES + (AUTO,)
 
 
 def of_family(family: str) -> Tuple[str, ...]:
@@ -69,6 +73,13 @@ def of_family(family: str) -> Tuple[str, ...]:
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return tuple(p.name for p in _TABLE if p.family == family)
+
+
+def check_requestable(name: str) -> str:
+    """`name` when a request may name it (a protocol or `auto`), else a ValueError that lists them."""
+    if name not in REQUESTABLE:
+        raise ValueError(f"unknown protocol {name!r}; choose from {', '.join(REQUESTABLE)}")
+    return name
 
 
 def get(name: str) -> Protocol:

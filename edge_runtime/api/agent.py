@@ -52,7 +52,8 @@ from hat_split.files import strict_json
 MAX_BODY_BYTES = 1 << 20
 SHED_RETRY_S = {"busy": 2, "memory_full": 2, "quota": 5}  # cloud refusals for load → 503, with Retry-After (s)
 SHED_CODES = tuple(SHED_RETRY_S)
-GENERATE_KEYS = frozenset({"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat"})
+GENERATE_KEYS = frozenset({"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat",
+                           "private", "allow_lossy"})
 log = logging.getLogger("hatspec.agent")
 
 
@@ -239,7 +240,8 @@ class Agent:
 
     def generate(self, body: dict) -> dict:
         """`POST /hatspec/generate`: {"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed",
-        "chat"}; what it leaves out comes from the agent's request defaults (config.request)."""
+        "chat", "private", "allow_lossy"}; what it leaves out comes from the agent's request defaults
+        (config.request)."""
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
         unknown = sorted(set(body) - GENERATE_KEYS)
@@ -255,16 +257,17 @@ class Agent:
             raise ValueError(f"'max_tokens' must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}")
         sampling = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed")}
         request = self._request(prompt, body.get("protocol"), max_new_tokens=max_tokens, **sampling,
-                                chat=bool(body.get("chat")))
+                                chat=bool(body.get("chat")), private=body.get("private"),
+                                allow_lossy=body.get("allow_lossy"))
         result, queued = self._run(request)
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                "protocol": result.protocol, "queue_s": queued, **result.summary()}
+                "protocol": result.protocol, "auto": result.auto, "queue_s": queued, **result.summary()}
 
     def completion(self, body: Any, chat: bool, send: Optional[Callable[[dict], None]] = None,
                    client_gone: Callable[[], bool] = lambda: False) -> Optional[dict]:
         """An OpenAI completion or chat completion. With `send`, the response is streamed as events through it
         (a failing send, like a client that went away, cancels the generation); without, it is returned."""
-        req = O.parse_request(body, chat, protocols.NAMES, self.config.request)
+        req = O.parse_request(body, chat, protocols.REQUESTABLE, self.config.request)
         if req.stream != (send is not None):
             raise O.ApiError("internal: stream flag and transport disagree", status=500, kind="server_error")
         tok = self.runtime.engine.tokenizer
@@ -321,15 +324,17 @@ class Agent:
 
         request = self._request(ids, req.protocol, temperature=req.temperature, top_p=req.top_p,
                                 max_new_tokens=req.max_tokens, seed=req.seed, logprobs=req.logprobs, on_text=on_text,
-                                on_tokens=on_tokens, should_stop=should_stop)
+                                on_tokens=on_tokens, should_stop=should_stop, private=req.private,
+                                allow_lossy=req.allow_lossy)
         result, queued = self._run(request)
         text, stopped = O.cut_at_stop(result.text, req.stop)
         reason = "stop" if stopped else result.finish_reason
         extra = {"protocol": result.protocol, "finish": result.finish_reason, "rounds": result.rounds,
                  "drafted": result.drafted, "accepted": result.accepted, "ttft_s": result.ttft_s, "queue_s": queued,
                  "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
-                 "interruptions": result.interruptions, "degraded": result.degraded}  # degraded: token indices the
-        # device made alone while the link was down (link_policy degrade): not from the cloud's model
+                 "interruptions": result.interruptions, "degraded": result.degraded,  # degraded: token indices the
+                 # device made alone while the link was down (link_policy degrade): not from the cloud's model
+                 "auto": result.auto}  # protocol auto: what ran, for how many tokens, and why
         if req.return_tokens:
             extra["tokens"] = list(result.tokens)
         if send is None:

@@ -72,7 +72,7 @@ def outcome(exc: BaseException, shed_codes: Sequence[str]) -> str:
 
 def _protocol(name: Any) -> str:
     """A protocol label; what a client may send is bounded to the known names."""
-    return name if name in protocols.NAMES else "unknown"
+    return name if name in protocols.REQUESTABLE else "unknown"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ Routes (edge_runtime.api.agent serves them): `GET /v1/models`, `POST /v1/complet
 streaming (`"stream": true`, server-sent events ending in `data: [DONE]`) or not. Supported: `max_tokens` (chat also
 `max_completion_tokens`), `temperature` (0..2), `top_p` (0..1], `stop` (a string or up to 4), `seed`, `n` = 1,
 `stream_options.include_usage`, a completion prompt as text or as an array of token ids, and the extension
-`hatspec` = {"protocol": "sd" | "hat" | ..., "tokens": bool} choosing the device-cloud protocol per request and asking
-for the generated token ids (the openai client sends it with `extra_body`). Fields that would change the output
+`hatspec` = {"protocol": "sd" | "hat" | ... | "auto", "tokens": bool, "private": bool, "allow_lossy": bool} choosing
+the device-cloud protocol per request (auto: the device chooses; private: token ids never leave the device;
+allow_lossy: auto may choose slm) and asking for the generated token ids (the openai client sends it with
+`extra_body`); the response's `hatspec` says what ran (`auto`: protocols, tokens, reasons). Fields that would change the output
 distribution and that hatspec does not implement (penalties, logit_bias, n > 1, tools, echo, ...) are refused
 with a 400 naming the field, rather than silently ignored.
 
@@ -62,6 +64,8 @@ class CompletionRequest:
     protocol: str
     return_tokens: bool = False  # hatspec.tokens: the generated token ids in the response's hatspec object
     logprobs: Optional[int] = None  # k: each token's log-probability and its k most probable alternatives; None: off
+    private: Optional[bool] = None  # hatspec.private: token ids never leave the device (None: the agent's default)
+    allow_lossy: Optional[bool] = None  # hatspec.allow_lossy: auto may choose slm (None: the agent's default)
 
 
 @dataclass(frozen=True)
@@ -142,16 +146,17 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], defaults: R
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
     ext = body.get("hatspec") or {}
-    if not isinstance(ext, dict) or set(ext) - {"protocol", "tokens"}:
-        raise ApiError("hatspec must be an object with at most a protocol and tokens", "hatspec")
-    if not isinstance(ext.get("tokens", False), bool):
-        raise ApiError("hatspec.tokens must be true or false", "hatspec")
+    if not isinstance(ext, dict) or set(ext) - {"protocol", "tokens", "private", "allow_lossy"}:
+        raise ApiError("hatspec must be an object with at most protocol, tokens, private and allow_lossy", "hatspec")
+    for key in ("tokens", "private", "allow_lossy"):
+        if not isinstance(ext.get(key, False), bool):
+            raise ApiError(f"hatspec.{key} must be true or false", "hatspec")
     protocol = ext.get("protocol", defaults.protocol)
     if protocol not in protocols:
         raise ApiError(f"hatspec.protocol {protocol!r} is not one of {', '.join(protocols)}", "hatspec")
     return CompletionRequest(chat, prompt, messages, max_tokens, temperature, top_p, stop, seed, stream,
                              bool(options.get("include_usage")), protocol, ext.get("tokens", False),
-                             _logprobs(body, chat))
+                             _logprobs(body, chat), ext.get("private"), ext.get("allow_lossy"))
 
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:

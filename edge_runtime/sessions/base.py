@@ -81,6 +81,8 @@ class GenerationResult(Counters):
     open_s: float = 0.0  # of total_s: opening the request (the prompt on the link and on both sides)
     finish_reason: str = ""  # "eos" | "length" | a should_stop reason ("stop", "cancelled")
     logprobs: Optional[List[Logprobs]] = None  # when asked: the tokens' log-probabilities, in commit order (not JSON)
+    auto: List[dict] = field(default_factory=list)  # protocol auto: what ran, in order (protocol, knob, tokens,
+    # rounds, reason: edge_runtime.auto.Segment); empty for a request that named its protocol
 
     @property
     def n(self) -> int:

@@ -27,6 +27,7 @@ class TokenSession(Session):
         self.cloud_position = 0  # committed tokens the cloud holds
         self.pending: List[int] = []  # committed here, not yet sent to the cloud (skipped uploads)
         self.uplink_bps = 0.0  # the cloud's latest measurement of this device's uploads (0: none yet)
+        self.cloud_cost: Optional[P.CloudCost] = None  # the cloud's step costs as its last SessionOpened stated
 
     def _open_message(self, tokens: Sequence[int]) -> P.OpenSession:
         sampling = P.Sampling(self.params.temperature, self.params.top_k, self.params.top_p)
@@ -53,6 +54,7 @@ class TokenSession(Session):
                 self.drafter.start(prompt, prefill)
             raise
         self.cloud_position = opened.position
+        self.cloud_cost = opened.cost
         self.counters.cloud_compute_s += opened.compute_s
         if not overlap:
             self.drafter.start(prompt, prefill)  # same host: two concurrent prefills would oversubscribe the cores
@@ -62,6 +64,7 @@ class TokenSession(Session):
         opened = expect(self.client.request(self._open_message(list(prompt) + self.generated)), P.SessionOpened,
                         P.OpenSession)
         self.cloud_position = opened.position
+        self.cloud_cost = opened.cost
         self.pending = []
         self.step = 0  # the new session counts its requests from 1
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 ALPHA = 0.8  # HAT §3.2: weight of the history in the moving averages
 
@@ -55,6 +55,23 @@ def arrival_known(uncertainty_s: float, upload_bits: float, up_bps: float, resol
     return uncertainty_s <= max(resolution_s, 0.25 * expected)
 
 
+def piecewise(points: Sequence[Tuple[float, float]], x: float) -> float:
+    """The value at x of the curve through `points` ((x, y) in increasing x, at least one): linear between points;
+    beyond the last, the last segment's slope (never negative; proportional to x through one point); below the first,
+    flat."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
+    xl, yl = points[-1]
+    if len(points) == 1:
+        return yl * x / xl
+    xp, yp = points[-2]
+    slope = max(0.0, (yl - yp) / max(xl - xp, 1e-9))
+    return yl + slope * (x - xl)
+
+
 @dataclass
 class DelayModel:
     """μ (eq. 1) and g(·) (eq. 2) from observed (batch tokens, compute seconds) pairs."""
@@ -85,18 +102,11 @@ class DelayModel:
         per-token slope as its last segment (or proportional to x with one bucket); below the smallest, flat."""
         if not self.buckets:
             raise ValueError("no compute delay observed yet")
-        pts = sorted(self.buckets.values())
-        if x <= pts[0][0]:
-            return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if x <= x1:
-                return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
-        xl, yl = pts[-1]
-        if len(pts) == 1:
-            return yl * x / xl
-        xp, yp = pts[-2]
-        slope = max(0.0, (yl - yp) / max(xl - xp, 1e-9))
-        return yl + slope * (x - xl)
+        return piecewise(sorted(self.buckets.values()), x)
+
+    def points(self) -> Tuple[Tuple[float, float], ...]:
+        """g's points, (mean tokens, mean seconds) per bucket in increasing tokens: what the cloud tells devices."""
+        return tuple(sorted(self.buckets.values()))
 
     def g_mu(self) -> float:
         return self.g(self.mu) if self.known and self.mu is not None else 0.0

@@ -41,6 +41,7 @@ desynchronised peer instead of silently diverging.
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -144,6 +145,46 @@ class CloudState(msgspec.Struct, frozen=True):
     pipeline: int = 1  # P: pipeline stages of the middle part
 
 
+class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a step costs the cloud now, for the devices' cost models (hat_split.math.costmodel; `--protocol auto`):
+    its cost curve — (positions, seconds) of its recent steps, one point per batch-size bucket (HAT eq. 2's g) — the
+    moving average of positions per step, the sessions with work waiting, the KV positions still free. Sent with every
+    SessionOpened and Reported; a device checks it (`cost_curve`) and keeps its last good one when it is malformed."""
+
+    points: List[Tuple[float, float]] = []
+    batch_tokens: float = 0.0
+    queued: int = 0
+    kv_free: int = 0
+
+
+MAX_STEP_S = 3600.0  # a cloud step reported slower than an hour is absurd: refused
+MAX_POSITIONS = 1 << 24  # as a step of more positions
+
+
+def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
+    """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
+    seconds in [0, 3600]; batch_tokens, queued and kv_free finite and >= 0. Empty when the cloud has run no step."""
+    for name in ("batch_tokens", "queued", "kv_free"):
+        v = getattr(cost, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                or v > MAX_POSITIONS:
+            raise ValueError(f"CloudCost.{name} must be a number in [0, {MAX_POSITIONS}], got {v!r}")
+    pts = []
+    for i, pt in enumerate(cost.points):
+        try:
+            x, y = (float(v) for v in pt)
+        except (TypeError, ValueError):
+            raise ValueError(f"CloudCost.points[{i}] must be a (positions, seconds) pair, got {pt!r}") from None
+        if not (math.isfinite(x) and 1 <= x <= MAX_POSITIONS):
+            raise ValueError(f"CloudCost.points[{i}]: positions must be in [1, {MAX_POSITIONS}], got {x!r}")
+        if not (math.isfinite(y) and 0 <= y <= MAX_STEP_S):
+            raise ValueError(f"CloudCost.points[{i}]: seconds must be in [0, {MAX_STEP_S:.0f}], got {y!r}")
+        if pts and x <= pts[-1][0]:
+            raise ValueError(f"CloudCost.points[{i}]: positions must increase ({x} after {pts[-1][0]})")
+        pts.append((x, y))
+    return tuple(pts)
+
+
 class Hello(msgspec.Struct, tag=True):
     device_id: str
     model: str  # the device's draft model, for logs and pairing checks
@@ -179,6 +220,7 @@ class SessionOpened(msgspec.Struct, tag=True):
     session_id: NonNeg
     position: NonNeg  # committed tokens the cloud holds (the prompt length)
     compute_s: float
+    cost: Optional[CloudCost] = None  # the cloud's step costs now (None from older clouds)
 
 
 class Verify(msgspec.Struct, tag=True):
@@ -310,6 +352,7 @@ class Report(msgspec.Struct, tag=True):
 
 class Reported(msgspec.Struct, tag=True):
     cloud: CloudState
+    cost: Optional[CloudCost] = None  # the cloud's step costs now (None from older clouds)
 
 
 Message = Union[

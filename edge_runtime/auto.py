@@ -1,0 +1,262 @@
+"""`--protocol auto`: the device chooses, per request and at every round boundary, among the exact protocols it can
+run, by the cost model (hat_split.math.costmodel) fed with what it measured. No torch, no I/O: the session
+(edge_runtime.sessions.auto) hands it each round's figures and asks it what to run next.
+
+What it measures (`AutoEstimates`, one per runtime, kept from request to request):
+  * sd's acceptance α: accepted over examined draft positions, each a moving average (α = 0.8, HAT's) so a round's
+    share is its size; the draft step t_d (the draft model's seconds per draft) and the per-round overhead o (a
+    round's wall time less its draft, cloud and link parts);
+  * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
+    sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
+    (SessionOpened's CloudCost, shifted by the cloud's batch μ) where the device has no point of its own;
+  * the bytes of its rounds (request without drafts, per draft row, reply);
+  * the link's round trip (the client's probe) and the uplink rate the cloud measured.
+
+How it chooses (`AutoController.decide`): a protocol never measured is tried for one round first (both are exact,
+so exploring costs only time); then the one with the most predicted tokens/s, its draft length γ among 1 ..
+max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more; every
+`PROBE_EVERY` rounds the best alternative runs one round so its estimates do not go stale (a loaded cloud, a link
+that changed). Every switch is logged with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into
+the request's result.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from hat_split.math.chunking import DelayModel, ema
+from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict
+from hat_split.wire import messages as P
+
+log = logging.getLogger("hatspec.edge")
+
+AUTO_TOKEN = ("sd", "llm")  # the token protocols auto runs in one session (the exact ones the cost model prices)
+AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
+SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
+PROBE_EVERY = 32  # rounds between two probes of the best alternative
+PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
+PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
+
+
+@dataclass
+class AutoEstimates:
+    """What the device measured for the cost model (module docstring)."""
+
+    accepted: Optional[float] = None  # moving averages of sd's accepted and examined draft positions per round
+    examined: Optional[float] = None
+    draft_step_s: Optional[float] = None  # t_d
+    local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
+    overhead_s: Optional[float] = None  # o
+    up_round: Optional[float] = None  # bytes of a round's request without drafts (Generate)
+    up_per_draft: Optional[float] = None  # bytes per draft row (sd's Verify)
+    down_round: Optional[float] = None  # bytes of a reply
+    down_per_token: Optional[float] = None
+    observed: DelayModel = field(default_factory=DelayModel)  # cloud seconds by positions, this device's rounds
+    reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
+    reported_wait_s: float = 0.0  # g(μ) when the cloud had other sessions' work waiting as it reported, else 0
+    measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
+    bad_reports: int = 0  # malformed cost reports refused
+    last_bad_report: str = ""
+
+    @property
+    def alpha(self) -> Optional[float]:
+        if self.examined is None or not self.examined > 0:
+            return None
+        return min(1.0, (self.accepted or 0.0) / self.examined)
+
+    def take_report(self, cost: Optional[P.CloudCost]) -> bool:
+        """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
+        malformed. None (an older cloud) changes nothing."""
+        if cost is None:
+            return False
+        try:
+            points = P.cost_curve(cost)
+        except ValueError as exc:
+            self.bad_reports += 1
+            self.last_bad_report = str(exc)
+            log.warning("the cloud's cost report was refused (%s): keeping the last good one", exc)
+            return False
+        if points:
+            self.reported = points
+            self.reported_wait_s = CostCurve(points).step_s(max(1.0, cost.batch_tokens)) if cost.queued else 0.0
+        return True
+
+    def curve(self) -> Optional[CostCurve]:
+        """Seconds of a cloud step of x positions as this device sees it: its own rounds' points (the other sessions'
+        work in the same steps included), the cloud's report for the sizes it has none of. None before either
+        exists."""
+        points = {_bucket(x): (x, y) for x, y in self.reported}
+        for x, y in self.observed.points():
+            points[_bucket(x)] = (x, y)
+        if not points:
+            return None
+        return CostCurve(tuple(sorted(points.values())))
+
+    def observe_sd(self, drafted: int, accepted: int, draft_s: float, cloud_s: float, up_bytes: int,
+                   down_bytes: int, wall_s: float, link: Link) -> None:
+        """One sd round: γ drafts, a of them accepted, the draft model's and the cloud's seconds, its frames' bytes,
+        its wall time."""
+        if drafted < 1:
+            return
+        self.measured["sd"] = self.measured.get("sd", 0) + 1
+        examined = accepted + (accepted < drafted)
+        self.accepted, self.examined = ema(self.accepted, float(accepted)), ema(self.examined, float(examined))
+        self.draft_step_s = ema(self.draft_step_s, draft_s / drafted)
+        if self.local_step_s is None:
+            self.local_step_s = self.draft_step_s
+        if cloud_s > 0:
+            self.observed.observe(drafted + 1, cloud_s)
+        base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
+        self.up_per_draft = ema(self.up_per_draft, max(0.0, up_bytes - base) / drafted)
+        self.down_round = ema(self.down_round, float(down_bytes))
+        self._overhead(wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+
+    def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
+                    link: Link) -> None:
+        """One llm round: the cloud decoded `tokens` alone in cloud_s."""
+        if tokens < 1:
+            return
+        self.measured["llm"] = self.measured.get("llm", 0) + 1
+        if cloud_s > 0:
+            self.observed.observe(1, cloud_s / tokens)
+        self.up_round = ema(self.up_round, float(up_bytes))
+        base = self.down_round if self.down_round is not None else 0.0
+        self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
+        self._overhead(wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+
+    def observe_local(self, tokens: int, seconds: float) -> None:
+        """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
+        if tokens > 0 and seconds > 0:
+            self.local_step_s = ema(self.local_step_s, seconds / tokens)
+
+    def _overhead(self, residual_s: float) -> None:
+        self.overhead_s = ema(self.overhead_s, max(0.0, residual_s))
+
+    def wire(self) -> WireSizes:
+        return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND, self.up_per_draft or 0.0,
+                         self.down_round or 0.0,
+                         self.down_per_token if self.down_per_token is not None else PRIOR_DOWN_PER_TOKEN)
+
+    def device(self, shares_host: bool) -> DeviceCosts:
+        return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
+                           round_s=self.overhead_s or 0.0, shares_host=shares_host)
+
+
+def _bucket(x: float) -> int:
+    return max(0, int(x).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class Choice:
+    protocol: str
+    knob: int  # γ for sd, the chunk for llm
+    reason: str
+    predicted: Dict[str, float]  # tokens/s predicted per protocol at its best knob (empty while exploring)
+
+
+@dataclass
+class Segment:
+    """A stretch of one request under one protocol and knob."""
+
+    protocol: str
+    knob: int
+    reason: str
+    tokens: int = 0
+    rounds: int = 0
+
+    def as_dict(self) -> dict:
+        return {"protocol": self.protocol, "knob": self.knob, "tokens": self.tokens, "rounds": self.rounds,
+                "reason": self.reason}
+
+
+@dataclass
+class AutoController:
+    """One request's choices (module docstring) over the runtime's estimates."""
+
+    estimates: AutoEstimates
+    eligible: Sequence[str]  # the token protocols it may run ("sd", "llm")
+    max_draft: int  # γ at most (the cloud's Welcome, the device's own limit)
+    chunk: int  # llm's tokens per round
+    prompt_tokens: int
+    shares_host: bool = False
+    segments: List[Segment] = field(default_factory=list)
+    rounds: int = 0
+    last_probe: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.eligible) - set(AUTO_TOKEN)
+        if unknown or not self.eligible:
+            raise ValueError(f"auto chooses among sd and llm in a token session, got {sorted(self.eligible)}")
+        if self.max_draft < 1 or self.chunk < 1:
+            raise ValueError(f"max_draft and chunk must be >= 1, got {self.max_draft}, {self.chunk}")
+
+    def predictions(self, link: Link) -> Dict[str, Prediction]:
+        """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
+        est, curve = self.estimates, self.estimates.curve()
+        if curve is None:
+            return {}
+        cloud, device, wire = CloudCosts(curve, est.reported_wait_s), est.device(self.shares_host), est.wire()
+        out: Dict[str, Prediction] = {}
+        if "llm" in self.eligible and est.measured.get("llm"):
+            out["llm"] = predict("llm", self.chunk, self.prompt_tokens, link, device, cloud, wire)
+        if "sd" in self.eligible and est.measured.get("sd") and est.alpha is not None:
+            out["sd"] = max((predict("sd", g, self.prompt_tokens, link, device, cloud, wire, est.alpha)
+                             for g in range(1, self.max_draft + 1)), key=lambda p: (p.tokens_per_s, -p.knob))
+        return out
+
+    def decide(self, link: Link) -> Choice:
+        """What the next round runs."""
+        current = self.segments[-1] if self.segments else None
+        preds = self.predictions(link)
+        rates = {name: p.tokens_per_s for name, p in preds.items()}
+        unmeasured = [name for name in self.eligible if name not in preds]
+        if unmeasured:
+            name = unmeasured[0]
+            knob = self.chunk if name == "llm" else min(4, self.max_draft)
+            return Choice(name, knob, f"measuring {name}: no estimate yet", rates)
+        best = max(preds.values(), key=lambda p: p.tokens_per_s)
+        if current is not None and current.protocol in preds:
+            kept = preds[current.protocol]
+            if best.protocol != current.protocol and best.tokens_per_s < SWITCH_GAIN * kept.tokens_per_s:
+                best = kept  # not worth a switch
+        others = [p for p in preds.values() if p.protocol != best.protocol]
+        if others and self.rounds - self.last_probe >= PROBE_EVERY:
+            self.last_probe = self.rounds
+            alt = max(others, key=lambda p: p.tokens_per_s)
+            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol} (every {PROBE_EVERY} rounds)", rates)
+        return Choice(best.protocol, best.knob, _why(best, preds, self.estimates), rates)
+
+    def local_wins(self, rtt_s: float) -> str:
+        """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it
+        is not, or not measured yet (allow_lossy requests)."""
+        est, preds = self.estimates, self.predictions(Link(rtt_s))
+        if est.local_step_s is None or not preds:
+            return ""
+        local = 1.0 / est.local_step_s
+        best = max(preds.values(), key=lambda p: p.tokens_per_s)
+        if local < SWITCH_GAIN * best.tokens_per_s:
+            return ""
+        return f"lossy allowed: slm predicted {local:.2f} tok/s against {best.protocol} {best.tokens_per_s:.2f}"
+
+    def record(self, choice: Choice, tokens: int) -> None:
+        """A round ran under `choice` and committed `tokens`."""
+        self.rounds += 1
+        seg = self.segments[-1] if self.segments else None
+        kind = lambda reason: reason.split()[0]  # noqa: E731  measuring / probing / predicted
+        if seg is None or (seg.protocol, seg.knob, kind(seg.reason)) != (choice.protocol, choice.knob,
+                                                                        kind(choice.reason)):
+            if seg is not None:
+                log.info("auto: %s γ/chunk %d after %d tokens: %s", choice.protocol, choice.knob,
+                         sum(s.tokens for s in self.segments), choice.reason)
+            seg = Segment(choice.protocol, choice.knob, choice.reason)
+            self.segments.append(seg)
+        seg.tokens += tokens
+        seg.rounds += 1
+
+
+def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates) -> str:
+    parts = [f"{p.protocol}{'' if p.protocol != 'sd' else f' γ={p.knob}'} {p.tokens_per_s:.2f} tok/s"
+             for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]
+    alpha = f", α {est.alpha:.2f}" if est.alpha is not None else ""
+    return f"predicted {', '.join(parts)}{alpha}"

@@ -1,0 +1,76 @@
+"""`--protocol auto` in a token session: one cloud session, and before every round the controller
+(edge_runtime.auto) says which exact token protocol runs it (`sd` with its γ, or `llm` with its chunk). The cloud's
+session does not depend on the protocol that opened it (a Verify and a Generate continue the same sequence), so a
+switch costs nothing and loses or repeats no token: each round commits what its protocol's verification or the
+target's own sampling gives at the committed position, whatever ran before it. The draft model catches up on the
+tokens it did not draft when sd follows llm (edge_runtime.drafter feeds what its cache lacks)."""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+from edge_runtime.auto import AutoController, Choice
+from edge_runtime.rounds.token import verify_round
+from edge_runtime.sessions.base import GenerationResult
+from edge_runtime.sessions.token import TokenSession
+from hat_split import protocols
+from hat_split.math.costmodel import Link
+
+DEGRADED_REASON = "the cloud unreachable: the device alone until it is back (degrade)"
+
+
+class AutoSession(TokenSession):
+    def __init__(self, *args, controller: AutoController, **kwargs):
+        """TokenSession's arguments (round_fn is this session's own); controller: this request's choices over the
+        runtime's estimates."""
+        super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
+        self.auto = controller
+        self._opened_with: Optional[Choice] = None  # the choice made at the opening runs the first round
+
+    def link(self) -> Link:
+        """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
+        return Link(self.client.base_rtt_s, self.uplink_bps, 0.0)
+
+    def _choose(self) -> Choice:
+        choice, self._opened_with = self._opened_with or self.auto.decide(self.link()), None
+        self.protocol = protocols.get(choice.protocol)  # what this round runs (the opening's protocol for the cloud)
+        return choice
+
+    def open(self, prompt: List[int]) -> None:
+        self._opened_with = self._choose()  # llm first: the draft model reads the prompt only when sd comes
+        super().open(prompt)
+        self.auto.estimates.take_report(self.cloud_cost)
+
+    def reopen(self, prompt: List[int]) -> None:
+        super().reopen(prompt)
+        self.auto.estimates.take_report(self.cloud_cost)
+
+    def auto_round(self) -> None:
+        """One round of the protocol the controller picks; its figures go to the estimates."""
+        choice = self._choose()
+        c, link = self.counters, self.link()
+        n0, drafted0, accepted0, cloud0 = len(self.generated), c.drafted, c.accepted, c.cloud_compute_s
+        draft0, up0, down0 = self.drafter.compute_s, self.client.counters.up_bytes, self.client.counters.down_bytes
+        t0 = time.perf_counter()
+        if choice.protocol == "sd":
+            verify_round(self, choice.knob, self.config.dist_format)
+        else:
+            self.generate(choice.knob)
+        wall = time.perf_counter() - t0
+        up, down = self.client.counters.up_bytes - up0, self.client.counters.down_bytes - down0
+        cloud_s = c.cloud_compute_s - cloud0
+        if choice.protocol == "sd":
+            self.auto.estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, self.drafter.compute_s - draft0,
+                                           cloud_s, up, down, wall, link)
+        else:
+            self.auto.estimates.observe_llm(len(self.generated) - n0, cloud_s, up, down, wall, link)
+        self.auto.record(choice, len(self.generated) - n0)
+
+    def run(self, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
+        result = super().run(prompt, decode_text)
+        result.protocol = protocols.AUTO
+        result.auto = [s.as_dict() for s in self.auto.segments]
+        if result.degraded:
+            result.auto.append({"protocol": "slm", "knob": 0, "tokens": len(result.degraded), "rounds": 0,
+                                "reason": DEGRADED_REASON})
+        return result

@@ -1,0 +1,231 @@
+"""The cost model of the protocols `auto` chooses among (and `hat-plan` prices on hardware we do not have): for one
+protocol and its knob, the predicted tokens per second, time to first token, link bytes per token, cloud step seconds
+per token and device seconds (and joules) per token. Pure Python, no torch, no clock: the device feeds it what it
+measured (edge_runtime.auto), the planner what profiles state.
+
+Terms (the round is Leviathan et al. 2023's; QS-SD eq. 7-10 add the link; HAT eq. 3/6 the split):
+  * a round: the device drafts γ tokens (t_d each), sends them (up bytes), the cloud verifies γ + 1 positions in one
+    step (g(γ + 1) seconds on its cost curve, after waiting w for the step in progress), the verdict comes back (down
+    bytes); with i.i.d. acceptance α it commits E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens (Leviathan eq. 1).
+  * the link: a transfer of u bytes up and d down takes 8u / β_up + 8d / β_down + RTT.
+  * tokens/s = E / round seconds; cloud seconds per token = g(positions of the round) / E: the step time an operator
+    pays for one token, at the load the curve was measured under.
+
+Protocols:
+  * `sd` (γ): round = γ t_d + o + link(u₀ + γ u₁, d₀ + E d₁) + w + g(γ + 1); E(α, γ) tokens.
+  * `llm` (chunk c): the cloud decodes c tokens alone: round = o + link(u₀, d₀ + c d₁) + w + c g(1); c tokens.
+  * `slm`: t_local per token, nothing on the link, no cloud.
+  * `ushape`: each token's shallow state goes up and its deep state comes back: round = t_s + o + link(A + u₀,
+    A + d₀) + w + φ g(1); 1 token (φ: the middle part's share of a whole step; A: one state's bytes).
+  * `hat` (γ): γ draft steps t_h, then γ + 1 states up and back, the middle part over γ + 1 positions and the device's
+    output part over them (t_v each): round = γ t_h + o + link((γ + 1) A + u₀, (γ + 1) A + d₀) + w + φ g(γ + 1)
+    + (γ + 1) t_v; E(α, γ) tokens.
+  * time to first token: the prompt's n positions up (u per position: 4 bytes of token id, A for the split family),
+    the cloud's prefill g(n), the device's own prefill n t_p when it cannot overlap the cloud's (a shared host), then
+    the first round. `slm`: n t_p + t_local.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from hat_split.math.chunking import piecewise
+from hat_split.math.verify import expected_tokens
+
+__all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "best_knob",
+           "KNOBBED", "PROMPT_ID_BYTES"]
+
+KNOBBED = ("sd", "hat")  # protocols whose knob is the draft length γ (llm's is its chunk, fixed by the device)
+PROMPT_ID_BYTES = 4  # a prompt token id on the wire (int32)
+
+
+def _check(obj) -> None:
+    """Every field a finite real >= 0 (bools refused), named in the error."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.type in ("bool", bool):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link as the device measured it: round trip of a tiny message (s) and the two rates (bit/s; 0 = not
+    measured, taken as free: a loopback or a link whose transfers are lost in its round trip)."""
+
+    rtt_s: float = 0.0
+    up_bps: float = 0.0
+    down_bps: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    def transfer_s(self, up_bytes: float, down_bytes: float) -> float:
+        up = 8.0 * up_bytes / self.up_bps if self.up_bps > 0 else 0.0
+        down = 8.0 * down_bytes / self.down_bps if self.down_bps > 0 else 0.0
+        return self.rtt_s + up + down
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one cloud step of x positions: linear through `points` ((positions, seconds), increasing
+    positions), the slope of the last segment beyond them (hat_split.math.chunking.piecewise)."""
+
+    points: Tuple[Tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        pts = tuple((float(x), float(y)) for x, y in self.points)
+        if not pts:
+            raise ValueError("CostCurve.points: at least one (positions, seconds) point")
+        for x, y in pts:
+            if not (math.isfinite(x) and math.isfinite(y)) or x < 1 or y < 0:
+                raise ValueError(f"CostCurve.points: positions >= 1 and seconds >= 0, finite, got ({x}, {y})")
+        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+            raise ValueError("CostCurve.points: positions must increase")
+        object.__setattr__(self, "points", pts)
+
+    def step_s(self, positions: float) -> float:
+        return piecewise(self.points, positions)
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """The device's measured (or profiled) seconds. 0 where a protocol's part is absent (no split parts: ushape and
+    hat are not predicted)."""
+
+    draft_step_s: float = 0.0  # t_d: one token-draft step with its overheads (sd)
+    local_step_s: float = 0.0  # t_local: one token of the device's model alone (slm)
+    prefill_s: float = 0.0  # t_p: the device's prefill, per prompt position
+    round_s: float = 0.0  # o: per round, outside the models (warp, rounding, packing, verification)
+    split_step_s: float = 0.0  # t_s: ushape's device work per token (input part + head)
+    hat_draft_s: float = 0.0  # t_h: one hat draft step (input part, drafter, draft head)
+    hat_verify_s: float = 0.0  # t_v: the device's output part per verified position
+    watts: float = 0.0  # the device's power while it computes (0: unknown, no joules predicted)
+    shares_host: bool = False  # the device's prefill cannot overlap the cloud's (one machine)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class CloudCosts:
+    """The cloud as it reports itself: its cost curve, the wait for a step in progress, the middle part's share."""
+
+    curve: CostCurve
+    wait_s: float = 0.0  # w: expected wait before a request's step starts (load)
+    middle_share: float = 1.0  # φ: the split protocols' middle part over a whole step (layers L − 2m of L)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.curve, CostCurve):
+            raise ValueError("CloudCosts.curve must be a CostCurve")
+        for name in ("wait_s", "middle_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"CloudCosts.{name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class WireSizes:
+    """Bytes on the link per round (frames as measured: headers included)."""
+
+    up_round: float = 0.0  # u₀: a round's request without drafts
+    up_per_draft: float = 0.0  # u₁: per draft (its id and its distribution's row)
+    down_round: float = 0.0  # d₀: a reply without tokens
+    down_per_token: float = 0.0  # d₁: per committed token in the reply
+    hidden: float = 0.0  # A: one position's hidden state (split family)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    protocol: str
+    knob: int  # γ (sd, hat), the chunk (llm), 0 (slm, ushape)
+    tokens_per_round: float
+    round_s: float
+    ttft_s: float
+    up_bytes_per_token: float
+    down_bytes_per_token: float
+    cloud_s_per_token: float
+    device_s_per_token: float
+    joules_per_token: Optional[float]  # None where the device's watts are unknown
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_round / self.round_s if self.round_s > 0 else math.inf
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"protocol": self.protocol, "knob": self.knob, "tokens_per_s": self.tokens_per_s,
+                "ttft_s": self.ttft_s, "tokens_per_round": self.tokens_per_round, "round_s": self.round_s,
+                "up_bytes_per_token": self.up_bytes_per_token, "down_bytes_per_token": self.down_bytes_per_token,
+                "cloud_s_per_token": self.cloud_s_per_token, "device_s_per_token": self.device_s_per_token,
+                "joules_per_token": self.joules_per_token}
+
+
+def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: DeviceCosts,
+            cloud: Optional[CloudCosts], wire: WireSizes, alpha: float = 0.0) -> Prediction:
+    """The module docstring's formulas for one protocol at one knob (γ for sd and hat, the chunk for llm; ignored
+    otherwise), a prompt of `prompt_tokens` positions, acceptance α (sd, hat). `cloud` may be None for slm only."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+    if protocol != "slm" and cloud is None:
+        raise ValueError(f"{protocol}: the cloud's costs are needed")
+    watts = device.watts
+    if protocol == "slm":
+        if not device.local_step_s > 0:
+            raise ValueError("slm: the device's local step time is not known")
+        t = device.local_step_s
+        return Prediction("slm", 0, 1.0, t, prompt_tokens * device.prefill_s + t, 0.0, 0.0, 0.0, t,
+                          watts * t if watts else None)
+    g = cloud.curve.step_s
+    if protocol in KNOBBED and (isinstance(knob, bool) or not isinstance(knob, int) or knob < 1):
+        raise ValueError(f"{protocol}: the draft length must be an integer >= 1, got {knob!r}")
+    split = protocol in ("ushape", "hat")
+    if split and not wire.hidden > 0:
+        raise ValueError(f"{protocol}: the size of a hidden state on the wire is not known")
+    if protocol == "sd":
+        n = expected_tokens(alpha, knob)
+        device_s = knob * device.draft_step_s
+        up, down = wire.up_round + knob * wire.up_per_draft, wire.down_round + n * wire.down_per_token
+        cloud_s = g(knob + 1)
+    elif protocol == "llm":
+        if isinstance(knob, bool) or not isinstance(knob, int) or knob < 1:
+            raise ValueError(f"llm: the chunk must be an integer >= 1, got {knob!r}")
+        n = float(knob)
+        device_s = 0.0
+        up, down = wire.up_round, wire.down_round + knob * wire.down_per_token
+        cloud_s = knob * g(1)
+    elif protocol == "ushape":
+        n, knob = 1.0, 0
+        device_s = device.split_step_s
+        up, down = wire.hidden + wire.up_round, wire.hidden + wire.down_round
+        cloud_s = cloud.middle_share * g(1)
+    elif protocol == "hat":
+        n = expected_tokens(alpha, knob)
+        device_s = knob * device.hat_draft_s + (knob + 1) * device.hat_verify_s
+        up, down = (knob + 1) * wire.hidden + wire.up_round, (knob + 1) * wire.hidden + wire.down_round
+        cloud_s = cloud.middle_share * g(knob + 1)
+    else:
+        raise ValueError(f"no cost model for protocol {protocol!r}; it has: sd, llm, slm, ushape, hat")
+    device_s += device.round_s
+    round_s = device_s + link.transfer_s(up, down) + cloud.wait_s + cloud_s
+    prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
+                               wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
+    prompt_s += (cloud.middle_share if split else 1.0) * g(prompt_tokens)
+    if device.shares_host or split:  # the split family's input part must run before its states can leave
+        prompt_s += prompt_tokens * device.prefill_s
+    return Prediction(protocol, knob, n, round_s, prompt_s + round_s, up / n, down / n, cloud_s / n, device_s / n,
+                      watts * device_s / n if watts else None)
+
+
+def best_knob(protocol: str, knobs: Iterable[int], prompt_tokens: int, link: Link, device: DeviceCosts,
+              cloud: Optional[CloudCosts], wire: WireSizes, alpha: float = 0.0) -> Prediction:
+    """The knob among `knobs` with the most predicted tokens/s (ties: the smaller knob)."""
+    preds: List[Prediction] = [predict(protocol, k, prompt_tokens, link, device, cloud, wire, alpha) for k in knobs]
+    if not preds:
+        raise ValueError(f"{protocol}: no knob to choose from")
+    return max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
+

@@ -1,0 +1,191 @@
+"""Protocol auto (edge_runtime.auto, edge_runtime.sessions.auto): the controller's choices on hand-set estimates,
+the cloud's cost report checked, and requests through a real runtime and cloud — forced switches mid-request keep
+the target's greedy tokens, a cut link degrades to the device alone, a private request runs a split protocol, slm
+only when allowed."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from edge_runtime.auto import PROBE_EVERY, AutoController, AutoEstimates, Choice
+from hat_split.math.chunking import DelayModel
+from hat_split.math.costmodel import Link
+from hat_split.wire import messages as P
+from tests.conftest import refusing_port, serving
+
+PROMPT = [5, 17, 99, 3, 250, 7]
+
+
+def _estimates(alpha: float, draft_s: float, step_1: float, step_9: float) -> AutoEstimates:
+    """Both protocols measured: sd's acceptance and draft step, the cloud's step at 1 and 9 positions."""
+    est = AutoEstimates(accepted=alpha, examined=1.0, draft_step_s=draft_s, local_step_s=draft_s, overhead_s=0.0,
+                        up_round=80.0, up_per_draft=60.0, down_round=100.0, down_per_token=4.0,
+                        measured={"sd": 1, "llm": 1})
+    est.observed = DelayModel()
+    est.observed.observe(1, step_1)
+    est.observed.observe(9, step_9)
+    return est
+
+
+def _controller(est: AutoEstimates, **kw) -> AutoController:
+    return AutoController(est, kw.pop("eligible", ("sd", "llm")), 8, 8, 20, **kw)
+
+
+def test_the_controller_follows_the_cost_model():
+    """A cheap draft that the target agrees with: sd at a long γ; a draft the target rejects: llm; unmeasured
+    protocols are tried first; a small predicted gain does not switch."""
+    fast_cloud_verify = dict(step_1=0.2, step_9=0.22)
+    sd = _controller(_estimates(0.9, 0.02, **fast_cloud_verify)).decide(Link(0.01))
+    assert sd.protocol == "sd" and sd.knob >= 5, sd
+    llm = _controller(_estimates(0.05, 0.05, **fast_cloud_verify)).decide(Link(0.01))
+    assert llm.protocol == "llm", llm
+    fresh = _controller(AutoEstimates()).decide(Link())
+    assert fresh.protocol == "sd" and fresh.reason.startswith("measuring")
+    # a loaded cloud: verification of 9 positions costs as much as 9 steps, and drafting is no longer worth it
+    loaded = _controller(_estimates(0.6, 0.03, step_1=0.2, step_9=1.8)).decide(Link(0.01))
+    assert loaded.protocol == "llm", loaded
+
+
+def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
+    est = _estimates(0.4, 0.05, step_1=0.2, step_9=0.24)
+    c = _controller(est)
+    preds = c.predictions(Link(0.01))
+    ratio = preds["sd"].tokens_per_s / preds["llm"].tokens_per_s
+    assert 1.0 < ratio < 1.10, ratio  # sd a little ahead
+    c.record(Choice("llm", 8, "predicted", {}), 8)  # running llm: sd's small edge does not move it
+    assert c.decide(Link(0.01)).protocol == "llm"
+    for _ in range(PROBE_EVERY):
+        c.record(Choice("llm", 8, "predicted", {}), 8)
+    probe = c.decide(Link(0.01))
+    assert probe.protocol == "sd" and probe.reason.startswith("probing")
+
+
+@pytest.mark.parametrize("bad,field", [
+    (P.CloudCost([[1.0, float("nan")]]), r"points\[0\]: seconds"),
+    (P.CloudCost([[1.0, 0.1], [1.0, 0.2]]), r"points\[1\]: positions must increase"),
+    (P.CloudCost([[0.0, 0.1]]), r"points\[0\]: positions"),
+    (P.CloudCost([[1.0, 1e9]]), r"points\[0\]: seconds"),
+    (P.CloudCost([[1.0, -0.5]]), r"points\[0\]: seconds"),
+    (P.CloudCost([[1.0, 0.1]], queued=-1), "CloudCost.queued"),
+    (P.CloudCost([[1.0, 0.1]], batch_tokens=float("inf")), "CloudCost.batch_tokens"),
+    (P.CloudCost([["x", 0.1]]), r"points\[0\] must be a \(positions, seconds\) pair"),
+])
+def test_a_hostile_cost_report_is_refused_and_the_last_good_one_kept(bad, field):
+    with pytest.raises(ValueError, match=field):
+        P.cost_curve(bad)
+    est = AutoEstimates()
+    assert est.take_report(P.CloudCost([[1.0, 0.05], [8.0, 0.09]], batch_tokens=3.0))
+    good = est.curve()
+    assert not est.take_report(bad)
+    assert est.bad_reports == 1 and est.curve() == good and field.split(":")[0].replace("\\", "") in \
+        est.last_bad_report.replace("\\", "")
+
+
+def test_the_cloud_report_survives_the_wire():
+    cost = P.CloudCost([[1.0, 0.05], [8.0, 0.09]], 2.5, 1, 4096)
+    frames = P.encode(P.SessionOpened(3, 10, 0.2, cost))
+    back = P.decode([bytes(f) for f in frames])
+    assert P.cost_curve(back.cost) == ((1.0, 0.05), (8.0, 0.09)) and back.cost.kv_free == 4096
+    older = P.decode([bytes(f) for f in P.encode(P.SessionOpened(3, 10, 0.2))])
+    assert older.cost is None
+
+
+# -- through a runtime and a cloud (the real SmolLM2-135M drafts and verifies) --------------------------------------
+
+def _runtime(smollm2, endpoint, **link):
+    from edge_runtime.config import EdgeConfig, LinkConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.net.security import LinkSecurity
+
+    return EdgeRuntime(EdgeConfig(model="smollm2-135m", link=LinkConfig(
+        endpoint, security=LinkSecurity.plaintext(), **link)), smollm2)
+
+
+@pytest.fixture
+def smollm2_server(smollm2):
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import vocab_fingerprint
+
+    with serving(CausalLM(smollm2.model), vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
+        yield server
+
+
+@pytest.mark.real_models
+def test_forced_switches_keep_the_targets_greedy_tokens(smollm2, smollm2_server, monkeypatch):
+    """sd γ=2 → llm → sd γ=5 → llm → ... at every round boundary: the target's greedy tokens, the segments as run,
+    the cloud's cost report taken."""
+    from hat_split.math.sampling import SamplingParams
+
+    script = itertools.cycle([Choice("sd", 2, "forced", {}), Choice("llm", 3, "forced", {}),
+                              Choice("sd", 5, "forced", {}), Choice("llm", 1, "forced", {})])
+    with _runtime(smollm2, smollm2_server.endpoint) as rt:
+        ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 40, seed=0)
+        monkeypatch.setattr(AutoController, "decide", lambda self, link: next(script))
+        res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 40, seed=0)
+    assert res.tokens == ref.tokens and res.protocol == "auto"
+    ran = [(s["protocol"], s["knob"]) for s in res.auto]
+    assert len(ran) >= 6 and ran[:4] == [("sd", 2), ("llm", 3), ("sd", 5), ("llm", 1)], ran
+    assert sum(s["tokens"] for s in res.auto) == res.n == 40
+    assert rt.auto_estimates.reported and rt.auto_estimates.measured.keys() == {"sd", "llm"}
+
+
+@pytest.mark.real_models
+def test_auto_measures_then_chooses_and_says_why(smollm2, smollm2_server):
+    """The first request tries each protocol once; later ones run the predicted best and give the prediction. Here
+    the draft is the target itself, so drafting costs what it saves: llm wins (the cost model says so from the
+    measurements, not from a rule)."""
+    from hat_split.math.sampling import SamplingParams
+
+    with _runtime(smollm2, smollm2_server.endpoint) as rt:
+        ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 32, seed=0)
+        first = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
+        second = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
+    assert first.tokens == second.tokens == ref.tokens
+    assert [s["reason"].split()[0] for s in first.auto[:2]] == ["measuring", "measuring"]
+    assert {s["protocol"] for s in first.auto[:2]} == {"sd", "llm"}
+    assert second.auto[0]["reason"].startswith("predicted") and "tok/s" in second.auto[0]["reason"]
+    assert rt.auto_estimates.alpha == pytest.approx(1.0)
+
+
+@pytest.mark.real_models
+def test_auto_without_a_cloud_runs_the_device_alone(smollm2):
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.models.lm import CausalLM
+
+    with refusing_port() as nobody:
+        with _runtime(smollm2, f"tcp://127.0.0.1:{nobody}", connect_timeout_s=0.3, connect_retries=1) as rt:
+            res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 8, seed=0)
+    assert res.protocol == "auto" and res.auto[0]["protocol"] == "slm" and "unreachable" in res.auto[0]["reason"]
+    assert res.tokens == CausalLM(smollm2.model).greedy(PROMPT, 8) and res.up_bytes == 0
+
+
+@pytest.mark.real_models
+def test_lossy_only_when_allowed(smollm2, smollm2_server):
+    """With estimates where the device alone is far faster, auto still runs an exact protocol unless the request
+    allows a lossy one."""
+    from hat_split.math.sampling import SamplingParams
+
+    with _runtime(smollm2, smollm2_server.endpoint) as rt:
+        rt.generate(PROMPT, "auto", SamplingParams(0.0), 16, seed=0)  # measure both
+        rt.auto_estimates.local_step_s = 1e-4
+        exact = rt.generate(PROMPT, "auto", SamplingParams(0.0), 8, seed=0)
+        lossy = rt.generate(PROMPT, "auto", SamplingParams(0.0), 8, seed=0, allow_lossy=True)
+    assert {s["protocol"] for s in exact.auto} <= {"sd", "llm"}
+    assert [s["protocol"] for s in lossy.auto] == ["slm"] and "lossy allowed" in lossy.auto[0]["reason"]
+
+
+@pytest.mark.real_models
+def test_a_private_request_keeps_token_ids_on_the_device(smollm2, smollm2_server):
+    """auto + private runs a split protocol (ushape here: no drafter given), whose greedy tokens are the target's; a
+    token protocol named with private is refused before anything runs."""
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.models.lm import CausalLM
+
+    with _runtime(smollm2, smollm2_server.endpoint) as rt:
+        res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 8, seed=0, private=True)
+        with pytest.raises(ValueError, match="sends token ids to the cloud"):
+            rt.generate(PROMPT, "sd", SamplingParams(0.0), 8, private=True)
+    assert res.auto[0]["protocol"] == "ushape" and res.tokens == CausalLM(smollm2.model).greedy(PROMPT, 8)
+    assert math.isfinite(rt.split_rates["ushape"])

@@ -1,0 +1,103 @@
+"""The cost model (hat_split.math.costmodel) against hand-computed rounds and the closed forms it generalises:
+Leviathan et al.'s ideal speedup and QS-SD's round latency (eq. 9)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, best_knob, predict)
+from hat_split.math.verify import expected_tokens, ideal_speedup
+
+
+def _cloud(t=0.1):
+    """A cloud whose step costs t seconds at any size up to 64 positions."""
+    return CloudCosts(CostCurve(((1, t), (64, t))))
+
+
+def test_sd_without_link_or_overheads_is_leviathans_ideal_speedup():
+    T, c = 0.2, 0.15
+    for alpha in (0.0, 0.3, 0.8, 1.0):
+        for gamma in (1, 4, 8):
+            flat = CostCurve(((1, T), (64, T)))  # a verify of γ + 1 positions costs one step (the formula's premise)
+            p = predict("sd", gamma, 10, Link(), DeviceCosts(draft_step_s=c * T), CloudCosts(flat), WireSizes(),
+                        alpha)
+            assert p.tokens_per_s * T == pytest.approx(ideal_speedup(alpha, gamma, c), rel=1e-12)
+
+
+def test_sd_round_is_qs_sd_eq_9():
+    """L T_SLM + L (⌈log2 V⌉ + b) / C_u + T_LLM + (⌈log2 L⌉ + ⌈log2 V⌉) / C_d, preambles neglected (QS-SD eq. 7-9)."""
+    V, b, L, T_slm, T_llm, Cu, Cd = 151936, 24, 5, 0.03, 0.25, 2e6, 8e6
+    bits_v = math.ceil(math.log2(V))
+    wire = WireSizes(up_per_draft=(bits_v + b) / 8, down_round=(math.ceil(math.log2(L)) + bits_v) / 8)
+    p = predict("sd", L, 10, Link(0.0, Cu, Cd), DeviceCosts(draft_step_s=T_slm), _cloud(T_llm), wire, alpha=0.5)
+    eq9 = L * T_slm + L * (bits_v + b) / Cu + T_llm + (math.ceil(math.log2(L)) + bits_v) / Cd
+    assert p.round_s == pytest.approx(eq9, rel=1e-12)
+    assert p.tokens_per_round == pytest.approx(expected_tokens(0.5, L))
+
+
+def test_hand_computed_rounds_of_every_protocol():
+    link = Link(rtt_s=0.02, up_bps=8e6, down_bps=16e6)  # 1 MB/s up, 2 MB/s down
+    curve = CostCurve(((1, 0.1), (4, 0.16)))  # 0.1 s for 1 position, +0.02 s per position up to 4, then +0.02
+    cloud = CloudCosts(curve, wait_s=0.01, middle_share=0.5)
+    dev = DeviceCosts(draft_step_s=0.03, local_step_s=0.05, prefill_s=0.001, round_s=0.004, split_step_s=0.02,
+                      hat_draft_s=0.025, hat_verify_s=0.01, watts=10.0, shares_host=True)
+    wire = WireSizes(up_round=100, up_per_draft=1000, down_round=50, down_per_token=10, hidden=3000)
+
+    sd = predict("sd", 3, 20, link, dev, cloud, wire, alpha=0.5)
+    n = 1 + 0.5 + 0.25 + 0.125  # E(0.5, 3)
+    up, down = 100 + 3 * 1000, 50 + n * 10
+    cloud_s = 0.16  # g(4)
+    round_s = 3 * 0.03 + 0.004 + (0.02 + up / 1e6 + down / 2e6) + 0.01 + cloud_s
+    assert sd.tokens_per_round == pytest.approx(n) and sd.round_s == pytest.approx(round_s)
+    assert sd.cloud_s_per_token == pytest.approx(cloud_s / n)
+    assert sd.joules_per_token == pytest.approx(10 * (3 * 0.03 + 0.004) / n)
+    prompt = (0.02 + (20 * 4 + 100) / 1e6 + 50 / 2e6) + 0.01 + (0.16 + 0.02 * 16) + 20 * 0.001  # g(20) extrapolated
+    assert sd.ttft_s == pytest.approx(prompt + round_s)
+
+    llm = predict("llm", 4, 20, link, dev, cloud, wire)
+    assert llm.round_s == pytest.approx(0.004 + 0.02 + 100 / 1e6 + (50 + 40) / 2e6 + 0.01 + 4 * 0.1)
+    assert llm.tokens_per_round == 4 and llm.cloud_s_per_token == pytest.approx(0.1)
+
+    slm = predict("slm", 0, 20, link, dev, None, wire)
+    assert slm.tokens_per_s == pytest.approx(20.0) and slm.up_bytes_per_token == 0 and slm.cloud_s_per_token == 0
+    assert slm.ttft_s == pytest.approx(20 * 0.001 + 0.05)
+
+    u = predict("ushape", 0, 20, link, dev, cloud, wire)
+    assert u.round_s == pytest.approx(0.02 + 0.004 + 0.02 + 3100 / 1e6 + 3050 / 2e6 + 0.01 + 0.5 * 0.1)
+    assert u.up_bytes_per_token == 3100
+
+    hat = predict("hat", 2, 20, link, dev, cloud, wire, alpha=0.6)
+    n = 1 + 0.6 + 0.36
+    assert hat.tokens_per_round == pytest.approx(n)
+    assert hat.round_s == pytest.approx(2 * 0.025 + 3 * 0.01 + 0.004 + 0.02 + (3 * 3000 + 100) / 1e6
+                                        + (3 * 3000 + 50) / 2e6 + 0.01 + 0.5 * (0.1 + 0.02 * 2))
+
+
+def test_the_best_draft_length_follows_the_link():
+    """A slow uplink with dense rows: short drafts; a free link and high acceptance: long ones."""
+    dev, cloud = DeviceCosts(draft_step_s=0.02), _cloud(0.2)
+    dense = WireSizes(up_per_draft=300_000)
+    slow = best_knob("sd", range(1, 9), 10, Link(0.01, 20e6, 50e6), dev, cloud, dense, alpha=0.7)
+    free = best_knob("sd", range(1, 9), 10, Link(), dev, cloud, WireSizes(up_per_draft=8), alpha=0.9)
+    assert slow.knob < free.knob and free.knob == 8
+
+
+@pytest.mark.parametrize("bad", [dict(rtt_s=float("nan")), dict(up_bps=-1.0), dict(down_bps=float("inf")),
+                                 dict(rtt_s=True)])
+def test_bad_inputs_are_refused_naming_the_field(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"Link.{name}"):
+        Link(**bad)
+    with pytest.raises(ValueError, match="positions must increase"):
+        CostCurve(((4, 0.1), (2, 0.2)))
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        CostCurve(((1, -0.1),))
+    with pytest.raises(ValueError, match="DeviceCosts.draft_step_s"):
+        DeviceCosts(draft_step_s=float("nan"))
+    with pytest.raises(ValueError, match="no cost model for protocol 'qs'"):
+        predict("qs", 1, 5, Link(), DeviceCosts(), _cloud(), WireSizes())
+    with pytest.raises(ValueError, match="hidden state"):
+        predict("hat", 2, 5, Link(), DeviceCosts(), _cloud(), WireSizes(), alpha=0.5)
+    with pytest.raises(ValueError, match="local step time"):
+        predict("slm", 0, 5, Link(), DeviceCosts(), None, WireSizes())
