@@ -31,7 +31,8 @@ class RequestDefaults:
     agent's `[request]` table (`hat-edge serve`'s flags)."""
 
     protocol: str = setting("sd", "a protocol of hat_split.protocols, or auto (the device chooses among the exact "
-                            "ones and switches at round boundaries: edge_runtime.auto)", old_keys=("../default_protocol",))
+                            "ones and switches at round boundaries: edge_runtime.auto)",
+                            old_keys=("../default_protocol",))
     temperature: float = setting(1.0, "sampling temperature; 0 = greedy (1.0: OpenAI's API default)")
     top_p: float = setting(1.0, "nucleus mass; 1 = off")
     top_k: int = setting(0, "most likely tokens kept; 0 = off")

@@ -7,8 +7,8 @@ streaming (`"stream": true`, server-sent events ending in `data: [DONE]`) or not
 `hatspec` = {"protocol": "sd" | "hat" | ... | "auto", "tokens": bool, "private": bool, "allow_lossy": bool} choosing
 the device-cloud protocol per request (auto: the device chooses; private: token ids never leave the device;
 allow_lossy: auto may choose slm) and asking for the generated token ids (the openai client sends it with
-`extra_body`); the response's `hatspec` says what ran (`auto`: protocols, tokens, reasons). Fields that would change the output
-distribution and that hatspec does not implement (penalties, logit_bias, n > 1, tools, echo, ...) are refused
+`extra_body`); the response's `hatspec` says what ran (`auto`: protocols, tokens, reasons). Fields that would change
+the output distribution and that hatspec does not implement (penalties, logit_bias, n > 1, tools, echo, ...) are refused
 with a 400 naming the field, rather than silently ignored.
 
 Log-probabilities: completions `logprobs` = k (0..20), chat `logprobs: true` with `top_logprobs` = k (0..20), streamed

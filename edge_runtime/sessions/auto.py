@@ -60,8 +60,8 @@ class AutoSession(TokenSession):
         up, down = self.client.counters.up_bytes - up0, self.client.counters.down_bytes - down0
         cloud_s = c.cloud_compute_s - cloud0
         if choice.protocol == "sd":
-            self.auto.estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, self.drafter.compute_s - draft0,
-                                           cloud_s, up, down, wall, link)
+            self.auto.estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0,
+                                           self.drafter.compute_s - draft0, cloud_s, up, down, wall, link)
         else:
             self.auto.estimates.observe_llm(len(self.generated) - n0, cloud_s, up, down, wall, link)
         self.auto.record(choice, len(self.generated) - n0)
