@@ -8,6 +8,9 @@
 
 The fault wraps hat_split.math.verify.speculative_verify, which both sides call (the cloud through verify_rng, the
 device's SplitDrafter directly); nothing in the product knows of it.
+
+    python -m tests.planted auto-alternate edge ARGS...   # not a fault: protocol auto switching at every round
+                                                           # boundary (sd with γ = 3, then llm for 2 tokens, ...)
 """
 from __future__ import annotations
 
@@ -43,9 +46,24 @@ def broken(real, fault: str):
     return verify
 
 
+ALTERNATE = "auto-alternate"
+
+
+def alternate() -> None:
+    """Protocol auto's controller replaced by a script: sd (γ = 3) and llm (2 tokens) in turn, every round."""
+    import itertools
+
+    from edge_runtime.auto import AutoController, Choice
+
+    script = itertools.cycle([Choice("sd", 3, "forced", {}), Choice("llm", 2, "forced", {})])
+    AutoController.decide = lambda self, link: next(script)
+
+
 def plant(fault: str) -> None:
+    if fault == ALTERNATE:
+        return alternate()
     if fault not in FAULTS:
-        raise SystemExit(f"unknown fault {fault!r}; choose {', '.join(FAULTS)}")
+        raise SystemExit(f"unknown fault {fault!r}; choose {', '.join(FAULTS)} or {ALTERNATE}")
     import edge_runtime.split_drafter as drafter
     import hat_split.math.verify as verify
 

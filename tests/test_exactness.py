@@ -16,6 +16,10 @@ fails instead of passing quietly. Measured here (2026-11-25; `pytest -s` prints 
 | hlm | 400 | 329 | +0.69 | 1.000 / 1.000 / 0.994 |
 | qs / ksqs / csqs (ℓ = 8, K = 2) | 400 | 400 | +0.24 / +0.24 / −0.32 | 1.000 / 1.000 / 0.999 |
 | hat (3 drafts, η = 0) | 800 | 760 | +0.37 | 1.000 / 1.000 / 0.999 |
+| auto switching every round (sd γ = 3, llm 2 tokens; 2026-11-26) | 800 | 310 | +1.51 | 1.000 / 1.000 / 0.995 |
+
+(auto's 488 positions the cloud sampled alone, each llm round's first one right after a switch: Z = −1.39 against
+the decoy one position behind, power 1.000.)
 
 Planted (tests/planted.py) into the cloud for sd: accept-all Z = +30.5 (150 tokens), resample-from-q +31.4 (150),
 mix15 +9.0 (400); into the device for hat: mix15 +6.6 (800). A correct verifier stays within ±4 with probability
@@ -32,7 +36,8 @@ import numpy as np
 import pytest
 
 from tests.bigram_checkpoint import save_bigram, token_text
-from tests.exactness import FAULTS, MIN_TV, Z_CRIT, drafted_positions, drift, power, power_of_law, tv_rows
+from tests.exactness import (FAULTS, MIN_TV, Z_CRIT, drafted_positions, drift, fault_law, power, power_of_law,
+                             tv_rows)
 
 V = 4
 T = 0.7  # sampling temperature on both sides
@@ -147,6 +152,41 @@ def test_token_protocols_follow_the_target_at_every_drafted_position(bigrams, tm
         assert all(x["ell"] == 8 and sum(x["bits"]) <= x["payload_bits"] for x in logs[name]), name
     assert all(k == 2 for x in logs["ksqs"] for k in x["k"])
     assert len({k for x in logs["csqs"] for k in x["k"]}) > 1, "the conformal support never changed size"
+
+
+def test_auto_switching_at_every_round_follows_the_target(bigrams, tmp_path):
+    """Protocol auto made to switch at every round boundary (tests.planted auto-alternate: sd with γ = 3, then llm
+    for 2 tokens, in turn): the positions sd's verification decided follow p (|Z| < 4, with the power to catch each
+    planted fault), and so do the positions the cloud sampled alone, each llm round's first one the token right
+    after a switch."""
+    target, draft = bigrams
+    with _cloud(target) as cloud:
+        (r,) = _generate(cloud.endpoint, draft, ["auto"], tmp_path, fault="auto-alternate", tokens=2 * TOKENS)
+    segments = r["auto"]
+    assert [s["protocol"] for s in segments[:4]] == ["sd", "llm", "sd", "llm"] and len(segments) > 100
+    shapes, at, drafted, alone = iter(r["verify_log"]), 0, [], []
+    for seg in segments:  # one round each
+        if seg["protocol"] == "sd":
+            c, d, _ = next(shapes)
+            drafted += range(at, at + min(seg["tokens"], c, d))
+        else:
+            alone += range(at, at + seg["tokens"])
+        at += seg["tokens"]
+    assert at == len(r["tokens"]) == 2 * TOKENS
+    tokens = np.asarray(r["tokens"])
+    p, q = laws_along(r["tokens"], TARGET), laws_along(r["tokens"], DRAFT)
+    d = drift(tokens[drafted], p[drafted], q[drafted])
+    pw = {f: power_of_law(p[drafted], q[drafted], fault_law(p[drafted], q[drafted], f)) for f in FAULTS}
+    print(f"auto (sd) {d}; power " + ", ".join(f"{k} {v:.3f}" for k, v in pw.items()))
+    assert abs(d.z) < Z_CRIT, str(d)
+    assert min(pw.values()) >= 0.99, pw
+    alone = np.asarray(alone)
+    assert alone.min() > 0  # the first round is sd's
+    behind = p[alone - 1]  # the law one position behind: a state read off by one
+    d, pw = drift(tokens[alone], p[alone], behind), power_of_law(p[alone], behind, behind)
+    print(f"auto (llm) {d}; decoy one position behind: power {pw:.3f}")
+    assert abs(d.z) < Z_CRIT, str(d)
+    assert pw >= 0.99, pw
 
 
 PLANT_TOKENS = {"accept-all": 150, "resample-from-q": 150, "mix15": TOKENS}  # each with power >= 0.99 (asserted)
