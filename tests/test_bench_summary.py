@@ -322,3 +322,26 @@ def test_a_tiny_real_speculative_run_reports_bounded_speedups_with_intervals(smo
         assert e["vs_hatspec_llm"]["n"] == 2 and e["vs_hatspec_llm"]["lo"] <= e["vs_hatspec_llm"]["hi"]
         assert e["vs_hatspec_llm"]["method"] == "t"
     assert s["c"] > 0 and len(report["provenance"]["git_commit"]) == 40
+
+
+def test_the_demo_table_gives_the_clouds_time_per_token_and_what_auto_ran():
+    """The demo's rows: the cloud's step time per token (prompt excluded); the auto row's protocols, its last
+    reason and its ratio to the fastest exact row (slm, lossy, is not a yardstick)."""
+    from profiles.bench.demo import aggregate, auto_line, format_table
+
+    def row(protocol, tokens, total_s, cloud_s, auto=()):
+        return {"protocol": protocol, "tokens": [1] * tokens, "total_s": total_s, "ttft_s": 0.5, "rounds": 4,
+                "drafted": 0, "accepted": 0, "up_bytes": 100, "down_bytes": 100, "round_trips": 4, "skipped": 0,
+                "cloud_compute_s": cloud_s + 0.3, "cloud_prefill_s": 0.3, "auto": list(auto)}
+
+    results = [row("sd", 40, 4.0, 2.0), row("llm", 40, 5.0, 4.0), row("slm", 40, 1.0, 0.0),
+               row("auto", 40, 4.2, 2.0, [{"protocol": "sd", "tokens": 5, "reason": "measuring sd"},
+                                          {"protocol": "llm", "tokens": 5, "reason": "measuring llm"},
+                                          {"protocol": "sd", "tokens": 30, "reason": "predicted sd γ=4 9 tok/s"}])]
+    agg = aggregate(results)
+    assert agg["llm"]["cloud_ms_per_token"] == pytest.approx(100.0) and agg["slm"]["cloud_ms_per_token"] == 0
+    assert agg["auto"]["auto_ran"] == {"sd": 35, "llm": 5}
+    assert "cloud ms/tok" in format_table(agg)
+    line = auto_line(agg, results)
+    assert "sd 35 tokens, llm 5 tokens" in line and "predicted sd γ=4" in line
+    assert "0.95x the fastest exact row (sd)" in line

@@ -34,12 +34,12 @@ from hat_split.models import registry
 from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
 from hat_split.prompt_sets import demo_prompts
-from hat_split.protocols import of_family
+from hat_split.protocols import AUTO, get, of_family
 from profiles.bench.rig import Rig
 from testbed.links import get_link_profile
 from profiles.bench.provenance import write_report
 
-DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm"
+DEFAULT_PROTOCOLS = "sd,hlm,uhlm,cuhlm,llm,slm,auto"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +75,11 @@ def aggregate(results: List[dict]) -> Dict[str, dict]:
     for r in results:
         a = by.setdefault(r["protocol"], {"prompts": 0, "tokens": 0, "total_s": 0.0, "ttft_s": [], "rounds": 0,
                                           "drafted": 0, "accepted": 0, "up_bytes": 0, "down_bytes": 0,
-                                          "round_trips": 0, "skipped": 0})
+                                          "round_trips": 0, "skipped": 0, "cloud_s": 0.0, "ran": {}})
         a["prompts"] += 1
+        a["cloud_s"] += r["cloud_compute_s"] - r["cloud_prefill_s"]
+        for seg in r.get("auto", []):  # protocol auto: tokens per protocol it ran
+            a["ran"][seg["protocol"]] = a["ran"].get(seg["protocol"], 0) + seg["tokens"]
         for k in ("tokens", "rounds", "drafted", "accepted", "up_bytes", "down_bytes", "round_trips", "skipped"):
             a[k] += len(r["tokens"]) if k == "tokens" else r[k]
         a["total_s"] += r["total_s"]
@@ -95,15 +98,18 @@ def aggregate(results: List[dict]) -> Dict[str, dict]:
             "down_bytes_per_token": a["down_bytes"] / n,
             "round_trips_per_token": a["round_trips"] / n,
             "skip_rate": a["skipped"] / n,
+            "cloud_ms_per_token": 1e3 * a["cloud_s"] / n,  # the cloud's step time per token, prompt excluded
+            **({"auto_ran": a["ran"]} if a["ran"] else {}),
         }
     return out
 
 
 def format_table(agg: Dict[str, dict]) -> str:
     cols = [("protocol", "{}"), ("tok/s", "{:.2f}"), ("TTFT s", "{:.2f}"), ("acc/round", "{:.2f}"),
-            ("up B/tok", "{:.0f}"), ("down B/tok", "{:.0f}"), ("RT/tok", "{:.2f}"), ("skipped", "{:.0%}")]
+            ("up B/tok", "{:.0f}"), ("down B/tok", "{:.0f}"), ("RT/tok", "{:.2f}"), ("skipped", "{:.0%}"),
+            ("cloud ms/tok", "{:.0f}")]
     keys = [None, "tokens_per_s", "ttft_s_mean", "accepted_per_round", "up_bytes_per_token", "down_bytes_per_token",
-            "round_trips_per_token", "skip_rate"]
+            "round_trips_per_token", "skip_rate", "cloud_ms_per_token"]
     rows = [[c for c, _ in cols]]
     for name, a in agg.items():
         row = [name]
@@ -113,6 +119,18 @@ def format_table(agg: Dict[str, dict]) -> str:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def auto_line(agg: Dict[str, dict], results: List[dict]) -> str:
+    """What protocol auto ran (tokens per protocol), its last reason, and how it did against the fastest exact row."""
+    exact = {name: a["tokens_per_s"] for name, a in agg.items() if name != AUTO and get(name).exact}
+    ran = ", ".join(f"{p} {n} tokens" for p, n in agg[AUTO]["auto_ran"].items())
+    last = [r for r in results if r["protocol"] == AUTO][-1]["auto"][-1]["reason"]
+    line = f"auto ran {ran}; last choice: {last}"
+    if exact:
+        best = max(exact, key=exact.get)
+        line += f"\nauto at {agg[AUTO]['tokens_per_s'] / exact[best]:.2f}x the fastest exact row ({best})"
+    return line
 
 
 def pick_engine(asked: str) -> str:
@@ -181,7 +199,7 @@ def main(argv=None) -> int:
         protocols = [p for p in args.protocols.split(",") if p]
         split_protocols = [p for p in args.split_protocols.split(",") if p]
         split_names = of_family("split")
-        token_names = of_family("token") + of_family("local")
+        token_names = of_family("token") + of_family("local") + (AUTO,)
         bad = [p for p in protocols if p not in token_names] + [p for p in split_protocols if p not in split_names]
         if bad or not protocols + split_protocols:
             raise ValueError(f"unknown protocol(s) {bad}; --protocols: {', '.join(token_names)}; "
@@ -241,6 +259,8 @@ def main(argv=None) -> int:
           + (f"; {', '.join(split_protocols)} on torch, the target cut at layer {args.m}" if split_protocols else "")
           + " ===")
     print(format_table(agg))
+    if AUTO in agg:
+        print(auto_line(agg, results))
     if "hat" in split_protocols:
         print(drafter_line(adapter))
     print(f"\nhat-demo: report saved to {args.out}")
