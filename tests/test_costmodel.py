@@ -70,7 +70,7 @@ def test_hand_computed_rounds_of_every_protocol():
     hat = predict("hat", 2, 20, link, dev, cloud, wire, alpha=0.6)
     n = 1 + 0.6 + 0.36
     assert hat.tokens_per_round == pytest.approx(n)
-    assert hat.round_s == pytest.approx(2 * 0.025 + 3 * 0.01 + 0.004 + 0.02 + (3 * 3000 + 100) / 1e6
+    assert hat.round_s == pytest.approx(2 * 0.025 + 0.01 + 0.004 + 0.02 + (3 * 3000 + 100) / 1e6
                                         + (3 * 3000 + 50) / 2e6 + 0.01 + 0.5 * (0.1 + 0.02 * 2))
 
 

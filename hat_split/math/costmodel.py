@@ -18,8 +18,8 @@ Protocols:
   * `ushape`: each token's shallow state goes up and its deep state comes back: round = t_s + o + link(A + u₀,
     A + d₀) + w + φ g(1); 1 token (φ: the middle part's share of a whole step; A: one state's bytes).
   * `hat` (γ): γ draft steps t_h, then γ + 1 states up and back, the middle part over γ + 1 positions and the device's
-    output part over them (t_v each): round = γ t_h + o + link((γ + 1) A + u₀, (γ + 1) A + d₀) + w + φ g(γ + 1)
-    + (γ + 1) t_v; E(α, γ) tokens.
+    output part over them in one pass (t_v: the head's weights read once): round = γ t_h + o + link((γ + 1) A + u₀,
+    (γ + 1) A + d₀) + w + φ g(γ + 1) + t_v; E(α, γ) tokens.
   * time to first token: the prompt's n positions up (u per position: 4 bytes of token id, A for the split family),
     the cloud's prefill g(n), the device's own prefill n t_p when it cannot overlap the cloud's (a shared host), then
     the first round. `slm`: n t_p + t_local.
@@ -101,7 +101,7 @@ class DeviceCosts:
     round_s: float = 0.0  # o: per round, outside the models (warp, rounding, packing, verification)
     split_step_s: float = 0.0  # t_s: ushape's device work per token (input part + head)
     hat_draft_s: float = 0.0  # t_h: one hat draft step (input part, drafter, draft head)
-    hat_verify_s: float = 0.0  # t_v: the device's output part per verified position
+    hat_verify_s: float = 0.0  # t_v: the device's output part over one round's verified positions
     watts: float = 0.0  # the device's power while it computes (0: unknown, no joules predicted)
     shares_host: bool = False  # the device's prefill cannot overlap the cloud's (one machine)
 
@@ -205,7 +205,7 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
         cloud_s = cloud.middle_share * g(1)
     elif protocol == "hat":
         n = expected_tokens(alpha, knob)
-        device_s = knob * device.hat_draft_s + (knob + 1) * device.hat_verify_s
+        device_s = knob * device.hat_draft_s + device.hat_verify_s
         up, down = (knob + 1) * wire.hidden + wire.up_round, (knob + 1) * wire.hidden + wire.down_round
         cloud_s = cloud.middle_share * g(knob + 1)
     else:
