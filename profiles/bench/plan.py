@@ -1,0 +1,287 @@
+"""`hat-bench plan`: the cost model of `--protocol auto` (hat_split.math.costmodel) priced on hardware this project
+does not have: a Jetson profile (hardware/devices), a cloud GPU (hardware/cloud_gpus.toml), a link profile (testbed)
+and a model pair, with the acceptance measured here (acceptance does not depend on the hardware). Every figure is an
+ESTIMATE; what each rests on is written into the JSON beside it.
+
+The step times:
+  * the cloud GPU: the GPU check's measured steps (results/gpu, `hat-bench gpu` on a lent H200: random weights with the
+    real shapes, CUDA graphs) split into a weight-streaming part (weight bytes over the measured copy bandwidth) and
+    the rest (kernels that do not scale with bandwidth); on another GPU the streaming part scales by the data-sheet
+    bandwidth ratio, the rest is kept. A verify of x positions costs the measured decode step times the H200's
+    verify/decode ratio at that x; a step of B sessions the H200's batched step, scaled the same way.
+  * the device: its weights read once per step at `--device-efficiency` of the profile's peak DRAM bandwidth (a
+    stated assumption: no Jetson was measured); its power the mode's budget (an upper bound).
+  * devices one cloud serves at an SLA: the most devices N whose mean time between tokens stays under `--sla-tbt-ms`
+    when their rounds' cloud work shares steps (N sessions' positions in one batched step, plus half a step of
+    waiting), the criterion on the mean (a P99 needs the round-time distribution, which the model does not have).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict
+
+PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
+GPU_BENCH = "results/gpu/gpu_bench.json"
+SPECULATIVE = "results/speculative/bench_speculative.json"
+HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
+WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
+DRAFT_ROW = 8.0  # bytes of a greedy draft's row on the wire (one index)
+HIDDEN_DTYPE_BYTES = 2  # a hidden state's element on the wire (float16)
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("plan", help="the cost model on a Jetson + cloud GPU + link (estimates), per protocol")
+    s.add_argument("--device", default="agx-orin-32gb", help="a hardware/devices profile (default %(default)s)")
+    s.add_argument("--mode", type=int, default=None, help="its nvpmodel mode id (default: the profile's default)")
+    s.add_argument("--gpu", default="a6000", help="a hardware/cloud_gpus.toml GPU (default %(default)s)")
+    s.add_argument("--link", default="wifi-near", help="a link profile (`hat-link --list`; default %(default)s)")
+    s.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    s.add_argument("--target", default="qwen2.5-coder-1.5b")
+    s.add_argument("--gpu-shape", default="qwen2.5-1.5b",
+                   help="the GPU check's model whose measured steps the target's are scaled from (default %(default)s)")
+    s.add_argument("--m", type=int, default=2, help="the split protocols' cut (default %(default)s)")
+    s.add_argument("--alpha", type=float, default=None,
+                   help=f"sd's acceptance (default: measured here, {SPECULATIVE}, γ = 4)")
+    s.add_argument("--hat-tokens-per-round", type=float, default=None,
+                   help=f"hat's τ (default: measured here, {HAT_RECORD}, ShareGPT)")
+    s.add_argument("--draft-vocab", type=int, default=16384, help="hat's draft head rows (default %(default)s)")
+    s.add_argument("--device-bytes", type=float, default=2.0, help="bytes per device weight (2: fp16)")
+    s.add_argument("--device-efficiency", type=float, default=0.5,
+                   help="share of the profile's peak DRAM bandwidth a device step reaches (assumed; default "
+                        "%(default)s)")
+    s.add_argument("--prompt-tokens", type=int, default=128)
+    s.add_argument("--sla-tbt-ms", type=float, default=100.0, help="mean time between tokens per device at most")
+    s.add_argument("--out", default="runs/plan/plan.json", help="the JSON (a PNG beside it)")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a step reads, in parameters: the decoder layers, one layer, the head, the hidden size."""
+
+    layers: int
+    layer_params: float
+    head_params: float
+    hidden: int
+    vocab: int
+
+    @property
+    def step_params(self) -> float:  # a decode step reads every layer and the head (embedding: one row)
+        return self.layers * self.layer_params + self.head_params
+
+
+def shape_of(name: str) -> Shape:
+    """From the installed model's config.json, or the GPU check's shapes (profiles/bench/gpu_models)."""
+    from hat_split.models import registry
+
+    from profiles.bench.bench_gpu import MODELS_DIR
+
+    path = registry.hf_cache_path(name) / "config.json"
+    if not path.is_file():
+        path = MODELS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"no config for {name!r}: install it (hat-models install {name}) or name a GPU shape")
+    c = json.loads(path.read_text())
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    hd = c.get("head_dim") or h // heads
+    attn = h * heads * hd * 2 + h * kv * hd * 2
+    mlp = 3 * h * c["intermediate_size"]
+    return Shape(c["num_hidden_layers"], attn + mlp + 2 * h, c["vocab_size"] * h, h, c["vocab_size"])
+
+
+class GpuSteps:
+    """The GPU check's measured steps of one shape, moved to another GPU (module docstring)."""
+
+    def __init__(self, bench: Dict[str, Any], shape: str, gpu_gbs: float, measured_gbs: float):
+        rows = bench["models"]
+        if shape not in rows:
+            raise ValueError(f"the GPU check measured no {shape!r}; it has {', '.join(rows)}")
+        ways = rows[shape]["ways"]
+        g = ways.get("graphs") or ways["slots"]
+        self.decode_s = 1.0 / g["decode_tok_s"]
+        streaming = rows[shape]["weight_bytes"] / (bench["copy_GBps"] * 1e9)
+        self.scale_stream = measured_gbs / gpu_gbs  # data-sheet bandwidths: the measured GPU's over the planned one's
+        self.rest_s = max(0.0, self.decode_s - streaming)
+        self.stream_s = streaming
+        self.verify = {int(k) + 1: v / 1e3 / self.decode_s for k, v in g["verify_ms"].items()}  # x → ratio
+        self.verify[1] = 1.0
+        self.batched = {int(b): int(b) / v for b, v in g["batched_tok_s"].items()}  # sessions → step seconds
+
+    def step_s(self, weight_params: float, ref_params: float) -> float:
+        """One decode step of a model of weight_params (bfloat16, as measured) on the planned GPU: the streaming part
+        scaled by the bandwidth, the rest as measured, both by the model's share of the measured one's parameters."""
+        share = weight_params / ref_params
+        return share * (self.stream_s * self.scale_stream + self.rest_s)
+
+    def curve(self, one_step_s: float) -> CostCurve:
+        return CostCurve(tuple((float(x), one_step_s * r) for x, r in sorted(self.verify.items())))
+
+    def batched_step_s(self, one_step_s: float, positions: float) -> float:
+        """A step of `positions` single-position sessions, from the measured batched steps (linear beyond)."""
+        pts = sorted((float(b), s / self.batched[1]) for b, s in self.batched.items())
+        return one_step_s * CostCurve(tuple(pts)).step_s(positions)
+
+
+def plan(args: argparse.Namespace) -> Dict[str, Any]:
+    from hardware.device_profiles import cloud_gpus, get_profile
+    from testbed.links import get_link_profile
+
+    device, gpus, link_profile = get_profile(args.device), cloud_gpus(), get_link_profile(args.link)
+    if args.gpu not in gpus:
+        raise ValueError(f"unknown GPU {args.gpu!r}; hardware/cloud_gpus.toml has {', '.join(gpus)}")
+    gpu = gpus[args.gpu]
+    mode = next((m for m in device.modes if m.id == (device.default_mode if args.mode is None else args.mode)), None)
+    if mode is None:
+        raise ValueError(f"{device.name} has no mode {args.mode}; modes {[m.id for m in device.modes]}")
+    bench = json.loads(Path(GPU_BENCH).read_text())
+    h200 = cloud_gpus()["h200"].memory_bandwidth_gbs
+    steps = GpuSteps(bench, args.gpu_shape, gpu.memory_bandwidth_gbs, h200)
+    draft, target = shape_of(args.draft), shape_of(args.target)
+    ref = shape_of(args.gpu_shape).step_params
+    g1 = steps.step_s(target.step_params, ref)
+    # the device: its weights once per step at the assumed share of its peak bandwidth
+    dev_bps = device.memory_bandwidth_gbs * 1e9 * args.device_efficiency
+    per_param = args.device_bytes / dev_bps
+    t_d = draft.step_params * per_param
+    input_part = args.m * target.layer_params
+    head = target.head_params
+    feature = target.layer_params + 2 * target.hidden ** 2 + min(args.draft_vocab or target.vocab, target.vocab) \
+        * target.hidden
+    watts = float(mode.watts) if mode.watts else 0.0
+    dev = DeviceCosts(draft_step_s=t_d, local_step_s=t_d, prefill_s=t_d / 8, round_s=0.0,
+                      split_step_s=(input_part + head) * per_param, hat_draft_s=(input_part + feature) * per_param,
+                      hat_verify_s=head * per_param, watts=watts)
+    rate = lambda r: 8.0 * r if r and math.isfinite(r) else 0.0  # noqa: E731  bytes/s → bit/s
+    link = Link(2 * link_profile.delay_s, rate(link_profile.up_rate_bps), rate(link_profile.down_rate_bps))
+    wire = WireSizes(WIRE_ROUND, DRAFT_ROW, WIRE_ROUND, 4.0, HIDDEN_DTYPE_BYTES * target.hidden)
+    middle = (target.layers - args.m) / target.layers
+    alpha = args.alpha if args.alpha is not None else measured_alpha()
+    tau = args.hat_tokens_per_round if args.hat_tokens_per_round is not None else measured_hat_tau()
+    hat_alpha = 1.0 - 1.0 / tau  # E(α, γ) → 1 / (1 − α) for long drafts: the α whose chains give τ
+    price = Pricing(args.prompt_tokens, link, dev, wire, alpha, hat_alpha)
+    rows: List[Dict[str, Any]] = []
+    for name in PROTOCOLS:
+        pred = price.best(name, CloudCosts(steps.curve(g1), 0.0, middle))
+        cap = None if name == "slm" else capacity(lambda n: price.shared(pred, steps, g1, middle, n),
+                                                  args.sla_tbt_ms / 1e3)
+        rows.append({**pred.as_dict(), "devices_at_sla": cap})
+    return {"estimate": True, "device": device.name, "mode": mode.name, "watts": watts or None, "gpu": gpu.name,
+            "link": link_profile.name, "draft": args.draft, "target": args.target, "m": args.m,
+            "alpha_sd": alpha, "hat_tokens_per_round": tau, "sla_tbt_ms": args.sla_tbt_ms,
+            "assumptions": {"device_efficiency": args.device_efficiency, "device_bytes_per_weight": args.device_bytes,
+                            "cloud_dtype": "bfloat16", "gpu_check": GPU_BENCH, "gpu_shape": args.gpu_shape,
+                            "cloud_step_s": g1, "device_draft_step_s": t_d,
+                            "model_error_here": "not measured yet (hat-bench auto)"},
+            "protocols": rows}
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """The cost model's inputs that stay fixed while the cloud's load varies."""
+
+    prompt_tokens: int
+    link: Link
+    device: DeviceCosts
+    wire: WireSizes
+    alpha: float  # sd's
+    hat_alpha: float
+
+    def at(self, name: str, knob: int, cloud: CloudCosts) -> Prediction:
+        a = self.hat_alpha if name == "hat" else self.alpha
+        return predict(name, knob, self.prompt_tokens, self.link, self.device, None if name == "slm" else cloud,
+                       self.wire, a)
+
+    def best(self, name: str, cloud: CloudCosts) -> Prediction:
+        """sd and hat at their best γ in 1..8; llm in chunks of 8."""
+        if name in ("sd", "hat"):
+            return max((self.at(name, g, cloud) for g in range(1, 9)), key=lambda p: (p.tokens_per_s, -p.knob))
+        return self.at(name, 8 if name == "llm" else 0, cloud)
+
+    def shared(self, pred: Prediction, steps: "GpuSteps", g1: float, middle: float, n: int) -> float:
+        """Mean seconds between tokens of one of n devices running `pred`'s protocol and knob, their rounds' cloud
+        work in shared steps (n devices' positions in one batched step, half a step of waiting)."""
+        positions = pred.knob + 1 if pred.protocol in ("sd", "hat") else 1
+        share = middle if pred.protocol in ("ushape", "hat") else 1.0
+        step = share * steps.batched_step_s(g1, n * positions)
+        flat = CostCurve(((1.0, step), (64.0, step)))  # the shared step, whatever this device's positions
+        p = self.at(pred.protocol, pred.knob, CloudCosts(flat, 0.5 * step, 1.0))
+        if pred.protocol == "llm":  # c steps of the shared batch per round, not one
+            p = self.at("llm", pred.knob, CloudCosts(CostCurve(((1.0, step),)), 0.5 * step, 1.0))
+        return 1.0 / p.tokens_per_s
+
+
+def capacity(tbt, sla_s: float, most: int = 4096) -> int:
+    """The most devices n (up to `most`) with tbt(n) <= sla_s (tbt grows with n); 0 when one device misses it."""
+    if tbt(1) > sla_s:
+        return 0
+    if tbt(most) <= sla_s:
+        return most
+    lo, hi = 1, most
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if tbt(mid) <= sla_s else (lo, mid)
+    return lo
+
+
+def measured_alpha() -> float:
+    return float(json.loads(Path(SPECULATIVE).read_text())["summary"]["hatspec_sd_g4"]["alpha"])
+
+
+def measured_hat_tau() -> float:
+    rec = json.loads(Path(HAT_RECORD).read_text())["record"]
+    return float(rec["acceptance_draft_vocab_16384"]["sharegpt"]["tokens_per_round"])
+
+
+def format_rows(doc: Dict[str, Any]) -> str:
+    head = ["protocol", "knob", "tok/s", "TTFT s", "J/tok", "up B/tok", "down B/tok", "cloud ms/tok",
+            f"devices at TBT≤{doc['sla_tbt_ms']:.0f} ms"]
+    lines = [head]
+    for r in doc["protocols"]:
+        j = "-" if r["joules_per_token"] is None else f"{r['joules_per_token']:.3f}"
+        cap = "-" if r["devices_at_sla"] is None else str(r["devices_at_sla"])
+        lines.append([r["protocol"], str(r["knob"]), f"{r['tokens_per_s']:.1f}", f"{r['ttft_s']:.3f}", j,
+                      f"{r['up_bytes_per_token']:.0f}", f"{r['down_bytes_per_token']:.0f}",
+                      f"{1e3 * r['cloud_s_per_token']:.2f}", cap])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from profiles.bench.provenance import write_report
+
+    doc = plan(args)
+    write_report(args.out, doc)
+    note = plot(doc, Path(args.out).with_suffix(".png"))
+    print(f"ESTIMATES: {doc['device']} ({doc['mode']}) + {doc['gpu']} over {doc['link']}, {doc['draft']} → "
+          f"{doc['target']}; sd α {doc['alpha_sd']:.2f}, hat τ {doc['hat_tokens_per_round']:.2f} (measured here)")
+    print(format_rows(doc))
+    a = doc["assumptions"]
+    print(f"assumed: device steps at {a['device_efficiency']:.0%} of peak DRAM bandwidth, "
+          f"{a['device_bytes_per_weight']:g} bytes a weight; cloud steps scaled from {a['gpu_check']} ({a['gpu_shape']}); model error here: "
+          f"{a['model_error_here']}")
+    print(f"wrote {args.out}{'; ' + note if note else ' and its PNG'}")
+    return 0
+
+
+def plot(doc: Dict[str, Any], path: Path) -> str:
+    from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    rows = doc["protocols"]
+    names = [r["protocol"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    axes[0].bar(names, [r["tokens_per_s"] for r in rows])
+    axes[0].set(title="tokens/s per device (ESTIMATE)", ylabel="tokens/s")
+    caps = [r["devices_at_sla"] or 0 for r in rows]
+    axes[1].bar(names, caps)
+    axes[1].set(title=f"devices one cloud serves at TBT ≤ {doc['sla_tbt_ms']:.0f} ms (ESTIMATE)", yscale="log")
+    fig.suptitle(f"{doc['device']} ({doc['mode']}) + {doc['gpu']}, {doc['link']}: {doc['draft']} → {doc['target']}",
+                 fontsize=9)
+    return save_figure(fig, axes, str(path))

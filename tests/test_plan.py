@@ -1,0 +1,56 @@
+"""`hat-bench plan` (profiles.bench.plan): the cost model priced on a Jetson profile, a cloud GPU and a link, from the
+GPU check's measured steps and the acceptance measured here. Estimates, but their arithmetic is checked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from profiles.bench.plan import GpuSteps, capacity, shape_of
+
+
+def test_capacity_is_the_most_devices_within_the_sla():
+    assert capacity(lambda n: 0.01 * n, 0.5) == 50
+    assert capacity(lambda n: 1.0, 0.5) == 0
+    assert capacity(lambda n: 0.0, 0.5, most=64) == 64
+
+
+def test_gpu_steps_scale_the_streaming_part_by_bandwidth_and_keep_the_rest():
+    bench = {"copy_GBps": 4000.0, "models": {"m": {"weight_bytes": 4e9, "ways": {"graphs": {
+        "decode_tok_s": 200.0, "verify_ms": {"1": 5.5, "4": 6.0}, "batched_tok_s": {"1": 200.0, "64": 1600.0}}}}}}
+    steps = GpuSteps(bench, "m", gpu_gbs=800.0, measured_gbs=4800.0)
+    stream, rest = 4e9 / 4e12, 1 / 200 - 4e9 / 4e12  # 1 ms of weights, 4 ms of the rest on the measured GPU
+    assert steps.step_s(1.0, 1.0) == pytest.approx(stream * 6 + rest)  # 6x slower streaming, the same rest
+    assert steps.step_s(0.5, 1.0) == pytest.approx(0.5 * (stream * 6 + rest))
+    curve = steps.curve(0.01)
+    assert curve.step_s(1) == pytest.approx(0.01) and curve.step_s(5) == pytest.approx(0.01 * 6.0 / 5.0)
+    assert steps.batched_step_s(0.01, 64) == pytest.approx(0.01 * (64 / 1600) / (1 / 200))
+    with pytest.raises(ValueError, match="measured no 'x'"):
+        GpuSteps(bench, "x", 800.0, 4800.0)
+
+
+def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
+    """The default plan (AGX Orin + A6000 over wifi-near, the Qwen pair) from results/gpu and the acceptance files:
+    every protocol priced, labelled an estimate, the assumptions written beside the figures."""
+    from hat_split.models.registry import is_installed
+    from profiles.bench.bench import main
+
+    if not all(is_installed(n) for n in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")):
+        pytest.skip("the Qwen pair's configs are not installed")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["estimate"] is True and doc["assumptions"]["device_efficiency"] == 0.5
+    rows = {r["protocol"]: r for r in doc["protocols"]}
+    assert set(rows) == {"llm", "sd", "slm", "ushape", "hat"}
+    assert rows["slm"]["devices_at_sla"] is None and rows["llm"]["devices_at_sla"] > 0
+    assert rows["ushape"]["up_bytes_per_token"] > 1000 > rows["sd"]["up_bytes_per_token"]
+    assert 0.7 < doc["alpha_sd"] < 0.95
+    assert "ESTIMATES" in capsys.readouterr().out
+    assert main(["plan", "--gpu", "nope", "--out", str(out)]) == 2
+
+
+def test_shapes_count_the_parameters_a_step_reads():
+    s = shape_of("qwen2.5-1.5b")  # the GPU check's shape: Qwen2.5-1.5B
+    assert s.layers == 28 and s.hidden == 1536
+    assert 1.3e9 < s.step_params < 1.6e9  # 1.31B in the layers and the (tied) head, the embedding not read
