@@ -262,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_rows(doc))
     a = doc["assumptions"]
     print(f"assumed: device steps at {a['device_efficiency']:.0%} of peak DRAM bandwidth, "
-          f"{a['device_bytes_per_weight']:g} bytes a weight; cloud steps scaled from {a['gpu_check']} ({a['gpu_shape']}); model error here: "
-          f"{a['model_error_here']}")
+          f"{a['device_bytes_per_weight']:g} bytes a weight; cloud steps scaled from {a['gpu_check']} "
+          f"({a['gpu_shape']}); model error here: {a['model_error_here']}")
     print(f"wrote {args.out}{'; ' + note if note else ' and its PNG'}")
     return 0
 
