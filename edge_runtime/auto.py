@@ -12,12 +12,12 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
   * the bytes of its rounds (request without drafts, per draft row, reply);
   * the link's round trip (the client's probe) and the uplink rate the cloud measured.
 
-How it chooses (`AutoController.decide`): a protocol never measured is tried for one round first (both are exact,
-so exploring costs only time); then the one with the most predicted tokens/s, its draft length γ among 1 ..
-max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more; every
-`PROBE_EVERY` rounds the best alternative runs one round so its estimates do not go stale (a loaded cloud, a link
-that changed). Every switch is logged with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into
-the request's result.
+How it chooses (`AutoController.decide`): a protocol not yet measured runs `MEASURE_ROUNDS` rounds first (both are
+exact, so exploring costs only time); then the one with the most predicted tokens/s, its draft length γ among 1 ..
+max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more; a
+protocol that has not run for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its estimates
+do not go stale (a loaded cloud, a link that changed). Every switch is logged with its reason, and the segments
+(protocol, γ, tokens, rounds, reason) go into the request's result.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ log = logging.getLogger("hatspec.edge")
 AUTO_TOKEN = ("sd", "llm")  # the token protocols auto runs in one session (the exact ones the cost model prices)
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
-PROBE_EVERY = 32  # rounds between two probes of the best alternative
+PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
+MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -47,7 +48,8 @@ class AutoEstimates:
     examined: Optional[float] = None
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
-    overhead_s: Optional[float] = None  # o
+    overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
+    # pack drafts; llm's do none of it)
     up_round: Optional[float] = None  # bytes of a round's request without drafts (Generate)
     up_per_draft: Optional[float] = None  # bytes per draft row (sd's Verify)
     down_round: Optional[float] = None  # bytes of a reply
@@ -56,6 +58,7 @@ class AutoEstimates:
     reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
     reported_wait_s: float = 0.0  # g(μ) when the cloud had other sessions' work waiting as it reported, else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
+    idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
@@ -110,7 +113,7 @@ class AutoEstimates:
         base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
         self.up_per_draft = ema(self.up_per_draft, max(0.0, up_bytes - base) / drafted)
         self.down_round = ema(self.down_round, float(down_bytes))
-        self._overhead(wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
     def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
                     link: Link) -> None:
@@ -123,24 +126,25 @@ class AutoEstimates:
         self.up_round = ema(self.up_round, float(up_bytes))
         base = self.down_round if self.down_round is not None else 0.0
         self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
-        self._overhead(wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        self._overhead("llm", wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
         if tokens > 0 and seconds > 0:
             self.local_step_s = ema(self.local_step_s, seconds / tokens)
 
-    def _overhead(self, residual_s: float) -> None:
-        self.overhead_s = ema(self.overhead_s, max(0.0, residual_s))
+    def _overhead(self, protocol: str, residual_s: float) -> None:
+        self.overhead_s[protocol] = ema(self.overhead_s.get(protocol), max(0.0, residual_s))
 
     def wire(self) -> WireSizes:
         return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND, self.up_per_draft or 0.0,
                          self.down_round or 0.0,
                          self.down_per_token if self.down_per_token is not None else PRIOR_DOWN_PER_TOKEN)
 
-    def device(self, shares_host: bool) -> DeviceCosts:
+    def device(self, shares_host: bool, protocol: str) -> DeviceCosts:
+        """The device's costs as `protocol`'s rounds measured them."""
         return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
-                           round_s=self.overhead_s or 0.0, shares_host=shares_host)
+                           round_s=self.overhead_s.get(protocol, 0.0), shares_host=shares_host)
 
 
 def _bucket(x: float) -> int:
@@ -181,8 +185,6 @@ class AutoController:
     prompt_tokens: int
     shares_host: bool = False
     segments: List[Segment] = field(default_factory=list)
-    rounds: int = 0
-    last_probe: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.eligible) - set(AUTO_TOKEN)
@@ -196,11 +198,13 @@ class AutoController:
         est, curve = self.estimates, self.estimates.curve()
         if curve is None:
             return {}
-        cloud, device, wire = CloudCosts(curve, est.reported_wait_s), est.device(self.shares_host), est.wire()
+        cloud, wire = CloudCosts(curve, est.reported_wait_s), est.wire()
         out: Dict[str, Prediction] = {}
         if "llm" in self.eligible and est.measured.get("llm"):
-            out["llm"] = predict("llm", self.chunk, self.prompt_tokens, link, device, cloud, wire)
+            out["llm"] = predict("llm", self.chunk, self.prompt_tokens, link, est.device(self.shares_host, "llm"),
+                                 cloud, wire)
         if "sd" in self.eligible and est.measured.get("sd") and est.alpha is not None:
+            device = est.device(self.shares_host, "sd")
             out["sd"] = max((predict("sd", g, self.prompt_tokens, link, device, cloud, wire, est.alpha)
                              for g in range(1, self.max_draft + 1)), key=lambda p: (p.tokens_per_s, -p.knob))
         return out
@@ -210,21 +214,24 @@ class AutoController:
         current = self.segments[-1] if self.segments else None
         preds = self.predictions(link)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
-        unmeasured = [name for name in self.eligible if name not in preds]
+        est = self.estimates
+        unmeasured = [name for name in self.eligible if name not in preds
+                      or est.measured.get(name, 0) < MEASURE_ROUNDS]
         if unmeasured:
             name = unmeasured[0]
             knob = self.chunk if name == "llm" else min(4, self.max_draft)
-            return Choice(name, knob, f"measuring {name}: no estimate yet", rates)
+            return Choice(name, knob, f"measuring {name}: {est.measured.get(name, 0)} of {MEASURE_ROUNDS} rounds",
+                          rates)
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
         if current is not None and current.protocol in preds:
             kept = preds[current.protocol]
             if best.protocol != current.protocol and best.tokens_per_s < SWITCH_GAIN * kept.tokens_per_s:
                 best = kept  # not worth a switch
-        others = [p for p in preds.values() if p.protocol != best.protocol]
-        if others and self.rounds - self.last_probe >= PROBE_EVERY:
-            self.last_probe = self.rounds
-            alt = max(others, key=lambda p: p.tokens_per_s)
-            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol} (every {PROBE_EVERY} rounds)", rates)
+        stale = [p for p in preds.values() if p.protocol != best.protocol
+                 and est.idle.get(p.protocol, 0) >= PROBE_EVERY]
+        if stale:
+            alt = max(stale, key=lambda p: p.tokens_per_s)
+            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         return Choice(best.protocol, best.knob, _why(best, preds, self.estimates), rates)
 
     def local_wins(self, rtt_s: float) -> str:
@@ -241,7 +248,8 @@ class AutoController:
 
     def record(self, choice: Choice, tokens: int) -> None:
         """A round ran under `choice` and committed `tokens`."""
-        self.rounds += 1
+        for name in self.eligible:
+            self.estimates.idle[name] = 0 if name == choice.protocol else self.estimates.idle.get(name, 0) + 1
         seg = self.segments[-1] if self.segments else None
         kind = lambda reason: reason.split()[0]  # noqa: E731  measuring / probing / predicted
         if seg is None or (seg.protocol, seg.knob, kind(seg.reason)) != (choice.protocol, choice.knob,

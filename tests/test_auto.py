@@ -20,9 +20,9 @@ PROMPT = [5, 17, 99, 3, 250, 7]
 
 def _estimates(alpha: float, draft_s: float, step_1: float, step_9: float) -> AutoEstimates:
     """Both protocols measured: sd's acceptance and draft step, the cloud's step at 1 and 9 positions."""
-    est = AutoEstimates(accepted=alpha, examined=1.0, draft_step_s=draft_s, local_step_s=draft_s, overhead_s=0.0,
+    est = AutoEstimates(accepted=alpha, examined=1.0, draft_step_s=draft_s, local_step_s=draft_s,
                         up_round=80.0, up_per_draft=60.0, down_round=100.0, down_per_token=4.0,
-                        measured={"sd": 1, "llm": 1})
+                        measured={"sd": 3, "llm": 3})
     est.observed = DelayModel()
     est.observed.observe(1, step_1)
     est.observed.observe(9, step_9)
@@ -56,10 +56,14 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert 1.0 < ratio < 1.10, ratio  # sd a little ahead
     c.record(Choice("llm", 8, "predicted", {}), 8)  # running llm: sd's small edge does not move it
     assert c.decide(Link(0.01)).protocol == "llm"
-    for _ in range(PROBE_EVERY):
+    slow_draft = _estimates(0.1, 0.05, step_1=0.2, step_9=0.24)  # llm clearly ahead: sd no longer runs ...
+    c = _controller(slow_draft)
+    for _ in range(PROBE_EVERY - 1):
+        assert c.decide(Link(0.01)).protocol == "llm"
         c.record(Choice("llm", 8, "predicted", {}), 8)
-    probe = c.decide(Link(0.01))
-    assert probe.protocol == "sd" and probe.reason.startswith("probing")
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    probe = _controller(slow_draft).decide(Link(0.01))  # ... until it has been idle PROBE_EVERY rounds of the
+    assert probe.protocol == "sd" and probe.reason.startswith("probing"), probe  # runtime, across requests
 
 
 @pytest.mark.parametrize("bad,field", [

@@ -1,0 +1,283 @@
+"""`hat-bench auto`: protocol auto against every fixed protocol through one scripted trace, on real models.
+
+A cloud process pinned to its own core(s), a link emulator in front of it, and this process as the device on the
+other core(s). The trace is a list of phases, each a link profile (the emulator's profile changes between phases), a
+cloud load (N other devices, threads here with a connection each, asking the cloud to decode alone without pause: no
+model on their side) and, for `cut`, a cut of the link for --cut-s seconds during each request. In every phase each
+protocol of --protocols (auto among them) runs one request on the same prompt, in a rotating order; the whole trace
+is repeated --repetitions times. Per phase and overall: tokens/s, decode tokens/s, TTFT, the cloud's step seconds per
+token, bytes per token, and the cost model's predicted decode tokens/s for sd and llm (auto's estimates as they stand
+after its request in that phase) against the measured ones; what auto ran in each phase.
+
+The device's power mode cannot change on this machine (no nvpmodel); a trace step for it is not emulated.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from profiles.bench.provenance import write_report
+
+DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near"
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("auto", help="protocol auto against the fixed protocols through a scripted trace")
+    s.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    s.add_argument("--target", default="qwen2.5-coder-1.5b")
+    s.add_argument("--engine", default="llamacpp", choices=["llamacpp", "torch"], help="both sides' engine")
+    s.add_argument("--protocols", default="llm,sd,hlm,auto", help="comma-separated (default %(default)s)")
+    s.add_argument("--trace", default=DEFAULT_TRACE,
+                   help="phases: a link profile, cut:PROFILE (the link cut during each request) or load:PROFILE "
+                        "(--load-devices others decoding); default %(default)s")
+    s.add_argument("--repetitions", type=int, default=5)
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--draft-len", type=int, default=4, help="sd's fixed γ")
+    s.add_argument("--load-devices", type=int, default=8)
+    s.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut phase cuts the link for, per request")
+    s.add_argument("--cloud-cores", type=int, default=1, help="cores for the cloud; the device gets the rest")
+    s.add_argument("--out", default="runs/auto/bench_auto.json")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    link: str
+    cut: bool = False
+    load: bool = False
+
+
+def parse_trace(text: str) -> List[Phase]:
+    from testbed.links import get_link_profile
+
+    phases = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        kind, _, link = item.rpartition(":")
+        if kind not in ("", "cut", "load"):
+            raise ValueError(f"trace phase {item!r}: PROFILE, cut:PROFILE or load:PROFILE")
+        get_link_profile(link)  # a ValueError naming the known ones
+        phases.append(Phase(item, link, kind == "cut", kind == "load"))
+    if not phases:
+        raise ValueError("the trace has no phase")
+    return phases
+
+
+class Load:
+    """N connections asking the cloud to decode alone, back to back, until stopped (no model here)."""
+
+    def __init__(self, link_config, n: int, prompt: List[int]):
+        self.link_config, self.n, self.prompt = link_config, n, prompt
+        self.stop = threading.Event()
+        self.threads: List[threading.Thread] = []
+        self.tokens = 0
+
+    def __enter__(self) -> "Load":
+        for i in range(self.n):
+            t = threading.Thread(target=self._device, args=(i,), daemon=True)
+            t.start()
+            self.threads.append(t)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+    def _device(self, i: int) -> None:
+        import numpy as np
+
+        from edge_runtime.client import CloudClient, expect
+        from hat_split.wire import messages as P
+
+        hello = P.Hello(f"load-{i}", "load", 0, "", "hat-bench-auto")
+        with CloudClient(self.link_config, hello) as client:
+            sid = 0
+            while not self.stop.is_set():
+                sid += 1
+                opened = expect(client.request(P.OpenSession(sid, "llm", np.asarray(self.prompt, np.int32),
+                                                             P.Sampling(0.0), seed=i)), P.SessionOpened,
+                                P.OpenSession)
+                position, step = opened.position, 0
+                for _ in range(8):
+                    if self.stop.is_set():
+                        break
+                    step += 1
+                    out = expect(client.request(P.Generate(sid, step, position, np.zeros(0, np.int32), 8)),
+                                 P.Generated, P.Generate)
+                    position = out.position
+                    self.tokens += len(out.tokens)
+                client.request(P.CloseSession(sid, None, None, position))
+
+
+def run(args: argparse.Namespace) -> int:
+    from edge_runtime.config import EdgeConfig, EngineConfig
+    from hat_split.math.costmodel import Link
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.prompt_sets import demo_prompts
+    from profiles.bench.rig import Rig
+
+    phases = parse_trace(args.trace)
+    protocols = [p for p in args.protocols.split(",") if p]
+    cores = sorted(os.sched_getaffinity(0))
+    if not 0 < args.cloud_cores < len(cores):
+        raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the device needs a core of its own)")
+    cloud_cores, device_cores = cores[:args.cloud_cores], cores[args.cloud_cores:]
+    os.sched_setaffinity(0, device_cores)  # before the engines start their threads
+    prompts = demo_prompts(4)
+    rows: List[dict] = []
+    t0 = time.perf_counter()
+    with Rig(args.target, cloud_args=["--engine", args.engine], threads=len(cloud_cores), cloud_cpus=cloud_cores,
+             link="loopback") as bed:
+        config = EdgeConfig(model=args.draft, link=bed.link_config(link_policy="wait", reconnect_timeout_s=120.0),
+                            draft_len=args.draft_len,
+                            engine=EngineConfig(backend=args.engine, threads=len(device_cores),
+                                                weight_quant="int8" if args.engine == "torch" else "none"))
+        rt = bed.runtime(config)
+        load_prompt = rt.encode_prompt(prompts[0].text)[:64]
+        for rep in range(args.repetitions):
+            for k, phase in enumerate(phases):
+                bed.link.set_profile(phase.link)
+                prompt = prompts[(rep + k) % len(prompts)]
+                order = protocols[rep % len(protocols):] + protocols[:rep % len(protocols)]
+                load = Load(bed.link_config(), args.load_devices, load_prompt) if phase.load else None
+                if load:
+                    load.__enter__()
+                try:
+                    for name in order:
+                        timer = threading.Timer(0.5, _cut, (bed.link, args.cut_s)) if phase.cut else None
+                        if timer:
+                            timer.start()
+                        commits: List[tuple] = []
+                        res = rt.run(_request(prompt, name, args, SamplingParams(args.temperature), commits))
+                        if timer:
+                            timer.join()
+                            time.sleep(0.2)
+                        rows.append(_row(rep, phase, name, res, commits))
+                        if name == "auto":
+                            rows[-1]["predicted"] = _predictions(rt, Link(rt.client.base_rtt_s), res.prompt_tokens,
+                                                                 args.draft_len)
+                        print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
+                              f"after the first reply, ttft {res.ttft_s:.2f} s"
+                              + (f"; ran {_ran(res)}" if res.auto else ""), flush=True)
+                finally:
+                    if load:
+                        load.__exit__(None, None, None)
+        report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
+                  "phases": [p.__dict__ for p in phases], "rows": rows, "summary": summarise(rows, phases, protocols),
+                  "wall_s": time.perf_counter() - t0}
+    write_report(args.out, report)
+    print_summary(report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cut(link, seconds: float) -> None:
+    link.cut("stall")
+    time.sleep(seconds)
+    link.restore()
+
+
+def _request(prompt, protocol: str, args, sampling, commits: List[tuple]):
+    """The phase's request; each commit's time and size go to `commits`."""
+    from edge_runtime.request import GenerationRequest
+
+    return GenerationRequest(prompt.text, protocol, sampling, args.max_new_tokens, seed=0, chat=prompt.chat,
+                             on_tokens=lambda toks, _lp: commits.append((time.perf_counter(), len(toks))))
+
+
+def _ran(res) -> str:
+    return ", ".join(f"{s['protocol']}×{s['tokens']}" for s in res.auto)
+
+
+def steady_rate(commits: List[tuple]) -> float:
+    """Tokens per second after the first reply: the tokens committed after the first commit over the time from it to
+    the last (a protocol committing c tokens a round has its first c at the first token's time: counting them, as a
+    rate from the first token does, overstates a chunked protocol's pace)."""
+    if len(commits) < 2 or commits[-1][0] <= commits[0][0]:
+        return 0.0
+    return sum(n for _, n in commits[1:]) / (commits[-1][0] - commits[0][0])
+
+
+def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
+    s = res.summary()
+    n = max(res.n, 1)
+    return {"rep": rep, "phase": phase.name, "protocol": name, "tokens": res.n, "total_s": res.total_s,
+            "ttft_s": res.ttft_s, "tokens_per_s": s["tokens_per_s"], "steady_tokens_per_s": steady_rate(commits),
+            "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n, "up_bytes_per_token":
+            s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
+            "auto": res.auto}
+
+
+def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, Optional[float]]:
+    """sd's (at the fixed protocol's γ) and llm's (at its chunk) tokens/s after the first reply, as auto's estimates
+    predict them now; None for one not measured yet."""
+    from hat_split.math.costmodel import CloudCosts, predict
+
+    est = rt.auto_estimates
+    curve = est.curve()
+    out: Dict[str, Optional[float]] = {"sd": None, "llm": None}
+    if curve is None:
+        return out
+    cloud = CloudCosts(curve, est.reported_wait_s)
+    shares = not rt.config.overlaps_prefill
+    if est.measured.get("llm"):
+        out["llm"] = predict("llm", rt.config.llm_chunk, prompt_tokens, link, est.device(shares, "llm"), cloud,
+                             est.wire()).tokens_per_s
+    if est.measured.get("sd") and est.alpha is not None:
+        out["sd"] = predict("sd", draft_len, prompt_tokens, link, est.device(shares, "sd"), cloud, est.wire(),
+                            est.alpha).tokens_per_s
+    return out
+
+
+def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> dict:
+    """Per phase and protocol: totals and medians over repetitions (n beside them); auto against the best fixed exact
+    protocol; the cost model's error per phase for sd and llm (its prediction after that phase's auto request against
+    the fixed protocol's measured tokens/s after the first reply in the same repetition, each at the fixed
+    protocol's knob)."""
+    out: Dict[str, dict] = {}
+    for phase in [p.name for p in phases] + ["overall"]:
+        sel = [r for r in rows if phase == "overall" or r["phase"] == phase]
+        per = {}
+        for name in protocols:
+            mine = [r for r in sel if r["protocol"] == name]
+            if not mine:
+                continue
+            per[name] = {"n": len(mine),
+                         "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["total_s"] for r in mine),
+                         "steady_tokens_per_s_median": statistics.median(r["steady_tokens_per_s"] for r in mine),
+                         "ttft_s_median": statistics.median(r["ttft_s"] for r in mine),
+                         "cloud_ms_per_token": 1e3 * statistics.mean(r["cloud_s_per_token"] for r in mine),
+                         "up_bytes_per_token": statistics.mean(r["up_bytes_per_token"] for r in mine),
+                         "degraded_tokens": sum(r["degraded"] for r in mine)}
+        fixed = {k: v["tokens_per_s"] for k, v in per.items() if k not in ("auto", "slm")}
+        entry: dict = {"protocols": per}
+        if "auto" in per and fixed:
+            best = max(fixed, key=fixed.get)
+            entry["auto_over_best_fixed"] = per["auto"]["tokens_per_s"] / fixed[best]
+            entry["best_fixed"] = best
+        errors = {}
+        for name in ("sd", "llm"):
+            pairs = [(a["predicted"][name], f["steady_tokens_per_s"]) for a in sel if a["protocol"] == "auto"
+                     and a.get("predicted", {}).get(name) for f in sel if f["protocol"] == name
+                     and f["rep"] == a["rep"] and f["phase"] == a["phase"] and f["steady_tokens_per_s"] > 0]
+            if pairs:
+                errors[name] = {"n": len(pairs), "median_abs_error": statistics.median(
+                    abs(p - m) / m for p, m in pairs)}
+        entry["model_error"] = errors
+        out[phase] = entry
+    return out
+
+
+def print_summary(report: dict) -> None:
+    for phase, e in report["summary"].items():
+        cells = ", ".join(f"{k} {v['tokens_per_s']:.2f}" for k, v in e["protocols"].items())
+        ratio = f"; auto {e['auto_over_best_fixed']:.2f}x {e['best_fixed']}" if "auto_over_best_fixed" in e else ""
+        err = "; model error " + ", ".join(f"{k} {100 * v['median_abs_error']:.0f} % (n={v['n']})"
+                                           for k, v in e["model_error"].items()) if e["model_error"] else ""
+        print(f"{phase:>16}: tok/s {cells}{ratio}{err}")

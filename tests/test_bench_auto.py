@@ -1,0 +1,59 @@
+"""`hat-bench auto` (profiles.bench.bench_auto): the trace's phases, the pace after the first reply, the summary's
+ratios and model errors; and one short trace end to end on the real SmolLM2 (a cloud process, a link emulator whose
+profile changes, a cut, two load devices)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from profiles.bench.bench_auto import Phase, parse_trace, steady_rate, summarise
+
+
+def test_the_trace_parses_and_refuses_what_it_cannot_run():
+    assert parse_trace("loopback, cut:lte,load:wifi-near") == [
+        Phase("loopback", "loopback"), Phase("cut:lte", "lte", cut=True), Phase("load:wifi-near", "wifi-near",
+                                                                                 load=True)]
+    with pytest.raises(ValueError, match="PROFILE, cut:PROFILE or load:PROFILE"):
+        parse_trace("storm:lte")
+    with pytest.raises(ValueError, match="moon-link"):
+        parse_trace("moon-link")
+    with pytest.raises(ValueError, match="no phase"):
+        parse_trace(" , ")
+
+
+def test_the_pace_after_the_first_reply_leaves_out_its_tokens():
+    """llm commits 8 tokens a reply: 24 tokens in 3 replies 0.1 s apart are 80 tok/s after the first, not 230."""
+    assert steady_rate([(1.0, 8), (1.1, 8), (1.2, 8)]) == pytest.approx(80.0)
+    assert steady_rate([(1.0, 8)]) == 0.0
+
+
+def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_with_the_measurement():
+    def row(phase, protocol, rep, tokens, total, steady, predicted=None):
+        return {"rep": rep, "phase": phase, "protocol": protocol, "tokens": tokens, "total_s": total, "ttft_s": 0.3,
+                "steady_tokens_per_s": steady, "cloud_s_per_token": 0.02, "up_bytes_per_token": 10.0,
+                "degraded": 0, **({"predicted": predicted} if predicted else {})}
+
+    rows = [row("lte", "llm", 0, 32, 4.0, 9.0), row("lte", "sd", 0, 32, 2.0, 18.0),
+            row("lte", "auto", 0, 32, 2.2, 16.0, {"sd": 20.0, "llm": 9.9})]
+    s = summarise(rows, [Phase("lte", "lte")], ["llm", "sd", "auto"])
+    assert s["lte"]["best_fixed"] == "sd" and s["lte"]["auto_over_best_fixed"] == pytest.approx(2.0 / 2.2)
+    assert s["lte"]["model_error"]["sd"]["median_abs_error"] == pytest.approx(2 / 18)
+    assert s["lte"]["model_error"]["llm"]["median_abs_error"] == pytest.approx(0.1)
+    assert s["overall"]["protocols"]["auto"]["n"] == 1
+
+
+@pytest.mark.real_models
+def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
+    from profiles.bench.bench import main
+
+    out = tmp_path / "auto.json"
+    assert main(["auto", "--draft", "smollm2-135m", "--target", "smollm2-135m", "--engine", "torch", "--trace",
+                 "loopback,cut:loopback,load:wifi-near", "--repetitions", "1", "--max-new-tokens", "24",
+                 "--protocols", "llm,auto", "--load-devices", "2", "--cut-s", "1.0", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load:wifi-near"] * 2
+    assert all(r["tokens"] == 24 for r in doc["rows"])
+    autos = [r for r in doc["rows"] if r["protocol"] == "auto"]
+    assert all(r["auto"] and r["predicted"]["llm"] for r in autos)
+    assert set(doc["summary"]) == {"loopback", "cut:loopback", "load:wifi-near", "overall"}
