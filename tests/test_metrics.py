@@ -78,6 +78,22 @@ def test_a_failed_request_is_counted_by_why():
                                        RuntimeError("boom"))] == ["link_down", "link_down", "invalid", "error"]
 
 
+def test_what_auto_chose_is_counted_by_protocol_and_why():
+    from edge_runtime.api.metrics import EdgeMetrics
+    from edge_runtime.sessions.base import GenerationResult
+
+    m = EdgeMetrics(agent=None)
+    res = GenerationResult(protocol="auto", tokens=[1] * 12, total_s=1.0, ttft_s=0.1, auto=[
+        {"protocol": "sd", "knob": 4, "tokens": 3, "rounds": 1, "reason": "measuring sd: 0 of 3 rounds"},
+        {"protocol": "llm", "knob": 8, "tokens": 8, "rounds": 1, "reason": "predicted llm 9 tok/s"},
+        {"protocol": "slm", "knob": 0, "tokens": 1, "rounds": 0, "reason": "the cloud unreachable: ..."}])
+    m.completed(res, 0.0)
+    got = {(s.labels["chosen"], s.labels["why"]): s.value for f in m.auto_tokens.collect()
+           for s in f.samples if s.name.endswith("_total")}
+    assert got == {("sd", "measuring"): 3, ("llm", "predicted"): 8, ("slm", "unreachable"): 1}
+    assert m.requests.labels("auto", "completed")._value.get() == 1
+
+
 def test_the_cloud_metrics_move_as_a_device_is_served(tiny_pair):
     """A tiny target served in this process: a session open, a quota refusal, then an sd generation; the scraped
     counters equal what the server and the device counted."""

@@ -70,6 +70,15 @@ def outcome(exc: BaseException, shed_codes: Sequence[str]) -> str:
     return "invalid" if isinstance(exc, ValueError) else "error"
 
 
+def _why(reason: str) -> str:
+    """A bounded label for protocol auto's reason: its first word (measuring, probing, predicted), `unreachable`,
+    `private`, `lossy`, or `other`."""
+    word = reason.split(":")[0].split()[0] if reason.strip() else ""
+    if word in ("measuring", "probing", "predicted", "private", "lossy"):
+        return word
+    return "unreachable" if "unreachable" in reason else "other"
+
+
 def _protocol(name: Any) -> str:
     """A protocol label; what a client may send is bounded to the known names."""
     return name if name in protocols.REQUESTABLE else "unknown"
@@ -206,6 +215,9 @@ class EdgeMetrics:
                                buckets=REQUEST_SECONDS, registry=r)
         self.http = Counter("hatspec_edge_http_responses", "HTTP responses by route and status code",
                             ["route", "code"], registry=r)
+        self.auto_tokens = Counter("hatspec_edge_auto_tokens", "protocol auto: tokens generated under each protocol "
+                                   "it chose, by why (measuring, probing, predicted, or the cloud unreachable...)",
+                                   ["chosen", "why"], registry=r)
         r.register(_Collector(agent, self))
         self._sampler: Any = None
         self._sampler_error = ""  # why no sampler could be opened (then none is tried again)
@@ -222,6 +234,8 @@ class EdgeMetrics:
         for field, _, _ in COUNTED:
             value = getattr(result, field)
             self.counters[field].labels(p).inc(len(value) if isinstance(value, list) else value)
+        for seg in result.auto:  # protocol auto: what it chose, why
+            self.auto_tokens.labels(_protocol(seg["protocol"]), _why(seg["reason"])).inc(seg["tokens"])
         self.queue.observe(queued_s)
         if result.n:
             self.ttft.labels(p).observe(queued_s + result.ttft_s)
