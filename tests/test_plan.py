@@ -54,3 +54,18 @@ def test_shapes_count_the_parameters_a_step_reads():
     s = shape_of("qwen2.5-1.5b")  # the GPU check's shape: Qwen2.5-1.5B
     assert s.layers == 28 and s.hidden == 1536
     assert 1.3e9 < s.step_params < 1.6e9  # 1.31B in the layers and the (tied) head, the embedding not read
+
+
+def test_where_each_protocol_wins_on_the_grid():
+    """One line per protocol for the demo: where it is the fastest exact protocol and where one cloud serves the most
+    devices with it, over Jetson profiles × links (estimates)."""
+    from hat_split.models.registry import is_installed
+    from profiles.bench.plan import PROTOCOLS, wins
+
+    if not is_installed("qwen2.5-coder-0.5b"):
+        pytest.skip("the draft's config is not installed")
+    lines = wins(target="qwen2.5-7b", gpu_shape="qwen2.5-7b")
+    assert list(lines) == list(PROTOCOLS)
+    assert lines["slm"].startswith("slm (lossy): faster than every exact protocol on")
+    assert all(lines[p].startswith(f"{p}: fastest exact on ") and "most devices per cloud on" in lines[p]
+               for p in PROTOCOLS if p != "slm")

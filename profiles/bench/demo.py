@@ -133,6 +133,18 @@ def auto_line(agg: Dict[str, dict], results: List[dict]) -> str:
     return line
 
 
+def planned(args) -> str:
+    """When each protocol would win on a Jetson + an A6000 server, by the cost model (hat-bench plan): a line each."""
+    from profiles.bench import plan
+
+    try:
+        lines = plan.wins(draft=args.draft, target=args.target, m=args.m)
+    except (ValueError, OSError, KeyError) as exc:  # a model without a config, a missing measurement
+        return f"(no estimate for a Jetson + GPU server: {exc})"
+    return ("\non a Jetson + an RTX A6000 server (ESTIMATES of the cost model with the acceptance measured here, "
+            "hat-bench plan; devices per cloud at a mean TBT <= 100 ms):\n" + "\n".join(f"  {v}" for v in lines.values()))
+
+
 def pick_engine(asked: str) -> str:
     """The engine both sides run: llamacpp when asked or, for auto, when llama-cpp-python is installed; else torch."""
     if asked != "auto":
@@ -261,6 +273,7 @@ def main(argv=None) -> int:
     print(format_table(agg))
     if AUTO in agg:
         print(auto_line(agg, results))
+    print(planned(args))
     if "hat" in split_protocols:
         print(drafter_line(adapter))
     print(f"\nhat-demo: report saved to {args.out}")

@@ -237,6 +237,48 @@ def measured_hat_tau() -> float:
     return float(rec["acceptance_draft_vocab_16384"]["sharegpt"]["tokens_per_round"])
 
 
+def defaults(**given: Any) -> argparse.Namespace:
+    """The plan's arguments: its parser's defaults, `given` replacing some (another command's plan)."""
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    args = ap.parse_args(["plan"])
+    for k, v in given.items():
+        if not hasattr(args, k):
+            raise ValueError(f"the plan has no argument {k!r}")
+        setattr(args, k, v)
+    return args
+
+
+GRID_DEVICES = ("agx-orin-32gb", "orin-nano-8gb")  # HAT's device, and the smallest common one
+GRID_LINKS = ("wifi-near", "wifi-far", "lte")
+
+
+def wins(**given: Any) -> Dict[str, str]:
+    """Per protocol, one line: where on the grid of GRID_DEVICES × GRID_LINKS (A6000 cloud) it is the fastest exact
+    protocol for one device (slm, lossy: where the device alone beats them all), and where one cloud serves the most
+    devices with it (ESTIMATES)."""
+    fastest: Dict[str, List[str]] = {p: [] for p in PROTOCOLS}
+    most: Dict[str, List[str]] = {p: [] for p in PROTOCOLS}
+    for device in GRID_DEVICES:
+        for link in GRID_LINKS:
+            rows = plan(defaults(**{**given, "device": device, "link": link}))["protocols"]
+            where = f"{device}/{link}"
+            served = [r for r in rows if r["devices_at_sla"] is not None]  # the exact ones: all but slm
+            best = max(served, key=lambda r: r["tokens_per_s"])
+            fastest[best["protocol"]].append(where)
+            if next(r for r in rows if r["protocol"] == "slm")["tokens_per_s"] > best["tokens_per_s"]:
+                fastest["slm"].append(where)
+            most[max(served, key=lambda r: r["devices_at_sla"])["protocol"]].append(where)
+    out = {}
+    for p in PROTOCOLS:
+        f = ", ".join(fastest[p]) or "nowhere"
+        if p == "slm":
+            out[p] = f"slm (lossy): faster than every exact protocol on {f}"
+        else:
+            out[p] = f"{p}: fastest exact on {f}; most devices per cloud on {', '.join(most[p]) or 'nowhere'}"
+    return out
+
+
 def format_rows(doc: Dict[str, Any]) -> str:
     head = ["protocol", "knob", "tok/s", "TTFT s", "J/tok", "up B/tok", "down B/tok", "cloud ms/tok",
             f"devices at TBT≤{doc['sla_tbt_ms']:.0f} ms"]
