@@ -142,7 +142,8 @@ def planned(args) -> str:
     except (ValueError, OSError, KeyError) as exc:  # a model without a config, a missing measurement
         return f"(no estimate for a Jetson + GPU server: {exc})"
     return ("\non a Jetson + an RTX A6000 server (ESTIMATES of the cost model with the acceptance measured here, "
-            "hat-bench plan; devices per cloud at a mean TBT <= 100 ms):\n" + "\n".join(f"  {v}" for v in lines.values()))
+            "hat-bench plan; devices per cloud at a mean TBT <= 100 ms):\n"
+            + "\n".join(f"  {v}" for v in lines.values()))
 
 
 def pick_engine(asked: str) -> str:
