@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     s.add_argument("--batches", default="1,2,4,8,16,32,64", help="sessions per batched step")
     s.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="drafts per verify step (γ + 1 positions)")
     s.add_argument("--steps", type=int, default=32, help="timed steps per figure (after one untimed)")
+    s.add_argument("--batch-verify", type=int, default=5,
+                   help="positions per session of the batched verify figure (γ + 1; 0: no such figure): a step of "
+                        "each --batches count of sessions verifying that many positions each")
     s.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's table of each way's decode steps (after the figures)")
     s.add_argument("--out", default="runs/gpu-bench", help="directory of gpu_bench.json and gpu_bench.png")
@@ -240,6 +243,14 @@ def measure(model: Any, ways: Sequence[str], args: argparse.Namespace, batches: 
 
         for way, t in interleaved(clouds, sessions, many, max(ROUNDS, args.steps // 4)).items():
             out[way]["batched_tok_s"][str(b)] = b / t
+        if args.batch_verify:
+            def verify(c: Cloud, b: int = b) -> None:  # b sessions verifying batch_verify positions each
+                c.step({sid: tokens(args.batch_verify) for sid in range(1, b + 1)})
+                for sid in range(1, b + 1):
+                    c.crop(sid, held)
+
+            for way, t in interleaved(clouds, sessions, verify, max(ROUNDS, args.steps // 4)).items():
+                out[way].setdefault("batched_verify_ms", {})[str(b)] = 1e3 * t
 
     def prefill(c: Cloud) -> None:
         c.step({99: tokens(args.prefill)})
