@@ -17,14 +17,17 @@ def test_capacity_is_the_most_devices_within_the_sla():
 
 def test_gpu_steps_scale_the_streaming_part_by_bandwidth_and_keep_the_rest():
     bench = {"copy_GBps": 4000.0, "models": {"m": {"weight_bytes": 4e9, "ways": {"graphs": {
-        "decode_tok_s": 200.0, "verify_ms": {"1": 5.5, "4": 6.0}, "batched_tok_s": {"1": 200.0, "64": 1600.0}}}}}}
+        "decode_tok_s": 200.0, "verify_ms": {"1": 5.5, "4": 6.0}, "batched_tok_s": {"1": 200.0, "64": 1600.0},
+        "batched_verify_ms": {"1": 6.0, "64": 48.0}}}}}}
     steps = GpuSteps(bench, "m", gpu_gbs=800.0, measured_gbs=4800.0)
     stream, rest = 4e9 / 4e12, 1 / 200 - 4e9 / 4e12  # 1 ms of weights, 4 ms of the rest on the measured GPU
     assert steps.step_s(1.0, 1.0) == pytest.approx(stream * 6 + rest)  # 6x slower streaming, the same rest
     assert steps.step_s(0.5, 1.0) == pytest.approx(0.5 * (stream * 6 + rest))
     curve = steps.curve(0.01)
     assert curve.step_s(1) == pytest.approx(0.01) and curve.step_s(5) == pytest.approx(0.01 * 6.0 / 5.0)
-    assert steps.batched_step_s(0.01, 64) == pytest.approx(0.01 * (64 / 1600) / (1 / 200))
+    assert steps.batched_step_s(0.01, 64, 1) == pytest.approx(0.01 * (64 / 1600) / (1 / 200))  # 8x one step
+    assert steps.batched_step_s(0.01, 64, 5) == pytest.approx(0.01 * 0.048 / 0.005)  # 64 sessions × 5: 9.6x
+    assert steps.batched_step_s(0.01, 64, 3) == pytest.approx(0.01 * (8 + 9.6) / 2)
     with pytest.raises(ValueError, match="measured no 'x'"):
         GpuSteps(bench, "x", 800.0, 4800.0)
 

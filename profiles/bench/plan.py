@@ -8,7 +8,8 @@ The step times:
     real shapes, CUDA graphs) split into a weight-streaming part (weight bytes over the measured copy bandwidth) and
     the rest (kernels that do not scale with bandwidth); on another GPU the streaming part scales by the data-sheet
     bandwidth ratio, the rest is kept. A verify of x positions costs the measured decode step times the H200's
-    verify/decode ratio at that x; a step of B sessions the H200's batched step, scaled the same way.
+    verify/decode ratio at that x; a step of B sessions with x positions each the H200's batched steps of B sessions
+    (measured with 1 position each and with 5: linear in x between and beyond), scaled the same way.
   * the device: its weights read once per step at `--device-efficiency` of the profile's peak DRAM bandwidth (a
     stated assumption: no Jetson was measured); its power the mode's budget (an upper bound).
   * devices one cloud serves at an SLA: the most devices N whose mean time between tokens stays under `--sla-tbt-ms`
@@ -27,7 +28,7 @@ from typing import Any, Dict, List
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
-GPU_BENCH = "results/gpu/gpu_bench.json"
+GPU_BENCH = "results/gpu/gpu_bench_2026-11-26b.json"  # the GPU check with batched verify steps
 SPECULATIVE = "results/speculative/bench_speculative.json"
 HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
@@ -111,6 +112,9 @@ class GpuSteps:
         self.verify = {int(k) + 1: v / 1e3 / self.decode_s for k, v in g["verify_ms"].items()}  # x → ratio
         self.verify[1] = 1.0
         self.batched = {int(b): int(b) / v for b, v in g["batched_tok_s"].items()}  # sessions → step seconds
+        if "batched_verify_ms" not in g:
+            raise ValueError(f"{shape}: the GPU check has no batched verify steps (hat-bench gpu --batch-verify 5)")
+        self.batched5 = {int(b): v / 1e3 for b, v in g["batched_verify_ms"].items()}  # 5 positions each
 
     def step_s(self, weight_params: float, ref_params: float) -> float:
         """One decode step of a model of weight_params (bfloat16, as measured) on the planned GPU: the streaming part
@@ -121,10 +125,13 @@ class GpuSteps:
     def curve(self, one_step_s: float) -> CostCurve:
         return CostCurve(tuple((float(x), one_step_s * r) for x, r in sorted(self.verify.items())))
 
-    def batched_step_s(self, one_step_s: float, positions: float) -> float:
-        """A step of `positions` single-position sessions, from the measured batched steps (linear beyond)."""
-        pts = sorted((float(b), s / self.batched[1]) for b, s in self.batched.items())
-        return one_step_s * CostCurve(tuple(pts)).step_s(positions)
+    def batched_step_s(self, one_step_s: float, sessions: float, positions: int) -> float:
+        """A step of `sessions` sessions with `positions` each, from the measured batched steps of 1 and 5 positions
+        (linear in the sessions beyond the measured ones, and in the positions), relative to one decode step."""
+        one = CostCurve(tuple(sorted((float(b), s / self.batched[1]) for b, s in self.batched.items())))
+        five = CostCurve(tuple(sorted((float(b), s / self.batched[1]) for b, s in self.batched5.items())))
+        a, b = one.step_s(sessions), five.step_s(sessions)
+        return one_step_s * max(0.0, a + (b - a) * (positions - 1) / 4.0)
 
 
 def plan(args: argparse.Namespace) -> Dict[str, Any]:
@@ -204,10 +211,10 @@ class Pricing:
 
     def shared(self, pred: Prediction, steps: "GpuSteps", g1: float, middle: float, n: int) -> float:
         """Mean seconds between tokens of one of n devices running `pred`'s protocol and knob, their rounds' cloud
-        work in shared steps (n devices' positions in one batched step, half a step of waiting)."""
+        work in shared steps (n devices' sessions in one batched step, half a step of waiting)."""
         positions = pred.knob + 1 if pred.protocol in ("sd", "hat") else 1
         share = middle if pred.protocol in ("ushape", "hat") else 1.0
-        step = share * steps.batched_step_s(g1, n * positions)
+        step = share * steps.batched_step_s(g1, n, positions)
         flat = CostCurve(((1.0, step), (64.0, step)))  # the shared step, whatever this device's positions
         p = self.at(pred.protocol, pred.knob, CloudCosts(flat, 0.5 * step, 1.0))
         if pred.protocol == "llm":  # c steps of the shared batch per round, not one
