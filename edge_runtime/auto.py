@@ -193,20 +193,22 @@ class AutoController:
         if self.max_draft < 1 or self.chunk < 1:
             raise ValueError(f"max_draft and chunk must be >= 1, got {self.max_draft}, {self.chunk}")
 
+    def at(self, name: str, knob: int, link: Link) -> Optional[Prediction]:
+        """The cost model's prediction of `name` at `knob` from the estimates; None while it cannot be priced."""
+        est, curve = self.estimates, self.estimates.curve()
+        if curve is None or not est.measured.get(name) or (name == "sd" and est.alpha is None):
+            return None
+        return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
+                       CloudCosts(curve, est.reported_wait_s), est.wire(), est.alpha or 0.0)
+
     def predictions(self, link: Link) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
-        est, curve = self.estimates, self.estimates.curve()
-        if curve is None:
-            return {}
-        cloud, wire = CloudCosts(curve, est.reported_wait_s), est.wire()
         out: Dict[str, Prediction] = {}
-        if "llm" in self.eligible and est.measured.get("llm"):
-            out["llm"] = predict("llm", self.chunk, self.prompt_tokens, link, est.device(self.shares_host, "llm"),
-                                 cloud, wire)
-        if "sd" in self.eligible and est.measured.get("sd") and est.alpha is not None:
-            device = est.device(self.shares_host, "sd")
-            out["sd"] = max((predict("sd", g, self.prompt_tokens, link, device, cloud, wire, est.alpha)
-                             for g in range(1, self.max_draft + 1)), key=lambda p: (p.tokens_per_s, -p.knob))
+        for name in self.eligible:
+            knobs = range(1, self.max_draft + 1) if name == "sd" else (self.chunk,)
+            preds = [p for p in (self.at(name, k, link) for k in knobs) if p is not None]
+            if preds:
+                out[name] = max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
         return out
 
     def decide(self, link: Link) -> Choice:

@@ -217,22 +217,12 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
 def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, Optional[float]]:
     """sd's (at the fixed protocol's γ) and llm's (at its chunk) tokens/s after the first reply, as auto's estimates
     predict them now; None for one not measured yet."""
-    from hat_split.math.costmodel import CloudCosts, predict
+    from edge_runtime.auto import AUTO_TOKEN, AutoController
 
-    est = rt.auto_estimates
-    curve = est.curve()
-    out: Dict[str, Optional[float]] = {"sd": None, "llm": None}
-    if curve is None:
-        return out
-    cloud = CloudCosts(curve, est.reported_wait_s)
-    shares = not rt.config.overlaps_prefill
-    if est.measured.get("llm"):
-        out["llm"] = predict("llm", rt.config.llm_chunk, prompt_tokens, link, est.device(shares, "llm"), cloud,
-                             est.wire()).tokens_per_s
-    if est.measured.get("sd") and est.alpha is not None:
-        out["sd"] = predict("sd", draft_len, prompt_tokens, link, est.device(shares, "sd"), cloud, est.wire(),
-                            est.alpha).tokens_per_s
-    return out
+    c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
+                       shares_host=not rt.config.overlaps_prefill)
+    preds = {"sd": c.at("sd", draft_len, link), "llm": c.at("llm", rt.config.llm_chunk, link)}
+    return {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
 
 
 def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> dict:
