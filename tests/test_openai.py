@@ -21,6 +21,9 @@ def test_request_checking_names_the_field():
     assert (ok.max_tokens, ok.stop, ok.protocol, ok.temperature) == (5, ["\n"], "llm", 1.0)
     ids = O.parse_request({"prompt": [[3, 0, 7]], "hatspec": {"tokens": True}}, False, ("sd",), RequestDefaults())
     assert ids.prompt == [3, 0, 7] and ids.return_tokens
+    auto = O.parse_request({"prompt": "x", "hatspec": {"protocol": "auto", "private": True, "allow_lossy": False}},
+                           False, ("sd", "auto"), RequestDefaults())
+    assert (auto.protocol, auto.private, auto.allow_lossy) == ("auto", True, False)
     for body, chat, param in [({"prompt": "x", "n": 2}, False, "n"),
                               ({"prompt": "x", "presence_penalty": 0.5}, False, "presence_penalty"),
                               ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
@@ -33,6 +36,9 @@ def test_request_checking_names_the_field():
                               ({"prompt": [1, -2]}, False, "prompt"), ({"prompt": [1, True]}, False, "prompt"),
                               ({"prompt": []}, False, "prompt"), ({"prompt": [[1], [2]]}, False, "prompt"),
                               ({"prompt": "x", "hatspec": {"tokens": "yes"}}, False, "hatspec"),
+                              ({"prompt": "x", "hatspec": {"private": 1}}, False, "hatspec"),
+                              ({"prompt": "x", "hatspec": {"allow_lossy": "no"}}, False, "hatspec"),
+                              ({"prompt": "x", "hatspec": {"cheap": True}}, False, "hatspec"),
                               ({"prompt": "x", "logprobs": 21}, False, "logprobs"),
                               ({"prompt": "x", "logprobs": True}, False, "logprobs"),
                               ({"prompt": "x", "top_logprobs": 2}, False, "top_logprobs"),
@@ -118,11 +124,13 @@ def test_completion_and_chat_through_the_openai_client(endpoint, smollm2_module)
     client, agent = endpoint
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
     want = _greedy_text(smollm2_module, smollm2_module.tokenizer(FIB)["input_ids"], 16)
-    for protocol in ("sd", "llm"):
+    for protocol in ("sd", "llm", "auto"):
         r = client.completions.create(model="smollm2-135m", prompt=FIB, max_tokens=16, temperature=0,
                                       extra_body={"hatspec": {"protocol": protocol}})
         assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == 16 and r.model_extra["hatspec"]["protocol"] == protocol
+    ran = r.model_extra["hatspec"]["auto"]  # auto says what ran, for how many tokens and why
+    assert sum(s["tokens"] for s in ran) == 16 and ran[0]["reason"].startswith("measuring")
     ids = smollm2_module.tokenizer(FIB)["input_ids"]  # the prompt as token ids; the answer's ids come back
     r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=0,
                                   extra_body={"hatspec": {"tokens": True}})
