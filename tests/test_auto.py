@@ -193,3 +193,35 @@ def test_a_private_request_keeps_token_ids_on_the_device(smollm2, smollm2_server
             rt.generate(PROMPT, "sd", SamplingParams(0.0), 8, private=True)
     assert res.auto[0]["protocol"] == "ushape" and res.tokens == CausalLM(smollm2.model).greedy(PROMPT, 8)
     assert math.isfinite(rt.split_rates["ushape"])
+
+
+@pytest.mark.real_models
+def test_a_cut_mid_request_degrades_to_the_device_and_comes_back(smollm2, smollm2_server):
+    """The link is reset after auto's first commits and comes back a second later: the device generates alone
+    meanwhile (the tokens listed in `degraded` and as an slm segment), then auto carries on with the cloud; the same
+    model drafts and verifies here, so the whole answer is the target's greedy one."""
+    import threading
+    import time
+
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.models.lm import CausalLM
+    from testbed.link_emulator import LinkEmulator
+
+    host, port = smollm2_server.endpoint.split("//")[1].rsplit(":", 1)
+    with LinkEmulator("loopback", (host, int(port))) as link:
+        with _runtime(smollm2, link.address, backoff_s=0.2, connect_timeout_s=0.5, connect_retries=1,
+                      heartbeat_s=1.0, reconnect_timeout_s=60) as rt:
+            cut = []
+
+            def slow_board(tokens, logprobs):  # driven: the cut comes after the first commit, each commit of a
+                if not cut:                    # slow board's 0.05 s, so the link is back before the answer ends
+                    cut.append(link.cut("reset"))
+                    threading.Timer(1.0, link.restore).start()
+                time.sleep(0.05)
+
+            res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 40, seed=0, on_tokens=slow_board)
+    assert res.tokens == CausalLM(smollm2.model).greedy(PROMPT, 40)
+    assert res.interruptions >= 1 and 0 < len(res.degraded) < 40
+    assert res.auto[-1]["protocol"] == "slm" and res.auto[-1]["tokens"] == len(res.degraded)
+    assert "unreachable" in res.auto[-1]["reason"]
+    assert sum(s["tokens"] for s in res.auto) == 40
