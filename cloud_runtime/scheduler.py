@@ -156,6 +156,16 @@ class Scheduler:
         return sum(s.context + s.queued for s in self.sessions.values())
 
     @property
+    def kv_free(self) -> int:
+        """KV positions no session holds or has queued."""
+        return max(0, self.config.kv_capacity - self.kv_used)
+
+    @property
+    def waiting(self) -> int:
+        """Sessions with work queued."""
+        return sum(1 for s in self.sessions.values() if s.queued)
+
+    @property
     def kv_bytes_used(self) -> int:
         return sum(s.held_bytes for s in self.sessions.values())
 

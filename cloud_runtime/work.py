@@ -103,7 +103,5 @@ def cloud_state(work: ModelWork) -> P.CloudState:
 def cloud_cost(work: ModelWork) -> P.CloudCost:
     """What a step costs now (hat_split.wire.messages.CloudCost): g's points, μ, the sessions with work waiting and the
     KV positions free, for the devices' cost models."""
-    sched = work.scheduler
-    queued = sum(1 for s in sched.sessions.values() if s.queued)
-    free = max(0, sched.config.kv_capacity - sched.kv_used)
-    return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, queued, free)
+    return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, work.scheduler.waiting,
+                       work.scheduler.kv_free)

@@ -35,6 +35,7 @@ class FakeWork:
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity
+        self.scheduler = self  # what the cost report reads (cloud_runtime.work.cloud_cost): waiting, kv_free
         self.load = DelayModel()
         self.launches = 0
         self.positions: Dict[tuple, List[int]] = {}  # key → [computed, queued]
@@ -50,6 +51,14 @@ class FakeWork:
 
     def held(self, key):
         return tuple(self.positions.get(key, (0, 0)))
+
+    @property
+    def waiting(self):
+        return sum(1 for _, queued in self.positions.values() if queued)
+
+    @property
+    def kv_free(self):
+        return max(0, self.capacity - sum(map(sum, self.positions.values())))
 
     def held_bytes(self, key):
         return COST * sum(self.positions.get(key, (0, 0)))
@@ -127,7 +136,8 @@ def test_requests_reach_their_family_and_finishers_build_the_replies():
     handlers, work, tables, _ = cloud()
     welcome = hello(handlers, b"dev")
     assert isinstance(welcome, P.Welcome) and welcome.model == "fake-target" and "sd" in welcome.protocols
-    assert ask(handlers, b"dev", open_token(1)) == P.SessionOpened(1, 1, 0.0)
+    # nothing computed yet: an empty cost curve, no session waiting, the whole capacity free (the cost report)
+    assert ask(handlers, b"dev", open_token(1)) == P.SessionOpened(1, 1, 0.0, P.CloudCost([], 0.0, 0, 64))
     assert ask(handlers, b"dev", P.Generate(1, 1, 1, np.zeros(0, np.int32), 2)) is None  # queued
     ((pending, rows),) = work.complete(next_token=7)
     assert handlers.finish(pending, rows) is None  # the second token's work is queued
