@@ -15,9 +15,10 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
 How it chooses (`AutoController.decide`): a protocol not yet measured runs `MEASURE_ROUNDS` rounds first (both are
 exact, so exploring costs only time); then the one with the most predicted tokens/s, its draft length γ among 1 ..
 max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more; a
-protocol that has not run for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its estimates
-do not go stale (a loaded cloud, a link that changed). Every switch is logged with its reason, and the segments
-(protocol, γ, tokens, rounds, reason) go into the request's result.
+protocol that has not run for `PROBE_EVERY` rounds of this runtime (across requests) or for `STALE_S` seconds runs
+one round so its estimates do not go stale (a loaded cloud, a link that changed), and the device's own points of the
+cloud's curve older than STALE_S give way to the cloud's latest report. Every switch is logged with its reason, and
+the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
 MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
+STALE_S = 20.0  # s: a protocol not run for this long is measured again (one round), and the device's own points of
+# the cloud's curve older than this give way to the cloud's latest report (a load that ended, a link that changed)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -59,6 +62,9 @@ class AutoEstimates:
     reported_wait_s: float = 0.0  # g(μ) when the cloud had other sessions' work waiting as it reported, else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
+    last_run: Dict[str, float] = field(default_factory=dict)  # when each protocol's last round was observed (the
+    # caller's monotonic clock)
+    observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
@@ -85,44 +91,48 @@ class AutoEstimates:
             self.reported_wait_s = CostCurve(points).step_s(max(1.0, cost.batch_tokens)) if cost.queued else 0.0
         return True
 
-    def curve(self) -> Optional[CostCurve]:
+    def curve(self, now: Optional[float] = None) -> Optional[CostCurve]:
         """Seconds of a cloud step of x positions as this device sees it: its own rounds' points (the other sessions'
-        work in the same steps included), the cloud's report for the sizes it has none of. None before either
-        exists."""
+        work in the same steps included; at `now`, those fed within STALE_S), the cloud's report for the sizes it has
+        none of. None before either exists."""
         points = {_bucket(x): (x, y) for x, y in self.reported}
         for x, y in self.observed.points():
-            points[_bucket(x)] = (x, y)
+            b = _bucket(x)
+            if now is None or now - self.observed_at.get(b, now) <= STALE_S:
+                points[b] = (x, y)
         if not points:
             return None
         return CostCurve(tuple(sorted(points.values())))
 
     def observe_sd(self, drafted: int, accepted: int, draft_s: float, cloud_s: float, up_bytes: int,
-                   down_bytes: int, wall_s: float, link: Link) -> None:
-        """One sd round: γ drafts, a of them accepted, the draft model's and the cloud's seconds, its frames' bytes,
-        its wall time."""
+                   down_bytes: int, wall_s: float, link: Link, now: float, caught_up: int = 0) -> None:
+        """One sd round at `now`: γ drafts, a of them accepted, the draft model's and the cloud's seconds, its frames'
+        bytes, its wall time; caught_up > 0: the draft model first fed that many committed tokens it had not seen
+        (sd after llm), so its seconds say nothing of a draft step."""
         if drafted < 1:
             return
-        self.measured["sd"] = self.measured.get("sd", 0) + 1
+        self._ran("sd", now)
         examined = accepted + (accepted < drafted)
         self.accepted, self.examined = ema(self.accepted, float(accepted)), ema(self.examined, float(examined))
-        self.draft_step_s = ema(self.draft_step_s, draft_s / drafted)
+        if not caught_up:
+            self.draft_step_s = ema(self.draft_step_s, draft_s / drafted)
         if self.local_step_s is None:
             self.local_step_s = self.draft_step_s
         if cloud_s > 0:
-            self.observed.observe(drafted + 1, cloud_s)
+            self._cloud(drafted + 1, cloud_s, now)
         base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
         self.up_per_draft = ema(self.up_per_draft, max(0.0, up_bytes - base) / drafted)
         self.down_round = ema(self.down_round, float(down_bytes))
         self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
     def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
-                    link: Link) -> None:
-        """One llm round: the cloud decoded `tokens` alone in cloud_s."""
+                    link: Link, now: float) -> None:
+        """One llm round at `now`: the cloud decoded `tokens` alone in cloud_s."""
         if tokens < 1:
             return
-        self.measured["llm"] = self.measured.get("llm", 0) + 1
+        self._ran("llm", now)
         if cloud_s > 0:
-            self.observed.observe(1, cloud_s / tokens)
+            self._cloud(1, cloud_s / tokens, now)
         self.up_round = ema(self.up_round, float(up_bytes))
         base = self.down_round if self.down_round is not None else 0.0
         self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
@@ -132,6 +142,14 @@ class AutoEstimates:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
         if tokens > 0 and seconds > 0:
             self.local_step_s = ema(self.local_step_s, seconds / tokens)
+
+    def _ran(self, protocol: str, now: float) -> None:
+        self.measured[protocol] = self.measured.get(protocol, 0) + 1
+        self.last_run[protocol] = now
+
+    def _cloud(self, positions: int, seconds: float, now: float) -> None:
+        self.observed.observe(positions, seconds)
+        self.observed_at[_bucket(positions)] = now
 
     def _overhead(self, protocol: str, residual_s: float) -> None:
         self.overhead_s[protocol] = ema(self.overhead_s.get(protocol), max(0.0, residual_s))
@@ -193,28 +211,29 @@ class AutoController:
         if self.max_draft < 1 or self.chunk < 1:
             raise ValueError(f"max_draft and chunk must be >= 1, got {self.max_draft}, {self.chunk}")
 
-    def at(self, name: str, knob: int, link: Link) -> Optional[Prediction]:
-        """The cost model's prediction of `name` at `knob` from the estimates; None while it cannot be priced."""
-        est, curve = self.estimates, self.estimates.curve()
+    def at(self, name: str, knob: int, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
+        """The cost model's prediction of `name` at `knob` from the estimates (as they stand at `now`: STALE_S);
+        None while it cannot be priced."""
+        est, curve = self.estimates, self.estimates.curve(now)
         if curve is None or not est.measured.get(name) or (name == "sd" and est.alpha is None):
             return None
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
                        CloudCosts(curve, est.reported_wait_s), est.wire(), est.alpha or 0.0)
 
-    def predictions(self, link: Link) -> Dict[str, Prediction]:
+    def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
         out: Dict[str, Prediction] = {}
         for name in self.eligible:
             knobs = range(1, self.max_draft + 1) if name == "sd" else (self.chunk,)
-            preds = [p for p in (self.at(name, k, link) for k in knobs) if p is not None]
+            preds = [p for p in (self.at(name, k, link, now) for k in knobs) if p is not None]
             if preds:
                 out[name] = max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
         return out
 
-    def decide(self, link: Link) -> Choice:
-        """What the next round runs."""
+    def decide(self, link: Link, now: Optional[float] = None) -> Choice:
+        """What the next round runs, at `now` (the caller's monotonic clock; None: nothing goes stale)."""
         current = self.segments[-1] if self.segments else None
-        preds = self.predictions(link)
+        preds = self.predictions(link, now)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
         est = self.estimates
         unmeasured = [name for name in self.eligible if name not in preds
@@ -230,10 +249,12 @@ class AutoController:
             if best.protocol != current.protocol and best.tokens_per_s < SWITCH_GAIN * kept.tokens_per_s:
                 best = kept  # not worth a switch
         stale = [p for p in preds.values() if p.protocol != best.protocol
-                 and est.idle.get(p.protocol, 0) >= PROBE_EVERY]
+                 and (est.idle.get(p.protocol, 0) >= PROBE_EVERY
+                      or now is not None and now - est.last_run.get(p.protocol, now) > STALE_S)]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
-            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
+            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds or "
+                          f"{STALE_S:.0f} s", rates)
         return Choice(best.protocol, best.knob, _why(best, preds, self.estimates), rates)
 
     def local_wins(self, rtt_s: float) -> str:

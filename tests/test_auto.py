@@ -66,6 +66,28 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert probe.protocol == "sd" and probe.reason.startswith("probing"), probe  # runtime, across requests
 
 
+def test_stale_estimates_give_way():
+    """A loaded stretch's slow cloud points expire after STALE_S (the cloud's fresh report prices again), and a
+    protocol not run for STALE_S seconds is measured again; a round whose draft first caught up on tokens it had
+    not seen (sd after llm) does not count as draft steps."""
+    from edge_runtime.auto import STALE_S
+
+    est = _estimates(0.2, 0.05, step_1=0.2, step_9=0.24)
+    est.last_run = {"sd": 0.0, "llm": 0.0}
+    est.observed_at = {0: 0.0, 3: 0.0}
+    est.reported = ((1.0, 0.05), (9.0, 0.06))  # the cloud now, unloaded
+    assert est.curve(now=1.0).step_s(1) == pytest.approx(0.2)  # the device's own point, fresh
+    assert est.curve(now=STALE_S + 1).step_s(1) == pytest.approx(0.05)  # expired: the report's
+    c = _controller(est)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    assert c.decide(Link(0.01), now=1.0).protocol == "llm"
+    probe = c.decide(Link(0.01), now=STALE_S + 1)
+    assert probe.reason.startswith("probing") and probe.protocol == "sd"
+    before = est.draft_step_s
+    est.observe_sd(4, 1, 2.0, 0.2, 300, 100, 2.5, Link(), now=STALE_S + 2, caught_up=40)
+    assert est.draft_step_s == before and est.last_run["sd"] == STALE_S + 2
+
+
 @pytest.mark.parametrize("bad,field", [
     (P.CloudCost([[1.0, float("nan")]]), r"points\[0\]: seconds"),
     (P.CloudCost([[1.0, 0.1], [1.0, 0.2]]), r"points\[1\]: positions must increase"),
@@ -126,7 +148,7 @@ def test_forced_switches_keep_the_targets_greedy_tokens(smollm2, smollm2_server,
                               Choice("sd", 5, "forced", {}), Choice("llm", 1, "forced", {})])
     with _runtime(smollm2, smollm2_server.endpoint) as rt:
         ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 40, seed=0)
-        monkeypatch.setattr(AutoController, "decide", lambda self, link: next(script))
+        monkeypatch.setattr(AutoController, "decide", lambda self, link, now=None: next(script))
         res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 40, seed=0)
     assert res.tokens == ref.tokens and res.protocol == "auto"
     ran = [(s["protocol"], s["knob"]) for s in res.auto]

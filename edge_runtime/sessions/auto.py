@@ -32,7 +32,8 @@ class AutoSession(TokenSession):
         return Link(self.client.base_rtt_s, self.uplink_bps, 0.0)
 
     def _choose(self) -> Choice:
-        choice, self._opened_with = self._opened_with or self.auto.decide(self.link()), None
+        choice = self._opened_with or self.auto.decide(self.link(), time.monotonic())
+        self._opened_with = None
         self.protocol = protocols.get(choice.protocol)  # what this round runs (the opening's protocol for the cloud)
         return choice
 
@@ -51,19 +52,21 @@ class AutoSession(TokenSession):
         c, link = self.counters, self.link()
         n0, drafted0, accepted0, cloud0 = len(self.generated), c.drafted, c.accepted, c.cloud_compute_s
         draft0, up0, down0 = self.drafter.compute_s, self.client.counters.up_bytes, self.client.counters.down_bytes
+        behind = max(0, len(self.drafter.tokens) - 1 - self.drafter.kv.length)  # what sd would feed first
         t0 = time.perf_counter()
         if choice.protocol == "sd":
             verify_round(self, choice.knob, self.config.dist_format)
         else:
             self.generate(choice.knob)
-        wall = time.perf_counter() - t0
+        wall, now = time.perf_counter() - t0, time.monotonic()
         up, down = self.client.counters.up_bytes - up0, self.client.counters.down_bytes - down0
         cloud_s = c.cloud_compute_s - cloud0
         if choice.protocol == "sd":
             self.auto.estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0,
-                                           self.drafter.compute_s - draft0, cloud_s, up, down, wall, link)
+                                           self.drafter.compute_s - draft0, cloud_s, up, down, wall, link, now,
+                                           caught_up=behind)
         else:
-            self.auto.estimates.observe_llm(len(self.generated) - n0, cloud_s, up, down, wall, link)
+            self.auto.estimates.observe_llm(len(self.generated) - n0, cloud_s, up, down, wall, link, now)
         self.auto.record(choice, len(self.generated) - n0)
 
     def run(self, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:

@@ -221,7 +221,8 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, Opti
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
                        shares_host=not rt.config.overlaps_prefill)
-    preds = {"sd": c.at("sd", draft_len, link), "llm": c.at("llm", rt.config.llm_chunk, link)}
+    now = time.monotonic()
+    preds = {"sd": c.at("sd", draft_len, link, now), "llm": c.at("llm", rt.config.llm_chunk, link, now)}
     return {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
 
 
