@@ -148,8 +148,13 @@ class AutoEstimates:
         self.last_run[protocol] = now
 
     def _cloud(self, positions: int, seconds: float, now: float) -> None:
+        """A step of `positions` took `seconds`: its bucket's moving average, started afresh when its last
+        observation is older than STALE_S (a single probe after a loaded stretch must not be averaged with it)."""
+        b = _bucket(positions)
+        if now - self.observed_at.get(b, now) > STALE_S:
+            self.observed.forget(positions)
         self.observed.observe(positions, seconds)
-        self.observed_at[_bucket(positions)] = now
+        self.observed_at[b] = now
 
     def _overhead(self, protocol: str, residual_s: float) -> None:
         self.overhead_s[protocol] = ema(self.overhead_s.get(protocol), max(0.0, residual_s))

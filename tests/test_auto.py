@@ -86,6 +86,8 @@ def test_stale_estimates_give_way():
     before = est.draft_step_s
     est.observe_sd(4, 1, 2.0, 0.2, 300, 100, 2.5, Link(), now=STALE_S + 2, caught_up=40)
     assert est.draft_step_s == before and est.last_run["sd"] == STALE_S + 2
+    est.observe_llm(8, 8 * 0.04, 90, 130, 0.4, Link(), now=STALE_S + 3)  # the probe after a loaded stretch: its
+    assert est.curve(now=STALE_S + 3).step_s(1) == pytest.approx(0.04)  # point replaces the stale one, not averaged
 
 
 @pytest.mark.parametrize("bad,field", [

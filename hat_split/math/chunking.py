@@ -93,6 +93,10 @@ class DelayModel:
         self.buckets[b] = (float(tokens), float(seconds)) if old is None else (
             ema(old[0], float(tokens), self.alpha), ema(old[1], float(seconds), self.alpha))
 
+    def forget(self, tokens: int) -> None:
+        """Drop the bucket of steps of `tokens` tokens (its next observation starts it afresh)."""
+        self.buckets.pop(max(0, int(tokens).bit_length() - 1), None)
+
     @property
     def known(self) -> bool:
         return bool(self.buckets)
