@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from contextlib import nullcontext
 import statistics
 import threading
 import time
@@ -75,7 +76,6 @@ class Load:
         self.link_config, self.n, self.prompt = link_config, n, prompt
         self.stop = threading.Event()
         self.threads: List[threading.Thread] = []
-        self.tokens = 0
 
     def __enter__(self) -> "Load":
         for i in range(self.n):
@@ -111,7 +111,6 @@ class Load:
                     out = expect(client.request(P.Generate(sid, step, position, np.zeros(0, np.int32), 8)),
                                  P.Generated, P.Generate)
                     position = out.position
-                    self.tokens += len(out.tokens)
                 client.request(P.CloseSession(sid, None, None, position))
 
 
@@ -145,10 +144,8 @@ def run(args: argparse.Namespace) -> int:
                 bed.link.set_profile(phase.link)
                 prompt = prompts[(rep + k) % len(prompts)]
                 order = protocols[rep % len(protocols):] + protocols[:rep % len(protocols)]
-                load = Load(bed.link_config(), args.load_devices, load_prompt) if phase.load else None
-                if load:
-                    load.__enter__()
-                try:
+                load = Load(bed.link_config(), args.load_devices, load_prompt) if phase.load else nullcontext()
+                with load:
                     for name in order:
                         timer = threading.Timer(0.5, _cut, (bed.link, args.cut_s)) if phase.cut else None
                         if timer:
@@ -165,9 +162,6 @@ def run(args: argparse.Namespace) -> int:
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
                               + (f"; ran {_ran(res)}" if res.auto else ""), flush=True)
-                finally:
-                    if load:
-                        load.__exit__(None, None, None)
         report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
                   "phases": [p.__dict__ for p in phases], "rows": rows, "summary": summarise(rows, phases, protocols),
                   "wall_s": time.perf_counter() - t0}

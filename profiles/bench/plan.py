@@ -111,10 +111,13 @@ class GpuSteps:
         self.stream_s = streaming
         self.verify = {int(k) + 1: v / 1e3 / self.decode_s for k, v in g["verify_ms"].items()}  # x → ratio
         self.verify[1] = 1.0
-        self.batched = {int(b): int(b) / v for b, v in g["batched_tok_s"].items()}  # sessions → step seconds
         if "batched_verify_ms" not in g:
             raise ValueError(f"{shape}: the GPU check has no batched verify steps (hat-bench gpu --batch-verify 5)")
-        self.batched5 = {int(b): v / 1e3 for b, v in g["batched_verify_ms"].items()}  # 5 positions each
+        batched = {float(b): float(b) / v for b, v in g["batched_tok_s"].items()}  # sessions → step seconds
+        one = batched[1.0]
+        # a batched step over one decode step, by sessions: one position each, and five (γ = 4) each
+        self.batched1 = CostCurve(tuple(sorted((b, s / one) for b, s in batched.items())))
+        self.batched5 = CostCurve(tuple(sorted((float(b), v / 1e3 / one) for b, v in g["batched_verify_ms"].items())))
 
     def step_s(self, weight_params: float, ref_params: float) -> float:
         """One decode step of a model of weight_params (bfloat16, as measured) on the planned GPU: the streaming part
@@ -128,9 +131,7 @@ class GpuSteps:
     def batched_step_s(self, one_step_s: float, sessions: float, positions: int) -> float:
         """A step of `sessions` sessions with `positions` each, from the measured batched steps of 1 and 5 positions
         (linear in the sessions beyond the measured ones, and in the positions), relative to one decode step."""
-        one = CostCurve(tuple(sorted((float(b), s / self.batched[1]) for b, s in self.batched.items())))
-        five = CostCurve(tuple(sorted((float(b), s / self.batched[1]) for b, s in self.batched5.items())))
-        a, b = one.step_s(sessions), five.step_s(sessions)
+        a, b = self.batched1.step_s(sessions), self.batched5.step_s(sessions)
         return one_step_s * max(0.0, a + (b - a) * (positions - 1) / 4.0)
 
 
@@ -215,11 +216,9 @@ class Pricing:
         positions = pred.knob + 1 if pred.protocol in ("sd", "hat") else 1
         share = middle if pred.protocol in ("ushape", "hat") else 1.0
         step = share * steps.batched_step_s(g1, n, positions)
-        flat = CostCurve(((1.0, step), (64.0, step)))  # the shared step, whatever this device's positions
-        p = self.at(pred.protocol, pred.knob, CloudCosts(flat, 0.5 * step, 1.0))
-        if pred.protocol == "llm":  # c steps of the shared batch per round, not one
-            p = self.at("llm", pred.knob, CloudCosts(CostCurve(((1.0, step),)), 0.5 * step, 1.0))
-        return 1.0 / p.tokens_per_s
+        # the shared step, whatever this device's positions; llm's round is c such steps (one point: proportional)
+        curve = CostCurve(((1.0, step),) if pred.protocol == "llm" else ((1.0, step), (64.0, step)))
+        return 1.0 / self.at(pred.protocol, pred.knob, CloudCosts(curve, 0.5 * step, 1.0)).tokens_per_s
 
 
 def capacity(tbt, sla_s: float, most: int = 4096) -> int:
