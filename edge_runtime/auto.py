@@ -14,10 +14,16 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
 
 How it chooses (`AutoController.decide`): a protocol not yet measured runs `MEASURE_ROUNDS` rounds first (both are
 exact, so exploring costs only time); then the one with the most predicted tokens/s, its draft length γ among 1 ..
-max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more; a
-protocol that has not run for `PROBE_EVERY` rounds of this runtime (across requests) or for `STALE_S` seconds runs
-one round so its estimates do not go stale (a loaded cloud, a link that changed), and the device's own points of the
-cloud's curve older than STALE_S give way to the cloud's latest report. Every switch is logged with its reason, and
+max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more, and a
+switch to sd must also repay, over the tokens the request has left, the draft model's catch-up on the tokens it has
+not read (`behind`: the prompt at the opening when the device cannot prefill while the cloud does, the tokens llm
+made since). Where the device has cores of its own (`overlap_prefill`), the session reads those tokens into the draft
+model while it waits for llm's replies, so the draft is ready when sd comes back. A protocol that has not run for
+`PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay current,
+never as a request's first round and, for sd, only when its catch-up is one round's tokens at most. What changes
+fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue with every session
+opening, the device's own points of that curve older than `STALE_S`, or measured while the cloud's queue was in
+another state than it now reports (busy / idle), give way to the report. Every switch is logged with its reason, and
 the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
 """
 from __future__ import annotations
@@ -37,8 +43,10 @@ AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
 MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
-STALE_S = 20.0  # s: a protocol not run for this long is measured again (one round), and the device's own points of
-# the cloud's curve older than this give way to the cloud's latest report (a load that ended, a link that changed)
+STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
+# report (a load that ended, a link that changed)
+SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up forward may take while the device waits
+# (a reply that arrives during it waits for it)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -62,9 +70,10 @@ class AutoEstimates:
     reported_wait_s: float = 0.0  # g(μ) when the cloud had other sessions' work waiting as it reported, else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
-    last_run: Dict[str, float] = field(default_factory=dict)  # when each protocol's last round was observed (the
-    # caller's monotonic clock)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
+    catch_up_s: Optional[float] = None  # the draft model's seconds per token read without drafting (prefill,
+    # catch-up)
+    cloud_busy: Optional[bool] = None  # the cloud's last good report had other sessions' work waiting
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
@@ -89,6 +98,10 @@ class AutoEstimates:
         if points:
             self.reported = points
             self.reported_wait_s = CostCurve(points).step_s(max(1.0, cost.batch_tokens)) if cost.queued else 0.0
+        busy = cost.queued > 0
+        if self.cloud_busy is not None and busy != self.cloud_busy:
+            self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
+        self.cloud_busy = busy
         return True
 
     def curve(self, now: Optional[float] = None) -> Optional[CostCurve]:
@@ -111,11 +124,13 @@ class AutoEstimates:
         (sd after llm), so its seconds say nothing of a draft step."""
         if drafted < 1:
             return
-        self._ran("sd", now)
+        self._ran("sd")
         examined = accepted + (accepted < drafted)
         self.accepted, self.examined = ema(self.accepted, float(accepted)), ema(self.examined, float(examined))
         if not caught_up:
             self.draft_step_s = ema(self.draft_step_s, draft_s / drafted)
+        elif self.draft_step_s is not None:
+            self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
         if self.local_step_s is None:
             self.local_step_s = self.draft_step_s
         if cloud_s > 0:
@@ -130,7 +145,7 @@ class AutoEstimates:
         """One llm round at `now`: the cloud decoded `tokens` alone in cloud_s."""
         if tokens < 1:
             return
-        self._ran("llm", now)
+        self._ran("llm")
         if cloud_s > 0:
             self._cloud(1, cloud_s / tokens, now)
         self.up_round = ema(self.up_round, float(up_bytes))
@@ -138,14 +153,24 @@ class AutoEstimates:
         self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
         self._overhead("llm", wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft model read `tokens` committed tokens (no drafts) in `seconds`."""
+        if tokens > 0 and seconds > 0:
+            self.catch_up_s = ema(self.catch_up_s, seconds / tokens)
+
+    def catch_up_cost(self, tokens: int) -> float:
+        """Seconds the draft model needs to read `tokens` before it can draft (a draft step each before any
+        catch-up was measured)."""
+        per = self.catch_up_s if self.catch_up_s is not None else self.draft_step_s or 0.0
+        return tokens * per
+
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
         if tokens > 0 and seconds > 0:
             self.local_step_s = ema(self.local_step_s, seconds / tokens)
 
-    def _ran(self, protocol: str, now: float) -> None:
+    def _ran(self, protocol: str) -> None:
         self.measured[protocol] = self.measured.get(protocol, 0) + 1
-        self.last_run[protocol] = now
 
     def _cloud(self, positions: int, seconds: float, now: float) -> None:
         """A step of `positions` took `seconds`: its bucket's moving average, started afresh when its last
@@ -235,8 +260,10 @@ class AutoController:
                 out[name] = max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
         return out
 
-    def decide(self, link: Link, now: Optional[float] = None) -> Choice:
-        """What the next round runs, at `now` (the caller's monotonic clock; None: nothing goes stale)."""
+    def decide(self, link: Link, now: Optional[float] = None, behind: int = 0, remaining: int = 0) -> Choice:
+        """What the next round runs, at `now` (the caller's monotonic clock; None: nothing goes stale); behind: the
+        committed tokens the draft model would read before sd's first draft; remaining: the tokens the request has
+        left (0: unknown, no switch is priced)."""
         current = self.segments[-1] if self.segments else None
         preds = self.predictions(link, now)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
@@ -249,18 +276,22 @@ class AutoController:
             return Choice(name, knob, f"measuring {name}: {est.measured.get(name, 0)} of {MEASURE_ROUNDS} rounds",
                           rates)
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
-        if current is not None and current.protocol in preds:
-            kept = preds[current.protocol]
-            if best.protocol != current.protocol and best.tokens_per_s < SWITCH_GAIN * kept.tokens_per_s:
-                best = kept  # not worth a switch
-        stale = [p for p in preds.values() if p.protocol != best.protocol
-                 and (est.idle.get(p.protocol, 0) >= PROBE_EVERY
-                      or now is not None and now - est.last_run.get(p.protocol, now) > STALE_S)]
+        held = preds.get(current.protocol) if current is not None else None
+        if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
+            best = held  # not worth a switch
+        why = ""
+        if best.protocol == "sd" and behind > 0 and "llm" in preds:
+            cost, saved = est.catch_up_cost(behind), _saved_s(remaining, preds["llm"], best)
+            if saved < cost:
+                why = f"; sd would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
+                best = preds["llm"]
+        stale = [p for p in preds.values() if p.protocol != best.protocol and current is not None
+                 and est.idle.get(p.protocol, 0) >= PROBE_EVERY
+                 and (p.protocol != "sd" or behind <= self.chunk)]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
-            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds or "
-                          f"{STALE_S:.0f} s", rates)
-        return Choice(best.protocol, best.knob, _why(best, preds, self.estimates), rates)
+            return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
+        return Choice(best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates)
 
     def local_wins(self, rtt_s: float) -> str:
         """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it
@@ -289,6 +320,13 @@ class AutoController:
             self.segments.append(seg)
         seg.tokens += tokens
         seg.rounds += 1
+
+
+def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
+    """Seconds `fast` saves over `slow` on `tokens` tokens (0 when either rate is 0)."""
+    if tokens < 1 or slow.tokens_per_s <= 0 or fast.tokens_per_s <= 0:
+        return 0.0
+    return max(0.0, tokens / slow.tokens_per_s - tokens / fast.tokens_per_s)
 
 
 def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates) -> str:

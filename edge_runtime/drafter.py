@@ -46,6 +46,19 @@ class Drafter:
         if prefill and len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
+    @property
+    def behind(self) -> int:
+        """Committed tokens (all but the last, which the next draft feeds) the cache has not read yet."""
+        return max(0, len(self.tokens) - 1 - self.kv.length)
+
+    def catch_up(self, max_tokens: int) -> int:
+        """Read up to max_tokens of what the cache lacks (no logits): lets the device use time it would wait anyway
+        (a round in which it drafts nothing) so that a later draft starts at once. Returns how many it read."""
+        feed = self.tokens[self.kv.length:max(0, len(self.tokens) - 1)][:max(0, max_tokens)]
+        if feed:
+            self.lm.forward(self.kv, feed, n_logits=0)
+        return len(feed)
+
     def rollback(self) -> None:
         """Forget cached positions past the committed sequence (drafts of a round that never got its verdict)."""
         keep = max(0, len(self.tokens) - 1)

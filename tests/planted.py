@@ -56,7 +56,7 @@ def alternate() -> None:
     from edge_runtime.auto import AutoController, Choice
 
     script = itertools.cycle([Choice("sd", 3, "forced", {}), Choice("llm", 2, "forced", {})])
-    AutoController.decide = lambda self, link, now=None: next(script)
+    AutoController.decide = lambda self, link, now=None, behind=0, remaining=0: next(script)
 
 
 def plant(fault: str) -> None:

@@ -58,36 +58,59 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert c.decide(Link(0.01)).protocol == "llm"
     slow_draft = _estimates(0.1, 0.05, step_1=0.2, step_9=0.24)  # llm clearly ahead: sd no longer runs ...
     c = _controller(slow_draft)
-    for _ in range(PROBE_EVERY - 1):
+    for _ in range(PROBE_EVERY):
         assert c.decide(Link(0.01)).protocol == "llm"
         c.record(Choice("llm", 8, "predicted", {}), 8)
+    fresh = _controller(slow_draft)  # ... until it has been idle PROBE_EVERY rounds of the runtime, across requests,
+    assert fresh.decide(Link(0.01)).protocol == "llm"  # never as a request's first round (its TTFT) ...
+    fresh.record(Choice("llm", 8, "predicted", {}), 8)
+    assert fresh.decide(Link(0.01), behind=40).protocol == "llm"  # ... nor with a long catch-up before its draft
+    probe = fresh.decide(Link(0.01), behind=8)
+    assert probe.protocol == "sd" and probe.reason.startswith("probing"), probe
+    fresh.record(probe, 2)
+    assert fresh.decide(Link(0.01)).protocol == "llm"
+
+
+def test_a_switch_to_sd_repays_the_draft_catching_up():
+    """sd well ahead, but the draft model has 200 tokens to read first: worth it for a long remainder, not for a
+    short one; the cost is the measured catch-up rate (a draft step per token before one is measured)."""
+    est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
+    c = _controller(est)
     c.record(Choice("llm", 8, "predicted", {}), 8)
-    probe = _controller(slow_draft).decide(Link(0.01))  # ... until it has been idle PROBE_EVERY rounds of the
-    assert probe.protocol == "sd" and probe.reason.startswith("probing"), probe  # runtime, across requests
+    preds = c.predictions(Link(0.01))
+    saved_per_token = 1 / preds["llm"].tokens_per_s - 1 / preds["sd"].tokens_per_s
+    assert est.catch_up_cost(200) == pytest.approx(200 * 0.02)
+    est.observe_catch_up(200, 1.0)  # 5 ms a token
+    assert est.catch_up_cost(200) == pytest.approx(1.0)
+    short = int(0.5 / saved_per_token)  # saves 0.5 s < 1.0 s
+    assert c.decide(Link(0.01), behind=200, remaining=short).protocol == "llm"
+    long_ = int(2.0 / saved_per_token)
+    assert c.decide(Link(0.01), behind=200, remaining=long_).protocol == "sd"
+    assert c.decide(Link(0.01), behind=0, remaining=short).protocol == "sd"
 
 
-def test_stale_estimates_give_way():
-    """A loaded stretch's slow cloud points expire after STALE_S (the cloud's fresh report prices again), and a
-    protocol not run for STALE_S seconds is measured again; a round whose draft first caught up on tokens it had
-    not seen (sd after llm) does not count as draft steps."""
+def test_stale_points_and_a_changed_load_give_way_to_the_report():
+    """The device's own points of the cloud's curve expire after STALE_S, or at once when the cloud's report says its
+    queue changed state (busy <-> idle); a round whose draft first caught up on tokens it had not seen (sd after llm)
+    does not count as draft steps, its catch-up is measured instead."""
     from edge_runtime.auto import STALE_S
 
     est = _estimates(0.2, 0.05, step_1=0.2, step_9=0.24)
-    est.last_run = {"sd": 0.0, "llm": 0.0}
     est.observed_at = {0: 0.0, 3: 0.0}
     est.reported = ((1.0, 0.05), (9.0, 0.06))  # the cloud now, unloaded
     assert est.curve(now=1.0).step_s(1) == pytest.approx(0.2)  # the device's own point, fresh
     assert est.curve(now=STALE_S + 1).step_s(1) == pytest.approx(0.05)  # expired: the report's
-    c = _controller(est)
-    c.record(Choice("llm", 8, "predicted", {}), 8)
-    assert c.decide(Link(0.01), now=1.0).protocol == "llm"
-    probe = c.decide(Link(0.01), now=STALE_S + 1)
-    assert probe.reason.startswith("probing") and probe.protocol == "sd"
     before = est.draft_step_s
     est.observe_sd(4, 1, 2.0, 0.2, 300, 100, 2.5, Link(), now=STALE_S + 2, caught_up=40)
-    assert est.draft_step_s == before and est.last_run["sd"] == STALE_S + 2
+    assert est.draft_step_s == before and est.catch_up_s == pytest.approx((2.0 - 4 * before) / 40)
     est.observe_llm(8, 8 * 0.04, 90, 130, 0.4, Link(), now=STALE_S + 3)  # the probe after a loaded stretch: its
     assert est.curve(now=STALE_S + 3).step_s(1) == pytest.approx(0.04)  # point replaces the stale one, not averaged
+    busy = P.CloudCost([[1.0, 0.05], [9.0, 0.06]], batch_tokens=8.0, queued=3)
+    assert est.take_report(P.CloudCost([[1.0, 0.05], [9.0, 0.06]])) and est.observed.points()  # idle, as before
+    assert est.take_report(busy) and not est.observed.points()  # loaded now: its report prices until measured
+    assert est.curve(now=STALE_S + 4).step_s(1) == pytest.approx(0.05)
+    est.observe_llm(8, 8 * 0.5, 90, 130, 4.5, Link(), now=STALE_S + 5)
+    assert est.take_report(busy) and est.curve(now=STALE_S + 6).step_s(1) == pytest.approx(0.5)  # still busy: kept
 
 
 @pytest.mark.parametrize("bad,field", [
@@ -122,12 +145,12 @@ def test_the_cloud_report_survives_the_wire():
 
 # -- through a runtime and a cloud (the real SmolLM2-135M drafts and verifies) --------------------------------------
 
-def _runtime(smollm2, endpoint, **link):
+def _runtime(smollm2, endpoint, overlap_prefill: str = "auto", **link):
     from edge_runtime.config import EdgeConfig, LinkConfig
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.net.security import LinkSecurity
 
-    return EdgeRuntime(EdgeConfig(model="smollm2-135m", link=LinkConfig(
+    return EdgeRuntime(EdgeConfig(model="smollm2-135m", overlap_prefill=overlap_prefill, link=LinkConfig(
         endpoint, security=LinkSecurity.plaintext(), **link)), smollm2)
 
 
@@ -150,13 +173,48 @@ def test_forced_switches_keep_the_targets_greedy_tokens(smollm2, smollm2_server,
                               Choice("sd", 5, "forced", {}), Choice("llm", 1, "forced", {})])
     with _runtime(smollm2, smollm2_server.endpoint) as rt:
         ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 40, seed=0)
-        monkeypatch.setattr(AutoController, "decide", lambda self, link, now=None: next(script))
+        monkeypatch.setattr(AutoController, "decide", lambda self, link, now=None, behind=0, remaining=0: next(script))
         res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 40, seed=0)
     assert res.tokens == ref.tokens and res.protocol == "auto"
     ran = [(s["protocol"], s["knob"]) for s in res.auto]
     assert len(ran) >= 6 and ran[:4] == [("sd", 2), ("llm", 3), ("sd", 5), ("llm", 1)], ran
     assert sum(s["tokens"] for s in res.auto) == res.n == 40
     assert rt.auto_estimates.reported and rt.auto_estimates.measured.keys() == {"sd", "llm"}
+
+
+@pytest.mark.real_models
+def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
+    """With cores of its own (overlap_prefill on) the device reads the prompt and llm's tokens into the draft model
+    while it waits for the cloud: when sd comes, only the last llm round's tokens are left to read (the reply is made
+    to look late, so the catch-up runs to its end whatever this machine's speed); the tokens stay the target's. On a
+    shared host nothing is read while waiting (it would slow the cloud): sd reads everything first."""
+    from edge_runtime.client import CloudClient
+    from hat_split.math.sampling import SamplingParams
+
+    def scripted(seen):
+        script = itertools.chain([Choice("llm", 3, "forced", {})] * 3, itertools.cycle([Choice("sd", 4, "forced", {})]))
+
+        def decide(self, link, now=None, behind=0, remaining=0):
+            choice = next(script)
+            seen.append((choice.protocol, behind))
+            return choice
+        return decide
+
+    ready = CloudClient.ready
+    monkeypatch.setattr(CloudClient, "ready", lambda self, wait_s=0.0: False if wait_s == 0.0 else ready(self, wait_s))
+    results = {}
+    for overlap in ("on", "off"):
+        seen = []
+        monkeypatch.setattr(AutoController, "decide", scripted(seen))
+        with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
+            ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
+            res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
+        assert res.tokens == ref.tokens, overlap
+        results[overlap] = (seen, rt.auto_estimates.catch_up_s)
+    seen, rate = results["on"]
+    assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and rate > 0, seen
+    seen, _ = results["off"]
+    assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9), seen
 
 
 @pytest.mark.real_models

@@ -3,13 +3,15 @@
 session does not depend on the protocol that opened it (a Verify and a Generate continue the same sequence), so a
 switch costs nothing and loses or repeats no token: each round commits what its protocol's verification or the
 target's own sampling gives at the committed position, whatever ran before it. The draft model catches up on the
-tokens it did not draft when sd follows llm (edge_runtime.drafter feeds what its cache lacks)."""
+tokens it did not draft when sd follows llm (edge_runtime.drafter feeds what its cache lacks): while the device waits
+for llm's replies when it has cores of its own (`overlap_prefill`), else in sd's first round, a cost the controller
+weighs before it switches."""
 from __future__ import annotations
 
 import time
 from typing import Callable, List, Optional
 
-from edge_runtime.auto import AutoController, Choice
+from edge_runtime.auto import SHADOW_SHARE, AutoController, Choice
 from edge_runtime.rounds.token import verify_round
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.token import TokenSession
@@ -26,21 +28,40 @@ class AutoSession(TokenSession):
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
         self.auto = controller
         self._opened_with: Optional[Choice] = None  # the choice made at the opening runs the first round
+        if self.config.overlaps_prefill:
+            self.shadow = self._catch_up
 
     def link(self) -> Link:
         """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
         return Link(self.client.base_rtt_s, self.uplink_bps, 0.0)
 
-    def _choose(self) -> Choice:
-        choice = self._opened_with or self.auto.decide(self.link(), time.monotonic())
+    def _choose(self, behind: Optional[int] = None) -> Choice:
+        behind = self.drafter.behind if behind is None else behind
+        choice = self._opened_with or self.auto.decide(self.link(), time.monotonic(), behind, self.remaining)
         self._opened_with = None
         self.protocol = protocols.get(choice.protocol)  # what this round runs (the opening's protocol for the cloud)
         return choice
 
     def open(self, prompt: List[int]) -> None:
-        self._opened_with = self._choose()  # llm first: the draft model reads the prompt only when sd comes
+        # sd first: the draft model reads the prompt now, while the cloud does (overlap_prefill) or after; llm first:
+        # while the device waits for the cloud (overlap_prefill), or when sd comes
+        self._opened_with = self._choose(0 if self.config.overlaps_prefill else max(0, len(prompt) - 1))
         super().open(prompt)
+        if self._opened_with.protocol == "sd":  # the prefill: the draft model's first time of this request
+            self.auto.estimates.observe_catch_up(self.drafter.kv.length, self.drafter.compute_s)
         self.auto.estimates.take_report(self.cloud_cost)
+
+    def _catch_up(self) -> None:
+        """The draft model reads the committed tokens it lacks while the cloud works, a forward at a time, each at
+        most SHADOW_SHARE of an llm round's expected time, until the reply is there."""
+        est, d = self.auto.estimates, self.drafter
+        per = est.catch_up_s or est.draft_step_s
+        pred = self.auto.at("llm", self.auto.chunk, self.link())
+        chunk = 8 if per is None or pred is None else int(SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s / per)
+        chunk = max(1, min(64, chunk))
+        while d.behind and not self.client.ready():
+            t0, n = time.perf_counter(), d.catch_up(chunk)
+            est.observe_catch_up(n, time.perf_counter() - t0)
 
     def reopen(self, prompt: List[int]) -> None:
         super().reopen(prompt)
@@ -52,7 +73,7 @@ class AutoSession(TokenSession):
         c, link = self.counters, self.link()
         n0, drafted0, accepted0, cloud0 = len(self.generated), c.drafted, c.accepted, c.cloud_compute_s
         draft0, up0, down0 = self.drafter.compute_s, self.client.counters.up_bytes, self.client.counters.down_bytes
-        behind = max(0, len(self.drafter.tokens) - 1 - self.drafter.kv.length)  # what sd would feed first
+        behind = self.drafter.behind  # what sd would feed first
         t0 = time.perf_counter()
         if choice.protocol == "sd":
             verify_round(self, choice.knob, self.config.dist_format)

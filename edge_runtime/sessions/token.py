@@ -7,7 +7,7 @@ skips of uhlm, randhlm, cuhlm) wait in `pending` until the next upload or the cl
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -28,6 +28,8 @@ class TokenSession(Session):
         self.pending: List[int] = []  # committed here, not yet sent to the cloud (skipped uploads)
         self.uplink_bps = 0.0  # the cloud's latest measurement of this device's uploads (0: none yet)
         self.cloud_cost: Optional[P.CloudCost] = None  # the cloud's step costs as its last SessionOpened stated
+        self.shadow: Optional[Callable[[], None]] = None  # work the device does while it waits for a reply it
+        # drafted nothing for (the opening, llm's rounds): None, nothing (auto sets the draft model's catch-up)
 
     def _open_message(self, tokens: Sequence[int]) -> P.OpenSession:
         sampling = P.Sampling(self.params.temperature, self.params.top_k, self.params.top_p)
@@ -48,6 +50,8 @@ class TokenSession(Session):
             if overlap:
                 self.drafter.start(prompt, prefill)  # the device's prefill runs while the cloud's does
                 started = True
+                if self.shadow is not None:
+                    self.shadow()
             opened = expect(self.client.receive(), P.SessionOpened, P.OpenSession)
         except (LinkDown, CloudError):
             if not started:
@@ -80,11 +84,15 @@ class TokenSession(Session):
                                f"{closed.n_tokens}")
 
     # -- what rounds use -----------------------------------------------------------------------------------------
-    def request(self, msg: P.Message) -> P.Message:
-        """One round's request and its reply; the request frame's bytes are logged for the channel models."""
+    def request(self, msg: P.Message, meanwhile: Optional[Callable[[], None]] = None) -> P.Message:
+        """One round's request and its reply (meanwhile: run between the two); the request frame's bytes are logged
+        for the channel models."""
         self.step += 1
         before = self.client.counters.up_bytes
-        reply = self.client.request(msg)
+        self.client.send(msg)
+        if meanwhile is not None:
+            meanwhile()
+        reply = self.client.receive()
         self.counters.round_up_bytes.append(self.client.counters.up_bytes - before)
         return reply
 
@@ -124,7 +132,7 @@ class TokenSession(Session):
         """Cloud only: the target decodes up to n tokens on its own; commit them."""
         msg = P.Generate(self.session_id, self.step + 1, self.cloud_position, np.zeros(0, np.int32),
                          min(n, self.remaining))
-        reply = expect(self.request(msg), P.Generated, P.Generate)
+        reply = expect(self.request(msg, self.shadow), P.Generated, P.Generate)
         self.counters.rounds += 1
         self.counters.cloud_compute_s += reply.compute_s
         self.cloud_position = reply.position

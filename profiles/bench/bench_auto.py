@@ -133,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with Rig(args.target, cloud_args=["--engine", args.engine], threads=len(cloud_cores), cloud_cpus=cloud_cores,
              link="loopback") as bed:
+        # the device on cores of its own, as on a real device: its prefill and catch-up run while the cloud works
         config = EdgeConfig(model=args.draft, link=bed.link_config(link_policy="wait", reconnect_timeout_s=120.0),
-                            draft_len=args.draft_len,
+                            draft_len=args.draft_len, overlap_prefill="on",
                             engine=EngineConfig(backend=args.engine, threads=len(device_cores),
                                                 weight_quant="int8" if args.engine == "torch" else "none"))
         rt = bed.runtime(config)
