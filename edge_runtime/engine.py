@@ -139,7 +139,10 @@ class TorchEngine(Engine):
 
 def open_engine(config: EdgeConfig, loaded: Any = None) -> Engine:
     """The device's model as `config.engine` says, warmed up. `loaded`: a torch model already in memory
-    (hat_split.models.loading.load_model), e.g. one shared by several emulated devices in one process."""
+    (hat_split.models.loading.load_model), e.g. one shared by several emulated devices in one process, or an Engine
+    already made (a bench's played-back draft: profiles.bench.recorded_draft), taken as it is."""
+    if isinstance(loaded, Engine):
+        return loaded
     engine = config.engine
     if engine.backend != "torch" and loaded is not None:
         what = "the model's GGUF file" if engine.backend == "llamacpp" else "a bundle"

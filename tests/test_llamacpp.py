@@ -75,6 +75,16 @@ def test_states_are_independent_sequences_and_their_ids_are_reused(lm, smollm2_i
     del a, b
     gc.collect()
     assert lm.new_state().length == 0  # a released id comes back empty
+    gc.collect()
+    gc.disable()  # no automatic collection may free the cycle below
+    try:
+        held = [lm.new_state(), lm.new_state()]
+        cycle = {"state": held.pop()}
+        cycle["self"] = cycle  # dropped, but in a reference cycle: only a collection frees its sequence ...
+        del cycle
+        assert lm.new_state().length == 0  # ... which new_state runs when no id is free
+    finally:
+        gc.enable()
 
 
 def test_bad_input_is_refused_with_the_reason(lm, tmp_path, smollm2_gguf):

@@ -28,8 +28,6 @@ class AutoSession(TokenSession):
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
         self.auto = controller
         self._opened_with: Optional[Choice] = None  # the choice made at the opening runs the first round
-        if self.config.overlaps_prefill:
-            self.shadow = self._catch_up
 
     def link(self) -> Link:
         """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
@@ -51,9 +49,12 @@ class AutoSession(TokenSession):
             self.auto.estimates.observe_catch_up(self.drafter.kv.length, self.drafter.compute_s)
         self.auto.estimates.take_report(self.cloud_cost)
 
-    def _catch_up(self) -> None:
-        """The draft model reads the committed tokens it lacks while the cloud works, a forward at a time, each at
-        most SHADOW_SHARE of an llm round's expected time, until the reply is there."""
+    def while_waiting(self) -> None:
+        """On a device with cores of its own (overlap_prefill), the draft model reads the committed tokens it lacks
+        while the cloud works, a forward at a time, each at most SHADOW_SHARE of an llm round's expected time, until
+        the reply is there."""
+        if not self.config.overlaps_prefill:
+            return
         est, d = self.auto.estimates, self.drafter
         per = est.catch_up_s or est.draft_step_s
         pred = self.auto.at("llm", self.auto.chunk, self.link())

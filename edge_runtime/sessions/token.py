@@ -28,8 +28,6 @@ class TokenSession(Session):
         self.pending: List[int] = []  # committed here, not yet sent to the cloud (skipped uploads)
         self.uplink_bps = 0.0  # the cloud's latest measurement of this device's uploads (0: none yet)
         self.cloud_cost: Optional[P.CloudCost] = None  # the cloud's step costs as its last SessionOpened stated
-        self.shadow: Optional[Callable[[], None]] = None  # work the device does while it waits for a reply it
-        # drafted nothing for (the opening, llm's rounds): None, nothing (auto sets the draft model's catch-up)
 
     def _open_message(self, tokens: Sequence[int]) -> P.OpenSession:
         sampling = P.Sampling(self.params.temperature, self.params.top_k, self.params.top_p)
@@ -50,8 +48,7 @@ class TokenSession(Session):
             if overlap:
                 self.drafter.start(prompt, prefill)  # the device's prefill runs while the cloud's does
                 started = True
-                if self.shadow is not None:
-                    self.shadow()
+                self.while_waiting()
             opened = expect(self.client.receive(), P.SessionOpened, P.OpenSession)
         except (LinkDown, CloudError):
             if not started:
@@ -82,6 +79,10 @@ class TokenSession(Session):
         if closed.n_tokens < len(mine) or closed.digest != P.sequence_digest(mine):
             raise RuntimeError(f"device and cloud sequences diverged: device {len(mine)} tokens, cloud "
                                f"{closed.n_tokens}")
+
+    def while_waiting(self) -> None:
+        """Work the device does while it waits for a reply it drafted nothing for (the opening, llm's rounds):
+        none here (protocol auto's session has its draft model read the tokens it lacks)."""
 
     # -- what rounds use -----------------------------------------------------------------------------------------
     def request(self, msg: P.Message, meanwhile: Optional[Callable[[], None]] = None) -> P.Message:
@@ -132,7 +133,7 @@ class TokenSession(Session):
         """Cloud only: the target decodes up to n tokens on its own; commit them."""
         msg = P.Generate(self.session_id, self.step + 1, self.cloud_position, np.zeros(0, np.int32),
                          min(n, self.remaining))
-        reply = expect(self.request(msg, self.shadow), P.Generated, P.Generate)
+        reply = expect(self.request(msg, self.while_waiting), P.Generated, P.Generate)
         self.counters.rounds += 1
         self.counters.cloud_compute_s += reply.compute_s
         self.cloud_position = reply.position

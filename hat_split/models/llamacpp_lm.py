@@ -13,6 +13,7 @@ hat_split.models.llamacpp_lib says how to install it.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import time
 import weakref
@@ -108,6 +109,8 @@ class LlamaCppLM:
     # -- states ----------------------------------------------------------------------------------------------------
     def new_state(self) -> KVState:
         """An empty state on a free sequence id (RuntimeError when n_seq_max states are alive)."""
+        if not self._free:
+            gc.collect()  # a dropped state held in a reference cycle frees its sequence at a collection
         if not self._free:
             raise RuntimeError(f"all {self.settings.n_seq_max} llama.cpp sequences are in use (n_seq_max)")
         seq = self._free.pop(0)

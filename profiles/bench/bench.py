@@ -25,6 +25,8 @@ from profiles.bench.bench_memory import add_parser as add_memory_parser
 from profiles.bench.bench_memory import run as run_memory
 from profiles.bench.bench_auto import add_parser as add_auto_parser
 from profiles.bench.bench_auto import run as run_auto
+from profiles.bench.bench_capacity import add_parser as add_capacity_parser
+from profiles.bench.bench_capacity import run as run_capacity
 from profiles.bench.plan import add_parser as add_plan_parser
 from profiles.bench.plan import run as run_plan
 from profiles.bench.bench_qs import add_parser as add_qs_parser
@@ -46,7 +48,8 @@ from profiles.bench.bench_verify import run as run_verify
 RUNS = {"speculative": run_speculative, "cuhlm": run_cuhlm, "qs": run_qs, "hat": run_hat, "fleet": run_fleet,
         "edge": run_edge, "engines": run_engines, "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu,
         "tasks": run_tasks, "curve": run_curve, "resummarise": run_resummarise, "verify": run_verify,
-        "memory": run_memory, "plan": run_plan, "auto": run_auto}
+        "memory": run_memory, "plan": run_plan, "auto": run_auto,
+        "capacity": run_capacity}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (add_speculative_parser, add_cuhlm_parser, add_qs_parser, add_hat_parser, add_fleet_parser,
                 add_gpu_parser, add_edge_parser, add_engines_parser, add_fuzz_parser, add_soak_parser,
                 add_tasks_parser, add_curve_parser, add_resummarise_parser, add_verify_parser, add_memory_parser,
-                add_plan_parser, add_auto_parser, add_hf_phase_parser):
+                add_plan_parser, add_auto_parser, add_capacity_parser, add_hf_phase_parser):
         add(sub)
     return ap
 

@@ -1,0 +1,177 @@
+"""`hat-bench capacity`: how many devices one cloud serves within an SLA (SpecEdge's capacity metric), measured on
+this machine for llm, sd and auto.
+
+A real cloud process (the target on llama.cpp) pinned to its own core(s) behind the link emulator. The devices are
+emulated in this process on the other core(s), each an EdgeRuntime of its own (its connection, its sessions, its auto
+estimates) whose draft model is played back (profiles.bench.recorded_draft): the real draft model's greedy drafts
+from every prefix a greedy request reaches, recorded once here, each forward sleeping what the real model took. So N
+devices cost this machine sleeps, as N boards would cost their own hardware, while the cloud does all of its real
+work (prefill, verification, decoding, batching the devices' steps). Greedy decoding only (what the recording
+covers).
+
+For each N of --devices and each protocol (in a rotating order), N devices run --requests requests each, back to
+back, on the recorded prompts. Per cell: TTFT (request to its first token) and TBT (each commit's gap since the
+previous one, shared by the tokens it brought) as P50/P99 with n, tokens/s per device and the cloud's tokens/s in
+all. Capacity per protocol: the largest N whose TTFT P99 and TBT P99 are within the SLA (--sla-ttft-s,
+--sla-tbt-ms) with no failed request.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from profiles.bench.provenance import write_report
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("capacity", help="devices one cloud serves within an SLA: llm, sd, auto (emulated devices)")
+    s.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    s.add_argument("--target", default="qwen2.5-coder-1.5b")
+    s.add_argument("--protocols", default="llm,sd,auto")
+    s.add_argument("--devices", default="1,2,4,8,12", help="fleet sizes N, comma-separated")
+    s.add_argument("--requests", type=int, default=3, help="requests per device per cell")
+    s.add_argument("--prompts", type=int, default=4)
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--draft-len", type=int, default=4, help="sd's γ (auto chooses its own, at most --gamma)")
+    s.add_argument("--gamma", type=int, default=8, help="the longest draft recorded")
+    s.add_argument("--link", default="wifi-near", help="the link profile every device's traffic crosses")
+    s.add_argument("--sla-ttft-s", type=float, default=4.0)
+    s.add_argument("--sla-tbt-ms", type=float, default=250.0)
+    s.add_argument("--cloud-cores", type=int, default=1)
+    s.add_argument("--out", default="runs/capacity/bench_capacity.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from edge_runtime.config import EdgeConfig, EngineConfig
+    from edge_runtime.engine import Engine
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.prompt_sets import demo_prompts
+    from profiles.bench.recorded_draft import RecordedLM, record
+    from profiles.bench.rig import Rig
+
+    protocols = [p for p in args.protocols.split(",") if p]
+    sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
+    if not sizes or sizes[0] < 1 or args.requests < 1 or args.gamma < args.draft_len:
+        raise ValueError("--devices: positive sizes; --requests >= 1; --gamma >= --draft-len")
+    cores = sorted(os.sched_getaffinity(0))
+    if not 0 < args.cloud_cores < len(cores):
+        raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the devices need a core of their own)")
+    cloud_cores, device_cores = cores[:args.cloud_cores], cores[args.cloud_cores:]
+    os.sched_setaffinity(0, device_cores)
+    greedy = SamplingParams(0.0)
+    t_start = time.perf_counter()
+    with Rig(args.target, cloud_args=["--engine", "llamacpp"], threads=len(cloud_cores), cloud_cpus=cloud_cores,
+             link=args.link) as bed:
+        base = EdgeConfig(model=args.draft, link=bed.link_config(), draft_len=args.draft_len, overlap_prefill="on",
+                          engine=EngineConfig(backend="llamacpp", threads=len(device_cores)))
+        real = bed.runtime(base)
+        prompts, recording = [], None
+        for p in demo_prompts(args.prompts):
+            ids = list(real.encode_prompt(p.text, chat=p.chat))
+            target = real.generate(ids, "llm", greedy, args.max_new_tokens, seed=0).tokens
+            rec = record(real.engine.lm, ids, target, args.gamma)
+            recording = rec if recording is None else (recording.merge(rec) or recording)
+            prompts.append((ids, target))
+            print(f"recorded {len(rec.next_token)} drafts of a {len(ids)}-token prompt: draft step "
+                  f"{1e3 * rec.step_s:.1f} ms, prefill {1e3 * rec.prefill_s_per_token:.2f} ms/token", flush=True)
+        real.close()
+        e = real.engine
+        cells: List[dict] = []
+        for k, n in enumerate(sizes):
+            order = protocols[k % len(protocols):] + protocols[:k % len(protocols)]
+            for name in order:
+                engines = [Engine(RecordedLM(recording), e.tokenizer, e.vocab_size, e.model_name, e.fingerprint,
+                                  e.eos_ids) for _ in range(n)]
+                cell = _cell(bed, base, engines, name, prompts, args)
+                cells.append(cell)
+                print(f"N={n:>3} {name:>5}: TTFT P99 {cell['ttft_s']['p99']:.2f} s, TBT P99 "
+                      f"{1e3 * cell['tbt_s']['p99']:.0f} ms, {cell['tokens_per_s_per_device']:.2f} tok/s a device, "
+                      f"{cell['cloud_tokens_per_s']:.2f} in all, failed {cell['failed']}, within SLA "
+                      f"{cell['within_sla']}", flush=True)
+    report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
+              "sla": {"ttft_p99_s": args.sla_ttft_s, "tbt_p99_s": args.sla_tbt_ms / 1e3},
+              "recording": {"entries": len(recording.next_token), "draft_step_s": recording.step_s,
+                            "prefill_s_per_token": recording.prefill_s_per_token},
+              "cells": cells, "capacity": capacity(cells, protocols), "wall_s": time.perf_counter() - t_start}
+    write_report(args.out, report)
+    for name, c in report["capacity"].items():
+        print(f"capacity {name}: {c['devices']} devices within TTFT P99 <= {args.sla_ttft_s} s and TBT P99 <= "
+              f"{args.sla_tbt_ms:.0f} ms ({c['cloud_tokens_per_s']:.2f} tok/s in all)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cell(bed, base, engines, protocol: str, prompts, args) -> dict:
+    """N emulated devices, one thread each, `args.requests` requests each, all started together."""
+    from dataclasses import replace
+
+    from edge_runtime.request import GenerationRequest
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+
+    ttft: List[float] = []
+    tbt: List[float] = []
+    tokens, failed, mismatched = [0], [0], [0]
+    lock = threading.Lock()
+
+    def device(i: int, engine) -> None:
+        config = replace(base, link=bed.link_config(f"cap-{i}"))
+        with EdgeRuntime(config, engine) as rt:
+            for r in range(args.requests):
+                ids, target = prompts[(i + r) % len(prompts)]
+                stamps: List[tuple] = []
+                t0 = time.perf_counter()
+                try:
+                    res = rt.run(GenerationRequest(tuple(ids), protocol, SamplingParams(0.0), args.max_new_tokens,
+                                                   seed=0, on_tokens=lambda toks, _lp: stamps.append(
+                                                       (time.perf_counter(), len(toks)))))
+                except Exception:  # noqa: BLE001  a failed request counts against the SLA
+                    with lock:
+                        failed[0] += 1
+                    continue
+                gaps = [(t - prev, m) for (prev, _), (t, m) in zip([(t0, 0)] + stamps[:-1], stamps)]
+                with lock:
+                    tokens[0] += res.n
+                    mismatched[0] += list(res.tokens) != list(target)
+                    if stamps:
+                        ttft.append(stamps[0][0] - t0)
+                    for gap, m in gaps[1:]:
+                        tbt.extend([gap / m] * m)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=device, args=(i, eng), daemon=True) for i, eng in enumerate(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    n = len(engines)
+    cell = {"devices": n, "protocol": protocol, "requests": n * args.requests, "failed": failed[0],
+            "not_the_targets": mismatched[0], "ttft_s": _pcts(ttft), "tbt_s": _pcts(tbt), "wall_s": wall,
+            "cloud_tokens_per_s": tokens[0] / wall, "tokens_per_s_per_device": tokens[0] / wall / n}
+    cell["within_sla"] = bool(not failed[0] and ttft and tbt and cell["ttft_s"]["p99"] <= args.sla_ttft_s
+                              and cell["tbt_s"]["p99"] <= args.sla_tbt_ms / 1e3)
+    return cell
+
+
+def _pcts(xs: List[float]) -> dict:
+    if not xs:
+        return {"n": 0, "p50": float("nan"), "p99": float("nan")}
+    a = np.asarray(xs)
+    return {"n": int(a.size), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def capacity(cells: List[dict], protocols: List[str]) -> Dict[str, dict]:
+    """Per protocol: the largest N within the SLA (0 when none is), and its cloud tokens/s."""
+    out = {}
+    for name in protocols:
+        ok = [c for c in cells if c["protocol"] == name and c["within_sla"]]
+        best = max(ok, key=lambda c: c["devices"]) if ok else None
+        out[name] = {"devices": best["devices"] if best else 0,
+                     "cloud_tokens_per_s": best["cloud_tokens_per_s"] if best else 0.0}
+    return out

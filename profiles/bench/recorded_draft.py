@@ -1,0 +1,113 @@
+"""A draft model played back from a recording, for benches that emulate many devices on one machine
+(`hat-bench capacity`): what the real draft model predicts greedily from every prefix a greedy request can reach, and
+how long its forwards take, so that N emulated devices cost this machine sleeps rather than N models' compute while
+the cloud they talk to does all of its real work.
+
+`record` runs the real model (any object with the CausalLM interface: new_state / forward / crop) along the target's
+greedy continuation of a prompt: from every position of it, a greedy draft of up to `gamma` tokens; each forward's
+next token is kept under its prefix. A greedy request of any protocol commits the target's tokens (every protocol is
+exact), so every prefix its drafts start from, and every draft prefix up to `gamma`, is in the table. `RecordedLM`
+answers those prefixes with the recorded token (its logit 0, every other one far below) after sleeping what the real
+model took: `step_s` for a forward of one or two tokens, `prefill_s_per_token` a token for longer ones. A prefix
+outside the table (a temperature above 0, a γ above the recording's, another prompt) is refused, naming it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from hat_split.models.lm import KVState, check_crop, check_feed
+
+FAR_BELOW = -1.0e4  # every token's logit but the recorded one: its probability underflows to 0
+
+
+@dataclass
+class Recording:
+    """Next tokens by prefix, and the real model's timings."""
+
+    vocab_size: int
+    step_s: float  # a forward of one token (a draft step)
+    prefill_s_per_token: float  # a forward of many tokens, per token
+    next_token: Dict[Tuple[int, ...], int] = field(default_factory=dict)
+
+    def merge(self, other: "Recording") -> None:
+        self.next_token.update(other.next_token)
+
+
+def record(lm, prompt: Sequence[int], target: Sequence[int], gamma: int) -> Recording:
+    """The real model `lm` from every prefix prompt + target[:p] (p = 0 .. len(target)): a greedy draft of `gamma`
+    tokens, each forward's argmax kept under its prefix; the prompt's prefill and every draft step timed."""
+    if len(prompt) < 2 or gamma < 1:
+        raise ValueError("record needs a prompt of 2 tokens or more and gamma >= 1")
+    state = lm.new_state()
+    t0 = time.perf_counter()
+    lm.forward(state, list(prompt[:-1]), n_logits=0)
+    prefill = (time.perf_counter() - t0) / (len(prompt) - 1)
+    seq, steps, table = list(prompt), [], {}
+    for p in range(len(target) + 1):
+        base, chain, tok = state.length, [], seq[-1]  # the cache holds seq[:-1]
+        for _ in range(gamma):
+            t0 = time.perf_counter()
+            logits = lm.forward(state, [tok], n_logits=1)
+            steps.append(time.perf_counter() - t0)
+            tok = int(np.argmax(logits[0]))
+            table[tuple(seq + chain)] = tok
+            chain.append(tok)
+        lm.crop(state, base)
+        if p < len(target):
+            lm.forward(state, [seq[-1]], n_logits=0)
+            seq.append(int(target[p]))
+    return Recording(int(lm.vocab_size), statistics.median(steps), prefill, table)
+
+
+@dataclass
+class _State(KVState):
+    tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class RecordedLM:
+    """The CausalLM interface over a Recording (module docstring)."""
+
+    recording: Recording
+
+    @property
+    def vocab_size(self) -> int:
+        return self.recording.vocab_size
+
+    def warm_up(self) -> None:
+        pass
+
+    def eog_ids(self) -> List[int]:
+        return []
+
+    def new_state(self) -> KVState:
+        return _State()
+
+    def forward(self, state: _State, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        n = len(tokens)
+        check_feed(n, n_logits)
+        rec = self.recording
+        seconds = rec.step_s if n <= 2 else max(rec.step_s, n * rec.prefill_s_per_token)
+        state.tokens.extend(int(t) for t in tokens)
+        out = np.full((n_logits, rec.vocab_size), FAR_BELOW, np.float32)
+        for i in range(n_logits):
+            prefix = tuple(state.tokens[:len(state.tokens) - n_logits + i + 1])
+            if prefix not in rec.next_token:
+                raise KeyError(f"the recording holds no draft after this prefix of {len(prefix)} tokens (ending "
+                               f"{list(prefix[-4:])}): recorded drafts serve greedy requests on the recorded prompts")
+            out[i, rec.next_token[prefix]] = 0.0
+        time.sleep(seconds)
+        state.length += n
+        state.forward_s += seconds
+        state.forward_tokens += n
+        return out
+
+    def crop(self, state: _State, length: int) -> None:
+        check_crop(state, length)
+        del state.tokens[length:]
+        state.length = length

@@ -1,0 +1,50 @@
+"""The played-back draft of `hat-bench capacity` (profiles.bench.recorded_draft): recorded from a real model, it drafts
+what the model drafts, so requests of every protocol through a real cloud commit the target's greedy tokens, it takes
+the model's time, and it refuses a prefix it never saw."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import serving
+
+PROMPT = [5, 17, 99, 3, 250, 7]
+
+
+@pytest.mark.real_models
+def test_a_recorded_draft_drafts_what_the_model_drafts(smollm2):
+    from edge_runtime.config import EdgeConfig, LinkConfig
+    from edge_runtime.engine import Engine
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import vocab_fingerprint
+    from hat_split.net.security import LinkSecurity
+    from profiles.bench.recorded_draft import RecordedLM, record
+
+    lm = CausalLM(smollm2.model)
+    target = lm.greedy(PROMPT, 12)
+    rec = record(lm, PROMPT, target, gamma=4)
+    # the draft is the target here: every draft runs along the target's path, so the prefixes coincide
+    assert len(rec.next_token) == len(target) + 4 and rec.step_s > 0 and rec.prefill_s_per_token > 0
+    assert rec.next_token[tuple(PROMPT)] == target[0]
+
+    played = RecordedLM(rec)
+    state = played.new_state()
+    played.forward(state, PROMPT[:-1], n_logits=0)
+    logits = played.forward(state, [PROMPT[-1]], n_logits=1)
+    assert int(logits[0].argmax()) == int(lm.forward(lm.new_state(), PROMPT, n_logits=1)[0].argmax())
+    assert state.forward_s >= rec.step_s and state.length == len(PROMPT)
+    played.crop(state, 2)
+    with pytest.raises(KeyError, match="no draft after this prefix of 3 tokens"):
+        played.forward(state, [12345], n_logits=1)
+
+    engine = Engine(played, smollm2.tokenizer, played.vocab_size, "played", vocab_fingerprint(smollm2.tokenizer),
+                    frozenset())
+    with serving(lm, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
+        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint,
+                                                                   security=LinkSecurity.plaintext()))
+        with EdgeRuntime(config, engine) as rt:
+            for protocol in ("sd", "llm", "auto"):
+                res = rt.generate(PROMPT, protocol, SamplingParams(0.0), 12, seed=0)
+                assert res.tokens == target, protocol
+            assert rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0).accepted > 0
