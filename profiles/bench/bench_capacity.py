@@ -10,10 +10,11 @@ work (prefill, verification, decoding, batching the devices' steps). Greedy deco
 covers).
 
 For each N of --devices and each protocol (in a rotating order), N devices run --requests requests each, back to
-back, on the recorded prompts. Per cell: TTFT (request to its first token) and TBT (each commit's gap since the
-previous one, shared by the tokens it brought) as P50/P99 with n, tokens/s per device and the cloud's tokens/s in
-all. Capacity per protocol: the largest N whose TTFT P99 and TBT P99 are within the SLA (--sla-ttft-s,
---sla-tbt-ms) with no failed request.
+back, on the recorded prompts, device i starting i/N of a lone llm request's time after the first (arrivals spread
+as a steady stream's are, rather than N prompts at the same instant). Per cell: TTFT (request to its first token)
+and TBT (each commit's gap since the previous one, shared by the tokens it brought) as P50/P99 with n, tokens/s per
+device and the cloud's tokens/s in all. Capacity per protocol: the largest N whose TTFT P99 and TBT P99 are within
+the SLA (--sla-ttft-s, --sla-tbt-ms) with no failed request.
 """
 from __future__ import annotations
 
@@ -70,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
         base = EdgeConfig(model=args.draft, link=bed.link_config(), draft_len=args.draft_len, overlap_prefill="on",
                           engine=EngineConfig(backend="llamacpp", threads=len(device_cores)))
         real = bed.runtime(base)
-        prompts, recording = [], None
+        prompts, recording, lone = [], None, []
         for p in demo_prompts(args.prompts):
             ids = list(real.encode_prompt(p.text, chat=p.chat))
+            t0 = time.perf_counter()
             target = real.generate(ids, "llm", greedy, args.max_new_tokens, seed=0).tokens
+            lone.append(time.perf_counter() - t0)
             rec = record(real.engine.lm, ids, target, args.gamma)
             recording = rec if recording is None else (recording.merge(rec) or recording)
             prompts.append((ids, target))
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             for name in order:
                 engines = [Engine(RecordedLM(recording), e.tokenizer, e.vocab_size, e.model_name, e.fingerprint,
                                   e.eos_ids) for _ in range(n)]
-                cell = _cell(bed, base, engines, name, prompts, args)
+                cell = _cell(bed, base, engines, name, prompts, args, spread_s=sum(lone) / len(lone))
                 cells.append(cell)
                 print(f"N={n:>3} {name:>5}: TTFT P99 {cell['ttft_s']['p99']:.2f} s, TBT P99 "
                       f"{1e3 * cell['tbt_s']['p99']:.0f} ms, {cell['tokens_per_s_per_device']:.2f} tok/s a device, "
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
               "sla": {"ttft_p99_s": args.sla_ttft_s, "tbt_p99_s": args.sla_tbt_ms / 1e3},
               "recording": {"entries": len(recording.next_token), "draft_step_s": recording.step_s,
-                            "prefill_s_per_token": recording.prefill_s_per_token},
+                            "prefill_s_per_token": recording.prefill_s_per_token, "lone_llm_request_s": lone},
               "cells": cells, "capacity": capacity(cells, protocols), "wall_s": time.perf_counter() - t_start}
     write_report(args.out, report)
     for name, c in report["capacity"].items():
@@ -106,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cell(bed, base, engines, protocol: str, prompts, args) -> dict:
-    """N emulated devices, one thread each, `args.requests` requests each, all started together."""
+def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> dict:
+    """N emulated devices, one thread each, `args.requests` requests each, device i starting i/N of spread_s after
+    the first."""
     from dataclasses import replace
 
     from edge_runtime.request import GenerationRequest
@@ -122,6 +126,7 @@ def _cell(bed, base, engines, protocol: str, prompts, args) -> dict:
     def device(i: int, engine) -> None:
         config = replace(base, link=bed.link_config(f"cap-{i}"))
         with EdgeRuntime(config, engine) as rt:
+            time.sleep(i * spread_s / len(engines))
             for r in range(args.requests):
                 ids, target = prompts[(i + r) % len(prompts)]
                 stamps: List[tuple] = []
