@@ -9,7 +9,7 @@ weighs before it switches."""
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 from edge_runtime.auto import SHADOW_SHARE, AutoController, Choice
 from edge_runtime.rounds.token import verify_round
@@ -27,26 +27,22 @@ class AutoSession(TokenSession):
         runtime's estimates."""
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
         self.auto = controller
-        self._opened_with: Optional[Choice] = None  # the choice made at the opening runs the first round
 
     def link(self) -> Link:
         """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
         return Link(self.client.base_rtt_s, self.uplink_bps, 0.0)
 
-    def _choose(self, behind: Optional[int] = None) -> Choice:
-        behind = self.drafter.behind if behind is None else behind
-        choice = self._opened_with or self.auto.decide(self.link(), time.monotonic(), behind, self.remaining)
-        self._opened_with = None
-        self.protocol = protocols.get(choice.protocol)  # what this round runs (the opening's protocol for the cloud)
+    def _choose(self) -> Choice:
+        choice = self.auto.decide(self.link(), time.monotonic(), self.drafter.behind, self.remaining)
+        self.protocol = protocols.get(choice.protocol)  # what this round runs
         return choice
 
     def open(self, prompt: List[int]) -> None:
-        # sd first: the draft model reads the prompt now, while the cloud does (overlap_prefill) or after; llm first:
-        # while the device waits for the cloud (overlap_prefill), or when sd comes
-        self._opened_with = self._choose(0 if self.config.overlaps_prefill else max(0, len(prompt) - 1))
+        """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost
+        report (a load that began since the last request), is in. The draft model reads the prompt while the device
+        waits for it (overlap_prefill), else in sd's first round, a catch-up the controller prices."""
+        self.protocol = protocols.get("llm")
         super().open(prompt)
-        if self._opened_with.protocol == "sd":  # the prefill: the draft model's first time of this request
-            self.auto.estimates.observe_catch_up(self.drafter.kv.length, self.drafter.compute_s)
         self.auto.estimates.take_report(self.cloud_cost)
 
     def while_waiting(self) -> None:

@@ -139,14 +139,12 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
                     with lock:
                         failed[0] += 1
                     continue
-                gaps = [(t - prev, m) for (prev, _), (t, m) in zip([(t0, 0)] + stamps[:-1], stamps)]
                 with lock:
                     tokens[0] += res.n
                     mismatched[0] += list(res.tokens) != list(target)
                     if stamps:
                         ttft.append(stamps[0][0] - t0)
-                    for gap, m in gaps[1:]:
-                        tbt.extend([gap / m] * m)
+                    tbt.extend(between_tokens(stamps))
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=device, args=(i, eng), daemon=True) for i, eng in enumerate(engines)]
@@ -162,6 +160,15 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
     cell["within_sla"] = bool(not failed[0] and ttft and tbt and cell["ttft_s"]["p99"] <= args.sla_ttft_s
                               and cell["tbt_s"]["p99"] <= args.sla_tbt_ms / 1e3)
     return cell
+
+
+def between_tokens(commits: List[tuple]) -> List[float]:
+    """TBT of every token after the first commit: each commit's gap since the previous one, shared by the tokens it
+    brought (commits: (time, tokens) in order)."""
+    out: List[float] = []
+    for (prev, _), (t, m) in zip(commits, commits[1:]):
+        out.extend([(t - prev) / m] * m)
+    return out
 
 
 def _pcts(xs: List[float]) -> dict:
