@@ -46,7 +46,8 @@ MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (o
 STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
 # report (a load that ended, a link that changed)
 SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up forward may take while the device waits
-# (a reply that arrives during it waits for it)
+# (a reply that arrives during it waits for it) ...
+SHADOW_MAX_S = 0.05  # ... and at most this (the opening's wait, whose end the device cannot predict: TTFT)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -60,7 +61,8 @@ class AutoEstimates:
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
-    # pack drafts; llm's do none of it)
+    # pack drafts; llm's do none of it) and per the cloud's state (`_overhead_key`: a busy cloud's queueing shows
+    # here, and must not follow the device once the load ends)
     up_round: Optional[float] = None  # bytes of a round's request without drafts (Generate)
     up_per_draft: Optional[float] = None  # bytes per draft row (sd's Verify)
     down_round: Optional[float] = None  # bytes of a reply
@@ -182,7 +184,21 @@ class AutoEstimates:
         self.observed_at[b] = now
 
     def _overhead(self, protocol: str, residual_s: float) -> None:
-        self.overhead_s[protocol] = ema(self.overhead_s.get(protocol), max(0.0, residual_s))
+        key = self._overhead_key(protocol, bool(self.cloud_busy))
+        self.overhead_s[key] = ema(self.overhead_s.get(key), max(0.0, residual_s))
+
+    @staticmethod
+    def _overhead_key(protocol: str, busy: bool) -> str:
+        return f"{protocol}:busy" if busy else protocol
+
+    def overhead(self, protocol: str) -> float:
+        """o of `protocol` as measured while the cloud was in the state it last reported (busy or idle); the other
+        state's before one is."""
+        busy = bool(self.cloud_busy)
+        for key in (self._overhead_key(protocol, busy), self._overhead_key(protocol, not busy)):
+            if key in self.overhead_s:
+                return self.overhead_s[key]
+        return 0.0
 
     def wire(self) -> WireSizes:
         return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND, self.up_per_draft or 0.0,
@@ -192,7 +208,7 @@ class AutoEstimates:
     def device(self, shares_host: bool, protocol: str) -> DeviceCosts:
         """The device's costs as `protocol`'s rounds measured them."""
         return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
-                           round_s=self.overhead_s.get(protocol, 0.0), shares_host=shares_host)
+                           round_s=self.overhead(protocol), shares_host=shares_host)
 
 
 def _bucket(x: float) -> int:

@@ -17,7 +17,7 @@ from edge_runtime.engine import open_engine
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.protocols import new_session
 from edge_runtime.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE, GenerationRequest
-from edge_runtime.sessions.auto import AutoSession
+from edge_runtime.sessions.auto import AutoSession, observed_round
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.split import LinkState
 from edge_runtime.split_drafter import SplitDrafter
@@ -121,6 +121,8 @@ class EdgeRuntime:
             drafter = Drafter(self.engine.token_lm(self.config), request.sampling, self.config.dist_dtype)
         session = new_session(self.config, request, drafter, self.client, self.engine.eos_ids, next(self._session_ids),
                               monitor=self.monitor, link_state=self.link_state if split else None)
+        if request.protocol in AUTO_TOKEN:  # what sd and llm requests measure teaches protocol auto
+            session.round_fn = _teaching(session.round_fn, request.protocol, self.auto_estimates)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result
@@ -213,3 +215,16 @@ class EdgeRuntime:
         """The device's parts of this runtime's model (and Λ for `hat`), in torch or from the bundle."""
         parts = self.engine.split_parts(hat, self.config.split)
         return SplitDrafter(parts, params, seed, slowdown=self.config.split.slowdown)
+
+
+def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
+    """`round_fn` of an sd or llm request, each round's figures given to protocol auto's estimates (and the cloud's
+    cost report of the session's opening, before its first round)."""
+    opened = [False]
+
+    def run(session) -> None:
+        if not opened[0]:
+            opened[0] = True
+            estimates.take_report(session.cloud_cost)
+        observed_round(session, estimates, protocol, lambda: round_fn(session))
+    return run

@@ -109,8 +109,11 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     assert est.take_report(P.CloudCost([[1.0, 0.05], [9.0, 0.06]])) and est.observed.points()  # idle, as before
     assert est.take_report(busy) and not est.observed.points()  # loaded now: its report prices until measured
     assert est.curve(now=STALE_S + 4).step_s(1) == pytest.approx(0.05)
+    idle_overhead = est.overhead("llm")
     est.observe_llm(8, 8 * 0.5, 90, 130, 4.5, Link(), now=STALE_S + 5)
     assert est.take_report(busy) and est.curve(now=STALE_S + 6).step_s(1) == pytest.approx(0.5)  # still busy: kept
+    assert est.overhead("llm") == pytest.approx(0.5)  # the busy cloud's queueing, kept apart from the idle one's
+    assert est.take_report(P.CloudCost([[1.0, 0.05]])) and est.overhead("llm") == pytest.approx(idle_overhead)
 
 
 @pytest.mark.parametrize("bad,field", [
@@ -219,20 +222,27 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
 
 @pytest.mark.real_models
 def test_auto_measures_then_chooses_and_says_why(smollm2, smollm2_server):
-    """The first request tries each protocol once; later ones run the predicted best and give the prediction. Here
-    the draft is the target itself, so drafting costs what it saves: llm wins (the cost model says so from the
-    measurements, not from a rule)."""
+    """The first request tries each protocol the runtime has not measured; later ones run the predicted best and give
+    the prediction. Here the draft is the target itself, so drafting costs what it saves: llm wins (the cost model
+    says so from the measurements, not from a rule). The runtime's llm request taught auto llm's costs already: only
+    sd is measured; a runtime that served both measures nothing."""
     from hat_split.math.sampling import SamplingParams
 
     with _runtime(smollm2, smollm2_server.endpoint) as rt:
         ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 32, seed=0)
+        assert rt.auto_estimates.measured == {"llm": 4} and rt.auto_estimates.reported
         first = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
         second = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
     assert first.tokens == second.tokens == ref.tokens
-    assert [s["reason"].split()[0] for s in first.auto[:2]] == ["measuring", "measuring"]
-    assert {s["protocol"] for s in first.auto[:2]} == {"sd", "llm"}
+    assert first.auto[0]["reason"].startswith("measuring sd") and first.auto[0]["protocol"] == "sd"
+    assert not any(s["reason"].startswith("measuring llm") for s in first.auto)
     assert second.auto[0]["reason"].startswith("predicted") and "tok/s" in second.auto[0]["reason"]
     assert rt.auto_estimates.alpha == pytest.approx(1.0)
+    with _runtime(smollm2, smollm2_server.endpoint) as rt:
+        rt.generate(PROMPT, "sd", SamplingParams(0.0), 32, seed=0)
+        rt.generate(PROMPT, "llm", SamplingParams(0.0), 32, seed=0)
+        taught = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
+    assert taught.tokens == ref.tokens and all(s["reason"].startswith("predicted") for s in taught.auto), taught.auto
 
 
 @pytest.mark.real_models

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from profiles.bench.bench_auto import Phase, parse_trace, steady_rate, summarise
+from profiles.bench.bench_auto import ALPHA_GRID, Phase, at_alpha, parse_trace, steady_rate, summarise
 
 
 def test_the_trace_parses_and_refuses_what_it_cannot_run():
@@ -41,6 +41,13 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     assert s["lte"]["model_error"]["sd"]["median_abs_error"] == pytest.approx(2 / 18)
     assert s["lte"]["model_error"]["llm"]["median_abs_error"] == pytest.approx(0.1)
     assert s["overall"]["protocols"]["auto"]["n"] == 1
+    assert "median_abs_error_own_alpha" not in s["lte"]["model_error"]["sd"]  # no α grid: only the online figure
+    # the model at the request's own α: sd measured 18 tok/s at α 0.7; the grid predicts 10 + 10 α, 17 at α 0.7
+    rows[1]["alpha"] = 0.7
+    rows[2]["predicted"]["sd_by_alpha"] = [10.0 + 10.0 * a for a in ALPHA_GRID]
+    s = summarise(rows, [Phase("lte", "lte")], ["llm", "sd", "auto"])
+    assert s["lte"]["model_error"]["sd"]["median_abs_error_own_alpha"] == pytest.approx(1 / 18)
+    assert at_alpha(rows[2]["predicted"]["sd_by_alpha"], 0.725) == pytest.approx(17.25)
 
 
 @pytest.mark.real_models

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List
 
-from edge_runtime.auto import SHADOW_SHARE, AutoController, Choice
+from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE, AutoController, AutoEstimates, Choice
 from edge_runtime.rounds.token import verify_round
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.token import TokenSession
@@ -47,15 +47,15 @@ class AutoSession(TokenSession):
 
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), the draft model reads the committed tokens it lacks
-        while the cloud works, a forward at a time, each at most SHADOW_SHARE of an llm round's expected time, until
-        the reply is there."""
+        while the cloud works, a forward at a time, each at most SHADOW_SHARE of an llm round's expected time and
+        SHADOW_MAX_S, until the reply is there."""
         if not self.config.overlaps_prefill:
             return
         est, d = self.auto.estimates, self.drafter
         per = est.catch_up_s or est.draft_step_s
         pred = self.auto.at("llm", self.auto.chunk, self.link())
-        chunk = 8 if per is None or pred is None else int(SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s / per)
-        chunk = max(1, min(64, chunk))
+        budget = SHADOW_MAX_S if pred is None else min(SHADOW_MAX_S, SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s)
+        chunk = 8 if per is None else max(1, min(64, int(budget / per)))
         while d.behind and not self.client.ready():
             t0, n = time.perf_counter(), d.catch_up(chunk)
             est.observe_catch_up(n, time.perf_counter() - t0)
@@ -67,25 +67,12 @@ class AutoSession(TokenSession):
     def auto_round(self) -> None:
         """One round of the protocol the controller picks; its figures go to the estimates."""
         choice = self._choose()
-        c, link = self.counters, self.link()
-        n0, drafted0, accepted0, cloud0 = len(self.generated), c.drafted, c.accepted, c.cloud_compute_s
-        draft0, up0, down0 = self.drafter.compute_s, self.client.counters.up_bytes, self.client.counters.down_bytes
-        behind = self.drafter.behind  # what sd would feed first
-        t0 = time.perf_counter()
         if choice.protocol == "sd":
-            verify_round(self, choice.knob, self.config.dist_format)
+            n = observed_round(self, self.auto.estimates, "sd",
+                               lambda: verify_round(self, choice.knob, self.config.dist_format))
         else:
-            self.generate(choice.knob)
-        wall, now = time.perf_counter() - t0, time.monotonic()
-        up, down = self.client.counters.up_bytes - up0, self.client.counters.down_bytes - down0
-        cloud_s = c.cloud_compute_s - cloud0
-        if choice.protocol == "sd":
-            self.auto.estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0,
-                                           self.drafter.compute_s - draft0, cloud_s, up, down, wall, link, now,
-                                           caught_up=behind)
-        else:
-            self.auto.estimates.observe_llm(len(self.generated) - n0, cloud_s, up, down, wall, link, now)
-        self.auto.record(choice, len(self.generated) - n0)
+            n = observed_round(self, self.auto.estimates, "llm", lambda: self.generate(choice.knob))
+        self.auto.record(choice, n)
 
     def run(self, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
         result = super().run(prompt, decode_text)
@@ -95,3 +82,25 @@ class AutoSession(TokenSession):
             result.auto.append({"protocol": "slm", "knob": 0, "tokens": len(result.degraded), "rounds": 0,
                                 "reason": DEGRADED_REASON})
         return result
+
+
+def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: str, run: Callable[[], None]) -> int:
+    """Run one round of `protocol` ("sd" or "llm": `run` does it) on `session` and give its figures to `estimates`
+    (protocol auto's rounds, and the rounds of sd and llm requests on the same runtime: what a device served teaches
+    auto). Returns the tokens it committed."""
+    c, client, d = session.counters, session.client, session.drafter
+    link = Link(client.base_rtt_s, session.uplink_bps, 0.0)
+    n0, drafted0, accepted0, cloud0 = len(session.generated), c.drafted, c.accepted, c.cloud_compute_s
+    draft0, up0, down0 = d.compute_s, client.counters.up_bytes, client.counters.down_bytes
+    behind = d.behind  # what sd feeds before its first draft
+    t0 = time.perf_counter()
+    run()
+    wall, now = time.perf_counter() - t0, time.monotonic()
+    up, down = client.counters.up_bytes - up0, client.counters.down_bytes - down0
+    cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
+    if protocol == "sd":
+        estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, d.compute_s - draft0, cloud_s, up, down,
+                             wall, link, now, caught_up=behind)
+    else:
+        estimates.observe_llm(n, cloud_s, up, down, wall, link, now)
+    return n

@@ -1,13 +1,16 @@
 """`hat-bench auto`: protocol auto against every fixed protocol through one scripted trace, on real models.
 
 A cloud process pinned to its own core(s), a link emulator in front of it, and this process as the device on the
-other core(s). The trace is a list of phases, each a link profile (the emulator's profile changes between phases), a
-cloud load (N other devices, threads here with a connection each, asking the cloud to decode alone without pause: no
-model on their side) and, for `cut`, a cut of the link for --cut-s seconds during each request. In every phase each
-protocol of --protocols (auto among them) runs one request on the same prompt, in a rotating order; the whole trace
-is repeated --repetitions times. Per phase and overall: tokens/s, decode tokens/s, TTFT, the cloud's step seconds per
-token, bytes per token, and the cost model's predicted decode tokens/s for sd and llm (auto's estimates as they stand
-after its request in that phase) against the measured ones; what auto ran in each phase.
+other core(s) (every protocol's draft prefill overlapping the cloud's, as on a device with cores of its own); auto
+on an edge runtime of its own, so what it knows comes from its own requests only. The trace is a list of phases,
+each a link profile (the emulator's profile changes between phases), a cloud load (N other devices, threads here
+with a connection each, asking the cloud to decode alone without pause: no model on their side) and, for `cut`, a
+cut of the link for --cut-s seconds during each request. In every phase each protocol of --protocols (auto among
+them) runs one request on the same prompt, in a rotating order; the whole trace is repeated --repetitions times. Per
+phase and overall: tokens/s, decode tokens/s, TTFT, the cloud's step seconds per token, bytes per token, and the
+cost model's predicted decode tokens/s for sd and llm (auto's estimates as they stand after its request in that
+phase) against the measured ones, sd's also at the α the fixed sd request realised (the model apart from the α
+estimate); what auto ran in each phase.
 
 The device's power mode cannot change on this machine (no nvpmodel); a trace step for it is not emulated.
 """
@@ -20,7 +23,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from profiles.bench.provenance import write_report
 
@@ -139,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
                             engine=EngineConfig(backend=args.engine, threads=len(device_cores),
                                                 weight_quant="int8" if args.engine == "torch" else "none"))
         rt = bed.runtime(config)
+        # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
+        # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime)
+        rt_auto = bed.runtime(config) if "auto" in protocols else rt
         load_prompt = rt.encode_prompt(prompts[0].text)[:64]
         for rep in range(args.repetitions):
             for k, phase in enumerate(phases):
@@ -152,13 +158,15 @@ def run(args: argparse.Namespace) -> int:
                         if timer:
                             timer.start()
                         commits: List[tuple] = []
-                        res = rt.run(_request(prompt, name, args, SamplingParams(args.temperature), commits))
+                        runner = rt_auto if name == "auto" else rt
+                        res = runner.run(_request(prompt, name, args, SamplingParams(args.temperature), commits))
                         if timer:
                             timer.join()
                             time.sleep(0.2)
                         rows.append(_row(rep, phase, name, res, commits))
                         if name == "auto":
-                            rows[-1]["predicted"] = _predictions(rt, Link(rt.client.base_rtt_s), res.prompt_tokens,
+                            rows[-1]["predicted"] = _predictions(rt_auto, Link(rt_auto.client.base_rtt_s),
+                                                                 res.prompt_tokens,
                                                                  args.draft_len)
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
@@ -204,21 +212,44 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
     n = max(res.n, 1)
     return {"rep": rep, "phase": phase.name, "protocol": name, "tokens": res.n, "total_s": res.total_s,
             "ttft_s": res.ttft_s, "tokens_per_s": s["tokens_per_s"], "steady_tokens_per_s": steady_rate(commits),
-            "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n, "up_bytes_per_token":
+            "alpha": s.get("alpha"), "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n,
+            "up_bytes_per_token":
             s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
             "auto": res.auto}
 
 
-def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, Optional[float]]:
+def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, object]:
     """sd's (at the fixed protocol's γ) and llm's (at its chunk) tokens/s after the first reply, as auto's estimates
-    predict them now; None for one not measured yet."""
+    predict them now (None for one not measured yet); sd's at every α of ALPHA_GRID (the model given a request's own
+    acceptance: the summary's second error); the estimates themselves."""
     from edge_runtime.auto import AUTO_TOKEN, AutoController
+    from hat_split.math.costmodel import CloudCosts, predict
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
                        shares_host=not rt.config.overlaps_prefill)
     now = time.monotonic()
     preds = {"sd": c.at("sd", draft_len, link, now), "llm": c.at("llm", rt.config.llm_chunk, link, now)}
-    return {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
+    out: Dict[str, object] = {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
+    est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
+    if preds["sd"] is not None and curve is not None:
+        out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
+                                      CloudCosts(curve, est.reported_wait_s), est.wire(), a).tokens_per_s
+                              for a in ALPHA_GRID]
+    out["estimates"] = {"alpha": est.alpha, "draft_step_s": est.draft_step_s, "catch_up_s": est.catch_up_s,
+                        "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy,
+                        "reported_wait_s": est.reported_wait_s, "curve": list(curve.points) if curve else [],
+                        "rtt_s": link.rtt_s, "wire": est.wire().__dict__}
+    return out
+
+
+ALPHA_GRID = [i / 20 for i in range(21)]
+
+
+def at_alpha(grid_values: List[float], alpha: float) -> float:
+    """A prediction on ALPHA_GRID read at `alpha` (linear between the grid's points)."""
+    x = min(max(alpha, 0.0), 1.0) * (len(ALPHA_GRID) - 1)
+    i = min(int(x), len(ALPHA_GRID) - 2)
+    return grid_values[i] + (x - i) * (grid_values[i + 1] - grid_values[i])
 
 
 def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> dict:
@@ -249,12 +280,17 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
             entry["best_fixed"] = best
         errors = {}
         for name in ("sd", "llm"):
-            pairs = [(a["predicted"][name], f["steady_tokens_per_s"]) for a in sel if a["protocol"] == "auto"
-                     and a.get("predicted", {}).get(name) for f in sel if f["protocol"] == name
-                     and f["rep"] == a["rep"] and f["phase"] == a["phase"] and f["steady_tokens_per_s"] > 0]
-            if pairs:
-                errors[name] = {"n": len(pairs), "median_abs_error": statistics.median(
-                    abs(p - m) / m for p, m in pairs)}
+            pairs = [(a["predicted"], f) for a in sel if a["protocol"] == "auto" and a.get("predicted", {}).get(name)
+                     for f in sel if f["protocol"] == name and f["rep"] == a["rep"] and f["phase"] == a["phase"]
+                     and f["steady_tokens_per_s"] > 0]
+            if not pairs:
+                continue
+            errors[name] = {"n": len(pairs), "median_abs_error": statistics.median(
+                abs(p[name] - f["steady_tokens_per_s"]) / f["steady_tokens_per_s"] for p, f in pairs)}
+            own = [abs(at_alpha(p["sd_by_alpha"], f["alpha"]) - f["steady_tokens_per_s"]) / f["steady_tokens_per_s"]
+                   for p, f in pairs if name == "sd" and p.get("sd_by_alpha") and f.get("alpha") is not None]
+            if own:
+                errors[name]["median_abs_error_own_alpha"] = statistics.median(own)
         entry["model_error"] = errors
         out[phase] = entry
     return out
@@ -264,6 +300,9 @@ def print_summary(report: dict) -> None:
     for phase, e in report["summary"].items():
         cells = ", ".join(f"{k} {v['tokens_per_s']:.2f}" for k, v in e["protocols"].items())
         ratio = f"; auto {e['auto_over_best_fixed']:.2f}x {e['best_fixed']}" if "auto_over_best_fixed" in e else ""
-        err = "; model error " + ", ".join(f"{k} {100 * v['median_abs_error']:.0f} % (n={v['n']})"
-                                           for k, v in e["model_error"].items()) if e["model_error"] else ""
+        err = "; model error " + ", ".join(
+            f"{k} {100 * v['median_abs_error']:.0f} %" + (f" ({100 * v['median_abs_error_own_alpha']:.0f} % at the "
+                                                          "request's own α)" if "median_abs_error_own_alpha" in v
+                                                          else "") + f" (n={v['n']})"
+            for k, v in e["model_error"].items()) if e["model_error"] else ""
         print(f"{phase:>16}: tok/s {cells}{ratio}{err}")
