@@ -13,8 +13,8 @@ For each N of --devices and each protocol (in a rotating order), N devices run -
 back, on the recorded prompts, device i starting i/N of a lone llm request's time after the first (arrivals spread
 as a steady stream's are, rather than N prompts at the same instant). Per cell: TTFT (request to its first token)
 and TBT (each commit's gap since the previous one, shared by the tokens it brought) as P50/P99 with n, tokens/s per
-device and the cloud's tokens/s in all. Capacity per protocol: the largest N whose TTFT P99 and TBT P99 are within
-the SLA (--sla-ttft-s, --sla-tbt-ms) with no failed request.
+device and the cloud's tokens/s in all. Capacity per protocol: the largest N such that at every size up to it the
+TTFT P99 and TBT P99 are within the SLA (--sla-ttft-s, --sla-tbt-ms) with no failed request.
 """
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
     from profiles.bench.rig import Rig
 
     protocols = [p for p in args.protocols.split(",") if p]
-    sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
+    try:
+        sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
+    except ValueError:
+        raise ValueError(f"--devices: comma-separated fleet sizes, got {args.devices!r}") from None
     if not sizes or sizes[0] < 1 or args.requests < 1 or args.gamma < args.draft_len:
         raise ValueError("--devices: positive sizes; --requests >= 1; --gamma >= --draft-len")
     cores = sorted(os.sched_getaffinity(0))
@@ -179,11 +182,15 @@ def _pcts(xs: List[float]) -> dict:
 
 
 def capacity(cells: List[dict], protocols: List[str]) -> Dict[str, dict]:
-    """Per protocol: the largest N within the SLA (0 when none is), and its cloud tokens/s."""
+    """Per protocol: the largest N such that every measured size up to it is within the SLA (0 when the smallest is
+    not), and the cloud's tokens/s there."""
     out = {}
     for name in protocols:
-        ok = [c for c in cells if c["protocol"] == name and c["within_sla"]]
-        best = max(ok, key=lambda c: c["devices"]) if ok else None
+        best = None
+        for c in sorted((c for c in cells if c["protocol"] == name), key=lambda c: c["devices"]):
+            if not c["within_sla"]:
+                break
+            best = c
         out[name] = {"devices": best["devices"] if best else 0,
                      "cloud_tokens_per_s": best["cloud_tokens_per_s"] if best else 0.0}
     return out
