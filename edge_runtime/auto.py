@@ -76,6 +76,7 @@ class AutoEstimates:
     catch_up_s: Optional[float] = None  # the draft model's seconds per token read without drafting (prefill,
     # catch-up)
     cloud_busy: Optional[bool] = None  # the cloud's last good report had other sessions' work waiting
+    power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
@@ -104,6 +105,22 @@ class AutoEstimates:
         if self.cloud_busy is not None and busy != self.cloud_busy:
             self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
         self.cloud_busy = busy
+        return True
+
+    def take_mode(self, mode: str) -> bool:
+        """The device's power mode as the board reports it ("" off a Jetson). After a change the device's own
+        figures (draft step, catch-up, the device alone, sd's round overheads) are another board's: they are
+        forgotten and sd runs one round to measure them again (α is the two models', kept). True on a change."""
+        if self.power_mode is None or mode == self.power_mode:
+            self.power_mode = mode
+            return False
+        log.info("auto: the power mode changed from %r to %r: the device's figures are measured again",
+                 self.power_mode, mode)
+        self.power_mode = mode
+        self.draft_step_s = self.catch_up_s = self.local_step_s = None
+        self.overhead_s = {k: v for k, v in self.overhead_s.items() if k.split(":")[0] != "sd"}
+        if self.measured.get("sd"):
+            self.measured["sd"] = MEASURE_ROUNDS - 1
         return True
 
     def curve(self, now: Optional[float] = None) -> Optional[CostCurve]:

@@ -218,13 +218,15 @@ class EdgeRuntime:
 
 
 def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
-    """`round_fn` of an sd or llm request, each round's figures given to protocol auto's estimates (and the cloud's
-    cost report of the session's opening, before its first round)."""
+    """`round_fn` of an sd or llm request, each round's figures given to protocol auto's estimates (and, before its
+    first round, the cloud's cost report of the session's opening and the board's power mode)."""
     opened = [False]
 
     def run(session) -> None:
         if not opened[0]:
             opened[0] = True
             estimates.take_report(session.cloud_cost)
+            if session.monitor is not None:
+                estimates.take_mode(session.monitor.power_mode)
         observed_round(session, estimates, protocol, lambda: round_fn(session))
     return run

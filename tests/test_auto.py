@@ -116,6 +116,26 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     assert est.take_report(P.CloudCost([[1.0, 0.05]])) and est.overhead("llm") == pytest.approx(idle_overhead)
 
 
+def test_a_new_power_mode_is_another_board():
+    """The board's power mode changes: the device's own figures are forgotten, sd runs one round to measure them
+    again, α (the models') stays; the first reading and an unchanged mode change nothing."""
+    from edge_runtime.auto import MEASURE_ROUNDS
+
+    est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
+    est.overhead_s = {"sd": 0.01, "sd:busy": 0.2, "llm": 0.005}
+    assert not est.take_mode("MAXN") and not est.take_mode("MAXN")
+    c = _controller(est)
+    c.record(Choice("sd", 8, "predicted", {}), 8)
+    assert c.decide(Link(0.01)).reason.startswith("predicted")
+    assert est.take_mode("MODE_15W")
+    assert est.draft_step_s is None and est.catch_up_s is None and est.overhead_s == {"llm": 0.005}
+    assert est.alpha == pytest.approx(0.9) and est.measured["sd"] == MEASURE_ROUNDS - 1
+    again = c.decide(Link(0.01))
+    assert again.protocol == "sd" and again.reason.startswith("measuring sd"), again
+    est.observe_sd(4, 4, 4 * 0.06, 0.22, 300, 100, 0.6, Link(), now=1.0)  # the slower board's draft step
+    assert est.draft_step_s == pytest.approx(0.06) and c.decide(Link(0.01)).reason.startswith("predicted")
+
+
 @pytest.mark.parametrize("bad,field", [
     (P.CloudCost([[1.0, float("nan")]]), r"points\[0\]: seconds"),
     (P.CloudCost([[1.0, 0.1], [1.0, 0.2]]), r"points\[1\]: positions must increase"),

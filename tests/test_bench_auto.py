@@ -14,8 +14,10 @@ def test_the_trace_parses_and_refuses_what_it_cannot_run():
     assert parse_trace("loopback, cut:lte,load:wifi-near") == [
         Phase("loopback", "loopback"), Phase("cut:lte", "lte", cut=True), Phase("load:wifi-near", "wifi-near",
                                                                                  load=True)]
-    with pytest.raises(ValueError, match="PROFILE, cut:PROFILE or load:PROFILE"):
-        parse_trace("storm:lte")
+    assert parse_trace("load+power:lte") == [Phase("load+power:lte", "lte", load=True, power=True)]
+    for bad in ("storm:lte", "load+storm:lte", "+:lte"):
+        with pytest.raises(ValueError, match="KINDS one or more of cut, load, power"):
+            parse_trace(bad)
     with pytest.raises(ValueError, match="moon-link"):
         parse_trace("moon-link")
     with pytest.raises(ValueError, match="no phase"):
@@ -56,11 +58,13 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
 
     out = tmp_path / "auto.json"
     assert main(["auto", "--draft", "smollm2-135m", "--target", "smollm2-135m", "--engine", "torch", "--trace",
-                 "loopback,cut:loopback,load:wifi-near", "--repetitions", "1", "--max-new-tokens", "24",
+                 "loopback,cut:loopback,load+power:wifi-near", "--repetitions", "1", "--max-new-tokens", "24",
                  "--protocols", "llm,auto", "--load-devices", "2", "--cut-s", "1.0", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load:wifi-near"] * 2
+    assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load+power:wifi-near"] * 2
     assert all(r["tokens"] == 24 for r in doc["rows"])
     autos = [r for r in doc["rows"] if r["protocol"] == "auto"]
     assert all(r["auto"] and r["predicted"]["llm"] for r in autos)
-    assert set(doc["summary"]) == {"loopback", "cut:loopback", "load:wifi-near", "overall"}
+    assert set(doc["summary"]) == {"loopback", "cut:loopback", "load+power:wifi-near", "overall"}
+    modes = [r["predicted"]["estimates"]["power_mode"] for r in autos]
+    assert modes == ["MAXN", "MAXN", "MODE_15W"], modes  # the device read the stand-in nvpmodel as on a Jetson

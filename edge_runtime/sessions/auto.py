@@ -33,6 +33,8 @@ class AutoSession(TokenSession):
         return Link(self.client.base_rtt_s, self.uplink_bps, 0.0)
 
     def _choose(self) -> Choice:
+        if self.monitor is not None:  # a power mode that changed (read at most every 5 s) is another board
+            self.auto.estimates.take_mode(self.monitor.refresh_mode())
         choice = self.auto.decide(self.link(), time.monotonic(), self.drafter.behind, self.remaining)
         self.protocol = protocols.get(choice.protocol)  # what this round runs
         return choice

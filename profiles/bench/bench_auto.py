@@ -12,7 +12,9 @@ cost model's predicted decode tokens/s for sd and llm (auto's estimates as they 
 phase) against the measured ones, sd's also at the α the fixed sd request realised (the model apart from the α
 estimate); what auto ran in each phase.
 
-The device's power mode cannot change on this machine (no nvpmodel); a trace step for it is not emulated.
+A `power` phase puts the board in a low-power mode the way a Jetson's would show it (profiles.bench.board): the
+device's model runs --power-slowdown times slower and `nvpmodel -q` (a stand-in first on PATH) names MODE_15W, so
+the device's monitor reads the change as on a Jetson; the other phases are MAXN at full speed.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List
 
+from profiles.bench.board import Board, SlowedLM
 from profiles.bench.provenance import write_report
 
-DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near"
+DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near,load+power:wifi-near"
 
 
 def add_parser(sub) -> None:
@@ -37,14 +40,17 @@ def add_parser(sub) -> None:
     s.add_argument("--engine", default="llamacpp", choices=["llamacpp", "torch"], help="both sides' engine")
     s.add_argument("--protocols", default="llm,sd,hlm,auto", help="comma-separated (default %(default)s)")
     s.add_argument("--trace", default=DEFAULT_TRACE,
-                   help="phases: a link profile, cut:PROFILE (the link cut during each request) or load:PROFILE "
-                        "(--load-devices others decoding); default %(default)s")
+                   help="phases: a link profile, or KINDS:PROFILE with KINDS one or more of cut (the link cut during "
+                        "each request), load (--load-devices others decoding), power (the board in a low-power "
+                        "mode: --power-slowdown) joined by +; default %(default)s")
     s.add_argument("--repetitions", type=int, default=5)
     s.add_argument("--max-new-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--draft-len", type=int, default=4, help="sd's fixed γ")
     s.add_argument("--load-devices", type=int, default=8)
     s.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut phase cuts the link for, per request")
+    s.add_argument("--power-slowdown", type=float, default=3.0,
+                   help="a power phase's device compute, times the full-power board's (its mode MODE_15W)")
     s.add_argument("--cloud-cores", type=int, default=1, help="cores for the cloud; the device gets the rest")
     s.add_argument("--out", default="runs/auto/bench_auto.json")
 
@@ -55,6 +61,10 @@ class Phase:
     link: str
     cut: bool = False
     load: bool = False
+    power: bool = False
+
+
+KINDS = ("cut", "load", "power")
 
 
 def parse_trace(text: str) -> List[Phase]:
@@ -62,11 +72,13 @@ def parse_trace(text: str) -> List[Phase]:
 
     phases = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        kind, _, link = item.rpartition(":")
-        if kind not in ("", "cut", "load"):
-            raise ValueError(f"trace phase {item!r}: PROFILE, cut:PROFILE or load:PROFILE")
+        kinds, _, link = item.rpartition(":")
+        named = [k for k in kinds.split("+") if k] if kinds else []
+        if any(k not in KINDS for k in named) or (kinds and not named):
+            raise ValueError(f"trace phase {item!r}: PROFILE or KINDS:PROFILE, KINDS one or more of "
+                             f"{', '.join(KINDS)} joined by +")
         get_link_profile(link)  # a ValueError naming the known ones
-        phases.append(Phase(item, link, kind == "cut", kind == "load"))
+        phases.append(Phase(item, link, "cut" in named, "load" in named, "power" in named))
     if not phases:
         raise ValueError("the trace has no phase")
     return phases
@@ -126,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
     phases = parse_trace(args.trace)
     protocols = [p for p in args.protocols.split(",") if p]
+    if not 1.0 <= args.power_slowdown <= 100.0:
+        raise ValueError(f"--power-slowdown must be in [1, 100], got {args.power_slowdown}")
     cores = sorted(os.sched_getaffinity(0))
     if not 0 < args.cloud_cores < len(cores):
         raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the device needs a core of its own)")
@@ -134,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = demo_prompts(4)
     rows: List[dict] = []
     t0 = time.perf_counter()
-    with Rig(args.target, cloud_args=["--engine", args.engine], threads=len(cloud_cores), cloud_cpus=cloud_cores,
-             link="loopback") as bed:
+    board = Board() if any(p.power for p in phases) else None
+    with board or nullcontext(), Rig(args.target, cloud_args=["--engine", args.engine], threads=len(cloud_cores),
+                                     cloud_cpus=cloud_cores, link="loopback") as bed:
         # the device on cores of its own, as on a real device: its prefill and catch-up run while the cloud works
         config = EdgeConfig(model=args.draft, link=bed.link_config(link_policy="wait", reconnect_timeout_s=120.0),
                             draft_len=args.draft_len, overlap_prefill="on",
@@ -145,10 +160,17 @@ def run(args: argparse.Namespace) -> int:
         # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
         # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime)
         rt_auto = bed.runtime(config) if "auto" in protocols else rt
+        if board is not None:
+            for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
+                r.engine.lm = SlowedLM(r.engine.lm, board)
         load_prompt = rt.encode_prompt(prompts[0].text)[:64]
         for rep in range(args.repetitions):
             for k, phase in enumerate(phases):
                 bed.link.set_profile(phase.link)
+                if board is not None and phase.power:
+                    board.set("MODE_15W", args.power_slowdown)
+                elif board is not None:
+                    board.set("MAXN", 1.0)
                 prompt = prompts[(rep + k) % len(prompts)]
                 order = protocols[rep % len(protocols):] + protocols[:rep % len(protocols)]
                 load = Load(bed.link_config(), args.load_devices, load_prompt) if phase.load else nullcontext()
@@ -236,7 +258,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
                                       CloudCosts(curve, est.reported_wait_s), est.wire(), a).tokens_per_s
                               for a in ALPHA_GRID]
     out["estimates"] = {"alpha": est.alpha, "draft_step_s": est.draft_step_s, "catch_up_s": est.catch_up_s,
-                        "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy,
+                        "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy, "power_mode": est.power_mode,
                         "reported_wait_s": est.reported_wait_s, "curve": list(curve.points) if curve else [],
                         "rtt_s": link.rtt_s, "wire": est.wire().__dict__}
     return out
