@@ -94,7 +94,8 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     link = Link(client.base_rtt_s, session.uplink_bps, 0.0)
     n0, drafted0, accepted0, cloud0 = len(session.generated), c.drafted, c.accepted, c.cloud_compute_s
     draft0, up0, down0 = d.compute_s, client.counters.up_bytes, client.counters.down_bytes
-    behind = d.behind  # what sd feeds before its first draft
+    behind = d.behind  # what sd feeds before its first draft; 1 (the last draft of a round wholly accepted) is
+    # part of every sd round's first draft step, not a catch-up
     t0 = time.perf_counter()
     run()
     wall, now = time.perf_counter() - t0, time.monotonic()
@@ -102,7 +103,7 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
     if protocol == "sd":
         estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, d.compute_s - draft0, cloud_s, up, down,
-                             wall, link, now, caught_up=behind)
+                             wall, link, now, caught_up=behind if behind > 1 else 0)
     else:
         estimates.observe_llm(n, cloud_s, up, down, wall, link, now)
     return n
