@@ -8,7 +8,9 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
     round's wall time less its draft, cloud and link parts);
   * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
     sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
-    (SessionOpened's CloudCost, shifted by the cloud's batch μ) where the device has no point of its own;
+    (SessionOpened's CloudCost) where the device has no point of its own; while the cloud reports other sessions'
+    work waiting, every step of this device is priced with the others' μ positions in it (x own positions cost
+    g(x + μ): continuous batching), plus half a step's wait for the step in progress;
   * the bytes of its rounds (request without drafts, per draft row, reply);
   * the link's round trip (the client's probe) and the uplink rate the cloud measured.
 
@@ -69,7 +71,9 @@ class AutoEstimates:
     down_per_token: Optional[float] = None
     observed: DelayModel = field(default_factory=DelayModel)  # cloud seconds by positions, this device's rounds
     reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
-    reported_wait_s: float = 0.0  # g(μ) when the cloud had other sessions' work waiting as it reported, else 0
+    reported_wait_s: float = 0.0  # half of g(μ) when the cloud had other sessions' work waiting as it reported (a
+    # request arrives, on average, half-way through a step in progress), else 0
+    reported_others: float = 0.0  # μ then (the other sessions' positions each of this device's steps joins), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
@@ -98,10 +102,11 @@ class AutoEstimates:
             self.last_bad_report = str(exc)
             log.warning("the cloud's cost report was refused (%s): keeping the last good one", exc)
             return False
+        busy = cost.queued > 0
         if points:
             self.reported = points
-            self.reported_wait_s = CostCurve(points).step_s(max(1.0, cost.batch_tokens)) if cost.queued else 0.0
-        busy = cost.queued > 0
+            self.reported_others = cost.batch_tokens if busy else 0.0
+            self.reported_wait_s = 0.5 * CostCurve(points).step_s(max(1.0, cost.batch_tokens)) if busy else 0.0
         if self.cloud_busy is not None and busy != self.cloud_busy:
             self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
         self.cloud_busy = busy
@@ -127,7 +132,7 @@ class AutoEstimates:
         """Seconds of a cloud step of x positions as this device sees it: its own rounds' points (the other sessions'
         work in the same steps included; at `now`, those fed within STALE_S), the cloud's report for the sizes it has
         none of. None before either exists."""
-        points = {_bucket(x): (x, y) for x, y in self.reported}
+        points = {_bucket(x): (x, y) for x, y in _joined(self.reported, self.reported_others)}
         for x, y in self.observed.points():
             b = _bucket(x)
             if now is None or now - self.observed_at.get(b, now) <= STALE_S:
@@ -226,6 +231,15 @@ class AutoEstimates:
         """The device's costs as `protocol`'s rounds measured them."""
         return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
                            round_s=self.overhead(protocol), shares_host=shares_host)
+
+
+def _joined(points: Tuple[Tuple[float, float], ...], others: float) -> Tuple[Tuple[float, float], ...]:
+    """The cloud's curve (a step of x positions in all) as one session sees it when every step it joins also holds
+    `others` positions of other sessions (continuous batching): x own positions cost g(x + others)."""
+    if not points or others <= 0:
+        return points
+    g = CostCurve(points).step_s
+    return ((1.0, g(1.0 + others)),) + tuple((x - others, y) for x, y in points if x - others > 1.0)
 
 
 def _bucket(x: float) -> int:

@@ -108,12 +108,32 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     busy = P.CloudCost([[1.0, 0.05], [9.0, 0.06]], batch_tokens=8.0, queued=3)
     assert est.take_report(P.CloudCost([[1.0, 0.05], [9.0, 0.06]])) and est.observed.points()  # idle, as before
     assert est.take_report(busy) and not est.observed.points()  # loaded now: its report prices until measured
-    assert est.curve(now=STALE_S + 4).step_s(1) == pytest.approx(0.05)
+    assert est.curve(now=STALE_S + 4).step_s(1) == pytest.approx(0.06)  # g(1 + 8): the others in the step
     idle_overhead = est.overhead("llm")
     est.observe_llm(8, 8 * 0.5, 90, 130, 4.5, Link(), now=STALE_S + 5)
     assert est.take_report(busy) and est.curve(now=STALE_S + 6).step_s(1) == pytest.approx(0.5)  # still busy: kept
     assert est.overhead("llm") == pytest.approx(0.5)  # the busy cloud's queueing, kept apart from the idle one's
     assert est.take_report(P.CloudCost([[1.0, 0.05]])) and est.overhead("llm") == pytest.approx(idle_overhead)
+
+
+def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
+    """No round of its own measured under the load yet: the cloud's report (8 other positions in its steps, work
+    waiting) alone moves the choice from llm to sd: an llm round's 8 steps each carry the others, a verify once. (A
+    wait of one g(μ) per round instead, the others left out, would keep llm: 15.1 against 8.8 tok/s here.)"""
+    curve = [[1.0, 0.04], [8.0, 0.20], [16.0, 0.36], [32.0, 0.68]]  # a CPU cloud: 20 ms a position past the first
+    est = _estimates(0.8, 0.01, step_1=0.04, step_9=0.2)
+    est.observed = DelayModel()  # only the report prices the cloud
+    assert est.take_report(P.CloudCost(curve))
+    c = _controller(est)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    assert c.decide(Link(0.01)).protocol == "llm"  # idle: the cloud's decode step is cheap, its verify is not
+    assert est.take_report(P.CloudCost(curve, batch_tokens=8.0, queued=3))
+    g = est.curve()
+    assert g.step_s(1) == pytest.approx(0.22) and g.step_s(8) == pytest.approx(0.36)  # g(x + 8)
+    assert est.reported_wait_s == pytest.approx(0.5 * 0.20)
+    busy = c.decide(Link(0.01))
+    assert busy.protocol == "sd", busy
+    assert est.take_report(P.CloudCost(curve)) and c.decide(Link(0.01)).protocol == "llm"  # the load is gone
 
 
 def test_a_new_power_mode_is_another_board():
