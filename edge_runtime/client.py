@@ -90,6 +90,7 @@ class CloudClient:
         self._quiet_at = 0.0  # when the socket was last seen without a reply
         self.last_sent_at = 0.0  # perf_counter() when the last request left
         self.tap: Optional[Callable[[str, List[bytes]], None]] = None  # sees ("up" | "down", frames) of every message
+        self._drops = 0  # connection drops the socket's events have shown
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
 
@@ -126,11 +127,18 @@ class CloudClient:
     def _monitor_event(self) -> int:
         """Read one socket event; handshake failures are kept for `_handshake_failure`."""
         event = recv_monitor_message(self._monitor)["event"]
+        self._drops += event == zmq.EVENT_DISCONNECTED
         if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
             self._handshake_events.append(event)  # (no-detail failures are connections reset mid-handshake)
         self._established = (self._established or event == zmq.EVENT_HANDSHAKE_SUCCEEDED) and \
             event != zmq.EVENT_DISCONNECTED
         return event
+
+    def _dropped(self) -> bool:
+        """Read the socket's waiting events; True when one says the connection dropped."""
+        before = self._drops
+        self._connected()
+        return self._drops > before
 
     def _connected(self) -> bool:
         """The connection is up and accepted (events seen so far): a silent cloud is busy, not absent."""
@@ -223,7 +231,10 @@ class CloudClient:
         """First half of `request`: lets the device compute while the cloud works on the request."""
         if self._sock is None:
             raise CloudUnavailable("not connected: use the client as a context manager or call connect()")
-        if self._forgotten() and not isinstance(msg, P.Hello):
+        # a drop since the last exchange, while no reply was due, is not this request's failure: the socket
+        # reconnected by itself, perhaps to a cloud that restarted and does not know this device, so it says Hello
+        # again first (only a drop from now on may lose this request's reply)
+        if not isinstance(msg, P.Hello) and (self._dropped() or self._forgotten()):
             self._rehello()
         frames = P.encode(msg)
         try:

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from profiles.bench.bench_capacity import between_tokens, capacity, run
+from profiles.bench.bench_capacity import between_tokens, capacity, parse_slas, run
 
 
 def test_the_tokens_of_a_commit_share_its_gap():
@@ -17,25 +17,32 @@ def test_the_tokens_of_a_commit_share_its_gap():
 
 
 def test_capacity_is_the_largest_fleet_within_the_sla():
-    def cell(protocol, n, ok, tps):
-        return {"protocol": protocol, "devices": n, "within_sla": ok, "cloud_tokens_per_s": tps}
+    def cell(protocol, n, ttft, tbt, tps, failed=0):
+        return {"protocol": protocol, "devices": n, "failed": failed, "cloud_tokens_per_s": tps,
+                "ttft_s": {"n": 9, "p99": ttft}, "tbt_s": {"n": 90, "p99": tbt}}
 
-    cells = [cell("llm", 1, True, 8.0), cell("llm", 2, True, 9.0), cell("llm", 4, False, 9.5),
-             cell("sd", 1, True, 7.0), cell("sd", 2, False, 8.0), cell("sd", 4, True, 12.0),
-             cell("auto", 1, False, 1.0)]
-    got = capacity(cells, ["llm", "sd", "auto"])
+    cells = [cell("llm", 1, 1.0, 0.05, 8.0), cell("llm", 2, 2.0, 0.2, 9.0), cell("llm", 4, 5.0, 0.3, 9.5),
+             cell("sd", 1, 1.0, 0.1, 7.0), cell("sd", 2, 2.0, 0.4, 8.0), cell("sd", 4, 2.0, 0.2, 12.0),
+             cell("auto", 1, 1.0, 0.05, 1.0, failed=1)]
+    got = capacity(cells, ["llm", "sd", "auto"], 4.0, 0.25)
     assert got["llm"] == {"devices": 2, "cloud_tokens_per_s": 9.0}
     assert got["sd"]["devices"] == 1  # within the SLA at every size up to it: 4 passing after 2 failed is noise
-    assert got["auto"] == {"devices": 0, "cloud_tokens_per_s": 0.0}
+    assert got["auto"] == {"devices": 0, "cloud_tokens_per_s": 0.0}  # a failed request is outside any SLA
+    assert capacity(cells, ["llm", "sd"], 6.0, 0.5) == {"llm": {"devices": 4, "cloud_tokens_per_s": 9.5},
+                                                        "sd": {"devices": 4, "cloud_tokens_per_s": 12.0}}
+    assert parse_slas("4:250, 6:500") == [(4.0, 0.25), (6.0, 0.5)]
+    for bad in ("4", "4:x", "0:250", ""):
+        with pytest.raises(ValueError, match="--sla"):
+            parse_slas(bad)
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("devices", "0,2", "positive sizes"), ("devices", "1,two", "comma-separated fleet sizes"),
     ("requests", 0, "--requests"), ("gamma", 2, "--gamma"),
-    ("cloud_cores", 99, "--cloud-cores")])
+    ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla")])
 def test_bad_arguments_are_refused_before_anything_starts(field, value, message):
     args = argparse.Namespace(protocols="llm,sd,auto", devices="1,2", requests=1, gamma=8, draft_len=4,
-                              cloud_cores=1)
+                              cloud_cores=1, sla="4:250")
     setattr(args, field, value)
     with pytest.raises(ValueError, match=message):
         run(args)

@@ -340,3 +340,47 @@ def test_a_request_starting_while_the_link_is_down_waits_for_it(smollm2):
             with pytest.raises(Exception, match="no answer from the cloud"):
                 rt.generate(PROMPT, "sd", SamplingParams(0.0), 4)
             assert time.monotonic() - t0 < 5
+
+
+def test_a_close_whose_reply_was_lost_leaves_nothing_for_the_next_request(smollm2, monkeypatch):
+    """The connection drops while a session's Closed is due, and the Closed comes after all: the next request must
+    not take it for its own answer (it connects afresh), and gives the same tokens."""
+    from edge_runtime.client import LinkDown
+    from edge_runtime.runtime import EdgeRuntime
+    from edge_runtime.sessions.token import TokenSession
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.loading import vocab_fingerprint
+
+    close, lost = TokenSession.close, []
+
+    def close_lost_once(self, prompt):
+        if lost:
+            return close(self, prompt)
+        lost.append(self.session_id)
+        self.client.send(P.CloseSession(self.session_id, None, None, len(prompt) + len(self.generated)))
+        time.sleep(0.3)  # the Closed arrives, unread
+        raise LinkDown("the connection to the cloud dropped while a reply was due (planted)")
+
+    monkeypatch.setattr(TokenSession, "close", close_lost_once)
+    with serving(CausalLM(smollm2.model), vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
+        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()))
+        with EdgeRuntime(config, smollm2) as rt:
+            first = rt.generate(PROMPT, "llm", SamplingParams(0.0), 8, seed=0)
+            second = rt.generate(PROMPT, "llm", SamplingParams(0.0), 8, seed=0)
+    assert lost and first.tokens == second.tokens
+
+
+def test_a_drop_while_no_reply_was_due_does_not_fail_the_next_request(tiny_server):
+    """The link drops and comes back while the device is idle (its socket reconnects by itself): the next request
+    says Hello again (the cloud behind may have restarted: test_a_cloud_restarted_mid_session_lets_the_device_finish)
+    and is answered; a drop while its reply is due still counts (the resume tests above)."""
+    with _link(tiny_server) as link:
+        hello = P.Hello("idle-device", "m", 0, "", "test")
+        with CloudClient(LinkConfig(link.address, security=LinkSecurity.plaintext(), heartbeat_s=1.0), hello) \
+                as client:
+            assert isinstance(client.request(P.Report(P.DeviceState())), P.Reported)
+            link.cut("reset")
+            time.sleep(0.5)
+            link.restore()
+            time.sleep(1.0)  # the socket reconnects
+            assert isinstance(client.request(P.Report(P.DeviceState())), P.Reported)

@@ -28,7 +28,7 @@ def test_a_recorded_draft_drafts_what_the_model_drafts(smollm2):
     assert len(rec.next_token) == len(target) + 4 and rec.step_s > 0 and rec.prefill_s_per_token > 0
     assert rec.next_token[tuple(PROMPT)] == target[0]
 
-    played = RecordedLM(rec)
+    played = RecordedLM(rec, strict=True)
     state = played.new_state()
     played.forward(state, PROMPT[:-1], n_logits=0)
     logits = played.forward(state, [PROMPT[-1]], n_logits=1)
@@ -37,6 +37,10 @@ def test_a_recorded_draft_drafts_what_the_model_drafts(smollm2):
     played.crop(state, 2)
     with pytest.raises(KeyError, match="no draft after this prefix of 3 tokens"):
         played.forward(state, [12345], n_logits=1)
+    lenient = RecordedLM(rec)  # off the recording: a draft of token 0 (a wrong guess), counted
+    off = lenient.new_state()
+    assert int(lenient.forward(off, [5, 12345], n_logits=1)[0].argmax()) == 0 and lenient.misses == 1
+    played.strict = False
 
     engine = Engine(played, smollm2.tokenizer, played.vocab_size, "played", vocab_fingerprint(smollm2.tokenizer),
                     frozenset())

@@ -270,6 +270,9 @@ class Session(ABC):
                     raise
                 log.warning("session %d was not closed (%s): the cloud frees it after its timeout", self.session_id,
                             exc)
+                # its reply may still come on this connection, where the next request would read it for its own:
+                # the next request connects afresh
+                self.client.close()
         link = self.client.counters.since(before) if self.client is not None else LinkCounters()
         return GenerationResult(
             **dataclasses.asdict(self.counters),

@@ -9,7 +9,10 @@ next token is kept under its prefix. A greedy request of any protocol commits th
 exact), so every prefix its drafts start from, and every draft prefix up to `gamma`, is in the table. `RecordedLM`
 answers those prefixes with the recorded token (its logit 0, every other one far below) after sleeping what the real
 model took: `step_s` for a forward of one or two tokens, `prefill_s_per_token` a token for longer ones. A prefix
-outside the table (a temperature above 0, a γ above the recording's, another prompt) is refused, naming it.
+outside the table (the cloud's batched steps can round a near tie the other way, so its greedy tokens leave the
+recorded path; a γ above the recording's) drafts token 0, which the cloud rejects unless it is right — the cost of a
+wrong draft, as a real draft model that guessed wrong would have — and is counted (`misses`); `strict` refuses it
+instead, naming the prefix.
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ class RecordedLM:
     """The CausalLM interface over a Recording (module docstring)."""
 
     recording: Recording
+    strict: bool = False  # refuse a prefix outside the recording (else draft token 0 and count it)
+    misses: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -97,10 +102,11 @@ class RecordedLM:
         out = np.full((n_logits, rec.vocab_size), FAR_BELOW, np.float32)
         for i in range(n_logits):
             prefix = tuple(state.tokens[:len(state.tokens) - n_logits + i + 1])
-            if prefix not in rec.next_token:
+            if prefix not in rec.next_token and self.strict:
                 raise KeyError(f"the recording holds no draft after this prefix of {len(prefix)} tokens (ending "
                                f"{list(prefix[-4:])}): recorded drafts serve greedy requests on the recorded prompts")
-            out[i, rec.next_token[prefix]] = 0.0
+            self.misses += prefix not in rec.next_token
+            out[i, rec.next_token.get(prefix, 0)] = 0.0
         time.sleep(seconds)
         state.length += n
         state.forward_s += seconds
