@@ -19,14 +19,15 @@ exact, so exploring costs only time); then the one with the most predicted token
 max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more, and a
 switch to sd must also repay, over the tokens the request has left, the draft model's catch-up on the tokens it has
 not read (`behind`: the prompt at the opening when the device cannot prefill while the cloud does, the tokens llm
-made since). Where the device has cores of its own (`overlap_prefill`), the session reads those tokens into the draft
-model while it waits for llm's replies, so the draft is ready when sd comes back. A protocol that has not run for
-`PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay current,
-never as a request's first round and, for sd, only when its catch-up is one round's tokens at most. What changes
-fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue with every session
-opening, the device's own points of that curve older than `STALE_S`, or measured while the cloud's queue was in
-another state than it now reports (busy / idle), give way to the report. Every switch is logged with its reason, and
-the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
+made since). Where the device has cores of its own (`overlap_prefill`) and sd is within reach (`sd_within_reach`),
+the session reads those tokens into the draft model while it waits for llm's replies, so the draft is ready when sd
+comes back. After a new power mode the device's own figures restart from their next observations. A protocol that
+has not run for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step
+costs stay current, never as a request's first round and, for sd, only when its catch-up is one round's tokens at
+most. What changes fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue
+with every session opening, the device's own points of that curve older than `STALE_S`, or measured while the
+cloud's queue was in another state than it now reports (busy / idle), give way to the report. Every switch is logged
+with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ STALE_S = 20.0  # s: the device's own points of the cloud's curve older than thi
 SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up forward may take while the device waits
 # (a reply that arrives during it waits for it) ...
 SHADOW_MAX_S = 0.05  # ... and at most this (the opening's wait, whose end the device cannot predict: TTFT)
+DEVICE_FIGURES = frozenset({"draft_step_s", "catch_up_s", "local_step_s", "sd", "sd:busy"})  # what a new power
+# mode makes another board's ("sd", "sd:busy": sd's round overheads)
+READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
+# share of the best protocol's: else the reading costs the device energy (and, where device and cloud share a memory
+# bus, the cloud time) for a switch that is not coming
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -81,6 +87,7 @@ class AutoEstimates:
     # catch-up)
     cloud_busy: Optional[bool] = None  # the cloud's last good report had other sessions' work waiting
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
+    restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
@@ -114,19 +121,23 @@ class AutoEstimates:
 
     def take_mode(self, mode: str) -> bool:
         """The device's power mode as the board reports it ("" off a Jetson). After a change the device's own
-        figures (draft step, catch-up, the device alone, sd's round overheads) are another board's: they are
-        forgotten and sd runs one round to measure them again (α is the two models', kept). True on a change."""
+        figures (draft step, catch-up, the device alone, sd's round overheads) are another board's: each is replaced
+        by its next observation rather than averaged with it (α is the two models', kept). True on a change."""
         if self.power_mode is None or mode == self.power_mode:
             self.power_mode = mode
             return False
-        log.info("auto: the power mode changed from %r to %r: the device's figures are measured again",
-                 self.power_mode, mode)
+        log.info("auto: the power mode changed from %r to %r: the device's figures restart from their next "
+                 "observations", self.power_mode, mode)
         self.power_mode = mode
-        self.draft_step_s = self.catch_up_s = self.local_step_s = None
-        self.overhead_s = {k: v for k, v in self.overhead_s.items() if k.split(":")[0] != "sd"}
-        if self.measured.get("sd"):
-            self.measured["sd"] = MEASURE_ROUNDS - 1
+        self.restart |= DEVICE_FIGURES
         return True
+
+    def _restarts(self, name: str) -> bool:
+        """True once for a device figure after a new power mode: its next observation replaces it."""
+        if name in self.restart:
+            self.restart.discard(name)
+            return True
+        return False
 
     def curve(self, now: Optional[float] = None) -> Optional[CostCurve]:
         """Seconds of a cloud step of x positions as this device sees it: its own rounds' points (the other sessions'
@@ -152,11 +163,11 @@ class AutoEstimates:
         examined = accepted + (accepted < drafted)
         self.accepted, self.examined = ema(self.accepted, float(accepted)), ema(self.examined, float(examined))
         if not caught_up:
-            self.draft_step_s = ema(self.draft_step_s, draft_s / drafted)
-        elif self.draft_step_s is not None:
+            self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, draft_s / drafted)
+            if self._restarts("local_step_s") or self.local_step_s is None:
+                self.local_step_s = self.draft_step_s
+        elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
             self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
-        if self.local_step_s is None:
-            self.local_step_s = self.draft_step_s
         if cloud_s > 0:
             self._cloud(drafted + 1, cloud_s, now)
         base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
@@ -180,7 +191,7 @@ class AutoEstimates:
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """The draft model read `tokens` committed tokens (no drafts) in `seconds`."""
         if tokens > 0 and seconds > 0:
-            self.catch_up_s = ema(self.catch_up_s, seconds / tokens)
+            self.catch_up_s = ema(None if self._restarts("catch_up_s") else self.catch_up_s, seconds / tokens)
 
     def catch_up_cost(self, tokens: int) -> float:
         """Seconds the draft model needs to read `tokens` before it can draft (a draft step each before any
@@ -191,7 +202,7 @@ class AutoEstimates:
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
         if tokens > 0 and seconds > 0:
-            self.local_step_s = ema(self.local_step_s, seconds / tokens)
+            self.local_step_s = ema(None if self._restarts("local_step_s") else self.local_step_s, seconds / tokens)
 
     def _ran(self, protocol: str) -> None:
         self.measured[protocol] = self.measured.get(protocol, 0) + 1
@@ -207,7 +218,7 @@ class AutoEstimates:
 
     def _overhead(self, protocol: str, residual_s: float) -> None:
         key = self._overhead_key(protocol, bool(self.cloud_busy))
-        self.overhead_s[key] = ema(self.overhead_s.get(key), max(0.0, residual_s))
+        self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), max(0.0, residual_s))
 
     @staticmethod
     def _overhead_key(protocol: str, busy: bool) -> str:
@@ -339,6 +350,16 @@ class AutoController:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         return Choice(best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates)
+
+    def sd_within_reach(self, link: Link, now: Optional[float] = None) -> bool:
+        """Whether sd may run soon: not priced yet, or predicted at READ_AHEAD_REACH of the best protocol or more
+        (what decides whether the draft model reads the tokens it lacks while the device waits)."""
+        if "sd" not in self.eligible:
+            return False
+        preds = self.predictions(link, now)
+        if "sd" not in preds:
+            return True
+        return preds["sd"].tokens_per_s >= READ_AHEAD_REACH * max(p.tokens_per_s for p in preds.values())
 
     def local_wins(self, rtt_s: float) -> str:
         """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it

@@ -137,23 +137,38 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
 
 
 def test_a_new_power_mode_is_another_board():
-    """The board's power mode changes: the device's own figures are forgotten, sd runs one round to measure them
-    again, α (the models') stays; the first reading and an unchanged mode change nothing."""
-    from edge_runtime.auto import MEASURE_ROUNDS
-
+    """The board's power mode changes: each of the device's own figures is replaced by its next observation rather
+    than averaged with it, α (the models') stays; the first reading and an unchanged mode change nothing."""
     est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
     est.overhead_s = {"sd": 0.01, "sd:busy": 0.2, "llm": 0.005}
-    assert not est.take_mode("MAXN") and not est.take_mode("MAXN")
-    c = _controller(est)
-    c.record(Choice("sd", 8, "predicted", {}), 8)
-    assert c.decide(Link(0.01)).reason.startswith("predicted")
+    est.catch_up_s = 0.004
+    assert not est.take_mode("MAXN") and not est.take_mode("MAXN") and not est.restart
+    est.observe_sd(4, 4, 4 * 0.04, 0.22, 300, 100, 0.6, Link(), now=1.0)
+    assert est.draft_step_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.04)  # averaged (the moving average keeps 0.8)
     assert est.take_mode("MODE_15W")
-    assert est.draft_step_s is None and est.catch_up_s is None and est.overhead_s == {"llm": 0.005}
-    assert est.alpha == pytest.approx(0.9) and est.measured["sd"] == MEASURE_ROUNDS - 1
-    again = c.decide(Link(0.01))
-    assert again.protocol == "sd" and again.reason.startswith("measuring sd"), again
-    est.observe_sd(4, 4, 4 * 0.06, 0.22, 300, 100, 0.6, Link(), now=1.0)  # the slower board's draft step
-    assert est.draft_step_s == pytest.approx(0.06) and c.decide(Link(0.01)).reason.startswith("predicted")
+    est.observe_sd(4, 4, 4 * 0.06, 0.22, 300, 100, 0.6, Link(), now=2.0)  # the slower board's draft step
+    assert est.draft_step_s == pytest.approx(0.06) and est.local_step_s == pytest.approx(0.06)  # replaced
+    assert est.overhead_s["llm"] == 0.005 and 0.9 < est.alpha < 1.0  # α averaged on (all 4 accepted), not restarted
+    est.observe_catch_up(10, 0.1)
+    assert est.catch_up_s == pytest.approx(0.01)  # replaced, not averaged with 0.004
+    est.observe_catch_up(10, 0.2)
+    assert est.catch_up_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # then averaged again
+
+
+def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
+    from edge_runtime.auto import READ_AHEAD_REACH
+
+    unpriced = _controller(AutoEstimates())
+    assert unpriced.sd_within_reach(Link(0.01))  # sd must be measured: its draft must be ready
+    close = _controller(_estimates(0.4, 0.05, step_1=0.2, step_9=0.24))
+    preds = close.predictions(Link(0.01))
+    assert preds["sd"].tokens_per_s >= READ_AHEAD_REACH * preds["llm"].tokens_per_s and close.sd_within_reach(
+        Link(0.01))
+    far = _controller(_estimates(0.05, 0.05, step_1=0.2, step_9=0.5))
+    preds = far.predictions(Link(0.01))
+    assert preds["sd"].tokens_per_s < READ_AHEAD_REACH * preds["llm"].tokens_per_s
+    assert not far.sd_within_reach(Link(0.01)) and not _controller(AutoEstimates(), eligible=("llm",)).sd_within_reach(
+        Link(0.01))
 
 
 @pytest.mark.parametrize("bad,field", [

@@ -48,10 +48,10 @@ class AutoSession(TokenSession):
         self.auto.estimates.take_report(self.cloud_cost)
 
     def while_waiting(self) -> None:
-        """On a device with cores of its own (overlap_prefill), the draft model reads the committed tokens it lacks
-        while the cloud works, a forward at a time, each at most SHADOW_SHARE of an llm round's expected time and
-        SHADOW_MAX_S, until the reply is there."""
-        if not self.config.overlaps_prefill:
+        """On a device with cores of its own (overlap_prefill), while sd is within reach (AutoController.
+        sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works, a forward at a
+        time, each at most SHADOW_SHARE of an llm round's expected time and SHADOW_MAX_S, until the reply is there."""
+        if not self.config.overlaps_prefill or not self.auto.sd_within_reach(self.link(), time.monotonic()):
             return
         est, d = self.auto.estimates, self.drafter
         per = est.catch_up_s or est.draft_step_s
