@@ -21,7 +21,8 @@ switch to sd must also repay, over the tokens the request has left, the draft mo
 not read (`behind`: the prompt at the opening when the device cannot prefill while the cloud does, the tokens llm
 made since). Where the device has cores of its own (`overlap_prefill`) and sd is within reach (`sd_within_reach`),
 the session reads those tokens into the draft model while it waits for llm's replies, so the draft is ready when sd
-comes back. After a new power mode the device's own figures restart from their next observations. A protocol that
+comes back. After a new power mode the device's own figures are that mode's (or restart from their next
+observations). A protocol that
 has not run for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step
 costs stay current, never as a request's first round and, for sd, only when its catch-up is one round's tokens at
 most. What changes fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue
@@ -88,6 +89,7 @@ class AutoEstimates:
     cloud_busy: Optional[bool] = None  # the cloud's last good report had other sessions' work waiting
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
+    by_mode: Dict[str, Dict[str, float]] = field(default_factory=dict)  # the device figures of each mode left
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
@@ -121,16 +123,37 @@ class AutoEstimates:
 
     def take_mode(self, mode: str) -> bool:
         """The device's power mode as the board reports it ("" off a Jetson). After a change the device's own
-        figures (draft step, catch-up, the device alone, sd's round overheads) are another board's: each is replaced
-        by its next observation rather than averaged with it (α is the two models', kept). True on a change."""
+        figures (draft step, catch-up, the device alone, sd's round overheads) are another board's: those measured
+        in that mode before come back; the others are replaced by their next observation rather than averaged with
+        it (α is the two models', kept). True on a change."""
         if self.power_mode is None or mode == self.power_mode:
             self.power_mode = mode
             return False
-        log.info("auto: the power mode changed from %r to %r: the device's figures restart from their next "
-                 "observations", self.power_mode, mode)
+        log.info("auto: the power mode changed from %r to %r: the device's figures are that mode's", self.power_mode,
+                 mode)
+        self.by_mode[self.power_mode] = self._device_figures()
         self.power_mode = mode
-        self.restart |= DEVICE_FIGURES
+        known = self.by_mode.get(mode, {})
+        for name in DEVICE_FIGURES:
+            if name in known:
+                self._set_figure(name, known[name])
+        self.restart = set(DEVICE_FIGURES) - set(known)
         return True
+
+    def _device_figures(self) -> Dict[str, float]:
+        """The device figures measured in this mode (those not awaiting their first observation)."""
+        out = {}
+        for name in DEVICE_FIGURES - self.restart:
+            v = getattr(self, name) if name.endswith("_s") else self.overhead_s.get(name)
+            if v is not None:
+                out[name] = v
+        return out
+
+    def _set_figure(self, name: str, value: float) -> None:
+        if name.endswith("_s"):
+            setattr(self, name, value)
+        else:
+            self.overhead_s[name] = value
 
     def _restarts(self, name: str) -> bool:
         """True once for a device figure after a new power mode: its next observation replaces it."""

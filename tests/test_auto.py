@@ -138,7 +138,8 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
 
 def test_a_new_power_mode_is_another_board():
     """The board's power mode changes: each of the device's own figures is replaced by its next observation rather
-    than averaged with it, α (the models') stays; the first reading and an unchanged mode change nothing."""
+    than averaged with it, α (the models') stays; back in a mode it knows, that mode's figures return; the first
+    reading and an unchanged mode change nothing."""
     est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
     est.overhead_s = {"sd": 0.01, "sd:busy": 0.2, "llm": 0.005}
     est.catch_up_s = 0.004
@@ -153,6 +154,10 @@ def test_a_new_power_mode_is_another_board():
     assert est.catch_up_s == pytest.approx(0.01)  # replaced, not averaged with 0.004
     est.observe_catch_up(10, 0.2)
     assert est.catch_up_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # then averaged again
+    assert est.take_mode("MAXN") and not est.restart  # back: the full-power board's figures, as measured there
+    assert est.draft_step_s == pytest.approx(0.024) and est.catch_up_s == 0.004 and est.overhead_s["sd:busy"] == 0.2
+    assert est.take_mode("MODE_15W") and est.draft_step_s == pytest.approx(0.06)
+    assert est.catch_up_s == pytest.approx(0.012) and "sd:busy" in est.restart  # never measured in this mode
 
 
 def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
