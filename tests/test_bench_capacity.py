@@ -39,7 +39,7 @@ def test_capacity_is_the_largest_fleet_within_the_sla():
 @pytest.mark.parametrize("field,value,message", [
     ("devices", "0,2", "positive sizes"), ("devices", "1,two", "comma-separated fleet sizes"),
     ("requests", 0, "--requests"), ("gamma", 2, "--gamma"),
-    ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla")])
+    ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla"), ("protocols", "llm,warp", "warp")])
 def test_bad_arguments_are_refused_before_anything_starts(field, value, message):
     args = argparse.Namespace(protocols="llm,sd,auto", devices="1,2", requests=1, gamma=8, draft_len=4,
                               cloud_cores=1, sla="4:250")

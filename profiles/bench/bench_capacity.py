@@ -52,11 +52,16 @@ def run(args: argparse.Namespace) -> int:
     from edge_runtime.config import EdgeConfig, EngineConfig
     from edge_runtime.engine import Engine
     from hat_split.math.sampling import SamplingParams
+    from hat_split.protocols import check_requestable
     from hat_split.prompt_sets import demo_prompts
     from profiles.bench.recorded_draft import RecordedLM, record
     from profiles.bench.rig import Rig
 
     protocols = [p for p in args.protocols.split(",") if p]
+    if not protocols:
+        raise ValueError("--protocols: none given")
+    for name in protocols:
+        check_requestable(name)  # a ValueError naming the known ones
     slas = parse_slas(args.sla)
     try:
         sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
@@ -83,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
             target = real.generate(ids, "llm", greedy, args.max_new_tokens, seed=0).tokens
             lone.append(time.perf_counter() - t0)
             rec = record(real.engine.lm, ids, target, args.gamma)
-            recording = rec if recording is None else (recording.merge(rec) or recording)
+            if recording is None:
+                recording = rec
+            else:
+                recording.merge(rec)
             prompts.append((ids, target))
             print(f"recorded {len(rec.next_token)} drafts of a {len(ids)}-token prompt: draft step "
                   f"{1e3 * rec.step_s:.1f} ms, prefill {1e3 * rec.prefill_s_per_token:.2f} ms/token", flush=True)
