@@ -52,8 +52,9 @@ STALE_S = 20.0  # s: the device's own points of the cloud's curve older than thi
 SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up forward may take while the device waits
 # (a reply that arrives during it waits for it) ...
 SHADOW_MAX_S = 0.05  # ... and at most this (the opening's wait, whose end the device cannot predict: TTFT)
-DEVICE_FIGURES = frozenset({"draft_step_s", "catch_up_s", "local_step_s", "sd", "sd:busy"})  # what a new power
-# mode makes another board's ("sd", "sd:busy": sd's round overheads)
+DEVICE_TIMES = ("draft_step_s", "catch_up_s", "local_step_s")  # what a new power mode makes another board's:
+DEVICE_OVERHEADS = ("sd", "sd:busy")  # these estimates, and sd's round overheads (keys of overhead_s)
+DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
 READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
 # share of the best protocol's: else the reading costs the device energy (and, where device and cloud share a memory
 # bus, the cloud time) for a switch that is not coming
@@ -142,15 +143,12 @@ class AutoEstimates:
 
     def _device_figures(self) -> Dict[str, float]:
         """The device figures measured in this mode (those not awaiting their first observation)."""
-        out = {}
-        for name in DEVICE_FIGURES - self.restart:
-            v = getattr(self, name) if name.endswith("_s") else self.overhead_s.get(name)
-            if v is not None:
-                out[name] = v
-        return out
+        values = {n: getattr(self, n) for n in DEVICE_TIMES}
+        values.update({n: self.overhead_s.get(n) for n in DEVICE_OVERHEADS})
+        return {n: v for n, v in values.items() if v is not None and n not in self.restart}
 
     def _set_figure(self, name: str, value: float) -> None:
-        if name.endswith("_s"):
+        if name in DEVICE_TIMES:
             setattr(self, name, value)
         else:
             self.overhead_s[name] = value
@@ -325,7 +323,10 @@ class AutoController:
     def at(self, name: str, knob: int, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
         """The cost model's prediction of `name` at `knob` from the estimates (as they stand at `now`: STALE_S);
         None while it cannot be priced."""
-        est, curve = self.estimates, self.estimates.curve(now)
+        return self._at(name, knob, link, self.estimates.curve(now))
+
+    def _at(self, name: str, knob: int, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
+        est = self.estimates
         if curve is None or not est.measured.get(name) or (name == "sd" and est.alpha is None):
             return None
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
@@ -333,10 +334,11 @@ class AutoController:
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
+        curve = self.estimates.curve(now)
         out: Dict[str, Prediction] = {}
         for name in self.eligible:
             knobs = range(1, self.max_draft + 1) if name == "sd" else (self.chunk,)
-            preds = [p for p in (self.at(name, k, link, now) for k in knobs) if p is not None]
+            preds = [p for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
             if preds:
                 out[name] = max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
         return out
@@ -374,12 +376,11 @@ class AutoController:
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         return Choice(best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates)
 
-    def sd_within_reach(self, link: Link, now: Optional[float] = None) -> bool:
-        """Whether sd may run soon: not priced yet, or predicted at READ_AHEAD_REACH of the best protocol or more
-        (what decides whether the draft model reads the tokens it lacks while the device waits)."""
+    def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
+        """Whether sd may run soon, by `predictions`: not priced yet, or predicted at READ_AHEAD_REACH of the best
+        protocol or more (what decides whether the draft model reads the tokens it lacks while the device waits)."""
         if "sd" not in self.eligible:
             return False
-        preds = self.predictions(link, now)
         if "sd" not in preds:
             return True
         return preds["sd"].tokens_per_s >= READ_AHEAD_REACH * max(p.tokens_per_s for p in preds.values())

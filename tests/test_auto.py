@@ -164,16 +164,15 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     from edge_runtime.auto import READ_AHEAD_REACH
 
     unpriced = _controller(AutoEstimates())
-    assert unpriced.sd_within_reach(Link(0.01))  # sd must be measured: its draft must be ready
+    assert unpriced.sd_within_reach(unpriced.predictions(Link(0.01)))  # sd must be measured: its draft must be ready
     close = _controller(_estimates(0.4, 0.05, step_1=0.2, step_9=0.24))
     preds = close.predictions(Link(0.01))
-    assert preds["sd"].tokens_per_s >= READ_AHEAD_REACH * preds["llm"].tokens_per_s and close.sd_within_reach(
-        Link(0.01))
+    assert preds["sd"].tokens_per_s >= READ_AHEAD_REACH * preds["llm"].tokens_per_s and close.sd_within_reach(preds)
     far = _controller(_estimates(0.05, 0.05, step_1=0.2, step_9=0.5))
     preds = far.predictions(Link(0.01))
     assert preds["sd"].tokens_per_s < READ_AHEAD_REACH * preds["llm"].tokens_per_s
-    assert not far.sd_within_reach(Link(0.01)) and not _controller(AutoEstimates(), eligible=("llm",)).sd_within_reach(
-        Link(0.01))
+    llm_only = _controller(AutoEstimates(), eligible=("llm",))
+    assert not far.sd_within_reach(preds) and not llm_only.sd_within_reach(llm_only.predictions(Link(0.01)))
 
 
 @pytest.mark.parametrize("bad,field", [

@@ -29,8 +29,7 @@ class AutoSession(TokenSession):
         self.auto = controller
 
     def link(self) -> Link:
-        """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
-        return Link(self.client.base_rtt_s, self.uplink_bps, 0.0)
+        return measured_link(self)
 
     def _choose(self) -> Choice:
         if self.monitor is not None:  # a power mode that changed (read at most every 5 s) is another board
@@ -51,11 +50,14 @@ class AutoSession(TokenSession):
         """On a device with cores of its own (overlap_prefill), while sd is within reach (AutoController.
         sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works, a forward at a
         time, each at most SHADOW_SHARE of an llm round's expected time and SHADOW_MAX_S, until the reply is there."""
-        if not self.config.overlaps_prefill or not self.auto.sd_within_reach(self.link(), time.monotonic()):
+        if not self.config.overlaps_prefill:
+            return
+        preds = self.auto.predictions(self.link(), time.monotonic())
+        if not self.auto.sd_within_reach(preds):
             return
         est, d = self.auto.estimates, self.drafter
         per = est.catch_up_s or est.draft_step_s
-        pred = self.auto.at("llm", self.auto.chunk, self.link())
+        pred = preds.get("llm")
         budget = SHADOW_MAX_S if pred is None else min(SHADOW_MAX_S, SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s)
         chunk = 8 if per is None else max(1, min(64, int(budget / per)))
         while d.behind and not self.client.ready():
@@ -91,7 +93,7 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     (protocol auto's rounds, and the rounds of sd and llm requests on the same runtime: what a device served teaches
     auto). Returns the tokens it committed."""
     c, client, d = session.counters, session.client, session.drafter
-    link = Link(client.base_rtt_s, session.uplink_bps, 0.0)
+    link = measured_link(session)
     n0, drafted0, accepted0, cloud0 = len(session.generated), c.drafted, c.accepted, c.cloud_compute_s
     draft0, up0, down0 = d.compute_s, client.counters.up_bytes, client.counters.down_bytes
     behind = d.behind  # what sd feeds before its first draft; 1 (the last draft of a round wholly accepted) is
@@ -107,3 +109,8 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     else:
         estimates.observe_llm(n, cloud_s, up, down, wall, link, now)
     return n
+
+
+def measured_link(session: TokenSession) -> Link:
+    """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
+    return Link(session.client.base_rtt_s, session.uplink_bps, 0.0)
