@@ -234,7 +234,14 @@ class CloudClient:
         # a drop since the last exchange, while no reply was due, is not this request's failure: the socket
         # reconnected by itself, perhaps to a cloud that restarted and does not know this device, so it says Hello
         # again first (only a drop from now on may lose this request's reply)
-        if not isinstance(msg, P.Hello) and (self._dropped() or self._forgotten()):
+        dropped = not isinstance(msg, P.Hello) and self._dropped()
+        if dropped:
+            failure = self._handshake_failure()
+            if failure:  # it reconnected and the cloud refused it (a revoked key): say so at once
+                raise CloudError(P.Error("unauthorized", failure))
+            if not self._established:  # not back yet: the caller reconnects (or degrades) as after any drop
+                raise self._lost(f"the connection to the cloud at {self.link.server} dropped and is not back")
+        if not isinstance(msg, P.Hello) and (dropped or self._forgotten()):
             self._rehello()
         frames = P.encode(msg)
         try:
