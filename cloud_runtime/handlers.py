@@ -36,6 +36,7 @@ class Handlers:
         self.work = work
         self.tables = tables
         self.registry = tables.registry
+        self.admission = admission
         self.arrival = Arrival()  # the request being handled, for the uplink estimate of Verify and Hidden
         self.token = TokenHandlers(config, model, work, tables, admission, self.arrival)
         self.split = SplitHandlers(config, model, work, tables, admission, self.arrival)
@@ -79,7 +80,8 @@ class Handlers:
 
     def _report(self, identity: bytes, msg: P.Report) -> P.Message:
         self.registry.report(identity, msg)
-        return P.Reported(cloud_state(self.work), cloud_cost(self.work))
+        others = self.tables.sessions.others_active(self.admission.device_of(identity))
+        return P.Reported(cloud_state(self.work), cloud_cost(self.work, others))
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
         """Everything is checked before anything changes: a refused CloseSession leaves the session intact."""

@@ -26,6 +26,8 @@ from hat_split.math.target_state import TargetState
 from hat_split.wire import messages as P
 
 RATE_RESOLUTION_S = 1e-3  # scheduling noise of two processes' clocks: shorter uplink transfers are not resolved
+ACTIVE_S = 2.0  # a device heard from (a request, an answer) this recently is still using the cloud: between two
+# verifies it drafts, and its next request is on its way
 
 
 @dataclass
@@ -111,6 +113,13 @@ class SessionTable:
     def of_peer(self, identity: bytes) -> bool:
         """Whether a connection holds any session."""
         return any(k[0] == identity for k in self._open)
+
+    def others_active(self, device: Hashable, now: Optional[float] = None) -> int:
+        """Devices other than `device` using the cloud: a session heard from within `ACTIVE_S` seconds or with work
+        queued. Steadier than the queue at one instant (a device drafting between verifies has nothing queued)."""
+        now = time.monotonic() if now is None else now
+        return len({s.device for k, s in self._open.items()
+                    if s.device != device and (now - s.last_active <= ACTIVE_S or self.work.held(k)[1])})
 
     def idle(self, now: float, limit: float) -> List[Key]:
         """Sessions silent for over `limit` seconds at monotonic time `now` and with no request being computed."""

@@ -62,14 +62,18 @@ class TokenHandlers(FamilyHandlers):
         self.sessions.put(key, session)
         self.tables.stats.sessions_opened += 1
         if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
-            return P.SessionOpened(msg.session_id, 1, 0.0, cloud_cost(self.work))
+            return P.SessionOpened(msg.session_id, 1, 0.0, self._cost(session))
         admission.with_room(identity, key, lambda: self.work.submit_tokens(key, session.tokens[:-1], 0,
                                                                            Pending(identity, msg, session)))
         admission.spend(device, len(prompt))
         return None
 
     def opened(self, p: Pending, _: None) -> P.Message:
-        return P.SessionOpened(p.msg.session_id, len(p.session.tokens), p.compute_s, cloud_cost(self.work))
+        return P.SessionOpened(p.msg.session_id, len(p.session.tokens), p.compute_s, self._cost(p.session))
+
+    def _cost(self, session: TargetSession) -> P.CloudCost:
+        """The cost report for a session's device: the others using the cloud counted without it."""
+        return cloud_cost(self.work, self.sessions.others_active(session.device))
 
     def verify(self, identity: bytes, msg: P.Verify) -> Optional[P.Message]:
         session = self.sessions.continuing(identity, msg)

@@ -100,8 +100,9 @@ def cloud_state(work: ModelWork) -> P.CloudState:
     return P.CloudState(work.load.mu or 0.0, work.load.g_mu(), work.stages)
 
 
-def cloud_cost(work: ModelWork) -> P.CloudCost:
-    """What a step costs now (hat_split.wire.messages.CloudCost): g's points, μ, the sessions with work waiting and the
-    KV positions free, for the devices' cost models."""
+def cloud_cost(work: ModelWork, others: int = 0) -> P.CloudCost:
+    """What a step costs now (hat_split.wire.messages.CloudCost): g's points, μ, the sessions with work waiting, the
+    KV positions free and the `others` devices using the cloud besides the one asked
+    (cloud_runtime.sessions.SessionTable.others_active), for the devices' cost models."""
     return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, work.scheduler.waiting,
-                       work.scheduler.kv_free)
+                       work.scheduler.kv_free, others)

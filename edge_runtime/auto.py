@@ -79,15 +79,15 @@ class AutoEstimates:
     down_per_token: Optional[float] = None
     observed: DelayModel = field(default_factory=DelayModel)  # cloud seconds by positions, this device's rounds
     reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
-    reported_wait_s: float = 0.0  # half of g(μ) when the cloud had other sessions' work waiting as it reported (a
-    # request arrives, on average, half-way through a step in progress), else 0
+    reported_wait_s: float = 0.0  # half of g(μ) when the cloud was busy as it reported (other devices using it or work
+    # waiting: CloudCost.others, queued; a request arrives, on average, half-way through a step in progress), else 0
     reported_others: float = 0.0  # μ then (the other sessions' positions each of this device's steps joins), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
     catch_up_s: Optional[float] = None  # the draft model's seconds per token read without drafting (prefill,
     # catch-up)
-    cloud_busy: Optional[bool] = None  # the cloud's last good report had other sessions' work waiting
+    cloud_busy: Optional[bool] = None  # the cloud's last good report had other devices using it or work waiting
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
     by_mode: Dict[str, Dict[str, float]] = field(default_factory=dict)  # the device figures of each mode left
@@ -112,7 +112,7 @@ class AutoEstimates:
             self.last_bad_report = str(exc)
             log.warning("the cloud's cost report was refused (%s): keeping the last good one", exc)
             return False
-        busy = cost.queued > 0
+        busy = cost.queued > 0 or cost.others > 0
         if points:
             self.reported = points
             self.reported_others = cost.batch_tokens if busy else 0.0

@@ -13,7 +13,7 @@ from cloud_runtime.config import CloudConfig
 from cloud_runtime.devices import DeviceRegistry, check_stats
 from cloud_runtime.handlers import Handlers
 from cloud_runtime.quotas import Admission, Quota, QuotaBook
-from cloud_runtime.sessions import SessionTable
+from cloud_runtime.sessions import ACTIVE_S, SessionTable
 from cloud_runtime.state import CloudTables
 from cloud_runtime.work import ModelFacts, Pending
 from hat_split.math.chunking import DelayModel
@@ -150,6 +150,26 @@ def test_requests_reach_their_family_and_finishers_build_the_replies():
     err = refused(handlers, b"dev", split)
     assert (err.code, err.message) == ("invalid", FACTS.split_refusal)
 
+
+
+def test_the_cost_report_counts_the_other_devices_using_the_cloud():
+    """CloudCost.others: the devices besides the asker heard from within ACTIVE_S seconds or with work queued, so a
+    device drafting between two verifies (nothing queued) still counts as load; one silent longer does not; the
+    asker's own sessions never count."""
+    handlers, work, tables, _ = cloud()
+    for dev in (b"a", b"b", b"c"):
+        hello(handlers, dev)
+    assert ask(handlers, b"a", open_token(1)).cost.others == 0  # nobody else has a session
+    assert ask(handlers, b"a", open_token(2)).cost.others == 0  # a second session of the asker's own
+    assert ask(handlers, b"b", open_token(1)).cost.others == 1  # a, heard from just now, nothing queued
+    assert ask(handlers, b"c", P.Report(P.DeviceState())).cost.others == 2
+    for key, s in tables.sessions.items():
+        s.last_active -= ACTIVE_S + 1  # everyone silent for longer than ACTIVE_S
+    assert ask(handlers, b"c", P.Report(P.DeviceState())).cost.others == 0
+    assert ask(handlers, b"a", P.Generate(1, 1, 1, np.zeros(0, np.int32), 2)) is None  # a's work is queued
+    tables.sessions.get((b"a", 1)).last_active -= ACTIVE_S + 1  # long queued: still using the cloud
+    assert ask(handlers, b"c", P.Report(P.DeviceState())).cost.others == 1
+    assert ask(handlers, b"a", P.Report(P.DeviceState())).cost.others == 0  # b silent; a's own work not counted
 
 # -- the device registry ----------------------------------------------------------------------------------------------
 def test_a_hello_with_another_vocabulary_is_refused_and_is_no_handshake():

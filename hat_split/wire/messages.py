@@ -148,13 +148,16 @@ class CloudState(msgspec.Struct, frozen=True):
 class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a step costs the cloud now, for the devices' cost models (hat_split.math.costmodel; `--protocol auto`):
     its cost curve — (positions, seconds) of its recent steps, one point per batch-size bucket (HAT eq. 2's g) — the
-    moving average of positions per step, the sessions with work waiting, the KV positions still free. Sent with every
-    SessionOpened and Reported; a device checks it (`cost_curve`) and keeps its last good one when it is malformed."""
+    moving average of positions per step, the sessions with work waiting, the KV positions still free, the other
+    devices using the cloud (heard from in the last seconds or with work waiting; the asking device not counted). Sent
+    with every SessionOpened and Reported; a device checks it (`cost_curve`) and keeps its last good one when it is
+    malformed."""
 
     points: List[Tuple[float, float]] = []
     batch_tokens: float = 0.0
     queued: int = 0
     kv_free: int = 0
+    others: int = 0
 
 
 MAX_STEP_S = 3600.0  # a cloud step reported slower than an hour is absurd: refused
@@ -163,8 +166,9 @@ MAX_POSITIONS = 1 << 24  # as a step of more positions
 
 def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
-    seconds in [0, 3600]; batch_tokens, queued and kv_free finite and >= 0. Empty when the cloud has run no step."""
-    for name in ("batch_tokens", "queued", "kv_free"):
+    seconds in [0, 3600]; batch_tokens, queued, kv_free and others finite and >= 0. Empty when the cloud has run no
+    step."""
+    for name in ("batch_tokens", "queued", "kv_free", "others"):
         v = getattr(cost, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                 or v > MAX_POSITIONS:
