@@ -84,33 +84,61 @@ def parse_trace(text: str) -> List[Phase]:
     return phases
 
 
-class Load:
-    """N connections asking the cloud to decode alone, back to back, until stopped (no model here)."""
+LOAD_CHUNK = 8  # tokens a load device asks for per request
+LOAD_CONTEXT = 1024  # positions a load device's session reaches before it reopens (a prefill of its prompt)
 
-    def __init__(self, link_config, n: int, prompt: List[int]):
-        self.link_config, self.n, self.prompt = link_config, n, prompt
+
+class Load:
+    """N connections decoding on the cloud without pause until stopped (no model here): each keeps one session
+    decoding, 8 tokens a request, and reopens it (its prompt prefilled again) only past LOAD_CONTEXT positions, so
+    the load is steady decode work rather than bursts of prefill. Entering returns once every connection has its
+    first tokens: the phase's requests meet the load in its steady state, not its start."""
+
+    def __init__(self, link_config, n: int, prompt: List[int], timeout_s: float = 300.0):
+        self.link_config, self.n, self.prompt, self.timeout_s = link_config, n, prompt, timeout_s
         self.stop = threading.Event()
         self.threads: List[threading.Thread] = []
+        self.started = threading.Semaphore(0)
+        self.errors: List[BaseException] = []
 
     def __enter__(self) -> "Load":
         for i in range(self.n):
             t = threading.Thread(target=self._device, args=(i,), daemon=True)
             t.start()
             self.threads.append(t)
+        deadline = time.monotonic() + self.timeout_s
+        for _ in range(self.n):
+            if not self.started.acquire(timeout=max(0.0, deadline - time.monotonic())) or self.errors:
+                self._halt()
+                raise RuntimeError(f"the load's {self.n} devices did not all start decoding within "
+                                   f"{self.timeout_s:.0f} s" + (f": {self.errors[0]!r}" if self.errors else ""))
         return self
 
     def __exit__(self, *exc) -> None:
+        self._halt()
+        if self.errors and not any(exc):  # the phase did not have the load it claims
+            raise RuntimeError(f"a load device failed during the phase: {self.errors[0]!r}")
+
+    def _halt(self) -> None:
         self.stop.set()
         for t in self.threads:
             t.join(timeout=60)
 
     def _device(self, i: int) -> None:
+        try:
+            self._decode(i)
+        except BaseException as exc:  # said by __enter__ or __exit__
+            self.errors.append(exc)
+            self.started.release()
+
+    def _decode(self, i: int) -> None:
         import numpy as np
 
         from edge_runtime.client import CloudClient, expect
         from hat_split.wire import messages as P
 
         hello = P.Hello(f"load-{i}", "load", 0, "", "hat-bench-auto")
+        first = True
         with CloudClient(self.link_config, hello) as client:
             sid = 0
             while not self.stop.is_set():
@@ -119,13 +147,14 @@ class Load:
                                                              P.Sampling(0.0), seed=i)), P.SessionOpened,
                                 P.OpenSession)
                 position, step = opened.position, 0
-                for _ in range(8):
-                    if self.stop.is_set():
-                        break
+                while not self.stop.is_set() and position + LOAD_CHUNK <= LOAD_CONTEXT:
                     step += 1
-                    out = expect(client.request(P.Generate(sid, step, position, np.zeros(0, np.int32), 8)),
+                    out = expect(client.request(P.Generate(sid, step, position, np.zeros(0, np.int32), LOAD_CHUNK)),
                                  P.Generated, P.Generate)
                     position = out.position
+                    if first:
+                        self.started.release()
+                        first = False
                 client.request(P.CloseSession(sid, None, None, position))
 
 
