@@ -80,8 +80,9 @@ class Handlers:
 
     def _report(self, identity: bytes, msg: P.Report) -> P.Message:
         self.registry.report(identity, msg)
-        others = self.tables.sessions.others_active(self.admission.device_of(identity))
-        return P.Reported(cloud_state(self.work), cloud_cost(self.work, others))
+        device = self.admission.device_of(identity)
+        return P.Reported(cloud_state(self.work), cloud_cost(self.work, device,
+                                                             self.tables.sessions.others_active(device)))
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
         """Everything is checked before anything changes: a refused CloseSession leaves the session intact."""

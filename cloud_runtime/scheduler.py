@@ -36,12 +36,14 @@ exceeds `max_context` or `max_sessions`, with a `SchedulerRefusal` naming the nu
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Tuple
 
 KINDS = ("prefill", "decode")
 OVER_SHARE = 1.25  # a device whose recent usage exceeds this many times the mean of the active devices
 ACTIVE_STEPS = 8  # a device served within this many steps is still active (its next request is on its way)
+RECENT_STEPS = 16  # planned steps over which the positions of the devices other than one are averaged (cost reports)
 
 
 class SchedulerRefusal(Exception):
@@ -147,6 +149,7 @@ class Scheduler:
         self._order = itertools.count()
         self._step = 0
         self._in_flight: List[Batch] = []  # planned, not completed, oldest first
+        self._recent: deque = deque(maxlen=RECENT_STEPS)  # per planned step: device → its positions in it
         self._owner_served: Dict[Hashable, int] = {}  # device → the last step planned with a segment of its
         self._usage: Dict[Hashable, float] = {}  # device → positions planned for it, decayed (usage_half_life)
 
@@ -322,11 +325,22 @@ class Scheduler:
         if half_life:
             decay = 0.5 ** (sum(seg.n for seg in segments) / half_life)
             self._usage = {o: u * decay for o, u in self._usage.items() if u * decay >= 1.0}
+        step: Dict[Hashable, int] = {}
         for seg in segments:
             owner = self._owner(seg.work)
             self.sessions[seg.session].served_at = self._owner_served[owner] = self._step
+            step[owner] = step.get(owner, 0) + seg.n
             if half_life:
                 self._usage[owner] = self._usage.get(owner, 0.0) + seg.n
+        self._recent.append(step)
+
+    def others_positions(self, owner: Hashable) -> float:
+        """Positions per step planned for devices other than `owner`, the mean over the last `RECENT_STEPS` steps (0
+        before any): what each step `owner` joins holds besides its own work. Unlike the mean positions per step,
+        `owner`'s own prompt (a large step just before its session opened) does not count."""
+        if not self._recent:
+            return 0.0
+        return sum(n for step in self._recent for o, n in step.items() if o != owner) / len(self._recent)
 
     @property
     def usage(self) -> Dict[Hashable, float]:

@@ -100,9 +100,9 @@ def cloud_state(work: ModelWork) -> P.CloudState:
     return P.CloudState(work.load.mu or 0.0, work.load.g_mu(), work.stages)
 
 
-def cloud_cost(work: ModelWork, others: int = 0) -> P.CloudCost:
-    """What a step costs now (hat_split.wire.messages.CloudCost): g's points, μ, the sessions with work waiting, the
-    KV positions free and the `others` devices using the cloud besides the one asked
-    (cloud_runtime.sessions.SessionTable.others_active), for the devices' cost models."""
+def cloud_cost(work: ModelWork, device: Hashable = None, others: int = 0) -> P.CloudCost:
+    """What a step costs now (hat_split.wire.messages.CloudCost) as `device` sees it: g's points, μ, the sessions
+    with work waiting, the KV positions free, the `others` devices using the cloud besides it
+    (cloud_runtime.sessions.SessionTable.others_active) and their positions per step, for the devices' cost models."""
     return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, work.scheduler.waiting,
-                       work.scheduler.kv_free, others)
+                       work.scheduler.kv_free, others, work.scheduler.others_positions(device))

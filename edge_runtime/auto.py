@@ -81,7 +81,8 @@ class AutoEstimates:
     reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
     reported_wait_s: float = 0.0  # half of g(μ) when the cloud was busy as it reported (other devices using it or work
     # waiting: CloudCost.others, queued; a request arrives, on average, half-way through a step in progress), else 0
-    reported_others: float = 0.0  # μ then (the other sessions' positions each of this device's steps joins), else 0
+    reported_others: float = 0.0  # the other devices' positions per step then (each of this device's steps joins
+    # them: CloudCost.others_positions; μ from an older cloud), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
@@ -113,10 +114,12 @@ class AutoEstimates:
             log.warning("the cloud's cost report was refused (%s): keeping the last good one", exc)
             return False
         busy = cost.queued > 0 or cost.others > 0
+        # the others' positions per step where the cloud counts them (an older cloud: every session's, μ)
+        others = cost.others_positions if cost.others else cost.batch_tokens
         if points:
             self.reported = points
-            self.reported_others = cost.batch_tokens if busy else 0.0
-            self.reported_wait_s = 0.5 * CostCurve(points).step_s(max(1.0, cost.batch_tokens)) if busy else 0.0
+            self.reported_others = others if busy else 0.0
+            self.reported_wait_s = 0.5 * CostCurve(points).step_s(max(1.0, others)) if busy else 0.0
         if self.cloud_busy is not None and busy != self.cloud_busy:
             self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
         self.cloud_busy = busy

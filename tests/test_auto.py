@@ -134,9 +134,11 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     busy = c.decide(Link(0.01))
     assert busy.protocol == "sd", busy
     assert est.take_report(P.CloudCost(curve)) and c.decide(Link(0.01)).protocol == "llm"  # the load is gone
-    # other devices drafting between verifies, none queued at the instant of the report: busy all the same
-    assert est.take_report(P.CloudCost(curve, batch_tokens=8.0, others=8)) and est.cloud_busy
-    assert est.reported_wait_s == pytest.approx(0.5 * 0.20) and c.decide(Link(0.01)).protocol == "sd"
+    # other devices drafting between verifies, none queued at the instant of the report: busy all the same; their 8
+    # positions per step priced, not μ (40 here: the asker's own prompt was the step before its session opened)
+    assert est.take_report(P.CloudCost(curve, batch_tokens=40.0, others=8, others_positions=8.0)) and est.cloud_busy
+    assert est.curve().step_s(1) == pytest.approx(0.22) and est.reported_wait_s == pytest.approx(0.5 * 0.20)
+    assert c.decide(Link(0.01)).protocol == "sd"
 
 
 def test_a_new_power_mode_is_another_board():
@@ -186,6 +188,7 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     (P.CloudCost([[1.0, -0.5]]), r"points\[0\]: seconds"),
     (P.CloudCost([[1.0, 0.1]], queued=-1), "CloudCost.queued"),
     (P.CloudCost([[1.0, 0.1]], others=float("nan")), "CloudCost.others"),
+    (P.CloudCost([[1.0, 0.1]], others_positions=-3.0), "CloudCost.others_positions"),
     (P.CloudCost([[1.0, 0.1]], batch_tokens=float("inf")), "CloudCost.batch_tokens"),
     (P.CloudCost([["x", 0.1]]), r"points\[0\] must be a \(positions, seconds\) pair"),
 ])

@@ -56,6 +56,10 @@ class FakeWork:
     def waiting(self):
         return sum(1 for _, queued in self.positions.values() if queued)
 
+    def others_positions(self, owner):
+        self.asked_others_of = owner
+        return 0.0
+
     @property
     def kv_free(self):
         return max(0, self.capacity - sum(map(sum, self.positions.values())))
@@ -162,6 +166,7 @@ def test_the_cost_report_counts_the_other_devices_using_the_cloud():
     assert ask(handlers, b"a", open_token(1)).cost.others == 0  # nobody else has a session
     assert ask(handlers, b"a", open_token(2)).cost.others == 0  # a second session of the asker's own
     assert ask(handlers, b"b", open_token(1)).cost.others == 1  # a, heard from just now, nothing queued
+    assert work.asked_others_of == tables.registry.device_of(b"b")  # the positions of the others than the asker
     assert ask(handlers, b"c", P.Report(P.DeviceState())).cost.others == 2
     for key, s in tables.sessions.items():
         s.last_active -= ACTIVE_S + 1  # everyone silent for longer than ACTIVE_S

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cloud_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerRefusal
+from cloud_runtime.scheduler import RECENT_STEPS, Scheduler, SchedulerConfig, SchedulerRefusal
 
 
 def _run(sched: Scheduler, steps: int):
@@ -196,6 +196,27 @@ def test_step_budgets_are_shared_by_device_not_by_session():
     got = {seg.session[0]: seg.n for seg in sched.plan().segments}
     assert got["B"] == 10 and got["A"] + got["C"] == 54 and abs(got["A"] - got["C"]) <= 1
 
+
+def test_the_positions_of_the_other_devices_per_step():
+    """others_positions(D): the positions planned for devices other than D per step, the mean over the last
+    RECENT_STEPS steps: D's own prompt, the step before its session opened, does not count; older steps leave."""
+    sched = Scheduler(SchedulerConfig(token_budget=128, prefill_floor=0))
+    assert sched.others_positions("D") == 0.0
+    for name in ("A", "B", "D"):
+        sched.open((name, 0), owner=name)
+    for _ in range(3):  # A and B decode 1 and 3 positions a step
+        sched.submit(("A", 0), "decode", 1)
+        sched.submit(("B", 0), "decode", 3)
+        _run(sched, 1)
+    sched.submit(("D", 0), "prefill", 60)  # D's prompt in a step of its own
+    _run(sched, 1)
+    assert sched.others_positions("D") == pytest.approx(12 / 4)  # 4 positions in 3 of the 4 steps
+    assert sched.others_positions("A") == pytest.approx((9 + 60) / 4)
+    assert sched.others_positions(None) == pytest.approx((12 + 60) / 4)
+    for _ in range(RECENT_STEPS):  # D alone: the others' steps leave the window
+        sched.submit(("D", 0), "decode", 2)
+        _run(sched, 1)
+    assert sched.others_positions("D") == 0.0 and sched.others_positions("A") == pytest.approx(2.0)
 
 def _flood(sched: Scheduler, device: str, sessions: int = 8, prompt: int = 1500) -> None:
     """A device that keeps `sessions` long prompts queued (a hostile or greedy one)."""

@@ -149,7 +149,9 @@ class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a step costs the cloud now, for the devices' cost models (hat_split.math.costmodel; `--protocol auto`):
     its cost curve — (positions, seconds) of its recent steps, one point per batch-size bucket (HAT eq. 2's g) — the
     moving average of positions per step, the sessions with work waiting, the KV positions still free, the other
-    devices using the cloud (heard from in the last seconds or with work waiting; the asking device not counted). Sent
+    devices using the cloud (heard from in the last seconds or with work waiting; the asking device not counted) and
+    their positions per step (the mean over the cloud's last steps: what each step of the asker's holds besides its
+    own work; μ also counts the asker's own prompt, a large step just before its session opened). Sent
     with every SessionOpened and Reported; a device checks it (`cost_curve`) and keeps its last good one when it is
     malformed."""
 
@@ -158,6 +160,7 @@ class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
     queued: int = 0
     kv_free: int = 0
     others: int = 0
+    others_positions: float = 0.0
 
 
 MAX_STEP_S = 3600.0  # a cloud step reported slower than an hour is absurd: refused
@@ -166,9 +169,9 @@ MAX_POSITIONS = 1 << 24  # as a step of more positions
 
 def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
-    seconds in [0, 3600]; batch_tokens, queued, kv_free and others finite and >= 0. Empty when the cloud has run no
+    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0. Empty when the cloud has run no
     step."""
-    for name in ("batch_tokens", "queued", "kv_free", "others"):
+    for name in ("batch_tokens", "queued", "kv_free", "others", "others_positions"):
         v = getattr(cost, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                 or v > MAX_POSITIONS:
