@@ -32,7 +32,9 @@ with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into
 """
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -52,12 +54,15 @@ STALE_S = 20.0  # s: the device's own points of the cloud's curve older than thi
 SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up forward may take while the device waits
 # (a reply that arrives during it waits for it) ...
 SHADOW_MAX_S = 0.05  # ... and at most this (the opening's wait, whose end the device cannot predict: TTFT)
-DEVICE_TIMES = ("draft_step_s", "catch_up_s", "local_step_s")  # what a new power mode makes another board's:
+DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
 DEVICE_OVERHEADS = ("sd", "sd:busy")  # these estimates, and sd's round overheads (keys of overhead_s)
 DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
 READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
 # share of the best protocol's: else the reading costs the device energy (and, where device and cloud share a memory
 # bus, the cloud time) for a switch that is not coming
+ALPHA_POPULATION = 0.95  # per sd round: weight of the history in the prompts' acceptance (some 20 rounds, a few
+# requests)
+ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -66,8 +71,10 @@ PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before on
 class AutoEstimates:
     """What the device measured for the cost model (module docstring)."""
 
-    accepted: Optional[float] = None  # moving averages of sd's accepted and examined draft positions per round
-    examined: Optional[float] = None
+    accepted: Optional[float] = None  # moving averages (ALPHA_POPULATION) of sd's accepted and examined draft
+    examined: Optional[float] = None  # positions per round, over the prompts of recent requests
+    request_accepted: int = 0  # ... and the request's own totals (begin_request), which `alpha` weighs against them
+    request_examined: int = 0
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
@@ -86,20 +93,29 @@ class AutoEstimates:
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
-    catch_up_s: Optional[float] = None  # the draft model's seconds per token read without drafting (prefill,
-    # catch-up)
+    catch_up: DelayModel = field(default_factory=DelayModel)  # the draft model's seconds for one forward reading n
+    # committed tokens without drafting (sd's first round after llm, a read while waiting), by n: a forward of 60
+    # tokens costs a few forwards of one, so a rate per token measured on small reads would overprice a large one
     cloud_busy: Optional[bool] = None  # the cloud's last good report had other devices using it or work waiting
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
-    by_mode: Dict[str, Dict[str, float]] = field(default_factory=dict)  # the device figures of each mode left
+    by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
 
     @property
     def alpha(self) -> Optional[float]:
+        """sd's acceptance for the request running: the prompts' (the rounds of recent requests) as a prior worth
+        ALPHA_PRIOR_DRAFTS drafts, moved by this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
         if self.examined is None or not self.examined > 0:
             return None
-        return min(1.0, (self.accepted or 0.0) / self.examined)
+        prior = min(1.0, (self.accepted or 0.0) / self.examined)
+        return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + self.request_accepted)
+                   / (ALPHA_PRIOR_DRAFTS + self.request_examined))
+
+    def begin_request(self) -> None:
+        """A new request: its own acceptance starts from the prompts' prior."""
+        self.request_accepted = self.request_examined = 0
 
     def take_report(self, cost: Optional[P.CloudCost]) -> bool:
         """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
@@ -144,15 +160,16 @@ class AutoEstimates:
         self.restart = set(DEVICE_FIGURES) - set(known)
         return True
 
-    def _device_figures(self) -> Dict[str, float]:
+    def _device_figures(self) -> Dict[str, object]:
         """The device figures measured in this mode (those not awaiting their first observation)."""
-        values = {n: getattr(self, n) for n in DEVICE_TIMES}
+        values = {n: copy.deepcopy(getattr(self, n)) for n in DEVICE_TIMES}
         values.update({n: self.overhead_s.get(n) for n in DEVICE_OVERHEADS})
-        return {n: v for n, v in values.items() if v is not None and n not in self.restart}
+        return {n: v for n, v in values.items()
+                if v is not None and n not in self.restart and getattr(v, "known", True)}
 
-    def _set_figure(self, name: str, value: float) -> None:
+    def _set_figure(self, name: str, value) -> None:
         if name in DEVICE_TIMES:
-            setattr(self, name, value)
+            setattr(self, name, copy.deepcopy(value))
         else:
             self.overhead_s[name] = value
 
@@ -185,7 +202,10 @@ class AutoEstimates:
             return
         self._ran("sd")
         examined = accepted + (accepted < drafted)
-        self.accepted, self.examined = ema(self.accepted, float(accepted)), ema(self.examined, float(examined))
+        self.accepted = ema(self.accepted, float(accepted), ALPHA_POPULATION)
+        self.examined = ema(self.examined, float(examined), ALPHA_POPULATION)
+        self.request_accepted += accepted
+        self.request_examined += examined
         if not caught_up:
             self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, draft_s / drafted)
             if self._restarts("local_step_s") or self.local_step_s is None:
@@ -213,15 +233,26 @@ class AutoEstimates:
         self._overhead("llm", wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """The draft model read `tokens` committed tokens (no drafts) in `seconds`."""
-        if tokens > 0 and seconds > 0:
-            self.catch_up_s = ema(None if self._restarts("catch_up_s") else self.catch_up_s, seconds / tokens)
+        """The draft model read `tokens` committed tokens (no drafts) in one forward of `seconds`."""
+        if tokens > 0 and seconds > 0 and math.isfinite(seconds):
+            if self._restarts("catch_up"):
+                self.catch_up = DelayModel()
+            self.catch_up.observe(tokens, seconds)
 
     def catch_up_cost(self, tokens: int) -> float:
-        """Seconds the draft model needs to read `tokens` before it can draft (a draft step each before any
-        catch-up was measured)."""
-        per = self.catch_up_s if self.catch_up_s is not None else self.draft_step_s or 0.0
-        return tokens * per
+        """Seconds the draft model needs to read `tokens` in one forward before it can draft: the measured forwards
+        (linear between sizes, flat below the smallest, the last slope past the largest), a draft step per token
+        before any was measured."""
+        if tokens <= 0:
+            return 0.0
+        if self.catch_up.known:
+            return self.catch_up.g(tokens)
+        return tokens * (self.draft_step_s or 0.0)
+
+    def catch_up_within(self, budget_s: float, most: int = 64) -> int:
+        """The most tokens (1 … `most`) one catch-up forward reads within `budget_s`, as measured."""
+        fits = [n for n in range(1, most + 1) if self.catch_up_cost(n) <= budget_s]
+        return max(fits, default=1)
 
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""

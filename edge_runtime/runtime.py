@@ -140,6 +140,7 @@ class EdgeRuntime:
             return self._auto_fixed(request, "slm", f"the cloud unreachable ({exc})")
         self.monitor.refresh_mode()
         welcome, config = self.client.welcome, self.config
+        self.auto_estimates.begin_request()  # this prompt's acceptance starts from the recent prompts'
         controller = AutoController(self.auto_estimates, [p for p in AUTO_TOKEN if p in welcome.protocols],
                                     min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill)

@@ -89,6 +89,50 @@ def test_a_switch_to_sd_repays_the_draft_catching_up():
     assert c.decide(Link(0.01), behind=0, remaining=short).protocol == "sd"
 
 
+def test_a_catch_up_is_priced_as_one_forward_of_its_size():
+    """Reading n tokens is one forward: priced from the forwards measured, by size (a rate per token taken from
+    1-token reads would price 60 tokens at 60 of them); the read while waiting takes the most that fits its budget."""
+    est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
+    assert est.catch_up_cost(0) == 0.0 and est.catch_up_within(0.05) == 2  # a draft step per token, unmeasured
+    est.observe_catch_up(1, 0.02)
+    assert est.catch_up_cost(60) == pytest.approx(60 * 0.02)  # one size known: proportional
+    est.observe_catch_up(64, 0.2)
+    assert est.catch_up_cost(60) == pytest.approx(0.02 + 59 * 0.18 / 63)
+    assert est.catch_up_within(0.05) == 11 and est.catch_up_within(1.0, most=64) == 64
+    assert est.catch_up_within(0.001) == 1  # at least one token
+    est.observe_catch_up(8, float("nan"))  # a broken timing is not kept
+    assert est.catch_up.points() == ((1.0, 0.02), (64.0, 0.2))
+    c = _controller(est)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    preds = c.predictions(Link(0.01))
+    remaining = int(0.6 / (1 / preds["llm"].tokens_per_s - 1 / preds["sd"].tokens_per_s))  # saves 0.6 s
+    assert c.decide(Link(0.01), behind=62, remaining=remaining).protocol == "sd"  # one forward: 0.19 s
+    est.catch_up = type(est.catch_up)()
+    est.observe_catch_up(1, 0.02)  # 62 reads of one token: 1.24 s, not repaid
+    assert c.decide(Link(0.01), behind=62, remaining=remaining).protocol == "llm"
+
+
+def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
+    """α for a request: the recent prompts' acceptance (a slow moving average) as a prior worth ALPHA_PRIOR_DRAFTS
+    drafts, moved by the request's own drafts; a new request starts from the prior again, not from the last prompt's
+    end (prompts' α differ: a prompt of α 0.5 after prompts of α 1 says little of the next)."""
+    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS
+
+    est = AutoEstimates()
+    assert est.alpha is None
+    for _ in range(12):  # easy prompts: every draft accepted
+        est.observe_sd(4, 4, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0)
+    est.begin_request()
+    assert est.alpha == pytest.approx(1.0)
+    for _ in range(3):  # a hard prompt: 1 of 4 accepted, 2 examined per round
+        est.observe_sd(4, 1, 0.08, 0.2, 300, 100, 0.4, Link(), now=2.0)
+    prior = est.accepted / est.examined
+    assert 0.8 < prior < 1.0  # the prompts' average moved a little
+    assert est.alpha == pytest.approx((ALPHA_PRIOR_DRAFTS * prior + 3) / (ALPHA_PRIOR_DRAFTS + 6))  # this prompt's
+    assert est.alpha < 0.8
+    est.begin_request()  # the next prompt starts from the prompts' prior, not from the hard one's 0.5
+    assert est.alpha == pytest.approx(prior)
+
 def test_stale_points_and_a_changed_load_give_way_to_the_report():
     """The device's own points of the cloud's curve expire after STALE_S, or at once when the cloud's report says its
     queue changed state (busy <-> idle); a round whose draft first caught up on tokens it had not seen (sd after llm)
@@ -102,7 +146,7 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     assert est.curve(now=STALE_S + 1).step_s(1) == pytest.approx(0.05)  # expired: the report's
     before = est.draft_step_s
     est.observe_sd(4, 1, 2.0, 0.2, 300, 100, 2.5, Link(), now=STALE_S + 2, caught_up=40)
-    assert est.draft_step_s == before and est.catch_up_s == pytest.approx((2.0 - 4 * before) / 40)
+    assert est.draft_step_s == before and est.catch_up_cost(40) == pytest.approx(2.0 - 4 * before)
     est.observe_llm(8, 8 * 0.04, 90, 130, 0.4, Link(), now=STALE_S + 3)  # the probe after a loaded stretch: its
     assert est.curve(now=STALE_S + 3).step_s(1) == pytest.approx(0.04)  # point replaces the stale one, not averaged
     busy = P.CloudCost([[1.0, 0.05], [9.0, 0.06]], batch_tokens=8.0, queued=3)
@@ -147,7 +191,7 @@ def test_a_new_power_mode_is_another_board():
     reading and an unchanged mode change nothing."""
     est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
     est.overhead_s = {"sd": 0.01, "sd:busy": 0.2, "llm": 0.005}
-    est.catch_up_s = 0.004
+    est.observe_catch_up(10, 0.04)
     assert not est.take_mode("MAXN") and not est.take_mode("MAXN") and not est.restart
     est.observe_sd(4, 4, 4 * 0.04, 0.22, 300, 100, 0.6, Link(), now=1.0)
     assert est.draft_step_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.04)  # averaged (the moving average keeps 0.8)
@@ -156,13 +200,14 @@ def test_a_new_power_mode_is_another_board():
     assert est.draft_step_s == pytest.approx(0.06) and est.local_step_s == pytest.approx(0.06)  # replaced
     assert est.overhead_s["llm"] == 0.005 and 0.9 < est.alpha < 1.0  # α averaged on (all 4 accepted), not restarted
     est.observe_catch_up(10, 0.1)
-    assert est.catch_up_s == pytest.approx(0.01)  # replaced, not averaged with 0.004
+    assert est.catch_up_cost(10) == pytest.approx(0.1)  # replaced, not averaged with 0.04
     est.observe_catch_up(10, 0.2)
-    assert est.catch_up_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # then averaged again
+    assert est.catch_up_cost(10) == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)  # then averaged again
     assert est.take_mode("MAXN") and not est.restart  # back: the full-power board's figures, as measured there
-    assert est.draft_step_s == pytest.approx(0.024) and est.catch_up_s == 0.004 and est.overhead_s["sd:busy"] == 0.2
+    assert est.draft_step_s == pytest.approx(0.024) and est.catch_up_cost(10) == pytest.approx(0.04)
+    assert est.overhead_s["sd:busy"] == 0.2
     assert est.take_mode("MODE_15W") and est.draft_step_s == pytest.approx(0.06)
-    assert est.catch_up_s == pytest.approx(0.012) and "sd:busy" in est.restart  # never measured in this mode
+    assert est.catch_up_cost(10) == pytest.approx(0.12) and "sd:busy" in est.restart  # never measured in this mode
 
 
 def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
@@ -279,9 +324,9 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
             res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
         assert res.tokens == ref.tokens, overlap
-        results[overlap] = (seen, rt.auto_estimates.catch_up_s)
-    seen, rate = results["on"]
-    assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and rate > 0, seen
+        results[overlap] = (seen, rt.auto_estimates.catch_up)
+    seen, catch_up = results["on"]
+    assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
     seen, _ = results["off"]
     assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9), seen
 

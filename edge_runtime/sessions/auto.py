@@ -56,10 +56,10 @@ class AutoSession(TokenSession):
         if not self.auto.sd_within_reach(preds):
             return
         est, d = self.auto.estimates, self.drafter
-        per = est.catch_up_s or est.draft_step_s
         pred = preds.get("llm")
         budget = SHADOW_MAX_S if pred is None else min(SHADOW_MAX_S, SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s)
-        chunk = 8 if per is None else max(1, min(64, int(budget / per)))
+        known = est.catch_up.known or est.draft_step_s is not None
+        chunk = est.catch_up_within(budget) if known else 8
         while d.behind and not self.client.ready():
             t0, n = time.perf_counter(), d.catch_up(chunk)
             est.observe_catch_up(n, time.perf_counter() - t0)
