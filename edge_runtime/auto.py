@@ -288,6 +288,14 @@ class AutoEstimates:
                 return self.overhead_s[key]
         return 0.0
 
+    def wait_s(self, protocol: str) -> float:
+        """The wait for a busy cloud's step in progress, as `protocol` should be priced with it: the report's half a
+        step until the protocol's round overhead has been measured under load, which then holds the wait (the cloud's
+        compute seconds count only the steps a request is in), so it is not counted twice."""
+        if self.cloud_busy and self._overhead_key(protocol, True) in self.overhead_s:
+            return 0.0
+        return self.reported_wait_s
+
     def wire(self) -> WireSizes:
         return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND, self.up_per_draft or 0.0,
                          self.down_round or 0.0,
@@ -364,7 +372,7 @@ class AutoController:
         if curve is None or not est.measured.get(name) or (name == "sd" and est.alpha is None):
             return None
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
-                       CloudCosts(curve, est.reported_wait_s), est.wire(), est.alpha or 0.0)
+                       CloudCosts(curve, est.wait_s(name)), est.wire(), est.alpha or 0.0)
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""

@@ -183,6 +183,14 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     assert est.take_report(P.CloudCost(curve, batch_tokens=40.0, others=8, others_positions=8.0)) and est.cloud_busy
     assert est.curve().step_s(1) == pytest.approx(0.22) and est.reported_wait_s == pytest.approx(0.5 * 0.20)
     assert c.decide(Link(0.01)).protocol == "sd"
+    # once sd's round overhead is measured under the load, that overhead holds the wait (the cloud's compute counts
+    # only the steps a request is in): the report's wait is not added again; llm, not measured busy, keeps it
+    est.observe_sd(4, 4, 4 * 0.01, 0.36, 300, 100, 4 * 0.01 + 0.36 + 0.1, Link(0.01), now=1.0)
+    assert est.wait_s("sd") == 0.0 and est.wait_s("llm") == pytest.approx(0.1)
+    measured = c.at("sd", 4, Link(0.01))
+    busy_overhead = est.overhead_s.pop("sd:busy")
+    unmeasured = c.at("sd", 4, Link(0.01))  # the idle overhead and the report's wait
+    assert unmeasured.round_s == pytest.approx(measured.round_s - busy_overhead + est.overhead("sd") + 0.1)
 
 
 def test_a_new_power_mode_is_another_board():

@@ -86,13 +86,15 @@ def parse_trace(text: str) -> List[Phase]:
 
 LOAD_CHUNK = 8  # tokens a load device asks for per request
 LOAD_CONTEXT = 1024  # positions a load device's session reaches before it reopens (a prefill of its prompt)
+LOAD_WARM = 3  # requests each load device completes before the phase's requests start (their prompts' prefill gone
+# from the steps the cloud's report averages over: cloud_runtime.scheduler.RECENT_STEPS)
 
 
 class Load:
     """N connections decoding on the cloud without pause until stopped (no model here): each keeps one session
     decoding, 8 tokens a request, and reopens it (its prompt prefilled again) only past LOAD_CONTEXT positions, so
-    the load is steady decode work rather than bursts of prefill. Entering returns once every connection has its
-    first tokens: the phase's requests meet the load in its steady state, not its start."""
+    the load is steady decode work rather than bursts of prefill. Entering returns once every connection has made
+    LOAD_WARM requests: the phase's requests meet the load in its steady state, not its start."""
 
     def __init__(self, link_config, n: int, prompt: List[int], timeout_s: float = 300.0):
         self.link_config, self.n, self.prompt, self.timeout_s = link_config, n, prompt, timeout_s
@@ -138,7 +140,7 @@ class Load:
         from hat_split.wire import messages as P
 
         hello = P.Hello(f"load-{i}", "load", 0, "", "hat-bench-auto")
-        first = True
+        done = 0
         with CloudClient(self.link_config, hello) as client:
             sid = 0
             while not self.stop.is_set():
@@ -152,9 +154,9 @@ class Load:
                     out = expect(client.request(P.Generate(sid, step, position, np.zeros(0, np.int32), LOAD_CHUNK)),
                                  P.Generated, P.Generate)
                     position = out.position
-                    if first:
+                    done += 1
+                    if done == LOAD_WARM:
                         self.started.release()
-                        first = False
                 client.request(P.CloseSession(sid, None, None, position))
 
 
