@@ -86,8 +86,9 @@ class AutoEstimates:
     down_per_token: Optional[float] = None
     observed: DelayModel = field(default_factory=DelayModel)  # cloud seconds by positions, this device's rounds
     reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
-    reported_wait_s: float = 0.0  # half of g(μ) when the cloud was busy as it reported (other devices using it or work
-    # waiting: CloudCost.others, queued; a request arrives, on average, half-way through a step in progress), else 0
+    reported_wait_s: float = 0.0  # half a step of the others' positions (g(reported_others)) when the cloud was busy as
+    # it reported (other devices using it or work waiting: CloudCost.others, queued; a request arrives, on average,
+    # half-way through a step in progress), else 0; see `wait_s`
     reported_others: float = 0.0  # the other devices' positions per step then (each of this device's steps joins
     # them: CloudCost.others_positions; μ from an older cloud), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol

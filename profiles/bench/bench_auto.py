@@ -286,7 +286,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
-                                      CloudCosts(curve, est.reported_wait_s), est.wire(), a).tokens_per_s
+                                      CloudCosts(curve, est.wait_s("sd")), est.wire(), a).tokens_per_s
                               for a in ALPHA_GRID]
     out["estimates"] = {"alpha": est.alpha, "draft_step_s": est.draft_step_s, "catch_up": est.catch_up.points(),
                         "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy, "power_mode": est.power_mode,
