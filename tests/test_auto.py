@@ -309,7 +309,9 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     """With cores of its own (overlap_prefill on) the device reads the prompt and llm's tokens into the draft model
     while it waits for the cloud: when sd comes, only the last llm round's tokens are left to read (the reply is made
     to look late, so the catch-up runs to its end whatever this machine's speed); the tokens stay the target's. On a
-    shared host nothing is read while waiting (it would slow the cloud): sd reads everything first."""
+    shared host nothing is read while waiting (it would slow the cloud): sd reads everything first. With sd out of
+    reach the prompt is still read at the opening (a load that makes sd the best is only known from the reply), llm's
+    tokens are not."""
     from edge_runtime.client import CloudClient
     from hat_split.math.sampling import SamplingParams
 
@@ -325,18 +327,22 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     ready = CloudClient.ready
     monkeypatch.setattr(CloudClient, "ready", lambda self, wait_s=0.0: False if wait_s == 0.0 else ready(self, wait_s))
     results = {}
-    for overlap in ("on", "off"):
+    within_reach = AutoController.sd_within_reach
+    for overlap, reach in (("on", True), ("off", True), ("on", False)):
         seen = []
         monkeypatch.setattr(AutoController, "decide", scripted(seen))
+        monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
         with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
             res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
         assert res.tokens == ref.tokens, overlap
-        results[overlap] = (seen, rt.auto_estimates.catch_up)
-    seen, catch_up = results["on"]
+        results[overlap, reach] = (seen, rt.auto_estimates.catch_up)
+    seen, catch_up = results["on", True]
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
-    seen, _ = results["off"]
+    seen, _ = results["off", True]
     assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9), seen
+    seen, _ = results["on", False]
+    assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd", seen
 
 
 @pytest.mark.real_models

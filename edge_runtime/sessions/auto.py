@@ -25,8 +25,9 @@ class AutoSession(TokenSession):
     def __init__(self, *args, controller: AutoController, **kwargs):
         """TokenSession's arguments (round_fn is this session's own); controller: this request's choices over the
         runtime's estimates."""
-        super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
         self.auto = controller
+        self._opening = False  # the device waits for SessionOpened
+        super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
 
     def link(self) -> Link:
         return measured_link(self)
@@ -41,19 +42,25 @@ class AutoSession(TokenSession):
     def open(self, prompt: List[int]) -> None:
         """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost
         report (a load that began since the last request), is in. The draft model reads the prompt while the device
-        waits for it (overlap_prefill), else in sd's first round, a catch-up the controller prices."""
+        waits for it (overlap_prefill) whatever sd's prediction (a load that began since the last request is only
+        known from the reply), else in sd's first round, a catch-up the controller prices."""
         self.protocol = protocols.get("llm")
-        super().open(prompt)
+        self._opening = True
+        try:
+            super().open(prompt)
+        finally:
+            self._opening = False
         self.auto.estimates.take_report(self.cloud_cost)
 
     def while_waiting(self) -> None:
-        """On a device with cores of its own (overlap_prefill), while sd is within reach (AutoController.
-        sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works, a forward at a
-        time, each at most SHADOW_SHARE of an llm round's expected time and SHADOW_MAX_S, until the reply is there."""
+        """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
+        (AutoController.sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works,
+        a forward at a time, each at most SHADOW_SHARE of an llm round's expected time and SHADOW_MAX_S, until the
+        reply is there."""
         if not self.config.overlaps_prefill:
             return
         preds = self.auto.predictions(self.link(), time.monotonic())
-        if not self.auto.sd_within_reach(preds):
+        if not self._opening and not self.auto.sd_within_reach(preds):
             return
         est, d = self.auto.estimates, self.drafter
         pred = preds.get("llm")
