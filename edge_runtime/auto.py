@@ -51,10 +51,9 @@ PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a prot
 MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
 STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
 # report (a load that ended, a link that changed)
-SHADOW_SHARE = 0.25  # of an llm round's expected time, or of the opening's expected wait still left: the most one
-# catch-up forward may take while the device waits
+SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up forward may take while the device waits
 # (a reply that arrives during it waits for it) ...
-SHADOW_MAX_S = 0.05  # ... and at most this (and each forward while nothing is priced yet)
+SHADOW_MAX_S = 0.05  # ... and at most this (the opening's wait, whose end the device cannot predict: TTFT)
 DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
 DEVICE_OVERHEADS = ("sd", "sd:busy")  # these estimates, and sd's round overheads (keys of overhead_s)
 DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
@@ -419,19 +418,6 @@ class AutoController:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         return Choice(best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates)
-
-    def read_budget_s(self, preds: Dict[str, Prediction], opening: bool, elapsed_s: float) -> float:
-        """Seconds one forward of the draft model may take while the device waits for the cloud, `elapsed_s` into the
-        wait (a reply that comes during a forward waits for its end): in an llm round SHADOW_SHARE of the round's
-        predicted time, at most SHADOW_MAX_S; at the opening SHADOW_SHARE of the prompt's predicted wait still left
-        (the cost model's TTFT less a round; a prompt read in forwards of a few tokens would take several times one
-        forward of it); SHADOW_MAX_S while llm is not priced."""
-        pred = preds.get("llm")
-        if pred is None:
-            return SHADOW_MAX_S
-        if opening:
-            return SHADOW_SHARE * max(0.0, pred.ttft_s - pred.round_s - elapsed_s)
-        return min(SHADOW_MAX_S, SHADOW_SHARE * self.chunk / pred.tokens_per_s)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether sd may run soon, by `predictions`: not priced yet, or predicted at READ_AHEAD_REACH of the best

@@ -233,28 +233,6 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     assert not far.sd_within_reach(preds) and not llm_only.sd_within_reach(llm_only.predictions(Link(0.01)))
 
 
-def test_a_read_while_waiting_is_sized_by_the_predicted_wait():
-    """One forward while waiting: in an llm round a quarter of the round's predicted time, at most SHADOW_MAX_S; at
-    the opening a quarter of the prompt's predicted wait still left (one forward of a whole prompt when the wait
-    allows, not forwards of a token or two each: several times slower); SHADOW_MAX_S while llm is unpriced."""
-    from edge_runtime.auto import SHADOW_MAX_S
-
-    est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
-    est.observe_catch_up(1, 0.02)
-    est.observe_catch_up(64, 0.2)
-    c = AutoController(est, ("sd", "llm"), 8, 8, 200)  # a prompt of 200 tokens
-    preds = c.predictions(Link(0.01))
-    prompt_wait = preds["llm"].ttft_s - preds["llm"].round_s
-    assert prompt_wait > 0.5
-    assert c.read_budget_s(preds, opening=False, elapsed_s=0.0) == SHADOW_MAX_S  # an llm round of 8 × 0.2 s
-    assert c.read_budget_s(preds, opening=True, elapsed_s=0.0) == pytest.approx(0.25 * prompt_wait)
-    assert est.catch_up_within(c.read_budget_s(preds, True, 0.0)) >= 50  # the prompt in a few forwards
-    assert est.catch_up_within(SHADOW_MAX_S) < 12  # against a few tokens a forward
-    assert c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait - 0.2) == pytest.approx(0.05)  # less left
-    assert c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait + 1.0) == 0.0  # late: a token at a time
-    assert est.catch_up_within(0.0) == 1
-    assert _controller(AutoEstimates()).read_budget_s({}, opening=True, elapsed_s=0.0) == SHADOW_MAX_S
-
 @pytest.mark.parametrize("bad,field", [
     (P.CloudCost([[1.0, float("nan")]]), r"points\[0\]: seconds"),
     (P.CloudCost([[1.0, 0.1], [1.0, 0.2]]), r"points\[1\]: positions must increase"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List
 
-from edge_runtime.auto import AutoController, AutoEstimates, Choice
+from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE, AutoController, AutoEstimates, Choice
 from edge_runtime.rounds.token import verify_round
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.token import TokenSession
@@ -55,7 +55,7 @@ class AutoSession(TokenSession):
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
         (AutoController.sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works,
-        a forward at a time (as many tokens as AutoController.read_budget_s allows, by the measured forwards), until the
+        a forward at a time, each at most SHADOW_SHARE of an llm round's expected time and SHADOW_MAX_S, until the
         reply is there."""
         if not self.config.overlaps_prefill:
             return
@@ -63,13 +63,13 @@ class AutoSession(TokenSession):
         if not self._opening and not self.auto.sd_within_reach(preds):
             return
         est, d = self.auto.estimates, self.drafter
+        pred = preds.get("llm")
+        budget = SHADOW_MAX_S if pred is None else min(SHADOW_MAX_S, SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s)
         known = est.catch_up.known or est.draft_step_s is not None
-        t0 = time.perf_counter()
+        chunk = est.catch_up_within(budget) if known else 8
         while d.behind and not self.client.ready():
-            budget = self.auto.read_budget_s(preds, self._opening, time.perf_counter() - t0)
-            chunk = est.catch_up_within(budget) if known else 8
-            t1, n = time.perf_counter(), d.catch_up(chunk)
-            est.observe_catch_up(n, time.perf_counter() - t1)
+            t0, n = time.perf_counter(), d.catch_up(chunk)
+            est.observe_catch_up(n, time.perf_counter() - t0)
 
     def reopen(self, prompt: List[int]) -> None:
         super().reopen(prompt)
