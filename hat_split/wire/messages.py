@@ -169,8 +169,8 @@ MAX_POSITIONS = 1 << 24  # as a step of more positions
 
 def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
-    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0. Empty when the cloud has run no
-    step."""
+    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0. Empty when the
+    cloud has run no step."""
     for name in ("batch_tokens", "queued", "kv_free", "others", "others_positions"):
         v = getattr(cost, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
