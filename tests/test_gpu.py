@@ -87,14 +87,19 @@ def tiny_model_dir(path: Path) -> Path:
 
 def test_cloud_and_device_processes_on_cuda_equal_the_model_alone(tmp_path):
     """`hat-cloud serve --device cuda` and `hat-edge generate` (device auto: the GPU) as processes over loopback:
-    ushape, hat, sd and llm give the model's own greedy tokens (float32, the model alone on the GPU)."""
+    ushape, hat, sd, llm and auto (its rounds priced from a CUDA cloud's cost report) give the model's own greedy
+    tokens (float32, the model alone on the GPU)."""
+    import json
+
     from hat_split.models.loading import load_model
     from tests.test_hat import _split_across_processes
 
     loaded = load_model(tiny_model_dir(tmp_path / "tiny"), dtype="float32", device="cuda")
     loaded.name = str(tmp_path / "tiny")
-    info = _split_across_processes(loaded, tmp_path, ["--device", "cuda"])
+    info = _split_across_processes(loaded, tmp_path, ["--device", "cuda"], ("ushape", "hat", "sd", "llm", "auto"))
     assert "device=cuda:0" in info and "graphs=on" in info, info
+    auto = json.loads((tmp_path / "out.json").read_text())["results"][-1]["auto"]
+    assert sum(s["tokens"] for s in auto) == 16 and any(s["reason"].startswith("predicted") for s in auto), auto
 
 
 def test_two_pipeline_stages_need_two_gpus(tmp_path):
