@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     s.add_argument("--prefill", type=int, default=2048, help="prompt positions of the prefill figure")
     s.add_argument("--batches", default="1,2,4,8,16,32,64", help="sessions per batched step")
     s.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="drafts per verify step (γ + 1 positions)")
+    s.add_argument("--graph-positions", type=int, default=9,
+                   help="positions per session a captured step reaches (a verify of γ = this − 1 drafts; a draft "
+                        "tree's nodes + 1); longer steps run eagerly (default %(default)s)")
     s.add_argument("--steps", type=int, default=32, help="timed steps per figure (after one untimed)")
     s.add_argument("--batch-verify", type=int, default=5,
                    help="positions per session of the batched verify figure (γ + 1; 0: no such figure): a step of "
@@ -98,10 +101,11 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
 class Cloud:
     """One way of running the cloud's steps on a model: a StageRunner and the model's ends, sessions by id."""
 
-    def __init__(self, model: Any, way: str, max_rows: int, length: int):
+    def __init__(self, model: Any, way: str, max_rows: int, length: int, graph_positions: int = 9):
         from cloud_runtime.runner import KvLayout, ModelEnds, StageRunner
 
-        layout = KvLayout() if way == "dynamic" else KvLayout(max_rows + 1, length, way == "graphs", 9, max_rows)
+        layout = KvLayout() if way == "dynamic" else KvLayout(max_rows + 1, length, way == "graphs", graph_positions,
+                                                               max_rows)
         self.runner = StageRunner(model, layout=layout)
         self.ends = ModelEnds(model)
         self.layers = model.config.num_hidden_layers
@@ -198,7 +202,7 @@ def measure(model: Any, ways: Sequence[str], args: argparse.Namespace, batches: 
         return [rng.randrange(vocab) for _ in range(n)]
 
     length = max(args.context + max(gammas) + 8, args.prefill + 1)
-    clouds = {way: Cloud(model, way, max(batches), length) for way in ways}
+    clouds = {way: Cloud(model, way, max(batches), length, args.graph_positions) for way in ways}
     out: Dict[str, Dict[str, Any]] = {way: {} for way in ways}
     ctx = args.context
 
