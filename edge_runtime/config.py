@@ -12,6 +12,7 @@ from edge_runtime.policy.policies import POLICIES
 from hat_split.files.bundle import PRECISIONS
 from hat_split.files.settings import setting
 from hat_split.math.calibration import Calibration
+from hat_split.math.skip_budget import SkipPolicy
 from hat_split.math.uncertainty import PerturbationConfig
 from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
@@ -27,6 +28,7 @@ TOKEN_DRAFTS = ("model", "adapter")
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "llamacpp")
 BUNDLE_BACKENDS = ("onnxruntime", "tensorrt")  # run a hat-export bundle's graphs
 K_MODES = ("online", "offline")
+SKIP_RULES = ("threshold", "answer")
 DIST_FORMATS = ("dense", "sparse", "auto")
 
 
@@ -50,6 +52,15 @@ class UncertaintyConfig:
     prob_bits: int = setting(8, "b_prob: bits per uploaded probability")
     exact: bool = setting(False, "cuhlm: sample the draft from the reconstruction it sends, so verification is "
                           "unbiased")
+    skip_rule: str = setting("threshold", "uhlm / cuhlm: \"threshold\" (skip when u <= u_threshold, U-HLM eq. 8) or "
+                             "\"answer\" (at most answer_risk expected would-be-rejected skips per answer; "
+                             "hat_split.math.skip_budget)", choices=SKIP_RULES)
+    answer_risk: float = setting(0.5, "skip_rule answer: ε, the expected would-be-rejected skips one answer may carry")
+    refit: bool = setting(False, "refit the rejection line online from the uploads' verdicts (this and recent "
+                          "requests); skip_rule threshold then skips at token_risk on the refitted line")
+    token_risk: float = setting(0.02, "skip_rule threshold with refit: the predicted rejection risk per token")
+    explore: float = setting(0.05, "with refit: the share of would-be skips uploaded anyway (the line's low end)")
+    refit_memory: int = setting(2000, "with refit: the tokens the line and the threshold remember")
 
     def __post_init__(self) -> None:
         if not -1.0 <= self.u_threshold <= 1.0:
@@ -63,6 +74,14 @@ class UncertaintyConfig:
             raise ValueError("k_offline and k_max must be >= 1, k_theta and softplus_eta > 0")
         if not 1 <= self.prob_bits <= 24:
             raise ValueError(f"prob_bits must be in 1..24, got {self.prob_bits}")
+        if self.skip_rule not in SKIP_RULES:
+            raise ValueError(f"skip_rule must be threshold or answer, got {self.skip_rule!r}")
+        if not (0.0 <= self.answer_risk < float("inf")) or not 0.0 <= self.token_risk <= 1.0:
+            raise ValueError(f"answer_risk must be a finite number >= 0 and token_risk in [0, 1], got "
+                             f"{self.answer_risk}, {self.token_risk}")
+        if not 0.0 <= self.explore < 1.0 or self.refit_memory < 1:
+            raise ValueError(f"explore must be in [0, 1) and refit_memory >= 1, got {self.explore}, "
+                             f"{self.refit_memory}")
 
     @property
     def perturbation(self) -> PerturbationConfig:
@@ -72,7 +91,14 @@ class UncertaintyConfig:
         """These settings with a hat-calibrate result: its line, threshold, k*, θ and the M, θmax it measured u with."""
         return replace(self, u_threshold=float(np.clip(cal.threshold(rule), -1.0, 1.0)), beta_a=cal.fit.a,
                        beta_b=cal.fit.b, k_offline=cal.k_star, k_theta=cal.k_theta, samples=cal.perturb_samples,
-                       theta_max=cal.theta_max)
+                       theta_max=cal.theta_max,
+                       token_risk=cal.risk_budget if rule == "risk-budget" and cal.risk_budget > 0 else self.token_risk)
+
+    def skip_policy(self) -> SkipPolicy:
+        """The skip decision these settings describe (a new one: the runtime keeps one across requests)."""
+        return SkipPolicy(self.skip_rule, self.u_threshold, (self.beta_a, self.beta_b), epsilon=self.answer_risk,
+                          token_risk=self.token_risk, refit=self.refit, explore=self.explore,
+                          memory=self.refit_memory)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from edge_runtime.sessions.local import LocalSession
 from edge_runtime.sessions.split import LinkState, SplitSession
 from edge_runtime.sessions.token import TokenSession
 from hat_split import protocols
+from hat_split.math.skip_budget import SkipPolicy
 
 ROUNDS: Dict[str, Callable] = {  # keyed by hat_split.protocols.Protocol.round
     "sd": round_sd,
@@ -36,20 +37,21 @@ assert {p.round for p in protocols.PROTOCOLS.values()} == set(ROUNDS), "a protoc
 
 def new_session(config: EdgeConfig, request: GenerationRequest, drafter, client: Optional[CloudClient],
                 eos_ids: frozenset = frozenset(), session_id: int = 1, monitor: Optional[DeviceMonitor] = None,
-                link_state: Optional[LinkState] = None) -> Session:
+                link_state: Optional[LinkState] = None, skip_policy: Optional[SkipPolicy] = None) -> Session:
     """The session of one request under its protocol: a LocalSession, a TokenSession or a SplitSession by the
     protocol's family, stepped by its round function.
 
     request: the generation, whole (edge_runtime.request); drafter: edge_runtime.drafter.Drafter, or
     edge_runtime.split_drafter.SplitDrafter for the split family; client: the connection (unused by the local
     family); monitor: the device state sent with session openings; link_state: the connection's estimates kept across
-    requests (split family; default: fresh ones from config.split)."""
+    requests (split family; default: fresh ones from config.split); skip_policy: uhlm / cuhlm's skip decision kept
+    across requests (token family; default: a new one from config.uncertainty)."""
     record = protocols.get(request.protocol)
     common = dict(round_fn=ROUNDS[record.round], eos_ids=eos_ids, session_id=session_id)
     if record.family == "local":
         return LocalSession(config, request, drafter, None, **common)
     if record.family == "token":
-        return TokenSession(config, request, drafter, client, **common, monitor=monitor)
+        return TokenSession(config, request, drafter, client, **common, monitor=monitor, skip_policy=skip_policy)
     if link_state is None:
         link_state = LinkState.configured(config.split.up_bps, config.split.down_bps)
     return SplitSession(config, request, drafter, client, **common, link_state=link_state, monitor=monitor)

@@ -7,11 +7,11 @@ import itertools
 import logging
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
-from edge_runtime.config import EdgeConfig
+from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.engine import open_engine
 from edge_runtime.monitor import DeviceMonitor
@@ -24,6 +24,7 @@ from edge_runtime.split_drafter import SplitDrafter
 from hat_split import protocols
 from hat_split.math.chunking import ema
 from hat_split.math.sampling import SamplingParams
+from hat_split.math.skip_budget import SkipPolicy
 from hat_split.models.chat import encode
 from hat_split.wire import messages as P
 
@@ -43,6 +44,8 @@ class EdgeRuntime:
         self.link_state: Optional[LinkState] = None  # the split protocols' estimates of this connection
         self.auto_estimates = AutoEstimates()  # protocol auto's measurements (edge_runtime.auto), kept across requests
         self.split_rates: Dict[str, float] = {}  # private auto requests: decode tokens/s per split protocol
+        # uhlm / cuhlm: the skip rule's line and recent uncertainties, kept across requests per protocol and settings
+        self.skip_policies: Dict[Tuple[str, UncertaintyConfig], SkipPolicy] = {}
         self.engine = open_engine(config, loaded)
 
     def __enter__(self) -> "EdgeRuntime":
@@ -119,8 +122,12 @@ class EdgeRuntime:
                 self.link_state = LinkState.configured(self.config.split.up_bps, self.config.split.down_bps)
         else:
             drafter = Drafter(self.engine.token_lm(self.config), request.sampling, self.config.dist_dtype)
+        skips = None
+        if record.round in ("uhlm", "cuhlm"):
+            key = (record.round, self.config.uncertainty)
+            skips = self.skip_policies.get(key) or self.skip_policies.setdefault(key, key[1].skip_policy())
         session = new_session(self.config, request, drafter, self.client, self.engine.eos_ids, next(self._session_ids),
-                              monitor=self.monitor, link_state=self.link_state if split else None)
+                              monitor=self.monitor, link_state=self.link_state if split else None, skip_policy=skips)
         if request.protocol in AUTO_TOKEN:  # what sd and llm requests measure teaches protocol auto
             session.round_fn = _teaching(session.round_fn, request.protocol, self.auto_estimates)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))

@@ -109,14 +109,14 @@ def test_tiny_real_run(tmp_path):
     from profiles.bench.bench import main
 
     out = tmp_path / "tasks.json"
-    argv = ["tasks", "--prompts", "2", "--tasks", "humaneval,gsm8k", "--protocols", "llm,uhlm",
+    argv = ["tasks", "--prompts", "2", "--tasks", "humaneval,gsm8k", "--protocols", "llm,uhlm,uhlm@answer-refit:0.5",
             "--max-new-tokens", "12", "--engine", "llamacpp", "--threads", "1", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert set(summary) == {"humaneval", "gsm8k"}
     for task in summary:
-        assert set(summary[task]) == {"llm", "uhlm"}
+        assert set(summary[task]) == {"llm", "uhlm", "uhlm@answer-refit:0.5"}
         for entry in summary[task].values():
             assert entry["n"] == 2 and entry["diff_vs_llm"]["n"] == 2 and entry["diff_vs_llm"]["method"] == "t"
             assert 0.0 <= entry["score"]["mean"] <= 1.0 and entry["tokens_per_s"] > 0
@@ -126,14 +126,60 @@ def test_tiny_real_run(tmp_path):
     assert report["config"]["engine"] == "llamacpp"
     assert len(report["provenance"]["git_commit"]) == 40 and report["provenance"]["machine"]["cpus"] >= 1
     lines = (tmp_path / "tasks.jsonl").read_text().splitlines()
-    assert len(lines) == 8  # 2 tasks × 2 problems × 2 protocols
+    assert len(lines) == 12  # 2 tasks × 2 problems × 3 protocols
     for line in lines:  # every record says which commit, command and machine made it
         stamp = json.loads(line)["provenance"]
         assert {k: stamp[k] for k in ("git_commit", "command")} == {k: report["provenance"][k]
                                                                     for k in ("git_commit", "command")}
         assert stamp["machine"]["cpus"] >= 1 and stamp["started_utc"].endswith("+00:00")
     assert main(argv) == 0  # a rerun finds everything done and generates nothing
-    assert len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 8
+    assert len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 12
+    assert [p["name"] for p in report["curve"]["gsm8k"]] != [] and report["matched_random"] == {}  # no randhlm ran
     more = [a if a != "2" else "3" for a in argv] + ["--report-only"]  # a third problem asked for, none generated
-    assert main(more) == 0 and len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 8
+    assert main(more) == 0 and len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 12
     assert {e["n"] for t in json.loads(out.read_text())["summary"].values() for e in t.values()} == {2}
+
+
+def test_operating_points_name_their_settings_and_bad_ones_are_refused():
+    from profiles.bench.operating_points import record_config, resolve
+
+    P = bench_tasks.PROTOCOLS
+    assert resolve("uhlm", P) == ("uhlm", {})
+    assert resolve("uhlm@answer:0.5", P) == ("uhlm", {"skip_rule": "answer", "answer_risk": 0.5})
+    assert resolve("cuhlm_online@answer-refit:1", P) == ("cuhlm", {"k_mode": "online", "skip_rule": "answer",
+                                                                   "answer_risk": 1.0, "refit": True})
+    assert resolve("randhlm@p:0.45", P) == ("randhlm", {"random_skip_prob": 0.45})
+    assert resolve("uhlm@token-refit:0.01", P) == ("uhlm", {"refit": True, "token_risk": 0.01})
+    for bad, message in [("uhlm@p:0.3", "applies to randhlm, not uhlm"), ("uhlm@answer:x", "needs a number"),
+                         ("uhlm@answer:-1", "answer_risk must be"), ("sd@u:0.3", "unknown protocol"),
+                         ("llm@u:0.3", "applies to uhlm, cuhlm, not llm"), ("uhlm@eps:1", "unknown operating point"),
+                         ("randhlm@p:1.5", "random_skip_prob must be")]:
+        with pytest.raises(ValueError, match=message):
+            resolve(bad, P)
+    from edge_runtime.config import UncertaintyConfig
+
+    old_style = record_config(UncertaintyConfig())  # a record written before the skip rules had these fields
+    assert "skip_rule" not in old_style and "refit" not in old_style and "u_threshold" in old_style
+    assert record_config(UncertaintyConfig(skip_rule="answer"))["skip_rule"] == "answer"
+
+
+def test_the_sweeps_curve_and_the_random_point_at_the_nearest_skip_rate():
+    """A hand-made sweep: llm, one uncertainty point skipping half the tokens, random points at 30 % and 60 %. The
+    curve is ordered by skip rate and the uncertainty point is matched with the 60 % random one, paired on the
+    problems both ran."""
+    from profiles.bench.operating_points import curve
+
+    recs = []
+    for i in range(10):
+        recs.append(_rec("gsm8k", i, "llm", 1.0))
+        recs.append(_rec("gsm8k", i, "uhlm@answer:0.5", 1.0 if i < 9 else 0.0, skipped=5))
+        recs.append(_rec("gsm8k", i, "randhlm@p:0.3", 1.0 if i < 8 else 0.0, skipped=3))
+        recs.append(_rec("gsm8k", i, "randhlm@p:0.6", 1.0 if i < 5 else 0.0, skipped=6))
+    curves = curve(summarise(recs), bench_tasks.PROTOCOLS)
+    assert [(p["name"], p["skip_rate"]) for p in curves["gsm8k"]] == [
+        ("randhlm@p:0.3", 0.3), ("uhlm@answer:0.5", 0.5), ("randhlm@p:0.6", 0.6)]
+    assert curves["gsm8k"][1]["diff_vs_llm"]["mean"] == pytest.approx(-0.1)
+    matched = bench_tasks.match_random(recs, curves)["gsm8k"]
+    assert len(matched) == 1 and matched[0]["random"] == "randhlm@p:0.6"
+    d = matched[0]["diff_vs_random"]
+    assert d["mean"] == pytest.approx(0.4) and d["n"] == 10 and d["lo"] > 0  # 4 problems won, none lost

@@ -101,3 +101,29 @@ def test_cuhlm_exact_output_follows_the_target_distribution():
     tv_target = 0.5 * np.abs(freq - p).sum()
     tv_draft = 0.5 * np.abs(freq - x_hat).sum()
     assert tv_target < 0.012 and tv_draft > 5 * tv_target
+
+
+@pytest.mark.parametrize("protocol", ["uhlm", "cuhlm"])
+def test_the_answer_budget_with_a_refitted_line_through_a_cloud(tiny_server, peaky_draft, protocol):
+    """skip_rule answer with refit (hat_split.math.skip_budget) through a real cloud: device and cloud stay identical,
+    every upload's verdict is a point of the line, a share of the would-be skips is explored, and the answer's
+    predicted rejections stay within ε."""
+    unc = dict(skip_rule="answer", answer_risk=3.0, refit=True, explore=0.3, k_mode="offline", k_offline=7)
+    res, server_in = _run(tiny_server, peaky_draft, protocol, SamplingParams(1.0), n=96, seed=2, **unc)
+    state = res.skip_policy
+    assert len(res.tokens) == 96 and res.up_bytes == server_in
+    assert 0 < res.skipped < 96 and res.explored > 0
+    assert state["rule"] == "answer" and state["points"] == res.rounds  # each upload judged, explored ones included
+    assert 0 < state["answer_risk_spent"] <= 3.0 and -1.0 <= state["threshold"] <= 1.0
+    plain, _ = _run(tiny_server, peaky_draft, protocol, SamplingParams(1.0), n=96, seed=2, u_threshold=0.5,
+                    k_mode="offline", k_offline=7)
+    assert plain.explored == 0 and plain.skip_policy["rule"] == "threshold" and plain.skip_policy["points"] == 0
+
+
+def test_bad_skip_settings_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="skip_rule must be threshold or answer"):
+        UncertaintyConfig(skip_rule="answers")
+    with pytest.raises(ValueError, match="explore must be in"):
+        UncertaintyConfig(explore=1.5)
+    with pytest.raises(ValueError, match="answer_risk must be"):
+        UncertaintyConfig(answer_risk=-1)

@@ -45,17 +45,32 @@ def _skip(session: TokenSession, token: int) -> None:
                                                                              "draft")))
 
 
-def _upload(session: TokenSession, token: int, payload) -> None:
+def _upload(session: TokenSession, token: int, payload, u: float = float("nan")) -> None:
+    """Send the token (after the pending skips); with the uncertainty u it was measured at, its verdict teaches the
+    session's skip policy (a refitting one)."""
     pending, session.pending = session.pending, []
-    session.verify([token], payload, pending)
+    verdict = session.verify([token], payload, pending)
+    if u == u:  # measured (not NaN)
+        session.skip_policy.observe(u, verdict.n_accepted == 0)
+        session.counters.skip_policy = session.skip_policy.state()
+
+
+def _skips(session: TokenSession, u: float) -> bool:
+    """The skip policy's decision (hat_split.math.skip_budget); a would-be skip it uploads to refit its line is
+    counted as explored."""
+    policy = session.skip_policy
+    decision = policy.decide(u, session.skip_rng.random())
+    session.counters.explored += decision == "explore"
+    session.counters.skip_policy = policy.state()
+    return decision == "skip"
 
 
 def round_uhlm(session: TokenSession) -> None:
     token, values, u = _draft_one(session)
-    if u <= session.config.uncertainty.u_threshold:
+    if _skips(session, u):
         _skip(session, token)
     else:
-        _upload(session, token, dist_codec.pack(values, "dense"))
+        _upload(session, token, dist_codec.pack(values, "dense"), u)
 
 
 def round_randhlm(session: TokenSession) -> None:
@@ -69,7 +84,7 @@ def round_randhlm(session: TokenSession) -> None:
 def round_cuhlm(session: TokenSession) -> None:
     cfg = session.config.uncertainty
     token, values, u = _draft_one(session)
-    if u <= cfg.u_threshold:
+    if _skips(session, u):
         _skip(session, token)
         return
     x = session.drafter.last_q[0]  # [vocab] what the device sampled from
@@ -84,4 +99,4 @@ def round_cuhlm(session: TokenSession) -> None:
         x_hat = topk_codec.reconstruct(row, vocab)
         token = int(sample(x_hat[None], session.rng.random(1))[0])
     session.counters.upload_ks.append(int(row.indices.size))
-    _upload(session, token, dist_codec.pack_topk([row], vocab))
+    _upload(session, token, dist_codec.pack_topk([row], vocab), u)

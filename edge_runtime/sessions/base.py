@@ -48,6 +48,8 @@ class Counters:
     rejected: int = 0  # rounds that ended in a rejected draft (the others accepted all their drafts)
     cloud_compute_s: float = 0.0  # model time the cloud reported
     skipped: int = 0  # tokens committed on the device without an upload (uhlm, randhlm, cuhlm)
+    explored: int = 0  # uhlm, cuhlm with refit: would-be skips uploaded to measure the rejection line's low end
+    skip_policy: Dict[str, Any] = field(default_factory=dict)  # uhlm, cuhlm: the skip rule's state at the last token
     upload_ks: List[int] = field(default_factory=list)  # cuhlm: tokens kept per upload
     round_up_bytes: List[int] = field(default_factory=list)  # bytes of each round's request frame (channel models)
     skip_log: List[List[float]] = field(default_factory=list)  # [index in tokens, draft probability] per skipped token

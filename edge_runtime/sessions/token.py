@@ -15,14 +15,19 @@ from edge_runtime.client import CloudError, LinkDown, expect
 from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.sessions.base import Session
 from hat_split.math.logprobs import Logprobs
+from hat_split.math.skip_budget import SkipPolicy
 from hat_split.wire import messages as P
 
 
 class TokenSession(Session):
-    def __init__(self, *args, monitor: Optional[DeviceMonitor] = None, **kwargs):
-        """Session's arguments; monitor: the device's state sent with every session opening (None: an empty one)."""
+    def __init__(self, *args, monitor: Optional[DeviceMonitor] = None, skip_policy: Optional[SkipPolicy] = None,
+                 **kwargs):
+        """Session's arguments; monitor: the device's state sent with every session opening (None: an empty one);
+        skip_policy: uhlm / cuhlm's skip decision kept across requests (None: a new one from the config)."""
         super().__init__(*args, **kwargs)
         self.monitor = monitor
+        self.skip_policy = skip_policy if skip_policy is not None else self.config.uncertainty.skip_policy()
+        self.skip_policy.begin(self.max_new_tokens)  # this answer's budget and threshold
         self.step = 0  # requests of this cloud session (Verify / Generate carry step + 1)
         self.cloud_position = 0  # committed tokens the cloud holds
         self.pending: List[int] = []  # committed here, not yet sent to the cloud (skipped uploads)

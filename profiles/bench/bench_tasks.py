@@ -29,9 +29,10 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.models.chat import encode
 from hat_split.models.loading import load_tokenizer, resolve_dtype
 from profiles.bench.bench_args import names
+from profiles.bench.operating_points import curve, nearest_random, rank, record_config, resolve, resolve_all
 from profiles.bench.bench_cuhlm import VARIANTS
 from profiles.bench.code_exec import check_humaneval, gsm8k_answer, gsm8k_correct
-from profiles.bench.stats import ci_note
+from profiles.bench.stats import ci_note, ci_text
 from profiles.bench.task_scoring import (CutWatch, append_record, cut_completion, format_table, gsm8k_prompt,
                                          load_done, record_key, summarise)
 from profiles.bench.tasks import evaluation_ids, gsm8k_problems, humaneval_problems
@@ -50,7 +51,9 @@ def add_parser(sub) -> None:
     s.add_argument("--tasks", default=",".join(TASKS), help=f"subset of {', '.join(TASKS)}")
     s.add_argument("--prompts", type=int, default=60, help="the first N evaluation problems of each task")
     s.add_argument("--protocols", default="llm,slm,uhlm,randhlm,cuhlm_offline,cuhlm_online,sq",
-                   help=f"subset of {', '.join(PROTOCOLS)}")
+                   help=f"subset of {', '.join(PROTOCOLS)}; a skipping one may name an operating point: "
+                        "uhlm@answer:0.5, cuhlm_online@answer-refit:1, uhlm@u:0.3, uhlm@token-refit:0.01, "
+                        "randhlm@p:0.45 (profiles/bench/operating_points.py)")
     s.add_argument("--max-new-tokens", type=int, default=512,
                    help="per answer (both tasks; a HumanEval answer stops at its cut)")
     s.add_argument("--calibration", help="a hat-calibrate file (else the papers' line, threshold 0.5 and k* 30)")
@@ -117,7 +120,7 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
             for k, (task, problem, name) in enumerate(todo):
                 text = problem.prompt if task == "humaneval" else gsm8k_prompt(problem.question)
                 ids = encode(tok, text, chat=task == "gsm8k")
-                protocol, overrides = PROTOCOLS[name]
+                protocol, overrides = resolve(name, PROTOCOLS)
                 rt.config = dataclasses.replace(rt.config, uncertainty=dataclasses.replace(base_unc, **overrides))
                 seed = args.seed * 1000 + index[(task, problem.task_id)]
                 stop = CutWatch() if task == "humaneval" else None
@@ -145,11 +148,42 @@ def cosines(records: List[dict]) -> Dict[tuple, float]:
     return {record_key(r): float(c) for r, c in zip(pairs, sims)}
 
 
-def plot(path: str, summary: dict) -> str:
+def match_random(records: List[dict], curves: Dict[str, List[dict]]) -> Dict[str, List[dict]]:
+    """{task: rows}: each skipping point that is not random, beside the randhlm point of the nearest skip rate, with
+    their paired difference on the problems both ran (U-HLM's own baseline: skipping by uncertainty must beat chance
+    at the same rate)."""
+    out: Dict[str, List[dict]] = {}
+    for task, points in curves.items():
+        for p in points:
+            rand = nearest_random(points, p["skip_rate"]) if p["protocol"] != "randhlm" else None
+            if rand is None:
+                continue
+            pair = summarise([r for r in records if r["task"] == task and r["protocol"] in (p["name"], rand["name"])],
+                             baseline=rand["name"])
+            out.setdefault(task, []).append({"name": p["name"], "random": rand["name"], "skip_rate": p["skip_rate"],
+                                             "random_skip_rate": rand["skip_rate"],
+                                             "diff_vs_random": pair[task][p["name"]]["diff_vs_" + rand["name"]]})
+    return out
+
+
+def plot(path: str, summary: dict, curves: Dict[str, List[dict]]) -> str:
+    """Per task: every protocol's score (bars with their intervals) and, below, score against skip rate for the
+    skipping points (one line per protocol, the llm score as a dashed line)."""
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
+    fig, axes = plt.subplots(2, len(summary), figsize=(5 * len(summary), 8), squeeze=False)
+    for ax, (task, points) in zip(axes[1], curves.items()):
+        for protocol in sorted({p["protocol"] for p in points}):
+            mine = [p for p in points if p["protocol"] == protocol]
+            ax.plot([p["skip_rate"] for p in mine], [p["score"] for p in mine], "o-", label=protocol)
+        if "llm" in summary[task]:
+            ax.axhline(summary[task]["llm"]["score"]["mean"], ls="--", color="k", label="llm")
+        ax.set_xlabel("skip rate (uploads saved)")
+        ax.set_ylabel("pass@1" if task == "humaneval" else "exact match")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
     for ax, (task, protos) in zip(axes[0], summary.items()):
         names_ = list(protos)
         means = [protos[p]["score"]["mean"] for p in names_]
@@ -168,7 +202,7 @@ def plot(path: str, summary: dict) -> str:
 def run(args) -> int:
     try:
         tasks = names(args.tasks, TASKS, "task")
-        protocols = names(args.protocols, PROTOCOLS, "protocol")
+        protocols = resolve_all(args.protocols, PROTOCOLS)
         if not tasks or not protocols or args.prompts < 1 or args.max_new_tokens < 1 or not 0 <= args.temperature <= 2:
             raise ValueError("need a task, a protocol, --prompts >= 1, --max-new-tokens >= 1 and --temperature in "
                              "[0, 2]")
@@ -187,7 +221,7 @@ def run(args) -> int:
               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "weight_quant": args.weight_quant if torch_engine else "gguf",
               "target_dtype": args.target_dtype if torch_engine else "gguf",
-              "uncertainty": dataclasses.asdict(base_unc)}
+              "uncertainty": record_config(base_unc)}
     if args.temperature:  # greedy records carry no temperature (they predate the option)
         config["temperature"] = args.temperature
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -196,15 +230,21 @@ def run(args) -> int:
     if not args.report_only:
         generate(args, tasks, protocols, base_unc, config, jsonl)
     wanted = {(t, p.task_id) for t, p in problems(tasks, args.prompts)}
-    order = {name: i for i, name in enumerate(PROTOCOLS)}
-    records = sorted((r for r in load_done(jsonl, config).values() if (r["task"], r["task_id"]) in wanted),
-                     key=lambda r: (r["task"], order[r["protocol"]], r["task_id"]))
+    records = sorted((r for r in load_done(jsonl, config).values()
+                      if (r["task"], r["task_id"]) in wanted and r["protocol"] in protocols),
+                     key=lambda r: (r["task"], rank(r["protocol"], PROTOCOLS), r["task_id"]))
     summary = summarise(records, cosines(records))
+    curves = curve(summary, PROTOCOLS)
+    matched = match_random(records, curves)
     report = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "config": config,
-              "summary": summary, "records": jsonl,
+              "summary": summary, "curve": curves, "matched_random": matched, "records": jsonl,
               "wall_s": time.perf_counter() - t0}
     write_report(args.out, report)
-    note = plot(os.path.splitext(args.out)[0] + ".png", summary)
+    note = plot(os.path.splitext(args.out)[0] + ".png", summary, curves)
     print(format_table(summary))
+    for task, rows in matched.items():
+        for m in rows:
+            print(f"{task}: {m['name']} (skip {m['skip_rate']:.1%}) vs {m['random']} (skip "
+                  f"{m['random_skip_rate']:.1%}): {ci_text(m['diff_vs_random'], '{:+.3f}', form='interval')}")
     print(f"hat-bench tasks: report saved to {args.out}" + (f" ({note})" if note else ""))
     return 0
