@@ -233,6 +233,11 @@ def run(args) -> int:
     records = sorted((r for r in load_done(jsonl, config).values()
                       if (r["task"], r["task_id"]) in wanted and r["protocol"] in protocols),
                      key=lambda r: (r["task"], rank(r["protocol"], PROTOCOLS), r["task_id"]))
+    if not records:
+        print(f"hat-bench tasks: no finished record in {jsonl} for these settings, tasks, problems and protocols "
+              "(records are matched by their config: the models, engine, length, seed and uncertainty settings)",
+              file=sys.stderr)
+        return 2
     summary = summarise(records, cosines(records))
     curves = curve(summary, PROTOCOLS)
     matched = match_random(records, curves)
