@@ -1,0 +1,171 @@
+"""Draft trees: their shape, their attention mask, how the device draws a node's children, and exact verification.
+Pure numpy.
+
+A tree of N drafted nodes hangs below the root, the last committed token. Node i holds a token and its parent's index
+(`parents[i]`, −1 for a child of the root), and every parent comes before its children (parents[i] < i): a list in
+that order cannot hold a cycle. The children of a node are kept in the order they were drawn.
+
+**Drawing children** (`draw_children`). At T > 0 the k children of a node are k draws *without replacement* from the
+draft's distribution q at that node, in draw order (Gumbel-top-k: the k largest log q + Gumbel noise are a sequential
+sample without replacement). How many children a node gets must be decided before they are drawn (from the node's
+path probability, a budget: never from the children's own values), or verification is no longer exact.
+
+**Verification** (`verify_tree`): from the root, at each node the children are tried in draw order by recursive
+rejection sampling without replacement (Jeon et al. 2024, "Recursive Speculative Decoding"; SpecInfer's multi-step
+speculative sampling is the same rule for children drawn with replacement): with target p and draft q at the node,
+child i (token x_i) is accepted with probability min(1, p_i(x_i) / q_i(x_i)), where q_i is q with the tokens of
+children 1..i−1 removed and renormalised, p_1 = p, and after a rejection p_{i+1} = norm(max(0, p_i − q_i)). An
+accepted child becomes the node; when every child is rejected, or the node has none, one token is drawn from the
+current p_i (the resampled or bonus token). The committed path is then distributed as the target's own sampling,
+whatever the tree's shape. At T = 0 (`verify_tree_greedy`) the path follows the children equal to the target's
+argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Sequence, Tuple
+
+import numpy as np
+
+from hat_split.math.sampling import sample
+
+ROOT = -1  # the parent index of the root's children
+
+
+def check_tree(parents, tokens, max_nodes: int, max_depth: int) -> np.ndarray:
+    """The depth of every node (1 for the root's children) `# [N]`; ValueError naming what is wrong with the tree:
+    shapes, a parent that is not an earlier node (out of range, or a cycle), more than max_nodes nodes, a node deeper
+    than max_depth, or two siblings with the same token."""
+    par = np.asarray(parents)
+    tok = np.asarray(tokens)
+    if par.ndim != 1 or tok.ndim != 1 or par.shape != tok.shape:
+        raise ValueError(f"a tree needs parents and tokens as two lists of one length, got shapes {par.shape} and "
+                         f"{tok.shape}")
+    if not (np.issubdtype(par.dtype, np.integer) and np.issubdtype(tok.dtype, np.integer)) and par.size:
+        raise ValueError("a tree's parents and tokens must be integers")
+    n = int(par.size)
+    if n == 0:
+        raise ValueError("a tree needs at least one node")
+    if n > max_nodes:
+        raise ValueError(f"the tree has {n} nodes; at most {max_nodes} are taken")
+    depth = np.zeros(n, dtype=np.int64)
+    seen: dict = {}
+    for i in range(n):
+        p = int(par[i])
+        if not ROOT <= p < i:
+            raise ValueError(f"node {i}'s parent {p} is not an earlier node (parents must come first: -1 for the "
+                             f"root, else 0..{i - 1}); a cycle or an index out of range")
+        depth[i] = 1 if p == ROOT else depth[p] + 1
+        if depth[i] > max_depth:
+            raise ValueError(f"node {i} is {depth[i]} deep; at most {max_depth} are taken")
+        key = (p, int(tok[i]))
+        if key in seen:
+            raise ValueError(f"node {i} repeats the token {int(tok[i])} of its sibling {seen[key]}")
+        seen[key] = i
+    return depth
+
+
+def ancestor_mask(parents) -> np.ndarray:
+    """`# [N, N]` bool: node i attends to node j iff j is i or one of its ancestors (the tree's causal mask; every
+    node also attends to the whole committed sequence, which this mask does not cover)."""
+    par = np.asarray(parents, dtype=np.int64)
+    n = par.size
+    mask = np.eye(n, dtype=bool)
+    for i in range(n):
+        if par[i] != ROOT:
+            mask[i] |= mask[par[i]]  # parents come first: their rows are complete
+    return mask
+
+
+def children_of(parents) -> List[List[int]]:
+    """children_of(parents)[v + 1]: the children of node v in draw order (index 0: the root's)."""
+    out: List[List[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[int(p) + 1].append(i)
+    return out
+
+
+def path_to(parents, node: int) -> List[int]:
+    """The nodes from the root's child down to `node`."""
+    out = []
+    while node != ROOT:
+        out.append(node)
+        node = int(parents[node])
+    return out[::-1]
+
+
+def draw_children(q: np.ndarray, k: int, uniforms: np.ndarray) -> np.ndarray:
+    """k tokens drawn without replacement from q `# [V]`, in draw order (Gumbel-top-k), with k uniforms in (0, 1)
+    per token `# [V]`; fewer when q has fewer than k tokens of positive probability."""
+    q = np.asarray(q, dtype=np.float64)
+    u = np.asarray(uniforms, dtype=np.float64)
+    if q.ndim != 1 or u.shape != q.shape:
+        raise ValueError(f"q and the uniforms must be one vector each of one length, got {q.shape} and {u.shape}")
+    if k < 1:
+        raise ValueError(f"a node drawn needs k >= 1 children, got {k}")
+    u = np.clip(u, np.finfo(np.float64).tiny, 1.0 - np.finfo(np.float64).eps)
+    with np.errstate(divide="ignore"):
+        keys = np.log(q) - np.log(-np.log(u))  # log q + Gumbel noise; −inf where q = 0
+    k = min(k, int(np.count_nonzero(q > 0)))
+    top = np.argpartition(-keys, k - 1)[:k] if k < q.size else np.arange(q.size)
+    return top[np.argsort(-keys[top], kind="stable")][:k].astype(np.int64)
+
+
+@dataclass
+class TreeVerdict:
+    path: List[int]  # the accepted nodes, root's child first
+    token: int  # the resampled or bonus token after them
+
+
+def verify_tree_greedy(parents, tokens, argmax: np.ndarray) -> TreeVerdict:
+    """T = 0: argmax `# [N + 1]` is the target's argmax after the root (index 0) and after each node (index i + 1);
+    the path follows the child whose token is that argmax."""
+    kids = children_of(parents)
+    node, path = ROOT, []
+    while True:
+        want = int(argmax[node + 1])
+        nxt = next((c for c in kids[node + 1] if int(tokens[c]) == want), None)
+        if nxt is None:
+            return TreeVerdict(path, want)
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree(parents, tokens, p: np.ndarray, q: np.ndarray, uniform: Callable[[], float]) -> TreeVerdict:
+    """T > 0: p, q `# [N + 1, V]` the target's and the draft's distributions after the root (row 0) and after each
+    node (row i + 1; q's rows of leaves are not read); uniform() gives the next uniform in [0, 1) (a session's
+    stream: one per child tried, one for the final token)."""
+    kids = children_of(parents)
+    node, path = ROOT, []
+    while True:
+        p_i = np.asarray(p[node + 1], dtype=np.float64)
+        q_i = np.asarray(q[node + 1], dtype=np.float64)
+        accepted = None
+        for c in kids[node + 1]:
+            x = int(tokens[c])
+            if q_i[x] <= 0:
+                raise ValueError(f"node {c}'s token {x} has no draft probability left at its parent: the children "
+                                 "were not drawn without replacement from q")
+            q_n = q_i / q_i.sum()
+            p_n = p_i / p_i.sum()
+            if uniform() * q_n[x] < p_n[x]:
+                accepted = c
+                break
+            residual = np.maximum(p_n - q_n, 0.0)
+            if residual.sum() <= 0:  # p_i == q_i: acceptance was certain; float rounding only
+                residual = p_n
+            p_i = residual
+            q_i = q_n.copy()
+            q_i[x] = 0.0
+            if q_i.sum() <= 0:  # every token of q drawn: nothing is left to try
+                break
+        if accepted is None:
+            return TreeVerdict(path, int(sample(p_i[None], np.array([uniform()]))[0]))
+        path.append(accepted)
+        node = accepted
+
+
+def chain(tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """A chain of drafts as a tree: (parents, tokens)."""
+    n = len(tokens)
+    return np.arange(-1, n - 1, dtype=np.int64), np.asarray(tokens, dtype=np.int64)

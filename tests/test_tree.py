@@ -1,0 +1,171 @@
+"""Draft trees' math (hat_split.math.tree): shapes refused with their reason, the tree's attention mask, children drawn
+without replacement, greedy verification by hand, and sampled verification whose committed tokens follow the target
+over 10^5 trees — where two wrong multi-draft rules do not."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hat_split.math.tree import (ROOT, ancestor_mask, chain, check_tree, children_of, draw_children, path_to,
+                                 verify_tree, verify_tree_greedy)
+
+
+@pytest.mark.parametrize("parents,tokens,message", [
+    ([-1, 0, 2], [1, 2, 3], "node 2's parent 2 is not an earlier node"),  # a self-loop
+    ([-1, 2, 0], [1, 2, 3], "node 1's parent 2 is not an earlier node"),  # a child listed before its parent
+    ([-1, 0, -2], [1, 2, 3], "node 2's parent -2"),
+    ([-1] * 9, list(range(9)), "the tree has 9 nodes; at most 8"),
+    ([-1, 0, 1, 2], [1, 2, 3, 4], "node 3 is 4 deep; at most 3"),
+    ([-1, 0, 0], [1, 5, 5], "node 2 repeats the token 5 of its sibling 1"),
+    ([-1, 0], [1], "two lists of one length"),
+    ([], [], "at least one node"),
+])
+def test_a_malformed_tree_is_refused_with_its_reason(parents, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        check_tree(np.array(parents, dtype=np.int64), np.array(tokens, dtype=np.int64), max_nodes=8, max_depth=3)
+
+
+def test_depths_children_paths_and_the_mask_by_hand():
+    parents = np.array([-1, -1, 0, 2, 0])  # root → 0 → {2 → 3, 4}; root → 1
+    tokens = np.array([10, 11, 12, 13, 14])
+    assert check_tree(parents, tokens, 8, 3).tolist() == [1, 1, 2, 3, 2]
+    assert children_of(parents) == [[0, 1], [2, 4], [], [3], [], []]
+    assert path_to(parents, 3) == [0, 2, 3] and path_to(parents, ROOT) == []
+    mask = ancestor_mask(parents)
+    assert mask.astype(int).tolist() == [[1, 0, 0, 0, 0],
+                                         [0, 1, 0, 0, 0],
+                                         [1, 0, 1, 0, 0],
+                                         [1, 0, 1, 1, 0],
+                                         [1, 0, 0, 0, 1]]
+    p, t = chain([7, 8, 9])
+    assert p.tolist() == [-1, 0, 1] and ancestor_mask(p).all(axis=1).tolist() == [False, False, True]
+
+
+def test_greedy_verification_follows_the_targets_argmax():
+    parents = np.array([-1, -1, 0, 0, 3])
+    tokens = np.array([5, 6, 7, 8, 9])
+    argmax = np.array([5, 8, 0, 0, 9, 1])  # after root: 5 (node 0); after node 0: 8 (node 3); after 3: 9 (node 4)
+    v = verify_tree_greedy(parents, tokens, argmax)
+    assert v.path == [0, 3, 4] and v.token == 1
+    argmax[0] = 4  # no child of the root is the argmax: nothing accepted, the argmax is the token
+    v = verify_tree_greedy(parents, tokens, argmax)
+    assert v.path == [] and v.token == 4
+
+
+def test_children_are_drawn_without_replacement():
+    rng = np.random.default_rng(0)
+    q = np.array([0.5, 0.3, 0.2, 0.0])
+    firsts, pairs = np.zeros(4), {}
+    for _ in range(20_000):
+        a, b = draw_children(q, 2, rng.random(4))
+        firsts[a] += 1
+        pairs[(a, b)] = pairs.get((a, b), 0) + 1
+    assert np.allclose(firsts / 20_000, q, atol=0.015)
+    assert pairs.get((0, 1), 0) / 20_000 == pytest.approx(0.5 * 0.3 / 0.5, abs=0.015)  # q(a) · q(b) / (1 − q(a))
+    assert all(a != b and 3 not in (a, b) for a, b in pairs)
+    assert draw_children(q, 9, rng.random(4)).tolist() != [] and len(draw_children(q, 9, rng.random(4))) == 3
+
+
+V = 4
+TRIALS = 100_000
+
+
+def _laws(seed=3):
+    """A two-step target and draft over V tokens: p1, q1 after the root; p2[x], q2[x] after the first token x —
+    deliberately far apart, so a wrong rule shows."""
+    rng = np.random.default_rng(seed)
+    p1, q1 = rng.dirichlet(np.ones(V)), rng.dirichlet(np.ones(V) * 0.5)
+    p2, q2 = rng.dirichlet(np.ones(V), size=V), rng.dirichlet(np.ones(V) * 0.5, size=V)
+    return p1, q1, p2, q2
+
+
+def _rrs_no_update(parents, tokens, p, q, uniform):
+    """A wrong rule: each child tried against the unchanged p and q (no residual update, no removal)."""
+    kids = children_of(parents)
+    node, path = ROOT, []
+    while True:
+        accepted = next((c for c in kids[node + 1] if uniform() * q[node + 1][tokens[c]] < p[node + 1][tokens[c]]),
+                        None)
+        if accepted is None:
+            return path, int(np.searchsorted(np.cumsum(p[node + 1]), uniform() * p[node + 1].sum(), side="right"))
+        path.append(accepted)
+        node = accepted
+
+
+def _rrs_with_replacement(parents, tokens, p, q, uniform):
+    """A wrong rule for children drawn without replacement: SpecInfer's residual update, but against q itself
+    (the law of children drawn with replacement), not q with the earlier children removed."""
+    kids = children_of(parents)
+    node, path = ROOT, []
+    while True:
+        p_i, q_i = p[node + 1].copy(), q[node + 1]
+        accepted = None
+        for c in kids[node + 1]:
+            x = tokens[c]
+            if uniform() * q_i[x] < p_i[x] / p_i.sum():
+                accepted = c
+                break
+            p_i = np.maximum(p_i / p_i.sum() - q_i, 0.0)
+        if accepted is None:
+            return path, int(np.searchsorted(np.cumsum(p_i), uniform() * p_i.sum(), side="right"))
+        path.append(accepted)
+        node = accepted
+
+
+def _first_two(rule, trials=TRIALS, seed=11):
+    """Frequencies of the first two committed tokens over `trials` trees: 3 children of the root, 2 below each."""
+    p1, q1, p2, q2 = _laws()
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V))
+    uniform = rng.random
+    for _ in range(trials):
+        top = draw_children(q1, 3, rng.random(V))
+        parents, tokens, rows_p, rows_q = [], [], [p1], [q1]
+        for x in top:
+            parents.append(ROOT)
+            tokens.append(int(x))
+            rows_p.append(p2[x])
+            rows_q.append(q2[x])
+        for i, x in enumerate(top):
+            for y in draw_children(q2[x], 2, rng.random(V)):
+                parents.append(i)
+                tokens.append(int(y))
+                rows_p.append(p1)  # past the second token: not counted
+                rows_q.append(q1)
+        parents_a, tokens_a = np.array(parents), np.array(tokens)
+        out = rule(parents_a, tokens_a, np.array(rows_p), np.array(rows_q), uniform)
+        path, token = (out.path, out.token) if hasattr(out, "path") else out
+        seq = [int(tokens_a[n]) for n in path] + [token]
+        if len(seq) < 2:  # the second token is the target's draw after the first: one more step, as the cloud does
+            seq.append(int(np.searchsorted(np.cumsum(p2[seq[0]]), uniform(), side="right")))
+        counts[seq[0], seq[1]] += 1
+    return counts, p1[:, None] * p2
+
+
+def _chi2(counts, law):
+    expected = law * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _chi2_quantile(df: int, z: float = 3.09) -> float:
+    """The 0.999 quantile of χ²(df) (Wilson–Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_verification_follows_the_target_and_wrong_rules_do_not():
+    limit = _chi2_quantile(V * V - 1)
+    counts, law = _first_two(verify_tree)
+    assert _chi2(counts, law) < limit, (counts / TRIALS, law)
+    for wrong in (_rrs_no_update, _rrs_with_replacement):  # 30 000 trees show them (χ² about 4 500 and 450)
+        counts, law = _first_two(wrong, 30_000)
+        assert _chi2(counts, law) > 4 * limit, wrong.__name__
+
+
+def test_sampled_verification_refuses_children_not_drawn_without_replacement():
+    parents, tokens = np.array([-1, -1]), np.array([0, 0])  # the same token twice below the root
+    p, q = np.array([[0.1, 0.9]] * 3), np.full((3, 2), 0.5)
+    with pytest.raises(ValueError, match="not drawn without replacement"):
+        verify_tree(parents, tokens, p, q, lambda: 0.99)  # the first is rejected; the second has no q left
+    assert verify_tree(np.array([-1]), np.array([1]), p, q, lambda: 0.0).path == [0]
