@@ -169,3 +169,50 @@ def test_sampled_verification_refuses_children_not_drawn_without_replacement():
     with pytest.raises(ValueError, match="not drawn without replacement"):
         verify_tree(parents, tokens, p, q, lambda: 0.99)  # the first is rejected; the second has no q left
     assert verify_tree(np.array([-1]), np.array([1]), p, q, lambda: 0.0).path == [0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_a_trees_one_forward_equals_each_path_alone_and_the_kept_path_equals_a_fresh_one(family):
+    """Stack.forward_tree on a cache (growing caches, float32): each node's hidden state equals its path run alone as
+    a chain on the same prefix (Gemma 3's sliding window of 4 included: a path longer than the window); and after
+    PartCache.keep of an accepted path, the cache equals the path's own and the next step's output is the same."""
+    import torch
+
+    from hat_split.models.partition import PartCache, Stack
+    from tests.test_hat import V, _family
+
+    model = _family(family)
+    stack = Stack(model, 0, model.config.num_hidden_layers)
+    rng = np.random.default_rng(0)
+    embed = model.model.embed_tokens
+
+    def h(ids):
+        return embed(torch.tensor([list(ids)]))
+
+    prefix = rng.integers(0, V, 7).tolist()
+    parents = np.array([-1, -1, 0, 0, 2, 4, 5, 3])  # depths 1 1 2 2 3 4 5 3: a path of 5 > the window
+    tokens = rng.integers(0, V, parents.size).tolist()
+    base = PartCache()
+    stack.forward(base, h(prefix))
+    tree_cache = base.fork()
+    out = stack.forward_tree(tree_cache, h(tokens), parents)
+    assert tree_cache.length == len(prefix) + parents.size
+    for i in range(parents.size):
+        path = path_to(parents, i)
+        alone = base.fork()
+        ref = stack.forward(alone, h([tokens[n] for n in path]))
+        assert torch.allclose(out[0, i], ref[0, -1], atol=1e-5), (family, i)
+    accepted = path_to(parents, 6)  # [0, 2, 4, 5, 6]
+    tree_cache.keep(len(prefix), accepted)
+    fresh = base.fork()
+    stack.forward(fresh, h([tokens[n] for n in accepted]))
+    assert tree_cache.length == fresh.length
+    for layer, (k, v) in fresh.kv.items():
+        assert torch.allclose(tree_cache.kv[layer][0], k, atol=1e-5) and torch.allclose(tree_cache.kv[layer][1], v,
+                                                                                         atol=1e-5)
+    nxt = h([int(rng.integers(0, V))])
+    assert torch.allclose(stack.forward(tree_cache, nxt), stack.forward(fresh, nxt), atol=1e-5)
+    with pytest.raises(ValueError, match="cannot keep rows"):
+        fresh.keep(len(prefix), [0, 99])
+    with pytest.raises(ValueError, match="not an earlier node"):
+        stack.forward_tree(base.fork(), h(tokens[:2]), [0, -1])

@@ -74,6 +74,27 @@ class PartCache:
             self.kv = {i: (k[..., :length, :], v[..., :length, :]) for i, (k, v) in self.kv.items()}
             self.length = length
 
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """Keep, of the positions from `start` on, only `rows` (offsets from start, in order) and close them up: a
+        draft tree's accepted path moved into place, the other branches dropped (their keys and values gathered,
+        not recomputed)."""
+        import torch
+
+        if not 0 <= start <= self.length or any(not 0 <= r < self.length - start for r in rows):
+            raise ValueError(f"cannot keep rows {list(rows)} after position {start} of a cache of {self.length}")
+        if list(rows) == list(range(len(rows))):  # already in place: a crop
+            self.crop(start + len(rows))
+            return
+        index = None
+        kept = {}
+        for i, (k, v) in self.kv.items():
+            if index is None:
+                index = torch.tensor([start + r for r in rows], dtype=torch.long, device=k.device)
+            kept[i] = (torch.cat([k[..., :start, :], k.index_select(-2, index)], dim=-2),
+                       torch.cat([v[..., :start, :], v.index_select(-2, index)], dim=-2))
+        self.kv = kept
+        self.length = start + len(rows)
+
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv.values())
 
@@ -138,6 +159,38 @@ class Stack:
         hidden = self.run_layers(cache, hidden, lambda kind, window: additive_mask(past, n, window, hidden.dtype,
                                                                                    device=device),
                                  torch.arange(past, past + n, device=device)[None], train)
+        cache.length += n
+        cache.forward_s += time.perf_counter() - t0
+        cache.forward_tokens += n
+        return hidden
+
+    def forward_tree(self, cache: PartCache, hidden: Any, parents: Sequence[int]) -> Any:
+        """Run a draft tree's nodes `hidden # [1, n, hidden]` (node order, hat_split.math.tree) on `cache`: node i at
+        position cache.length + depth_i − 1, attending to the cache and its own ancestors; returns `# [1, n, hidden]`
+        and leaves the n nodes in the cache after its old length (PartCache.keep keeps the accepted path)."""
+        import numpy as np
+        import torch
+
+        from hat_split.math.masks import tree_allowed
+        from hat_split.math.tree import ancestor_mask, check_tree
+
+        n = hidden.shape[1]
+        par = np.asarray(parents, dtype=np.int64)
+        if par.shape != (n,):
+            raise ValueError(f"a tree of {n} nodes needs {n} parents, got {par.shape}")
+        depth = check_tree(par, np.arange(n), n, n)  # the shape only (tokens are the verifier's)
+        past = cache.length
+        device = hidden.device
+        anc = ancestor_mask(par)
+
+        def mask_for(kind: str, window: Optional[int]) -> Any:
+            mask = torch.zeros((n, past + n), dtype=hidden.dtype)
+            mask.masked_fill_(~torch.from_numpy(tree_allowed(past, anc, depth, window)), torch.finfo(hidden.dtype).min)
+            return mask[None, None].to(device)
+
+        t0 = time.perf_counter()
+        positions = torch.from_numpy(past + depth - 1).to(device)[None]
+        hidden = self.run_layers(cache, hidden, mask_for, positions, False)
         cache.length += n
         cache.forward_s += time.perf_counter() - t0
         cache.forward_tokens += n
