@@ -16,6 +16,7 @@ import numpy as np
 from hat_split.wire import dist_codec
 from hat_split.models.lm import CausalLM, KVState
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
+from hat_split.math.tree import GrownTree, grow_tree
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Drafter:
     last_q: List[np.ndarray] = field(init=False, default_factory=list)  # per draft: `# [vocab]` it was sampled from
     local_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last sample_local() call
     can_generate_alone = True  # sessions.base.Session.resume under link_policy "degrade"
+    _tree: Tuple[int, int] = field(init=False, default=(0, 0))  # the last draft tree: its start, its cached nodes
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -103,6 +105,52 @@ class Drafter:
                 break
         self.last_logits = np.concatenate(raw, axis=0)  # [len, vocab]: for uncertainty measures (rounds.uhlm)
         return drafts, rows
+
+    def draft_tree(self, budget: int, max_depth: int, width: int, rng: np.random.Generator) -> Tuple[GrownTree, list]:
+        """A draft tree (hat_split.math.tree.grow_tree: at most `budget` nodes and `max_depth` levels, `width`
+        children per expanded node; top tokens at temperature 0, draws without replacement above) on this drafter's
+        cache, one forward per level; its nodes stay in the cache after the committed sequence until `commit_tree`.
+        Above temperature 0 every distribution is rounded through the float wire first, so the children are drawn
+        from exactly what the cloud decodes; returns the tree (tree.q: those distributions) and the wire rows
+        `# [1, vocab]` of the root and of each node (zeros for the last level's, which nothing was drawn from). At
+        temperature 0 the shape follows the draft's plain softmax (the top tokens and their path probabilities) and
+        no row is returned: greedy verification reads none."""
+        if not hasattr(self.lm, "forward_tree"):
+            raise ValueError("draft trees need a model that runs them (hat_split.models.tree_lm.TreeLM), not "
+                             f"{type(self.lm).__name__}")
+        wire = dist_codec.FloatWire(self.wire_dtype)
+        rows: list = []
+
+        greedy = self.params.temperature == 0
+
+        def rounded(logits: np.ndarray) -> np.ndarray:  # `# [n, vocab]` raw logits → what the cloud will decode
+            if greedy:
+                return warp(logits, SamplingParams(1.0))  # the plain softmax
+            out = []
+            for q in warp(logits, self.params):
+                row = wire.quantize(q)
+                rows.append(row)
+                out.append(dist_codec.dequantize(row)[0])
+            return np.stack(out)
+
+        q_root = rounded(self._next_logits([]))[0]
+        start = self.kv.length
+
+        def q_after(parents: List[int], tokens: List[int], nodes: List[int]) -> np.ndarray:
+            return rounded(self.lm.forward_tree(self.kv, parents, [tokens[n] for n in nodes], start))
+
+        tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy)
+        if not greedy:
+            rows.extend(np.zeros_like(rows[0]) for _ in range(tree.q.shape[0] - len(rows)))
+        self._tree = (start, self.kv.length - start)  # where the tree begins, how many of its nodes are cached
+        return tree, rows
+
+    def commit_tree(self, tokens: List[int], path: List[int]) -> None:
+        """After a tree's verdict: `tokens` committed (the accepted path's tokens, then the cloud's token), `path`
+        the accepted nodes; the cache keeps the path's cached nodes in place and drops every other branch."""
+        start, cached = self._tree
+        self.lm.keep(self.kv, start, [n for n in path if n < cached])
+        self.tokens.extend(tokens)
 
     def sample_local(self, rng: np.random.Generator) -> int:
         """One token from the draft model alone (protocol `slm`); the caller commits it. Its raw logits stay in

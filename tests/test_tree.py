@@ -174,7 +174,8 @@ def test_sampled_verification_refuses_children_not_drawn_without_replacement():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_a_trees_one_forward_equals_each_path_alone_and_the_kept_path_equals_a_fresh_one(family):
     """Stack.forward_tree on a cache (growing caches, float32): each node's hidden state equals its path run alone as
-    a chain on the same prefix (Gemma 3's sliding window of 4 included: a path longer than the window); and after
+    a chain on the same prefix (Gemma 3's sliding window of 4 included: a path longer than the window), in one call
+    or grown in two; and after
     PartCache.keep of an accepted path, the cache equals the path's own and the next step's output is the same."""
     import torch
 
@@ -202,6 +203,12 @@ def test_a_trees_one_forward_equals_each_path_alone_and_the_kept_path_equals_a_f
         alone = base.fork()
         ref = stack.forward(alone, h([tokens[n] for n in path]))
         assert torch.allclose(out[0, i], ref[0, -1], atol=1e-5), (family, i)
+    parts = base.fork()  # the same tree in two calls (a tree grown a level at a time): the same states
+    first = stack.forward_tree(parts, h(tokens[:4]), parents[:4])
+    with pytest.raises(ValueError, match="4 nodes in the cache and 4 new ones needs 8 parents, got 6"):
+        stack.forward_tree(parts.fork(), h(tokens[4:]), parents[:6], start=len(prefix))
+    second = stack.forward_tree(parts, h(tokens[4:]), parents, start=len(prefix))
+    assert torch.allclose(torch.cat([first, second], dim=1), out, atol=1e-5), family
     accepted = path_to(parents, 6)  # [0, 2, 4, 5, 6]
     tree_cache.keep(len(prefix), accepted)
     fresh = base.fork()
@@ -216,3 +223,109 @@ def test_a_trees_one_forward_equals_each_path_alone_and_the_kept_path_equals_a_f
         fresh.keep(len(prefix), [0, 99])
     with pytest.raises(ValueError, match="not an earlier node"):
         stack.forward_tree(base.fork(), h(tokens[:2]), [0, -1])
+
+
+def test_a_tree_grows_by_path_probability_within_its_budget_and_depth():
+    from hat_split.math.tree import grow_tree
+
+    q1 = np.array([0.6, 0.3, 0.1, 0.0])
+    after = {0: np.array([0.1, 0.1, 0.1, 0.7]), 1: np.array([0.25, 0.25, 0.25, 0.25])}
+    calls = []
+
+    def q_after(parents, tokens, nodes):  # the draft after a node depends on its token only here
+        calls.append(list(nodes))
+        return np.array([after.get(tokens[n], np.full(4, 0.25)) for n in nodes])
+
+    # greedy, width 2, budget 5: the root's top two (0, then 1); node 0 (path 0.6) gets its two best children (3,
+    # then 0, 1 and 2 tied behind: the first of them) before node 1 (path 0.3) gets the last node of the budget
+    t = grow_tree(q1, q_after, budget=5, max_depth=3, width=2, uniform=None, greedy=True)
+    assert t.parents.tolist() == [-1, -1, 0, 0, 1] and t.tokens.tolist() == [0, 1, 3, 0, 0]
+    assert t.path_prob == pytest.approx([0.6, 0.3, 0.42, 0.06, 0.075])
+    assert t.q.shape == (6, 4) and calls == [[0, 1]] and not t.q[3:].any()  # the last level: no forward
+    check_tree(t.parents, t.tokens, 5, 3)
+    wide = grow_tree(q1, lambda par, tok, nodes: np.full((len(nodes), 4), 0.25), budget=20, max_depth=2, width=3,
+                     uniform=np.random.default_rng(0).random, greedy=False)
+    assert check_tree(wide.parents, wide.tokens, 20, 2).max() == 2 and len(wide.parents) == 3 + 9  # q1 has 3 tokens
+    with pytest.raises(ValueError, match="budget, depth and width"):
+        grow_tree(q1, q_after, budget=0, max_depth=2, width=2, uniform=None, greedy=True)
+    with pytest.raises(ValueError, match="needs uniforms"):
+        grow_tree(q1, q_after, budget=3, max_depth=2, width=2, uniform=None, greedy=False)
+
+
+def test_grown_trees_keep_the_targets_law():
+    """Trees grown by grow_tree (width 2, budget 5, depth 2: the second level's children go to the first level's
+    likeliest nodes, so the shape varies with what was drawn), verified by verify_tree: the first two committed tokens
+    follow p(x1)·p(x2 | x1) over 30 000 trees."""
+    from hat_split.math.tree import grow_tree
+
+    p1, q1, p2, q2 = _laws()
+    rng = np.random.default_rng(5)
+    counts = np.zeros((V, V))
+
+    def q_after(parents, tokens, nodes):  # after a root's child: q2 of its token; deeper: not read (leaves)
+        return np.array([q2[tokens[n]] if parents[n] == ROOT else q1 for n in nodes])
+
+    for _ in range(30_000):
+        t = grow_tree(q1, q_after, budget=5, max_depth=2, width=2, uniform=rng.random, greedy=False)
+        rows_p = np.array([p1] + [p2[x] if par == ROOT else p1 for par, x in zip(t.parents, t.tokens)])
+        out = verify_tree(t.parents, t.tokens, rows_p, t.q, rng.random)
+        seq = [int(t.tokens[n]) for n in out.path] + [out.token]
+        if len(seq) < 2:
+            seq.append(int(np.searchsorted(np.cumsum(p2[seq[0]]), rng.random(), side="right")))
+        counts[seq[0], seq[1]] += 1
+    assert _chi2(counts, p1[:, None] * p2) < _chi2_quantile(V * V - 1)
+
+
+def test_the_tree_lm_equals_the_model_and_drafts_trees_that_a_fresh_chain_confirms():
+    """TreeLM (the model's layers as one Stack) gives CausalLM's logits on a chain; Drafter.draft_tree grows a tree
+    on it (one forward per level) whose distributions after each node equal its path run alone, at T = 0 by the
+    plain softmax and above through the float wire; commit_tree keeps the accepted path, and the next draft equals a
+    fresh drafter's on the same committed tokens."""
+    import torch
+
+    from edge_runtime.drafter import Drafter
+    from hat_split.math.sampling import SamplingParams, warp
+    from hat_split.models.lm import CausalLM
+    from hat_split.models.tree_lm import TreeLM
+    from hat_split.wire import dist_codec
+    from tests.test_hat import V, _family
+
+    model = _family("llama")
+    tree_lm, plain = TreeLM(model), CausalLM(model)
+    prompt = np.random.default_rng(1).integers(0, V, 9).tolist()
+    a, b = tree_lm.forward(tree_lm.new_state(), prompt, 3), plain.forward(plain.new_state(), prompt, 3)
+    assert np.allclose(a, b, atol=1e-4)
+
+    def after_path(tokens):  # the draft's logits after prompt + tokens, run alone
+        return tree_lm.forward(tree_lm.new_state(), prompt + list(tokens), 1)[0]
+
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature)
+        d = Drafter(tree_lm, params)
+        d.start(prompt)
+        tree, rows = d.draft_tree(budget=7, max_depth=3, width=2, rng=np.random.default_rng(2))
+        check_tree(tree.parents, tree.tokens, 7, 3)
+        assert len(tree.parents) == 7 and d.kv.length == len(prompt) + 6  # the last level (1 node) not fed
+        shape = SamplingParams(1.0) if temperature == 0 else params
+        for i in range(6):  # every node but the last level's: its row is the draft after its path
+            path = [int(tree.tokens[n]) for n in path_to(tree.parents, i)]
+            want = warp(after_path(path)[None], shape)[0]
+            if temperature:
+                want = dist_codec.dequantize(dist_codec.quantize(want[None], "float16"))[0]
+            assert np.allclose(tree.q[i + 1], want, atol=1e-3), (temperature, i)
+        if temperature == 0:
+            assert rows == [] and tree.tokens[:2].tolist() == np.argsort(-tree.q[0])[:2].tolist()
+        else:
+            assert len(rows) == 8 and not rows[-1].any() and np.allclose(dist_codec.dequantize(rows[0])[0],
+                                                                         tree.q[0])
+        deepest = int(np.argmax(check_tree(tree.parents, tree.tokens, 7, 3)))
+        path = path_to(tree.parents, deepest)
+        committed = [int(tree.tokens[n]) for n in path] + [5]
+        d.commit_tree(committed, path)
+        fresh = Drafter(tree_lm, params)
+        fresh.start(prompt + committed)
+        assert d.tokens == fresh.tokens and d.kv.length <= len(d.tokens) - 1
+        with torch.no_grad():
+            assert np.allclose(d._next_logits([]), fresh._next_logits([]), atol=1e-4)
+    with pytest.raises(ValueError, match="draft trees need a model that runs them"):
+        Drafter(plain, SamplingParams(0.0)).draft_tree(3, 2, 2, np.random.default_rng(0))

@@ -23,7 +23,7 @@ argmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -169,3 +169,72 @@ def chain(tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
     """A chain of drafts as a tree: (parents, tokens)."""
     n = len(tokens)
     return np.arange(-1, n - 1, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+
+
+@dataclass
+class GrownTree:
+    parents: np.ndarray  # [N] int64
+    tokens: np.ndarray  # [N] int64
+    q: np.ndarray  # [N + 1, V]: the draft's distribution after the root (row 0) and after each node (row i + 1;
+    # zeros for the last level's nodes, whose distribution no child was drawn from and verification never reads)
+    path_prob: np.ndarray  # [N]: the product of q along each node's path (the frontier's ranking)
+
+
+def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[int]], np.ndarray], budget: int,
+              max_depth: int,
+              width: int, uniform: Optional[Callable[[int], np.ndarray]], greedy: bool) -> GrownTree:
+    """A draft tree of at most `budget` nodes and `max_depth` levels, grown a level at a time (EAGLE-2's dynamic
+    tree, kept exact at T > 0):
+
+    at each level the frontier's nodes are ranked by their path probability and the best ones each get `width`
+    children while the budget lasts; the number of children of a node is fixed before they are drawn, from its own
+    path probability only, and every child drawn is kept (a shape chosen from the children's own values would change
+    the law the verifier sees). Children are the top-`width` tokens of q when `greedy`, else `width` draws without
+    replacement (draw_children, `uniform(V)` a vector of uniforms). q_root `# [V]` is the draft's distribution after
+    the root; q_after(parents, tokens, nodes) returns `# [len(nodes), V]` after each of a level's new nodes, given
+    the tree so far (one batched forward of the draft per level, on the engine)."""
+    if budget < 1 or max_depth < 1 or width < 1:
+        raise ValueError(f"a tree needs budget, depth and width >= 1, got {budget}, {max_depth}, {width}")
+    q_root = np.asarray(q_root, dtype=np.float64)
+    parents: List[int] = []
+    tokens: List[int] = []
+    probs: List[float] = []
+    rows = [q_root]
+    frontier = [ROOT]  # nodes whose children may be drawn at this level
+    for depth in range(1, max_depth + 1):
+        left = budget - len(parents)
+        if left <= 0 or not frontier:
+            break
+        ranked = sorted(frontier, key=lambda v: -(probs[v] if v != ROOT else 1.0))
+        level: List[int] = []
+        for v in ranked:
+            if left <= 0:
+                break
+            k = min(width, left)
+            q_v = rows[v + 1]
+            if greedy:
+                kids = np.argsort(-q_v, kind="stable")[:min(k, int(np.count_nonzero(q_v > 0)))]
+            elif uniform is None:
+                raise ValueError("a sampled tree needs uniforms")
+            else:
+                kids = draw_children(q_v, k, uniform(q_v.size))
+            base = probs[v] if v != ROOT else 1.0
+            for x in kids:
+                parents.append(v)
+                tokens.append(int(x))
+                probs.append(base * float(q_v[x]))
+                level.append(len(parents) - 1)
+            left -= len(kids)
+        if not level:
+            break
+        if depth == max_depth or len(parents) >= budget:  # no level follows: the leaves' rows are never read
+            rows.extend(np.zeros((len(level), q_root.size)))
+            break
+        after = np.asarray(q_after(parents, tokens, level), dtype=np.float64)
+        if after.shape != (len(level), q_root.size):
+            raise ValueError(f"q_after gave shape {after.shape} for {len(level)} nodes of a vocabulary of "
+                             f"{q_root.size}")
+        rows.extend(after)
+        frontier = level
+    return GrownTree(np.asarray(parents, dtype=np.int64), np.asarray(tokens, dtype=np.int64), np.stack(rows),
+                     np.asarray(probs, dtype=np.float64))

@@ -164,10 +164,13 @@ class Stack:
         cache.forward_tokens += n
         return hidden
 
-    def forward_tree(self, cache: PartCache, hidden: Any, parents: Sequence[int]) -> Any:
-        """Run a draft tree's nodes `hidden # [1, n, hidden]` (node order, hat_split.math.tree) on `cache`: node i at
-        position cache.length + depth_i − 1, attending to the cache and its own ancestors; returns `# [1, n, hidden]`
-        and leaves the n nodes in the cache after its old length (PartCache.keep keeps the accepted path)."""
+    def forward_tree(self, cache: PartCache, hidden: Any, parents: Sequence[int], start: Optional[int] = None) -> Any:
+        """Run a draft tree's new nodes `hidden # [1, n, hidden]` on `cache`. `parents` is the whole tree so far in
+        node order (hat_split.math.tree), its last n entries the new nodes; the tree begins at cache position `start`
+        (default: the cache's end, a tree run in one call), and its earlier nodes are the cache's positions from
+        there (a tree grown a level at a time). Node g sits at position start + depth_g − 1 and attends to the
+        cache before `start` and to its own ancestors; returns `# [1, n, hidden]` and leaves the new nodes in the
+        cache after the earlier ones (PartCache.keep keeps the accepted path)."""
         import numpy as np
         import torch
 
@@ -176,20 +179,23 @@ class Stack:
 
         n = hidden.shape[1]
         par = np.asarray(parents, dtype=np.int64)
-        if par.shape != (n,):
-            raise ValueError(f"a tree of {n} nodes needs {n} parents, got {par.shape}")
-        depth = check_tree(par, np.arange(n), n, n)  # the shape only (tokens are the verifier's)
-        past = cache.length
+        start = cache.length if start is None else start
+        earlier = cache.length - start
+        if par.ndim != 1 or earlier < 0 or par.size != earlier + n:
+            raise ValueError(f"a tree with {max(earlier, 0)} nodes in the cache and {n} new ones needs "
+                             f"{max(earlier, 0) + n} parents, got {par.size}")
+        depth = check_tree(par, np.arange(par.size), par.size, par.size)  # the shape only (tokens: the verifier's)
         device = hidden.device
-        anc = ancestor_mask(par)
+        allowed_rows = tree_allowed(start, ancestor_mask(par), depth, None)[earlier:]  # [n, start + N]
 
         def mask_for(kind: str, window: Optional[int]) -> Any:
-            mask = torch.zeros((n, past + n), dtype=hidden.dtype)
-            mask.masked_fill_(~torch.from_numpy(tree_allowed(past, anc, depth, window)), torch.finfo(hidden.dtype).min)
+            ok = allowed_rows if not window else tree_allowed(start, ancestor_mask(par), depth, window)[earlier:]
+            mask = torch.zeros(ok.shape, dtype=hidden.dtype)
+            mask.masked_fill_(~torch.from_numpy(ok), torch.finfo(hidden.dtype).min)
             return mask[None, None].to(device)
 
         t0 = time.perf_counter()
-        positions = torch.from_numpy(past + depth - 1).to(device)[None]
+        positions = torch.from_numpy(start + depth[earlier:] - 1).to(device)[None]
         hidden = self.run_layers(cache, hidden, mask_for, positions, False)
         cache.length += n
         cache.forward_s += time.perf_counter() - t0
