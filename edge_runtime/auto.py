@@ -64,10 +64,8 @@ READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only whil
 ALPHA_POPULATION = 0.95  # per sd round: weight of the history in the prompts' acceptance (some 20 rounds, a few
 # requests)
 ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
-PROMPTS_REMEMBERED = 8  # the prior: the α of this many recent requests, each prompt weighed by its examined drafts
-# up to PROMPT_WEIGHT_CAP (a moving average over rounds followed the last prompt: 0.97 after an easy one, and the next,
-# of α 0.6, drafted 8 at first; an unweighed mean took a request's single rejected round as α 0 and drove auto to llm)
-PROMPT_WEIGHT_CAP = 32.0
+PROMPTS_REMEMBERED = 8  # the prior: the mean α of this many recent requests, each prompt counted once (a moving
+# average over rounds followed the last prompt: 0.97 after an easy one, and the next, of α 0.6, drafted 8 at first)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -80,8 +78,8 @@ class AutoEstimates:
     examined: Optional[float] = None  # positions per round, over the prompts of recent requests
     request_accepted: int = 0  # ... and the request's own totals (begin_request), which `alpha` weighs against them
     request_examined: int = 0
-    prompts: Deque[Tuple[int, int]] = field(default_factory=lambda: deque(maxlen=PROMPTS_REMEMBERED))  # finished
-    # requests' own (accepted, examined), the prior once there is one (before: the moving averages above)
+    prompt_alphas: Deque[float] = field(default_factory=lambda: deque(maxlen=PROMPTS_REMEMBERED))  # finished
+    # requests' own α, the prior once there is one (before: the moving averages above)
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
@@ -113,12 +111,10 @@ class AutoEstimates:
 
     @property
     def prior_alpha(self) -> Optional[float]:
-        """The prompts' acceptance: the α of the last PROMPTS_REMEMBERED requests that drafted, each weighed by its
-        examined drafts up to PROMPT_WEIGHT_CAP (a long request counts as much as a few short ones, a single round
-        hardly at all); before one has finished, the moving average of the rounds so far."""
-        if self.prompts:
-            weights = [min(float(e), PROMPT_WEIGHT_CAP) for _, e in self.prompts]
-            return min(1.0, sum(w * a / e for w, (a, e) in zip(weights, self.prompts)) / sum(weights))
+        """The prompts' acceptance: the mean α of the last PROMPTS_REMEMBERED requests that drafted, each counted
+        once; before one has finished, the moving average of the rounds so far."""
+        if self.prompt_alphas:
+            return sum(self.prompt_alphas) / len(self.prompt_alphas)
         if self.examined is None or not self.examined > 0:
             return None
         return min(1.0, (self.accepted or 0.0) / self.examined)
@@ -136,7 +132,7 @@ class AutoEstimates:
     def begin_request(self) -> None:
         """A new request: the last one's α joins the prompts' (when it drafted); this one starts from their prior."""
         if self.request_examined > 0:
-            self.prompts.append((self.request_accepted, self.request_examined))
+            self.prompt_alphas.append(min(1.0, self.request_accepted / self.request_examined))
         self.request_accepted = self.request_examined = 0
 
     def take_report(self, cost: Optional[P.CloudCost]) -> bool:
