@@ -35,9 +35,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.math.chunking import DelayModel, ema
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict
@@ -64,8 +63,6 @@ READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only whil
 ALPHA_POPULATION = 0.95  # per sd round: weight of the history in the prompts' acceptance (some 20 rounds, a few
 # requests)
 ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
-PROMPTS_REMEMBERED = 8  # the prior: the mean α of this many recent requests, each prompt counted once (a moving
-# average over rounds followed the last prompt: 0.97 after an easy one, and the next, of α 0.6, drafted 8 at first)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -78,8 +75,6 @@ class AutoEstimates:
     examined: Optional[float] = None  # positions per round, over the prompts of recent requests
     request_accepted: int = 0  # ... and the request's own totals (begin_request), which `alpha` weighs against them
     request_examined: int = 0
-    prompt_alphas: Deque[float] = field(default_factory=lambda: deque(maxlen=PROMPTS_REMEMBERED))  # finished
-    # requests' own α, the prior once there is one (before: the moving averages above)
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
@@ -110,29 +105,17 @@ class AutoEstimates:
     last_bad_report: str = ""
 
     @property
-    def prior_alpha(self) -> Optional[float]:
-        """The prompts' acceptance: the mean α of the last PROMPTS_REMEMBERED requests that drafted, each counted
-        once; before one has finished, the moving average of the rounds so far."""
-        if self.prompt_alphas:
-            return sum(self.prompt_alphas) / len(self.prompt_alphas)
+    def alpha(self) -> Optional[float]:
+        """sd's acceptance for the request running: the prompts' (the rounds of recent requests) as a prior worth
+        ALPHA_PRIOR_DRAFTS drafts, moved by this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
         if self.examined is None or not self.examined > 0:
             return None
-        return min(1.0, (self.accepted or 0.0) / self.examined)
-
-    @property
-    def alpha(self) -> Optional[float]:
-        """sd's acceptance for the request running: the prompts' (prior_alpha) as a prior worth ALPHA_PRIOR_DRAFTS
-        drafts, moved by this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
-        prior = self.prior_alpha
-        if prior is None:
-            return None
+        prior = min(1.0, (self.accepted or 0.0) / self.examined)
         return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + self.request_accepted)
                    / (ALPHA_PRIOR_DRAFTS + self.request_examined))
 
     def begin_request(self) -> None:
-        """A new request: the last one's α joins the prompts' (when it drafted); this one starts from their prior."""
-        if self.request_examined > 0:
-            self.prompt_alphas.append(min(1.0, self.request_accepted / self.request_examined))
+        """A new request: its own acceptance starts from the prompts' prior."""
         self.request_accepted = self.request_examined = 0
 
     def take_report(self, cost: Optional[P.CloudCost]) -> bool:

@@ -129,7 +129,6 @@ class EdgeRuntime:
         session = new_session(self.config, request, drafter, self.client, self.engine.eos_ids, next(self._session_ids),
                               monitor=self.monitor, link_state=self.link_state if split else None, skip_policy=skips)
         if request.protocol in AUTO_TOKEN:  # what sd and llm requests measure teaches protocol auto
-            self.auto_estimates.begin_request()  # (each prompt's acceptance its own)
             session.round_fn = _teaching(session.round_fn, request.protocol, self.auto_estimates)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
