@@ -29,6 +29,7 @@ from hat_split.models.chat import encode
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
+REQUEST_MODE_AGE_S = 1.0  # a request starts with the board's power mode read at most this long ago (rounds: 5 s)
 
 
 class EdgeRuntime:
@@ -114,7 +115,7 @@ class EdgeRuntime:
         record = protocols.get(request.protocol)
         if record.needs_cloud:
             self._connect_for_request()
-            self.monitor.refresh_mode()
+            self.monitor.refresh_mode(REQUEST_MODE_AGE_S)
         split = record.family == "split"
         if split:
             drafter = self._split_drafter(record.round == "hat", request.sampling, request.seed)
@@ -145,7 +146,7 @@ class EdgeRuntime:
             self._connect_for_request()
         except CloudUnavailable as exc:
             return self._auto_fixed(request, "slm", f"the cloud unreachable ({exc})")
-        self.monitor.refresh_mode()
+        self.monitor.refresh_mode(REQUEST_MODE_AGE_S)
         welcome, config = self.client.welcome, self.config
         self.auto_estimates.begin_request()  # this prompt's acceptance starts from the recent prompts'
         controller = AutoController(self.auto_estimates, [p for p in AUTO_TOKEN if p in welcome.protocols],
