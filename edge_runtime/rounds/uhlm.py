@@ -16,6 +16,8 @@ and k is drawn first, from the full distribution), so every verification is unbi
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from edge_runtime.sessions.token import TokenSession
@@ -50,7 +52,7 @@ def _upload(session: TokenSession, token: int, payload, u: float = float("nan"))
     session's skip policy (a refitting one)."""
     pending, session.pending = session.pending, []
     verdict = session.verify([token], payload, pending)
-    if u == u:  # measured (not NaN)
+    if not math.isnan(u):  # measured
         session.skip_policy.observe(u, verdict.n_accepted == 0)
         session.counters.skip_policy = session.skip_policy.state()
 
