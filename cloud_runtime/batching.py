@@ -138,20 +138,29 @@ class Batcher:
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
 
-    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any) -> None:
+    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any,
+                      tree: Optional[Sequence[int]] = None) -> None:
         """Queue token ids of a token-protocol session (their embeddings through every layer); the work comes back
-        with the logits `# [logits, vocab]` of its last `logits` positions (None for 0)."""
-        self._submit(key, np.asarray(tokens, dtype=np.int64).reshape(-1), _Queued(tag, logits, 0))
+        with the logits `# [logits, vocab]` of its last `logits` positions (None for 0). tree: each position's parent
+        (hat_split.math.tree; a draft tree's verify, one masked forward)."""
+        self._submit(key, np.asarray(tokens, dtype=np.int64).reshape(-1), _Queued(tag, logits, 0), tree)
+
+    def keep(self, key: Hashable, start: int, rows: Sequence[int]) -> None:
+        """Of a session's positions from `start` keep only `rows` (a draft tree's accepted path)."""
+        try:
+            self.engine.keep(key, start, rows)
+        except SchedulerRefusal as exc:
+            raise P.ProtocolError(exc.code, exc.message) from None
 
     def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Any) -> None:
         """Queue a split session's shallow states `# [n, hidden]` (float32) for its middle layers; the work comes
         back with its last `want` deep states `# [want, hidden]` float32 (None for 0)."""
         self._submit(key, np.asarray(states, dtype=np.float32), _Queued(tag, 0, want))
 
-    def _submit(self, key: Hashable, host: np.ndarray, queued: _Queued) -> None:
+    def _submit(self, key: Hashable, host: np.ndarray, queued: _Queued, tree: Optional[Sequence[int]] = None) -> None:
         kind = "decode" if len(host) <= self.decode_limit else "prefill"
         try:
-            work = self.engine.submit(key, kind, host)
+            work = self.engine.submit(key, kind, host, tree=tree)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
         self._queued[id(work)] = queued

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -111,9 +111,16 @@ class CacheRunner:
             raise P.ProtocolError(exc.code, exc.message) from None
         self.lm.crop(self.caches[key], length)
 
-    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any) -> None:
+    def keep(self, key: Hashable, start: int, rows: Sequence[int]) -> None:
+        raise P.ProtocolError("invalid", "draft trees are not verified on a model's own caches")
+
+    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any,
+                      tree: Optional[Sequence[int]] = None) -> None:
         """Queue token ids on a session's cache; the work comes back with the logits `# [logits, vocab]` of its last
-        `logits` positions (None for 0). Refused, nothing queued, when it does not fit."""
+        `logits` positions (None for 0). Refused, nothing queued, when it does not fit; so is a draft tree (the
+        handlers refuse it first: ModelFacts.tree_refusal)."""
+        if tree is not None:
+            raise P.ProtocolError("invalid", "draft trees are not verified on a model's own caches")
         kind = "decode" if len(tokens) <= self.decode_limit else "prefill"
         try:
             work = self.scheduler.submit(key, kind, len(tokens), tag)

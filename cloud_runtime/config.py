@@ -28,6 +28,9 @@ class CloudConfig:
     max_sessions: int = setting(64, "concurrent sessions; more are refused with an Error(\"busy\")")
     max_draft_len: int = setting(16, "tokens: longest draft accepted in one Verify (bounds verify latency and "
                                  "memory)")
+    max_tree_nodes: int = setting(64, "nodes: largest draft tree accepted in one Verify (hat_split.math.tree; "
+                                  "verified in one forward on growing caches); 0: chains only")
+    max_tree_depth: int = setting(8, "levels: deepest draft tree accepted in one Verify")
     max_context: int = setting(8192, "tokens (positions) per session, prompt + generated (bounds KV memory)")
     max_generate: int = setting(256, "tokens one Generate request may ask for (bounds one request's time)")
     max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "bytes: larger requests are refused unread")
@@ -108,6 +111,12 @@ class CloudConfig:
         if self.token_budget < self.max_draft_len + 1:
             raise ValueError(f"token_budget={self.token_budget} cannot hold a verify of max_draft_len + 1 = "
                              f"{self.max_draft_len + 1} positions")
+        if not 0 <= self.max_tree_nodes <= 1024 or not 1 <= self.max_tree_depth <= 64:
+            raise ValueError(f"max_tree_nodes must be in 0..1024 and max_tree_depth in 1..64, got "
+                             f"{self.max_tree_nodes}, {self.max_tree_depth}")
+        if self.token_budget < self.max_tree_nodes + 1:
+            raise ValueError(f"token_budget={self.token_budget} cannot hold a tree of max_tree_nodes + 1 = "
+                             f"{self.max_tree_nodes + 1} positions")
         if not 0 <= self.prefill_floor <= self.token_budget:
             raise ValueError(f"prefill_floor must be in [0, token_budget={self.token_budget}], "
                              f"got {self.prefill_floor}")

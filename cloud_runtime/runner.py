@@ -36,7 +36,7 @@ from hat_split.models.placement import (available_bytes, is_cuda, model_device, 
                                         to_host)
 from hat_split.models.slots import SlotKV, SlotStep, position_bytes, run_slots, slot_bytes
 
-CROP, CLOSE = "crop", "close"
+CROP, CLOSE, KEEP = "crop", "close", "keep"
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Job:
     stop: int
     position: int
     n: int
+    tree: Tuple[int, ...] = ()  # a draft tree's verify: the parent of each of the n positions (hat_split.math.tree;
+    # -1: the cache's end); () a chain
 
 
 @dataclass(frozen=True)
@@ -133,10 +135,15 @@ class StageRunner:
         self.device = model_device(model)
         self.graphs = StepGraphs(self.device, layout.graphs and layout.slots > 0)
 
-    def apply(self, ops: Sequence[Tuple[str, int, int]]) -> None:
-        """Cache operations, in order: (CROP, sid, length) forgets positions >= length, (CLOSE, sid, 0) the cache."""
+    def apply(self, ops: Sequence[Tuple[str, int, Any]]) -> None:
+        """Cache operations, in order: (CROP, sid, length) forgets positions >= length, (CLOSE, sid, 0) the cache,
+        (KEEP, sid, [start, *rows]) keeps of the positions from start only rows (a draft tree's accepted path)."""
         for op, sid, arg in ops:
-            if op == CLOSE:
+            if op == KEEP:
+                cache = self.caches.get(sid)
+                if cache is not None:
+                    cache.keep(int(arg[0]), [int(r) for r in arg[1:]])
+            elif op == CLOSE:
                 cache = self.caches.pop(sid, None)
                 if isinstance(cache, SlotSession):
                     self.slots.release(cache.slot)
@@ -156,7 +163,10 @@ class StageRunner:
             layers = (max(job.start, self.lo), min(job.stop, self.hi))
             if layers[0] < layers[1]:
                 cache = self._cache(job)
-                kind = ("grow" if not isinstance(cache, SlotSession) else
+                if job.tree and isinstance(cache, SlotSession):
+                    raise RuntimeError(f"session {job.sid} sent a draft tree to a KV slot: trees run on growing "
+                                       "caches")
+                kind = ("tree" if job.tree else "grow" if not isinstance(cache, SlotSession) else
                         "decode" if job.n <= self.layout.decode_limit else "prefill")
                 groups.setdefault((layers, kind), []).append(i)
         outs = list(xs)
@@ -167,8 +177,11 @@ class StageRunner:
                 stack = self._stacks[layers] = Stack(self.model, *layers)
             caches = [self.caches[jobs[i].sid] for i in idx]
             hs = [xs[i] for i in idx]
-            results = (stack.forward_batch(caches, hs) if kind == "grow" else
-                       self._slot_step(stack, layers, caches, hs, kind == "decode"))
+            if kind == "tree":  # a tree's mask is its own: one masked forward each
+                results = [stack.forward_tree(c, h, jobs[i].tree) for c, h, i in zip(caches, hs, idx)]
+            else:
+                results = (stack.forward_batch(caches, hs) if kind == "grow" else
+                           self._slot_step(stack, layers, caches, hs, kind == "decode"))
             for i, out in zip(idx, results):
                 outs[i] = out
         synchronize(self.device)  # the model time is the device's, not the launches'
@@ -320,6 +333,7 @@ class Engine:
         self._sessions: Dict[Hashable, Tuple[int, int, int]] = {}  # key → (sid, first layer, stop layer)
         self._inputs: Dict[int, np.ndarray] = {}  # id(work) → token ids `# [n]` or states `# [n, hidden]`
         self._partial: Dict[int, List[Any]] = {}  # id(work) → outputs of its segments so far
+        self._trees: Dict[int, Tuple[int, ...]] = {}  # id(work) → its positions' parents (a draft tree's verify)
         self._launched: List[Batch] = []  # batches in flight, oldest first
         self.launches = 0  # batches launched so far
 
@@ -338,17 +352,28 @@ class Engine:
         for w in works:
             self._inputs.pop(id(w), None)
             self._partial.pop(id(w), None)
+            self._trees.pop(id(w), None)
         return works
 
     def crop(self, key: Hashable, length: int) -> None:
         self.scheduler.crop(key, length)
         self.executor.apply([(CROP, self._sessions[key][0], length)])
 
-    def submit(self, key: Hashable, kind: str, host: np.ndarray, tag: Any = None) -> Work:
+    def keep(self, key: Hashable, start: int, rows: Sequence[int]) -> None:
+        """Of a session's positions from `start` on keep only `rows` (offsets, in order): a draft tree's accepted
+        path, gathered into place on every stage."""
+        self.scheduler.crop(key, start + len(rows))
+        self.executor.apply([(KEEP, self._sessions[key][0], [start, *[int(r) for r in rows]])])
+
+    def submit(self, key: Hashable, kind: str, host: np.ndarray, tag: Any = None,
+               tree: Optional[Sequence[int]] = None) -> Work:
         """Queue token ids `# [n]` (int64) or shallow states `# [n, hidden]` (float32) of a session (SchedulerRefusal,
-        nothing queued, if it cannot be taken)."""
-        work = self.scheduler.submit(key, kind, len(host), tag)
+        nothing queued, if it cannot be taken); tree: the parent of each position (a draft tree's verify, queued as
+        one decode segment: its mask is whole)."""
+        work = self.scheduler.submit(key, "decode" if tree is not None else kind, len(host), tag)
         self._inputs[id(work)] = host
+        if tree is not None:
+            self._trees[id(work)] = tuple(int(p) for p in tree)
         return work
 
     def held(self, key: Hashable) -> Tuple[int, int]:
@@ -378,10 +403,11 @@ class Engine:
             jobs, xs = [], []
             for seg in batch.segments:
                 sid, start, stop = self._sessions[seg.session]
-                jobs.append(Job(sid, start, stop, seg.start, seg.n))
+                jobs.append(Job(sid, start, stop, seg.start, seg.n, self._trees.get(id(seg.work), ())))
                 xs.append(self._inputs[id(seg.work)][seg.offset:seg.offset + seg.n])
                 if seg.final:
                     del self._inputs[id(seg.work)]
+                    self._trees.pop(id(seg.work), None)
             self._launched.append(batch)
             self.launches += 1
             self.executor.launch(batch.step, jobs, self.ends.inputs(xs))

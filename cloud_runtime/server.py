@@ -68,6 +68,18 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
                       int(model.config.hidden_size), model_fingerprint(model))
 
 
+def tree_refusal(facts: ModelFacts, executor: Any) -> str:
+    """Why this cloud cannot verify draft trees ("" when it can): trees run as masked forwards on growing caches
+    (hat_split.models.partition.Stack.forward_tree); llama.cpp and the slot layout's captured steps do not run them."""
+    if facts.split_refusal:
+        return "draft trees are verified by the torch engine's batched steps; this cloud runs its model on its own " \
+               "caches (llama.cpp, or a model the partition does not know): send chains"
+    if executor.runner.layout.slots:
+        return "draft trees are verified on growing caches; this cloud keeps KV slots (hat-cloud serve --kv-layout " \
+               "dynamic verifies trees): send chains"
+    return ""
+
+
 def kv_budget(config: CloudConfig, lm: Any, executor: Any = None) -> Tuple[int, str]:
     """The cloud's KV memory in bytes (CloudConfig.kv_memory) and how it was chosen, for the log. auto: a llama.cpp
     context's own (n_ctx positions); otherwise the KV slots already allocated plus half the memory free on the
@@ -119,6 +131,7 @@ class CloudServer:
             self.kv_bytes, how = kv_budget(config, lm, executor)
             self.work = Batcher(scheduler_config(config, lm, executor.depth, self.kv_bytes), executor,
                                 ModelEnds(lm.model), self.load, config.max_draft_len + 1)
+        facts = dataclasses.replace(facts, tree_refusal=tree_refusal(facts, executor))
         log.info("KV memory %s (%s); a device may hold %s of it", format_bytes(self.kv_bytes), how,
                  config.device_kv_memory)
         self.tables = CloudTables(SessionTable(self.work), DeviceRegistry(config, facts))

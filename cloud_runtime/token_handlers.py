@@ -21,6 +21,7 @@ from cloud_runtime.work import ModelFacts, ModelWork, Pending, cloud_cost
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs, concat, token_logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.target_state import TargetState
+from hat_split.math.tree import check_tree
 from hat_split.protocols import of_family
 from hat_split.wire import messages as P
 from hat_split.wire.dist_codec import decode_dist
@@ -79,34 +80,82 @@ class TokenHandlers(FamilyHandlers):
         session = self.sessions.continuing(identity, msg)
         lim = self.limits
         new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
-        draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1, lim.max_draft_len)
+        tree = msg.parents is not None
+        if tree and (self.model.tree_refusal or not self.config.max_tree_nodes):
+            raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
+                                                                      "(max_tree_nodes = 0): send chains")
+        draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1,
+                               self.config.max_tree_nodes if tree else lim.max_draft_len)
         L = draft.shape[0]
+        parents = self._tree(draft, msg.parents) if tree else None
         if len(session.tokens) + new.shape[0] + L + 1 > lim.max_context:
             raise P.ProtocolError("context", f"session would exceed max_context={lim.max_context} tokens")
-        try:
-            q = decode_dist(msg.dist, L, lim.vocab_size)  # [L, vocab]
-        except ValueError as exc:
-            raise P.ProtocolError("invalid", f"dist: {exc}") from None
-        if np.any(q[np.arange(L), draft] <= 0):
-            raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent with it")
+        q = self._q(msg.dist, draft, parents, session.target.params.temperature == 0)
         key, drafts = (identity, msg.session_id), draft.tolist()
         feed = session.tokens[self.work.held(key)[0]:] + new.tolist() + drafts
         self.admission.charge(identity, key, self.work.kv_cost(0, self.model.layers), len(feed))
-        pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s), draft=drafts, q=q)
-        self.admission.with_room(identity, key, lambda: self.work.submit_tokens(key, feed, L + 1, pending))
+        pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s), draft=drafts, q=q,
+                          parents=parents)
+        chain = None if not tree else _feed_tree(len(feed) - L, parents)
+        self.admission.with_room(identity, key, lambda: self.work.submit_tokens(key, feed, L + 1, pending, chain))
         session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
         session.step = msg.step
         return None
 
+    def _tree(self, draft: np.ndarray, parents_wire) -> np.ndarray:
+        """A Verify's draft tree checked (ProtocolError naming what is wrong); its parents `# [L]` int64."""
+        parents = P.check_index(parents_wire, "parents", draft.shape[0])
+        try:
+            check_tree(parents, draft, self.config.max_tree_nodes, self.config.max_tree_depth)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"draft tree: {exc}") from None
+        return parents
+
+    def _q(self, dist: P.DistPayload, draft: np.ndarray, parents: Optional[np.ndarray], greedy: bool) -> np.ndarray:
+        """The draft distributions a Verify sent `# [rows, vocab]`: one per draft of a chain; for a tree, after the
+        root and after each draft with children (none at temperature 0), spread to `# [L + 1, vocab]` (rows of
+        leaves zero). ProtocolError when they do not decode or give a draft no probability."""
+        L, vocab = draft.shape[0], self.limits.vocab_size
+        if parents is None:
+            holders, rows = np.arange(L), L
+        else:
+            holders = np.concatenate([[-1], np.unique(parents[parents >= 0])])
+            rows = 0 if greedy else holders.size
+        try:
+            q = decode_dist(dist, rows, vocab)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"dist: {exc}") from None
+        if parents is None:
+            if np.any(q[np.arange(L), draft] <= 0):
+                raise P.ProtocolError("invalid", "a draft token has zero probability under the distribution sent "
+                                                 "with it")
+            return q
+        full = np.zeros((L + 1, vocab), dtype=np.float32)
+        if rows:
+            full[holders + 1] = q
+            if np.any(full[parents + 1, draft] <= 0):
+                raise P.ProtocolError("invalid", "a draft has zero probability under its parent's distribution")
+        return full
+
     def verdict(self, p: Pending, logits: np.ndarray) -> P.Message:
-        """Verify the drafts against the target's logits `# [L + 1, vocab]`; the cache keeps the accepted ones."""
+        """Verify the drafts against the target's logits `# [L + 1, vocab]` (after the root, then after each draft);
+        the cache keeps the accepted ones: a chain's prefix, a tree's accepted path (the other branches dropped)."""
         session, msg = p.session, p.msg
-        n, token, keep = session.target.accept(p.draft, p.q, logits)
-        self.work.crop((p.identity, msg.session_id), keep)  # drop the rejected tail
-        lp = None if session.logprobs is None else token_logprobs(logits[:n + 1], p.draft[:n] + [token],
-                                                                  session.logprobs)
+        key = (p.identity, msg.session_id)
+        if p.parents is not None:
+            start = self.work.held(key)[0] - len(p.draft)  # where the tree's nodes begin in the cache
+            verdict = session.target.accept_tree(p.parents, p.draft, p.q, logits)
+            self.work.keep(key, start, verdict.path)
+            n, token, rows = len(verdict.path), verdict.token, [0] + [i + 1 for i in verdict.path]
+            path = np.asarray(verdict.path, np.int16)
+        else:
+            n, token, keep = session.target.accept(p.draft, p.q, logits)
+            self.work.crop(key, keep)  # drop the rejected tail
+            rows, path = list(range(n + 1)), None
+        committed = session.tokens[len(session.tokens) - n - 1:]
+        lp = None if session.logprobs is None else token_logprobs(logits[rows], committed, session.logprobs)
         return P.Verdict(msg.session_id, msg.step, n, token, len(session.tokens), p.compute_s, p.uplink_bps,
-                         _wire(lp))
+                         _wire(lp), path)
 
     def generate(self, identity: bytes, msg: P.Generate) -> Optional[P.Message]:
         session = self.sessions.continuing(identity, msg)
@@ -161,6 +210,12 @@ class TokenHandlers(FamilyHandlers):
         self.sessions.free(key)
         return P.Closed(msg.session_id, session.step, session.compute_s, len(tokens),
                         P.sequence_digest(tokens[:length]))
+
+
+def _feed_tree(chain: int, parents: np.ndarray) -> List[int]:
+    """The parents of a whole verify feed as one tree: its first `chain` positions (the tokens the cache lacks, the
+    root last) a chain, the draft tree hanging below the root."""
+    return list(range(-1, chain - 1)) + [chain + int(p) if p >= 0 else chain - 1 for p in parents]
 
 
 def _wire(lp: Optional[Logprobs]) -> Optional[P.TokenLogprobs]:

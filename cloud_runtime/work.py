@@ -34,6 +34,7 @@ class ModelFacts:
     hidden_size: int  # width of the split protocols' states
     fingerprint: str = ""  # hat_split.models.partition.model_fingerprint: a device's parts must come from this model
     split_refusal: str = ""  # why the split protocols cannot run on this model; "" when they can
+    tree_refusal: str = ""  # why this cloud verifies no draft trees (its engine or KV layout); "" when it does
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Pending:
     uplink_bps: float = 0.0  # the rate the request's upload saw (Verdict, Deep)
     compute_s: float = 0.0  # compute time of the steps this request took part in
     draft: List[int] = field(default_factory=list)  # Verify: the drafts
+    parents: Optional[np.ndarray] = None  # Verify of a draft tree: each draft's parent `# [L]` (None: a chain)
     q: Optional[np.ndarray] = None  # Verify: the drafts' distributions `# [L, vocab]`
     generated: List[int] = field(default_factory=list)  # Generate: the tokens sampled so far
     logprobs: List[Logprobs] = field(default_factory=list)  # Generate: theirs, when the session asked
@@ -76,7 +78,10 @@ class ModelWork(Protocol):
 
     def crop(self, key: Hashable, length: int) -> None: ...
 
-    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Pending) -> None: ...
+    def keep(self, key: Hashable, start: int, rows: Sequence[int]) -> None: ...  # a tree's path kept (Batcher only)
+
+    def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Pending,
+                      tree: Optional[Sequence[int]] = None) -> None: ...  # tree: Batcher only
 
     def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Pending) -> None: ...
 

@@ -145,12 +145,17 @@ class Drafter:
         self._tree = (start, self.kv.length - start)  # where the tree begins, how many of its nodes are cached
         return tree, rows
 
-    def commit_tree(self, tokens: List[int], path: List[int]) -> None:
-        """After a tree's verdict: `tokens` committed (the accepted path's tokens, then the cloud's token), `path`
-        the accepted nodes; the cache keeps the path's cached nodes in place and drops every other branch."""
+    def keep_path(self, path: List[int]) -> None:
+        """After a tree's verdict, before its tokens are committed: the cache keeps the accepted nodes `path` it
+        holds in place and drops every other branch."""
         start, cached = self._tree
         self.lm.keep(self.kv, start, [n for n in path if n < cached])
-        self.tokens.extend(tokens)
+
+    def commit_tree(self, tokens: List[int], path: List[int]) -> None:
+        """After a tree's verdict: `tokens` committed (the accepted path's tokens, then the cloud's token), `path`
+        the accepted nodes."""
+        self.keep_path(path)
+        self.commit(tokens, len(path))
 
     def sample_local(self, rng: np.random.Generator) -> int:
         """One token from the draft model alone (protocol `slm`); the caller commits it. Its raw logits stay in

@@ -94,9 +94,16 @@ class TorchEngine(Engine):
     _split: Optional[SplitModel] = None  # the model cut at split.m, on first use
     _adapters: Dict[str, Any] = field(default_factory=dict)  # draft modules (Λ or feature drafters) by directory
     _adapter_lm: Any = None  # hat_split.models.draft_lm.AdapterLM when token_draft is "adapter"
+    _tree_lm: Any = None  # hat_split.models.tree_lm.TreeLM when drafts are trees
     _parts: Dict[Tuple[bool, str, int], TorchSplitParts] = field(default_factory=dict)
 
     def token_lm(self, config: EdgeConfig) -> Any:
+        if config.engine.token_draft == "model" and config.tree_nodes:
+            if self._tree_lm is None:  # the same weights run as one Stack: chains and trees (hat_split.models.tree_lm)
+                from hat_split.models.tree_lm import TreeLM  # torch
+
+                self._tree_lm = TreeLM(self.lm.model)
+            return self._tree_lm
         if config.engine.token_draft == "model":
             return self.lm
         if self._adapter_lm is None:

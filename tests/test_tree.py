@@ -236,16 +236,17 @@ def test_a_tree_grows_by_path_probability_within_its_budget_and_depth():
         calls.append(list(nodes))
         return np.array([after.get(tokens[n], np.full(4, 0.25)) for n in nodes])
 
-    # greedy, width 2, budget 5: the root's top two (0, then 1); node 0 (path 0.6) gets its two best children (3,
-    # then 0, 1 and 2 tied behind: the first of them) before node 1 (path 0.3) gets the last node of the budget
+    # greedy, width 2 (nodes per level), budget 5: the root's top two (0, then 1); on level 2 the best candidates are
+    # node 0's best child (0.6 · 0.7) and node 1's (0.3 · 0.25, before node 0's second at 0.06); on level 3 the last
+    # node of the budget goes below node 2 (0.42 · 0.25 against 0.075 · 0.7)
     t = grow_tree(q1, q_after, budget=5, max_depth=3, width=2, uniform=None, greedy=True)
-    assert t.parents.tolist() == [-1, -1, 0, 0, 1] and t.tokens.tolist() == [0, 1, 3, 0, 0]
-    assert t.path_prob == pytest.approx([0.6, 0.3, 0.42, 0.06, 0.075])
-    assert t.q.shape == (6, 4) and calls == [[0, 1]] and not t.q[3:].any()  # the last level: no forward
+    assert t.parents.tolist() == [-1, -1, 0, 1, 2] and t.tokens.tolist() == [0, 1, 3, 0, 0]
+    assert t.path_prob == pytest.approx([0.6, 0.3, 0.42, 0.075, 0.105])
+    assert t.q.shape == (6, 4) and calls == [[0, 1], [2, 3]] and not t.q[5:].any()  # the last level: no forward
     check_tree(t.parents, t.tokens, 5, 3)
     wide = grow_tree(q1, lambda par, tok, nodes: np.full((len(nodes), 4), 0.25), budget=20, max_depth=2, width=3,
                      uniform=np.random.default_rng(0).random, greedy=False)
-    assert check_tree(wide.parents, wide.tokens, 20, 2).max() == 2 and len(wide.parents) == 3 + 9  # q1 has 3 tokens
+    assert check_tree(wide.parents, wide.tokens, 20, 2).max() == 2 and len(wide.parents) == 3 + 3
     with pytest.raises(ValueError, match="budget, depth and width"):
         grow_tree(q1, q_after, budget=0, max_depth=2, width=2, uniform=None, greedy=True)
     with pytest.raises(ValueError, match="needs uniforms"):
@@ -303,9 +304,9 @@ def test_the_tree_lm_equals_the_model_and_drafts_trees_that_a_fresh_chain_confir
         params = SamplingParams(temperature)
         d = Drafter(tree_lm, params)
         d.start(prompt)
-        tree, rows = d.draft_tree(budget=7, max_depth=3, width=2, rng=np.random.default_rng(2))
-        check_tree(tree.parents, tree.tokens, 7, 3)
-        assert len(tree.parents) == 7 and d.kv.length == len(prompt) + 6  # the last level (1 node) not fed
+        tree, rows = d.draft_tree(budget=7, max_depth=4, width=2, rng=np.random.default_rng(2))
+        check_tree(tree.parents, tree.tokens, 7, 4)
+        assert len(tree.parents) == 7 and d.kv.length == len(prompt) + 6  # 2 per level; the last level (1 node) not fed
         shape = SamplingParams(1.0) if temperature == 0 else params
         for i in range(6):  # every node but the last level's: its row is the draft after its path
             path = [int(tree.tokens[n]) for n in path_to(tree.parents, i)]
@@ -318,7 +319,7 @@ def test_the_tree_lm_equals_the_model_and_drafts_trees_that_a_fresh_chain_confir
         else:
             assert len(rows) == 8 and not rows[-1].any() and np.allclose(dist_codec.dequantize(rows[0])[0],
                                                                          tree.q[0])
-        deepest = int(np.argmax(check_tree(tree.parents, tree.tokens, 7, 3)))
+        deepest = int(np.argmax(check_tree(tree.parents, tree.tokens, 7, 4)))
         path = path_to(tree.parents, deepest)
         committed = [int(tree.tokens[n]) for n in path] + [5]
         d.commit_tree(committed, path)

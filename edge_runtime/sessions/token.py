@@ -134,6 +134,33 @@ class TokenSession(Session):
                     self._cloud_logprobs(verdict.logprobs, verdict.n_accepted + 1))
         return verdict
 
+    def verify_tree(self, parents: np.ndarray, tokens: np.ndarray, payload: P.DistPayload) -> P.Verdict:
+        """Send a draft tree (hat_split.math.tree) with the distributions its children were drawn from; commit the
+        accepted path the verdict names and the cloud's token after it (the drafter keeps the path's cache)."""
+        n = len(tokens)
+        msg = P.Verify(self.session_id, self.step + 1, self.cloud_position, np.zeros(0, np.int32),
+                       np.asarray(tokens, np.int32), payload,
+                       max(0.0, time.perf_counter() - self.client.last_reply_at), np.asarray(parents, np.int16))
+        verdict = expect(self.request(msg), P.Verdict, P.Verify)
+        path = [] if verdict.path is None else [int(i) for i in np.asarray(verdict.path).reshape(-1)]
+        if len(path) != verdict.n_accepted or any(
+                not 0 <= v < n or int(parents[v]) != (path[i - 1] if i else -1) for i, v in enumerate(path)):
+            raise RuntimeError(f"the cloud's verdict names no path of the tree sent: {path} "
+                               f"({verdict.n_accepted} accepted)")
+        c = self.counters
+        c.rounds += 1
+        c.drafted += n
+        c.accepted += len(path)
+        c.rejected += not path or bool(np.any(parents == path[-1]))  # the path stopped above a leaf: a rejection
+        c.cloud_compute_s += verdict.compute_s
+        self.cloud_position = verdict.position
+        if verdict.uplink_bps > 0:
+            self.uplink_bps = verdict.uplink_bps
+        self.drafter.keep_path(path)
+        self.commit([int(tokens[v]) for v in path] + [verdict.token], len(path),
+                    self._cloud_logprobs(verdict.logprobs, len(path) + 1))
+        return verdict
+
     def generate(self, n: int) -> None:
         """Cloud only: the target decodes up to n tokens on its own; commit them."""
         msg = P.Generate(self.session_id, self.step + 1, self.cloud_position, np.zeros(0, np.int32),

@@ -14,6 +14,7 @@ import numpy as np
 
 from hat_split.math.rng import session_rng
 from hat_split.math.sampling import SamplingParams, sample_rng, warp
+from hat_split.math.tree import TreeVerdict, verify_tree, verify_tree_greedy
 from hat_split.math.verify import verify_rng
 
 
@@ -39,6 +40,19 @@ class TargetState:
         base = len(self.tokens)
         self.tokens.extend(draft[:n] + [token])
         return n, token, base + n
+
+    def accept_tree(self, parents: np.ndarray, draft: List[int], q: np.ndarray, logits: np.ndarray) -> TreeVerdict:
+        """Verify a draft tree (hat_split.math.tree: `parents`, its tokens `draft`, q `# [L + 1, vocab]` the draft's
+        distribution after the root and after each node) against the target's logits `# [L + 1, vocab]` after the
+        same; commit the accepted path's tokens and the next token. At temperature 0 the path follows the target's
+        argmax and q is not read."""
+        p = self.last_p = warp(logits, self.params)  # [L + 1, vocab]
+        if self.params.temperature == 0:
+            verdict = verify_tree_greedy(parents, draft, np.argmax(p, axis=-1))
+        else:
+            verdict = verify_tree(parents, draft, p, q, lambda: float(self.rng.random()))
+        self.tokens.extend([int(draft[i]) for i in verdict.path] + [verdict.token])
+        return verdict
 
     def sample_next(self, logits: np.ndarray) -> int:
         """Sample and commit the target's next token from its logits `# [1, vocab]` (protocol `llm`)."""

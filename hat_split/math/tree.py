@@ -183,16 +183,21 @@ class GrownTree:
 def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[int]], np.ndarray], budget: int,
               max_depth: int,
               width: int, uniform: Optional[Callable[[int], np.ndarray]], greedy: bool) -> GrownTree:
-    """A draft tree of at most `budget` nodes and `max_depth` levels, grown a level at a time (EAGLE-2's dynamic
-    tree, kept exact at T > 0):
+    """A draft tree of at most `budget` nodes and `max_depth` levels, grown a level at a time with at most `width`
+    new nodes per level (EAGLE-2's dynamic tree, kept exact at T > 0):
 
-    at each level the frontier's nodes are ranked by their path probability and the best ones each get `width`
-    children while the budget lasts; the number of children of a node is fixed before they are drawn, from its own
-    path probability only, and every child drawn is kept (a shape chosen from the children's own values would change
-    the law the verifier sees). Children are the top-`width` tokens of q when `greedy`, else `width` draws without
-    replacement (draw_children, `uniform(V)` a vector of uniforms). q_root `# [V]` is the draft's distribution after
-    the root; q_after(parents, tokens, nodes) returns `# [len(nodes), V]` after each of a level's new nodes, given
-    the tree so far (one batched forward of the draft per level, on the engine)."""
+    a level's nodes go where they are expected to be accepted most: a candidate is the j-th child of a frontier node
+    v, scored by v's path probability times the j-th largest value of q_v; the first child of the main line (the
+    chain a chain draft would have drawn: the root's first child, its first child, ...) is always taken, then the
+    best other candidates up to `width`, so each node gets k_v children, fixed before any is drawn — from q_v
+    itself and the path probabilities already drawn, never from the children's own values (a shape chosen from
+    those would change the law the verifier sees). A node's first child is a plain draw from q_v, so the tree holds
+    the chain of its depth and accepts at least as much as that chain, at every temperature.
+    Children are the top-k_v tokens of q_v when `greedy` (the scores are then the children's own path probabilities:
+    EAGLE-2's top-k re-ranking of a level), else k_v draws without replacement (draw_children, `uniform(V)` a vector
+    of uniforms). q_root `# [V]` is the draft's distribution after the root; q_after(parents, tokens, nodes) returns
+    `# [len(nodes), V]` after each of a level's new nodes, given the tree so far (one batched forward of the draft
+    per level, on the engine)."""
     if budget < 1 or max_depth < 1 or width < 1:
         raise ValueError(f"a tree needs budget, depth and width >= 1, got {budget}, {max_depth}, {width}")
     q_root = np.asarray(q_root, dtype=np.float64)
@@ -201,32 +206,39 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
     probs: List[float] = []
     rows = [q_root]
     frontier = [ROOT]  # nodes whose children may be drawn at this level
+    main = ROOT  # the main line: the root's first child, its first child, ... (what a chain would have drafted)
     for depth in range(1, max_depth + 1):
-        left = budget - len(parents)
-        if left <= 0 or not frontier:
+        take = min(width, budget - len(parents))
+        if take <= 0 or not frontier:
             break
-        ranked = sorted(frontier, key=lambda v: -(probs[v] if v != ROOT else 1.0))
+        top = {v: np.sort(rows[v + 1])[::-1][:take] for v in frontier}  # each node's best values, known before drawing
+        scored = [(-(probs[v] if v != ROOT else 1.0) * float(x) if (v, j) != (main, 0) else -np.inf, i, j, v)
+                  for i, v in enumerate(frontier) for j, x in enumerate(top[v]) if x > 0]
+        chosen = sorted(scored)[:take]
         level: List[int] = []
-        for v in ranked:
-            if left <= 0:
-                break
-            k = min(width, left)
+        first_of_main = None
+        for v in frontier:
+            k = sum(1 for c in chosen if c[3] == v)
+            if not k:
+                continue
             q_v = rows[v + 1]
             if greedy:
-                kids = np.argsort(-q_v, kind="stable")[:min(k, int(np.count_nonzero(q_v > 0)))]
+                kids = np.argsort(-q_v, kind="stable")[:k]
             elif uniform is None:
                 raise ValueError("a sampled tree needs uniforms")
             else:
                 kids = draw_children(q_v, k, uniform(q_v.size))
             base = probs[v] if v != ROOT else 1.0
+            if v == main:
+                first_of_main = len(parents)
             for x in kids:
                 parents.append(v)
                 tokens.append(int(x))
                 probs.append(base * float(q_v[x]))
                 level.append(len(parents) - 1)
-            left -= len(kids)
-        if not level:
+        if not level or first_of_main is None:
             break
+        main = first_of_main
         if depth == max_depth or len(parents) >= budget:  # no level follows: the leaves' rows are never read
             rows.extend(np.zeros((len(level), q_root.size)))
             break

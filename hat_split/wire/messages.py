@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1  # bump on any incompatible change; the handshake refuses m
 MAGIC = b"HSP"
 PREAMBLE_LEN = len(MAGIC) + 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: 100 dense fp32 distributions over a 152k vocabulary fit
-ALLOWED_DTYPES = ("int32", "int64", "float16", "float32", "float64", "uint8", "int8")
+ALLOWED_DTYPES = ("int32", "int64", "float16", "float32", "float64", "uint8", "int8", "int16")
 MAX_TENSOR_DIMS = 4
 
 
@@ -210,6 +210,8 @@ class Welcome(msgspec.Struct, tag=True):
     max_context: NonNeg
     protocols: List[str]
     software: str = ""
+    max_tree_nodes: NonNeg = 0  # nodes of a draft tree one Verify may carry; 0: this cloud verifies chains only
+    max_tree_depth: NonNeg = 0  # levels of such a tree
 
 
 class OpenSession(msgspec.Struct, tag=True):
@@ -236,8 +238,12 @@ class Verify(msgspec.Struct, tag=True):
     position: NonNeg  # committed length the device believes the cloud holds before new_tokens
     new_tokens: Any  # [m] int32 tokens committed on the device since the last message (m may be 0)
     draft: Any  # [L] int32 draft tokens, L >= 1
-    dist: DistPayload  # the L distributions the drafts were sampled from
+    dist: DistPayload  # the L distributions the drafts were sampled from (a tree: see parents)
     idle_s: float = 0.0  # device time between its previous reply arriving and this request leaving (rate estimate)
+    # a draft tree (hat_split.math.tree): [L] int16 parent of each draft (-1: the last committed token; else an
+    # earlier draft); then dist holds the distribution after the root and after each draft with children, in that
+    # order (none at temperature 0). None: the drafts are a chain
+    parents: Any = None
 
 
 class Verdict(msgspec.Struct, tag=True):
@@ -249,6 +255,7 @@ class Verdict(msgspec.Struct, tag=True):
     compute_s: float
     uplink_bps: float = 0.0  # the uplink rate the cloud measured on this request (0: not measurable)
     logprobs: Optional[TokenLogprobs] = None  # of the n_accepted + 1 committed tokens, if the session asked
+    path: Any = None  # a tree's verdict: [n_accepted] int16 the accepted drafts' indices, the root's child first
 
 
 class Generate(msgspec.Struct, tag=True):
@@ -490,3 +497,13 @@ def check_tokens(arr: Any, name: str, vocab_size: int, min_len: int = 0, max_len
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
         raise ProtocolError("invalid", f"{name} holds token ids outside [0, {vocab_size})")
     return arr
+
+
+def check_index(arr: Any, name: str, length: int) -> np.ndarray:
+    """A 1-D int16 array of `length` indices (a draft tree's parents, a verdict's path) as int64, or ProtocolError;
+    what the indices must satisfy is the caller's (hat_split.math.tree.check_tree)."""
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != np.int16:
+        raise ProtocolError("invalid", f"{name} must be a 1-D int16 tensor")
+    if arr.shape[0] != length:
+        raise ProtocolError("invalid", f"{name} has {arr.shape[0]} entries, {length} were due")
+    return arr.astype(np.int64)
