@@ -97,3 +97,17 @@ def test_sampled_sd_runs_on_real_pair(cloud, tmp_path):
     r = results[0]
     assert len(r["tokens"]) == 8 or r["finish_reason"] == "eos"
     assert r["drafted"] > 0 and r["text"]
+
+
+def test_draft_trees_across_processes_keep_the_targets_greedy_tokens(cloud, greedy_runs, tmp_path):
+    """`sd` with a draft tree (issue 47): the cloud process verifies each tree in one masked forward and keeps its
+    accepted path; the tokens are the target's greedy ones (the figures per round: hat-bench speculative --trees)."""
+    from hat_split.prompt_sets import humaneval_prompts
+
+    by, _ = greedy_runs
+    prompts = [p.to_json() for p in humaneval_prompts(1, offset=10)]
+    results, _ = _edge(tmp_path, cloud, prompts, "--protocol", "sd", "--max-new-tokens", str(N_TOKENS),
+                       "--temperature", "0", "--tree-nodes", "12", "--tree-depth", "4", "--tree-width", "3")
+    tree = results[0]
+    assert tree["tokens"] == by["llm"][0]["tokens"]
+    assert tree["drafted"] > tree["rounds"] * 4  # wider than a chain of the tree's depth

@@ -597,7 +597,7 @@ def greedy_reference(model, ids, n):
 
 
 def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "hat", "sd", "llm"), prompt=FIB,
-                            drafter="adapter"):
+                            drafter="adapter", edge_args=()):
     """A `hat-cloud serve` process (with `cloud_args`) holds the model's middle layers, a `hat-edge generate` process
     its input and output parts (and a draft module, untrained: exactness does not depend on it; `drafter`: Λ or the
     feature drafter); temperature 0 must give the full model's tokens for both split protocols, and for token
@@ -626,7 +626,7 @@ def _split_across_processes(loaded, tmp_path, cloud_args, protocols=("ushape", "
                "--adapter", str(tmp_path / "adapter"), "--hidden-format", "float32", "--chunk-tokens", "7",
                "--max-new-tokens", "16", "--temperature", "0", "--threads", "1", "--quiet", "--json",
                str(tmp_path / "out.json"),
-               "--plaintext"]
+               "--plaintext", *edge_args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
         info = cloud.ready_info
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -698,8 +698,11 @@ def test_split_protocols_on_the_real_qwen_cut_across_processes_equal_full_model_
 def test_torchrun_pipeline_stages_equal_the_single_process_result(smollm2, tmp_path, stages):
     """`hat-cloud serve --pipeline P` starts itself under torchrun: P gloo processes, each with a slice of the middle
     layers and several batches in flight; a device process gets exactly the single-process (= full model) tokens.
-    Three stages keep their sessions in slots (the CUDA layout)."""
-    info = _split_across_processes(smollm2, tmp_path, ["--pipeline", str(stages), *(SLOTS if stages == 3 else [])])
+    Three stages keep their sessions in slots (the CUDA layout); on two (growing caches) `sd` drafts trees, each
+    verified in one masked forward per stage and its accepted path kept on every stage."""
+    trees = ["--tree-nodes", "6", "--tree-depth", "3", "--tree-width", "2"] if stages == 2 else []
+    info = _split_across_processes(smollm2, tmp_path, ["--pipeline", str(stages), *(SLOTS if stages == 3 else [])],
+                                   edge_args=trees)
     assert f"pipeline={stages}" in info and ("kv=slots" in info) == (stages == 3), info
 
 

@@ -6,6 +6,7 @@ import time
 import numpy as np
 
 from edge_runtime.sessions.token import TokenSession
+from hat_split.math.tree import check_tree
 from hat_split.wire import dist_codec
 
 
@@ -22,7 +23,8 @@ def verify_round(session: TokenSession, draft_len: int, dist_format: str, stop_b
 def tree_round(session: TokenSession, nodes: int, depth: int, width: int, dist_format: str) -> None:
     """Draft a tree (Drafter.draft_tree: at most `nodes` nodes, `depth` levels, `width` children per expanded node,
     within the cloud's limits and the request's remaining tokens), send it with the distributions its children were
-    drawn from (none at temperature 0), commit the accepted path; logged as verify_round's rounds are."""
+    drawn from (none at temperature 0), commit the accepted path; logged as verify_round's rounds are, with the
+    tree's depth as its drafted count (the draft's forwards: one per level, as a chain's per token)."""
     t0, before = time.perf_counter(), len(session.generated)
     welcome = session.client.welcome
     if not welcome.max_tree_nodes:
@@ -35,7 +37,8 @@ def tree_round(session: TokenSession, nodes: int, depth: int, width: int, dist_f
     payload = (wire.pack([rows[i] for i in holders]) if rows else  # temperature 0: the cloud reads no row
                dist_codec.pack(np.zeros((0, welcome.vocab_size), np.float16), "sparse"))
     session.verify_tree(tree.parents, tree.tokens, payload)
-    session.counters.verify_log.append([len(session.generated) - before, len(tree.tokens), time.perf_counter() - t0])
+    levels = int(check_tree(tree.parents, tree.tokens, len(tree.tokens), depth).max())  # the draft's forwards
+    session.counters.verify_log.append([len(session.generated) - before, levels, time.perf_counter() - t0])
 
 
 def round_sd(session: TokenSession) -> None:

@@ -37,7 +37,7 @@ from hat_split.math.speedup import speedup_report
 from hat_split.models.chat import encode
 from hat_split.models.loading import load_tokenizer, resolve_dtype
 from hat_split.prompt_sets import calibration_prompts, evaluation_prompts
-from profiles.bench.bench_args import parse_variants, variant_name
+from profiles.bench.bench_args import parse_trees, parse_variants, tree_name, variant_name
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, paired_ratio, rotated
 from profiles.bench.rig import Rig
@@ -59,6 +59,14 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-len", default="4",
                    help="sd variants, separated by commas: γ (fixed) or γ@η (at most γ drafts, ending after a token "
                         "with draft probability < η), e.g. 3,4,8@0.5")
+    s.add_argument("--trees", default="",
+                   help="sd draft-tree variants, separated by commas: NODESxDEPTHxWIDTH (tree_nodes, tree_depth, "
+                        "tree_width), e.g. 8x4x2,16x4x4,32x8x4; the cloud runs growing caches (--kv-layout dynamic)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every system (above 0 each prompt's seed is its index: the same "
+                        "for every system; the HF baselines stay greedy)")
+    s.add_argument("--link", default="", help="a link profile (testbed.links, e.g. wifi-far, lte) in front of the "
+                                              "cloud; empty: loopback")
     s.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="the draft's weights (edge and HF)")
     s.add_argument("--target-dtype", default="auto", help="dtype of the target everywhere (cloud and HF runs)")
     s.add_argument("--draft-dtype", default="float32", help="dtype of the draft everywhere (edge and HF runs)")
@@ -112,28 +120,39 @@ def hf_phase(args) -> int:
     return 0
 
 
-def _system_names(protocols: List[str], variants: List[Tuple[int, float]]) -> List[str]:
-    out = [BASELINE, DRAFT_ALONE]
-    for p in protocols:
-        out += [f"hatspec_sd_{variant_name(*v)}" for v in variants] if p == "sd" else [f"hatspec_{p}"]
+def sd_variants(variants: List[Tuple[int, float]], trees: List[Tuple[int, int, int]]) -> Dict[str, dict]:
+    """Each sd run's name and the EdgeConfig fields it sets: chains (γ, η), then draft trees."""
+    out = {f"hatspec_sd_{variant_name(g, e)}": {"draft_len": g, "draft_stop_prob": e, "tree_nodes": 0}
+           for g, e in variants}
+    out.update({f"hatspec_sd_{tree_name(*t)}": dict(zip(("tree_nodes", "tree_depth", "tree_width"), t))
+                for t in trees})
     return out
 
 
-def _run_one(rt, name: str, ids: List[int], variants_by_name: dict, max_new_tokens: int):
+def _system_names(protocols: List[str], by_name: Dict[str, dict]) -> List[str]:
+    out = [BASELINE, DRAFT_ALONE]
+    for p in protocols:
+        out += list(by_name) if p == "sd" else [f"hatspec_{p}"]
+    return out
+
+
+def _run_one(rt, name: str, ids: List[int], variants_by_name: dict, max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0):
     protocol = name.split("_")[1]
     variant = variants_by_name.get(name)
     if variant:
-        rt.config = dataclasses.replace(rt.config, draft_len=variant[0], draft_stop_prob=variant[1])
-    return rt.generate(ids, protocol, SamplingParams(0.0), max_new_tokens, seed=0)
+        rt.config = dataclasses.replace(rt.config, **variant)
+    return rt.generate(ids, protocol, SamplingParams(temperature), max_new_tokens, seed=seed)
 
 
 def _interleaved(rt, names: List[str], prompts: List[List[int]], variants_by_name: dict, max_new_tokens: int,
-                 label: str) -> Dict[str, list]:
-    """Every system on every prompt, the systems in turn per prompt, the order rotating by one per prompt."""
+                 label: str, temperature: float = 0.0) -> Dict[str, list]:
+    """Every system on every prompt, the systems in turn per prompt, the order rotating by one per prompt; prompt i
+    runs with seed i for every system."""
     rows: Dict[str, list] = {n: [None] * len(prompts) for n in names}
     for i, ids in enumerate(prompts):
         for name in rotated(names, i):
-            r = _run_one(rt, name, ids, variants_by_name, max_new_tokens)
+            r = _run_one(rt, name, ids, variants_by_name, max_new_tokens, temperature, i)
             rows[name][i] = r.to_json()
             print(f"  {label} {name:22s} prompt {i + 1}/{len(prompts)}: {r.n} tokens in {r.total_s:.2f} s, "
                   f"{r.summary()['tokens_per_s']:.2f} tok/s", flush=True)
@@ -188,6 +207,7 @@ def summarise(runs: Dict[str, list], chosen: Optional[str] = None) -> dict:
                           "problems": list(rep.problems)})
         drafted = sum(r["drafted"] for r in rows)
         entry["acceptance_rate"] = sum(r["accepted"] for r in rows) / drafted if drafted else None
+        entry.update(_per_token(rows))
         for base in (BASELINE, "hf_target", "hf_hf_assisted"):
             if base in runs:
                 entry[f"vs_{base}"] = ratio_ci(rows, runs[base])
@@ -198,6 +218,18 @@ def summarise(runs: Dict[str, list], chosen: Optional[str] = None) -> dict:
     return summary
 
 
+def _per_token(rows: List[dict]) -> dict:
+    """What does not depend on the hardware, over a run's rows: committed tokens per verification round and per round
+    trip, uplink bytes per token, and the positions the cloud computed per token (each round's drafts or tree nodes
+    plus the position after the last committed token)."""
+    tokens = sum(len(r["tokens"]) for r in rows)
+    rounds, trips, up = (sum(r.get(k, 0) for r in rows) for k in ("rounds", "round_trips", "up_bytes"))
+    return {"tokens_per_round": tokens / rounds if rounds else None,
+            "tokens_per_round_trip": tokens / trips if trips else None,
+            "up_bytes_per_token": up / tokens if tokens and up else None,
+            "cloud_positions_per_token": (sum(r["drafted"] for r in rows) + rounds) / tokens if rounds else None}
+
+
 def format_table(summary: dict) -> str:
     def ci(d: Optional[dict]) -> str:
         return ci_text(d, form="interval")
@@ -206,6 +238,7 @@ def format_table(summary: dict) -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = [f"{'run':24s} {'tok/s':>6s} {'alpha':>5s} {'gamma':>5s} {'decode x':>8s} {'bound':>5s} {'eff':>4s}  "
+             f"{'tok/rnd':>7s} {'B up/tok':>8s} {'pos/tok':>7s}  "
              f"{'vs llm [95% CI]':>34s}  {'vs HF target':>34s}  {'vs HF assisted':>34s}"]
     for name, e in summary.items():
         if not isinstance(e, dict) or "rounds" not in e:
@@ -213,7 +246,9 @@ def format_table(summary: dict) -> str:
         mark = " *" if name == summary.get("chosen") else ""
         lines.append(f"{name + mark:24s} {summary['tokens_per_s'][name]:6.2f} {num(e.get('alpha')):>5s} "
                      f"{num(e.get('gamma'), '.1f'):>5s} {num(e.get('decode_speedup')):>8s} {num(e.get('bound')):>5s} "
-                     f"{num(e.get('efficiency')):>4s}  {ci(e.get('vs_' + BASELINE)):>34s}  "
+                     f"{num(e.get('efficiency')):>4s}  {num(e.get('tokens_per_round')):>7s} "
+                     f"{num(e.get('up_bytes_per_token'), '.0f'):>8s} {num(e.get('cloud_positions_per_token')):>7s}  "
+                     f"{ci(e.get('vs_' + BASELINE)):>34s}  "
                      f"{ci(e.get('vs_hf_target')):>34s}  {ci(e.get('vs_hf_hf_assisted')):>34s}")
         lines += [f"    problem: {p}" for p in e.get("problems", [])]
     lines.append(f"c = {num(summary.get('c'), '.3f')} (T = {num(summary.get('T_s'), '.4f')} s, t_d = "
@@ -239,6 +274,9 @@ def _hf_runs(args, ids: List[List[int]], tmp: str) -> Optional[Dict[str, list]]:
 
 def run(args) -> int:
     variants = parse_variants(args.draft_len)  # a ValueError names the bad item
+    by_name = sd_variants(variants, parse_trees(args.trees))
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     protocols = [p for p in args.protocols.split(",") if p]
     if not set(protocols) <= {"sd", "hlm"}:
         raise ValueError(f"--protocols: sd and hlm are the speculative ones, got {protocols}")
@@ -248,11 +286,10 @@ def run(args) -> int:
     prompts = evaluation_prompts(args.prompts)
     ids = [encode(tok, p.text, p.chat) for p in prompts]
     tune_ids = ([encode(tok, p.text, p.chat) for p in calibration_prompts(args.tune_prompts)]
-                if len(variants) > 1 and args.tune_prompts and "sd" in protocols else [])
+                if len(by_name) > 1 and args.tune_prompts and "sd" in protocols else [])
     args.target_dtype, args.draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
-    names = _system_names(protocols, variants)
-    by_name = {f"hatspec_sd_{variant_name(*v)}": v for v in variants}
-    report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "sd_variants": variants,
+    names = _system_names(protocols, by_name)
+    report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "sd_variants": by_name,
                     "prompts": [p.to_json() for p in prompts], "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf:
@@ -261,16 +298,19 @@ def run(args) -> int:
                 print("hat-bench speculative: the Hugging Face phase failed (above)", file=sys.stderr)
                 return 1
             report["runs"].update(hf)
-        print("hat-bench speculative: hatspec over loopback ...", flush=True)
-        with Rig(args.target, cloud_args=["--dtype", args.target_dtype]) as bed:
+        print(f"hat-bench speculative: hatspec over {args.link or 'loopback'} ...", flush=True)
+        with Rig(args.target, cloud_args=["--dtype", args.target_dtype, "--kv-layout", "dynamic"],
+                 link=args.link or None) as bed:
             cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
                              engine=EngineConfig(dtype=args.draft_dtype, weight_quant=args.weight_quant))
             with bed.runtime(cfg) as rt:
                 rt.generate(ids[0], "sd", SamplingParams(0.0), 2)  # warm-up both processes
                 if tune_ids:
                     sd_names = [n for n in names if n in by_name]
-                    report["tuning"] = _interleaved(rt, sd_names, tune_ids, by_name, args.max_new_tokens, "tune")
-                report["runs"].update(_interleaved(rt, names, ids, by_name, args.max_new_tokens, "eval"))
+                    report["tuning"] = _interleaved(rt, sd_names, tune_ids, by_name, args.max_new_tokens, "tune",
+                                                    args.temperature)
+                report["runs"].update(_interleaved(rt, names, ids, by_name, args.max_new_tokens, "eval",
+                                                   args.temperature))
     sd_runs = [n for n in names if n in by_name]
     chosen = choose(report.get("tuning", {})) or (sd_runs[0] if len(sd_runs) == 1 else None)
     report["summary"] = summarise(report["runs"], chosen)
