@@ -34,7 +34,7 @@ from hat_split.models.graphs import StepGraphs
 from hat_split.models.partition import PartCache, Stack, head_logits
 from hat_split.models.placement import (available_bytes, is_cuda, model_device, synchronize, to_device,
                                         to_host)
-from hat_split.models.slots import SlotKV, SlotStep, position_bytes, run_slots, slot_bytes
+from hat_split.models.slots import SlotKV, SlotStep, position_bytes, run_slot_tree, run_slots, slot_bytes
 
 CROP, CLOSE, KEEP = "crop", "close", "keep"
 
@@ -141,8 +141,12 @@ class StageRunner:
         for op, sid, arg in ops:
             if op == KEEP:
                 cache = self.caches.get(sid)
-                if cache is not None:
-                    cache.keep(int(arg[0]), [int(r) for r in arg[1:]])
+                start, rows = int(arg[0]), [int(r) for r in arg[1:]]
+                if isinstance(cache, SlotSession):
+                    self.slots.keep(cache.slot, start, rows)
+                    cache.crop(start + len(rows))
+                elif cache is not None:
+                    cache.keep(start, rows)
             elif op == CLOSE:
                 cache = self.caches.pop(sid, None)
                 if isinstance(cache, SlotSession):
@@ -163,9 +167,6 @@ class StageRunner:
             layers = (max(job.start, self.lo), min(job.stop, self.hi))
             if layers[0] < layers[1]:
                 cache = self._cache(job)
-                if job.tree and isinstance(cache, SlotSession):
-                    raise RuntimeError(f"session {job.sid} sent a draft tree to a KV slot: trees run on growing "
-                                       "caches")
                 kind = ("tree" if job.tree else "grow" if not isinstance(cache, SlotSession) else
                         "decode" if job.n <= self.layout.decode_limit else "prefill")
                 groups.setdefault((layers, kind), []).append(i)
@@ -177,8 +178,8 @@ class StageRunner:
                 stack = self._stacks[layers] = Stack(self.model, *layers)
             caches = [self.caches[jobs[i].sid] for i in idx]
             hs = [xs[i] for i in idx]
-            if kind == "tree":  # a tree's mask is its own: one masked forward each
-                results = [stack.forward_tree(c, h, jobs[i].tree) for c, h, i in zip(caches, hs, idx)]
+            if kind == "tree":  # a tree's mask is its own: one masked forward each (eager on slots)
+                results = [self._tree_step(stack, c, h, jobs[i].tree) for c, h, i in zip(caches, hs, idx)]
             else:
                 results = (stack.forward_batch(caches, hs) if kind == "grow" else
                            self._slot_step(stack, layers, caches, hs, kind == "decode"))
@@ -186,6 +187,17 @@ class StageRunner:
                 outs[i] = out
         synchronize(self.device)  # the model time is the device's, not the launches'
         return outs, time.perf_counter() - t0
+
+    def _tree_step(self, stack: Stack, cache: Any, hidden: Any, parents: Sequence[int]) -> Any:
+        """A draft tree's verify on a session's growing cache or slot (hat_split.models.slots.run_slot_tree)."""
+        if not isinstance(cache, SlotSession):
+            return stack.forward_tree(cache, hidden, parents)
+        import torch
+
+        with torch.inference_mode():
+            out = run_slot_tree(stack, self.slots, cache.slot, cache.length, hidden, parents)
+        cache.length += hidden.shape[1]
+        return out
 
     def _slot_step(self, stack: Stack, layers: Tuple[int, int], sessions: Sequence[SlotSession], hs: Sequence[Any],
                    bucketed: bool) -> List[Any]:

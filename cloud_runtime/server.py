@@ -52,6 +52,10 @@ from hat_split.wire import messages as P
 log = logging.getLogger("hatspec.cloud")
 
 
+NO_TREES = ("draft trees are verified as masked forwards of the torch engine's layers; this cloud runs its model on "
+            "its own caches (llama.cpp, or a model the partition does not know): send chains")
+
+
 def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelFacts:
     """What the handlers need to know of the target; a model without layers (tests' Markov chains) or of an unknown
     family gets a reason the split protocols are refused."""
@@ -59,25 +63,14 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
     if isinstance(lm, LlamaCppLM):  # a GGUF file, no layers here
         return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0,
                           split_refusal="the split protocols (ushape, hat) run on the torch engine; this cloud runs "
-                                        "llama.cpp (hat-cloud serve --engine torch)")
+                                        "llama.cpp (hat-cloud serve --engine torch)", tree_refusal=NO_TREES)
     try:
         check_family(model)
     except ValueError as exc:
-        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc))
+        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc),
+                          tree_refusal=NO_TREES)
     return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, model.config.num_hidden_layers,
                       int(model.config.hidden_size), model_fingerprint(model))
-
-
-def tree_refusal(facts: ModelFacts, executor: Any) -> str:
-    """Why this cloud cannot verify draft trees ("" when it can): trees run as masked forwards on growing caches
-    (hat_split.models.partition.Stack.forward_tree); llama.cpp and the slot layout's captured steps do not run them."""
-    if facts.split_refusal:
-        return "draft trees are verified by the torch engine's batched steps; this cloud runs its model on its own " \
-               "caches (llama.cpp, or a model the partition does not know): send chains"
-    if executor.runner.layout.slots:
-        return "draft trees are verified on growing caches; this cloud keeps KV slots (hat-cloud serve --kv-layout " \
-               "dynamic verifies trees): send chains"
-    return ""
 
 
 def kv_budget(config: CloudConfig, lm: Any, executor: Any = None) -> Tuple[int, str]:
@@ -131,7 +124,6 @@ class CloudServer:
             self.kv_bytes, how = kv_budget(config, lm, executor)
             self.work = Batcher(scheduler_config(config, lm, executor.depth, self.kv_bytes), executor,
                                 ModelEnds(lm.model), self.load, config.max_draft_len + 1)
-        facts = dataclasses.replace(facts, tree_refusal=tree_refusal(facts, executor))
         log.info("KV memory %s (%s); a device may hold %s of it", format_bytes(self.kv_bytes), how,
                  config.device_kv_memory)
         self.tables = CloudTables(SessionTable(self.work), DeviceRegistry(config, facts))

@@ -129,7 +129,8 @@ class EdgeRuntime:
             skips = self.skip_policies.get(key) or self.skip_policies.setdefault(key, key[1].skip_policy())
         session = new_session(self.config, request, drafter, self.client, self.engine.eos_ids, next(self._session_ids),
                               monitor=self.monitor, link_state=self.link_state if split else None, skip_policy=skips)
-        if request.protocol in AUTO_TOKEN:  # what sd and llm requests measure teaches protocol auto
+        if request.protocol in AUTO_TOKEN and not (request.protocol == "sd" and self.config.tree_nodes):
+            # what sd (chains: auto prices chains) and llm requests measure teaches protocol auto
             session.round_fn = _teaching(session.round_fn, request.protocol, self.auto_estimates)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)

@@ -178,6 +178,11 @@ def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(smoll
         with EdgeRuntime(EdgeConfig(model="smollm2-135m", link=config.link), smollm2) as rt:
             with pytest.raises(Exception, match="run on the torch engine; this cloud runs llama.cpp"):
                 rt.generate(smollm2_ids, "ushape", SamplingParams(0.0), 4, seed=0)
+        trees = EdgeConfig(model="smollm2-135m", link=config.link, tree_nodes=8)  # draft trees: told before sending
+        with EdgeRuntime(trees, smollm2) as rt:
+            with pytest.raises(Exception, match="verifies no draft trees"):
+                rt.generate(smollm2_ids, "sd", SamplingParams(0.0), 4, seed=0)
+            assert rt.client.welcome.max_tree_nodes == 0
 
 
 def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(smollm2_gguf, smollm2, smollm2_ids):

@@ -10,7 +10,7 @@ import torch
 
 from cloud_runtime.buckets import Buckets, bucket, exact_shape, pad_step, powers_of_two
 from cloud_runtime.config import CloudConfig
-from cloud_runtime.runner import CLOSE, CROP, Job, KvLayout, ModelEnds, StageRunner, kv_layout
+from cloud_runtime.runner import CLOSE, CROP, KEEP, Job, KvLayout, ModelEnds, StageRunner, kv_layout
 from hat_split.models.graphs import StepGraphs
 from hat_split.models.placement import check_device, resolve_device
 from tests.conftest import tiny_model
@@ -134,7 +134,8 @@ class CpuGraphs(StepGraphs):
 
 def _script():
     """(jobs per step, cache operations before it): two prompts chunked, decodes, a verify of 5 with a crop after,
-    a third session joining, a close."""
+    a third session joining, a close, a draft tree's verify (a token, then 4 nodes below it) whose accepted path is
+    kept before the next step."""
     return [
         ([(1, 0, 6), (2, 0, 3)], []),
         ([(1, 6, 1), (2, 3, 4)], []),
@@ -142,6 +143,8 @@ def _script():
         ([(1, 9, 2), (2, 8, 1), (3, 9, 1)], [(CROP, 1, 9)]),
         ([(2, 9, 3), (3, 10, 20)], [(CLOSE, 1, 0)]),
         ([(2, 12, 1), (3, 30, 4)], []),
+        ([(2, 13, 5, (-1, 0, 0, 1, 2)), (3, 34, 1)], []),
+        ([(2, 16, 2), (3, 35, 1)], [(KEEP, 2, [13, 0, 2, 4])]),
     ]
 
 
@@ -151,15 +154,17 @@ def _replay(runner, model, layers=(0, None)):
     outs = []
     for jobs, ops in _script():
         runner.apply(ops)
-        js = [Job(sid, layers[0], layers[1] or model.config.num_hidden_layers, pos, n) for sid, pos, n in jobs]
-        xs = [torch.randn(1, n, hidden, generator=g).to(model.device) for _, _, n in jobs]
+        js = [Job(sid, layers[0], layers[1] or model.config.num_hidden_layers, pos, n, *tree)
+              for sid, pos, n, *tree in jobs]
+        xs = [torch.randn(1, n, hidden, generator=g).to(model.device) for _, _, n, *_ in jobs]
         outs.append(runner.run(js, xs)[0])
     return outs
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_slot_steps_equal_growing_caches(family):
-    """The same script of prefill chunks, decodes, verifies, crops and closes on the slot layout (eager at exact sizes,
+    """The same script of prefill chunks, decodes, verifies, crops, closes and a draft tree's verify and kept path on
+    the slot layout (eager at exact sizes,
     and bucketed with padding, captured and replayed as CUDA graphs are: CpuGraphs) gives the growing caches' outputs
     (float32); more sessions than slots fall back to growing caches in the same steps."""
     from tests.test_hat import _family

@@ -118,13 +118,25 @@ def test_a_sampled_tree_needs_its_distributions(tiny_pair):
         assert isinstance(verdict, P.Verdict) and verdict.position == len(PROMPT) + verdict.n_accepted + 1
 
 
-def test_a_cloud_that_cannot_verify_trees_says_so(tiny_pair):
-    """KV slots (and llama.cpp) run no tree masks: the Welcome states 0 nodes, a tree is refused with the reason, and
-    a device asking for trees gets a clear error before it sends one."""
-    with serving(tiny_pair[1], kv_layout="slots", kv_positions=4096) as server, _client(server) as client:
+@pytest.mark.parametrize("nodes,depth,width", [(8, 4, 2), (14, 6, 3)])
+def test_trees_on_kv_slots_equal_the_targets_greedy_tokens(tiny_pair, nodes, depth, width):
+    """The slot layout (CUDA's default; here on the CPU) verifies a tree eagerly with its own mask on the session's
+    slot and moves the accepted path into place there."""
+    draft, target = tiny_pair
+    with serving(target, kv_layout="slots", kv_positions=4096, max_message_bytes=1 << 20) as server:
+        assert "slots" in server.work.engine.executor.runner.layout.describe()
+        result, _ = _run(server, draft, SamplingParams(0.0), n=32, tree_nodes=nodes, tree_depth=depth,
+                         tree_width=width)
+        assert result.tokens == _hf_greedy(target, 32)
+
+
+def test_a_cloud_that_takes_no_trees_says_so(tiny_pair):
+    """max_tree_nodes = 0 (and llama.cpp, whose model runs on its own caches): the Welcome states 0 nodes, a tree is
+    refused with the reason, and a device asking for trees gets a clear error before it sends one."""
+    with serving(tiny_pair[1], max_tree_nodes=0) as server, _client(server) as client:
         assert client.welcome.max_tree_nodes == 0
         client.request(P.OpenSession(1, "sd", np.asarray(PROMPT, np.int32), P.Sampling(0.0), 0))
-        with pytest.raises(CloudError, match="kv-layout dynamic"):
+        with pytest.raises(CloudError, match="max_tree_nodes = 0"):
             client.request(_verify(1, len(PROMPT), [4, 9], [-1, -1]))
         with pytest.raises(ValueError, match="verifies no draft trees"):
             _run(server, tiny_pair[0], SamplingParams(0.0), tree_nodes=8)

@@ -99,6 +99,34 @@ class PartCache:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv.values())
 
 
+def tree_inputs(start: int, parents: Sequence[int], earlier: int, n: int, dtype: Any, device: Any) -> Tuple[Any, Any]:
+    """What a forward of a draft tree's n new nodes needs (hat_split.math.tree): `mask_for(kind, window)`, the
+    additive mask `# [1, 1, n, start + earlier + n]` of each layer type (every position before `start`, then the
+    node's own ancestors: the tree's `earlier` nodes already in the cache and the new ones, in node order), and the
+    nodes' positions `# [1, n]` (start + depth − 1). `parents`: the whole tree so far, its last n entries the new
+    nodes."""
+    import numpy as np
+    import torch
+
+    from hat_split.math.masks import tree_allowed
+    from hat_split.math.tree import ancestor_mask, check_tree
+
+    par = np.asarray(parents, dtype=np.int64)
+    if par.ndim != 1 or earlier < 0 or par.size != earlier + n:
+        raise ValueError(f"a tree with {max(earlier, 0)} nodes in the cache and {n} new ones needs "
+                         f"{max(earlier, 0) + n} parents, got {par.size}")
+    depth = check_tree(par, np.arange(par.size), par.size, par.size)  # the shape only (tokens: the verifier's)
+    anc = ancestor_mask(par)
+
+    def mask_for(kind: str, window: Optional[int]) -> Any:
+        ok = tree_allowed(start, anc, depth, window or None)[earlier:]  # [n, start + earlier + n]
+        mask = torch.zeros(ok.shape, dtype=dtype)
+        mask.masked_fill_(~torch.from_numpy(ok), torch.finfo(dtype).min)
+        return mask[None, None].to(device)
+
+    return mask_for, torch.from_numpy(start + depth[earlier:] - 1).to(device)[None]
+
+
 def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: Optional[int] = None,
                   device: Any = "cpu") -> Any:
     """Mask `# [1, 1, n, width]` of a torch dtype on `device`: 0 where query i (position past + i) may attend key j,
@@ -171,31 +199,10 @@ class Stack:
         there (a tree grown a level at a time). Node g sits at position start + depth_g − 1 and attends to the
         cache before `start` and to its own ancestors; returns `# [1, n, hidden]` and leaves the new nodes in the
         cache after the earlier ones (PartCache.keep keeps the accepted path)."""
-        import numpy as np
-        import torch
-
-        from hat_split.math.masks import tree_allowed
-        from hat_split.math.tree import ancestor_mask, check_tree
-
         n = hidden.shape[1]
-        par = np.asarray(parents, dtype=np.int64)
         start = cache.length if start is None else start
-        earlier = cache.length - start
-        if par.ndim != 1 or earlier < 0 or par.size != earlier + n:
-            raise ValueError(f"a tree with {max(earlier, 0)} nodes in the cache and {n} new ones needs "
-                             f"{max(earlier, 0) + n} parents, got {par.size}")
-        depth = check_tree(par, np.arange(par.size), par.size, par.size)  # the shape only (tokens: the verifier's)
-        device = hidden.device
-        allowed_rows = tree_allowed(start, ancestor_mask(par), depth, None)[earlier:]  # [n, start + N]
-
-        def mask_for(kind: str, window: Optional[int]) -> Any:
-            ok = allowed_rows if not window else tree_allowed(start, ancestor_mask(par), depth, window)[earlier:]
-            mask = torch.zeros(ok.shape, dtype=hidden.dtype)
-            mask.masked_fill_(~torch.from_numpy(ok), torch.finfo(hidden.dtype).min)
-            return mask[None, None].to(device)
-
+        mask_for, positions = tree_inputs(start, parents, cache.length - start, n, hidden.dtype, hidden.device)
         t0 = time.perf_counter()
-        positions = torch.from_numpy(start + depth[earlier:] - 1).to(device)[None]
         hidden = self.run_layers(cache, hidden, mask_for, positions, False)
         cache.length += n
         cache.forward_s += time.perf_counter() - t0

@@ -70,6 +70,17 @@ class SlotKV:
         """A free slot, or None when all are held."""
         return self._free.pop() if self._free else None
 
+    def keep(self, slot: int, start: int, rows: List[int]) -> None:
+        """Of the slot's positions from `start` keep only `rows` (offsets, in order), moved into place: a draft
+        tree's accepted path (the gathered copy is taken before it is written back)."""
+        import torch
+
+        if rows == list(range(len(rows))):
+            return
+        index = torch.tensor([start + r for r in rows], dtype=torch.long, device=self.k.device)
+        for buf in (self.k, self.v):
+            buf[:, slot, :, start:start + len(rows)] = buf[:, slot].index_select(2, index)
+
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.slots or slot in self._free:
             raise ValueError(f"slot {slot} is not held")
@@ -93,6 +104,23 @@ class SlotStep:
         k[self.write_slot, :, self.write_pos] = key.transpose(1, 2).to(k.dtype)  # [B, n, kv_heads, head_dim]
         v[self.write_slot, :, self.write_pos] = value.transpose(1, 2).to(v.dtype)
         return k[self.rows, :, :self.width], v[self.rows, :, :self.width]
+
+
+def run_slot_tree(stack: Stack, kv: SlotKV, slot: int, past: int, hidden: Any, parents: Any) -> Any:
+    """A draft tree's verify on one slot (eager: its mask is the tree's, not the positions' causal one): `hidden
+    # [1, n, hidden]` of n nodes whose `parents` (hat_split.math.tree) hang below the slot's first `past` positions;
+    their keys and values go to positions past .. past + n − 1 of the slot, in node order (`SlotKV.keep` then keeps
+    the accepted path). Equal to Stack.forward_tree on a PartCache."""
+    import torch
+
+    from hat_split.models.partition import tree_inputs
+
+    n = hidden.shape[1]
+    device = hidden.device
+    mask_for, positions = tree_inputs(past, parents, 0, n, hidden.dtype, device)
+    write = torch.arange(past, past + n, device=device)[None]
+    step = SlotStep(kv, torch.tensor([slot], device=device), torch.full_like(write, slot), write, past + n)
+    return stack.run_layers(step, hidden, mask_for, positions, False)
 
 
 def slot_mask(positions: Any, width: int, window: Optional[int], dtype: Any) -> Any:
