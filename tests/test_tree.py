@@ -247,6 +247,10 @@ def test_a_tree_grows_by_path_probability_within_its_budget_and_depth():
     wide = grow_tree(q1, lambda par, tok, nodes: np.full((len(nodes), 4), 0.25), budget=20, max_depth=2, width=3,
                      uniform=np.random.default_rng(0).random, greedy=False)
     assert check_tree(wide.parents, wide.tokens, 20, 2).max() == 2 and len(wide.parents) == 3 + 3
+    # a budget below width × depth keeps a node for each level still to come: the main line reaches max_depth
+    deep = grow_tree(q1, lambda par, tok, nodes: np.full((len(nodes), 4), 0.25), budget=6, max_depth=4, width=4,
+                     uniform=None, greedy=True)
+    assert check_tree(deep.parents, deep.tokens, 6, 4).tolist() == [1, 1, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="budget, depth and width"):
         grow_tree(q1, q_after, budget=0, max_depth=2, width=2, uniform=None, greedy=True)
     with pytest.raises(ValueError, match="needs uniforms"):

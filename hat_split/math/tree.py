@@ -184,7 +184,8 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
               max_depth: int,
               width: int, uniform: Optional[Callable[[int], np.ndarray]], greedy: bool) -> GrownTree:
     """A draft tree of at most `budget` nodes and `max_depth` levels, grown a level at a time with at most `width`
-    new nodes per level (EAGLE-2's dynamic tree, kept exact at T > 0):
+    new nodes per level, one node kept for each level still to come while the budget allows (so the main line
+    reaches max_depth; EAGLE-2's dynamic tree, kept exact at T > 0):
 
     a level's nodes go where they are expected to be accepted most: a candidate is the j-th child of a frontier node
     v, scored by v's path probability times the j-th largest value of q_v; the first child of the main line (the
@@ -208,7 +209,8 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
     frontier = [ROOT]  # nodes whose children may be drawn at this level
     main = ROOT  # the main line: the root's first child, its first child, ... (what a chain would have drafted)
     for depth in range(1, max_depth + 1):
-        take = min(width, budget - len(parents))
+        # at most `width`, and a node kept for each level still to come: the main line reaches max_depth
+        take = min(width, max(1, budget - len(parents) - (max_depth - depth)), budget - len(parents))
         if take <= 0 or not frontier:
             break
         top = {v: np.sort(rows[v + 1])[::-1][:take] for v in frontier}  # each node's best values, known before drawing
