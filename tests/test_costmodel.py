@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, best_knob, predict)
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, best_knob, predict,
+                                      predict_tree)
 from hat_split.math.verify import expected_tokens, ideal_speedup
 
 
@@ -101,3 +102,22 @@ def test_bad_inputs_are_refused_naming_the_field(bad):
         predict("hat", 2, 5, Link(), DeviceCosts(), _cloud(), WireSizes(), alpha=0.5)
     with pytest.raises(ValueError, match="local step time"):
         predict("slm", 0, 5, Link(), DeviceCosts(), None, WireSizes())
+
+
+def test_a_tree_round_is_a_chain_round_with_its_measured_tokens():
+    """A chain of γ is the tree of γ nodes and depth γ: with the chain's E(α, γ) the two predictions are one; a tree
+    pays a draft step per level, a row per node up and a verify of its nodes + 1 positions."""
+    link, dev = Link(rtt_s=0.05, up_bps=8e6, down_bps=16e6), DeviceCosts(draft_step_s=0.01, round_s=0.002)
+    wire = WireSizes(100, 8, 100, 4)
+    cloud = CloudCosts(CostCurve(((1, 0.01), (17, 0.012), (65, 0.03))))
+    chain = predict("sd", 4, 64, link, dev, cloud, wire, alpha=0.7)
+    same = predict_tree(4, 4, expected_tokens(0.7, 4), 64, link, dev, cloud, wire)
+    assert (same.round_s, same.tokens_per_s, same.ttft_s) == pytest.approx(
+        (chain.round_s, chain.tokens_per_s, chain.ttft_s), rel=1e-12)
+    tree = predict_tree(32, 8, 5.0, 64, link, dev, cloud, wire)
+    g33 = 0.012 + (33 - 17) / (65 - 17) * (0.03 - 0.012)  # the curve between its points
+    want = 8 * 0.01 + 0.002 + 0.05 + 8 * (100 + 32 * 8) / 8e6 + 8 * (100 + 5 * 4) / 16e6 + g33
+    assert tree.round_s == pytest.approx(want, rel=1e-12) and tree.tokens_per_round == 5.0
+    assert tree.protocol == "sd_tree" and tree.knob == 32
+    with pytest.raises(ValueError, match="nodes >= depth"):
+        predict_tree(4, 8, 2.0, 64, link, dev, cloud, wire)

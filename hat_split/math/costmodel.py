@@ -14,6 +14,8 @@ Terms (the round is Leviathan et al. 2023's; QS-SD eq. 7-10 add the link; HAT eq
 Protocols:
   * `sd` (γ): round = γ t_d + o + link(u₀ + γ u₁, d₀ + E d₁) + w + g(γ + 1); E(α, γ) tokens.
   * `llm` (chunk c): the cloud decodes c tokens alone: round = o + link(u₀, d₀ + c d₁) + w + c g(1); c tokens.
+  * `sd` with a draft tree of N nodes, D levels (`predict_tree`): round = D t_d + o + link(u₀ + N u₁, d₀ + τ d₁) + w +
+    g(N + 1); τ tokens, measured (a tree's acceptance has no closed form here).
   * `slm`: t_local per token, nothing on the link, no cloud.
   * `ushape`: each token's shallow state goes up and its deep state comes back: round = t_s + o + link(A + u₀,
     A + d₀) + w + φ g(1); 1 token (φ: the middle part's share of a whole step; A: one state's bytes).
@@ -33,7 +35,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from hat_split.math.chunking import piecewise
 from hat_split.math.verify import expected_tokens
 
-__all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "best_knob",
+__all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "predict_tree",
+           "best_knob",
            "KNOBBED", "PROMPT_ID_BYTES"]
 
 KNOBBED = ("sd", "hat")  # protocols whose knob is the draft length γ (llm's is its chunk, fixed by the device)
@@ -210,11 +213,36 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
         cloud_s = cloud.middle_share * g(knob + 1)
     else:
         raise ValueError(f"no cost model for protocol {protocol!r}; it has: sd, llm, slm, ushape, hat")
+    return _round(protocol, knob, n, device_s, up, down, cloud_s, prompt_tokens, link, device, cloud, wire)
+
+
+def predict_tree(nodes: int, depth: int, tokens_per_round: float, prompt_tokens: int, link: Link,
+                 device: DeviceCosts, cloud: CloudCosts, wire: WireSizes) -> Prediction:
+    """`sd` with a draft tree of `nodes` nodes and `depth` levels (hat_split.math.tree), committing
+    `tokens_per_round` tokens a round (measured: a tree's acceptance has no closed form here): the device drafts a
+    level per forward (depth t_d: a level's few nodes cost one draft step, the weights read once — a stated
+    assumption for a bandwidth-bound board), every node goes up (u₁ each), the cloud verifies nodes + 1 positions in
+    one step. A chain of γ is the tree of γ nodes and depth γ."""
+    if nodes < 1 or not 1 <= depth <= nodes or not tokens_per_round >= 1:
+        raise ValueError(f"a tree needs nodes >= depth >= 1 and >= 1 token a round, got {nodes}, {depth}, "
+                         f"{tokens_per_round}")
+    n = float(tokens_per_round)
+    up, down = wire.up_round + nodes * wire.up_per_draft, wire.down_round + n * wire.down_per_token
+    return _round("sd_tree", nodes, n, depth * device.draft_step_s, up, down, cloud.curve.step_s(nodes + 1),
+                  prompt_tokens, link, device, cloud, wire)
+
+
+def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down: float, cloud_s: float,
+           prompt_tokens: int, link: Link, device: DeviceCosts, cloud: CloudCosts, wire: WireSizes) -> Prediction:
+    """A round of n tokens from its parts (device seconds before the per-round overhead, bytes up and down, cloud
+    step seconds), and the time to first token before it."""
+    split = protocol in ("ushape", "hat")
+    watts = device.watts
     device_s += device.round_s
     round_s = device_s + link.transfer_s(up, down) + cloud.wait_s + cloud_s
     prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
                                wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
-    prompt_s += (cloud.middle_share if split else 1.0) * g(prompt_tokens)
+    prompt_s += (cloud.middle_share if split else 1.0) * cloud.curve.step_s(prompt_tokens)
     if device.shares_host or split:  # the split family's input part must run before its states can leave
         prompt_s += prompt_tokens * device.prefill_s
     return Prediction(protocol, knob, n, round_s, prompt_s + round_s, up / n, down / n, cloud_s / n, device_s / n,

@@ -25,12 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List
 
-from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
+                                      predict_tree)
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
 GPU_BENCH = "results/gpu/gpu_bench_2026-11-26b.json"  # the GPU check with batched verify steps
 SPECULATIVE = "results/speculative/bench_speculative.json"
 HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
+TREE_RECORDS = ("results/speculative/trees_T0.json", "results/speculative/trees_T0_g8.json")  # chains and trees,
+# their tokens per round measured on the Qwen pair at T = 0 (hat-bench speculative --trees)
+TREE_STEPS = {"captured": "results/gpu/gpu_bench_verify_width_2026-11-26.json",  # verify steps to 65 positions:
+              "eager": "results/gpu/gpu_bench_verify_width_eager_2026-11-26.json"}  # graphs, and past 17 eager
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
 DRAFT_ROW = 8.0  # bytes of a greedy draft's row on the wire (one index)
 HIDDEN_DTYPE_BYTES = 2  # a hidden state's element on the wire (float16)
@@ -178,6 +183,11 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         cap = None if name == "slm" else capacity(lambda n: price.shared(pred, steps, g1, middle, n),
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
+    trees = [{**predict_tree(nodes, depth, tau, args.prompt_tokens, link, dev,
+                             CloudCosts(steps.curve(g1) if how == "chain" else tree_curve(how, args.gpu_shape, g1),
+                                        0.0, 1.0), wire).as_dict(), "shape": name, "cloud_step": how}
+             for name, nodes, depth, tau in measured_shapes(args.draft, args.target) for how in (("chain",) if name.startswith("g") else
+                                                                          ("captured", "eager"))]
     return {"estimate": True, "device": device.name, "mode": mode.name, "watts": watts or None, "gpu": gpu.name,
             "link": link_profile.name, "draft": args.draft, "target": args.target, "m": args.m,
             "alpha_sd": alpha, "hat_tokens_per_round": tau, "sla_tbt_ms": args.sla_tbt_ms,
@@ -185,7 +195,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                             "cloud_dtype": "bfloat16", "gpu_check": GPU_BENCH, "gpu_shape": args.gpu_shape,
                             "cloud_step_s": g1, "device_draft_step_s": t_d,
                             "model_error_here": "not measured yet (hat-bench auto)"},
-            "protocols": rows}
+            "protocols": rows, "trees": trees}
 
 
 @dataclass(frozen=True)
@@ -236,6 +246,39 @@ def capacity(tbt, sla_s: float, most: int = 4096) -> int:
 
 def measured_alpha() -> float:
     return float(json.loads(Path(SPECULATIVE).read_text())["summary"]["hatspec_sd_g4"]["alpha"])
+
+
+def measured_shapes(draft: str, target: str) -> List[tuple]:
+    """(name, nodes, depth, tokens per round) of the chains and trees measured here on this model pair (TREE_RECORDS;
+    none for another pair): g4 is a chain of 4, t32d8w4 a tree of 32 nodes, 8 levels, 4 wide."""
+    out = []
+    for path in TREE_RECORDS:
+        record = json.loads(Path(path).read_text())
+        if (record["settings"]["draft"], record["settings"]["target"]) != (draft, target):
+            continue
+        summary = record["summary"]
+        for key, entry in summary.items():
+            if not key.startswith("hatspec_sd_") or not isinstance(entry, dict) or "_eta" in key:
+                continue
+            name = key[len("hatspec_sd_"):]
+            nums = [int(x) for x in name[1:].replace("d", " ").replace("w", " ").split()]
+            nodes, depth = (nums[0], nums[0]) if name.startswith("g") else (nums[0], nums[1])
+            out.append((name, nodes, depth, float(entry["tokens_per_round"])))
+    return out
+
+
+def tree_curve(how: str, shape: str, g1: float) -> CostCurve:
+    """A verify step of x positions over one decode step, as the GPU check measured them to 65 positions (`captured`:
+    CUDA graphs reaching them; `eager`: graphs to 17, eager past: what a tree step costs today, the slot layout
+    running it without a graph), times the planned GPU's decode step g1."""
+    ways = json.loads(Path(TREE_STEPS[how]).read_text())["models"][shape]["ways"]["graphs"]
+    decode_ms = 1e3 / ways["decode_tok_s"]
+    points = [(1.0, 1.0)] + [(float(k) + 1, v / decode_ms) for k, v in sorted(ways["verify_ms"].items(),
+                                                                            key=lambda kv: int(kv[0]))]
+    if how == "eager":  # a tree step is never captured: every size costs what past the graphs' reach cost
+        eager = max(r for _, r in points)
+        points = [(x, max(r, eager)) for x, r in points]
+    return CostCurve(tuple((x, g1 * r) for x, r in points))
 
 
 def measured_hat_tau() -> float:
@@ -296,7 +339,12 @@ def format_rows(doc: Dict[str, Any]) -> str:
                       f"{r['up_bytes_per_token']:.0f}", f"{r['down_bytes_per_token']:.0f}",
                       f"{1e3 * r['cloud_s_per_token']:.2f}", cap])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+    out = "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+    trees = [["sd shape", "cloud step", "tok/round", "tok/s", "up B/tok", "cloud ms/tok"]]
+    trees += [[r["shape"], r["cloud_step"], f"{r['tokens_per_round']:.2f}", f"{r['tokens_per_s']:.1f}",
+               f"{r['up_bytes_per_token']:.0f}", f"{1e3 * r['cloud_s_per_token']:.2f}"] for r in doc.get("trees", [])]
+    widths = [max(len(line[i]) for line in trees) for i in range(len(trees[0]))]
+    return out + "\n\n" + "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in trees)
 
 
 def run(args: argparse.Namespace) -> int:
