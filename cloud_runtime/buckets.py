@@ -9,7 +9,7 @@ are written (padding goes to the scratch slot) and at which position it sits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 Segment = Tuple[int, int, int]  # (slot, positions held before the step, positions in the step)
@@ -72,20 +72,52 @@ class StepIndex:
     write_slot: List[List[int]]  # the slot each query's key and value go to
     write_pos: List[List[int]]  # … at this position
     positions: List[List[int]]  # each query's absolute position (rotary, mask)
+    past: List[int] = field(default_factory=list)  # positions each row's slot held before the step
+    ancestors: List[List[List[int]]] = field(default_factory=list)  # [rows][tokens][tokens]: 1 where query i may
+    # see the step's key j (j = i or an ancestor: a chain's j <= i, a draft tree's own ancestors)
 
 
-def pad_step(segments: Sequence[Segment], rows: int, tokens: int, scratch: int) -> StepIndex:
+def pad_step(segments: Sequence[Segment], rows: int, tokens: int, scratch: int,
+             trees: Optional[Sequence[Optional[Sequence[int]]]] = None) -> StepIndex:
     """The index of a step padded to `rows` x `tokens`: segment i's n_i real queries write their slot at positions
     past_i .. past_i + n_i − 1; its padding queries continue its positions but write the scratch slot; padding rows
-    read and write only the scratch slot."""
+    read and write only the scratch slot. trees[i]: the parents of segment i's positions when they are a draft tree
+    (hat_split.math.tree; −1: below the slot's end): each sits at past_i + its depth − 1 and sees its ancestors only."""
     if len(segments) > rows or any(n > tokens for _, _, n in segments):
         raise ValueError(f"{len(segments)} segments of up to {max(n for _, _, n in segments)} positions do not fit "
                          f"a {rows} x {tokens} step")
     out = StepIndex([], [], [], [])
+    chain = [[int(j <= i) for j in range(tokens)] for i in range(tokens)]
     for r in range(rows):
         slot, past, n = segments[r] if r < len(segments) else (scratch, 0, 0)
+        tree = trees[r] if trees is not None and r < len(segments) else None
         out.rows.append(slot)
+        out.past.append(past)
         out.write_slot.append([slot if i < n else scratch for i in range(tokens)])
         out.write_pos.append([past + i if i < n else i for i in range(tokens)])
-        out.positions.append([past + i for i in range(tokens)])
+        if not tree:
+            out.positions.append([past + i for i in range(tokens)])
+            out.ancestors.append(chain)
+            continue
+        depth, anc = _tree_rows(tree, tokens)
+        out.positions.append([past + depth[i] - 1 if i < n else past + i for i in range(tokens)])
+        out.ancestors.append(anc)
     return out
+
+
+def _tree_rows(parents: Sequence[int], tokens: int) -> Tuple[List[int], List[List[int]]]:
+    """Depths of a tree's nodes and its ancestor rows padded to `tokens` (padding queries: a chain after the tree)."""
+    n = len(parents)
+    depth: List[int] = []
+    anc = [[int(j <= i) for j in range(tokens)] for i in range(tokens)]  # padding rows stay a chain
+    for i, p in enumerate(parents):
+        p = int(p)
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p} is not an earlier node")
+        depth.append(1 if p < 0 else depth[p] + 1)
+        anc[i] = [0] * tokens
+        anc[i][i] = 1
+        if p >= 0:
+            for j in range(n):
+                anc[i][j] |= anc[p][j]
+    return depth, anc

@@ -34,7 +34,7 @@ from hat_split.models.graphs import StepGraphs
 from hat_split.models.partition import PartCache, Stack, head_logits
 from hat_split.models.placement import (available_bytes, is_cuda, model_device, synchronize, to_device,
                                         to_host)
-from hat_split.models.slots import SlotKV, SlotStep, position_bytes, run_slot_tree, run_slots, slot_bytes
+from hat_split.models.slots import SlotKV, SlotStep, position_bytes, run_slots, slot_bytes
 
 CROP, CLOSE, KEEP = "crop", "close", "keep"
 
@@ -70,7 +70,8 @@ class KvLayout:
     slots: int = 0
     length: int = 0
     graphs: bool = False
-    decode_limit: int = 17  # positions per row of a step that is decode / verify (max_draft_len + 1)
+    decode_limit: int = 17  # positions per row of a step that is decode / verify: a chain's or a draft tree's
+    # (max(max_draft_len, max_tree_nodes) + 1)
     max_rows: int = 64  # sessions per step the graph buckets reach
 
     def describe(self) -> str:
@@ -102,7 +103,8 @@ def kv_layout(config: Any, model: Any) -> KvLayout:
                          f"{config.max_context} positions and {weight.device} has "
                          f"{available_bytes(weight.device) / 2**30:.2f} GiB free: lower max_context, or kv_layout "
                          f"dynamic")
-    return KvLayout(slots, config.max_context, graphs, config.max_draft_len + 1, min(64, config.max_sessions))
+    return KvLayout(slots, config.max_context, graphs, max(config.max_draft_len, config.max_tree_nodes) + 1,
+                    min(64, config.max_sessions))
 
 
 @dataclass
@@ -167,8 +169,8 @@ class StageRunner:
             layers = (max(job.start, self.lo), min(job.stop, self.hi))
             if layers[0] < layers[1]:
                 cache = self._cache(job)
-                kind = ("tree" if job.tree else "grow" if not isinstance(cache, SlotSession) else
-                        "decode" if job.n <= self.layout.decode_limit else "prefill")
+                kind = ("decode" if job.n <= self.layout.decode_limit else "prefill") if isinstance(
+                    cache, SlotSession) else "tree" if job.tree else "grow"
                 groups.setdefault((layers, kind), []).append(i)
         outs = list(xs)
         t0 = time.perf_counter()
@@ -178,40 +180,32 @@ class StageRunner:
                 stack = self._stacks[layers] = Stack(self.model, *layers)
             caches = [self.caches[jobs[i].sid] for i in idx]
             hs = [xs[i] for i in idx]
-            if kind == "tree":  # a tree's mask is its own: one masked forward each (eager on slots)
-                results = [self._tree_step(stack, c, h, jobs[i].tree) for c, h, i in zip(caches, hs, idx)]
-            else:
-                results = (stack.forward_batch(caches, hs) if kind == "grow" else
-                           self._slot_step(stack, layers, caches, hs, kind == "decode"))
+            if kind == "tree":  # a growing cache's tree: its own mask, one forward each
+                results = [stack.forward_tree(c, h, jobs[i].tree) for c, h, i in zip(caches, hs, idx)]
+            elif kind == "grow":
+                results = stack.forward_batch(caches, hs)
+            else:  # slots: chains and trees in one step, each row's mask from its ancestors
+                results = self._slot_step(stack, layers, caches, hs, kind == "decode", [jobs[i].tree for i in idx])
             for i, out in zip(idx, results):
                 outs[i] = out
         synchronize(self.device)  # the model time is the device's, not the launches'
         return outs, time.perf_counter() - t0
 
-    def _tree_step(self, stack: Stack, cache: Any, hidden: Any, parents: Sequence[int]) -> Any:
-        """A draft tree's verify on a session's growing cache or slot (hat_split.models.slots.run_slot_tree)."""
-        if not isinstance(cache, SlotSession):
-            return stack.forward_tree(cache, hidden, parents)
-        import torch
-
-        with torch.inference_mode():
-            out = run_slot_tree(stack, self.slots, cache.slot, cache.length, hidden, parents)
-        cache.length += hidden.shape[1]
-        return out
-
     def _slot_step(self, stack: Stack, layers: Tuple[int, int], sessions: Sequence[SlotSession], hs: Sequence[Any],
-                   bucketed: bool) -> List[Any]:
+                   bucketed: bool, trees: Sequence[Tuple[int, ...]]) -> List[Any]:
         """One step of slot sessions: padded to its bucket and replayed from a graph when `bucketed` and the sizes
-        are within the buckets, else eager at its own sizes."""
+        are within the buckets, else eager at its own sizes. trees[i]: session i's draft tree (its positions'
+        parents), () for a chain."""
         import torch
 
         segments = [(s.slot, s.length, h.shape[1]) for s, h in zip(sessions, hs)]
         shape = self.buckets.shape(*exact_shape(segments)) if bucketed and self.graphs.enabled else None
         rows, tokens, width = shape or exact_shape(segments)
-        index = pad_step(segments, rows, tokens, self.slots.scratch)
+        index = pad_step(segments, rows, tokens, self.slots.scratch, trees)
         device = hs[0].device
         packed = to_device(np.array([index.write_slot, index.write_pos, index.positions], dtype=np.int64), device)
-        rows_t = to_device(np.array(index.rows, dtype=np.int64), device)
+        rows_t = to_device(np.array([index.rows, index.past], dtype=np.int64), device)
+        ancestors = to_device(np.array(index.ancestors, dtype=np.int64), device)
         if all(h.shape[1] == tokens for h in hs):  # every row full (decode steps): one copy
             hidden = torch.cat([*hs, hs[0].new_zeros(rows - len(hs), tokens, hs[0].shape[-1])])
         else:
@@ -219,14 +213,15 @@ class StageRunner:
             for i, h in enumerate(hs):
                 hidden[i, :h.shape[1]] = h[0]
 
-        def step(hidden: Any, rows_t: Any, packed: Any) -> Any:
-            return run_slots(stack, SlotStep(self.slots, rows_t, packed[0], packed[1], width), hidden, packed[2])
+        def step(hidden: Any, rows_t: Any, packed: Any, ancestors: Any) -> Any:
+            return run_slots(stack, SlotStep(self.slots, rows_t[0], packed[0], packed[1], width), hidden, packed[2],
+                             rows_t[1], ancestors)
 
         with torch.inference_mode():
             if shape is None:
-                out = step(hidden, rows_t, packed)
+                out = step(hidden, rows_t, packed, ancestors)
             else:
-                out = self.graphs.run((layers, shape), step, (hidden, rows_t, packed))
+                out = self.graphs.run((layers, shape), step, (hidden, rows_t, packed, ancestors))
         for s, (_, _, n) in zip(sessions, segments):
             s.length += n
         return [out[i:i + 1, :n] for i, (_, _, n) in enumerate(segments)]

@@ -37,6 +37,11 @@ def test_padding_writes_only_the_scratch_slot():
     assert idx.write_slot[3] == [9] * 4 and idx.positions[1] == [3, 4, 5, 6]
     with pytest.raises(ValueError, match="do not fit"):
         pad_step([(0, 0, 5)], rows=1, tokens=4, scratch=1)
+    # a draft tree's verify (a token, then two children of it): positions by depth, each node sees its ancestors
+    tree = pad_step([(2, 10, 3), (0, 3, 1)], rows=2, tokens=4, scratch=9, trees=[(-1, 0, 0), ()])
+    assert tree.positions[0] == [10, 11, 11, 13] and tree.write_pos[0] == [10, 11, 12, 3] and tree.past == [10, 3]
+    assert tree.ancestors[0] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]]  # padding: a chain
+    assert tree.ancestors[1] == idx.ancestors[0] == [[int(j <= i) for j in range(4)] for i in range(4)]
 
 
 # -- device names and refusals ------------------------------------------------------------------------------------
@@ -90,8 +95,11 @@ def test_config_refusals():
         kv_layout(Cloud(model="m", graphs="on"), model)
     assert kv_layout(Cloud(model="m"), model) == KvLayout()  # CPU: growing caches, as always
     layout = kv_layout(Cloud(model="m", kv_layout="slots", max_context=1024, kv_positions=4096,
-                                   max_draft_len=7), model)
+                                   max_draft_len=7, max_tree_nodes=0), model)
     assert (layout.slots, layout.length, layout.graphs, layout.decode_limit) == (4, 1024, False, 8)
+    trees = kv_layout(Cloud(model="m", kv_layout="slots", max_context=1024, kv_positions=4096, max_draft_len=7,
+                            max_tree_nodes=32), model)
+    assert trees.decode_limit == 33  # a 32-node tree's verify is a decode step: captured
 
 
 def test_pipeline_stages_on_the_cpu_and_refused_cuda():

@@ -10,7 +10,9 @@ A step is described by index tensors on the model's device (all int64):
 - `rows # [B]`: the slot each batch row reads;
 - `write_slot, write_pos # [B, n]`: where each query position's new key and value go (scratch for padding);
 - `positions # [B, n]`: each query's absolute position (rotary embeddings and the mask);
-and a static `width`, the key positions [0, width) a row attends over (the mask hides those after the query).
+- `past # [B]`, `ancestors # [B, n, n]`: what each row's slot held before the step, and which of the step's own keys
+  each query sees (a chain's earlier ones; a draft tree's ancestors, hat_split.math.tree);
+and a static `width`, the key positions [0, width) a row attends over (the mask hides the others).
 Equal to `Stack.forward_batch` on `PartCache`s up to float rounding (tests/test_slots.py).
 """
 from __future__ import annotations
@@ -106,39 +108,31 @@ class SlotStep:
         return k[self.rows, :, :self.width], v[self.rows, :, :self.width]
 
 
-def run_slot_tree(stack: Stack, kv: SlotKV, slot: int, past: int, hidden: Any, parents: Any) -> Any:
-    """A draft tree's verify on one slot (eager: its mask is the tree's, not the positions' causal one): `hidden
-    # [1, n, hidden]` of n nodes whose `parents` (hat_split.math.tree) hang below the slot's first `past` positions;
-    their keys and values go to positions past .. past + n − 1 of the slot, in node order (`SlotKV.keep` then keeps
-    the accepted path). Equal to Stack.forward_tree on a PartCache."""
+def slot_mask(positions: Any, past: Any, ancestors: Any, width: int, window: Optional[int], dtype: Any) -> Any:
+    """`# [B, 1, n, width]` additive mask: query i of row b sees the row's keys t < past[b] (its slot before the
+    step) and, of the step's own keys t = past[b] + j, those with ancestors[b, i, j] (a chain's j <= i; a draft
+    tree's ancestors); a sliding layer only keys whose position (t before the step, positions[b, j] after) is within
+    `window` of the query's; the dtype's min elsewhere. Built from tensors only, so a captured graph rebuilds it on
+    replay."""
     import torch
 
-    from hat_split.models.partition import tree_inputs
-
-    n = hidden.shape[1]
-    device = hidden.device
-    mask_for, positions = tree_inputs(past, parents, 0, n, hidden.dtype, device)
-    write = torch.arange(past, past + n, device=device)[None]
-    step = SlotStep(kv, torch.tensor([slot], device=device), torch.full_like(write, slot), write, past + n)
-    return stack.run_layers(step, hidden, mask_for, positions, False)
-
-
-def slot_mask(positions: Any, width: int, window: Optional[int], dtype: Any) -> Any:
-    """`# [B, 1, n, width]` additive mask: query at position p sees keys t <= p (and t > p - window for a sliding
-    layer); the dtype's min elsewhere. Built from tensors only, so a captured graph rebuilds it on replay."""
-    import torch
-
+    B, n = positions.shape
     t = torch.arange(width, device=positions.device)[None, None, :]  # [1, 1, width]
-    p = positions[:, :, None]  # [B, n, 1]
-    ok = t <= p
+    rel = t - past[:, None, None]  # [B, 1, width]: the step's key index, < 0 before the step
+    j = rel.clamp(0, n - 1).expand(B, n, width)
+    own = torch.gather(ancestors, 2, j).bool() & (rel >= 0) & (rel < n)
+    ok = (rel < 0) | own
     if window is not None:
-        ok = ok & (t > p - window)
+        key_pos = torch.where(rel < 0, t.expand(B, 1, width), torch.gather(positions, 1, j[:, 0]).unsqueeze(1))
+        ok = ok & (key_pos > positions[:, :, None] - window)
     mask = torch.zeros(ok.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill(~ok, torch.finfo(dtype).min)[:, None]
 
 
-def run_slots(stack: Stack, step: SlotStep, hidden: Any, positions: Any) -> Any:
-    """Layers of `stack` on `hidden # [B, n, hidden]` at `positions # [B, n]`, keys and values in `step`'s slots;
-    returns `# [B, n, hidden]`. Only tensor operations: capturable as a CUDA graph."""
-    return stack.run_layers(step, hidden, lambda kind, window: slot_mask(positions, step.width, window, hidden.dtype),
-                      positions, False)
+def run_slots(stack: Stack, step: SlotStep, hidden: Any, positions: Any, past: Any,
+              ancestors: Any) -> Any:
+    """Layers of `stack` on `hidden # [B, n, hidden]` at `positions # [B, n]`, keys and values in `step`'s slots
+    (`past # [B]`, `ancestors # [B, n, n]`: slot_mask); returns `# [B, n, hidden]`. Only tensor operations:
+    capturable as a CUDA graph."""
+    return stack.run_layers(step, hidden, lambda kind, window: slot_mask(positions, past, ancestors, step.width,
+                                                                         window, hidden.dtype), positions, False)

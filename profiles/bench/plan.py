@@ -183,11 +183,12 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         cap = None if name == "slm" else capacity(lambda n: price.shared(pred, steps, g1, middle, n),
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
-    trees = [{**predict_tree(nodes, depth, tau, args.prompt_tokens, link, dev,
-                             CloudCosts(steps.curve(g1) if how == "chain" else tree_curve(how, args.gpu_shape, g1),
-                                        0.0, 1.0), wire).as_dict(), "shape": name, "cloud_step": how}
-             for name, nodes, depth, tau in measured_shapes(args.draft, args.target) for how in (("chain",) if name.startswith("g") else
-                                                                          ("captured", "eager"))]
+    trees = []
+    for name, nodes, depth, tau in measured_shapes(args.draft, args.target):
+        for how in ("chain",) if name.startswith("g") else ("captured", "eager"):
+            curve = steps.curve(g1) if how == "chain" else tree_curve(how, args.gpu_shape, g1)
+            pred = predict_tree(nodes, depth, tau, args.prompt_tokens, link, dev, CloudCosts(curve, 0.0, 1.0), wire)
+            trees.append({**pred.as_dict(), "shape": name, "cloud_step": how})
     return {"estimate": True, "device": device.name, "mode": mode.name, "watts": watts or None, "gpu": gpu.name,
             "link": link_profile.name, "draft": args.draft, "target": args.target, "m": args.m,
             "alpha_sd": alpha, "hat_tokens_per_round": tau, "sla_tbt_ms": args.sla_tbt_ms,
@@ -269,8 +270,9 @@ def measured_shapes(draft: str, target: str) -> List[tuple]:
 
 def tree_curve(how: str, shape: str, g1: float) -> CostCurve:
     """A verify step of x positions over one decode step, as the GPU check measured them to 65 positions (`captured`:
-    CUDA graphs reaching them; `eager`: graphs to 17, eager past: what a tree step costs today, the slot layout
-    running it without a graph), times the planned GPU's decode step g1."""
+    CUDA graphs reaching them, as the slot layout now captures a tree's verify up to max_tree_nodes + 1 positions;
+    `eager`: every size at the cost of a step past the graphs' reach, as with graphs off), times the planned GPU's
+    decode step g1."""
     ways = json.loads(Path(TREE_STEPS[how]).read_text())["models"][shape]["ways"]["graphs"]
     decode_ms = 1e3 / ways["decode_tok_s"]
     points = [(1.0, 1.0)] + [(float(k) + 1, v / decode_ms) for k, v in sorted(ways["verify_ms"].items(),
