@@ -42,12 +42,14 @@ class Buckets:
     width: Tuple[int, ...]  # key positions attended
 
     @classmethod
-    def make(cls, max_rows: int, max_tokens: int, length: int, min_width: int = 128) -> "Buckets":
-        """Buckets for steps of up to max_rows sessions of up to max_tokens positions on slots of `length`."""
+    def make(cls, max_rows: int, max_tokens: int, length: int, min_width: int = 128,
+             also_tokens: Sequence[int] = ()) -> "Buckets":
+        """Buckets for steps of up to max_rows sessions of up to max_tokens positions on slots of `length`;
+        also_tokens: more position buckets (a chain verify's own size, so that it pads no further)."""
         if min(max_rows, max_tokens, length) < 1:
             raise ValueError(f"buckets need rows, tokens and length >= 1, got {max_rows}, {max_tokens}, {length}")
-        return cls(powers_of_two(1, max_rows), powers_of_two(1, max_tokens),
-                   powers_of_two(min(min_width, length), length))
+        tokens = sorted(set(powers_of_two(1, max_tokens)) | {t for t in also_tokens if 1 <= t <= max_tokens})
+        return cls(powers_of_two(1, max_rows), tuple(tokens), powers_of_two(min(min_width, length), length))
 
     def shape(self, rows: int, tokens: int, width: int) -> Optional[Tuple[int, int, int]]:
         """The bucketed (rows, tokens, width) of a step, or None (run it eagerly) when one size is beyond them."""

@@ -72,6 +72,7 @@ class KvLayout:
     graphs: bool = False
     decode_limit: int = 17  # positions per row of a step that is decode / verify: a chain's or a draft tree's
     # (max(max_draft_len, max_tree_nodes) + 1)
+    chain_limit: int = 0  # a chain verify's positions (max_draft_len + 1): a bucket of its own (0: none)
     max_rows: int = 64  # sessions per step the graph buckets reach
 
     def describe(self) -> str:
@@ -104,7 +105,7 @@ def kv_layout(config: Any, model: Any) -> KvLayout:
                          f"{available_bytes(weight.device) / 2**30:.2f} GiB free: lower max_context, or kv_layout "
                          f"dynamic")
     return KvLayout(slots, config.max_context, graphs, max(config.max_draft_len, config.max_tree_nodes) + 1,
-                    min(64, config.max_sessions))
+                    min(64, config.max_sessions), config.max_draft_len + 1)
 
 
 @dataclass
@@ -133,7 +134,8 @@ class StageRunner:
         self.slots: Optional[SlotKV] = None
         if layout.slots:
             self.slots = SlotKV(model, self.lo, self.hi, layout.slots, layout.length)
-            self.buckets = Buckets.make(min(layout.max_rows, layout.slots), layout.decode_limit, layout.length)
+            self.buckets = Buckets.make(min(layout.max_rows, layout.slots), layout.decode_limit, layout.length,
+                                        also_tokens=(layout.chain_limit,))
         self.device = model_device(model)
         self.graphs = StepGraphs(self.device, layout.graphs and layout.slots > 0)
 

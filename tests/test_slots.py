@@ -100,6 +100,9 @@ def test_config_refusals():
     trees = kv_layout(Cloud(model="m", kv_layout="slots", max_context=1024, kv_positions=4096, max_draft_len=7,
                             max_tree_nodes=32), model)
     assert trees.decode_limit == 33  # a 32-node tree's verify is a decode step: captured
+    assert Buckets.make(4, trees.decode_limit, 1024, also_tokens=(trees.chain_limit,)).tokens == (1, 2, 4, 8, 16,
+                                                                                                   32, 33)
+    assert Buckets.make(4, 65, 1024, also_tokens=(17,)).tokens == (1, 2, 4, 8, 16, 17, 32, 64, 65)  # γ = 16
 
 
 def test_pipeline_stages_on_the_cpu_and_refused_cuda():
