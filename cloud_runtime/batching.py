@@ -152,10 +152,12 @@ class Batcher:
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
 
-    def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Any) -> None:
+    def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Any,
+                      tree: Optional[Sequence[int]] = None) -> None:
         """Queue a split session's shallow states `# [n, hidden]` (float32) for its middle layers; the work comes
-        back with its last `want` deep states `# [want, hidden]` float32 (None for 0)."""
-        self._submit(key, np.asarray(states, dtype=np.float32), _Queued(tag, 0, want))
+        back with its last `want` deep states `# [want, hidden]` float32 (None for 0). tree: each state's parent (a
+        draft tree's, one masked forward)."""
+        self._submit(key, np.asarray(states, dtype=np.float32), _Queued(tag, 0, want), tree)
 
     def _submit(self, key: Hashable, host: np.ndarray, queued: _Queued, tree: Optional[Sequence[int]] = None) -> None:
         kind = "decode" if len(host) <= self.decode_limit else "prefill"

@@ -67,6 +67,7 @@ class MiddleSession:
     compute_s: float = 0.0  # model time spent on this session (its share of each batched step), seconds
     link_rtt_s: float = 0.0  # the device's tiny-message round trip (OpenSplit): baseline of the uplink estimate
     replied_at: float = 0.0  # perf_counter() when the last reply to this session left
+    tree_at: Optional[int] = None  # the position of the last draft tree's first state, until its path is kept
 
 
 Session = Union[TargetSession, MiddleSession]

@@ -17,6 +17,7 @@ from cloud_runtime.family import FamilyHandlers
 from cloud_runtime.sessions import MiddleSession
 from cloud_runtime.work import Pending, cloud_state
 from hat_split.math.chunking import chunk_size
+from hat_split.math.tree import check_tree
 from hat_split.protocols import of_family
 from hat_split.wire import messages as P
 from hat_split.wire.hidden_codec import HIDDEN_FORMATS, bytes_per_position, decode_hidden, encode_hidden
@@ -75,21 +76,54 @@ class SplitHandlers(FamilyHandlers):
         if msg.position + n > max_context:
             raise P.ProtocolError("context", f"session would exceed max_context={max_context} positions")
         key = (identity, msg.session_id)
+        tree = self._tree(msg.parents, n, msg.want) if msg.parents is not None else None
+        keep = self._keep(session, msg.keep, key) if msg.keep is not None else None
         done, queued = self.work.held(key)
+        if keep is not None:  # the last tree's accepted path, in place (nothing is queued: its Deep came back)
+            self.work.keep(key, session.tree_at, keep)
+            session.tree_at, done = None, session.tree_at + len(keep)
+            session.position = done
         if msg.position < done + queued:  # the device rolled back (rejected drafts): only with nothing queued
             if queued:
                 raise P.ProtocolError("desync", f"position {msg.position} would roll back while {queued} positions "
                                       "are still queued")
             self.work.crop(key, msg.position)
             session.position = msg.position
-        prompt = n if n > self.config.max_draft_len + 1 else 0  # a prompt chunk, not a decode / verify
+        prompt = n if n > self.config.max_draft_len + 1 and tree is None else 0  # a prompt chunk, not a verify
         device = self.admission.charge(identity, key, self.work.kv_cost(session.start, session.stop), n,
                                        prompt=prompt)
         pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s))
-        self.admission.with_room(identity, key, lambda: self.work.submit_states(key, x, msg.want, pending))
+        self.admission.with_room(identity, key, lambda: self.work.submit_states(key, x, msg.want, pending, tree))
+        if tree is not None:
+            session.tree_at = msg.position
         self.admission.spend(device, prompt)
         session.step = msg.step
         return None
+
+    def _tree(self, parents_wire, n: int, want: int) -> list:
+        """A Hidden's draft tree checked (ProtocolError naming what is wrong): the parents of its n states."""
+        if self.model.tree_refusal or not self.config.max_tree_nodes:
+            raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
+                                                                      "(max_tree_nodes = 0): send chains")
+        parents = P.check_index(parents_wire, "parents", n)
+        if want != n:
+            raise P.ProtocolError("invalid", f"a draft tree's {n} states all come back: want={want}")
+        try:  # the root (and any chain before it) plus at most max_tree_nodes nodes, one level more
+            check_tree(parents, np.arange(n), self.config.max_tree_nodes + 1, self.config.max_tree_depth + 1)
+        except ValueError as exc:
+            raise P.ProtocolError("invalid", f"draft tree: {exc}") from None
+        return parents.tolist()
+
+    def _keep(self, session: MiddleSession, keep_wire, key) -> list:
+        """A Hidden's `keep`: rows of the last tree to keep, checked against what the cloud holds of it."""
+        if session.tree_at is None:
+            raise P.ProtocolError("invalid", "keep names rows of a draft tree, and this session holds none")
+        held = self.work.held(key)
+        rows = P.check_index(keep_wire, "keep", len(keep_wire) if hasattr(keep_wire, "__len__") else 0).tolist()
+        if held[1] or not rows or rows != sorted(set(rows)) or rows[-1] >= held[0] - session.tree_at:
+            raise P.ProtocolError("invalid", f"keep {rows} is not a list of rows of the draft tree held "
+                                             f"({held[0] - session.tree_at} positions from {session.tree_at})")
+        return rows
 
     def deep(self, p: Pending, deep: Optional[np.ndarray]) -> P.Message:
         """Deep states `# [want, hidden]` (None: none wanted) back to the device."""

@@ -83,7 +83,8 @@ class ModelWork(Protocol):
     def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Pending,
                       tree: Optional[Sequence[int]] = None) -> None: ...  # tree: Batcher only
 
-    def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Pending) -> None: ...
+    def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Pending,
+                      tree: Optional[Sequence[int]] = None) -> None: ...
 
     # -- what the server's loop uses --
     @property

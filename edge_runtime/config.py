@@ -160,8 +160,16 @@ class SplitConfig:
     draft_vocab: int = setting(0, "> 0: hat's drafts (Λ or the feature drafter) over the N most frequent tokens of "
                                "its training data (a head N rows tall; a bundle's is fixed at export); 0: all",
                                metavar="N")
+    tree_nodes: int = setting(0, "> 0: hat's Λ drafts a tree of at most this many nodes a round (hat_split.math.tree; "
+                              "the middle layers verify it in one forward; η and parallel drafting do not apply); 0: "
+                              "chains", flag="--hat-tree-nodes")
+    tree_depth: int = setting(6, "levels of hat's draft tree at most", flag="--hat-tree-depth")
+    tree_width: int = setting(2, "new nodes per level of hat's draft tree", flag="--hat-tree-width")
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tree_nodes <= 1024 or not 1 <= self.tree_depth <= 64 or not 1 <= self.tree_width <= 64:
+            raise ValueError(f"tree_nodes must be in 0..1024, tree_depth and tree_width in 1..64; got "
+                             f"{self.tree_nodes}, {self.tree_depth}, {self.tree_width}")
         if self.m < 1 or self.tail < 0:
             raise ValueError("m must be >= 1 (embeddings alone reveal the tokens) and tail >= 0")
         if self.hidden_format not in HIDDEN_FORMATS:

@@ -35,10 +35,21 @@ import numpy as np
 
 from edge_runtime.backends.split_parts import PartCacheLike, SplitParts
 from edge_runtime.feature_pairs import DraftState, FeaturePairs
-from hat_split.math.rng import keyed_uniform
+from hat_split.math.rng import keyed_rng, keyed_uniform
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
+from hat_split.math.tree import GrownTree, TreeVerdict, grow_tree, verify_tree, verify_tree_greedy
 from hat_split.math.verify import speculative_verify
 from hat_split.models.lm import board_time
+
+
+@dataclass
+class TreeDraft:
+    """A draft tree of a HAT round: below the root at position `base`, its nodes from base + 1 in node order."""
+
+    base: int
+    tree: GrownTree
+    shallow: Any  # `# [1, 1 + N, hidden]`: the root's and every node's shallow state (the upload)
+    fed: int  # nodes Λ and the draft's output part hold (all but the last level)
 
 
 @dataclass
@@ -100,9 +111,19 @@ class SplitDrafter(FeaturePairs):
         self._lam_step(self.lam, self.dout, shallow, logits=False)
         self._timed(t0, prefill=True)
 
-    def target_logits(self, deep: Any, position: int, n_logits: int) -> np.ndarray:
-        """Target logits `# [n_logits, vocab]` from deep states `# [1, n, hidden]` of positions position.. ."""
+    def target_logits(self, deep: Any, position: int, n_logits: int, tree: Optional[Sequence[int]] = None
+                      ) -> np.ndarray:
+        """Target logits `# [n_logits, vocab]` from deep states `# [1, n, hidden]` of positions position.. (tree: the
+        parents of those n positions, a draft tree's; then n_logits = n)."""
         t0 = time.perf_counter()
+        if tree is not None:
+            if not self.parts.tail:  # norm + head only: no cache, only the bookkeeping
+                self.tout.length = position
+            if self.tout.length > position:
+                self.tout.crop(position)
+            logits = self.parts.run_output_tree(self.tout, deep, list(tree), position)
+            self._timed(t0)
+            return logits
         if not self.parts.tail:  # norm + head only: no cache, only the bookkeeping
             self.tout.length = position
         if self.tout.length > position:
@@ -244,6 +265,67 @@ class SplitDrafter(FeaturePairs):
             if cache.length > keep:
                 cache.crop(keep)
 
+    # -- draft trees (hat_split.math.tree) ---------------------------------------------------------------------------
+    def draft_tree(self, budget: int, max_depth: int, width: int) -> "TreeDraft":
+        """Λ drafts a tree (grow_tree: at most `budget` nodes, `max_depth` levels, `width` new nodes per level) below
+        the last committed token, one masked forward of the input part, Λ and the draft head per level; the last
+        level's nodes go through the input part only (their shallow states upload; nothing is drawn after them).
+        At temperature 0 the shape follows the draft's plain softmax; above, the children are draws without
+        replacement from the draft's distribution, keyed by position (hat_split.math.rng.keyed_rng). Returns the tree
+        and the shallow states `# [1, 1 + N, hidden]` of the root and the nodes, in node order."""
+        if self.features or not self.parts.has_adapter or not hasattr(self.parts, "run_input_tree"):
+            raise ValueError("hat's draft trees are drafted by Λ on the torch parts; "
+                             + ("the feature drafter drafts chains" if self.features else
+                                "these parts have no Λ" if not self.parts.has_adapter else
+                                "a bundle's exported graphs run no tree masks"))
+        greedy = self.params.temperature == 0
+        shape = SamplingParams(1.0) if greedy else self.params
+        t0 = time.perf_counter()
+        base = len(self.tokens) - 1
+        start = base + 1
+        shallow = [self._input(self.inp, self.tokens[-1])]
+        q_root = warp(self._lam_step(self.lam, self.dout, shallow[0], logits=True), shape)[0]
+
+        def q_after(parents: List[int], tokens: List[int], nodes: List[int]) -> np.ndarray:
+            s = self.parts.run_input_tree(self.inp, [tokens[n] for n in nodes], parents, start)
+            shallow.append(s)
+            a = self.parts.run_adapter_tree(self.lam, s, parents, start)
+            return warp(self._over_vocab(self.parts.run_output_tree(self.dout, a, parents, start, draft=True)), shape)
+
+        rng = keyed_rng(self.seed, "tree_draft", base)
+        tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy)
+        fed = self.inp.length - start  # nodes with their shallow state (all but the last level)
+        if fed < len(tree.tokens):
+            shallow.append(self.parts.run_input_tree(self.inp, [int(t) for t in tree.tokens[fed:]],
+                                                     tree.parents.tolist(), start))
+        self._timed(t0)
+        return TreeDraft(base, tree, self.parts.cat(shallow), fed)
+
+    def verify_tree(self, draft: "TreeDraft", logits: np.ndarray) -> TreeVerdict:
+        """Exact verification of a draft tree against the target's logits `# [1 + N, vocab]` after the root and
+        after each node (hat_split.math.tree: greedy at temperature 0, recursive rejection sampling without
+        replacement above, with a position-keyed stream)."""
+        p = warp(logits, self.params)
+        t = draft.tree
+        if self.params.temperature == 0:
+            return verify_tree_greedy(t.parents, t.tokens, np.argmax(p, axis=-1))
+        rng = keyed_rng(self.seed, "tree_verify", draft.base)
+        return verify_tree(t.parents, t.tokens, p, t.q, lambda: float(rng.random()))
+
+    def keep_tree_path(self, draft: "TreeDraft", path: List[int]) -> None:
+        """After a tree's verdict, before its tokens are committed: every cache keeps the accepted nodes in place
+        and drops the other branches; Λ reads the accepted nodes it had not (the last level's)."""
+        start = draft.base + 1
+        self.inp.keep(start, path)
+        held = [n for n in path if n < draft.fed]
+        for cache in (self.lam, self.dout):
+            cache.keep(start, held)
+        self.tout.keep(draft.base, [0] + [n + 1 for n in path])
+        t0 = time.perf_counter()
+        for n in path[len(held):]:
+            self._lam_step(self.lam, self.dout, draft.shallow[:, n + 1:n + 2], logits=False)
+        self._timed(t0)
+
     # -- parallel drafting -----------------------------------------------------------------------------------------
     def candidates(self, state: DraftState, k: int) -> List[DraftState]:
         """Forks for the top-k alternatives to the last draft token (HAT §3.5), ready for `extend`.
@@ -291,11 +373,11 @@ class SplitDrafter(FeaturePairs):
         return self._over_vocab(out) if logits else None
 
     def _over_vocab(self, out: np.ndarray) -> np.ndarray:
-        """Draft logits over a draft vocabulary `# [1, subset]` → `# [1, vocab]`, -inf elsewhere."""
+        """Draft logits over a draft vocabulary `# [n, subset]` → `# [n, vocab]`, -inf elsewhere."""
         ids = self.parts.draft_ids
         if ids is None:
             return out
-        full = np.full((1, self.parts.vocab), -np.inf, dtype=np.float32)
+        full = np.full((out.shape[0], self.parts.vocab), -np.inf, dtype=np.float32)
         full[:, ids] = out
         return full
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_runtime.client import CloudClient
+from edge_runtime.client import CloudClient, CloudError
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
 from edge_runtime.protocols import new_session
 from edge_runtime.request import GenerationRequest
@@ -25,7 +25,7 @@ from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
 from hat_split.models.loading import load_model
 from hat_split.models.partition import PartCache, SplitModel, head_logits
 from hat_split.math.sampling import SamplingParams
-from tests.conftest import requires_real_pair
+from tests.conftest import requires_real_pair, serving
 
 PROMPT = [5, 17, 99, 3, 250, 7, 41, 8, 300, 12, 77]
 V = 300
@@ -397,6 +397,64 @@ def test_split_protocols_greedy_equal_the_full_model(tiny_server, tiny_pair, tin
         assert res.drafted > 0
 
 
+@pytest.mark.parametrize("nodes,depth,width,layers,tail", [(1, 1, 1, 2, 0), (8, 4, 2, 2, 0), (14, 5, 3, 2, 0),
+                                                            (10, 4, 3, 4, 2)])
+def test_hat_draft_trees_greedy_equal_the_full_model(tiny_pair, nodes, depth, width, layers, tail):
+    """protocol hat with split.tree_nodes > 0 (issue 47): Λ drafts a tree, the middle layers verify its shallow
+    states in one masked forward, the device's output part (with tail layers, too) turns the deep states into the
+    target's logits and keeps the accepted path; the cloud keeps it on the next upload."""
+    from hat_split.models.lm import CausalLM
+    from tests.conftest import tiny_model
+
+    target = tiny_pair[1] if layers == 2 else CausalLM(tiny_model(3, layers=layers))
+    model = target.model
+    adapter = Adapter(model, 1).eval().requires_grad_(False)
+    with serving(target, max_message_bytes=1 << 20) as server:
+        res = _run_split(server, model, "hat", SamplingParams(0.0), n=24, adapter=adapter,
+                         parts=TorchSplitParts(SplitModel(model, 1, tail), adapter), tail=tail, tree_nodes=nodes,
+                         tree_depth=depth, tree_width=width, parallel_draft=False)
+    assert res.tokens == _greedy(model, 24)
+    assert res.drafted > res.rounds * (nodes > 1) and res.finish_reason == "length"
+
+
+def test_hat_draft_trees_sampled_are_seeded(tiny_pair):
+    """Above temperature 0 a tree round is reproducible from the seed (its draws are keyed by position), another
+    seed gives another answer, and every run ends in step with the cloud (the close checks the positions held)."""
+    model = tiny_pair[1].model
+    adapter = Adapter(model, 1).eval().requires_grad_(False)
+    with serving(tiny_pair[1], max_message_bytes=1 << 20) as server:
+        runs = [_run_split(server, model, "hat", SamplingParams(1.0, top_k=40), n=24, seed=s, adapter=adapter,
+                           tree_nodes=9, tree_depth=3, tree_width=3, parallel_draft=False) for s in (5, 5, 6)]
+    assert runs[0].tokens == runs[1].tokens != runs[2].tokens
+    assert all(len(r.tokens) == 24 for r in runs)
+
+
+def test_malformed_hat_trees_are_refused_and_the_session_goes_on(tiny_server, tiny_pair):
+    """A split session's draft tree is checked before anything changes (a bad parent, a count that does not match,
+    a tree whose deep states are not all asked for, a `keep` without a tree or naming rows the tree does not
+    have); then a good tree and the next upload keeping its path (the root and node 1) go through."""
+    fp = SplitModel(tiny_pair[1].model, 1).fingerprint()
+    states = lambda n: encode_hidden(np.zeros((n, 64), np.float32), "float32")  # noqa: E731
+    tree = lambda *p: np.asarray(p, np.int16)  # noqa: E731
+    with CloudClient(LinkConfig(tiny_server.endpoint, security=LinkSecurity.plaintext()),
+                     P.Hello("t", "tiny", 512, "tiny-vocab")) as client:
+        assert isinstance(client.request(P.OpenSplit(1, "hat", fp, 1, 2, "float32")), P.SplitOpened)
+        assert isinstance(client.request(P.Hidden(1, 1, 0, states(6), 1)), P.Deep)  # a prompt of 6 positions
+        for msg, match in [
+                (P.Hidden(1, 2, 6, states(3), 3, parents=tree(-1, 0, 5)), "not an earlier node"),
+                (P.Hidden(1, 2, 6, states(3), 3, parents=tree(-1, 0)), "parents has 2 entries"),
+                (P.Hidden(1, 2, 6, states(3), 1, parents=tree(-1, 0, 0)), "want=1"),
+                (P.Hidden(1, 2, 6, states(1), 1, keep=tree(0)), "holds none")]:  # a refusal keeps the step
+            with pytest.raises(CloudError, match=match):
+                client.request(msg)
+        deep = client.request(P.Hidden(1, 2, 6, states(3), 3, parents=tree(-1, 0, 0)))
+        assert isinstance(deep, P.Deep) and deep.position == 9
+        with pytest.raises(CloudError, match="not a list of rows"):
+            client.request(P.Hidden(1, 3, 8, states(1), 1, keep=tree(0, 5)))
+        after = client.request(P.Hidden(1, 3, 8, states(1), 1, keep=tree(0, 2)))
+        assert isinstance(after, P.Deep) and after.position == 9
+
+
 def test_parallel_drafting_changes_timing_not_output(tiny_server, tiny_pair, tiny_adapter, pd_driven):
     """Over a link with 15 ms of delay each way, so the device has time to draft candidates while it waits."""
     from testbed.link_emulator import LinkEmulator
@@ -698,9 +756,10 @@ def test_split_protocols_on_the_real_qwen_cut_across_processes_equal_full_model_
 def test_torchrun_pipeline_stages_equal_the_single_process_result(smollm2, tmp_path, stages):
     """`hat-cloud serve --pipeline P` starts itself under torchrun: P gloo processes, each with a slice of the middle
     layers and several batches in flight; a device process gets exactly the single-process (= full model) tokens.
-    Three stages keep their sessions in slots (the CUDA layout); on two (growing caches) `sd` drafts trees, each
-    verified in one masked forward per stage and its accepted path kept on every stage."""
-    trees = ["--tree-nodes", "6", "--tree-depth", "3", "--tree-width", "2"] if stages == 2 else []
+    Three stages keep their sessions in slots (the CUDA layout); on two (growing caches) `sd` and `hat` draft trees,
+    each verified in one masked forward per stage and its accepted path kept on every stage."""
+    trees = ["--tree-nodes", "6", "--tree-depth", "3", "--tree-width", "2", "--hat-tree-nodes", "6", "--hat-tree-depth",
+             "3", "--hat-tree-width", "2"] if stages == 2 else []
     info = _split_across_processes(smollm2, tmp_path, ["--pipeline", str(stages), *(SLOTS if stages == 3 else [])],
                                    edge_args=trees)
     assert f"pipeline={stages}" in info and ("kv=slots" in info) == (stages == 3), info

@@ -114,6 +114,26 @@ class TorchSplitParts:
         logits, features = self.split.run_output(cache, states, n_logits, features=True)
         return to_host(logits), features
 
+    # -- draft trees (hat_split.math.tree): the same parts with a tree's mask; `parents` is the tree so far, its last
+    # n entries the new positions, begun at cache position `start` (Stack.forward_tree) --
+    def run_input_tree(self, cache, tokens: Sequence[int], parents: Sequence[int], start: int):
+        return self.split.input.forward_tree(cache, self.split.embed(tokens), parents, start)
+
+    def run_adapter_tree(self, cache, states, parents: Sequence[int], start: int):
+        if self.lam_stack is None:
+            raise RuntimeError("draft trees are drafted by Λ; these parts have none")
+        return self.lam_stack.forward_tree(cache, states, parents, start)
+
+    def run_output_tree(self, cache, states, parents: Sequence[int], start: int, draft: bool = False) -> np.ndarray:
+        """Float32 logits `# [n, vocab]` (the draft's subset with `draft` and draft_ids) after every new position."""
+        from hat_split.models.partition import head_logits
+
+        if len(self.split.output):
+            states = self.split.output.forward_tree(cache, states, parents, start)
+        else:  # norm and head only: the cache counts positions
+            cache.length += states.shape[1]
+        return to_host(head_logits(self.split.model, states, rows=self._draft_rows if draft else None)[0])
+
     def run_feature(self, cache, features, states, tokens: Sequence[int]) -> Tuple[np.ndarray, Any]:
         from hat_split.models.feature_drafter import draft_logits, token_states
 

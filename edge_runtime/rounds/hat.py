@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from typing import Callable, List
 
+import numpy as np
+
 from edge_runtime.config import SplitConfig
 from edge_runtime.sessions.split import SplitSession
 from edge_runtime.split_drafter import DraftState, SplitDrafter
 from hat_split.math.chunking import ema, parallel_steps
+from hat_split.math.tree import check_tree
 from hat_split.wire.hidden_codec import bytes_per_position
 
 
@@ -23,9 +26,47 @@ def round_ushape(session: SplitSession) -> None:
     session.commit([token], logprobs=session.token_logprobs(logits, [token]))
 
 
-def round_hat(session: SplitSession) -> None:
-    """Draft until η, verify with the cloud's deep states on the device; parallel drafting while waiting."""
+def tree_round_hat(session: SplitSession) -> None:
+    """Λ drafts a tree (SplitDrafter.draft_tree), its 1 + N shallow states go up with their parents, the middle
+    layers run them with the tree's mask and send 1 + N deep states back, the device's output part turns them into
+    the target's logits and verifies the tree; the next upload tells the cloud which path to keep."""
     c = session.config.split
+    dev = session.drafter
+    welcome = session.client.welcome
+    if not welcome.max_tree_nodes:
+        raise ValueError("this cloud verifies no draft trees (an older cloud, or llama.cpp): set split.tree_nodes = 0 "
+                         "for chains")
+    depth = max(1, min(c.tree_depth, welcome.max_tree_depth, session.remaining - 1))
+    t0 = time.perf_counter()
+    draft = dev.draft_tree(min(c.tree_nodes, welcome.max_tree_nodes), depth, c.tree_width)
+    t = draft.tree
+    N = len(t.tokens)
+    session.link_state.draft_s = ema(session.link_state.draft_s or None, (time.perf_counter() - t0) / depth)
+    parents = [-1] + [int(p) + 1 if p >= 0 else 0 for p in t.parents]  # the root, then the tree below it
+    deep = session.receive_deep(session.send_hidden(draft.base, draft.shallow, N + 1, parents=parents))
+    logits = dev.target_logits(deep, draft.base, N + 1, tree=parents)  # [N + 1, vocab]
+    verdict = dev.verify_tree(draft, logits)
+    path = verdict.path
+    dev.keep_tree_path(draft, path)
+    session.tree_keep = [0] + [n + 1 for n in path]
+    counters = session.counters
+    counters.rounds += 1
+    counters.drafted += N
+    counters.accepted += len(path)
+    counters.rejected += not path or bool(np.any(t.parents == path[-1]))  # the path stopped above a leaf
+    committed = [int(t.tokens[n]) for n in path] + [verdict.token]
+    before = len(session.generated)
+    session.commit(committed, len(path), session.token_logprobs(logits[session.tree_keep], committed))
+    levels = int(check_tree(t.parents, t.tokens, N, depth).max())  # Λ's forwards this round
+    counters.verify_log.append([len(session.generated) - before, levels, time.perf_counter() - t0])
+
+
+def round_hat(session: SplitSession) -> None:
+    """Draft until η, verify with the cloud's deep states on the device; parallel drafting while waiting (a draft
+    tree instead when split.tree_nodes > 0)."""
+    c = session.config.split
+    if c.tree_nodes:
+        return tree_round_hat(session)
     dev = session.drafter
     st = session.link_state
     limit = max(1, min(c.draft_len, session.remaining - 1))

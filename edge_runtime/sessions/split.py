@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
 
 from edge_runtime.client import expect
 from edge_runtime.monitor import DeviceMonitor
@@ -99,6 +101,7 @@ class SplitSession(Session):
         self.link_state = link_state
         self.monitor = monitor
         self.step = 0  # Hidden messages of this cloud session
+        self.tree_keep: Optional[List[int]] = None  # after a tree round: the rows the cloud keeps (next Hidden)
         self.cloud_position = 0  # positions the cloud's middle part holds
         self.drafter.pause = self.client.wait  # an emulated board's sleeps notice the replies that arrive meanwhile
 
@@ -146,24 +149,30 @@ class SplitSession(Session):
         uninterrupted one; sampled, it stays a sample of the target (the first token after the drop is sampled from
         the target directly rather than through a verification)."""
         self.step = 0  # the new session counts its requests from 1
+        self.tree_keep = None  # the new session holds no tree
         self.open(list(prompt) + self.generated)
 
     def close(self, prompt: List[int]) -> None:
         """Close the session; the cloud reports the positions it held (it has no tokens to compare)."""
         n = len(prompt) + len(self.generated)
         closed = expect(self.client.request(P.CloseSession(self.session_id, None, None, n)), P.Closed, P.CloseSession)
-        if closed.n_tokens > n + self.config.split.draft_len:
+        if closed.n_tokens > n + max(self.config.split.draft_len, self.config.split.tree_nodes):
             raise RuntimeError(f"the cloud held {closed.n_tokens} positions for a {len(prompt)}+{len(self.generated)} "
                                "token sequence")
 
     # -- what rounds use -----------------------------------------------------------------------------------------
-    def send_hidden(self, position: int, states: Any, want: int, pipelined: bool = False) -> Upload:
-        """Send one Hidden: shallow states `# [1, n, hidden]` (the drafter's backend) of positions position.. ."""
+    def send_hidden(self, position: int, states: Any, want: int, pipelined: bool = False,
+                    parents: Optional[Sequence[int]] = None) -> Upload:
+        """Send one Hidden: shallow states `# [1, n, hidden]` (the drafter's backend) of positions position.. (parents:
+        theirs when they are a draft tree). The accepted path of the last tree, if any, goes with it (`keep`)."""
         self.step += 1
         payload = encode_hidden(self.drafter.parts.to_wire(states), self.config.split.hidden_format)
         idle = -1.0 if pipelined else self._idle_s(8.0 * payload.values.nbytes)
         before = self.client.counters.up_bytes
-        self.client.send(P.Hidden(self.session_id, self.step, position, payload, want, idle))
+        keep, self.tree_keep = self.tree_keep, None
+        self.client.send(P.Hidden(self.session_id, self.step, position, payload, want, idle,
+                                  parents=None if parents is None else np.asarray(parents, np.int16),
+                                  keep=None if keep is None else np.asarray(keep, np.int16)))
         up = self.client.counters.up_bytes - before
         self.counters.round_up_bytes.append(up)
         return Upload(time.perf_counter(), up, position, want)

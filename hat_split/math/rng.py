@@ -12,7 +12,8 @@ from typing import Optional
 import numpy as np
 
 ROLES = {"device": 0, "cloud": 1, "uncertainty": 2, "skip": 3,  # 2, 3: device-side U-HLM draws
-         "draft": 4, "accept": 5, "resample": 6}  # 4-6: position-keyed draws of the split protocols (keyed_uniform)
+         "draft": 4, "accept": 5, "resample": 6,  # 4-6: position-keyed draws of the split protocols (keyed_uniform)
+         "tree_draft": 7, "tree_verify": 8}  # a draft tree's draws at a position (keyed_rng)
 
 
 def session_rng(seed: Optional[int], role: str) -> np.random.Generator:
@@ -38,3 +39,15 @@ def keyed_uniform(seed: Optional[int], role: str, position: int) -> float:
     if seed is None:
         return float(np.random.default_rng().random())
     return float(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(ROLES[role], position))).random())
+
+
+def keyed_rng(seed: Optional[int], role: str, position: int) -> np.random.Generator:
+    """A generator for `role` at absolute sequence `position` (keyed_uniform's counter-based keying, for the many draws
+    of one draft tree: drawing its children, verifying it)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    if seed is None:
+        return np.random.default_rng()
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(ROLES[role], position)))

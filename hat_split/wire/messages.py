@@ -318,6 +318,12 @@ class Hidden(msgspec.Struct, tag=True):
     want: NonNeg  # deep states to return: the last `want` of the n (0 for a prompt chunk that is not the last)
     idle_s: float = 0.0
     device: Optional[DeviceState] = None  # updated measurements, when the device has new ones
+    # a draft tree (hat_split.math.tree): [n] int16 parent of each state (-1: the position before the first; else an
+    # earlier state); the n deep states come back. None: a chain
+    parents: Any = None
+    # after a tree: [k] int16 the rows, counted from the last tree's `position`, the cloud keeps (its accepted path)
+    # before it crops to `position` and appends
+    keep: Any = None
 
 
 class Deep(msgspec.Struct, tag=True):
