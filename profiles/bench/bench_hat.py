@@ -50,7 +50,7 @@ from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
 from hat_split.models.lm import wait_passively
 from hat_split.prompt_sets import long_chat_prompts
-from profiles.bench.bench_args import adapter_dir, names
+from profiles.bench.bench_args import adapter_dir, names, parse_trees, tree_name
 from profiles.bench.stats import ci_note, ci_text, interval, paired_ratio, rotated
 from profiles.bench.rig import Rig
 from hardware.device_profiles import cloud_gpus, get_profile, speed_ratio
@@ -87,6 +87,9 @@ def add_parser(sub) -> None:
     s.add_argument("--eta", type=float, default=0.6, help="drafting threshold η (HAT eq. 5)")
     s.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="add a row: HAT drafting over the adapter's N most frequent tokens (split.draft_vocab)")
+    s.add_argument("--trees", default="", metavar="NxDxW,...",
+                   help="add rows: HAT with Λ drafting trees (split.tree_nodes, tree_depth, tree_width), e.g. 16x4x4; "
+                        "over --draft-vocab's head when given")
     s.add_argument("--threads", type=int, default=2, help="torch threads of the cloud (2: the cores here)")
     s.add_argument("--device-threads", type=int, default=0, help="torch threads of the device (0: --threads)")
     s.add_argument("--cloud-cores", type=int, default=0,
@@ -235,6 +238,10 @@ def run(args) -> int:
     rows = dict(VARIANTS)
     if args.draft_vocab:  # beyond the paper: the draft's head over the data's most frequent tokens
         rows[vocab_row(args.draft_vocab)] = ("hat", {**VARIANTS["HAT"][1], "draft_vocab": args.draft_vocab})
+    for nodes, depth, width in parse_trees(args.trees):  # beyond the paper: Λ's draft trees
+        name = (vocab_row(args.draft_vocab) if args.draft_vocab else "HAT") + f" {tree_name(nodes, depth, width)}"
+        rows[name] = ("hat", {**VARIANTS["HAT"][1], "parallel_draft": False, "draft_vocab": args.draft_vocab,
+                              "tree_nodes": nodes, "tree_depth": depth, "tree_width": width})
     feature_meta = feature_rows(rows, args.feature_drafter, args.draft_vocab)
     variants = names(args.variants, rows, "variant") if args.variants else list(rows)
     links = [get_link_profile(name) for name in args.links.split(",") if name]
