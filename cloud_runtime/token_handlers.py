@@ -21,7 +21,7 @@ from cloud_runtime.work import ModelFacts, ModelWork, Pending, cloud_cost
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs, concat, token_logprobs
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.target_state import TargetState
-from hat_split.math.tree import check_tree
+from hat_split.math.tree import below_chain, check_tree
 from hat_split.protocols import of_family
 from hat_split.wire import messages as P
 from hat_split.wire.dist_codec import decode_dist
@@ -96,7 +96,7 @@ class TokenHandlers(FamilyHandlers):
         self.admission.charge(identity, key, self.work.kv_cost(0, self.model.layers), len(feed))
         pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s), draft=drafts, q=q,
                           parents=parents)
-        chain = None if not tree else _feed_tree(len(feed) - L, parents)
+        chain = None if not tree else below_chain(len(feed) - L, parents)
         self.admission.with_room(identity, key, lambda: self.work.submit_tokens(key, feed, L + 1, pending, chain))
         session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
         session.step = msg.step
@@ -210,12 +210,6 @@ class TokenHandlers(FamilyHandlers):
         self.sessions.free(key)
         return P.Closed(msg.session_id, session.step, session.compute_s, len(tokens),
                         P.sequence_digest(tokens[:length]))
-
-
-def _feed_tree(chain: int, parents: np.ndarray) -> List[int]:
-    """The parents of a whole verify feed as one tree: its first `chain` positions (the tokens the cache lacks, the
-    root last) a chain, the draft tree hanging below the root."""
-    return list(range(-1, chain - 1)) + [chain + int(p) if p >= 0 else chain - 1 for p in parents]
 
 
 def _wire(lp: Optional[Logprobs]) -> Optional[P.TokenLogprobs]:

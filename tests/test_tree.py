@@ -334,3 +334,11 @@ def test_the_tree_lm_equals_the_model_and_drafts_trees_that_a_fresh_chain_confir
             assert np.allclose(d._next_logits([]), fresh._next_logits([]), atol=1e-4)
     with pytest.raises(ValueError, match="draft trees need a model that runs them"):
         Drafter(plain, SamplingParams(0.0)).draft_tree(3, 2, 2, np.random.default_rng(0))
+
+
+def test_a_tree_below_a_chain_is_one_tree():
+    from hat_split.math.tree import below_chain
+
+    assert below_chain(1, [-1, 0, 0, 1]) == [-1, 0, 1, 1, 2]  # the root, then the tree below it
+    assert below_chain(3, [-1, -1]) == [-1, 0, 1, 2, 2]  # two tokens the cache lacks, the root, two children
+    check_tree(np.array(below_chain(3, [-1, -1, 0])), np.arange(6), 6, 6)

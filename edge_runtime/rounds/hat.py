@@ -11,7 +11,7 @@ from edge_runtime.config import SplitConfig
 from edge_runtime.sessions.split import SplitSession
 from edge_runtime.split_drafter import DraftState, SplitDrafter
 from hat_split.math.chunking import ema, parallel_steps
-from hat_split.math.tree import check_tree
+from hat_split.math.tree import below_chain, check_tree
 from hat_split.wire.hidden_codec import bytes_per_position
 
 
@@ -42,7 +42,7 @@ def tree_round_hat(session: SplitSession) -> None:
     t = draft.tree
     N = len(t.tokens)
     session.link_state.draft_s = ema(session.link_state.draft_s or None, (time.perf_counter() - t0) / depth)
-    parents = [-1] + [int(p) + 1 if p >= 0 else 0 for p in t.parents]  # the root, then the tree below it
+    parents = below_chain(1, t.parents)  # the root, then the tree below it
     deep = session.receive_deep(session.send_hidden(draft.base, draft.shallow, N + 1, parents=parents))
     logits = dev.target_logits(deep, draft.base, N + 1, tree=parents)  # [N + 1, vocab]
     verdict = dev.verify_tree(draft, logits)

@@ -165,6 +165,12 @@ def verify_tree(parents, tokens, p: np.ndarray, q: np.ndarray, uniform: Callable
         node = accepted
 
 
+def below_chain(chain_len: int, parents) -> List[int]:
+    """The parents of `chain_len` positions in a chain (the last the root) followed by a tree hanging below the root:
+    what a model runs in one forward when it verifies a tree after the tokens its cache lacks."""
+    return list(range(-1, chain_len - 1)) + [chain_len + int(p) if p >= 0 else chain_len - 1 for p in parents]
+
+
 def chain(tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
     """A chain of drafts as a tree: (parents, tokens)."""
     n = len(tokens)
