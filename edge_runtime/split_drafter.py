@@ -52,6 +52,42 @@ class TreeDraft:
     fed: int  # nodes Λ and the draft's output part hold (all but the last level)
 
 
+class TreeLogits:
+    """The target's logits after a draft tree's positions, computed a row at a time as verification reads them (the
+    head over 1 + N positions is most of the device's work; a walk reads the accepted path's rows and one more)."""
+
+    def __init__(self, states: Any, drafter: "SplitDrafter"):
+        self.states, self.drafter = states, drafter
+        self._rows: Dict[int, np.ndarray] = {}
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Row i `# [vocab]` float32 (0: after the root; n + 1: after node n)."""
+        if i not in self._rows:
+            t0 = time.perf_counter()
+            self._rows[i] = self.drafter.parts.head_at(self.states, [i])[0]
+            self.drafter._timed(t0)
+        return self._rows[i]
+
+    def take(self, rows: Sequence[int]) -> np.ndarray:
+        return np.stack([self[i] for i in rows])
+
+    @property
+    def computed(self) -> int:
+        return len(self._rows)
+
+
+class _Rows:
+    """Rows on demand, cached: what verification indexes (`rows[i]`)."""
+
+    def __init__(self, fn: Callable[[int], Any]):
+        self.fn, self._cache = fn, {}
+
+    def __getitem__(self, i: int) -> Any:
+        if i not in self._cache:
+            self._cache[i] = self.fn(int(i))
+        return self._cache[i]
+
+
 @dataclass
 class SplitDrafter(FeaturePairs):
     parts: SplitParts  # edge_runtime.backends.split_parts: torch, or a bundle's graphs; no adapter: U-shape only
@@ -121,9 +157,9 @@ class SplitDrafter(FeaturePairs):
                 self.tout.length = position
             if self.tout.length > position:
                 self.tout.crop(position)
-            logits = self.parts.run_output_tree(self.tout, deep, list(tree), position)
+            states = self.parts.run_tail_tree(self.tout, deep, list(tree), position)
             self._timed(t0)
-            return logits
+            return TreeLogits(states, self)
         if not self.parts.tail:  # norm + head only: no cache, only the bookkeeping
             self.tout.length = position
         if self.tout.length > position:
@@ -301,14 +337,15 @@ class SplitDrafter(FeaturePairs):
         self._timed(t0)
         return TreeDraft(base, tree, self.parts.cat(shallow), fed)
 
-    def verify_tree(self, draft: "TreeDraft", logits: np.ndarray) -> TreeVerdict:
-        """Exact verification of a draft tree against the target's logits `# [1 + N, vocab]` after the root and
-        after each node (hat_split.math.tree: greedy at temperature 0, recursive rejection sampling without
-        replacement above, with a position-keyed stream)."""
-        p = warp(logits, self.params)
+    def verify_tree(self, draft: "TreeDraft", logits: "TreeLogits") -> TreeVerdict:
+        """Exact verification of a draft tree against the target's logits after the root (row 0) and after each
+        node (hat_split.math.tree: greedy at temperature 0, recursive rejection sampling without replacement above,
+        with a position-keyed stream). Only the rows the walk reads are computed: the accepted path's and the one
+        after it."""
         t = draft.tree
+        p = _Rows(lambda i: warp(logits[i][None], self.params)[0])
         if self.params.temperature == 0:
-            return verify_tree_greedy(t.parents, t.tokens, np.argmax(p, axis=-1))
+            return verify_tree_greedy(t.parents, t.tokens, _Rows(lambda i: int(np.argmax(p[i]))))
         rng = keyed_rng(self.seed, "tree_verify", draft.base)
         return verify_tree(t.parents, t.tokens, p, t.q, lambda: float(rng.random()))
 

@@ -417,6 +417,26 @@ def test_hat_draft_trees_greedy_equal_the_full_model(tiny_pair, nodes, depth, wi
     assert res.drafted > res.rounds * (nodes > 1) and res.finish_reason == "length"
 
 
+def test_a_hat_tree_verify_computes_only_the_head_rows_its_walk_reads(tiny_pair, tiny_adapter):
+    """The device's head over a tree's 1 + N deep states is most of its verify: rows are computed as the walk reads
+    them (the accepted path's and the one after it), and equal the head over all rows at once."""
+    from hat_split.math.tree import below_chain
+
+    model = tiny_pair[1].model
+    parts = TorchSplitParts(SplitModel(model, 1), tiny_adapter)
+    dev = SplitDrafter(parts, SamplingParams(0.0), 0)
+    dev.start(PROMPT)
+    dev.lam_prefill(dev.prompt_states(len(PROMPT) - 1))
+    draft = dev.draft_tree(12, 4, 3)
+    n = len(draft.tree.tokens)
+    deep = torch.randn(1, n + 1, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    logits = dev.target_logits(deep, draft.base, n + 1, tree=below_chain(1, draft.tree.parents))
+    verdict = dev.verify_tree(draft, logits)
+    assert logits.computed == len(verdict.path) + 1 < n + 1
+    every = parts.head_at(logits.states, range(n + 1))
+    np.testing.assert_allclose(logits.take(range(n + 1)), every, rtol=1e-5, atol=1e-5)
+
+
 def test_hat_draft_trees_sampled_are_seeded(tiny_pair):
     """Above temperature 0 a tree round is reproducible from the seed (its draws are keyed by position), another
     seed gives another answer, and every run ends in step with the cloud (the close checks the positions held)."""

@@ -126,13 +126,21 @@ class TorchSplitParts:
 
     def run_output_tree(self, cache, states, parents: Sequence[int], start: int, draft: bool = False) -> np.ndarray:
         """Float32 logits `# [n, vocab]` (the draft's subset with `draft` and draft_ids) after every new position."""
+        return self.head_at(self.run_tail_tree(cache, states, parents, start), range(states.shape[1]), draft)
+
+    def run_tail_tree(self, cache, states, parents: Sequence[int], start: int):
+        """The output part's tail layers over a tree's new positions (what the head reads, `# [1, n, hidden]`)."""
+        if len(self.split.output):
+            return self.split.output.forward_tree(cache, states, parents, start)
+        cache.length += states.shape[1]  # norm and head only: the cache counts positions
+        return states
+
+    def head_at(self, states, positions: Sequence[int], draft: bool = False) -> np.ndarray:
+        """Norm and head over some positions of `states # [1, n, hidden]`: float32 `# [len(positions), vocab]`."""
         from hat_split.models.partition import head_logits
 
-        if len(self.split.output):
-            states = self.split.output.forward_tree(cache, states, parents, start)
-        else:  # norm and head only: the cache counts positions
-            cache.length += states.shape[1]
-        return to_host(head_logits(self.split.model, states, rows=self._draft_rows if draft else None)[0])
+        rows = states[:, list(positions)]
+        return to_host(head_logits(self.split.model, rows, rows=self._draft_rows if draft else None)[0])
 
     def run_feature(self, cache, features, states, tokens: Sequence[int]) -> Tuple[np.ndarray, Any]:
         from hat_split.models.feature_drafter import draft_logits, token_states

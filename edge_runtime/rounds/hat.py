@@ -44,7 +44,7 @@ def tree_round_hat(session: SplitSession) -> None:
     session.link_state.draft_s = ema(session.link_state.draft_s or None, (time.perf_counter() - t0) / depth)
     parents = below_chain(1, t.parents)  # the root, then the tree below it
     deep = session.receive_deep(session.send_hidden(draft.base, draft.shallow, N + 1, parents=parents))
-    logits = dev.target_logits(deep, draft.base, N + 1, tree=parents)  # [N + 1, vocab]
+    logits = dev.target_logits(deep, draft.base, N + 1, tree=parents)  # rows on demand
     verdict = dev.verify_tree(draft, logits)
     path = verdict.path
     dev.keep_tree_path(draft, path)
@@ -56,7 +56,7 @@ def tree_round_hat(session: SplitSession) -> None:
     counters.rejected += not path or bool(np.any(t.parents == path[-1]))  # the path stopped above a leaf
     committed = [int(t.tokens[n]) for n in path] + [verdict.token]
     before = len(session.generated)
-    session.commit(committed, len(path), session.token_logprobs(logits[session.tree_keep], committed))
+    session.commit(committed, len(path), session.token_logprobs(logits.take(session.tree_keep), committed))
     levels = int(check_tree(t.parents, t.tokens, N, depth).max())  # Λ's forwards this round
     counters.verify_log.append([len(session.generated) - before, levels, time.perf_counter() - t0])
 
