@@ -161,8 +161,9 @@ class SplitConfig:
                                "its training data (a head N rows tall; a bundle's is fixed at export); 0: all",
                                metavar="N")
     tree_nodes: int = setting(0, "> 0: hat's Λ drafts a tree of at most this many nodes a round (hat_split.math.tree; "
-                              "the middle layers verify it in one forward; η and parallel drafting do not apply); 0: "
-                              "chains", flag="--hat-tree-nodes")
+                              "the middle layers verify it in one forward; η ends it after the level whose main-line "
+                              "token is below it; parallel drafting does not apply); 0: chains",
+                              flag="--hat-tree-nodes")
     tree_depth: int = setting(6, "levels of hat's draft tree at most", flag="--hat-tree-depth")
     tree_width: int = setting(2, "new nodes per level of hat's draft tree", flag="--hat-tree-width")
 
@@ -291,8 +292,9 @@ class EdgeConfig:
                                      "fixed γ")
     tree_nodes: int = setting(0, "`sd` drafts a tree of at most this many nodes per round (hat_split.math.tree: "
                               "EAGLE-2's dynamic tree by path probability, verified in one cloud forward, exact at "
-                              "every temperature); 0: a chain of draft_len (trees need the torch engine's model "
-                              "draft and a cloud that verifies them)")
+                              "every temperature; draft_stop_prob ends it where its main line would stop); 0: a "
+                              "chain of draft_len (trees need the torch engine's model draft and a cloud that "
+                              "verifies them)")
     tree_depth: int = setting(6, "levels of a draft tree at most (the cloud's Welcome may allow fewer)")
     tree_width: int = setting(2, "new nodes per level of a draft tree, placed where the draft expects them "
                               "accepted most (the first child of the main line always: a tree holds the chain of "

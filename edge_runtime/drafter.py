@@ -106,10 +106,12 @@ class Drafter:
         self.last_logits = np.concatenate(raw, axis=0)  # [len, vocab]: for uncertainty measures (rounds.uhlm)
         return drafts, rows
 
-    def draft_tree(self, budget: int, max_depth: int, width: int, rng: np.random.Generator) -> Tuple[GrownTree, list]:
-        """A draft tree (hat_split.math.tree.grow_tree: at most `budget` nodes and `max_depth` levels, `width`
-        children per expanded node; top tokens at temperature 0, draws without replacement above) on this drafter's
-        cache, one forward per level; its nodes stay in the cache after the committed sequence until `commit_tree`.
+    def draft_tree(self, budget: int, max_depth: int, width: int, rng: np.random.Generator,
+                   stop_below: float = 0.0) -> Tuple[GrownTree, list]:
+        """A draft tree (hat_split.math.tree.grow_tree: at most `budget` nodes and `max_depth` levels, `width` new
+        nodes per level; top tokens at temperature 0, draws without replacement above; ending after the level whose
+        main-line token is below `stop_below`, η) on this drafter's cache, one forward per level; its nodes stay in
+        the cache after the committed sequence until `commit_tree`.
         Above temperature 0 every distribution is rounded through the float wire first, so the children are drawn
         from exactly what the cloud decodes; returns the tree (tree.q: those distributions) and the wire rows
         `# [1, vocab]` of the root and of each node (zeros for the last level's, which nothing was drawn from). At
@@ -139,7 +141,7 @@ class Drafter:
         def q_after(parents: List[int], tokens: List[int], nodes: List[int]) -> np.ndarray:
             return rounded(self.lm.forward_tree(self.kv, parents, [tokens[n] for n in nodes], start))
 
-        tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy)
+        tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy, stop_below)
         if not greedy:
             rows.extend(np.zeros_like(rows[0]) for _ in range(tree.q.shape[0] - len(rows)))
         self._tree = (start, self.kv.length - start)  # where the tree begins, how many of its nodes are cached

@@ -302,10 +302,11 @@ class SplitDrafter(FeaturePairs):
                 cache.crop(keep)
 
     # -- draft trees (hat_split.math.tree) ---------------------------------------------------------------------------
-    def draft_tree(self, budget: int, max_depth: int, width: int) -> "TreeDraft":
+    def draft_tree(self, budget: int, max_depth: int, width: int, eta: float = 0.0) -> "TreeDraft":
         """Λ drafts a tree (grow_tree: at most `budget` nodes, `max_depth` levels, `width` new nodes per level) below
-        the last committed token, one masked forward of the input part, Λ and the draft head per level; the last
-        level's nodes go through the input part only (their shallow states upload; nothing is drawn after them).
+        the last committed token, one masked forward of the input part, Λ and the draft head per level, ending
+        after the level whose main-line token has draft probability below `eta` (HAT eq. 5); the last level's nodes
+        go through the input part only (their shallow states upload; nothing is drawn after them).
         At temperature 0 the shape follows the draft's plain softmax; above, the children are draws without
         replacement from the draft's distribution, keyed by position (hat_split.math.rng.keyed_rng). Returns the tree
         and the shallow states `# [1, 1 + N, hidden]` of the root and the nodes, in node order."""
@@ -329,7 +330,7 @@ class SplitDrafter(FeaturePairs):
             return warp(self._over_vocab(self.parts.run_output_tree(self.dout, a, parents, start, draft=True)), shape)
 
         rng = keyed_rng(self.seed, "tree_draft", base)
-        tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy)
+        tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy, eta)
         fed = self.inp.length - start  # nodes with their shallow state (all but the last level)
         if fed < len(tree.tokens):
             shallow.append(self.parts.run_input_tree(self.inp, [int(t) for t in tree.tokens[fed:]],

@@ -247,6 +247,12 @@ def test_a_tree_grows_by_path_probability_within_its_budget_and_depth():
     wide = grow_tree(q1, lambda par, tok, nodes: np.full((len(nodes), 4), 0.25), budget=20, max_depth=2, width=3,
                      uniform=np.random.default_rng(0).random, greedy=False)
     assert check_tree(wide.parents, wide.tokens, 20, 2).max() == 2 and len(wide.parents) == 3 + 3
+    # η: the tree ends after the level whose main-line token (the root's first child, q 0.6) is below it
+    calls.clear()
+    short = grow_tree(q1, q_after, budget=5, max_depth=3, width=2, uniform=None, greedy=True, stop_below=0.7)
+    assert short.parents.tolist() == [-1, -1] and calls == [] and not short.q[1:].any()
+    assert grow_tree(q1, q_after, budget=5, max_depth=3, width=2, uniform=None, greedy=True,
+                     stop_below=0.5).parents.tolist() == t.parents.tolist()
     # a budget below width × depth keeps a node for each level still to come: the main line reaches max_depth
     deep = grow_tree(q1, lambda par, tok, nodes: np.full((len(nodes), 4), 0.25), budget=6, max_depth=4, width=4,
                      uniform=None, greedy=True)
@@ -257,7 +263,8 @@ def test_a_tree_grows_by_path_probability_within_its_budget_and_depth():
         grow_tree(q1, q_after, budget=3, max_depth=2, width=2, uniform=None, greedy=False)
 
 
-def test_grown_trees_keep_the_targets_law():
+@pytest.mark.parametrize("stop_below", [0.0, 0.3])
+def test_grown_trees_keep_the_targets_law(stop_below):
     """Trees grown by grow_tree (width 2, budget 5, depth 2: the second level's children go to the first level's
     likeliest nodes, so the shape varies with what was drawn), verified by verify_tree: the first two committed tokens
     follow p(x1)·p(x2 | x1) over 30 000 trees."""
@@ -271,7 +278,8 @@ def test_grown_trees_keep_the_targets_law():
         return np.array([q2[tokens[n]] if parents[n] == ROOT else q1 for n in nodes])
 
     for _ in range(30_000):
-        t = grow_tree(q1, q_after, budget=5, max_depth=2, width=2, uniform=rng.random, greedy=False)
+        t = grow_tree(q1, q_after, budget=5, max_depth=2, width=2, uniform=rng.random, greedy=False,
+                      stop_below=stop_below)
         rows_p = np.array([p1] + [p2[x] if par == ROOT else p1 for par, x in zip(t.parents, t.tokens)])
         out = verify_tree(t.parents, t.tokens, rows_p, t.q, rng.random)
         seq = [int(t.tokens[n]) for n in out.path] + [out.token]

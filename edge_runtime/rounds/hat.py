@@ -38,7 +38,7 @@ def tree_round_hat(session: SplitSession) -> None:
                          "for chains")
     depth = max(1, min(c.tree_depth, welcome.max_tree_depth, session.remaining - 1))
     t0 = time.perf_counter()
-    draft = dev.draft_tree(min(c.tree_nodes, welcome.max_tree_nodes), depth, c.tree_width)
+    draft = dev.draft_tree(min(c.tree_nodes, welcome.max_tree_nodes), depth, c.tree_width, c.draft_stop_prob)
     t = draft.tree
     N = len(t.tokens)
     session.link_state.draft_s = ema(session.link_state.draft_s or None, (time.perf_counter() - t0) / depth)

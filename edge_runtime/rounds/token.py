@@ -20,7 +20,8 @@ def verify_round(session: TokenSession, draft_len: int, dist_format: str, stop_b
     session.counters.verify_log.append([len(session.generated) - before, len(drafts), time.perf_counter() - t0])
 
 
-def tree_round(session: TokenSession, nodes: int, depth: int, width: int, dist_format: str) -> None:
+def tree_round(session: TokenSession, nodes: int, depth: int, width: int, dist_format: str,
+               stop_below: float = 0.0) -> None:
     """Draft a tree (Drafter.draft_tree: at most `nodes` nodes, `depth` levels, `width` children per expanded node,
     within the cloud's limits and the request's remaining tokens), send it with the distributions its children were
     drawn from (none at temperature 0), commit the accepted path; logged as verify_round's rounds are, with the
@@ -31,7 +32,8 @@ def tree_round(session: TokenSession, nodes: int, depth: int, width: int, dist_f
         raise ValueError("this cloud verifies no draft trees (an older cloud, llama.cpp, or KV slots): set "
                          "tree_nodes = 0 for chains, or serve with hat-cloud serve --engine torch --kv-layout dynamic")
     depth = max(1, min(depth, welcome.max_tree_depth, session.remaining - 1))
-    tree, rows = session.drafter.draft_tree(min(nodes, welcome.max_tree_nodes), depth, width, session.rng)
+    tree, rows = session.drafter.draft_tree(min(nodes, welcome.max_tree_nodes), depth, width, session.rng,
+                                            stop_below)
     holders = [0] + [int(p) + 1 for p in np.unique(tree.parents[tree.parents >= 0])]  # root, nodes with children
     wire = dist_codec.FloatWire(session.drafter.wire_dtype, dist_format)
     payload = (wire.pack([rows[i] for i in holders]) if rows else  # temperature 0: the cloud reads no row
@@ -46,7 +48,7 @@ def round_sd(session: TokenSession) -> None:
     when tree_nodes > 0."""
     c = session.config
     if c.tree_nodes:
-        tree_round(session, c.tree_nodes, c.tree_depth, c.tree_width, c.dist_format)
+        tree_round(session, c.tree_nodes, c.tree_depth, c.tree_width, c.dist_format, c.draft_stop_prob)
     else:
         verify_round(session, c.draft_len, c.dist_format, c.draft_stop_prob)
 

@@ -188,7 +188,8 @@ class GrownTree:
 
 def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[int]], np.ndarray], budget: int,
               max_depth: int,
-              width: int, uniform: Optional[Callable[[int], np.ndarray]], greedy: bool) -> GrownTree:
+              width: int, uniform: Optional[Callable[[int], np.ndarray]], greedy: bool,
+              stop_below: float = 0.0) -> GrownTree:
     """A draft tree of at most `budget` nodes and `max_depth` levels, grown a level at a time with at most `width`
     new nodes per level, one node kept for each level still to come while the budget allows (so the main line
     reaches max_depth; EAGLE-2's dynamic tree, kept exact at T > 0):
@@ -202,7 +203,9 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
     the chain of its depth and accepts at least as much as that chain, at every temperature.
     Children are the top-k_v tokens of q_v when `greedy` (the scores are then the children's own path probabilities:
     EAGLE-2's top-k re-ranking of a level), else k_v draws without replacement (draw_children, `uniform(V)` a vector
-    of uniforms). q_root `# [V]` is the draft's distribution after the root; q_after(parents, tokens, nodes) returns
+    of uniforms). stop_below = η > 0 ends the tree after the level whose main-line node has q below η (HAT eq. 5's
+    rule for the chain the tree holds; decided from drawn nodes only, so exact). q_root `# [V]` is the draft's
+    distribution after the root; q_after(parents, tokens, nodes) returns
     `# [len(nodes), V]` after each of a level's new nodes, given the tree so far (one batched forward of the draft
     per level, on the engine)."""
     if budget < 1 or max_depth < 1 or width < 1:
@@ -214,6 +217,7 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
     rows = [q_root]
     frontier = [ROOT]  # nodes whose children may be drawn at this level
     main = ROOT  # the main line: the root's first child, its first child, ... (what a chain would have drafted)
+    main_q = 1.0  # the draft probability of the main line's newest token
     for depth in range(1, max_depth + 1):
         # at most `width`, and a node kept for each level still to come: the main line reaches max_depth
         take = min(width, max(1, budget - len(parents) - (max_depth - depth)), budget - len(parents))
@@ -238,7 +242,7 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
                 kids = draw_children(q_v, k, uniform(q_v.size))
             base = probs[v] if v != ROOT else 1.0
             if v == main:
-                first_of_main = len(parents)
+                first_of_main, main_q = len(parents), float(q_v[kids[0]])
             for x in kids:
                 parents.append(v)
                 tokens.append(int(x))
@@ -247,7 +251,9 @@ def grow_tree(q_root: np.ndarray, q_after: Callable[[List[int], List[int], List[
         if not level or first_of_main is None:
             break
         main = first_of_main
-        if depth == max_depth or len(parents) >= budget:  # no level follows: the leaves' rows are never read
+        if depth == max_depth or len(parents) >= budget or main_q < stop_below:
+            # no level follows (the budget, the depth, or the main line's new token below η: where its chain would
+            # have stopped): the leaves' rows are never read
             rows.extend(np.zeros((len(level), q_root.size)))
             break
         after = np.asarray(q_after(parents, tokens, level), dtype=np.float64)
