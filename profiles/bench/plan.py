@@ -32,8 +32,8 @@ PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
 GPU_BENCH = "results/gpu/gpu_bench_2026-11-26b.json"  # the GPU check with batched verify steps
 SPECULATIVE = "results/speculative/bench_speculative.json"
 HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
-TREE_RECORDS = ("results/speculative/trees_T0.json", "results/speculative/trees_T0_g8.json")  # chains and trees,
-# their tokens per round measured on the Qwen pair at T = 0 (hat-bench speculative --trees)
+TREE_RECORDS = ("results/speculative/trees_T0_lte.json",)  # chains and trees, their tokens per round measured on the
+# Qwen pair at T = 0 (hat-bench speculative --trees; 6 prompts)
 TREE_STEPS = {"captured": "results/gpu/gpu_bench_verify_width_2026-11-26.json",  # verify steps to 65 positions:
               "eager": "results/gpu/gpu_bench_verify_width_eager_2026-11-26.json"}  # graphs, and past 17 eager
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
