@@ -29,7 +29,7 @@ class CloudConfig:
     max_draft_len: int = setting(16, "tokens: longest draft accepted in one Verify (bounds verify latency and "
                                  "memory)")
     max_tree_nodes: int = setting(64, "nodes: largest draft tree accepted in one Verify (hat_split.math.tree; "
-                                  "verified in one forward on growing caches); 0: chains only")
+                                  "verified in one forward; at most token_budget - 1); 0: chains only")
     max_tree_depth: int = setting(8, "levels: deepest draft tree accepted in one Verify")
     max_context: int = setting(8192, "tokens (positions) per session, prompt + generated (bounds KV memory)")
     max_generate: int = setting(256, "tokens one Generate request may ask for (bounds one request's time)")
@@ -95,6 +95,12 @@ class CloudConfig:
     rpc: str = setting("", "llamacpp: HOST:PORT,... of RPC servers (hat-cloud rpc-server on each host) the model's "
                        "layers are spread over, instead of this machine; \"\" none", metavar="HOST:PORT,...")
 
+    @property
+    def tree_nodes(self) -> int:
+        """The largest draft tree one Verify may carry: max_tree_nodes, within one step's token_budget (its verify
+        is one segment of nodes + 1 positions)."""
+        return min(self.max_tree_nodes, self.token_budget - 1)
+
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a model (registry name, HF directory or .gguf file)")
@@ -114,9 +120,6 @@ class CloudConfig:
         if not 0 <= self.max_tree_nodes <= 1024 or not 1 <= self.max_tree_depth <= 64:
             raise ValueError(f"max_tree_nodes must be in 0..1024 and max_tree_depth in 1..64, got "
                              f"{self.max_tree_nodes}, {self.max_tree_depth}")
-        if self.token_budget < self.max_tree_nodes + 1:
-            raise ValueError(f"token_budget={self.token_budget} cannot hold a tree of max_tree_nodes + 1 = "
-                             f"{self.max_tree_nodes + 1} positions")
         if not 0 <= self.prefill_floor <= self.token_budget:
             raise ValueError(f"prefill_floor must be in [0, token_budget={self.token_budget}], "
                              f"got {self.prefill_floor}")

@@ -86,7 +86,7 @@ class DeviceRegistry:
             max_context=self.config.max_context,
             protocols=list(SERVED),
             software=SOFTWARE,
-            max_tree_nodes=0 if self.model.tree_refusal else self.config.max_tree_nodes,
+            max_tree_nodes=0 if self.model.tree_refusal else self.config.tree_nodes,
             max_tree_depth=0 if self.model.tree_refusal else self.config.max_tree_depth,
         )
 

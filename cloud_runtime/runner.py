@@ -71,7 +71,7 @@ class KvLayout:
     length: int = 0
     graphs: bool = False
     decode_limit: int = 17  # positions per row of a step that is decode / verify: a chain's or a draft tree's
-    # (max(max_draft_len, max_tree_nodes) + 1)
+    # (max(max_draft_len, CloudConfig.tree_nodes) + 1)
     chain_limit: int = 0  # a chain verify's positions (max_draft_len + 1): a bucket of its own (0: none)
     max_rows: int = 64  # sessions per step the graph buckets reach
 
@@ -104,7 +104,7 @@ def kv_layout(config: Any, model: Any) -> KvLayout:
                          f"{config.max_context} positions and {weight.device} has "
                          f"{available_bytes(weight.device) / 2**30:.2f} GiB free: lower max_context, or kv_layout "
                          f"dynamic")
-    return KvLayout(slots, config.max_context, graphs, max(config.max_draft_len, config.max_tree_nodes) + 1,
+    return KvLayout(slots, config.max_context, graphs, max(config.max_draft_len, config.tree_nodes) + 1,
                     min(64, config.max_sessions), config.max_draft_len + 1)
 
 

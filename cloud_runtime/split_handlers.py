@@ -102,14 +102,14 @@ class SplitHandlers(FamilyHandlers):
 
     def _tree(self, parents_wire, n: int, want: int) -> list:
         """A Hidden's draft tree checked (ProtocolError naming what is wrong): the parents of its n states."""
-        if self.model.tree_refusal or not self.config.max_tree_nodes:
+        if self.model.tree_refusal or not self.config.tree_nodes:
             raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
                                                                       "(max_tree_nodes = 0): send chains")
         parents = P.check_index(parents_wire, "parents", n)
         if want != n:
             raise P.ProtocolError("invalid", f"a draft tree's {n} states all come back: want={want}")
         try:  # the root (and any chain before it) plus at most max_tree_nodes nodes, one level more
-            check_tree(parents, np.arange(n), self.config.max_tree_nodes + 1, self.config.max_tree_depth + 1)
+            check_tree(parents, np.arange(n), self.config.tree_nodes + 1, self.config.max_tree_depth + 1)
         except ValueError as exc:
             raise P.ProtocolError("invalid", f"draft tree: {exc}") from None
         return parents.tolist()

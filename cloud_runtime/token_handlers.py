@@ -81,11 +81,11 @@ class TokenHandlers(FamilyHandlers):
         lim = self.limits
         new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
         tree = msg.parents is not None
-        if tree and (self.model.tree_refusal or not self.config.max_tree_nodes):
+        if tree and (self.model.tree_refusal or not self.config.tree_nodes):
             raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
                                                                       "(max_tree_nodes = 0): send chains")
         draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1,
-                               self.config.max_tree_nodes if tree else lim.max_draft_len)
+                               self.config.tree_nodes if tree else lim.max_draft_len)
         L = draft.shape[0]
         parents = self._tree(draft, msg.parents) if tree else None
         if len(session.tokens) + new.shape[0] + L + 1 > lim.max_context:
@@ -106,7 +106,7 @@ class TokenHandlers(FamilyHandlers):
         """A Verify's draft tree checked (ProtocolError naming what is wrong); its parents `# [L]` int64."""
         parents = P.check_index(parents_wire, "parents", draft.shape[0])
         try:
-            check_tree(parents, draft, self.config.max_tree_nodes, self.config.max_tree_depth)
+            check_tree(parents, draft, self.config.tree_nodes, self.config.max_tree_depth)
         except ValueError as exc:
             raise P.ProtocolError("invalid", f"draft tree: {exc}") from None
         return parents

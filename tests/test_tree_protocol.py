@@ -142,6 +142,16 @@ def test_a_cloud_that_takes_no_trees_says_so(tiny_pair):
             _run(server, tiny_pair[0], SamplingParams(0.0), tree_nodes=8)
 
 
+def test_a_step_budget_below_the_tree_limit_caps_it(tiny_pair):
+    """token_budget bounds one step, and a tree's verify is one segment: a cloud with a budget of 32 positions takes
+    trees of 31 nodes (the Welcome says so) whatever max_tree_nodes says, and refuses larger ones with the reason."""
+    with serving(tiny_pair[1], token_budget=32, prefill_floor=16) as server, _client(server) as client:
+        assert client.welcome.max_tree_nodes == 31
+        client.request(P.OpenSession(1, "sd", np.asarray(PROMPT, np.int32), P.Sampling(0.0), 0))
+        with pytest.raises(CloudError, match="allowed 1..31"):
+            client.request(_verify(1, len(PROMPT), list(range(3, 35)), [-1] * 32))
+
+
 def test_tree_settings_are_checked():
     with pytest.raises(ValueError, match="tree_nodes"):
         EdgeConfig(model="tiny", tree_nodes=-1)
