@@ -154,6 +154,28 @@ def test_token_protocols_follow_the_target_at_every_drafted_position(bigrams, tm
     assert len({k for x in logs["csqs"] for k in x["k"]}) > 1, "the conformal support never changed size"
 
 
+def test_draft_trees_follow_the_target_at_every_position(bigrams, tmp_path):
+    """`sd` with draft trees (issue 47: 12 nodes, 4 levels, 3 a level; children drawn without replacement, recursive
+    rejection sampling in the cloud) through a cloud process and a device process at T = 0.7:
+    every generated token follows p given its prefix (|Z| < 4; a tree round's bonus positions included, where the
+    martingale holds as well), and the run had the power to catch a verifier that let the draft through (the
+    faults' laws on every position but the last of each round, conservatively: ≥ 0.99; twice the chains' tokens,
+    since a tree commits more of them per round as bonus positions)."""
+    target, draft = bigrams
+    trees = ["--tree-nodes", "12", "--tree-depth", "4", "--tree-width", "3"]
+    with _cloud(target) as cloud:
+        (r,) = _generate(cloud.endpoint, draft, ["sd"], tmp_path, trees, tokens=2 * TOKENS)  # power: see below
+    tokens = r["tokens"]
+    p, q = laws_along(tokens, TARGET), laws_along(tokens, DRAFT)
+    d = drift(tokens, p, q)
+    keep = 1.0 - r["rounds"] / len(tokens)  # the last token of a round may be a bonus: no fault there
+    pw = {f: power_of_law(p, q, fault_law(p, q, f), keep) for f in ("accept-all", "mix15")}
+    print(f"sd tree {d}; mean TV(p, q) {tv_rows(p, q).mean():.2f}; {len(tokens) / r['rounds']:.2f} tokens a round; "
+          f"power {pw}")
+    assert r["drafted"] > 2 * r["rounds"] and tv_rows(p, q).mean() >= 0.3
+    assert abs(d.z) < Z_CRIT and min(pw.values()) >= 0.99, (str(d), pw)
+
+
 def test_auto_switching_at_every_round_follows_the_target(bigrams, tmp_path):
     """Protocol auto made to switch at every round boundary (tests.planted auto-alternate: sd with γ = 3, then llm
     for 2 tokens, in turn): the positions sd's verification decided follow p (|Z| < 4, with the power to catch each
@@ -255,6 +277,25 @@ def test_split_protocols_follow_the_target_at_every_position(split_target, tmp_p
     assert tv.mean() >= 0.3 and hat["drafted"] > 0
     assert abs(d.z) < Z_CRIT and min(pw.values()) >= 0.99, (str(d), pw)
     _sampler_test(ushape, first=1)
+
+
+def test_hat_draft_trees_follow_the_target_at_every_position(split_target, tmp_path):
+    """hat with Λ drafting trees (9 nodes, 3 levels, 3 a level; the device verifies with position-keyed draws) at
+    T = 0.7: every token after the first follows p given its prefix (|Z| < 4), with the power to catch a verifier
+    that let the draft through (as for sd's trees)."""
+    path, adapter, q_along, cloud = split_target
+    (hat,) = _generate(cloud.endpoint, path, ["hat"], tmp_path, ["--adapter", str(adapter), *SPLIT_ARGS,
+                                                                   "--hat-tree-nodes", "9", "--hat-tree-depth", "3",
+                                                                   "--hat-tree-width", "3"],
+                        tokens=3 * SPLIT_TOKENS // 2)
+    tokens = hat["tokens"]
+    p, q = laws_along(tokens, TARGET)[1:], q_along(tokens)[1:]
+    d = drift(tokens[1:], p, q)
+    keep = 1.0 - hat["rounds"] / len(tokens)
+    pw = {f: power_of_law(p, q, fault_law(p, q, f), keep) for f in ("accept-all", "mix15")}
+    print(f"hat tree {d}; mean TV(p, q) {tv_rows(p, q).mean():.2f}; power {pw}")
+    assert hat["drafted"] > 2 * hat["rounds"] and tv_rows(p, q).mean() >= 0.3
+    assert abs(d.z) < Z_CRIT and min(pw.values()) >= 0.99, (str(d), pw)
 
 
 @pytest.mark.parametrize("fault", ["mix15"])
