@@ -7,6 +7,7 @@ from cloud_runtime.quotas import Admission
 from cloud_runtime.sessions import Arrival
 from cloud_runtime.state import CloudTables
 from cloud_runtime.work import ModelFacts, ModelWork
+from hat_split.wire import messages as P
 
 
 class FamilyHandlers:
@@ -20,3 +21,9 @@ class FamilyHandlers:
         self.sessions = tables.sessions
         self.admission = admission
         self.arrival = arrival
+
+    def check_trees_taken(self) -> None:
+        """ProtocolError, with the reason, when this cloud takes no draft trees (its model, or max_tree_nodes 0)."""
+        if self.model.tree_refusal or not self.config.tree_nodes:
+            raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
+                                                                      "(max_tree_nodes = 0): send chains")

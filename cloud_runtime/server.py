@@ -52,10 +52,6 @@ from hat_split.wire import messages as P
 log = logging.getLogger("hatspec.cloud")
 
 
-NO_TREES = ("draft trees are verified as masked forwards of the torch engine's layers; this cloud runs its model on "
-            "its own caches (llama.cpp, or a model the partition does not know): send chains")
-
-
 def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelFacts:
     """What the handlers need to know of the target; a model without layers (tests' Markov chains) or of an unknown
     family gets a reason the split protocols are refused."""
@@ -63,12 +59,11 @@ def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelF
     if isinstance(lm, LlamaCppLM):  # a GGUF file, no layers here
         return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0,
                           split_refusal="the split protocols (ushape, hat) run on the torch engine; this cloud runs "
-                                        "llama.cpp (hat-cloud serve --engine torch)", tree_refusal=NO_TREES)
+                                        "llama.cpp (hat-cloud serve --engine torch)")
     try:
         check_family(model)
     except ValueError as exc:
-        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc),
-                          tree_refusal=NO_TREES)
+        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc))
     return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, model.config.num_hidden_layers,
                       int(model.config.hidden_size), model_fingerprint(model))
 

@@ -102,9 +102,7 @@ class SplitHandlers(FamilyHandlers):
 
     def _tree(self, parents_wire, n: int, want: int) -> list:
         """A Hidden's draft tree checked (ProtocolError naming what is wrong): the parents of its n states."""
-        if self.model.tree_refusal or not self.config.tree_nodes:
-            raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
-                                                                      "(max_tree_nodes = 0): send chains")
+        self.check_trees_taken()
         parents = P.check_index(parents_wire, "parents", n)
         if want != n:
             raise P.ProtocolError("invalid", f"a draft tree's {n} states all come back: want={want}")
@@ -119,7 +117,7 @@ class SplitHandlers(FamilyHandlers):
         if session.tree_at is None:
             raise P.ProtocolError("invalid", "keep names rows of a draft tree, and this session holds none")
         held = self.work.held(key)
-        rows = P.check_index(keep_wire, "keep", len(keep_wire) if hasattr(keep_wire, "__len__") else 0).tolist()
+        rows = P.check_index(keep_wire, "keep").tolist()
         if held[1] or not rows or rows != sorted(set(rows)) or rows[-1] >= held[0] - session.tree_at:
             raise P.ProtocolError("invalid", f"keep {rows} is not a list of rows of the draft tree held "
                                              f"({held[0] - session.tree_at} positions from {session.tree_at})")

@@ -81,9 +81,8 @@ class TokenHandlers(FamilyHandlers):
         lim = self.limits
         new = P.check_tokens(msg.new_tokens, "new_tokens", lim.vocab_size)
         tree = msg.parents is not None
-        if tree and (self.model.tree_refusal or not self.config.tree_nodes):
-            raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
-                                                                      "(max_tree_nodes = 0): send chains")
+        if tree:
+            self.check_trees_taken()
         draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1,
                                self.config.tree_nodes if tree else lim.max_draft_len)
         L = draft.shape[0]

@@ -34,7 +34,14 @@ class ModelFacts:
     hidden_size: int  # width of the split protocols' states
     fingerprint: str = ""  # hat_split.models.partition.model_fingerprint: a device's parts must come from this model
     split_refusal: str = ""  # why the split protocols cannot run on this model; "" when they can
-    tree_refusal: str = ""  # why this cloud verifies no draft trees (its engine or KV layout); "" when it does
+
+    @property
+    def tree_refusal(self) -> str:
+        """Why this cloud verifies no draft trees ("" when it does): trees run as masked forwards of the layers the
+        batched steps know, which a model on its own caches (llama.cpp) does not have."""
+        return ("draft trees are verified as masked forwards of the torch engine's layers; this cloud runs its model "
+                "on its own caches (llama.cpp, or a model the partition does not know): send chains"
+                if self.split_refusal else "")
 
 
 @dataclass

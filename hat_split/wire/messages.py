@@ -505,11 +505,11 @@ def check_tokens(arr: Any, name: str, vocab_size: int, min_len: int = 0, max_len
     return arr
 
 
-def check_index(arr: Any, name: str, length: int) -> np.ndarray:
-    """A 1-D int16 array of `length` indices (a draft tree's parents, a verdict's path) as int64, or ProtocolError;
+def check_index(arr: Any, name: str, length: Optional[int] = None) -> np.ndarray:
+    """A 1-D int16 array of indices (of `length` when given: a draft tree's parents) as int64, or ProtocolError;
     what the indices must satisfy is the caller's (hat_split.math.tree.check_tree)."""
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != np.int16:
         raise ProtocolError("invalid", f"{name} must be a 1-D int16 tensor")
-    if arr.shape[0] != length:
+    if length is not None and arr.shape[0] != length:
         raise ProtocolError("invalid", f"{name} has {arr.shape[0]} entries, {length} were due")
     return arr.astype(np.int64)
