@@ -7,6 +7,10 @@ cache (`new_state`, `forward` on a `KVState`, `crop`), planned by the same sched
 - a torch model whose layout the partition does not know (hat_split.models.partition.check_family): one forward per
   segment on its HF cache.
 
+A llama.cpp target also verifies draft trees: a tree's positions go into the same `llama_decode` as the other
+sessions' work, on sequence-id sets (hat_split.models.llamacpp_lm), and `keep` keeps the accepted path in place. A
+torch model on its HF cache takes chains only.
+
 So both get what the batched path has: admission against the KV bound (the llama.cpp context's n_ctx, all sessions
 together), the per-session context limit and the session limit, refusals naming the numbers; decode and verify
 segments first each step, prompts chunked into what is left of the token budget; HAT's state monitoring fed with
@@ -31,11 +35,26 @@ from hat_split.wire import messages as P
 log = logging.getLogger("hatspec.cloud")
 
 
+def tree_sequences(max_sessions: int, tree_nodes: int, max_seq: int) -> int:
+    """n_seq_max of a llama.cpp cloud's context: a sequence per session (and one more, for a session reopened while
+    its old state is still held) and, for draft trees of up to `tree_nodes` nodes (a path each, at most one per
+    node), as many as every session's tree at once would take, within llama.cpp's `max_seq`."""
+    states = max_sessions + 1
+    return min(max_seq, states + max_sessions * tree_nodes) if tree_nodes else states
+
+
+def tree_capacity(n_seq_max: int, max_sessions: int) -> int:
+    """The sequences a llama.cpp cloud of n_seq_max keeps for draft trees' paths (tree_sequences): the largest tree
+    one Verify may carry; a step takes the trees whose paths fit what is free and leaves the rest to the next."""
+    return max(0, n_seq_max - max_sessions - 1)
+
+
 @dataclass
 class _Queued:
     tokens: List[int]  # the work's token ids, fed segment by segment
     logits: int  # logits rows of its last positions to return
     tag: Any  # the caller's handle (compute_s, session.compute_s get each step's time)
+    tree: Optional[Tuple[int, ...]] = None  # a draft tree's verify: the parent of each position (−1: the cache's end)
     rows: List[np.ndarray] = field(default_factory=list)  # logits rows of its segments so far
 
 
@@ -62,6 +81,11 @@ class CacheRunner:
     @property
     def _batches(self) -> bool:
         return hasattr(self.lm, "forward_many")
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether the model verifies draft trees (a llama.cpp target); ModelFacts.tree_refusal says so first."""
+        return hasattr(self.lm, "forward_tree") and self._batches
 
     @property
     def kv_used(self) -> int:
@@ -112,21 +136,31 @@ class CacheRunner:
         self.lm.crop(self.caches[key], length)
 
     def keep(self, key: Hashable, start: int, rows: Sequence[int]) -> None:
-        raise P.ProtocolError("invalid", "draft trees are not verified on a model's own caches")
+        """Of a session's positions from `start` on keep only `rows` (offsets, in order): a draft tree's accepted
+        path, kept in place."""
+        if not self.takes_trees:
+            raise P.ProtocolError("invalid", "draft trees are not verified on this model's own caches")
+        try:
+            self.scheduler.crop(key, start + len(rows))
+        except SchedulerRefusal as exc:
+            raise P.ProtocolError(exc.code, exc.message) from None
+        self.lm.keep(self.caches[key], start, rows)
 
     def submit_tokens(self, key: Hashable, tokens: Sequence[int], logits: int, tag: Any,
                       tree: Optional[Sequence[int]] = None) -> None:
         """Queue token ids on a session's cache; the work comes back with the logits `# [logits, vocab]` of its last
-        `logits` positions (None for 0). Refused, nothing queued, when it does not fit; so is a draft tree (the
-        handlers refuse it first: ModelFacts.tree_refusal)."""
-        if tree is not None:
-            raise P.ProtocolError("invalid", "draft trees are not verified on a model's own caches")
-        kind = "decode" if len(tokens) <= self.decode_limit else "prefill"
+        `logits` positions (None for 0). tree: the parent of each position (a draft tree's verify, one decode
+        segment: its mask is whole); refused by a model that takes no trees (the handlers refuse it first:
+        ModelFacts.tree_refusal). Refused, nothing queued, when it does not fit."""
+        if tree is not None and not self.takes_trees:
+            raise P.ProtocolError("invalid", "draft trees are not verified on this model's own caches")
+        kind = "decode" if tree is not None or len(tokens) <= self.decode_limit else "prefill"
         try:
             work = self.scheduler.submit(key, kind, len(tokens), tag)
         except SchedulerRefusal as exc:
             raise P.ProtocolError(exc.code, exc.message) from None
-        self._queued[id(work)] = _Queued(list(tokens), logits, tag)
+        self._queued[id(work)] = _Queued(list(tokens), logits, tag,
+                                         None if tree is None else tuple(int(p) for p in tree))
 
     def submit_states(self, key: Hashable, states: np.ndarray, want: int, tag: Any) -> None:
         raise P.ProtocolError("unsupported", "this cloud's model runs token protocols only")
@@ -144,19 +178,20 @@ class CacheRunner:
         step are dropped (their caches are in an unknown state)."""
         out = Finished()
         t0 = time.perf_counter()
-        batch = self.scheduler.plan()
+        batch = self.scheduler.plan(self._tree_room() if self.takes_trees else None)
         if batch is None:
             return out
-        states, feeds, wants = [], [], []
+        states, feeds, wants, trees = [], [], [], []
         for seg in batch.segments:
             q = self._queued[id(seg.work)]
             first = seg.work.tokens - q.logits  # the work's first position whose logits row is wanted
             states.append(self.caches[seg.session])
             feeds.append(q.tokens[seg.offset:seg.offset + seg.n])
             wants.append(max(0, seg.offset + seg.n - max(seg.offset, first)))
+            trees.append(None if q.tree is None else (q.tree, states[-1].length))  # a decode segment: whole
         try:
             if self._batches:
-                rows = self.lm.forward_many(states, feeds, wants)
+                rows = self.lm.forward_many(states, feeds, wants, trees if any(trees) else None)
             else:
                 rows = [self.lm.forward(s, f, n_logits=k) for s, f, k in zip(states, feeds, wants)]
         except Exception as exc:
@@ -177,6 +212,22 @@ class CacheRunner:
             out.done.append((q.tag, np.concatenate(q.rows) if q.logits else None))
         self.stats.step_s += time.perf_counter() - t0
         return out
+
+    def _tree_room(self):
+        """The scheduler's `fits` for a step: a draft tree's verify joins while llama.cpp's free sequences hold its
+        paths (one per leaf); the others wait for the next step, after this one's trees are kept."""
+        free = [self.lm.free_sequences]
+
+        def fits(work: Any) -> bool:
+            tree = self._queued[id(work)].tree
+            if tree is None:
+                return True
+            need = len(tree) - len({p for p in tree if p >= 0})  # its leaves
+            if need > free[0]:
+                return False
+            free[0] -= need
+            return True
+        return fits
 
     def _fail(self, batch: Batch, why: str) -> Finished:
         out = Finished()

@@ -17,6 +17,7 @@ import time
 from typing import Optional, Sequence
 
 from cloud_runtime import pipeline
+from cloud_runtime.cache_runner import tree_sequences
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.runner import kv_layout
 from cloud_runtime.server import CloudServer
@@ -25,7 +26,7 @@ from hat_split.files.config_file import add_config_argument, config_from_flags
 from hat_split.files.settings import add_flags, overrides
 from hat_split.models import llamacpp_rpc
 from hat_split.models.llamacpp_lib import FALLBACK_NOTE, INSTALL_HINT, llama_cpp_installed
-from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
+from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, max_sequences, model_gguf
 from hat_split.models.llamacpp_rpc import parse_endpoints
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import load_model, load_tokenizer, resolve_dtype, vocab_fingerprint
@@ -183,8 +184,9 @@ def serve_llamacpp(config: CloudConfig) -> int:
     """The target's GGUF file on llama.cpp: token protocols, every session a sequence of one context."""
     t0 = time.perf_counter()
     try:
+        n_seq = tree_sequences(config.max_sessions, config.tree_nodes, max_sequences())  # sessions + trees' paths
         lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(
-            config.n_ctx, config.n_batch, config.threads, n_seq_max=config.max_sessions + 1,
+            config.n_ctx, config.n_batch, config.threads, n_seq_max=n_seq,
             n_gpu_layers=config.n_gpu_layers, rpc=parse_endpoints(config.rpc)))
         tokenizer = load_tokenizer(config.model)
     except (FileNotFoundError, KeyError, ValueError, ImportError, RuntimeError) as exc:

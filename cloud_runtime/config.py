@@ -29,7 +29,8 @@ class CloudConfig:
     max_draft_len: int = setting(16, "tokens: longest draft accepted in one Verify (bounds verify latency and "
                                  "memory)")
     max_tree_nodes: int = setting(64, "nodes: largest draft tree accepted in one Verify (hat_split.math.tree; "
-                                  "verified in one forward; at most token_budget - 1); 0: chains only")
+                                  "verified in one forward; at most token_budget - 1; llama.cpp: also within the "
+                                  "sequence ids its sessions leave free); 0: chains only")
     max_tree_depth: int = setting(8, "levels: deepest draft tree accepted in one Verify")
     max_context: int = setting(8192, "tokens (positions) per session, prompt + generated (bounds KV memory)")
     max_generate: int = setting(256, "tokens one Generate request may ask for (bounds one request's time)")

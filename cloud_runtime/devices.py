@@ -86,8 +86,8 @@ class DeviceRegistry:
             max_context=self.config.max_context,
             protocols=list(SERVED),
             software=SOFTWARE,
-            max_tree_nodes=0 if self.model.tree_refusal else self.config.tree_nodes,
-            max_tree_depth=0 if self.model.tree_refusal else self.config.max_tree_depth,
+            max_tree_nodes=self.model.tree_nodes(self.config.tree_nodes),
+            max_tree_depth=self.config.max_tree_depth if self.model.tree_nodes(self.config.tree_nodes) else 0,
         )
 
     def report(self, identity: bytes, msg: P.Report) -> None:

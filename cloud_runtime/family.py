@@ -22,8 +22,13 @@ class FamilyHandlers:
         self.admission = admission
         self.arrival = arrival
 
+    @property
+    def tree_nodes(self) -> int:
+        """The largest draft tree a Verify may carry here (the Welcome's max_tree_nodes)."""
+        return self.model.tree_nodes(self.config.tree_nodes)
+
     def check_trees_taken(self) -> None:
         """ProtocolError, with the reason, when this cloud takes no draft trees (its model, or max_tree_nodes 0)."""
-        if self.model.tree_refusal or not self.config.tree_nodes:
+        if not self.tree_nodes:
             raise P.ProtocolError("invalid", self.model.tree_refusal or "this cloud takes no draft trees "
                                                                       "(max_tree_nodes = 0): send chains")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Tuple
 
 KINDS = ("prefill", "decode")
 OVER_SHARE = 1.25  # a device whose recent usage exceeds this many times the mean of the active devices
@@ -226,9 +226,10 @@ class Scheduler:
         return list(s.queue) if s else []
 
     # -- steps ----------------------------------------------------------------------------------------------------
-    def plan(self) -> Optional[Batch]:
+    def plan(self, fits: Optional[Callable[[Work], bool]] = None) -> Optional[Batch]:
         """The next step's batch (None when nothing waits or `max_in_flight` batches are out). `complete` each batch,
-        in the order planned."""
+        in the order planned. fits: asked of each decode work the step has room for, in turn; False leaves it to a
+        later step (a resource of the runner's own is short: llama.cpp's sequence ids for draft trees)."""
         if len(self._in_flight) >= self.config.max_in_flight:
             return None
         heads = [w for w in (s.head() for s in self.sessions.values()) if w is not None]
@@ -244,7 +245,7 @@ class Scheduler:
         segments: List[Segment] = []
         used = 0
         for w in self._turns(decodes, lambda w: (self.sessions[w.session].served_at, w.order), over):
-            if used + w.tokens <= room:
+            if used + w.tokens <= room and (fits is None or fits(w)):
                 segments.append(self._segment(w, w.tokens))
                 used += w.tokens
         within = [w for w in prefills if self._owner(w) not in over]

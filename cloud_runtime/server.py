@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import zmq
 
 from cloud_runtime.batching import Batcher, Finished
-from cloud_runtime.cache_runner import CacheRunner
+from cloud_runtime.cache_runner import CacheRunner, tree_capacity
 from cloud_runtime.config import CloudConfig, device_kv_share
 from cloud_runtime.dashboard import Dashboard
 from cloud_runtime.fleet import fleet_view
@@ -52,18 +52,26 @@ from hat_split.wire import messages as P
 log = logging.getLogger("hatspec.cloud")
 
 
-def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str) -> ModelFacts:
+def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str, max_sessions: int = 1) -> ModelFacts:
     """What the handlers need to know of the target; a model without layers (tests' Markov chains) or of an unknown
-    family gets a reason the split protocols are refused."""
+    family gets a reason the split protocols and draft trees are refused. A llama.cpp target takes trees of as many
+    nodes as its sequence ids give each of `max_sessions` sessions at once (cloud_runtime.cache_runner)."""
     model = getattr(lm, "model", None)
     if isinstance(lm, LlamaCppLM):  # a GGUF file, no layers here
+        nodes = tree_capacity(lm.settings.n_seq_max, max_sessions)
         return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0,
                           split_refusal="the split protocols (ushape, hat) run on the torch engine; this cloud runs "
-                                        "llama.cpp (hat-cloud serve --engine torch)")
+                                        "llama.cpp (hat-cloud serve --engine torch)",
+                          tree_refusal="" if nodes else (
+                              f"this llama.cpp cloud's {lm.settings.n_seq_max} sequence ids are all its "
+                              f"{max_sessions} sessions': it verifies no draft trees (fewer --max-sessions)"),
+                          max_tree_nodes=nodes)
     try:
         check_family(model)
     except ValueError as exc:
-        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc))
+        return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, 0, 0, split_refusal=str(exc),
+                          tree_refusal="draft trees are verified as masked forwards of the layers the partition "
+                                       f"knows: {exc}; send chains")
     return ModelFacts(model_name, vocab_fingerprint, lm.vocab_size, model.config.num_hidden_layers,
                       int(model.config.hidden_size), model_fingerprint(model))
 
@@ -106,7 +114,7 @@ class CloudServer:
         cloud_runtime.pipeline.PipelineExecutor for pipeline stages)."""
         self.config = config
         self.model_name = model_name
-        facts = model_facts(lm, model_name, vocab_fingerprint)
+        facts = model_facts(lm, model_name, vocab_fingerprint, config.max_sessions)
         self.load = DelayModel()  # HAT state monitoring of the batched steps (eq. 1-2)
         if facts.split_refusal:  # a layout the batched steps do not know
             if executor is not None:

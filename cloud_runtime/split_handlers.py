@@ -107,7 +107,7 @@ class SplitHandlers(FamilyHandlers):
         if want != n:
             raise P.ProtocolError("invalid", f"a draft tree's {n} states all come back: want={want}")
         try:  # the root (and any chain before it) plus at most max_tree_nodes nodes, one level more
-            check_tree(parents, np.arange(n), self.config.tree_nodes + 1, self.config.max_tree_depth + 1)
+            check_tree(parents, np.arange(n), self.tree_nodes + 1, self.config.max_tree_depth + 1)
         except ValueError as exc:
             raise P.ProtocolError("invalid", f"draft tree: {exc}") from None
         return parents.tolist()

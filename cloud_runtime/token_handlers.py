@@ -84,7 +84,7 @@ class TokenHandlers(FamilyHandlers):
         if tree:
             self.check_trees_taken()
         draft = P.check_tokens(msg.draft, "draft", lim.vocab_size, 1,
-                               self.config.tree_nodes if tree else lim.max_draft_len)
+                               self.tree_nodes if tree else lim.max_draft_len)
         L = draft.shape[0]
         parents = self._tree(draft, msg.parents) if tree else None
         if len(session.tokens) + new.shape[0] + L + 1 > lim.max_context:
@@ -105,7 +105,7 @@ class TokenHandlers(FamilyHandlers):
         """A Verify's draft tree checked (ProtocolError naming what is wrong); its parents `# [L]` int64."""
         parents = P.check_index(parents_wire, "parents", draft.shape[0])
         try:
-            check_tree(parents, draft, self.config.tree_nodes, self.config.max_tree_depth)
+            check_tree(parents, draft, self.tree_nodes, self.config.max_tree_depth)
         except ValueError as exc:
             raise P.ProtocolError("invalid", f"draft tree: {exc}") from None
         return parents

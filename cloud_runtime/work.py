@@ -34,14 +34,14 @@ class ModelFacts:
     hidden_size: int  # width of the split protocols' states
     fingerprint: str = ""  # hat_split.models.partition.model_fingerprint: a device's parts must come from this model
     split_refusal: str = ""  # why the split protocols cannot run on this model; "" when they can
+    tree_refusal: str = ""  # why this model verifies no draft trees; "" when it does
+    max_tree_nodes: int = 1024  # the most nodes one tree may have on this model's caches (llama.cpp: what its
+    #                             sequence ids allow every session at once)
 
-    @property
-    def tree_refusal(self) -> str:
-        """Why this cloud verifies no draft trees ("" when it does): trees run as masked forwards of the layers the
-        batched steps know, which a model on its own caches (llama.cpp) does not have."""
-        return ("draft trees are verified as masked forwards of the torch engine's layers; this cloud runs its model "
-                "on its own caches (llama.cpp, or a model the partition does not know): send chains"
-                if self.split_refusal else "")
+    def tree_nodes(self, config_nodes: int) -> int:
+        """The largest draft tree a Verify may carry here: the config's (CloudConfig.tree_nodes) within the model's
+        own limit; 0 when the model takes no trees."""
+        return 0 if self.tree_refusal else min(config_nodes, self.max_tree_nodes)
 
 
 @dataclass

@@ -293,7 +293,7 @@ class EdgeConfig:
     tree_nodes: int = setting(0, "`sd` drafts a tree of at most this many nodes per round (hat_split.math.tree: "
                               "EAGLE-2's dynamic tree by path probability, verified in one cloud forward, exact at "
                               "every temperature; draft_stop_prob ends it where its main line would stop); 0: a "
-                              "chain of draft_len (trees need the torch engine's model draft and a cloud that "
+                              "chain of draft_len (trees need the torch or llamacpp engine's model draft and a cloud that "
                               "verifies them)")
     tree_depth: int = setting(6, "levels of a draft tree at most (the cloud's Welcome may allow fewer)")
     tree_width: int = setting(2, "new nodes per level of a draft tree, placed where the draft expects them "
@@ -328,9 +328,9 @@ class EdgeConfig:
         if not 0 <= self.tree_nodes <= 1024 or not 1 <= self.tree_depth <= 64 or not 1 <= self.tree_width <= 64:
             raise ValueError(f"tree_nodes must be in 0..1024, tree_depth and tree_width in 1..64; got "
                              f"{self.tree_nodes}, {self.tree_depth}, {self.tree_width}")
-        if self.tree_nodes and (self.engine.backend != "torch" or self.engine.token_draft != "model"):
-            raise ValueError("draft trees (tree_nodes > 0) run on the torch backend's model draft (engine.backend "
-                             "torch, engine.token_draft model)")
+        if self.tree_nodes and (self.engine.backend not in ("torch", "llamacpp") or self.engine.token_draft != "model"):
+            raise ValueError("draft trees (tree_nodes > 0) run on the draft model of the torch or llamacpp backend "
+                             "(engine.token_draft model)")
         if self.dist_dtype not in WIRE_DTYPES:
             raise ValueError(f"dist_dtype must be one of {WIRE_DTYPES}, got {self.dist_dtype!r}")
         if self.dist_format not in DIST_FORMATS:

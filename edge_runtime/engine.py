@@ -18,7 +18,7 @@ from edge_runtime.backends.split_parts import TorchSplitParts
 from edge_runtime.config import EdgeConfig, SplitConfig
 from hat_split.extras import need
 from hat_split.files.bundle import BundleError
-from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
+from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, max_sequences, model_gguf
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import eos_ids, load_model, load_tokenizer, quantize_weights, vocab_fingerprint
 from hat_split.models.partition import SplitModel, holds_all_layers
@@ -156,9 +156,13 @@ def open_engine(config: EdgeConfig, loaded: Any = None) -> Engine:
         raise ValueError(f"backend {engine.backend} runs {what}; it takes no pre-loaded torch model")
     if engine.backend == "llamacpp":  # the model's GGUF file on llama.cpp: no torch model on the device
         # sequences: a request's drafter state and the next one's overlap for a moment (a state's id is freed when it
-        # is dropped); they share the n_ctx positions
+        # is dropped), and two of them a draft tree's paths (at most one per node); they share the n_ctx positions
+        seqs = 4 + 2 * config.tree_nodes
+        if seqs > max_sequences():
+            raise ValueError(f"draft trees of {config.tree_nodes} nodes need {seqs} llama.cpp sequences, this build "
+                             f"has {max_sequences()}: fewer tree_nodes")
         lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads,
-                                                                   n_seq_max=4, n_gpu_layers=engine.n_gpu_layers))
+                                                                   n_seq_max=seqs, n_gpu_layers=engine.n_gpu_layers))
         tokenizer = load_tokenizer(config.model)
         name = get_model_spec(config.model).name if config.model in MODELS else str(config.model)
         lm.warm_up()

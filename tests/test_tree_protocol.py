@@ -155,6 +155,7 @@ def test_a_step_budget_below_the_tree_limit_caps_it(tiny_pair):
 def test_tree_settings_are_checked():
     with pytest.raises(ValueError, match="tree_nodes"):
         EdgeConfig(model="tiny", tree_nodes=-1)
-    with pytest.raises(ValueError, match="torch backend"):
-        EdgeConfig(model="tiny", tree_nodes=8, engine=EdgeConfig.__dataclass_fields__["engine"].default.__class__(
-            backend="llamacpp"))
+    engine = EdgeConfig.__dataclass_fields__["engine"].default.__class__
+    with pytest.raises(ValueError, match="draft model of the torch or llamacpp backend"):  # a bundle drafts chains
+        EdgeConfig(model="tiny", tree_nodes=8, engine=engine(backend="onnxruntime", bundle="b"))
+    EdgeConfig(model="tiny", tree_nodes=8, engine=engine(backend="llamacpp"))

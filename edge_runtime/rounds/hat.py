@@ -34,8 +34,8 @@ def tree_round_hat(session: SplitSession) -> None:
     dev = session.drafter
     welcome = session.client.welcome
     if not welcome.max_tree_nodes:
-        raise ValueError("this cloud verifies no draft trees (an older cloud, or llama.cpp): set split.tree_nodes = 0 "
-                         "for chains")
+        raise ValueError("this cloud verifies no draft trees (an older cloud, or max_tree_nodes 0): set "
+                         "split.tree_nodes = 0 for chains")
     depth = max(1, min(c.tree_depth, welcome.max_tree_depth, session.remaining - 1))
     t0 = time.perf_counter()
     draft = dev.draft_tree(min(c.tree_nodes, welcome.max_tree_nodes), depth, c.tree_width, c.draft_stop_prob)

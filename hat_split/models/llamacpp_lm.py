@@ -7,6 +7,14 @@ sequence id of that context (its `cache`), a forward appends the state's tokens 
 whole row), and a crop removes the sequence's positions from the KV cache (`llama_memory_seq_rm`): the prefix is
 never recomputed. A state's sequence id goes back to the pool when the state is garbage-collected.
 
+Draft trees (`forward_tree`, `keep`, and trees in `forward_many`) run on sequence-id sets: every root-to-tip path of a
+tree is a sequence of its own (from the pool), holding the state's prefix (`llama_memory_seq_cp`, which with the
+unified cache only marks the cells) and the path's nodes at positions prefix + depth; a node in a batch belongs to
+every path through it and is masked by the first, so each node attends to its prefix, its ancestors and itself (the
+cells of its descendants on that path sit at later positions, masked causally). `keep` moves the accepted path's
+cells into the state's own sequence and removes the tree's sequences: the other branches' cells are freed, the
+path's stay where they are, nothing is recomputed.
+
 llama-cpp-python is optional (scripts/install_llamacpp.sh builds it for this machine's CPU): a model needs it, and
 hat_split.models.llamacpp_lib says how to install it.
 """
@@ -17,9 +25,9 @@ import gc
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -46,7 +54,8 @@ class LlamaCppSettings:
     #                    over the sequences held at once
     n_batch: int = 512  # tokens per llama_decode: a longer chunk is fed in several calls
     n_threads: int = 0  # CPU threads; 0 = every core this process may use
-    n_seq_max: int = 1  # states held at once (sequence ids): 1 on a device, one per session in a cloud
+    n_seq_max: int = 1  # sequence ids: states held at once (1 on a device, one per session in a cloud) plus the
+    #                     paths of the draft trees cached at once (a tree of N nodes needs at most N)
     flash_attn: bool = True  # llama.cpp's fused attention: faster on long contexts; its rounding differs slightly
     n_gpu_layers: int = -1  # layers on the offload devices (a CUDA build's GPUs, or the RPC servers); -1: all. A
     #                         CPU build has no offload device: everything runs on the CPU
@@ -56,6 +65,38 @@ class LlamaCppSettings:
     def __post_init__(self) -> None:
         if self.n_ctx < 8 or self.n_batch < 1 or self.n_threads < 0 or self.n_seq_max < 1:
             raise ValueError("llama.cpp needs n_ctx >= 8, n_batch >= 1, n_threads >= 0 and n_seq_max >= 1")
+
+
+def max_sequences() -> int:
+    """The most sequence ids a llama.cpp context may have (LLAMA_MAX_SEQ of the installed build)."""
+    return int(require_llama_cpp().llama_max_parallel_sequences())
+
+
+@dataclass
+class _Tree:
+    """A draft tree cached on a state: its nodes' parents and depths, and the sequences of its paths."""
+
+    start: int  # the state's length when the tree began: the position of a depth-0 node
+    parents: List[int] = field(default_factory=list)
+    depth: List[int] = field(default_factory=list)
+    seq_of: List[int] = field(default_factory=list)  # a sequence through each node (its cells: the node's path)
+    tips: Dict[int, int] = field(default_factory=dict)  # sequence → the node its path ends at
+
+    @property
+    def seqs(self) -> List[int]:
+        return list(self.tips)
+
+
+@dataclass
+class _TreePlan:
+    """What one tree feed does, worked out before anything changes: sequences to take (placeholders −1, −2, …),
+    prefix copies to make, and each new node's position and sequence ids (the masking one first)."""
+
+    tree: _Tree
+    copies: List[Tuple[int, int, int]]  # (source, destination placeholder, end position, −1 = all)
+    positions: List[int]
+    seq_ids: List[List[int]]
+    taken: int  # sequences it needs from the pool
 
 
 class LlamaCppLM:
@@ -96,8 +137,9 @@ class LlamaCppLM:
             raise ValueError(f"llama.cpp could not make a context of {settings.n_ctx} positions for {self.path}")
         self._memory = L.llama_get_memory(self._ctx)
         self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))  # width of a logits row
-        self._batch = L.llama_batch_init(settings.n_batch, 0, 1)
+        self._batch = L.llama_batch_init(settings.n_batch, 0, settings.n_seq_max)
         self._free: List[int] = list(range(settings.n_seq_max))
+        self._trees: Dict[int, _Tree] = {}  # a state's sequence → the draft tree cached after it, until keep / crop
         self._closed = False
 
     def kv_bytes_per_position(self) -> int:
@@ -105,6 +147,11 @@ class LlamaCppLM:
         L, m = self._L, self._model
         heads, kv_heads = L.llama_model_n_head(m), L.llama_model_n_head_kv(m)
         return 2 * L.llama_model_n_layer(m) * kv_heads * (L.llama_model_n_embd(m) // max(heads, 1)) * 2
+
+    @property
+    def free_sequences(self) -> int:
+        """Sequence ids free now: for new states, or for draft trees' paths (one per leaf of a tree)."""
+        return len(self._free)
 
     # -- states ----------------------------------------------------------------------------------------------------
     def new_state(self) -> KVState:
@@ -121,8 +168,16 @@ class LlamaCppLM:
 
     def _release(self, seq: int) -> None:
         if not self._closed:
+            self._drop_tree(seq)
             self._L.llama_memory_seq_rm(self._memory, seq, -1, -1)
             self._free.append(seq)
+
+    def _drop_tree(self, seq: int) -> None:
+        """Remove the tree cached after sequence `seq` (its cells and sequences), if any."""
+        tree = self._trees.pop(seq, None)
+        for s in tree.seqs if tree is not None else ():
+            self._L.llama_memory_seq_rm(self._memory, s, -1, -1)
+            self._free.append(s)
 
     # -- compute ---------------------------------------------------------------------------------------------------
     def forward(self, state: KVState, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
@@ -130,16 +185,26 @@ class LlamaCppLM:
         n_logits positions (0: an empty array)."""
         return self.forward_many([state], [tokens], [n_logits])[0]
 
-    def forward_many(self, states: Sequence[KVState], feeds: Sequence[Sequence[int]],
-                     n_logits: Sequence[int]) -> List[np.ndarray]:
+    def forward_tree(self, state: KVState, parents: Sequence[int], tokens: Sequence[int], start: int) -> np.ndarray:
+        """A draft tree's new nodes (the last len(tokens) entries of `parents`, the tree so far; −1 = below the
+        state's last position) on a tree begun at cache position `start`; float32 logits `# [len(tokens), vocab]`
+        after each new node (hat_split.models.tree_lm.TreeLM's interface)."""
+        if not tokens:
+            raise ValueError("a tree step needs at least one node")
+        return self.forward_many([state], [tokens], [len(tokens)], [(parents, start)])[0]
+
+    def forward_many(self, states: Sequence[KVState], feeds: Sequence[Sequence[int]], n_logits: Sequence[int],
+                     trees: Optional[Sequence[Optional[Tuple[Sequence[int], int]]]] = None) -> List[np.ndarray]:
         """Several states' chunks in as few `llama_decode` calls as n_batch allows (one batch, one sequence id per
-        state): a cloud's step of many sessions. Returns each state's `# [n_logits_i, vocab]`; nothing changes when a
-        feed is refused."""
-        if not len(states) == len(feeds) == len(n_logits):
-            raise ValueError("forward_many needs one feed and one n_logits per state")
+        state): a cloud's step of many sessions. trees[i]: None for a chain, or (parents of the tree so far, the
+        position it began at) when feed i is that tree's last len(feed) nodes (`forward_tree`). Returns each
+        state's `# [n_logits_i, vocab]`; nothing changes when a feed is refused."""
+        trees = list(trees) if trees is not None else [None] * len(states)
+        if not len(states) == len(feeds) == len(n_logits) == len(trees):
+            raise ValueError("forward_many needs one feed, one n_logits and one tree (or None) per state")
         if len({id(s) for s in states}) != len(states):
             raise ValueError("a state may appear once per forward_many")
-        for state, tokens, k in zip(states, feeds, n_logits):
+        for state, tokens, k, tree in zip(states, feeds, n_logits, trees):
             check_feed(len(tokens), k)
             bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
             if bad:
@@ -147,20 +212,107 @@ class LlamaCppLM:
             if state.length + len(tokens) > self.settings.n_ctx:
                 raise ValueError(f"a context of {state.length + len(tokens)} positions is longer than the "
                                  f"{self.settings.n_ctx} configured (n_ctx)")
-        # every position as (state index, index in its feed); rows wanted: the last n_logits of each feed
-        items = [(i, j) for i, tokens in enumerate(feeds) for j in range(len(tokens))]
+            if tree is None and state.cache in self._trees:
+                raise ValueError("this state holds a draft tree: keep its accepted path or crop it first")
+            if tree is not None and len(tokens) > self.settings.n_batch:
+                raise ValueError(f"a tree step of {len(tokens)} nodes is longer than one batch (n_batch = "
+                                 f"{self.settings.n_batch})")
+        plans = [self._plan_tree(s, t[0], len(f), t[1]) if t is not None else None
+                 for s, f, t in zip(states, feeds, trees)]
+        need = sum(p.taken for p in plans if p is not None)
+        if need > len(self._free):
+            raise RuntimeError(f"the draft trees of this step need {need} llama.cpp sequences, {len(self._free)} are "
+                               f"free (n_seq_max = {self.settings.n_seq_max})")
+        taken = [self._free.pop(0) for _ in range(need)]
+        real = iter(taken)
+        for plan in plans:  # placeholders → sequence ids, the prefixes marked as theirs
+            if plan is None:
+                continue
+            ids = {-1 - j: next(real) for j in range(plan.taken)}
+            plan.seq_ids = [[ids.get(s, s) for s in row] for row in plan.seq_ids]
+            plan.tree.seq_of = [ids.get(s, s) for s in plan.tree.seq_of]
+            plan.tree.tips = {ids.get(s, s): n for s, n in plan.tree.tips.items()}
+            for src, dst, end in plan.copies:
+                self._L.llama_memory_seq_cp(self._memory, ids.get(src, src), ids[dst], -1, end)
+        try:
+            outs = self._decode(states, feeds, n_logits, plans)
+        except RuntimeError:
+            for s in taken:  # the states' caches are in an unknown state: their owner drops them
+                self._L.llama_memory_seq_rm(self._memory, s, -1, -1)
+                self._free.append(s)
+            raise
+        for state, plan in zip(states, plans):
+            if plan is not None:
+                self._trees[state.cache] = plan.tree
+        return outs
+
+    def _plan_tree(self, state: KVState, parents: Sequence[int], n_new: int, start: int) -> _TreePlan:
+        """How the last n_new nodes of the tree `parents` (begun at `start`) join the state's cached tree; a
+        ValueError, nothing changed, when they cannot."""
+        held = self._trees.get(state.cache)
+        parents = [int(p) for p in parents]
+        old = 0 if held is None else len(held.parents)
+        if held is None and start != state.length:
+            raise ValueError(f"a new draft tree begins at the state's length {state.length}, not at {start}")
+        if held is not None and (start != held.start or parents[:old] != held.parents):
+            raise ValueError("a tree step must extend the draft tree this state holds (same start, same earlier "
+                             "nodes)")
+        if len(parents) != old + n_new:
+            raise ValueError(f"a tree of {len(parents)} nodes cannot have {n_new} new after {old} cached")
+        tree = _Tree(start, list(parents[:old]), *(([], [], {}) if held is None else
+                                                 (list(held.depth), list(held.seq_of), dict(held.tips))))
+        copies, positions, seq_ids, taken = [], [], [], 0
+        for i in range(old, len(parents)):
+            p = parents[i]
+            if not -1 <= p < i:
+                raise ValueError(f"node {i}'s parent {p} is not an earlier node or -1")
+            tree.parents.append(p)
+            tree.depth.append(0 if p < 0 else tree.depth[p] + 1)
+            positions.append(start + tree.depth[i])
+            tip = next((s for s, n in tree.tips.items() if n == p), None) if p >= 0 else None
+            if tip is None:  # a new path: a sequence of its own holding the prefix and the node's cached ancestors
+                taken += 1
+                tip = -taken
+                anc = p
+                while anc >= old:  # ancestors in this batch carry the new sequence too
+                    seq_ids[anc - old].append(tip)
+                    anc = tree.parents[anc]
+                copies.append((state.cache, tip, -1) if anc < 0 else (tree.seq_of[anc], tip,
+                                                                       start + tree.depth[anc] + 1))
+            tree.tips[tip] = i
+            tree.seq_of.append(tip)
+            seq_ids.append([tip])
+        return _TreePlan(tree, copies, positions, seq_ids, taken)
+
+    def _decode(self, states: Sequence[KVState], feeds: Sequence[Sequence[int]], n_logits: Sequence[int],
+                plans: Sequence[Optional[_TreePlan]]) -> List[np.ndarray]:
+        """The batches: every position as (state index, index in its feed), a tree's nodes never split between two
+        llama_decode calls; the rows wanted are the last n_logits of each feed."""
+        chunks: List[List[Tuple[int, int]]] = [[]]
+        step = self.settings.n_batch
+        for i, tokens in enumerate(feeds):
+            if plans[i] is not None and len(chunks[-1]) + len(tokens) > step:
+                chunks.append([])
+            for j in range(len(tokens)):
+                if len(chunks[-1]) == step:
+                    chunks.append([])
+                chunks[-1].append((i, j))
         outs = [np.empty((k, self.vocab_size), dtype=np.float32) for k in n_logits]
-        L, b, step = self._L, self._batch, self.settings.n_batch
+        L, b = self._L, self._batch
         t0 = time.perf_counter()
-        for lo in range(0, len(items), step):
-            chunk = items[lo:lo + step]
+        for chunk in chunks:
+            if not chunk:
+                continue
             wanted = []
             for slot, (i, j) in enumerate(chunk):
                 first = len(feeds[i]) - n_logits[i]
                 b.token[slot] = int(feeds[i][j])
-                b.pos[slot] = states[i].length + j
-                b.n_seq_id[slot] = 1
-                b.seq_id[slot][0] = states[i].cache
+                plan = plans[i]
+                seqs = [states[i].cache] if plan is None else plan.seq_ids[j]
+                b.pos[slot] = states[i].length + j if plan is None else plan.positions[j]
+                b.n_seq_id[slot] = len(seqs)
+                for k, s in enumerate(seqs):
+                    b.seq_id[slot][k] = s
                 b.logits[slot] = j >= first
                 if j >= first:
                     wanted.append((slot, i, j - first))
@@ -175,16 +327,51 @@ class LlamaCppLM:
                 ptr = ctypes.cast(L.llama_get_logits_ith(self._ctx, slot), ctypes.POINTER(ctypes.c_float))
                 outs[i][row] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
         dt = time.perf_counter() - t0
-        total = max(1, len(items))
+        total = max(1, sum(len(f) for f in feeds))
         for state, tokens in zip(states, feeds):
             state.length += len(tokens)
             state.forward_s += dt * len(tokens) / total  # the step's time, shared by tokens
             state.forward_tokens += len(tokens)
         return outs
 
+    def keep(self, state: KVState, start: int, rows: Sequence[int]) -> None:
+        """Of the draft tree cached on the state, keep the positions from `start` on that are `rows` (offsets from
+        start; with the tree's nodes before start, a path from its top): their cells join the state's sequence in
+        place, every other node's cells are freed."""
+        tree = self._trees.get(state.cache)
+        if tree is None:  # a chain (a tree none of whose nodes were cached): rows in place are a crop
+            if [int(r) for r in rows] != list(range(len(rows))) or not 0 <= start + len(rows) <= state.length:
+                raise ValueError(f"this state holds no draft tree: rows {list(rows)} after position {start} are not "
+                                 "its positions in place")
+            self.crop(state, start + len(rows))
+            return
+        if not tree.start <= start <= state.length:
+            raise ValueError(f"cannot keep from position {start}: the tree holds positions {tree.start}.."
+                             f"{state.length - 1}")
+        kept = list(range(start - tree.start)) + [start - tree.start + int(r) for r in rows]
+        for k, node in enumerate(kept):
+            if not 0 <= node < len(tree.parents) or tree.parents[node] != (kept[k - 1] if k else -1):
+                raise ValueError(f"rows {list(rows)} after position {start} are not a path of the draft tree "
+                                 "from its top")
+        if kept:
+            last = kept[-1]
+            self._L.llama_memory_seq_cp(self._memory, tree.seq_of[last], state.cache, tree.start,
+                                        tree.start + tree.depth[last] + 1)
+        self._drop_tree(state.cache)
+        state.length = tree.start + len(kept)
+
     def crop(self, state: KVState, length: int) -> None:
-        """Drop the state's positions >= length from the KV cache (rejected drafts)."""
+        """Drop the state's positions >= length from the KV cache (rejected drafts); a draft tree goes whole (a
+        length inside it is refused: keep its path instead)."""
         check_crop(state, length)
+        tree = self._trees.get(state.cache)
+        if tree is not None:
+            if tree.start < length < state.length:
+                raise ValueError(f"cannot crop a draft tree (positions {tree.start}..{state.length - 1}) to "
+                                 f"{length}: keep its accepted path")
+            if length < state.length:
+                self._drop_tree(state.cache)
+                state.length = min(state.length, tree.start)
         if length < state.length:
             if not self._L.llama_memory_seq_rm(self._memory, state.cache, length, -1):
                 raise RuntimeError(f"llama.cpp could not remove positions {length}.. of sequence {state.cache}")
