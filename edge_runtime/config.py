@@ -293,8 +293,8 @@ class EdgeConfig:
     tree_nodes: int = setting(0, "`sd` drafts a tree of at most this many nodes per round (hat_split.math.tree: "
                               "EAGLE-2's dynamic tree by path probability, verified in one cloud forward, exact at "
                               "every temperature; draft_stop_prob ends it where its main line would stop); 0: a "
-                              "chain of draft_len (trees need the torch or llamacpp engine's model draft and a cloud that "
-                              "verifies them)")
+                              "chain of draft_len (trees need the torch or llamacpp engine's model draft and a "
+                              "cloud that verifies them)")
     tree_depth: int = setting(6, "levels of a draft tree at most (the cloud's Welcome may allow fewer)")
     tree_width: int = setting(2, "new nodes per level of a draft tree, placed where the draft expects them "
                               "accepted most (the first child of the main line always: a tree holds the chain of "

@@ -242,8 +242,9 @@ def _client(endpoint, fingerprint, vocab):
 
 def test_a_llama_cpp_cloud_verifies_trees_from_both_engines(smollm2_gguf, smollm2, smollm2_ids):
     """Greedy tree `sd` over a llama.cpp target gives its own tokens (up to llama.cpp's numerics: `assert_greedy`),
-    the device drafting on llama.cpp or on torch, two devices at once; a malformed tree is refused with the reason and the session goes on; a cloud whose
-    sessions take every sequence states 0 nodes and the device is told before sending."""
+    the device drafting on llama.cpp or on torch, two devices at once; a malformed tree is refused with the reason
+    and the session goes on; a cloud whose sessions take every sequence states 0 nodes and the device is told before
+    sending."""
     from edge_runtime.client import CloudError
     from hat_split.wire import dist_codec
     from hat_split.wire import messages as P

@@ -29,9 +29,9 @@ def tree_round(session: TokenSession, nodes: int, depth: int, width: int, dist_f
     t0, before = time.perf_counter(), len(session.generated)
     welcome = session.client.welcome
     if not welcome.max_tree_nodes:
-        raise ValueError("this cloud verifies no draft trees (an older cloud, max_tree_nodes 0, a llama.cpp cloud whose "
-                         "sequence ids its sessions take, or a model the partition does not know): set tree_nodes = 0 "
-                         "for chains")
+        raise ValueError("this cloud verifies no draft trees (an older cloud, max_tree_nodes 0, a llama.cpp cloud "
+                         "whose sequence ids its sessions take, or a model the partition does not know): set "
+                         "tree_nodes = 0 for chains")
     depth = max(1, min(depth, welcome.max_tree_depth, session.remaining - 1))
     tree, rows = session.drafter.draft_tree(min(nodes, welcome.max_tree_nodes), depth, width, session.rng,
                                             stop_below)
