@@ -156,11 +156,12 @@ def open_engine(config: EdgeConfig, loaded: Any = None) -> Engine:
         raise ValueError(f"backend {engine.backend} runs {what}; it takes no pre-loaded torch model")
     if engine.backend == "llamacpp":  # the model's GGUF file on llama.cpp: no torch model on the device
         # sequences: a request's drafter state and the next one's overlap for a moment (a state's id is freed when it
-        # is dropped), and two of them a draft tree's paths (at most one per node); they share the n_ctx positions
-        seqs = 4 + 2 * config.tree_nodes
-        if seqs > max_sequences():
-            raise ValueError(f"draft trees of {config.tree_nodes} nodes need {seqs} llama.cpp sequences, this build "
-                             f"has {max_sequences()}: fewer tree_nodes")
+        # is dropped), and two of them a draft tree's paths (at most one per node; room for 64-node trees whatever
+        # this request's tree_nodes, as later requests may change it); they share the n_ctx positions
+        if 4 + 2 * config.tree_nodes > max_sequences():
+            raise ValueError(f"draft trees of {config.tree_nodes} nodes need {4 + 2 * config.tree_nodes} llama.cpp "
+                             f"sequences, this build has {max_sequences()}: fewer tree_nodes")
+        seqs = min(max_sequences(), 4 + 2 * max(config.tree_nodes, 64))
         lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads,
                                                                    n_seq_max=seqs, n_gpu_layers=engine.n_gpu_layers))
         tokenizer = load_tokenizer(config.model)

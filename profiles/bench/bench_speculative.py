@@ -5,7 +5,8 @@ Systems, side by side on the same prompts (token ids fixed once), greedy:
   1. Hugging Face: target alone, draft alone, assisted generation (`assistant_model=`) — in a child process that
      exits before the hatspec phase, so the machine holds one set of models at a time; per prompt the three run in
      turn;
-  2. hatspec: `llm` (the target alone through the same cloud and link: the baseline every speedup is taken against),
+  2. hatspec (`--engine torch`, or `--engine llamacpp`: both sides on the GGUF files, one thread each, no HF
+     phase): `llm` (the target alone through the same cloud and link: the baseline every speedup is taken against),
      `slm` (the draft alone through the same code path: its per-token time includes the draft's overheads), every
      `sd` variant and `hlm`; a real `hat-cloud serve` process and the edge runtime in this process over loopback
      (profiles.bench.rig). Per prompt every system runs in turn, the order rotating from prompt to prompt, so a
@@ -35,6 +36,7 @@ from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.speedup import speedup_report
 from hat_split.models.chat import encode
+from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.models.loading import load_tokenizer, resolve_dtype
 from hat_split.prompt_sets import calibration_prompts, evaluation_prompts
 from profiles.bench.bench_args import parse_trees, parse_variants, tree_name, variant_name
@@ -67,6 +69,9 @@ def add_parser(sub) -> None:
                         "for every system; the HF baselines stay greedy)")
     s.add_argument("--link", default="", help="a link profile (testbed.links, e.g. wifi-far, lte) in front of the "
                                               "cloud; empty: loopback")
+    s.add_argument("--engine", default="torch", choices=["torch", "llamacpp"],
+                   help="what runs both sides: torch (the HF weights; HF baselines beside) or llamacpp (the registry's "
+                        "GGUF files on llama.cpp, one thread each side; trees on sequence-id sets; no HF baselines)")
     s.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="the draft's weights (edge and HF)")
     s.add_argument("--target-dtype", default="auto", help="dtype of the target everywhere (cloud and HF runs)")
     s.add_argument("--draft-dtype", default="float32", help="dtype of the draft everywhere (edge and HF runs)")
@@ -291,18 +296,23 @@ def run(args) -> int:
     names = _system_names(protocols, by_name)
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "sd_variants": by_name,
                     "prompts": [p.to_json() for p in prompts], "runs": {}}
+    llamacpp = args.engine == "llamacpp"
+    if llamacpp and not llama_cpp_installed():
+        raise ValueError(INSTALL_HINT)
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.skip_hf:
+        if not args.skip_hf and not llamacpp:
             hf = _hf_runs(args, ids, tmp)
             if hf is None:
                 print("hat-bench speculative: the Hugging Face phase failed (above)", file=sys.stderr)
                 return 1
             report["runs"].update(hf)
         print(f"hat-bench speculative: hatspec over {args.link or 'loopback'} ...", flush=True)
-        with Rig(args.target, cloud_args=["--dtype", args.target_dtype, "--kv-layout", "dynamic"],
-                 link=args.link or None) as bed:
-            cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()),
-                             engine=EngineConfig(dtype=args.draft_dtype, weight_quant=args.weight_quant))
+        cloud_args = (["--engine", "llamacpp", "--n-ctx", "8192"] if llamacpp else
+                      ["--dtype", args.target_dtype, "--kv-layout", "dynamic"])
+        engine = (EngineConfig(backend="llamacpp", n_ctx=4096, threads=1) if llamacpp else
+                  EngineConfig(dtype=args.draft_dtype, weight_quant=args.weight_quant))
+        with Rig(args.target, cloud_args=cloud_args, threads=1 if llamacpp else 0, link=args.link or None) as bed:
+            cfg = EdgeConfig(model=args.draft, link=LinkConfig(bed.endpoint, security=bed.security()), engine=engine)
             with bed.runtime(cfg) as rt:
                 rt.generate(ids[0], "sd", SamplingParams(0.0), 2)  # warm-up both processes
                 if tune_ids:
