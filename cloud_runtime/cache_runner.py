@@ -29,6 +29,7 @@ import numpy as np
 from cloud_runtime.batching import Finished, StepStats
 from cloud_runtime.scheduler import Batch, Scheduler, SchedulerConfig, SchedulerRefusal
 from hat_split.math.chunking import DelayModel
+from hat_split.models.llamacpp_tree import paths
 from hat_split.models.slots import position_bytes
 from hat_split.wire import messages as P
 
@@ -222,7 +223,7 @@ class CacheRunner:
             tree = self._queued[id(work)].tree
             if tree is None:
                 return True
-            need = len(tree) - len({p for p in tree if p >= 0})  # its leaves
+            need = paths(tree)  # one per leaf
             if need > free[0]:
                 return False
             free[0] -= need

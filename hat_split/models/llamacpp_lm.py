@@ -25,13 +25,14 @@ import gc
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from hat_split.models.llamacpp_lib import require_llama_cpp
+from hat_split.models.llamacpp_tree import SeqTree, TreePlan, plan_tree
 from hat_split.models.llamacpp_rpc import rpc_devices
 from hat_split.models.lm import CausalLM, KVState, check_crop, check_feed
 from hat_split.models.registry import MODELS, gguf_path
@@ -70,33 +71,6 @@ class LlamaCppSettings:
 def max_sequences() -> int:
     """The most sequence ids a llama.cpp context may have (LLAMA_MAX_SEQ of the installed build)."""
     return int(require_llama_cpp().llama_max_parallel_sequences())
-
-
-@dataclass
-class _Tree:
-    """A draft tree cached on a state: its nodes' parents and depths, and the sequences of its paths."""
-
-    start: int  # the state's length when the tree began: the position of a depth-0 node
-    parents: List[int] = field(default_factory=list)
-    depth: List[int] = field(default_factory=list)
-    seq_of: List[int] = field(default_factory=list)  # a sequence through each node (its cells: the node's path)
-    tips: Dict[int, int] = field(default_factory=dict)  # sequence → the node its path ends at
-
-    @property
-    def seqs(self) -> List[int]:
-        return list(self.tips)
-
-
-@dataclass
-class _TreePlan:
-    """What one tree feed does, worked out before anything changes: sequences to take (placeholders −1, −2, …),
-    prefix copies to make, and each new node's position and sequence ids (the masking one first)."""
-
-    tree: _Tree
-    copies: List[Tuple[int, int, int]]  # (source, destination placeholder, end position, −1 = all)
-    positions: List[int]
-    seq_ids: List[List[int]]
-    taken: int  # sequences it needs from the pool
 
 
 class LlamaCppLM:
@@ -139,7 +113,7 @@ class LlamaCppLM:
         self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))  # width of a logits row
         self._batch = L.llama_batch_init(settings.n_batch, 0, settings.n_seq_max)
         self._free: List[int] = list(range(settings.n_seq_max))
-        self._trees: Dict[int, _Tree] = {}  # a state's sequence → the draft tree cached after it, until keep / crop
+        self._trees: Dict[int, SeqTree] = {}  # a state's sequence → the draft tree cached after it, until keep / crop
         self._closed = False
 
     def kv_bytes_per_position(self) -> int:
@@ -217,23 +191,20 @@ class LlamaCppLM:
             if tree is not None and len(tokens) > self.settings.n_batch:
                 raise ValueError(f"a tree step of {len(tokens)} nodes is longer than one batch (n_batch = "
                                  f"{self.settings.n_batch})")
-        plans = [self._plan_tree(s, t[0], len(f), t[1]) if t is not None else None
+        plans = [None if t is None else plan_tree(self._trees.get(s.cache), s.cache, s.length, t[0], len(f), t[1])
                  for s, f, t in zip(states, feeds, trees)]
         need = sum(p.taken for p in plans if p is not None)
         if need > len(self._free):
             raise RuntimeError(f"the draft trees of this step need {need} llama.cpp sequences, {len(self._free)} are "
                                f"free (n_seq_max = {self.settings.n_seq_max})")
         taken = [self._free.pop(0) for _ in range(need)]
-        real = iter(taken)
+        at = 0
         for plan in plans:  # placeholders → sequence ids, the prefixes marked as theirs
-            if plan is None:
-                continue
-            ids = {-1 - j: next(real) for j in range(plan.taken)}
-            plan.seq_ids = [[ids.get(s, s) for s in row] for row in plan.seq_ids]
-            plan.tree.seq_of = [ids.get(s, s) for s in plan.tree.seq_of]
-            plan.tree.tips = {ids.get(s, s): n for s, n in plan.tree.tips.items()}
-            for src, dst, end in plan.copies:
-                self._L.llama_memory_seq_cp(self._memory, ids.get(src, src), ids[dst], -1, end)
+            if plan is not None:
+                plan.bind(taken[at:at + plan.taken])
+                at += plan.taken
+                for src, dst, end in plan.copies:
+                    self._L.llama_memory_seq_cp(self._memory, src, dst, -1, end)
         try:
             outs = self._decode(states, feeds, n_logits, plans)
         except RuntimeError:
@@ -246,46 +217,8 @@ class LlamaCppLM:
                 self._trees[state.cache] = plan.tree
         return outs
 
-    def _plan_tree(self, state: KVState, parents: Sequence[int], n_new: int, start: int) -> _TreePlan:
-        """How the last n_new nodes of the tree `parents` (begun at `start`) join the state's cached tree; a
-        ValueError, nothing changed, when they cannot."""
-        held = self._trees.get(state.cache)
-        parents = [int(p) for p in parents]
-        old = 0 if held is None else len(held.parents)
-        if held is None and start != state.length:
-            raise ValueError(f"a new draft tree begins at the state's length {state.length}, not at {start}")
-        if held is not None and (start != held.start or parents[:old] != held.parents):
-            raise ValueError("a tree step must extend the draft tree this state holds (same start, same earlier "
-                             "nodes)")
-        if len(parents) != old + n_new:
-            raise ValueError(f"a tree of {len(parents)} nodes cannot have {n_new} new after {old} cached")
-        tree = _Tree(start, list(parents[:old]), *(([], [], {}) if held is None else
-                                                 (list(held.depth), list(held.seq_of), dict(held.tips))))
-        copies, positions, seq_ids, taken = [], [], [], 0
-        for i in range(old, len(parents)):
-            p = parents[i]
-            if not -1 <= p < i:
-                raise ValueError(f"node {i}'s parent {p} is not an earlier node or -1")
-            tree.parents.append(p)
-            tree.depth.append(0 if p < 0 else tree.depth[p] + 1)
-            positions.append(start + tree.depth[i])
-            tip = next((s for s, n in tree.tips.items() if n == p), None) if p >= 0 else None
-            if tip is None:  # a new path: a sequence of its own holding the prefix and the node's cached ancestors
-                taken += 1
-                tip = -taken
-                anc = p
-                while anc >= old:  # ancestors in this batch carry the new sequence too
-                    seq_ids[anc - old].append(tip)
-                    anc = tree.parents[anc]
-                copies.append((state.cache, tip, -1) if anc < 0 else (tree.seq_of[anc], tip,
-                                                                       start + tree.depth[anc] + 1))
-            tree.tips[tip] = i
-            tree.seq_of.append(tip)
-            seq_ids.append([tip])
-        return _TreePlan(tree, copies, positions, seq_ids, taken)
-
     def _decode(self, states: Sequence[KVState], feeds: Sequence[Sequence[int]], n_logits: Sequence[int],
-                plans: Sequence[Optional[_TreePlan]]) -> List[np.ndarray]:
+                plans: Sequence[Optional[TreePlan]]) -> List[np.ndarray]:
         """The batches: every position as (state index, index in its feed), a tree's nodes never split between two
         llama_decode calls; the rows wanted are the last n_logits of each feed."""
         chunks: List[List[Tuple[int, int]]] = [[]]
