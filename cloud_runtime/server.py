@@ -55,7 +55,7 @@ log = logging.getLogger("hatspec.cloud")
 def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str, max_sessions: int = 1) -> ModelFacts:
     """What the handlers need to know of the target; a model without layers (tests' Markov chains) or of an unknown
     family gets a reason the split protocols and draft trees are refused. A llama.cpp target takes trees of as many
-    nodes as its sequence ids give each of `max_sessions` sessions at once (cloud_runtime.cache_runner)."""
+    nodes as the sequence ids its `max_sessions` sessions leave free (cloud_runtime.cache_runner.tree_capacity)."""
     model = getattr(lm, "model", None)
     if isinstance(lm, LlamaCppLM):  # a GGUF file, no layers here
         nodes = tree_capacity(lm.settings.n_seq_max, max_sessions)

@@ -35,8 +35,8 @@ class ModelFacts:
     fingerprint: str = ""  # hat_split.models.partition.model_fingerprint: a device's parts must come from this model
     split_refusal: str = ""  # why the split protocols cannot run on this model; "" when they can
     tree_refusal: str = ""  # why this model verifies no draft trees; "" when it does
-    max_tree_nodes: int = 1024  # the most nodes one tree may have on this model's caches (llama.cpp: what its
-    #                             sequence ids allow every session at once)
+    max_tree_nodes: int = 1024  # the most nodes one tree may have on this model's caches (llama.cpp: the sequence
+    #                             ids its sessions leave free, a path per leaf)
 
     def tree_nodes(self, config_nodes: int) -> int:
         """The largest draft tree a Verify may carry here: the config's (CloudConfig.tree_nodes) within the model's
