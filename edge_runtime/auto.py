@@ -29,21 +29,31 @@ most. What changes fast (the cloud's load, the link) needs no probe: the cloud r
 with every session opening, the device's own points of that curve older than `STALE_S`, or measured while the
 cloud's queue was in another state than it now reports (busy / idle), give way to the report. Every switch is logged
 with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
+
+Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
+candidates are the chains of γ and that tree (nodes N, depth D, width W), priced by `predict_tree` with the tokens
+per round its own rounds committed (a moving average; a tree's acceptance has no closed form here) — before any,
+with the chain of depth D's (1 − α^(D+1)) / (1 − α), the least a tree holding that chain commits — its draft
+seconds per round, and its uplink bytes per node as measured. Once sd is measured the tree runs MEASURE_ROUNDS
+rounds to be measured, and again after PROBE_EVERY rounds without it.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.math.chunking import DelayModel, ema
-from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
+                                     predict_tree)
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
 
+Shape = Tuple[int, int, int]  # a draft tree's nodes, depth, width
 AUTO_TOKEN = ("sd", "llm")  # the token protocols auto runs in one session (the exact ones the cost model prices)
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
@@ -103,6 +113,11 @@ class AutoEstimates:
     by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
+    tree_tokens: Dict[Shape, float] = field(default_factory=dict)  # tokens a round of each draft tree shape (moving
+    # averages) ...
+    tree_draft_s: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's seconds a round ...
+    tree_up_per_node: Dict[Shape, float] = field(default_factory=dict)  # ... uplink bytes a node ...
+    tree_rounds: Dict[Shape, int] = field(default_factory=dict)  # ... and its rounds observed
 
     @property
     def alpha(self) -> Optional[float]:
@@ -220,6 +235,35 @@ class AutoEstimates:
         self.down_round = ema(self.down_round, float(down_bytes))
         self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
+    def observe_tree(self, shape: Shape, tokens: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
+                     wall_s: float, link: Link, now: float, caught_up: int = 0) -> None:
+        """One sd round with a draft tree of `shape` at `now`: `tokens` committed, the draft model's and the cloud's
+        seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many committed
+        tokens, so its seconds say nothing of the tree's drafting."""
+        if tokens < 1:
+            return
+        self.tree_rounds[shape] = self.tree_rounds.get(shape, 0) + 1
+        self.tree_tokens[shape] = ema(self.tree_tokens.get(shape), float(tokens), ALPHA_POPULATION)
+        if not caught_up:
+            self.tree_draft_s[shape] = ema(self.tree_draft_s.get(shape), draft_s)
+        if cloud_s > 0:
+            self._cloud(shape[0] + 1, cloud_s, now)
+        base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
+        self.tree_up_per_node[shape] = ema(self.tree_up_per_node.get(shape), max(0.0, up_bytes - base) / shape[0])
+        self.down_round = ema(self.down_round, float(down_bytes))
+        self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+
+    def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
+        """Tokens a round of the tree `shape` commits: as measured, else the chain of its depth's expectation at the
+        prompts' α (a tree holds that chain: the least it commits); None before α is known."""
+        if shape in self.tree_tokens:
+            return max(1.0, self.tree_tokens[shape])
+        a = self.alpha
+        if a is None:
+            return None
+        depth = shape[1]
+        return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+
     def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
                     link: Link, now: float) -> None:
         """One llm round at `now`: the cloud decoded `tokens` alone in cloud_s."""
@@ -324,9 +368,10 @@ def _bucket(x: float) -> int:
 @dataclass(frozen=True)
 class Choice:
     protocol: str
-    knob: int  # γ for sd, the chunk for llm
+    knob: int  # γ for sd (a tree's nodes), the chunk for llm
     reason: str
     predicted: Dict[str, float]  # tokens/s predicted per protocol at its best knob (empty while exploring)
+    tree: Optional[Shape] = None  # sd drafts this tree (nodes, depth, width) instead of a chain of γ
 
 
 @dataclass
@@ -338,10 +383,14 @@ class Segment:
     reason: str
     tokens: int = 0
     rounds: int = 0
+    tree: Optional[Shape] = None
 
     def as_dict(self) -> dict:
-        return {"protocol": self.protocol, "knob": self.knob, "tokens": self.tokens, "rounds": self.rounds,
-                "reason": self.reason}
+        out = {"protocol": self.protocol, "knob": self.knob, "tokens": self.tokens, "rounds": self.rounds,
+               "reason": self.reason}
+        if self.tree is not None:
+            out["tree"] = list(self.tree)
+        return out
 
 
 @dataclass
@@ -354,6 +403,7 @@ class AutoController:
     chunk: int  # llm's tokens per round
     prompt_tokens: int
     shares_host: bool = False
+    tree: Optional[Shape] = None  # the draft tree sd may run (nodes, depth, width; within the cloud's limits)
     segments: List[Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -375,6 +425,22 @@ class AutoController:
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
                        CloudCosts(curve, est.wait_s(name)), est.wire(), est.alpha or 0.0)
 
+    def _at_tree(self, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
+        """sd with the tree `self.tree` (protocol "sd_tree", knob = its nodes); None while it cannot be priced."""
+        est, shape = self.estimates, self.tree
+        tokens = est.tree_tokens_per_round(shape) if shape is not None else None
+        if shape is None or curve is None or not est.measured.get("sd") or tokens is None:
+            return None
+        nodes, depth, _ = shape
+        device = est.device(self.shares_host, "sd")
+        if shape in est.tree_draft_s:  # the tree's own drafting time, a level at a time
+            device = dataclasses.replace(device, draft_step_s=est.tree_draft_s[shape] / depth)
+        wire = est.wire()
+        if shape in est.tree_up_per_node:
+            wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node[shape])
+        return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, CloudCosts(curve, est.wait_s("sd")),
+                            wire)
+
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
         curve = self.estimates.curve(now)
@@ -382,6 +448,8 @@ class AutoController:
         for name in self.eligible:
             knobs = range(1, self.max_draft + 1) if name == "sd" else (self.chunk,)
             preds = [p for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
+            if name == "sd" and preds:
+                preds += [p for p in (self._at_tree(link, curve),) if p is not None]
             if preds:
                 out[name] = max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
         return out
@@ -401,6 +469,12 @@ class AutoController:
             knob = self.chunk if name == "llm" else min(4, self.max_draft)
             return Choice(name, knob, f"measuring {name}: {est.measured.get(name, 0)} of {MEASURE_ROUNDS} rounds",
                           rates)
+        if self.tree is not None and "sd" in preds:
+            measuring = est.tree_rounds.get(self.tree, 0) < MEASURE_ROUNDS
+            if measuring or (current is not None and est.idle.get("sd_tree", 0) >= PROBE_EVERY and behind <= 1):
+                what = (f"measuring sd's tree: {est.tree_rounds.get(self.tree, 0)} of {MEASURE_ROUNDS} rounds"
+                        if measuring else f"probing sd's tree: not run for {PROBE_EVERY} rounds")
+                return Choice("sd", self.tree[0], what, rates, self.tree)
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
         held = preds.get(current.protocol) if current is not None else None
         if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
@@ -417,7 +491,8 @@ class AutoController:
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
-        return Choice(best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates)
+        tree = self.tree if best.protocol == "sd_tree" else None
+        return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates, tree)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether sd may run soon, by `predictions`: not priced yet, or predicted at READ_AHEAD_REACH of the best
@@ -442,16 +517,19 @@ class AutoController:
 
     def record(self, choice: Choice, tokens: int) -> None:
         """A round ran under `choice` and committed `tokens`."""
+        idle = self.estimates.idle
         for name in self.eligible:
-            self.estimates.idle[name] = 0 if name == choice.protocol else self.estimates.idle.get(name, 0) + 1
+            idle[name] = 0 if name == choice.protocol else idle.get(name, 0) + 1
+        if self.tree is not None:
+            idle["sd_tree"] = 0 if choice.tree else idle.get("sd_tree", 0) + 1
         seg = self.segments[-1] if self.segments else None
         kind = lambda reason: reason.split()[0]  # noqa: E731  measuring / probing / predicted
-        if seg is None or (seg.protocol, seg.knob, kind(seg.reason)) != (choice.protocol, choice.knob,
-                                                                        kind(choice.reason)):
+        if seg is None or (seg.protocol, seg.knob, seg.tree, kind(seg.reason)) != (
+                choice.protocol, choice.knob, choice.tree, kind(choice.reason)):
             if seg is not None:
-                log.info("auto: %s γ/chunk %d after %d tokens: %s", choice.protocol, choice.knob,
-                         sum(s.tokens for s in self.segments), choice.reason)
-            seg = Segment(choice.protocol, choice.knob, choice.reason)
+                log.info("auto: %s %s %d after %d tokens: %s", choice.protocol, "tree of" if choice.tree else
+                         "γ/chunk", choice.knob, sum(s.tokens for s in self.segments), choice.reason)
+            seg = Segment(choice.protocol, choice.knob, choice.reason, tree=choice.tree)
             self.segments.append(seg)
         seg.tokens += tokens
         seg.rounds += 1
@@ -465,7 +543,8 @@ def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
 
 
 def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates) -> str:
-    parts = [f"{p.protocol}{'' if p.protocol != 'sd' else f' γ={p.knob}'} {p.tokens_per_s:.2f} tok/s"
+    knob = {"sd": lambda p: f" γ={p.knob}", "sd_tree": lambda p: f" ({p.knob} nodes)"}
+    parts = [f"{p.protocol}{knob[p.protocol](p) if p.protocol in knob else ''} {p.tokens_per_s:.2f} tok/s"
              for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]
     alpha = f", α {est.alpha:.2f}" if est.alpha is not None else ""
     return f"predicted {', '.join(parts)}{alpha}"

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates
+from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates, Shape
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
@@ -129,8 +129,7 @@ class EdgeRuntime:
             skips = self.skip_policies.get(key) or self.skip_policies.setdefault(key, key[1].skip_policy())
         session = new_session(self.config, request, drafter, self.client, self.engine.eos_ids, next(self._session_ids),
                               monitor=self.monitor, link_state=self.link_state if split else None, skip_policy=skips)
-        if request.protocol in AUTO_TOKEN and not (request.protocol == "sd" and self.config.tree_nodes):
-            # what sd (chains: auto prices chains) and llm requests measure teaches protocol auto
+        if request.protocol in AUTO_TOKEN:  # what sd (chains and trees) and llm requests measure teaches protocol auto
             session.round_fn = _teaching(session.round_fn, request.protocol, self.auto_estimates)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
@@ -152,7 +151,7 @@ class EdgeRuntime:
         self.auto_estimates.begin_request()  # this prompt's acceptance starts from the recent prompts'
         controller = AutoController(self.auto_estimates, [p for p in AUTO_TOKEN if p in welcome.protocols],
                                     min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
-                                    shares_host=not config.overlaps_prefill)
+                                    shares_host=not config.overlaps_prefill, tree=tree_shape(config, welcome))
         if request.allow_lossy:
             why = controller.local_wins(self.client.base_rtt_s)
             if why:
@@ -227,9 +226,18 @@ class EdgeRuntime:
         return SplitDrafter(parts, params, seed, slowdown=self.config.split.slowdown)
 
 
+def tree_shape(config: EdgeConfig, welcome: P.Welcome) -> Optional[Shape]:
+    """The draft tree sd runs on this device (nodes, depth, width) within the cloud's Welcome; None for chains."""
+    nodes = min(config.tree_nodes, welcome.max_tree_nodes)
+    if nodes < 1 or welcome.max_tree_depth < 1:
+        return None
+    return nodes, min(config.tree_depth, welcome.max_tree_depth, nodes), config.tree_width
+
+
 def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
     """`round_fn` of an sd or llm request, each round's figures given to protocol auto's estimates (and, before its
-    first round, the cloud's cost report of the session's opening and the board's power mode)."""
+    first round, the cloud's cost report of the session's opening and the board's power mode; an sd request's draft
+    tree, if its config drafts one, as that shape's)."""
     opened = [False]
 
     def run(session) -> None:
@@ -238,5 +246,6 @@ def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
             estimates.take_report(session.cloud_cost)
             if session.monitor is not None:
                 estimates.take_mode(session.monitor.power_mode)
-        observed_round(session, estimates, protocol, lambda: round_fn(session))
+        tree = tree_shape(session.config, session.client.welcome) if protocol == "sd" else None
+        observed_round(session, estimates, protocol, lambda: round_fn(session), tree)
     return run

@@ -442,3 +442,52 @@ def test_a_cut_mid_request_degrades_to_the_device_and_comes_back(smollm2, smollm
     assert res.auto[-1]["protocol"] == "slm" and res.auto[-1]["tokens"] == len(res.degraded)
     assert "unreachable" in res.auto[-1]["reason"]
     assert sum(s["tokens"] for s in res.auto) == 40
+
+
+def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
+    """With a tree configured, sd's tree runs MEASURE_ROUNDS rounds once sd is measured (its prior: the chain of its
+    depth's expected tokens, the least it commits); then it is priced from its own rounds. A cloud whose verify of
+    33 positions costs about one step (a GPU with captured graphs) over a 100 ms round trip: the tree's 6 tokens a
+    round win over chains and llm; a CPU cloud where 33 positions cost 12 steps: no tree."""
+    shape = (32, 8, 4)
+    for step_33, want_tree in ((0.022, True), (1.2, False)):
+        est = _estimates(0.7, 0.005, step_1=0.1 if step_33 > 1 else 0.02, step_9=0.3 if step_33 > 1 else 0.021)
+        est.observed.observe(33, step_33)
+        c = _controller(est, tree=shape)
+        assert est.tree_tokens_per_round(shape) == pytest.approx((1 - 0.7 ** 9) / (1 - 0.7))
+        for _ in range(3):
+            first = c.decide(Link(0.1))
+            assert first.tree == shape and first.knob == 32 and first.reason.startswith("measuring sd's tree"), first
+            est.observe_tree(shape, 6, 8 * 0.005, step_33, 80 + 32 * 6, 100, 0.04 + 0.1 + step_33 + 0.002, Link(0.1),
+                             now=0.0)
+            c.record(first, 6)
+        assert est.tree_tokens_per_round(shape) == pytest.approx(6.0) and est.tree_up_per_node[shape] == 6.0
+        pick = c.decide(Link(0.1))
+        assert (pick.protocol == "sd" and pick.tree == shape) == want_tree, pick
+        assert ("sd_tree (32 nodes)" in pick.reason) == want_tree, pick.reason
+    c = _controller(_estimates(0.7, 0.02, step_1=0.02, step_9=0.021))  # no tree configured: chains only
+    assert c.decide(Link(0.1)).tree is None
+
+
+@pytest.mark.real_models
+def test_auto_with_a_tree_configured_measures_it_and_keeps_the_targets_tokens(smollm2, smollm2_server):
+    """A device configured for 8-node trees: an auto request measures sd, then the tree, and its tokens are the
+    target's greedy ones; an sd request's tree rounds teach auto that shape."""
+    from edge_runtime.config import EdgeConfig, LinkConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.net.security import LinkSecurity
+
+    config = EdgeConfig(model="smollm2-135m", tree_nodes=8, tree_depth=4, tree_width=2,
+                        link=LinkConfig(smollm2_server.endpoint, security=LinkSecurity.plaintext()))
+    with EdgeRuntime(config, smollm2) as rt:
+        ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 32, seed=0)
+        res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
+        assert res.tokens == ref.tokens
+        trees = [s for s in res.auto if s.get("tree") == [8, 4, 2]]
+        assert trees and trees[0]["protocol"] == "sd" and trees[0]["reason"].startswith("measuring sd's tree")
+        before = rt.auto_estimates.tree_rounds[(8, 4, 2)]
+        assert before == sum(s["rounds"] for s in trees), res.auto
+        taught = rt.generate(PROMPT, "sd", SamplingParams(0.0), 16, seed=0)
+        assert taught.tokens == ref.tokens[:16]
+        assert rt.auto_estimates.tree_rounds[(8, 4, 2)] == before + taught.rounds

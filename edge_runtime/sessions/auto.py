@@ -9,10 +9,10 @@ weighs before it switches."""
 from __future__ import annotations
 
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
-from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE, AutoController, AutoEstimates, Choice
-from edge_runtime.rounds.token import verify_round
+from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE, AutoController, AutoEstimates, Choice, Shape
+from edge_runtime.rounds.token import tree_round, verify_round
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.token import TokenSession
 from hat_split import protocols
@@ -78,7 +78,13 @@ class AutoSession(TokenSession):
     def auto_round(self) -> None:
         """One round of the protocol the controller picks; its figures go to the estimates."""
         choice = self._choose()
-        if choice.protocol == "sd":
+        c = self.config
+        if choice.tree is not None:
+            nodes, depth, width = choice.tree
+            n = observed_round(self, self.auto.estimates, "sd",
+                               lambda: tree_round(self, nodes, depth, width, c.dist_format, c.draft_stop_prob),
+                               tree=choice.tree)
+        elif choice.protocol == "sd":
             n = observed_round(self, self.auto.estimates, "sd",
                                lambda: verify_round(self, choice.knob, self.config.dist_format))
         else:
@@ -95,10 +101,11 @@ class AutoSession(TokenSession):
         return result
 
 
-def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: str, run: Callable[[], None]) -> int:
-    """Run one round of `protocol` ("sd" or "llm": `run` does it) on `session` and give its figures to `estimates`
-    (protocol auto's rounds, and the rounds of sd and llm requests on the same runtime: what a device served teaches
-    auto). Returns the tokens it committed."""
+def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: str, run: Callable[[], None],
+                   tree: Optional[Shape] = None) -> int:
+    """Run one round of `protocol` ("sd" or "llm": `run` does it; sd with the draft tree `tree` when given) on
+    `session` and give its figures to `estimates` (protocol auto's rounds, and the rounds of sd and llm requests on
+    the same runtime: what a device served teaches auto). Returns the tokens it committed."""
     c, client, d = session.counters, session.client, session.drafter
     link = measured_link(session)
     n0, drafted0, accepted0, cloud0 = len(session.generated), c.drafted, c.accepted, c.cloud_compute_s
@@ -110,7 +117,10 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     wall, now = time.perf_counter() - t0, time.monotonic()
     up, down = client.counters.up_bytes - up0, client.counters.down_bytes - down0
     cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
-    if protocol == "sd":
+    if tree is not None:
+        estimates.observe_tree(tree, n, d.compute_s - draft0, cloud_s, up, down, wall, link, now,
+                               caught_up=behind if behind > 1 else 0)
+    elif protocol == "sd":
         estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, d.compute_s - draft0, cloud_s, up, down,
                              wall, link, now, caught_up=behind if behind > 1 else 0)
     else:
