@@ -159,3 +159,41 @@ def drafted_positions(result: dict, first: int = 0) -> np.ndarray:
     if at != len(result["tokens"]):
         raise AssertionError(f"the rounds commit {at} tokens, the result holds {len(result['tokens'])}")
     return np.asarray(out, np.int64)
+
+
+def llama_cpp_far_draft_run(smollm2, gguf, n: int, cloud_args: Sequence[str] = (), **edge_fields):
+    """A T = 1 `sd` generation of n tokens through `hat-cloud serve --engine llamacpp` (its own process, SmolLM2's
+    GGUF file) from a torch draft far from it (SmolLM2 with Gaussian noise, sd 0.06, on its head, which is also its
+    embedding table: mean TV(p, q) 0.66); EdgeConfig `edge_fields` (draft_len, tree_nodes …). Returns the result and
+    the target's p and the draft's q `# [n, V]` along the generated tokens (p from a fresh llama.cpp evaluation)."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    from cloud_runtime.process import CloudProcess
+    from edge_runtime.config import EdgeConfig, LinkConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams, warp
+    from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings
+    from hat_split.models.lm import CausalLM
+    from hat_split.net.security import LinkSecurity
+
+    ids = list(smollm2.tokenizer("def fibonacci(n):\n")["input_ids"])
+    draft = copy.deepcopy(smollm2.model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.06 * torch.randn_like(draft.lm_head.weight))
+    with CloudProcess("smollm2-135m", extra_args=["--engine", "llamacpp", "--n-ctx", "1024", *cloud_args], threads=1,
+                      ready_timeout_s=300) as cloud:
+        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(cloud.endpoint, security=LinkSecurity.plaintext()),
+                            **edge_fields)
+        with EdgeRuntime(config, dataclasses.replace(smollm2, model=draft)) as rt:
+            res = rt.generate(ids, "sd", SamplingParams(1.0), n, seed=3)
+    tokens = res.tokens
+    assert len(tokens) == n, "the generation ended early (an end token): choose another seed"
+    with LlamaCppLM(gguf, LlamaCppSettings(n_ctx=1024, n_batch=512, n_threads=2)) as target:
+        p = warp(target.forward(target.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
+    q_lm = CausalLM(draft)
+    q = warp(q_lm.forward(q_lm.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
+    return res, p, q

@@ -12,7 +12,7 @@ import pytest
 from cloud_runtime.process import CloudProcess
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 from edge_runtime.runtime import EdgeRuntime
-from hat_split.math.sampling import SamplingParams, warp
+from hat_split.math.sampling import SamplingParams
 from hat_split.models.lm import CausalLM
 from hat_split.models.loading import vocab_fingerprint
 from hat_split.net.security import LinkSecurity
@@ -208,31 +208,11 @@ def test_sampled_sd_over_a_llama_cpp_cloud_follows_its_softmax_with_a_far_draft(
     follows the llama.cpp target's softmax given its prefix (tests/exactness.py; p from llama.cpp on the same tokens, q
     from the draft), and the run has the power to catch a verifier that accepts every draft. The tiny-model tests
     (tests/test_exactness.py) carry the sample size for the subtler faults; this is the real pair's smaller check."""
-    import copy
-    import dataclasses
+    from tests.exactness import Z_CRIT, drafted_positions, drift, llama_cpp_far_draft_run, power, tv_rows
 
-    import torch
-
-    from tests.exactness import Z_CRIT, drafted_positions, drift, power, tv_rows
-
-    ids = list(smollm2.tokenizer("def fibonacci(n):\n")["input_ids"])
-    draft = copy.deepcopy(smollm2.model)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(0.06 * torch.randn_like(draft.lm_head.weight))
     n = 160
-    with CloudProcess("smollm2-135m", extra_args=["--engine", "llamacpp", "--n-ctx", "1024"], threads=1,
-                      ready_timeout_s=300) as cloud:
-        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(cloud.endpoint, security=LinkSecurity.plaintext()),
-                            draft_len=3)
-        with EdgeRuntime(config, dataclasses.replace(smollm2, model=draft)) as rt:
-            res = rt.generate(ids, "sd", SamplingParams(1.0), n, seed=3)
+    res, p, q = llama_cpp_far_draft_run(smollm2, smollm2_gguf, n, draft_len=3)
     tokens = res.tokens
-    assert len(tokens) == n, "the generation ended early (an end token): choose another seed"
-    with LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=1024, n_batch=512, n_threads=2)) as target:
-        p = warp(target.forward(target.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
-    q_lm = CausalLM(draft)
-    q = warp(q_lm.forward(q_lm.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
     at = drafted_positions({"tokens": tokens, "verify_log": res.verify_log})
     d = drift(np.asarray(tokens)[at], p[at], q[at])
     pw = {f: power(p[at], q[at], f, n, 3) for f in ("accept-all", "mix15")}

@@ -302,34 +302,12 @@ def test_sampled_tree_sd_over_a_llama_cpp_cloud_follows_its_softmax_with_a_far_d
     of the same tokens: the cell-order shift after a keep, KL ≤ 0.02, is far below what 240 tokens can see), and the
     run has the power to catch a verifier that accepts every draft (the last token of each round left out, as a
     possible bonus)."""
-    import copy
-    import dataclasses
+    from tests.exactness import Z_CRIT, drift, fault_law, llama_cpp_far_draft_run, power_of_law, tv_rows
 
-    import torch
-
-    from cloud_runtime.process import CloudProcess
-    from hat_split.math.sampling import warp
-    from hat_split.models.lm import CausalLM
-    from tests.exactness import Z_CRIT, drift, fault_law, power_of_law, tv_rows
-
-    ids = list(smollm2.tokenizer("def fibonacci(n):\n")["input_ids"])
-    draft = copy.deepcopy(smollm2.model)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(0.06 * torch.randn_like(draft.lm_head.weight))
     n = 240
-    with CloudProcess("smollm2-135m", extra_args=["--engine", "llamacpp", "--n-ctx", "1024", "--max-sessions", "4"],
-                      threads=1, ready_timeout_s=300) as cloud:
-        config = EdgeConfig(model="smollm2-135m", link=LinkConfig(cloud.endpoint, security=LinkSecurity.plaintext()),
-                            tree_nodes=8, tree_depth=3, tree_width=3)
-        with EdgeRuntime(config, dataclasses.replace(smollm2, model=draft)) as rt:
-            res = rt.generate(ids, "sd", SamplingParams(1.0), n, seed=3)
+    res, p, q = llama_cpp_far_draft_run(smollm2, smollm2_gguf, n, ["--max-sessions", "4"], tree_nodes=8, tree_depth=3,
+                                        tree_width=3)
     tokens = res.tokens
-    assert len(tokens) == n, "the generation ended early (an end token): choose another seed"
-    with LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=1024, n_batch=512, n_threads=2)) as target:
-        p = warp(target.forward(target.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
-    q_lm = CausalLM(draft)
-    q = warp(q_lm.forward(q_lm.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
     d = drift(tokens, p, q)
     keep = 1.0 - res.rounds / n
     pw = power_of_law(p, q, fault_law(p, q, "accept-all"), keep)
