@@ -217,16 +217,15 @@ class CacheRunner:
     def _tree_room(self):
         """The scheduler's `fits` for a step: a draft tree's verify joins while llama.cpp's free sequences hold its
         paths (one per leaf); the others wait for the next step, after this one's trees are kept."""
-        free = [self.lm.free_sequences]
+        free = self.lm.free_sequences
 
         def fits(work: Any) -> bool:
+            nonlocal free
             tree = self._queued[id(work)].tree
-            if tree is None:
-                return True
-            need = paths(tree)  # one per leaf
-            if need > free[0]:
+            need = 0 if tree is None else paths(tree)  # one per leaf
+            if need > free:
                 return False
-            free[0] -= need
+            free -= need
             return True
         return fits
 

@@ -76,6 +76,7 @@ class DeviceRegistry:
                 f"{self.model.name!r} has {self.model.vocab_fingerprint[:12]}: they cannot generate together",
             )
         self.devices.setdefault(identity, {"device_id": msg.device_id, "model": msg.model})
+        nodes = self.model.tree_nodes(self.config.tree_nodes)
         return P.Welcome(
             protocol_version=P.PROTOCOL_VERSION,
             model=self.model.name,
@@ -86,8 +87,8 @@ class DeviceRegistry:
             max_context=self.config.max_context,
             protocols=list(SERVED),
             software=SOFTWARE,
-            max_tree_nodes=self.model.tree_nodes(self.config.tree_nodes),
-            max_tree_depth=self.config.max_tree_depth if self.model.tree_nodes(self.config.tree_nodes) else 0,
+            max_tree_nodes=nodes,
+            max_tree_depth=self.config.max_tree_depth if nodes else 0,
         )
 
     def report(self, identity: bytes, msg: P.Report) -> None:

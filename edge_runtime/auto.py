@@ -228,12 +228,19 @@ class AutoEstimates:
                 self.local_step_s = self.draft_step_s
         elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
             self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
+        self.up_per_draft = ema(self.up_per_draft, self._verify_round(drafted, draft_s, cloud_s, up_bytes, down_bytes,
+                                                                      wall_s, link, now))
+
+    def _verify_round(self, drafted: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
+                      wall_s: float, link: Link, now: float) -> float:
+        """What an sd round teaches whatever its drafts' shape (a chain, a tree of `drafted` nodes): the cloud's step
+        of drafted + 1 positions, the reply's bytes, sd's overhead; returns its uplink bytes per draft."""
         if cloud_s > 0:
             self._cloud(drafted + 1, cloud_s, now)
-        base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
-        self.up_per_draft = ema(self.up_per_draft, max(0.0, up_bytes - base) / drafted)
         self.down_round = ema(self.down_round, float(down_bytes))
         self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
+        return max(0.0, up_bytes - base) / drafted
 
     def observe_tree(self, shape: Shape, tokens: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
                      wall_s: float, link: Link, now: float, caught_up: int = 0) -> None:
@@ -246,12 +253,8 @@ class AutoEstimates:
         self.tree_tokens[shape] = ema(self.tree_tokens.get(shape), float(tokens), ALPHA_POPULATION)
         if not caught_up:
             self.tree_draft_s[shape] = ema(self.tree_draft_s.get(shape), draft_s)
-        if cloud_s > 0:
-            self._cloud(shape[0] + 1, cloud_s, now)
-        base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
-        self.tree_up_per_node[shape] = ema(self.tree_up_per_node.get(shape), max(0.0, up_bytes - base) / shape[0])
-        self.down_round = ema(self.down_round, float(down_bytes))
-        self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        self.tree_up_per_node[shape] = ema(self.tree_up_per_node.get(shape), self._verify_round(
+            shape[0], draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now))
 
     def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
         """Tokens a round of the tree `shape` commits: as measured, else the chain of its depth's expectation at the

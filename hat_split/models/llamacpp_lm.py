@@ -7,13 +7,10 @@ sequence id of that context (its `cache`), a forward appends the state's tokens 
 whole row), and a crop removes the sequence's positions from the KV cache (`llama_memory_seq_rm`): the prefix is
 never recomputed. A state's sequence id goes back to the pool when the state is garbage-collected.
 
-Draft trees (`forward_tree`, `keep`, and trees in `forward_many`) run on sequence-id sets: every root-to-tip path of a
-tree is a sequence of its own (from the pool), holding the state's prefix (`llama_memory_seq_cp`, which with the
-unified cache only marks the cells) and the path's nodes at positions prefix + depth; a node in a batch belongs to
-every path through it and is masked by the first, so each node attends to its prefix, its ancestors and itself (the
-cells of its descendants on that path sit at later positions, masked causally). `keep` moves the accepted path's
-cells into the state's own sequence and removes the tree's sequences: the other branches' cells are freed, the
-path's stay where they are, nothing is recomputed.
+Draft trees (`forward_tree`, `keep`, and trees in `forward_many`) run on sequence-id sets, a sequence per path
+(planned by hat_split.models.llamacpp_tree). `keep` moves the accepted path's cells into the state's own sequence
+and removes the tree's sequences: the other branches' cells are freed, the path's stay where they are, nothing is
+recomputed.
 
 llama-cpp-python is optional (scripts/install_llamacpp.sh builds it for this machine's CPU): a model needs it, and
 hat_split.models.llamacpp_lib says how to install it.
@@ -199,7 +196,7 @@ class LlamaCppLM:
                                f"free (n_seq_max = {self.settings.n_seq_max})")
         taken = [self._free.pop(0) for _ in range(need)]
         at = 0
-        for plan in plans:  # placeholders → sequence ids, the prefixes marked as theirs
+        for plan in plans:  # the taken sequences get their ids, and the prefixes are marked as theirs
             if plan is not None:
                 plan.bind(taken[at:at + plan.taken])
                 at += plan.taken

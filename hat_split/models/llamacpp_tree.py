@@ -29,17 +29,18 @@ class SeqTree:
 
 @dataclass
 class TreePlan:
-    """What one tree feed does, worked out before anything changes: sequences to take (placeholders −1, −2, …),
-    prefix copies to make, and each new node's position and sequence ids (the masking one first)."""
+    """What one tree feed does, worked out before anything changes: how many sequences it takes from the pool (named
+    −1, −2, … until `bind` gives them their ids), prefix copies to make, and each new node's position and sequence
+    ids (the masking one first)."""
 
     tree: SeqTree
-    copies: List[Tuple[int, int, int]]  # (source, destination placeholder, end position; −1 = all)
+    copies: List[Tuple[int, int, int]]  # (source, destination, end position; −1 = all)
     positions: List[int]
     seq_ids: List[List[int]]
     taken: int  # sequences it needs from the pool
 
     def bind(self, free: Sequence[int]) -> None:
-        """Put the first `taken` of the free sequence ids `free` in place of the placeholders."""
+        """Give the sequences this plan takes (−1, −2, …) the first `taken` ids of `free`."""
         ids = {-1 - j: int(free[j]) for j in range(self.taken)}
         self.seq_ids = [[ids.get(s, s) for s in row] for row in self.seq_ids]
         self.tree.seq_of = [ids.get(s, s) for s in self.tree.seq_of]
