@@ -1,5 +1,5 @@
 """The (L, ℓ) policies: heuristic rule, double-DQN training in the trace environment, loading on the edge, and a
-multi-process run where the trained policy follows a rate change of the emulated link via the cloud's measurements."""
+multi-process run where a policy file follows a rate change of the emulated link via the cloud's measurements."""
 from __future__ import annotations
 
 import math
@@ -83,9 +83,23 @@ def test_bad_policy_files_are_refused(tmp_path, trained_policy):
         make_policy("dqn", 4, 100, 16)
 
 
-def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
+def _rate_policy(path) -> str:
+    """A policy file whose choice is the uplink rate's alone: ℓ = 1024 above 10^4.5 bit/s, ℓ = 2 below, L = 4. What
+    a trained network makes of the confidences differs from one CPU's float arithmetic to another's (the training
+    test above checks the training); with this file the run checks what the runtime feeds the policy, exactly."""
+    actions = np.array([(L, ell) for L in LENGTHS for ell in ELLS], dtype=np.int64)
+    w = np.zeros((4, len(actions)))
+    w[3] = np.where(actions[:, 1] == 1024, 1.0, -1.0)  # Q = ±(log10 rate − 4.5) + a bonus for L = 4
+    net = QNetwork([w], [-4.5 * w[3] + 0.1 * (actions[:, 0] == 4)], actions, np.zeros(4), np.ones(4), {"test": True})
+    net.check()
+    net.save(path)
+    return str(path)
+
+
+def test_policy_follows_the_rate_the_cloud_measures(tmp_path):
     """Device (this process) → link emulator → cloud process. The link drops from 5 Mbit/s to 5 kbit/s mid-answer;
-    the cloud's measured rate follows, and the trained policy switches from ℓ = 1024 to ℓ = 2."""
+    the cloud's measured rate follows, every round's (L, ℓ) is the policy's choice on the state the round logged (the
+    rate in it the cloud's last measurement), and the policy switches from ℓ = 1024 to ℓ = 2."""
     from cloud_runtime.process import CloudProcess
     from edge_runtime.client import CloudClient
     from edge_runtime.config import EdgeConfig, LinkConfig, QSConfig
@@ -99,6 +113,7 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     from testbed.links import LinkProfile
     from tests.test_registry import _tiny_model_and_tokenizer
 
+    policy_file = _rate_policy(tmp_path / "rate_policy.npz")
     model, tok = _tiny_model_and_tokenizer(VOCAB)
     model.save_pretrained(tmp_path / "tiny")
     tok.save_pretrained(tmp_path / "tiny")
@@ -109,8 +124,7 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
         with LinkEmulator(fast, (host, int(port))) as link:
             edge_link = LinkConfig(link.address, security=LinkSecurity.plaintext())
             with CloudClient(edge_link, P.Hello("t", "tiny", VOCAB, "")) as client:
-                config = EdgeConfig(link=edge_link,
-                                    model="tiny", qs=QSConfig(policy="dqn", policy_file=str(trained_policy)))
+                config = EdgeConfig(link=edge_link, model="tiny", qs=QSConfig(policy="dqn", policy_file=policy_file))
                 params = SamplingParams(1.0)
                 switched = []
 
@@ -133,4 +147,11 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path, trained_policy):
     print(f"measured uplink: fast {np.median(rates_fast):.0f} bit/s, slow {np.median(rates_slow):.0f} bit/s; "
           f"actions fast {[(r['L'], r['ell']) for r in fast_rounds]}, slow {[(r['L'], r['ell']) for r in slow_rounds]}")
     assert np.median(rates_slow) < 3 * LOW < HIGH / 3 < np.median(rates_fast)
+    policy = make_policy("dqn", 4, 100, 16, policy_file)
+    for i, r in enumerate(log):
+        length, ell = policy.act(RoundState(*r["state"][:3], 10 ** r["state"][3]))
+        # the answer's last rounds draft no further than the tokens it has left
+        assert ell == r["ell"] and 1 <= r["L"] <= length, f"round {i} did not act on its state {r['state']}"
+        if i:  # after the first verdict, the state's rate is the cloud's measurement of the round before
+            assert r["state"][3] == pytest.approx(np.log10(log[i - 1]["uplink_bps"]))
     assert all(r["ell"] == 1024 for r in fast_rounds) and all(r["ell"] == 2 for r in slow_rounds)

@@ -7,7 +7,8 @@ lattice-quantized distribution (hat_split.wire.sqs.LatticeWire), the rows go to 
 stream ("lattice" payload), and the verdict commits the accepted drafts plus the cloud's token. `csqs` then rolls its
 threshold back to the accepted prefix (SQS Algorithm 1). Each protocol's support rule and sampling order are its
 record's in hat_split.protocols. The state of the request (wire, threshold, policy, confidences) lives in the session's
-`round_state`; every round is logged in its `counters.round_log` (L, ℓ, bits, accepted, the rate the cloud measured).
+`round_state`; every round is logged in its `counters.round_log` (the policy's
+state features, L, ℓ, bits, accepted, the rate the cloud measured).
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _state(session: TokenSession) -> QSState:
 
 def round_qs(session: TokenSession) -> None:
     st = _state(session)
-    draft_len, ell = st.policy.act(st.state)
+    seen = st.state  # what the policy acts on this round, logged beside what it chose
+    draft_len, ell = st.policy.act(seen)
     st.wire.ell = ell
     drafts, rows = session.drafter.draft(session.cap_draft_len(draft_len), session.rng, 0.0, st.wire,
                                          session.config.qs.budget_bits)
@@ -67,4 +69,4 @@ def round_qs(session: TokenSession) -> None:
     session.counters.round_log.append({
         "L": len(drafts), "ell": ell, "k": [int(r.k) for r in rows], "bits": bits, "payload_bits": int(payload.bits),
         "accepted": n, "uplink_bps": verdict.uplink_bps, "beta": st.wire.conformal.beta if st.wire.conformal else None,
-        "dropped": [float(r.dropped) for r in rows]})
+        "dropped": [float(r.dropped) for r in rows], "state": [float(x) for x in seen.features()]})
