@@ -48,6 +48,26 @@ class FeaturePairs:
         state.fhat[end] = fhat[:, -1:]
         return self._over_vocab(logits)
 
+    def _feature_level(self, fhat: Dict[int, Any], states: Any, tokens: List[int], parents: List[int],
+                       nodes: List[int], start: int) -> np.ndarray:
+        """Draft logits `# [len(nodes), vocab]` after a draft tree's new level (hat_split.math.tree.grow_tree's
+        nodes): each node's pair is its parent's predicted feature and its own state (`states # [1, n, hidden]`, None
+        for embeddings), run under the tree's mask; the level's predictions join `fhat` by node (ROOT: the root's)."""
+        feats = self.parts.cat([fhat[parents[n]] for n in nodes])
+        logits, out = self.parts.run_feature_tree(self.lam, feats, states, [tokens[n] for n in nodes], parents, start)
+        fhat.update({n: out[:, i:i + 1] for i, n in enumerate(nodes)})
+        return self._over_vocab(logits)
+
+    def _keep_tree_pairs(self, base: int, shallow: Any, path: List[int], states: Any) -> None:
+        """After a tree's verdict: the drafter's cache back to its true pairs (up to the root at `base`), the
+        accepted nodes' shallow states (`shallow # [1, 1 + N, hidden]`, the upload) waiting for the next round's
+        chunk, and the target's features of the root and the path from the output part's `states` of the tree."""
+        self.lam.crop(base + 1)
+        if not self.deferred:
+            self.shallows.update({base + 1 + i: shallow[:, n + 1:n + 2] for i, n in enumerate(path)})
+        feats = self.parts.features_at(states, [0] + [n + 1 for n in path])
+        self.feats.update({base + i: feats[:, i:i + 1] for i in range(len(path) + 1)})
+
     def _feature(self, state: DraftState, p: int) -> Any:
         """f_p for a pair: the draft's own prediction where it made one, else the target's; zeros before position 0
         (and for a position generated alone with no prediction kept)."""

@@ -37,7 +37,7 @@ from edge_runtime.backends.split_parts import PartCacheLike, SplitParts
 from edge_runtime.feature_pairs import DraftState, FeaturePairs
 from hat_split.math.rng import keyed_rng, keyed_uniform
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
-from hat_split.math.tree import GrownTree, TreeVerdict, grow_tree, verify_tree, verify_tree_greedy
+from hat_split.math.tree import ROOT, GrownTree, TreeVerdict, grow_tree, verify_tree, verify_tree_greedy
 from hat_split.math.verify import speculative_verify
 from hat_split.models.lm import board_time
 
@@ -49,7 +49,7 @@ class TreeDraft:
     base: int
     tree: GrownTree
     shallow: Any  # `# [1, 1 + N, hidden]`: the root's and every node's shallow state (the upload)
-    fed: int  # nodes Λ and the draft's output part hold (all but the last level)
+    fed: int  # nodes the input part held before the last level's upload (Λ and its output part hold these)
 
 
 class TreeLogits:
@@ -303,17 +303,20 @@ class SplitDrafter(FeaturePairs):
 
     # -- draft trees (hat_split.math.tree) ---------------------------------------------------------------------------
     def draft_tree(self, budget: int, max_depth: int, width: int, eta: float = 0.0) -> "TreeDraft":
-        """Λ drafts a tree (grow_tree: at most `budget` nodes, `max_depth` levels, `width` new nodes per level) below
-        the last committed token, one masked forward of the input part, Λ and the draft head per level, ending
-        after the level whose main-line token has draft probability below `eta` (HAT eq. 5); the last level's nodes
-        go through the input part only (their shallow states upload; nothing is drawn after them).
+        """The draft module (Λ or the feature drafter) drafts a tree (grow_tree: at most `budget` nodes, `max_depth`
+        levels, `width` new nodes per level) below the last committed token, one masked forward per level, ending
+        after the level whose main-line token has draft probability below `eta` (HAT eq. 5). Λ: the input part, Λ
+        and the draft head over the level's nodes; the last level's nodes go through the input part only (their
+        shallow states upload; nothing is drawn after them). The feature drafter: the pairs since the last round and
+        the root's on true features (as a chain's first step), then per level each node's pair (its parent's
+        predicted feature, its own shallow state or embedding) under the tree's mask; with embeddings the input part
+        runs once over all the nodes at the end.
         At temperature 0 the shape follows the draft's plain softmax; above, the children are draws without
         replacement from the draft's distribution, keyed by position (hat_split.math.rng.keyed_rng). Returns the tree
         and the shallow states `# [1, 1 + N, hidden]` of the root and the nodes, in node order."""
-        if self.features or not self.parts.has_adapter or not hasattr(self.parts, "run_input_tree"):
-            raise ValueError("hat's draft trees are drafted by Λ on the torch parts; "
-                             + ("the feature drafter drafts chains" if self.features else
-                                "these parts have no Λ" if not self.parts.has_adapter else
+        if not self.parts.has_adapter or not hasattr(self.parts, "run_input_tree"):
+            raise ValueError("hat's draft trees are drafted on the torch parts; "
+                             + ("these parts have no draft module" if not self.parts.has_adapter else
                                 "a bundle's exported graphs run no tree masks"))
         greedy = self.params.temperature == 0
         shape = SamplingParams(1.0) if greedy else self.params
@@ -321,17 +324,27 @@ class SplitDrafter(FeaturePairs):
         base = len(self.tokens) - 1
         start = base + 1
         shallow = [self._input(self.inp, self.tokens[-1])]
-        q_root = warp(self._lam_step(self.lam, self.dout, shallow[0], logits=True), shape)[0]
+        fhat: Dict[int, Any] = {}  # feature drafter: f̂ by node (ROOT: the root's)
+        if self.features:
+            root = DraftState(base, self.inp, self.lam, self.dout, shallow=list(shallow), true_len=base + 1)
+            q_root = warp(self._feature_step(root), shape)[0]
+            fhat[ROOT] = root.fhat[base]
+        else:
+            q_root = warp(self._lam_step(self.lam, self.dout, shallow[0], logits=True), shape)[0]
 
         def q_after(parents: List[int], tokens: List[int], nodes: List[int]) -> np.ndarray:
-            s = self.parts.run_input_tree(self.inp, [tokens[n] for n in nodes], parents, start)
-            shallow.append(s)
+            s = None
+            if not self.deferred:
+                s = self.parts.run_input_tree(self.inp, [tokens[n] for n in nodes], parents, start)
+                shallow.append(s)
+            if self.features:
+                return warp(self._feature_level(fhat, s, tokens, parents, nodes, start), shape)
             a = self.parts.run_adapter_tree(self.lam, s, parents, start)
             return warp(self._over_vocab(self.parts.run_output_tree(self.dout, a, parents, start, draft=True)), shape)
 
         rng = keyed_rng(self.seed, "tree_draft", base)
         tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy, eta)
-        fed = self.inp.length - start  # nodes with their shallow state (all but the last level)
+        fed = self.inp.length - start  # nodes with their shallow state (Λ: all but the last level)
         if fed < len(tree.tokens):
             shallow.append(self.parts.run_input_tree(self.inp, [int(t) for t in tree.tokens[fed:]],
                                                      tree.parents.tolist(), start))
@@ -350,11 +363,18 @@ class SplitDrafter(FeaturePairs):
         rng = keyed_rng(self.seed, "tree_verify", draft.base)
         return verify_tree(t.parents, t.tokens, p, t.q, lambda: float(rng.random()))
 
-    def keep_tree_path(self, draft: "TreeDraft", path: List[int]) -> None:
+    def keep_tree_path(self, draft: "TreeDraft", path: List[int], logits: Optional["TreeLogits"] = None) -> None:
         """After a tree's verdict, before its tokens are committed: every cache keeps the accepted nodes in place
-        and drops the other branches; Λ reads the accepted nodes it had not (the last level's)."""
+        and drops the other branches; Λ reads the accepted nodes it had not (the last level's). The feature drafter
+        instead keeps its true pairs only and the target's features of the path (from `logits`, the tree's)."""
         start = draft.base + 1
         self.inp.keep(start, path)
+        if self.features:
+            if logits is None:
+                raise ValueError("the feature drafter keeps a tree's path with the tree's TreeLogits")
+            self._keep_tree_pairs(draft.base, draft.shallow, path, logits.states)
+            self.tout.keep(draft.base, [0] + [n + 1 for n in path])
+            return
         held = [n for n in path if n < draft.fed]
         for cache in (self.lam, self.dout):
             cache.keep(start, held)

@@ -3,6 +3,7 @@ each unrolled training step equals the inference-time draft step it stands for, 
 random models, float32)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,10 +19,15 @@ def split():
     return SplitModel(tiny_model(2, layers=3), 1)
 
 
-def _window(split, n=12, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, split.model.config.vocab_size, (1, n), generator=gen)
+def _window(split, n=12, seed=0, token_input="shallow", tokens=None):
+    """A window's true features and what stands for its tokens (shallow states, or embeddings): random tokens, or
+    `tokens # [1, n]`."""
+    if tokens is None:
+        tokens = torch.randint(0, split.model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
     t = teacher(split, tokens)
+    if token_input == "embedding":
+        with torch.no_grad():
+            return t.features, split.model.model.embed_tokens(tokens)
     return t.features, t.shallow
 
 
@@ -65,13 +71,20 @@ def test_each_unrolled_step_is_the_draft_step_it_stands_for(split, j):
         torch.testing.assert_close(fhat[0, 0], unrolled[j][0, p], rtol=1e-4, atol=1e-5)
 
 
-def test_training_learns_and_the_artifact_round_trips(split, tmp_path):
-    """Fifty steps of the training-time test on the tiny model's own features reach a top-1 agreement the untrained
-    drafter does not; saved and loaded, the drafter computes the same; another cut is refused in one line."""
+PROMPT = [5, 17, 99, 3, 250, 7, 41, 8]
+
+
+def _train(split, token_input="shallow", steps=50):
+    """The drafter after `steps` of the training-time test on the tiny model's own features (four random windows of
+    32 and the model's greedy continuation of PROMPT, so that drafts of that text are accepted), with the top-1
+    agreement before and after, and the windows."""
     torch.manual_seed(0)
-    d = FeatureDrafter(split.model).float()
+    d = FeatureDrafter(split.model, token_input).float()
     stack = d.stack(split)
-    batches = [_window(split, n=24, seed=s) for s in range(4)]
+    batches = [_window(split, n=32, seed=s, token_input=token_input) for s in range(4)]
+    greedy = split.model.generate(torch.tensor([PROMPT]), max_new_tokens=32 - len(PROMPT), do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+    batches.append(_window(split, token_input=token_input, tokens=greedy))
     feats = torch.cat([b[0] for b in batches])
     shallow = torch.cat([b[1] for b in batches])
 
@@ -80,12 +93,29 @@ def test_training_learns_and_the_artifact_round_trips(split, tmp_path):
             return ttt_loss(split, d, stack, feats, shallow, 2, 0.1, train=False)["top1"]
     before = top1()
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
-    for _ in range(50):
+    for _ in range(steps):
         r = ttt_loss(split, d, stack, feats, shallow, 2, 0.1)
         opt.zero_grad()
         r["loss"].backward()
         opt.step()
-    after = top1()
+    return d.eval(), before, top1(), feats, shallow
+
+
+@pytest.fixture(scope="module")
+def trained(split):
+    return _train(split)
+
+
+@pytest.fixture(scope="module")
+def trained_embedding(split):
+    return _train(split, "embedding")
+
+
+def test_training_learns_and_the_artifact_round_trips(split, trained, tmp_path):
+    """Fifty steps of the training-time test on the tiny model's own features reach a top-1 agreement the untrained
+    drafter does not; saved and loaded, the drafter computes the same; another cut is refused in one line."""
+    d, before, after, feats, shallow = trained
+    stack = d.stack(split)
     assert after > before + 0.3, (before, after)
     save_feature_drafter(tmp_path / "fd", d, split, "tiny", {"steps": 50})
     loaded = load_feature_drafter(tmp_path / "fd", split)
@@ -148,6 +178,73 @@ def test_each_rounds_first_draft_equals_the_drafter_run_from_nothing(split, toke
                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0].tolist()
     assert dev.tokens == full
     assert max(dev.lam.length, 0) <= len(dev.tokens) and set(dev.feats) <= set(range(-1, len(dev.tokens)))
+
+
+def _reference_q(split, d, tokens, path):
+    """The drafter's distribution after `path` drafted below committed `tokens`, computed from nothing: the full
+    model's features of the whole sequence, unroll step len(path) at its last position (true pairs up to the last
+    committed token, the drafter's own predictions along the path; the path's true features are never read)."""
+    from hat_split.models.feature_drafter import draft_logits, token_states
+
+    ids = torch.tensor([list(tokens) + list(path)])
+    t = teacher(split, ids)
+    k = len(path)
+    fhat = ttt_forward(d, d.stack(split), t.features, token_states(split, d, t.shallow, ids), k + 1, train=False)[k]
+    return torch.softmax(draft_logits(split.model, fhat[:, -1]), dim=-1)[0].numpy()
+
+
+@pytest.mark.parametrize("token_input,temperature", [("shallow", 0.0), ("embedding", 0.0), ("shallow", 1.0)])
+def test_every_tree_nodes_draft_equals_the_drafter_run_from_nothing_on_its_path(request, split, token_input,
+                                                                               temperature):
+    """Feature-drafter trees with the middle part in this process: in every round the root's and every drafted-from
+    node's distribution is what the drafter computes from the committed sequence and the node's path alone (its
+    parent's predicted feature in each pair, the tree's mask hiding the other branches; the kept path and the
+    features the device keeps for the next round lose nothing), and at temperature 0 the tokens are the full
+    model's. The drafter is the briefly trained one (so that paths are accepted and kept)."""
+    from edge_runtime.backends.split_parts import TorchSplitParts
+    from edge_runtime.split_drafter import SplitDrafter
+    from edge_runtime.training.common import local_tree_round
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.math.tree import path_to
+
+    d = request.getfixturevalue("trained" if token_input == "shallow" else "trained_embedding")[0]
+    dev = SplitDrafter(TorchSplitParts(split, d), SamplingParams(temperature), seed=0)
+    prompt = PROMPT
+    dev.start(prompt)
+    middle = PartCache()
+    deep = split.middle.forward(middle, dev.prompt_states(len(prompt)))
+    dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
+    rows = accepted = 0
+    while len(dev.tokens) < len(prompt) + 24:
+        draft = dev.draft_tree(9, 3, 3)
+        t = draft.tree
+        for i in range(len(t.tokens) + 1):
+            if i == 0 or t.q[i].any():  # the last level's nodes were drafted from by no one
+                path = [int(t.tokens[n]) for n in path_to(t.parents, i - 1)] if i else []
+                np.testing.assert_allclose(t.q[i], _reference_q(split, d, dev.tokens, path), rtol=1e-4, atol=1e-6)
+                rows += 1
+        accepted += len(local_tree_round(dev, split, middle, draft).path)
+    assert rows > 20 and accepted > 0, (rows, accepted)
+    if temperature == 0:
+        full = split.model.generate(torch.tensor([prompt]), max_new_tokens=len(dev.tokens) - len(prompt),
+                                    do_sample=False, pad_token_id=0, eos_token_id=None)[0].tolist()
+        assert dev.tokens == full
+
+
+@pytest.mark.parametrize("nodes,depth,width,token_input", [(8, 4, 2, "shallow"), (12, 4, 3, "embedding")])
+def test_hat_feature_drafter_trees_give_the_full_models_tokens(tiny_server, tiny_pair, nodes, depth, width,
+                                                                token_input):
+    """Through a cloud (the middle layers verify the tree in one masked forward): greedy tokens are the full
+    model's."""
+    from hat_split.math.sampling import SamplingParams
+    from tests.test_hat import _greedy, _run_split
+
+    model = tiny_pair[1].model
+    d = _perturbed(SplitModel(model, 1), seed=9, token_input=token_input)
+    res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=24, adapter=d, tree_nodes=nodes,
+                     tree_depth=depth, tree_width=width, parallel_draft=False)
+    assert res.tokens == _greedy(model, 24)
+    assert res.drafted > res.rounds and res.finish_reason == "length"
 
 
 @pytest.mark.parametrize("chunk,token_input", [(0, "shallow"), (3, "shallow"), (3, "embedding")])
@@ -254,13 +351,20 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
             "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4", "--out", str(out)]
     assert main([*args, "--steps", "2"]) == 0
     first = json.loads((out / "drafter.json").read_text())["record"]["history"]
-    assert main([*args, "--steps", "3", "--resume"]) == 0
+    assert main([*args, "--steps", "3", "--resume", "--eval-trees", "6x3x2"]) == 0
     meta = json.loads((out / "drafter.json").read_text())
     record = meta["record"]
     assert len(record["history"]) == 3 and record["history"][0] == first[0]
     assert record["drafter"] == "feature" and record["unroll"] == 2 and len(record["eval"]["top1_steps"]) == 2
     assert record["windows"] == 4 and record["train_windows"] == 3
     assert set(record["acceptance_draft_vocab_32"]) == {"sharegpt", "humaneval"}
+    trees = record["trees_draft_vocab_32"]["t6d3w2"]  # the same prompts, drafted as trees
+    assert set(trees) == {"sharegpt", "humaneval"} and all(t["tree"] == [6, 3, 2] for t in trees.values())
+    assert all(t["rounds"] > 0 and 1 <= t["tokens_per_round"] <= 4 and t["nodes_per_round"] >= 1
+               for t in trees.values())
+    capsys.readouterr()
+    assert main([*args, "--eval-only", "--eval-trees", "6x3"]) == 2
+    assert "'6x3' is not NODESxDEPTHxWIDTH" in capsys.readouterr().err
     assert meta["kind"] == "feature" and meta["token_input"] == "shallow"
     assert len(meta["provenance"]["git_commit"]) == 40
     capsys.readouterr()
@@ -274,8 +378,8 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
 @pytest.mark.real_models
 def test_hat_bench_runs_the_feature_drafters_rows_end_to_end(smollm2, tmp_path):
     """`hat-bench hat --feature-drafter DIR` on SmolLM2-135M (one prompt, 8 tokens, wifi-near): a cloud process, the
-    link emulator and the device's rows U-shape, +SD F and HAT F v64 run and are summarised, Table 4 has the feature
-    drafter's row, and greedy tokens are U-shape's in every row."""
+    link emulator and the device's rows U-shape, +SD F, HAT F v64 and its 6-node trees run and are summarised,
+    Table 4 has the feature drafter's row, and greedy tokens are U-shape's in every row."""
     import json
     import subprocess
     import sys
@@ -288,13 +392,14 @@ def test_hat_bench_runs_the_feature_drafters_rows_end_to_end(smollm2, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "profiles.bench.bench", "hat", "--model", "smollm2-135m", "--m", "2",
                            "--feature-drafter", str(tmp_path / "fd"), "--draft-vocab", "64",
-                           "--variants", "U-shape,+SD F,HAT F v64", "--links", "wifi-near", "--prompts", "1",
+                           "--trees", "6x3x2", "--variants", "U-shape,+SD F,HAT F v64,HAT F v64 t6d3w2",
+                           "--links", "wifi-near", "--prompts", "1",
                            "--min-prompt-tokens", "40", "--max-prompt-tokens", "300", "--max-new-tokens", "8",
                            "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     table = report["tables"]["wifi-near"]
-    assert list(table) == ["U-shape", "+SD F", "HAT F v64"]
+    assert list(table) == ["U-shape", "+SD F", "HAT F v64", "HAT F v64 t6d3w2"]
     assert all(row["same_tokens_as_ushape"] == "1/1" for row in table.values())
     assert table["+SD F"]["drafts_per_round"] > 0 and "wifi-near, feature" in report["table4"]
     assert report["feature_parameters"] == FeatureDrafter(smollm2.model).n_params()

@@ -151,6 +151,26 @@ class TorchSplitParts:
                                  token_states(self.split, self.adapter, states, tokens))
         return to_host(draft_logits(self.split.model, fhat[:, -1:], self._draft_rows)[0]), fhat
 
+    def run_feature_tree(self, cache, features, states, tokens: Sequence[int], parents: Sequence[int],
+                         start: int) -> Tuple[np.ndarray, Any]:
+        """The feature drafter over a draft tree's new nodes (their pairs' features and states `# [1, n, hidden]`,
+        states None for embeddings): float32 draft logits `# [n, vocab or subset]` after each, and their f̂."""
+        from hat_split.models.feature_drafter import draft_logits, token_states
+
+        if self.feature_stack is None:
+            raise RuntimeError("these parts have no feature drafter")
+        fhat = self.adapter.step_tree(self.feature_stack, cache, features,
+                                      token_states(self.split, self.adapter, states, tokens), parents, start)
+        return to_host(draft_logits(self.split.model, fhat, self._draft_rows)[0]), fhat
+
+    def features_at(self, states, positions: Sequence[int]):
+        """The target's features `# [1, k, hidden]` (normed: what the head reads) at some positions of the output
+        part's states `# [1, n, hidden]` (a tree's, `run_tail_tree`)."""
+        import torch
+
+        with torch.inference_mode():
+            return self.split.model.model.norm(states[:, list(positions)])
+
     def zeros(self, n: int):
         import torch
 

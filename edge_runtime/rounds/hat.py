@@ -1,5 +1,6 @@
-"""Rounds of the split protocols over a SplitSession: `ushape` (one token per round trip) and `hat` (Λ drafts until
-η, the cloud's middle part computes the deep states, the device verifies; parallel drafting while it waits, §3.5)."""
+"""Rounds of the split protocols over a SplitSession: `ushape` (one token per round trip) and `hat` (Λ or the feature
+drafter drafts until η, or a tree; the cloud's middle part computes the deep states, the device verifies; parallel
+drafting while it waits, §3.5)."""
 from __future__ import annotations
 
 import time
@@ -27,9 +28,10 @@ def round_ushape(session: SplitSession) -> None:
 
 
 def tree_round_hat(session: SplitSession) -> None:
-    """Λ drafts a tree (SplitDrafter.draft_tree), its 1 + N shallow states go up with their parents, the middle
-    layers run them with the tree's mask and send 1 + N deep states back, the device's output part turns them into
-    the target's logits and verifies the tree; the next upload tells the cloud which path to keep."""
+    """Λ or the feature drafter drafts a tree (SplitDrafter.draft_tree), its 1 + N shallow states go up with their
+    parents, the middle layers run them with the tree's mask and send 1 + N deep states back, the device's output
+    part turns them into the target's logits and verifies the tree; the next upload tells the cloud which path to
+    keep."""
     c = session.config.split
     dev = session.drafter
     welcome = session.client.welcome
@@ -47,7 +49,7 @@ def tree_round_hat(session: SplitSession) -> None:
     logits = dev.target_logits(deep, draft.base, N + 1, tree=parents)  # rows on demand
     verdict = dev.verify_tree(draft, logits)
     path = verdict.path
-    dev.keep_tree_path(draft, path)
+    dev.keep_tree_path(draft, path, logits)
     session.tree_keep = [0] + [n + 1 for n in path]
     counters = session.counters
     counters.rounds += 1

@@ -11,8 +11,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from edge_runtime.backends.split_parts import TorchSplitParts
-from edge_runtime.split_drafter import SplitDrafter
+from edge_runtime.split_drafter import SplitDrafter, TreeDraft
 from hat_split.math.sampling import SamplingParams
+from hat_split.math.tree import TreeVerdict, below_chain, parse_shapes, shape_name
 from hat_split.models.adapter import rank_vocab
 from hat_split.models.chat import encode, encode_chat
 from hat_split.models.distill import CacheSpec, TeacherCache
@@ -119,16 +120,18 @@ def vocab_ranking(model, tokenizer, train: List[List[int]]):
     return rank_vocab(train, int(model.lm_head.weight.shape[0]), first)
 
 
-def acceptance(split, adapter, tokenizer, args, eta: float, draft_ids=None) -> dict:
+def acceptance(split, adapter, tokenizer, args, eta: float, draft_ids=None,
+               tree: Optional[Tuple[int, int, int]] = None) -> dict:
     """Greedy HAT decoding in this process on held-out prompts: accepted drafts and tokens per round, on ShareGPT
-    conversations (templated) and on HumanEval problems of the evaluation split (raw completion prompts)."""
+    conversations (templated) and on HumanEval problems of the evaluation split (raw completion prompts); chains of
+    at most --max-draft, or trees of `tree` = (nodes, depth, width)."""
 
     eos = tokenizer.eos_token_id
     sets = {"sharegpt": long_chat_prompts(tokenizer, args.eval_prompts, 32, 512),
             "humaneval": [encode(tokenizer, p.text, p.chat)
                           for p in humaneval_prompts(min(args.eval_prompts, HUMANEVAL_SPLIT))]}
     return {name: local_accept_length(split, adapter, prompts, args.eval_tokens, eta, args.max_draft,
-                                      frozenset([eos] if eos is not None else []), draft_ids)
+                                      frozenset([eos] if eos is not None else []), draft_ids, tree)
             for name, prompts in sets.items()}
 
 
@@ -219,16 +222,27 @@ def held_out_acceptance(split, module: Any, tokenizer, args, out: Path) -> dict:
     if sweep:
         record["eta_sweep" + suffix] = {str(eta): a for eta, a in sweep.items()}
     print_acceptance(args, record["acceptance" + suffix], sweep)
+    trees = {shape_name(*t): acceptance(split, module, tokenizer, args, args.eta, draft_ids, t)
+             for t in parse_shapes(args.eval_trees)}
+    if trees:
+        record["trees" + suffix] = trees
+        for shape, by_set in trees.items():
+            for name, a in by_set.items():
+                print(f"held-out acceptance on {name} (greedy, η={args.eta}, tree {shape}): "
+                      f"{a['tokens_per_round']:.2f} tokens per round, {a['nodes_per_round']:.1f} nodes drafted, over "
+                      f"{a['rounds']} rounds", file=sys.stderr)
     return record
 
 
 def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_new_tokens: int,
                         eta: float, max_draft: int, eos: frozenset = frozenset(),
-                        draft_ids: Optional[np.ndarray] = None) -> Dict[str, float]:
+                        draft_ids: Optional[np.ndarray] = None,
+                        tree: Optional[Tuple[int, int, int]] = None) -> Dict[str, float]:
     """Greedy HAT decoding with the middle part in this process: accepted drafts and tokens per round (draft_ids: the
-    draft's head over those tokens only)."""
+    draft's head over those tokens only); chains of at most max_draft, or trees of `tree` = (nodes, depth, width)
+    (nodes_per_round: what each round drafted)."""
     dev = SplitDrafter(TorchSplitParts(split, adapter, draft_ids), SamplingParams(temperature=0.0), seed=0)
-    rounds = accepted = produced = 0
+    rounds = accepted = produced = drafted = 0
     for prompt in prompts:
         dev.start(prompt)
         middle = PartCache()
@@ -238,16 +252,39 @@ def local_accept_length(split: Any, adapter: Any, prompts: List[List[int]], max_
         dev.commit([dev.sample_target(dev.target_logits(deep, 0, 1))])
         n_out = 1
         while n_out < max_new_tokens and dev.tokens[-1] not in eos:
-            state = dev.draft(max(1, min(max_draft, max_new_tokens - n_out - 1)), eta)
-            position = state.base
-            middle.crop(position)
-            deep = split.middle.forward(middle, dev.upload_states(state))
-            n, token = dev.verify(state, dev.target_logits(deep, position, len(state.drafts) + 1))
-            dev.commit(state.drafts[:n] + [token], n)
+            limit = max(1, min(tree[1] if tree else max_draft, max_new_tokens - n_out - 1))
+            if tree:
+                draft = dev.draft_tree(tree[0], limit, tree[2], eta)
+                n = len(local_tree_round(dev, split, middle, draft).path)
+                drafted += len(draft.tree.tokens)
+            else:
+                state = dev.draft(limit, eta)
+                position = state.base
+                middle.crop(position)
+                deep = split.middle.forward(middle, dev.upload_states(state))
+                n, token = dev.verify(state, dev.target_logits(deep, position, len(state.drafts) + 1))
+                dev.commit(state.drafts[:n] + [token], n)
+                drafted += len(state.drafts)
             rounds += 1
             accepted += n
             produced += n + 1
             n_out += n + 1
     return {"rounds": rounds, "accepted_per_round": accepted / max(rounds, 1),
-            "tokens_per_round": produced / max(rounds, 1), "prompts": len(prompts), "eta": eta,
-            "max_draft": max_draft}
+            "tokens_per_round": produced / max(rounds, 1), "nodes_per_round": drafted / max(rounds, 1),
+            "prompts": len(prompts), "eta": eta, "max_draft": max_draft,
+            **({"tree": list(tree)} if tree else {})}
+
+
+def local_tree_round(dev: SplitDrafter, split: Any, middle: PartCache, draft: TreeDraft) -> TreeVerdict:
+    """A drafted tree verified with the middle part in this process: the middle layers over its 1 + N shallow
+    states under the tree's mask, the device's verdict, the accepted path kept on both sides and committed."""
+    t = draft.tree
+    parents = below_chain(1, t.parents)
+    middle.crop(draft.base)
+    deep = split.middle.forward_tree(middle, draft.shallow, parents)
+    logits = dev.target_logits(deep, draft.base, len(t.tokens) + 1, tree=parents)
+    verdict = dev.verify_tree(draft, logits)
+    dev.keep_tree_path(draft, verdict.path, logits)
+    middle.keep(draft.base, [0] + [n + 1 for n in verdict.path])
+    dev.commit([int(t.tokens[n]) for n in verdict.path] + [verdict.token], len(verdict.path))
+    return verdict

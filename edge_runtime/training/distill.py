@@ -23,6 +23,7 @@ from pathlib import Path
 from edge_runtime.training.common import (TRAIN_FROM, copy_record, etas, held_out_acceptance, resume,
                                           teacher_cache, train_steps, visit_order, vocab_ranking, windows)
 from hat_split.files.provenance import provenance
+from hat_split.math.tree import parse_shapes
 from hat_split.models.adapter import (ADAPTER_INITS, DRAFT_VOCAB, Adapter, adapter_stack, load_adapter,
                                       read_adapter_meta, save_adapter, save_draft_vocab)
 from hat_split.models.distill import CACHE_DTYPES, ce_positions, student_loss, teacher
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eta-sweep", default="", metavar="ETAS",
                     help="also measure the acceptance at these η, comma separated (recorded as eta_sweep)")
     ap.add_argument("--max-draft", type=int, default=8, help="longest draft per round")
+    ap.add_argument("--eval-trees", default="", metavar="NxDxW,...",
+                    help="also measure the acceptance of draft trees of these shapes (nodes x depth x width, e.g. "
+                         "16x4x4; η ends a tree as it ends a chain), recorded as trees")
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="measure the acceptance with the draft's head over the N most frequent tokens of the "
                          "training data (split.draft_vocab; 0: the whole vocabulary). The ranking is saved with every "
@@ -146,6 +150,7 @@ def run(args) -> int:
         raise ValueError("--budget-s is a time in seconds > 0 for training a feature drafter afresh (--drafter "
                          "feature, without --resume or --eval-only)")
     etas(args.eta_sweep)  # refused before any work
+    parse_shapes(args.eval_trees)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail, args.drafter)

@@ -171,6 +171,28 @@ def below_chain(chain_len: int, parents) -> List[int]:
     return list(range(-1, chain_len - 1)) + [chain_len + int(p) if p >= 0 else chain_len - 1 for p in parents]
 
 
+def parse_shapes(text: str) -> List[Tuple[int, int, int]]:
+    """"16x4x4,32x8x4" → [(16, 4, 4), (32, 8, 4)]: (nodes, depth, width) per tree shape ("" → none); ValueError
+    naming an item that is not three integers >= 1."""
+    out = []
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            v = tuple(int(x) for x in item.split("x"))
+        except ValueError:
+            v = ()
+        if len(v) != 3 or min(v) < 1:
+            raise ValueError(f"{item!r} is not NODESxDEPTHxWIDTH with each >= 1 (e.g. 16x4x4)")
+        out.append(v)
+    return out
+
+
+def shape_name(nodes: int, depth: int, width: int) -> str:
+    """(16, 4, 4) → "t16d4w4"."""
+    return f"t{nodes}d{depth}w{width}"
+
+
 def chain(tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
     """A chain of drafts as a tree: (parents, tokens)."""
     n = len(tokens)

@@ -98,6 +98,16 @@ class FeatureDrafter(_module_base()):
         with torch.enable_grad() if train else torch.inference_mode():
             return self.norm_o(stack.forward(cache, self.fuse(features, tokens), train=train))
 
+    def step_tree(self, stack: Stack, cache: Any, features: Any, tokens: Any, parents: Sequence[int],
+                  start: int) -> Any:
+        """Predicted features f̂ `# [1, n, hidden]` of a draft tree's n new nodes, each pair (its parent's f̂, its own
+        state), under the tree's mask (Stack.forward_tree: `parents` the tree so far, its last n the new nodes, the
+        tree begun at cache position `start`)."""
+        import torch
+
+        with torch.inference_mode():
+            return self.norm_o(stack.forward_tree(cache, self.fuse(features, tokens), parents, start))
+
 
 def draft_logits(model: Any, fhat: Any, rows: Any = None, train: bool = False) -> Any:
     """The draft's float32 logits `# [..., vocab or subset]` from predicted features (they are already normed)."""

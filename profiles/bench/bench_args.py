@@ -60,26 +60,6 @@ def variant_name(gamma: int, eta: float) -> str:
     return f"g{gamma}" + (f"_eta{eta:g}" if eta else "")
 
 
-def parse_trees(text: str) -> List[Tuple[int, int, int]]:
-    """"16x4x4,32x8x4" → [(16, 4, 4), (32, 8, 4)]: (nodes, depth, width) per draft-tree run ("" → none)."""
-    out = []
-    for item in (x.strip() for x in str(text).split(",")):
-        if not item:
-            continue
-        try:
-            v = tuple(int(x) for x in item.split("x"))
-        except ValueError:
-            v = ()
-        if len(v) != 3 or min(v) < 1:
-            raise ValueError(f"{item!r} is not NODESxDEPTHxWIDTH with each >= 1 (e.g. 16x4x4)")
-        out.append(v)
-    return out
-
-
-def tree_name(nodes: int, depth: int, width: int) -> str:
-    return f"t{nodes}d{depth}w{width}"
-
-
 LLAMACPP_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_llamacpp.sh"
 
 

@@ -48,9 +48,10 @@ import numpy as np
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig, SplitConfig
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot
 from hat_split.math.sampling import SamplingParams
+from hat_split.math.tree import parse_shapes, shape_name
 from hat_split.models.lm import wait_passively
 from hat_split.prompt_sets import long_chat_prompts
-from profiles.bench.bench_args import adapter_dir, names, parse_trees, tree_name
+from profiles.bench.bench_args import adapter_dir, names
 from profiles.bench.stats import ci_note, ci_text, interval, paired_ratio, rotated
 from profiles.bench.rig import Rig
 from hardware.device_profiles import cloud_gpus, get_profile, speed_ratio
@@ -88,8 +89,8 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="add a row: HAT drafting over the adapter's N most frequent tokens (split.draft_vocab)")
     s.add_argument("--trees", default="", metavar="NxDxW,...",
-                   help="add rows: HAT with Λ drafting trees (split.tree_nodes, tree_depth, tree_width), e.g. 16x4x4; "
-                        "over --draft-vocab's head when given")
+                   help="add rows: HAT with Λ (and with --feature-drafter's drafter) drafting trees (split.tree_nodes, "
+                        "tree_depth, tree_width), e.g. 16x4x4; over --draft-vocab's head when given")
     s.add_argument("--threads", type=int, default=2, help="torch threads of the cloud (2: the cores here)")
     s.add_argument("--device-threads", type=int, default=0, help="torch threads of the device (0: --threads)")
     s.add_argument("--cloud-cores", type=int, default=0,
@@ -238,11 +239,8 @@ def run(args) -> int:
     rows = dict(VARIANTS)
     if args.draft_vocab:  # beyond the paper: the draft's head over the data's most frequent tokens
         rows[vocab_row(args.draft_vocab)] = ("hat", {**VARIANTS["HAT"][1], "draft_vocab": args.draft_vocab})
-    for nodes, depth, width in parse_trees(args.trees):  # beyond the paper: Λ's draft trees
-        name = (vocab_row(args.draft_vocab) if args.draft_vocab else "HAT") + f" {tree_name(nodes, depth, width)}"
-        rows[name] = ("hat", {**VARIANTS["HAT"][1], "parallel_draft": False, "draft_vocab": args.draft_vocab,
-                              "tree_nodes": nodes, "tree_depth": depth, "tree_width": width})
-    feature_meta = feature_rows(rows, args.feature_drafter, args.draft_vocab)
+    tree_rows(rows, args.trees, args.draft_vocab)  # beyond the paper: draft trees
+    feature_meta = feature_rows(rows, args.feature_drafter, args.draft_vocab, args.trees)
     variants = names(args.variants, rows, "variant") if args.variants else list(rows)
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:
@@ -327,9 +325,24 @@ def run(args) -> int:
 FEATURE_SUFFIX = " F"  # the rows drafting with the feature drafter
 
 
-def feature_rows(rows: dict, directory: str, draft_vocab: int) -> dict:
-    """Add the feature drafter's rows (+SD F, HAT F, and HAT F vNk with a draft vocabulary) to `rows`; its record
-    (drafter.json), or {} without one. ValueError when the directory holds no feature drafter."""
+def tree_rows(rows: dict, trees: str, draft_vocab: int, directory: str = "") -> None:
+    """Add a row per tree shape of `trees` ("16x4x4,..."): HAT drafting trees with Λ, or with the feature drafter in
+    `directory` ("HAT F t16d4w4"), over the --draft-vocab head when given."""
+    head = "HAT" + (FEATURE_SUFFIX if directory else "")
+    if draft_vocab:
+        head = vocab_row(draft_vocab).replace("HAT", head, 1)
+    for nodes, depth, width in parse_shapes(trees):
+        fields = {**VARIANTS["HAT"][1], "parallel_draft": False, "draft_vocab": draft_vocab, "tree_nodes": nodes,
+                  "tree_depth": depth, "tree_width": width}
+        if directory:
+            fields["adapter"] = directory
+        rows[f"{head} {shape_name(nodes, depth, width)}"] = ("hat", fields)
+
+
+def feature_rows(rows: dict, directory: str, draft_vocab: int, trees: str = "") -> dict:
+    """Add the feature drafter's rows (+SD F, HAT F, HAT F vNk with a draft vocabulary, HAT F tNdDwW per tree shape)
+    to `rows`; its record (drafter.json), or {} without one. ValueError when the directory holds no feature
+    drafter."""
     if not directory:
         return {}
     from hat_split.models.feature_drafter import read_feature_meta
@@ -341,6 +354,7 @@ def feature_rows(rows: dict, directory: str, draft_vocab: int) -> dict:
     if draft_vocab:
         rows[f"HAT{FEATURE_SUFFIX} v{vocab_row(draft_vocab).split(' v')[1]}"] = (
             "hat", {**VARIANTS["HAT"][1], "adapter": directory, "draft_vocab": draft_vocab})
+    tree_rows(rows, trees, draft_vocab, directory)
     return meta
 
 

@@ -35,11 +35,12 @@ from typing import Dict, List, Optional, Tuple
 from edge_runtime.config import EdgeConfig, EngineConfig, LinkConfig
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.speedup import speedup_report
+from hat_split.math.tree import parse_shapes, shape_name
 from hat_split.models.chat import encode
 from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.models.loading import load_tokenizer, resolve_dtype
 from hat_split.prompt_sets import calibration_prompts, evaluation_prompts
-from profiles.bench.bench_args import parse_trees, parse_variants, tree_name, variant_name
+from profiles.bench.bench_args import parse_variants, variant_name
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import ci_text, paired_ratio, rotated
 from profiles.bench.rig import Rig
@@ -129,7 +130,7 @@ def sd_variants(variants: List[Tuple[int, float]], trees: List[Tuple[int, int, i
     """Each sd run's name and the EdgeConfig fields it sets: chains (γ, η), then draft trees."""
     out = {f"hatspec_sd_{variant_name(g, e)}": {"draft_len": g, "draft_stop_prob": e, "tree_nodes": 0}
            for g, e in variants}
-    out.update({f"hatspec_sd_{tree_name(*t)}": dict(zip(("tree_nodes", "tree_depth", "tree_width"), t))
+    out.update({f"hatspec_sd_{shape_name(*t)}": dict(zip(("tree_nodes", "tree_depth", "tree_width"), t))
                 for t in trees})
     return out
 
@@ -279,7 +280,7 @@ def _hf_runs(args, ids: List[List[int]], tmp: str) -> Optional[Dict[str, list]]:
 
 def run(args) -> int:
     variants = parse_variants(args.draft_len)  # a ValueError names the bad item
-    by_name = sd_variants(variants, parse_trees(args.trees))
+    by_name = sd_variants(variants, parse_shapes(args.trees))
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     protocols = [p for p in args.protocols.split(",") if p]
