@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init", default="layer-m", choices=ADAPTER_INITS,
                     help="Λ's starting point: a copy of layer m, of the last layer, or random (docs/HAT.md)")
     ap.add_argument("--dtype", default="auto",
-                    help="the frozen model's dtype (auto: bfloat16 where the CPU multiplies it, else float32); Λ "
-                         "keeps float32 weights")
+                    help="the frozen model's dtype (auto: bfloat16 or float32, whichever this CPU multiplies a "
+                         "batch of windows faster, measured at the start); Λ keeps float32 weights")
     ap.add_argument("--windows", type=int, default=0,
                     help="distinct training windows (default --steps × --batch: each seen once); fewer are cached "
                          "and revisited in a new random order each pass")
@@ -154,7 +154,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail, args.drafter)
-    dtype = resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype, rows=args.batch * args.seq_len)  # auto: measured at a batch's size
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model.requires_grad_(False)
     split = SplitModel(model, args.m, args.tail)

@@ -135,12 +135,44 @@ def cpu_has_bf16_matmul() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: Any = "cpu") -> str:
+def matmul_seconds(dtype: str, rows: int, inner: int = 1536, cols: int = 4096, repeats: int = 3) -> float:
+    """The best of `repeats` timings of a `[rows, inner] × [inner, cols]` product in `dtype` on this CPU (one warm-up
+    first), with torch's current threads."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(rows, inner).to(kind), torch.randn(inner, cols).to(kind)
+    best = float("inf")
+    with torch.inference_mode():
+        a @ b
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def faster_cpu_dtype(rows: int) -> str:
+    """For CPU work on `rows` tokens at once: "bfloat16" where this CPU multiplies them by a layer's weights faster in
+    bfloat16 than in float32 (measured once per row count in this process: `matmul_seconds`), else "float32". A CPU
+    without a bfloat16 multiply is not measured (bfloat16 is emulated there, always slower). Where AVX512-BF16 does
+    the work without AMX, bfloat16 wins for a few rows (half the weight bytes to read) and loses for long windows:
+    a 256-token forward of the 1.5B took 5.0 s in bfloat16 against 3.0 s in float32 on 2 threads of such a machine,
+    while AMX machines run it 2.7x faster in bfloat16 (docs/HAT.md)."""
+    if not cpu_has_bf16_matmul():
+        return "float32"
+    return "bfloat16" if matmul_seconds("bfloat16", rows) < matmul_seconds("float32", rows) else "float32"
+
+
+def resolve_dtype(dtype: str, device: Any = "cpu", rows: int = 0) -> str:
     """'auto' → the fastest exact-enough dtype for the matmuls of `device` (a torch device or its name); other names
     pass through (validated).
 
     On a CPU with AMX / AVX512-BF16, bfloat16 makes a multi-token forward (a verification of γ + 1 positions) cost
-    about the same as a one-token forward; float32 costs ~1.9x for 5 tokens (docs/ARCHITECTURE.md, "dtypes").
+    about the same as a one-token forward; float32 costs ~1.9x for 5 tokens (docs/ARCHITECTURE.md, "dtypes"). Work on
+    many tokens at once (rows > 0: a training batch, a teacher's windows) gets whichever of the two this CPU
+    multiplies faster at that size, measured (`faster_cpu_dtype`).
     CUDA: bfloat16 where supported (Ampere+, Jetson Orin), else float16 (Volta, Jetson Xavier). Otherwise float32.
     """
     if dtype not in MODEL_DTYPES:
@@ -151,6 +183,8 @@ def resolve_dtype(dtype: str, device: Any = "cpu") -> str:
         import torch
 
         return "bfloat16" if torch.cuda.get_device_capability(torch.device(device))[0] >= 8 else "float16"
+    if rows > 0:
+        return faster_cpu_dtype(rows)
     return "bfloat16" if cpu_has_bf16_matmul() else "float32"
 
 
