@@ -406,7 +406,7 @@ class AutoController:
     chunk: int  # llm's tokens per round
     prompt_tokens: int
     shares_host: bool = False
-    tree: Optional[Shape] = None  # the draft tree sd may run (nodes, depth, width; within the cloud's limits)
+    trees: Sequence[Shape] = ()  # the draft trees sd may run (nodes, depth, width; within the cloud's limits)
     segments: List[Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -428,11 +428,11 @@ class AutoController:
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
                        CloudCosts(curve, est.wait_s(name)), est.wire(), est.alpha or 0.0)
 
-    def _at_tree(self, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
-        """sd with the tree `self.tree` (protocol "sd_tree", knob = its nodes); None while it cannot be priced."""
-        est, shape = self.estimates, self.tree
-        tokens = est.tree_tokens_per_round(shape) if shape is not None else None
-        if shape is None or curve is None or not est.measured.get("sd") or tokens is None:
+    def _at_tree(self, shape: Shape, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
+        """sd with the draft tree `shape` (protocol "sd_tree", knob = its nodes); None while it cannot be priced."""
+        est = self.estimates
+        tokens = est.tree_tokens_per_round(shape)
+        if curve is None or not est.measured.get("sd") or tokens is None:
             return None
         nodes, depth, _ = shape
         device = est.device(self.shares_host, "sd")
@@ -446,23 +446,30 @@ class AutoController:
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
+        return self._priced(link, now)[0]
+
+    def _priced(self, link: Link, now: Optional[float]) -> Tuple[Dict[str, Prediction], Optional[Shape]]:
+        """`predictions`, and the tree shape of sd's when a draft tree is its best."""
         curve = self.estimates.curve(now)
         out: Dict[str, Prediction] = {}
+        tree = None
         for name in self.eligible:
             knobs = range(1, self.max_draft + 1) if name == "sd" else (self.chunk,)
-            preds = [p for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
+            preds = [(None, p) for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
             if name == "sd" and preds:
-                preds += [p for p in (self._at_tree(link, curve),) if p is not None]
+                preds += [(s, p) for s, p in ((s, self._at_tree(s, link, curve)) for s in self.trees)
+                          if p is not None]
             if preds:
-                out[name] = max(preds, key=lambda p: (p.tokens_per_s, -p.knob))
-        return out
+                shape, out[name] = max(preds, key=lambda sp: (sp[1].tokens_per_s, -sp[1].knob))
+                tree = shape if name == "sd" else tree
+        return out, tree
 
     def decide(self, link: Link, now: Optional[float] = None, behind: int = 0, remaining: int = 0) -> Choice:
         """What the next round runs, at `now` (the caller's monotonic clock; None: nothing goes stale); behind: the
         committed tokens the draft model would read before sd's first draft; remaining: the tokens the request has
         left (0: unknown, no switch is priced)."""
         current = self.segments[-1] if self.segments else None
-        preds = self.predictions(link, now)
+        preds, best_tree = self._priced(link, now)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
         est = self.estimates
         unmeasured = [name for name in self.eligible if name not in preds
@@ -472,12 +479,15 @@ class AutoController:
             knob = self.chunk if name == "llm" else min(4, self.max_draft)
             return Choice(name, knob, f"measuring {name}: {est.measured.get(name, 0)} of {MEASURE_ROUNDS} rounds",
                           rates)
-        if self.tree is not None and "sd" in preds:
-            measuring = est.tree_rounds.get(self.tree, 0) < MEASURE_ROUNDS
-            if measuring or (current is not None and est.idle.get("sd_tree", 0) >= PROBE_EVERY and behind <= 1):
-                what = (f"measuring sd's tree: {est.tree_rounds.get(self.tree, 0)} of {MEASURE_ROUNDS} rounds"
-                        if measuring else f"probing sd's tree: not run for {PROBE_EVERY} rounds")
-                return Choice("sd", self.tree[0], what, rates, self.tree)
+        if self.trees and "sd" in preds:
+            for shape in self.trees:  # each shape measured in turn, then probed when it has not run for a while
+                measuring = est.tree_rounds.get(shape, 0) < MEASURE_ROUNDS
+                if measuring or (current is not None and est.idle.get(_tree_key(shape), 0) >= PROBE_EVERY
+                                 and behind <= 1):
+                    what = (f"measuring sd's tree {_tree_text(shape)}: {est.tree_rounds.get(shape, 0)} of "
+                            f"{MEASURE_ROUNDS} rounds" if measuring else
+                            f"probing sd's tree {_tree_text(shape)}: not run for {PROBE_EVERY} rounds")
+                    return Choice("sd", shape[0], what, rates, shape)
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
         held = preds.get(current.protocol) if current is not None else None
         if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
@@ -494,8 +504,11 @@ class AutoController:
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
-        tree = self.tree if best.protocol == "sd_tree" else None
-        return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates) + why, rates, tree)
+        tree = best_tree if best.protocol == "sd_tree" else None
+        reason = _why(best, preds, self.estimates) + why
+        if tree is not None:
+            reason = reason.replace(f"sd_tree ({best.knob} nodes)", f"sd_tree {_tree_text(tree)}", 1)
+        return Choice("sd" if tree else best.protocol, best.knob, reason, rates, tree)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether sd may run soon, by `predictions`: not priced yet, or predicted at READ_AHEAD_REACH of the best
@@ -523,8 +536,8 @@ class AutoController:
         idle = self.estimates.idle
         for name in self.eligible:
             idle[name] = 0 if name == choice.protocol else idle.get(name, 0) + 1
-        if self.tree is not None:
-            idle["sd_tree"] = 0 if choice.tree else idle.get("sd_tree", 0) + 1
+        for shape in self.trees:
+            idle[_tree_key(shape)] = 0 if choice.tree == shape else idle.get(_tree_key(shape), 0) + 1
         seg = self.segments[-1] if self.segments else None
         kind = lambda reason: reason.split()[0]  # noqa: E731  measuring / probing / predicted
         if seg is None or (seg.protocol, seg.knob, seg.tree, kind(seg.reason)) != (
@@ -536,6 +549,15 @@ class AutoController:
             self.segments.append(seg)
         seg.tokens += tokens
         seg.rounds += 1
+
+
+def _tree_key(shape: Shape) -> str:
+    """The idle counter of sd with the draft tree `shape`."""
+    return "sd_tree " + _tree_text(shape)
+
+
+def _tree_text(shape: Shape) -> str:
+    return "{}x{}x{}".format(*shape)
 
 
 def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:

@@ -5,6 +5,7 @@ from TOML (hat_split.files.config_file)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import List, Tuple
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from hat_split.files.bundle import PRECISIONS
 from hat_split.files.settings import setting
 from hat_split.math.calibration import Calibration
 from hat_split.math.skip_budget import SkipPolicy
+from hat_split.math.tree import parse_shapes
 from hat_split.math.uncertainty import PerturbationConfig
 from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES, WEIGHT_QUANTS
@@ -299,6 +301,9 @@ class EdgeConfig:
     tree_width: int = setting(2, "new nodes per level of a draft tree, placed where the draft expects them "
                               "accepted most (the first child of the main line always: a tree holds the chain of "
                               "its depth)")
+    auto_trees: str = setting("", "protocol auto: more draft-tree shapes sd may run, NODESxDEPTHxWIDTH comma "
+                              "separated (e.g. 16x4x4,48x6x8), priced beside the chains and tree_nodes' tree: each "
+                              "measured for a few rounds, then run where predicted fastest (docs/AUTO.md)")
     dist_dtype: str = setting("float16", "wire dtype of draft distributions; the draft is sampled from the rounded "
                               "values", choices=WIRE_DTYPES)
     dist_format: str = setting("auto", "\"dense\" | \"sparse\" | \"auto\" (smaller of the two); `hlm` always sends "
@@ -320,6 +325,20 @@ class EdgeConfig:
             return self.overlap_prefill == "on"
         return not self.link.is_local
 
+    @property
+    def tree_shapes(self) -> List[Tuple[int, int, int]]:
+        """sd's draft-tree shapes (nodes, depth, width): tree_nodes' first (if any), then auto_trees', each once."""
+        out = [(self.tree_nodes, self.tree_depth, self.tree_width)] if self.tree_nodes else []
+        for shape in parse_shapes(self.auto_trees):
+            if shape not in out:
+                out.append(shape)
+        return out
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The most nodes any of sd's draft trees may have (0: chains only)."""
+        return max((nodes for nodes, _, _ in self.tree_shapes), default=0)
+
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("EdgeConfig.model must name a model")
@@ -328,9 +347,13 @@ class EdgeConfig:
         if not 0 <= self.tree_nodes <= 1024 or not 1 <= self.tree_depth <= 64 or not 1 <= self.tree_width <= 64:
             raise ValueError(f"tree_nodes must be in 0..1024, tree_depth and tree_width in 1..64; got "
                              f"{self.tree_nodes}, {self.tree_depth}, {self.tree_width}")
-        if self.tree_nodes and (self.engine.backend not in ("torch", "llamacpp") or self.engine.token_draft != "model"):
-            raise ValueError("draft trees (tree_nodes > 0) run on the draft model of the torch or llamacpp backend "
-                             "(engine.token_draft model)")
+        for nodes, depth, width in parse_shapes(self.auto_trees):
+            if nodes > 1024 or depth > 64 or width > 64:
+                raise ValueError(f"auto_trees: {nodes}x{depth}x{width} is beyond 1024 nodes, 64 levels or 64 wide")
+        if self.max_tree_nodes and (self.engine.backend not in ("torch", "llamacpp")
+                                    or self.engine.token_draft != "model"):
+            raise ValueError("draft trees (tree_nodes > 0, auto_trees) run on the draft model of the torch or "
+                             "llamacpp backend (engine.token_draft model)")
         if self.dist_dtype not in WIRE_DTYPES:
             raise ValueError(f"dist_dtype must be one of {WIRE_DTYPES}, got {self.dist_dtype!r}")
         if self.dist_format not in DIST_FORMATS:

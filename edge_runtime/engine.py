@@ -98,7 +98,7 @@ class TorchEngine(Engine):
     _parts: Dict[Tuple[bool, str, int], TorchSplitParts] = field(default_factory=dict)
 
     def token_lm(self, config: EdgeConfig) -> Any:
-        if config.engine.token_draft == "model" and config.tree_nodes:
+        if config.engine.token_draft == "model" and config.max_tree_nodes:
             if self._tree_lm is None:  # the same weights run as one Stack: chains and trees (hat_split.models.tree_lm)
                 from hat_split.models.tree_lm import TreeLM  # torch
 
@@ -158,11 +158,11 @@ def open_engine(config: EdgeConfig, loaded: Any = None) -> Engine:
         # sequences: a request's drafter state and the next one's overlap for a moment (a state's id is freed when it
         # is dropped), and two of them a draft tree's paths (at most one per node; room for 64-node trees whatever
         # this request's tree_nodes, as later requests may change it); they share the n_ctx positions
-        most = max_sequences()
-        if 4 + 2 * config.tree_nodes > most:
-            raise ValueError(f"draft trees of {config.tree_nodes} nodes need {4 + 2 * config.tree_nodes} llama.cpp "
-                             f"sequences, this build has {most}: fewer tree_nodes")
-        seqs = min(most, 4 + 2 * max(config.tree_nodes, 64))
+        most, nodes = max_sequences(), config.max_tree_nodes
+        if 4 + 2 * nodes > most:
+            raise ValueError(f"draft trees of {nodes} nodes need {4 + 2 * nodes} llama.cpp sequences, this build has "
+                             f"{most}: fewer tree_nodes (or smaller auto_trees)")
+        seqs = min(most, 4 + 2 * max(nodes, 64))
         lm = LlamaCppLM(model_gguf(config.model), LlamaCppSettings(engine.n_ctx, engine.n_batch, engine.threads,
                                                                    n_seq_max=seqs, n_gpu_layers=engine.n_gpu_layers))
         tokenizer = load_tokenizer(config.model)

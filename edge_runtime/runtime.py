@@ -151,7 +151,7 @@ class EdgeRuntime:
         self.auto_estimates.begin_request()  # this prompt's acceptance starts from the recent prompts'
         controller = AutoController(self.auto_estimates, [p for p in AUTO_TOKEN if p in welcome.protocols],
                                     min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
-                                    shares_host=not config.overlaps_prefill, tree=tree_shape(config, welcome))
+                                    shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome))
         if request.allow_lossy:
             why = controller.local_wins(self.client.base_rtt_s)
             if why:
@@ -228,10 +228,25 @@ class EdgeRuntime:
 
 def tree_shape(config: EdgeConfig, welcome: P.Welcome) -> Optional[Shape]:
     """The draft tree sd runs on this device (nodes, depth, width) within the cloud's Welcome; None for chains."""
-    nodes = min(config.tree_nodes, welcome.max_tree_nodes)
+    return _within(welcome, (config.tree_nodes, config.tree_depth, config.tree_width))
+
+
+def tree_shapes(config: EdgeConfig, welcome: P.Welcome) -> Tuple[Shape, ...]:
+    """Every draft tree protocol auto may run sd with (tree_nodes' and auto_trees'), each within the cloud's Welcome
+    and once."""
+    out: List[Shape] = []
+    for shape in config.tree_shapes:
+        fitted = _within(welcome, shape)
+        if fitted is not None and fitted not in out:
+            out.append(fitted)
+    return tuple(out)
+
+
+def _within(welcome: P.Welcome, shape: Shape) -> Optional[Shape]:
+    nodes = min(shape[0], welcome.max_tree_nodes)
     if nodes < 1 or welcome.max_tree_depth < 1:
         return None
-    return nodes, min(config.tree_depth, welcome.max_tree_depth, nodes), config.tree_width
+    return nodes, min(shape[1], welcome.max_tree_depth, nodes), shape[2]
 
 
 def _teaching(round_fn, protocol: str, estimates: AutoEstimates):

@@ -453,7 +453,7 @@ def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
     for step_33, want_tree in ((0.022, True), (1.2, False)):
         est = _estimates(0.7, 0.005, step_1=0.1 if step_33 > 1 else 0.02, step_9=0.3 if step_33 > 1 else 0.021)
         est.observed.observe(33, step_33)
-        c = _controller(est, tree=shape)
+        c = _controller(est, trees=(shape,))
         assert est.tree_tokens_per_round(shape) == pytest.approx((1 - 0.7 ** 9) / (1 - 0.7))
         for _ in range(3):
             first = c.decide(Link(0.1))
@@ -464,9 +464,52 @@ def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
         assert est.tree_tokens_per_round(shape) == pytest.approx(6.0) and est.tree_up_per_node[shape] == 6.0
         pick = c.decide(Link(0.1))
         assert (pick.protocol == "sd" and pick.tree == shape) == want_tree, pick
-        assert ("sd_tree (32 nodes)" in pick.reason) == want_tree, pick.reason
+        assert ("sd_tree 32x8x4" in pick.reason) == want_tree, pick.reason
     c = _controller(_estimates(0.7, 0.02, step_1=0.02, step_9=0.021))  # no tree configured: chains only
     assert c.decide(Link(0.1)).tree is None
+
+
+def test_several_tree_shapes_are_each_measured_and_the_fastest_is_run():
+    """auto_trees: every shape is measured in turn (MEASURE_ROUNDS rounds each, in the configured order), then sd
+    runs the one its own rounds price fastest — here the wide tree that commits 6 tokens a round over the narrow one
+    that commits 3, at nearly the same cost — and the other is probed after PROBE_EVERY rounds without it."""
+    from edge_runtime.auto import PROBE_EVERY
+
+    narrow, wide = (8, 4, 2), (32, 6, 6)
+    est = _estimates(0.7, 0.005, step_1=0.02, step_9=0.021)
+    est.observed.observe(33, 0.022)
+    c = _controller(est, trees=(narrow, wide))
+    for shape, tokens in ((narrow, 3), (wide, 6)):
+        for _ in range(3):
+            choice = c.decide(Link(0.1))
+            assert choice.tree == shape and choice.reason.startswith(f"measuring sd's tree {'{}x{}x{}'.format(*shape)}")
+            est.observe_tree(shape, tokens, 4 * 0.005, 0.022, 80 + shape[0] * 6, 100, 0.04 + 0.1 + 0.024, Link(0.1),
+                             now=0.0)
+            c.record(choice, tokens)
+    pick = c.decide(Link(0.1))
+    assert pick.protocol == "sd" and pick.tree == wide and "sd_tree 32x6x6" in pick.reason, pick
+    for _ in range(PROBE_EVERY):
+        c.record(pick, 6)
+    probe = c.decide(Link(0.1))
+    assert probe.tree == narrow and probe.reason.startswith("probing sd's tree 8x4x2"), probe
+
+
+def test_auto_trees_are_read_checked_and_kept_within_the_cloud():
+    """EdgeConfig.auto_trees: parsed and deduplicated after tree_nodes' own tree; a malformed or oversized shape is
+    refused in one line; the runtime clips each to the cloud's Welcome."""
+    from edge_runtime.config import EdgeConfig
+    from edge_runtime.runtime import tree_shapes
+    from hat_split.wire import messages as P
+
+    config = EdgeConfig(model="m", tree_nodes=8, tree_depth=4, tree_width=2, auto_trees="8x4x2, 32x6x6,16x4x4")
+    assert config.tree_shapes == [(8, 4, 2), (32, 6, 6), (16, 4, 4)] and config.max_tree_nodes == 32
+    assert EdgeConfig(model="m").max_tree_nodes == 0
+    with pytest.raises(ValueError, match="'32x6' is not NODESxDEPTHxWIDTH"):
+        EdgeConfig(model="m", auto_trees="32x6")
+    with pytest.raises(ValueError, match="auto_trees: 2000x6x6 is beyond 1024 nodes"):
+        EdgeConfig(model="m", auto_trees="2000x6x6")
+    welcome = P.Welcome(1, "m", 10, "", 60.0, 8, 4096, ["sd"], max_tree_nodes=16, max_tree_depth=5)
+    assert tree_shapes(config, welcome) == ((8, 4, 2), (16, 5, 6), (16, 4, 4))
 
 
 @pytest.mark.real_models
