@@ -514,21 +514,23 @@ def test_auto_trees_are_read_checked_and_kept_within_the_cloud():
 
 @pytest.mark.real_models
 def test_auto_with_a_tree_configured_measures_it_and_keeps_the_targets_tokens(smollm2, smollm2_server):
-    """A device configured for 8-node trees: an auto request measures sd, then the tree, and its tokens are the
-    target's greedy ones; an sd request's tree rounds teach auto that shape."""
+    """A device configured for 8-node trees and one more shape: an auto request measures sd, then each tree, and its
+    tokens are the target's greedy ones; an sd request's tree rounds teach auto the configured shape."""
     from edge_runtime.config import EdgeConfig, LinkConfig
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.math.sampling import SamplingParams
     from hat_split.net.security import LinkSecurity
 
-    config = EdgeConfig(model="smollm2-135m", tree_nodes=8, tree_depth=4, tree_width=2,
+    config = EdgeConfig(model="smollm2-135m", tree_nodes=8, tree_depth=4, tree_width=2, auto_trees="12x3x4",
                         link=LinkConfig(smollm2_server.endpoint, security=LinkSecurity.plaintext()))
     with EdgeRuntime(config, smollm2) as rt:
-        ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 32, seed=0)
-        res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 32, seed=0)
+        ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 48, seed=0)
+        res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 48, seed=0)
         assert res.tokens == ref.tokens
         trees = [s for s in res.auto if s.get("tree") == [8, 4, 2]]
         assert trees and trees[0]["protocol"] == "sd" and trees[0]["reason"].startswith("measuring sd's tree")
+        assert any(s.get("tree") == [12, 3, 4] and s["reason"].startswith("measuring sd's tree 12x3x4")
+                   for s in res.auto), res.auto  # the second shape measured after the first
         before = rt.auto_estimates.tree_rounds[(8, 4, 2)]
         assert before == sum(s["rounds"] for s in trees), res.auto
         taught = rt.generate(PROMPT, "sd", SamplingParams(0.0), 16, seed=0)
