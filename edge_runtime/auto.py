@@ -505,10 +505,8 @@ class AutoController:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
-        reason = _why(best, preds, self.estimates) + why
-        if tree is not None:
-            reason = reason.replace(f"sd_tree ({best.knob} nodes)", f"sd_tree {_tree_text(tree)}", 1)
-        return Choice("sd" if tree else best.protocol, best.knob, reason, rates, tree)
+        return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, best_tree) + why,
+                      rates, tree)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether sd may run soon, by `predictions`: not priced yet, or predicted at READ_AHEAD_REACH of the best
@@ -567,8 +565,10 @@ def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
     return max(0.0, tokens / slow.tokens_per_s - tokens / fast.tokens_per_s)
 
 
-def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates) -> str:
-    knob = {"sd": lambda p: f" γ={p.knob}", "sd_tree": lambda p: f" ({p.knob} nodes)"}
+def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates, tree: Optional[Shape] = None) -> str:
+    """The predictions in words; sd's draft tree, when it is sd's best, named by its shape `tree`."""
+    knob = {"sd": lambda p: f" γ={p.knob}",
+            "sd_tree": lambda p: f" {_tree_text(tree)}" if tree is not None else f" ({p.knob} nodes)"}
     parts = [f"{p.protocol}{knob[p.protocol](p) if p.protocol in knob else ''} {p.tokens_per_s:.2f} tok/s"
              for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]
     alpha = f", α {est.alpha:.2f}" if est.alpha is not None else ""
