@@ -15,6 +15,7 @@ from hat_split.math.sampling import SamplingParams
 from hat_split.models.adapter import Adapter
 from hat_split.models.feature_drafter import FeatureDrafter
 from hat_split.models.lm import CausalLM
+from hat_split.models.partition import SplitModel
 from tests.conftest import serving, tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -47,6 +48,40 @@ def test_greedy_protocols_on_cuda_equal_the_model_alone(pd_driven):
                              draft_stop_prob=0.0, draft_len=4, adapter=feature, parallel_draft=parallel, pd_topk=2)
             assert res.tokens == split_ref and res.drafted > 0, ("feature", parallel)
         assert runner.graphs.replays > 0 and not runner.graphs.failure, runner.graphs.report()
+
+
+def test_draft_trees_on_captured_cuda_steps_equal_the_model_alone():
+    """Draft trees (issue 47) on a CUDA cloud with slots and graphs: sd with a tree of the draft model, hat with Λ's
+    trees and with the feature drafter's trees. Every tree verify is a decode step there (the cloud captures up to
+    max_tree_nodes + 1 positions per session), so the trees' masks go through replayed graphs: the target's own
+    greedy tokens, each round replayed, none run eagerly, no capture fallen back."""
+    from hat_split.models.tree_lm import TreeLM
+    from tests.test_feature_drafter import _perturbed
+    from tests.test_hat import PROMPT as SPLIT_PROMPT
+    from tests.test_hat import _run_split
+    from tests.test_tree_protocol import PROMPT, _run
+
+    draft, target = CausalLM(tiny_model(1, 1).cuda()), CausalLM(tiny_model(2, 2).cuda())
+    ref, split_ref = target.greedy(PROMPT, 24), target.greedy(SPLIT_PROMPT, 24)
+    adapter = Adapter(target.model, 1).eval().requires_grad_(False).cuda()
+    feature = _perturbed(SplitModel(target.model, 1), seed=9).requires_grad_(False).cuda()
+    shape = dict(tree_nodes=14, tree_depth=5, tree_width=3)
+    with serving(target, device="cuda", max_message_bytes=1 << 20) as server:
+        runner = server.work.engine.executor.runner
+        assert runner.slots is not None and runner.graphs.enabled
+        assert runner.layout.decode_limit > shape["tree_nodes"], runner.layout  # a tree's verify is captured
+        runs = [("sd", lambda: _run(server, draft, SamplingParams(0.0), n=24, **shape)[0], ref)]
+        for name, drafter in (("hat", adapter), ("hat feature", feature)):
+            runs.append((name, lambda d=drafter: _run_split(server, target.model, "hat", SamplingParams(0.0), n=24,
+                                                            adapter=d, parallel_draft=False, **shape), split_ref))
+        for name, run, want in runs:
+            before = dict(runner.graphs.report())
+            res = run()
+            after = runner.graphs.report()
+            assert res.tokens == want, name
+            assert res.drafted > res.rounds, (name, res.drafted, res.rounds)  # trees, not single tokens
+            assert after["replays"] - before["replays"] >= res.rounds, (name, before, after)
+            assert after["eager"] == before["eager"] and not after["failure"], (name, after)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
