@@ -207,7 +207,7 @@ class StageRunner:
         device = hs[0].device
         packed = to_device(np.array([index.write_slot, index.write_pos, index.positions], dtype=np.int64), device)
         rows_t = to_device(np.array([index.rows, index.past], dtype=np.int64), device)
-        ancestors = to_device(np.array(index.ancestors, dtype=np.int64), device)
+        ancestors = to_device(index.ancestors, device)
         if all(h.shape[1] == tokens for h in hs):  # every row full (decode steps): one copy
             hidden = torch.cat([*hs, hs[0].new_zeros(rows - len(hs), tokens, hs[0].shape[-1])])
         else:

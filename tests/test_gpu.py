@@ -55,7 +55,6 @@ def test_draft_trees_on_captured_cuda_steps_equal_the_model_alone():
     trees and with the feature drafter's trees. Every tree verify is a decode step there (the cloud captures up to
     max_tree_nodes + 1 positions per session), so the trees' masks go through replayed graphs: the target's own
     greedy tokens, each round replayed, none run eagerly, no capture fallen back."""
-    from hat_split.models.tree_lm import TreeLM
     from tests.test_feature_drafter import _perturbed
     from tests.test_hat import PROMPT as SPLIT_PROMPT
     from tests.test_hat import _run_split

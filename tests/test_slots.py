@@ -40,8 +40,9 @@ def test_padding_writes_only_the_scratch_slot():
     # a draft tree's verify (a token, then two children of it): positions by depth, each node sees its ancestors
     tree = pad_step([(2, 10, 3), (0, 3, 1)], rows=2, tokens=4, scratch=9, trees=[(-1, 0, 0), ()])
     assert tree.positions[0] == [10, 11, 11, 13] and tree.write_pos[0] == [10, 11, 12, 3] and tree.past == [10, 3]
-    assert tree.ancestors[0] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]]  # padding: a chain
-    assert tree.ancestors[1] == idx.ancestors[0] == [[int(j <= i) for j in range(4)] for i in range(4)]
+    assert tree.ancestors[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]]  # padding: a chain
+    chain = [[int(j <= i) for j in range(4)] for i in range(4)]
+    assert tree.ancestors[1].tolist() == idx.ancestors[0].tolist() == chain
 
 
 # -- device names and refusals ------------------------------------------------------------------------------------
