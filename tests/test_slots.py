@@ -43,6 +43,8 @@ def test_padding_writes_only_the_scratch_slot():
     assert tree.ancestors[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]]  # padding: a chain
     chain = [[int(j <= i) for j in range(4)] for i in range(4)]
     assert tree.ancestors[1].tolist() == idx.ancestors[0].tolist() == chain
+    # arrays, not lists of lists (those made a 2k-position prompt chunk's index cost half a second on the host)
+    assert tree.ancestors.dtype == np.uint8 and tree.ancestors.shape == (2, 4, 4)
 
 
 # -- device names and refusals ------------------------------------------------------------------------------------
