@@ -295,8 +295,8 @@ class EdgeConfig:
     tree_nodes: int = setting(0, "`sd` drafts a tree of at most this many nodes per round (hat_split.math.tree: "
                               "EAGLE-2's dynamic tree by path probability, verified in one cloud forward, exact at "
                               "every temperature; draft_stop_prob ends it where its main line would stop); 0: a "
-                              "chain of draft_len (trees need the torch or llamacpp engine's model draft and a "
-                              "cloud that verifies them)")
+                              "chain of draft_len (trees need the torch or llamacpp engine's model draft, or a "
+                              "bundle's draft graphs, and a cloud that verifies them)")
     tree_depth: int = setting(6, "levels of a draft tree at most (the cloud's Welcome may allow fewer)")
     tree_width: int = setting(2, "new nodes per level of a draft tree, placed where the draft expects them "
                               "accepted most (the first child of the main line always: a tree holds the chain of "
@@ -350,10 +350,9 @@ class EdgeConfig:
         for nodes, depth, width in parse_shapes(self.auto_trees):
             if nodes > 1024 or depth > 64 or width > 64:
                 raise ValueError(f"auto_trees: {nodes}x{depth}x{width} is beyond 1024 nodes, 64 levels or 64 wide")
-        if self.max_tree_nodes and (self.engine.backend not in ("torch", "llamacpp")
-                                    or self.engine.token_draft != "model"):
-            raise ValueError("draft trees (tree_nodes > 0, auto_trees) run on the draft model of the torch or "
-                             "llamacpp backend (engine.token_draft model)")
+        if self.max_tree_nodes and self.engine.backend not in BUNDLE_BACKENDS and self.engine.token_draft != "model":
+            raise ValueError("draft trees (tree_nodes > 0, auto_trees) run on the torch and llamacpp backends' draft "
+                             "model (engine.token_draft model), or on a bundle's draft graphs (either token_draft)")
         if self.dist_dtype not in WIRE_DTYPES:
             raise ValueError(f"dist_dtype must be one of {WIRE_DTYPES}, got {self.dist_dtype!r}")
         if self.dist_format not in DIST_FORMATS:

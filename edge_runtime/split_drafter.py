@@ -314,10 +314,9 @@ class SplitDrafter(FeaturePairs):
         At temperature 0 the shape follows the draft's plain softmax; above, the children are draws without
         replacement from the draft's distribution, keyed by position (hat_split.math.rng.keyed_rng). Returns the tree
         and the shallow states `# [1, 1 + N, hidden]` of the root and the nodes, in node order."""
-        if not self.parts.has_adapter or not hasattr(self.parts, "run_input_tree"):
-            raise ValueError("hat's draft trees are drafted on the torch parts; "
-                             + ("these parts have no draft module" if not self.parts.has_adapter else
-                                "a bundle's exported graphs run no tree masks"))
+        if not self.parts.has_adapter:
+            raise ValueError("hat's draft trees are drafted by a draft module (Λ or the feature drafter); these parts "
+                             "have none")
         greedy = self.params.temperature == 0
         shape = SamplingParams(1.0) if greedy else self.params
         t0 = time.perf_counter()

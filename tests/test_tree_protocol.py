@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edge_runtime.client import CloudClient, CloudError
-from edge_runtime.config import EdgeConfig, LinkConfig
+from edge_runtime.config import EdgeConfig, LinkConfig, SplitConfig
 from edge_runtime.drafter import Drafter
 from edge_runtime.protocols import new_session
 from edge_runtime.request import GenerationRequest
@@ -156,6 +156,8 @@ def test_tree_settings_are_checked():
     with pytest.raises(ValueError, match="tree_nodes"):
         EdgeConfig(model="tiny", tree_nodes=-1)
     engine = EdgeConfig.__dataclass_fields__["engine"].default.__class__
-    with pytest.raises(ValueError, match="draft model of the torch or llamacpp backend"):  # a bundle drafts chains
-        EdgeConfig(model="tiny", tree_nodes=8, engine=engine(backend="onnxruntime", bundle="b"))
+    with pytest.raises(ValueError, match="torch and llamacpp backends' draft model"):  # Λ's token draft in torch
+        EdgeConfig(model="tiny", tree_nodes=8, engine=engine(token_draft="adapter"), split=SplitConfig(adapter="a"))
     EdgeConfig(model="tiny", tree_nodes=8, engine=engine(backend="llamacpp"))
+    for draft in ("model", "adapter"):  # a bundle's draft graphs run trees (tests/test_bundle_trees.py)
+        EdgeConfig(model="tiny", tree_nodes=8, engine=engine(backend="onnxruntime", bundle="b", token_draft=draft))

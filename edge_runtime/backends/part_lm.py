@@ -4,7 +4,8 @@ One `PartChainLM` runs one part (a whole draft model) or a chain of them (HAT's 
 split draft w_S) through a backend's part runners (edge_runtime.backends.onnx_backend,
 edge_runtime.backends.trt_backend, or TorchPart for validation). Each part's KV cache is a list of arrays, grown by the
 graph's `present` outputs and cropped by slicing, so the Drafter (edge_runtime.drafter) keeps its cache convention
-unchanged.
+unchanged. Draft trees need no other graph: a tree's nodes go through the same parts with the tree's mask and their
+positions by depth (hat_split.math.masks.TreeStep), and the accepted path is gathered into place (`keep_rows`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from hat_split.files import bundle as B
 from hat_split.models.lm import KVState, board_time, check_crop, check_feed
-from hat_split.math.masks import additive
+from hat_split.math.masks import TreeStep, additive
 
 
 @dataclass
@@ -110,6 +111,30 @@ class PartChainLM:
         logits = np.asarray(x[0], dtype=np.float32).reshape(-1, self.vocab_size)
         return logits[logits.shape[0] - n_logits:]
 
+    def forward_tree(self, state: KVState, parents: Sequence[int], tokens: Sequence[int], start: int) -> np.ndarray:
+        """A draft tree's new nodes (the last len(tokens) entries of `parents`, the tree so far) on a tree begun at
+        cache position `start`, its earlier nodes the cache's positions from there; float32 logits
+        `# [len(tokens), vocab]` after each new node. The nodes stay in the cache until `keep`."""
+        n = len(tokens)
+        if not n:
+            raise ValueError("a tree step needs at least one node")
+        tree = TreeStep.make(start, parents, state.length - start, n)
+        t0 = time.perf_counter()
+        x: np.ndarray = np.asarray([list(tokens)], dtype=np.int64)
+        masks: Dict[tuple, np.ndarray] = {}
+        for part, cache in zip(self.parts, state.cache):
+            x = run_part(part, cache, x, state.length, n, self.window, masks, tree)
+        state.length += n
+        state.forward_s += board_time(time.perf_counter() - t0, self.slowdown)
+        state.forward_tokens += n
+        return np.asarray(x[0], dtype=np.float32).reshape(n, self.vocab_size)
+
+    def keep(self, state: KVState, start: int, rows: Sequence[int]) -> None:
+        """Of the tree begun at `start`, keep the nodes `rows` (the accepted path, offsets from start) in place."""
+        for cache in state.cache:
+            cache[:] = keep_rows(cache, start, state.length, rows)
+        state.length = start + len(rows)
+
     def crop(self, state: KVState, length: int) -> None:
         check_crop(state, length)
         for cache in state.cache:
@@ -118,16 +143,18 @@ class PartChainLM:
 
 
 def run_part(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int, n_logits: int,
-             window: Optional[int], masks: Optional[Dict[tuple, np.ndarray]] = None) -> np.ndarray:
+             window: Optional[int], masks: Optional[Dict[tuple, np.ndarray]] = None,
+             tree: Optional[TreeStep] = None) -> np.ndarray:
     """One part over the positions past .. past + n - 1 of `x` (ids `# [1, n]` or states `# [1, n, hidden]`): its
     output (states, or logits `# [1, max(n_logits, 1), vocab]`); `cache` (the part's past keys and values, in
-    `io.cached` order) is replaced by the grown one. `masks` shares the masks between the parts of one step."""
-    return run_part_outputs(part, cache, x, past, n_logits, window, masks)[0]
+    `io.cached` order) is replaced by the grown one. `masks` shares the masks between the parts of one step. `tree`:
+    the n positions are a draft tree's new nodes (their positions by depth, each seeing its ancestors only)."""
+    return run_part_outputs(part, cache, x, past, n_logits, window, masks, tree=tree)[0]
 
 
 def run_part_outputs(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, past: int, n_logits: int,
                      window: Optional[int], masks: Optional[Dict[tuple, np.ndarray]] = None,
-                     tokens: Optional[np.ndarray] = None) -> List[np.ndarray]:
+                     tokens: Optional[np.ndarray] = None, tree: Optional[TreeStep] = None) -> List[np.ndarray]:
     """`run_part`'s, with every output before the caches (`io.main_outputs`: the features after the logits where the
     part gives them); `tokens`: the feature part's token states `# [1, n, hidden]`."""
     io = part.io
@@ -135,8 +162,11 @@ def run_part_outputs(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, p
     if io.pairs_in != (tokens is not None):
         raise ValueError("the feature part takes token states beside the features; no other part does")
     masks = {} if masks is None else masks
-    feed = {B.X: x if io.tokens_in else x.astype(io.float_dtype, copy=False),
-            B.POSITION_IDS: np.arange(past, past + n, dtype=np.int64)[None]}
+    if tree is not None and (tree.start + tree.earlier != past or tree.depth.size - tree.earlier != n):
+        raise ValueError(f"the tree step covers {tree.depth.size - tree.earlier} nodes after "
+                         f"{tree.start + tree.earlier} positions; the part is at {past} with {n}")
+    positions = np.arange(past, past + n, dtype=np.int64) if tree is None else tree.positions
+    feed = {B.X: x if io.tokens_in else x.astype(io.float_dtype, copy=False), B.POSITION_IDS: positions[None]}
     if tokens is not None:
         if tokens.shape[:2] != x.shape[:2]:
             raise ValueError(f"{tokens.shape[1]} token states for {n} features")
@@ -145,7 +175,7 @@ def run_part_outputs(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, p
         if name in io.names:
             key = (w, io.float_dtype)
             if key not in masks:
-                masks[key] = additive(past, n, w, io.float_dtype)
+                masks[key] = additive(past, n, w, io.float_dtype) if tree is None else tree.additive(w, io.float_dtype)
             feed[name] = masks[key]
     if io.logits_out:  # at least one row: no graph ever sees an empty tensor there
         feed[B.LOGIT_INDEX] = np.arange(n - max(n_logits, 1), n, dtype=np.int64)
@@ -155,6 +185,16 @@ def run_part_outputs(part: PartRunner, cache: List[np.ndarray], x: np.ndarray, p
     outs = part.run(feed)
     cache[:] = outs[io.main_outputs:]
     return list(outs[:io.main_outputs])
+
+
+def keep_rows(arrays: List[np.ndarray], start: int, length: int, rows: Sequence[int]) -> List[np.ndarray]:
+    """A part's keys and values `# [1, kv_heads, length, head_dim]` each, keeping of the positions from `start` only
+    `rows` (offsets from start, in order), closed up: a draft tree's accepted path moved into place, the other
+    branches dropped (gathered, not recomputed)."""
+    if not 0 <= start <= length or any(not 0 <= r < length - start for r in rows):
+        raise ValueError(f"cannot keep rows {list(rows)} after position {start} of a cache of {length}")
+    index = np.concatenate([np.arange(start), start + np.asarray(rows, dtype=np.int64)]).astype(np.int64)
+    return [a[:, :, index] for a in arrays]
 
 
 def empty_cache(part: PartRunner) -> List[np.ndarray]:

@@ -8,7 +8,7 @@ them:
 - `TorchSplitParts`: a `SplitModel` (and its `Adapter`) in torch; states are torch tensors of the model's dtype.
 - `BundleSplitParts`: a hat-export bundle's `input`, `adapter` (or `feature`) and `output` graphs run by onnxruntime
   or TensorRT part runners (edge_runtime.backends.part_lm); states are numpy arrays of the graphs' float dtype, caches
-  are `ArrayCache`s. No torch on the device.
+  are `ArrayCache`s. No torch on the device. Draft trees run through the same graphs, fed a tree's mask and positions.
 
 Both compute the same functions (export.validate checks the graphs against torch), so a bundle's device speaks the same
 protocol to the same cloud as a torch device with the same weights (the fingerprint in OpenSplit is the model's).
@@ -16,11 +16,12 @@ protocol to the same cloud as a torch device with the same weights (the fingerpr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from edge_runtime.backends.part_lm import PartRunner, empty_cache, run_part_outputs
+from edge_runtime.backends.part_lm import PartRunner, empty_cache, keep_rows, run_part_outputs
+from hat_split.math.masks import TreeStep
 from hat_split.models.partition import PartCache
 from hat_split.models.placement import model_device, to_device, to_host
 
@@ -206,6 +207,38 @@ class ArrayCache:
     def fork(self) -> "ArrayCache":
         return ArrayCache(list(self.arrays), self.length)  # arrays are replaced, never written: sharing is safe
 
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """Of the positions from `start` on keep only `rows` (offsets from start, in order), closed up: a draft
+        tree's accepted path (a part without layers keeps only the count)."""
+        self.arrays = keep_rows(self.arrays, start, self.length, rows)
+        self.length = start + len(rows)
+
+
+@dataclass
+class BundleTreeStates:
+    """What a bundle's output part makes of a draft tree's 1 + N deep states. Its graph is fused (tail layers, norm,
+    head and the features), so the rows verification reads are computed by it, each once: on demand, a call per
+    read, where the part has no layers (norm and head only: most of the device's verify work is the head, and a
+    walk reads the accepted path's rows and one more), else all at once under the tree's mask."""
+
+    parts: "BundleSplitParts"
+    deep: Optional[np.ndarray]  # `# [1, n, hidden]` while rows are computed on demand
+    logits: Dict[int, np.ndarray] = field(default_factory=dict)  # row → float32 `# [vocab]`
+    features: Dict[int, np.ndarray] = field(default_factory=dict)  # row → `# [1, 1, hidden]`
+
+    def take(self, positions: Sequence[int]) -> None:
+        missing = [i for i in dict.fromkeys(positions) if i not in self.logits]
+        if missing:
+            outs = self.parts._run(self.parts.output, ArrayCache([]), self.deep[:, missing], len(missing))
+            self.fill(missing, outs)
+
+    def fill(self, rows: Sequence[int], outs: List[np.ndarray]) -> None:
+        logits = np.asarray(outs[0][0], dtype=np.float32)
+        for k, i in enumerate(rows):
+            self.logits[i] = logits[k]
+            if len(outs) > 1:
+                self.features[i] = outs[1][:, k:k + 1]
+
 
 def _check_logits(n_logits: int, n: int) -> None:
     if not 0 <= n_logits <= n:
@@ -288,6 +321,61 @@ class BundleSplitParts:
         logits, fhat = self._run(self.feature, cache, features, 1, tokens=states)
         return np.asarray(logits[0, -1:], dtype=np.float32), fhat
 
+    # -- draft trees (hat_split.math.tree): the same graphs, fed the tree's mask and its nodes' positions by depth
+    # (hat_split.math.masks.TreeStep); `parents` is the tree so far, its last n entries the new positions, begun at
+    # cache position `start` (TorchSplitParts' methods of the same names) --
+    def run_input_tree(self, cache: ArrayCache, tokens: Sequence[int], parents: Sequence[int],
+                       start: int) -> np.ndarray:
+        x = np.asarray([list(tokens)], dtype=np.int64)
+        return self._run(self.input, cache, x, 0, tree=_tree_step(cache, parents, start, x.shape[1]))[0]
+
+    def run_adapter_tree(self, cache: ArrayCache, states: np.ndarray, parents: Sequence[int],
+                         start: int) -> np.ndarray:
+        if self.adapter is None:
+            raise RuntimeError("draft trees are drafted by Λ; these parts have none")
+        return self._run(self.adapter, cache, states, 0, tree=_tree_step(cache, parents, start, states.shape[1]))[0]
+
+    def run_output_tree(self, cache: ArrayCache, states: np.ndarray, parents: Sequence[int], start: int,
+                        draft: bool = False) -> np.ndarray:
+        """Float32 logits `# [n, vocab]` after every new position (a bundle's output part is the whole head)."""
+        n = states.shape[1]
+        return np.asarray(self._run(self.output, cache, states, n, tree=_tree_step(cache, parents, start, n))[0][0],
+                          dtype=np.float32)
+
+    def run_tail_tree(self, cache: ArrayCache, states: np.ndarray, parents: Sequence[int],
+                      start: int) -> BundleTreeStates:
+        """The output part over a tree's 1 + N deep states (`BundleTreeStates`: head_at and features_at read it)."""
+        n = states.shape[1]
+        step = _tree_step(cache, parents, start, n)
+        if not self.output.io.cached:  # norm and head only: rows on demand; the cache counts positions
+            cache.length += n
+            return BundleTreeStates(self, states)
+        out = BundleTreeStates(self, None)
+        out.fill(range(n), self._run(self.output, cache, states, n, tree=step))
+        return out
+
+    def head_at(self, states: BundleTreeStates, positions: Sequence[int], draft: bool = False) -> np.ndarray:
+        """Float32 `# [len(positions), vocab]` of a tree's rows (the whole head: a bundle's output part)."""
+        states.take(positions)
+        return np.stack([states.logits[i] for i in positions])
+
+    def features_at(self, states: BundleTreeStates, positions: Sequence[int]) -> np.ndarray:
+        """The target's features `# [1, k, hidden]` at some rows of a tree's output (the feature drafter's pairs)."""
+        if not self.output.io.features_out:
+            raise RuntimeError("the bundle's output part gives no features (hat-export onnx --parts hat-feature)")
+        states.take(positions)
+        return np.concatenate([states.features[i] for i in positions], axis=1)
+
+    def run_feature_tree(self, cache: ArrayCache, features: np.ndarray, states: np.ndarray, tokens: Sequence[int],
+                         parents: Sequence[int], start: int) -> Tuple[np.ndarray, Any]:
+        """The feature part over a tree's new nodes (their pairs): draft logits `# [n, vocab or subset]`, f̂."""
+        if self.feature is None:
+            raise RuntimeError("these parts have no feature drafter")
+        n = features.shape[1]
+        logits, fhat = self._run(self.feature, cache, features, n, tokens=states,
+                                 tree=_tree_step(cache, parents, start, n))
+        return np.asarray(logits[0], dtype=np.float32), fhat
+
     def zeros(self, n: int) -> np.ndarray:
         return np.zeros((1, n, self.hidden_size), dtype=self.state_dtype)
 
@@ -301,11 +389,16 @@ class BundleSplitParts:
         return rows.astype(self.state_dtype, copy=False)[None]
 
     def _run(self, part: PartRunner, cache: ArrayCache, x: np.ndarray, n_logits: int,
-             tokens: Optional[np.ndarray] = None) -> List[np.ndarray]:
+             tokens: Optional[np.ndarray] = None, tree: Optional[TreeStep] = None) -> List[np.ndarray]:
         if x.shape[1] < 1:
             raise ValueError("a part needs at least one position")
         if not cache.arrays:
             cache.arrays = empty_cache(part)
-        out = run_part_outputs(part, cache.arrays, x, cache.length, n_logits, self.window, tokens=tokens)
+        out = run_part_outputs(part, cache.arrays, x, cache.length, n_logits, self.window, tokens=tokens, tree=tree)
         cache.length += x.shape[1]
         return out
+
+
+def _tree_step(cache: ArrayCache, parents: Sequence[int], start: int, n: int) -> TreeStep:
+    """A tree step of n new nodes on a part's cache that holds the tree's earlier nodes after `start`."""
+    return TreeStep.make(start, parents, cache.length - start, n)

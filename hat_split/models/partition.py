@@ -105,26 +105,19 @@ def tree_inputs(start: int, parents: Sequence[int], earlier: int, n: int, dtype:
     node's own ancestors: the tree's `earlier` nodes already in the cache and the new ones, in node order), and the
     nodes' positions `# [1, n]` (start + depth − 1). `parents`: the whole tree so far, its last n entries the new
     nodes."""
-    import numpy as np
     import torch
 
-    from hat_split.math.masks import tree_allowed
-    from hat_split.math.tree import ancestor_mask, check_tree
+    from hat_split.math.masks import TreeStep
 
-    par = np.asarray(parents, dtype=np.int64)
-    if par.ndim != 1 or earlier < 0 or par.size != earlier + n:
-        raise ValueError(f"a tree with {max(earlier, 0)} nodes in the cache and {n} new ones needs "
-                         f"{max(earlier, 0) + n} parents, got {par.size}")
-    depth = check_tree(par, np.arange(par.size), par.size, par.size)  # the shape only (tokens: the verifier's)
-    anc = ancestor_mask(par)
+    step = TreeStep.make(start, parents, earlier, n)
 
     def mask_for(kind: str, window: Optional[int]) -> Any:
-        ok = tree_allowed(start, anc, depth, window or None)[earlier:]  # [n, start + earlier + n]
+        ok = step.allowed(window)  # [n, start + earlier + n]
         mask = torch.zeros(ok.shape, dtype=dtype)
         mask.masked_fill_(~torch.from_numpy(ok), torch.finfo(dtype).min)
         return mask[None, None].to(device)
 
-    return mask_for, torch.from_numpy(start + depth[earlier:] - 1).to(device)[None]
+    return mask_for, torch.from_numpy(step.positions).to(device)[None]
 
 
 def additive_mask(past: int, n: int, window: Optional[int], dtype: Any, width: Optional[int] = None,
