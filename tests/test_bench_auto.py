@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from profiles.bench.bench_auto import ALPHA_GRID, Phase, at_alpha, parse_trace, steady_rate, summarise
+from profiles.bench.bench_auto import ALPHA_GRID, Phase, at_alpha, parse_trace, steady_rate, summarise, tree_rows
 
 
 def test_the_trace_parses_and_refuses_what_it_cannot_run():
@@ -22,6 +22,14 @@ def test_the_trace_parses_and_refuses_what_it_cannot_run():
         parse_trace("moon-link")
     with pytest.raises(ValueError, match="no phase"):
         parse_trace(" , ")
+
+
+def test_tree_rows_are_named_by_their_shape_and_refuse_what_is_not_one():
+    assert tree_rows("16x4x4, 32x6x4") == {"sd_t16d4w4": {"tree_nodes": 16, "tree_depth": 4, "tree_width": 4},
+                                           "sd_t32d6w4": {"tree_nodes": 32, "tree_depth": 6, "tree_width": 4}}
+    assert tree_rows("") == {}
+    with pytest.raises(ValueError, match="NODESxDEPTHxWIDTH"):
+        tree_rows("16x4")
 
 
 def test_the_pace_after_the_first_reply_leaves_out_its_tokens():
@@ -59,10 +67,14 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
     out = tmp_path / "auto.json"
     assert main(["auto", "--draft", "smollm2-135m", "--target", "smollm2-135m", "--engine", "torch", "--trace",
                  "loopback,cut:loopback,load+power:wifi-near", "--repetitions", "1", "--max-new-tokens", "24",
-                 "--protocols", "llm,auto", "--load-devices", "2", "--cut-s", "1.0", "--out", str(out)]) == 0
+                 "--protocols", "llm,auto", "--trees", "4x2x2", "--load-devices", "2", "--cut-s", "1.0",
+                 "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load+power:wifi-near"] * 2
+    assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 3 + ["cut:loopback"] * 3 + ["load+power:wifi-near"] * 3
     assert all(r["tokens"] == 24 for r in doc["rows"])
+    trees = [r for r in doc["rows"] if r["protocol"] == "sd_t4d2w2"]  # the tree row: sd drafting 4-node trees
+    assert len(trees) == 3 and all(r["alpha"] is not None for r in trees)
+    assert set(doc["summary"]["overall"]["protocols"]) == {"llm", "auto", "sd_t4d2w2"}
     autos = [r for r in doc["rows"] if r["protocol"] == "auto"]
     assert all(r["auto"] and r["predicted"]["llm"] for r in autos)
     assert set(doc["summary"]) == {"loopback", "cut:loopback", "load+power:wifi-near", "overall"}

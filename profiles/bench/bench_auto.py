@@ -19,6 +19,7 @@ the device's monitor reads the change as on a Jetson; the other phases are MAXN 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from contextlib import nullcontext
 import statistics
@@ -47,6 +48,10 @@ def add_parser(sub) -> None:
     s.add_argument("--max-new-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--draft-len", type=int, default=4, help="sd's fixed γ")
+    s.add_argument("--trees", default="",
+                   help="draft-tree shapes NODESxDEPTHxWIDTH, comma separated (e.g. 16x4x4,32x6x4): each a fixed row "
+                        "of its own (sd_tNdDwW, among the fixed exact protocols auto is compared with), and all of "
+                        "them auto's candidates beside the chains (its --auto-trees)")
     s.add_argument("--load-devices", type=int, default=8)
     s.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut phase cuts the link for, per request")
     s.add_argument("--power-slowdown", type=float, default=3.0,
@@ -168,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     from profiles.bench.rig import Rig
 
     phases = parse_trace(args.trace)
-    protocols = [p for p in args.protocols.split(",") if p]
+    trees = tree_rows(args.trees)
+    protocols = [p for p in args.protocols.split(",") if p] + list(trees)
     if not 1.0 <= args.power_slowdown <= 100.0:
         raise ValueError(f"--power-slowdown must be in [1, 100], got {args.power_slowdown}")
     cores = sorted(os.sched_getaffinity(0))
@@ -189,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
                                                 weight_quant="int8" if args.engine == "torch" else "none"))
         rt = bed.runtime(config)
         # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
-        # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime)
-        rt_auto = bed.runtime(config) if "auto" in protocols else rt
+        # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime); the tree shapes are its candidates
+        rt_auto = bed.runtime(dataclasses.replace(config, auto_trees=args.trees)) if "auto" in protocols else rt
         if board is not None:
             for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
                 r.engine.lm = SlowedLM(r.engine.lm, board)
@@ -212,7 +218,10 @@ def run(args: argparse.Namespace) -> int:
                             timer.start()
                         commits: List[tuple] = []
                         runner = rt_auto if name == "auto" else rt
-                        res = runner.run(_request(prompt, name, args, SamplingParams(args.temperature), commits))
+                        runner.config = dataclasses.replace(config, **trees[name]) if name in trees else (
+                            runner.config if name == "auto" else config)
+                        res = runner.run(_request(prompt, "sd" if name in trees else name, args,
+                                                  SamplingParams(args.temperature), commits))
                         if timer:
                             timer.join()
                             time.sleep(0.2)
@@ -231,6 +240,14 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report)
     print(f"wrote {args.out}")
     return 0
+
+
+def tree_rows(text: str) -> Dict[str, dict]:
+    """The fixed tree rows of --trees: each shape's name (sd_tNdDwW) and the EdgeConfig fields it sets."""
+    from hat_split.math.tree import parse_shapes, shape_name
+
+    return {f"sd_{shape_name(*t)}": dict(zip(("tree_nodes", "tree_depth", "tree_width"), t))
+            for t in parse_shapes(text)}
 
 
 def _cut(link, seconds: float) -> None:
