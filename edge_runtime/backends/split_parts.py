@@ -346,7 +346,7 @@ class BundleSplitParts:
                       start: int) -> BundleTreeStates:
         """The output part over a tree's 1 + N deep states (`BundleTreeStates`: head_at and features_at read it)."""
         n = states.shape[1]
-        step = _tree_step(cache, parents, start, n)
+        step = _tree_step(cache, parents, start, n)  # the tree is checked here whichever way its rows are computed
         if not self.output.io.cached:  # norm and head only: rows on demand; the cache counts positions
             cache.length += n
             return BundleTreeStates(self, states)
