@@ -57,24 +57,39 @@ def draft_graph(tmp_path_factory, tiny_pair):
     return PartChainLM([OrtPart(out / "draft.fp32.onnx", ["CPUExecutionProvider"])], tiny_pair[0].vocab_size)
 
 
+def _tree_steps(lm, start):
+    """The prompt, two levels of a tree (three children of the root, then three below two of them), the path [1, 4]
+    kept, one more token: every logits row."""
+    state = lm.new_state()
+    rows = [lm.forward(state, PROMPT, 1)]
+    rows.append(lm.forward_tree(state, [-1, -1, -1], [11, 12, 13], start))
+    rows.append(lm.forward_tree(state, [-1, -1, -1, 0, 1, 1], [21, 22, 23], start))
+    lm.keep(state, start, [1, 4])
+    assert state.length == start + 2
+    rows.append(lm.forward(state, [31], 1))
+    return rows
+
+
 def test_a_tree_on_the_draft_graph_equals_torchs_and_keeps_its_path(tiny_pair, draft_graph):
-    """Two levels of a tree (three children of the root, then three below two of them), the path [1, 4] kept, one
-    more token: every logit row equals TreeLM's on the same weights."""
-    start = len(PROMPT)
-    outs = []
-    for lm in (draft_graph, TreeLM(tiny_pair[0].model)):
-        state = lm.new_state()
-        rows = [lm.forward(state, PROMPT, 1)]
-        rows.append(lm.forward_tree(state, [-1, -1, -1], [11, 12, 13], start))
-        rows.append(lm.forward_tree(state, [-1, -1, -1, 0, 1, 1], [21, 22, 23], start))
-        lm.keep(state, start, [1, 4])
-        assert state.length == start + 2
-        rows.append(lm.forward(state, [31], 1))
-        outs.append(rows)
-    for got, want in zip(*outs):
+    """Every logit row of _tree_steps on the exported draft equals TreeLM's on the same weights."""
+    for got, want in zip(_tree_steps(draft_graph, len(PROMPT)), _tree_steps(TreeLM(tiny_pair[0].model), len(PROMPT))):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="needs 1 parents, got 3"):  # the tree so far does not add up
         draft_graph.forward_tree(draft_graph.new_state(), [-1, 0, 0], [1], 0)
+
+
+def test_a_tree_on_a_sliding_window_graph_equals_torchs(tmp_path):
+    """Gemma 3's local layers (window 4) on a tree past the window: the bundle's mask counts positions by depth, as
+    torch's does (tests/test_tree.py: torch's equals each path alone)."""
+    from edge_runtime.backends.onnx_backend import OrtPart
+    from tests.test_hat import _family
+
+    model = _family("gemma3")
+    out = _export(model, tmp_path, "draft")
+    graph = PartChainLM([OrtPart(out / "draft.fp32.onnx", ["CPUExecutionProvider"])], V,
+                        window=model.config.sliding_window)
+    for got, want in zip(_tree_steps(graph, len(PROMPT)), _tree_steps(TreeLM(model), len(PROMPT))):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_keep_rows_gathers_the_path_and_refuses_rows_it_lacks():
