@@ -7,7 +7,7 @@ import math
 import pytest
 
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, best_knob, predict,
-                                      predict_tree)
+                                      predict_hat_tree, predict_tree)
 from hat_split.math.verify import expected_tokens, ideal_speedup
 
 
@@ -121,3 +121,24 @@ def test_a_tree_round_is_a_chain_round_with_its_measured_tokens():
     assert tree.protocol == "sd_tree" and tree.knob == 32
     with pytest.raises(ValueError, match="nodes >= depth"):
         predict_tree(4, 8, 2.0, 64, link, dev, cloud, wire)
+
+
+def test_a_hat_tree_round_by_hand():
+    """A level per draft step, every node's state up and back, the middle part's share of a step over N + 1
+    positions, and one head call per row the walk reads (τ); the prompt's states up for the first token."""
+    link, dev = Link(rtt_s=0.05, up_bps=8e6, down_bps=16e6), DeviceCosts(hat_draft_s=0.01, hat_verify_s=0.004,
+                                                                         round_s=0.002, prefill_s=0.001)
+    wire = WireSizes(100, 8, 100, 4, hidden=3072)
+    cloud = CloudCosts(CostCurve(((1, 0.01), (17, 0.012), (65, 0.03))), middle_share=0.9)
+    tree = predict_hat_tree(16, 4, 2.0, 64, link, dev, cloud, wire)
+    g17 = 0.012
+    states = 17 * 3072
+    want = 4 * 0.01 + 2.0 * 0.004 + 0.002 + 0.05 + 8 * (states + 100) / 8e6 + 8 * (states + 100) / 16e6 + 0.9 * g17
+    assert tree.round_s == pytest.approx(want, rel=1e-12) and tree.tokens_per_s == pytest.approx(2.0 / want)
+    assert tree.protocol == "hat_tree" and tree.up_bytes_per_token == pytest.approx((states + 100) / 2.0)
+    prompt = 0.05 + 8 * (64 * 3072 + 100) / 8e6 + 8 * (100 + 3072) / 16e6 + 0.9 * (0.012 + 47 / 48 * 0.018)
+    assert tree.ttft_s == pytest.approx(prompt + 64 * 0.001 + want, rel=1e-12)  # split: the input part first
+    with pytest.raises(ValueError, match="hidden state"):
+        predict_hat_tree(16, 4, 2.0, 64, link, dev, cloud, WireSizes())
+    with pytest.raises(ValueError, match="nodes >= depth"):
+        predict_hat_tree(2, 4, 2.0, 64, link, dev, cloud, wire)

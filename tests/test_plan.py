@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from profiles.bench.plan import GpuSteps, capacity, shape_of
+from hat_split.math.verify import expected_tokens
+from profiles.bench.plan import GpuSteps, alpha_for, capacity, shape_of
 
 
 def test_capacity_is_the_most_devices_within_the_sla():
@@ -49,7 +50,16 @@ def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
     assert rows["slm"]["devices_at_sla"] is None and rows["llm"]["devices_at_sla"] > 0
     assert rows["ushape"]["up_bytes_per_token"] > 1000 > rows["sd"]["up_bytes_per_token"]
     assert 0.7 < doc["alpha_sd"] < 0.95
-    assert "ESTIMATES" in capsys.readouterr().out
+    assert doc["hat_tokens_per_round"] == pytest.approx(json.load(open(
+        "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"))["record"]["acceptance_draft_vocab_16384"][
+        "sharegpt"]["tokens_per_round"])  # the chain's τ it priced hat with, not a tree shape's
+    hat = {(r["shape"], r["cloud_step"]): r for r in doc["hat_trees"]}  # the feature drafter's chain and trees
+    assert ("g8", "chain") in hat and ("t64d8w8", "captured") in hat and ("t64d8w8", "eager") in hat
+    assert hat["t64d8w8", "captured"]["protocol"] == "hat_tree"
+    assert hat["t64d8w8", "captured"]["tokens_per_s"] > hat["t64d8w8", "eager"]["tokens_per_s"]
+    assert hat["t64d8w8", "captured"]["up_bytes_per_token"] > hat["g8", "chain"]["up_bytes_per_token"]  # 65 states
+    out_text = capsys.readouterr().out
+    assert "ESTIMATES" in out_text and "hat shape" in out_text
     assert main(["plan", "--gpu", "nope", "--out", str(out)]) == 2
 
 
@@ -72,3 +82,11 @@ def test_where_each_protocol_wins_on_the_grid():
     assert lines["slm"].startswith("slm (lossy): faster than every exact protocol on")
     assert all(lines[p].startswith(f"{p}: fastest exact on ") and "most devices per cloud on" in lines[p]
                for p in PROTOCOLS if p != "slm")
+
+
+def test_alpha_for_inverts_the_chains_expected_tokens():
+    for gamma in (1, 4, 8):
+        for tau in (1.0, 1.54, gamma + 0.5):
+            assert expected_tokens(alpha_for(tau, gamma), gamma) == pytest.approx(tau, abs=1e-9)
+    with pytest.raises(ValueError, match="1 to 5 tokens"):
+        alpha_for(6.0, 4)

@@ -22,6 +22,10 @@ Protocols:
   * `hat` (γ): γ draft steps t_h, then γ + 1 states up and back, the middle part over γ + 1 positions and the device's
     output part over them in one pass (t_v: the head's weights read once): round = γ t_h + o + link((γ + 1) A + u₀,
     (γ + 1) A + d₀) + w + φ g(γ + 1) + t_v; E(α, γ) tokens.
+  * `hat` with a draft tree of N nodes, D levels (`predict_hat_tree`): the drafter runs a level per forward (D t_h),
+    the root's and the nodes' states go up and come back ((N + 1) A each way), the middle part verifies N + 1
+    positions, and the device's head computes the rows the walk reads one at a time (τ of them: the path's and the one
+    after it): round = D t_h + τ t_v + o + link((N + 1) A + u₀, (N + 1) A + d₀) + w + φ g(N + 1); τ tokens, measured.
   * time to first token: the prompt's n positions up (u per position: 4 bytes of token id, A for the split family),
     the cloud's prefill g(n), the device's own prefill n t_p when it cannot overlap the cloud's (a shared host), then
     the first round. `slm`: n t_p + t_local.
@@ -36,7 +40,7 @@ from hat_split.math.chunking import piecewise
 from hat_split.math.verify import expected_tokens
 
 __all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "predict_tree",
-           "best_knob",
+           "predict_hat_tree", "best_knob",
            "KNOBBED", "PROMPT_ID_BYTES"]
 
 KNOBBED = ("sd", "hat")  # protocols whose knob is the draft length γ (llm's is its chunk, fixed by the device)
@@ -232,11 +236,29 @@ def predict_tree(nodes: int, depth: int, tokens_per_round: float, prompt_tokens:
                   prompt_tokens, link, device, cloud, wire)
 
 
+def predict_hat_tree(nodes: int, depth: int, tokens_per_round: float, prompt_tokens: int, link: Link,
+                     device: DeviceCosts, cloud: CloudCosts, wire: WireSizes) -> Prediction:
+    """`hat` with a draft tree of `nodes` nodes and `depth` levels committing `tokens_per_round` tokens a round
+    (measured): a level per draft forward (its few nodes cost one draft step, the weights read once: the assumption
+    predict_tree states), every node's state up and back, the middle part over nodes + 1 positions, and the head
+    over the rows the walk reads, one call each (edge_runtime.split_drafter.TreeLogits)."""
+    if nodes < 1 or not 1 <= depth <= nodes or not tokens_per_round >= 1:
+        raise ValueError(f"a tree needs nodes >= depth >= 1 and >= 1 token a round, got {nodes}, {depth}, "
+                         f"{tokens_per_round}")
+    if not wire.hidden > 0:
+        raise ValueError("hat: the size of a hidden state on the wire is not known")
+    n = float(tokens_per_round)
+    states = (nodes + 1) * wire.hidden
+    return _round("hat_tree", nodes, n, depth * device.hat_draft_s + n * device.hat_verify_s,
+                  states + wire.up_round, states + wire.down_round, cloud.middle_share * cloud.curve.step_s(nodes + 1),
+                  prompt_tokens, link, device, cloud, wire)
+
+
 def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down: float, cloud_s: float,
            prompt_tokens: int, link: Link, device: DeviceCosts, cloud: CloudCosts, wire: WireSizes) -> Prediction:
     """A round of n tokens from its parts (device seconds before the per-round overhead, bytes up and down, cloud
     step seconds), and the time to first token before it."""
-    split = protocol in ("ushape", "hat")
+    split = protocol in ("ushape", "hat", "hat_tree")
     watts = device.watts
     device_s += device.round_s
     round_s = device_s + link.transfer_s(up, down) + cloud.wait_s + cloud_s

@@ -244,8 +244,10 @@ def expected_tokens(alpha: float, gamma: int) -> float:
         return float(g + 1)
     if a == 0.0:
         return 1.0
-    # 1 - a^(g+1) without cancellation near a = 1: -expm1((g+1) log a), with log a = log1p(a - 1) (a - 1 is exact).
-    return -math.expm1((g + 1) * math.log1p(a - 1.0)) / (1.0 - a)
+    # 1 - a^(g+1) without cancellation near a = 1: -expm1((g+1) log a), with log a = log1p(a - 1) there (a - 1 is
+    # exact); below 1/2 log a itself (a - 1 rounds to -1 for a below 1e-16, where log1p has no value)
+    log_a = math.log(a) if a < 0.5 else math.log1p(a - 1.0)
+    return -math.expm1((g + 1) * log_a) / (1.0 - a)
 
 
 def expected_accepted(alpha: float, gamma: int) -> float:

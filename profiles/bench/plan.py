@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
-                                      predict_tree)
+                                      predict_hat_tree, predict_tree)
+from hat_split.math.verify import expected_tokens
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
 GPU_BENCH = "results/gpu/gpu_bench_2026-11-26b.json"  # the GPU check with batched verify steps
@@ -34,6 +35,8 @@ SPECULATIVE = "results/speculative/bench_speculative.json"
 HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
 TREE_RECORDS = ("results/speculative/trees_T0_lte.json",)  # chains and trees, their tokens per round measured on the
 # Qwen pair at T = 0 (hat-bench speculative --trees; 6 prompts)
+HAT_TREE_RECORD = "results/hat/feature_drafter_trees_qwen2.5-coder-1.5b-m2-w400.json"  # the feature drafter's
+# chain of 8 and trees, τ measured on the 1.5B cut at m = 2 (hat-distill --eval-trees; 4 ShareGPT prompts)
 TREE_STEPS = {"captured": "results/gpu/gpu_bench_verify_width_2026-11-26.json",  # verify steps to 65 positions:
               "eager": "results/gpu/gpu_bench_verify_width_eager_2026-11-26.json"}  # graphs, and past 17 eager
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
@@ -184,11 +187,13 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
     trees = []
-    for name, nodes, depth, tau in measured_shapes(args.draft, args.target):
+    for name, nodes, depth, shape_tau in measured_shapes(args.draft, args.target):
         for how in ("chain",) if name.startswith("g") else ("captured", "eager"):
             curve = steps.curve(g1) if how == "chain" else tree_curve(how, args.gpu_shape, g1)
-            pred = predict_tree(nodes, depth, tau, args.prompt_tokens, link, dev, CloudCosts(curve, 0.0, 1.0), wire)
+            pred = predict_tree(nodes, depth, shape_tau, args.prompt_tokens, link, dev, CloudCosts(curve, 0.0, 1.0),
+                                wire)
             trees.append({**pred.as_dict(), "shape": name, "cloud_step": how})
+    hat_trees = hat_tree_rows(args, target, input_part, per_param, watts, link, wire, steps, g1, middle)
     return {"estimate": True, "device": device.name, "mode": mode.name, "watts": watts or None, "gpu": gpu.name,
             "link": link_profile.name, "draft": args.draft, "target": args.target, "m": args.m,
             "alpha_sd": alpha, "hat_tokens_per_round": tau, "sla_tbt_ms": args.sla_tbt_ms,
@@ -196,7 +201,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                             "cloud_dtype": "bfloat16", "gpu_check": GPU_BENCH, "gpu_shape": args.gpu_shape,
                             "cloud_step_s": g1, "device_draft_step_s": t_d,
                             "model_error_here": "not measured yet (hat-bench auto)"},
-            "protocols": rows, "trees": trees}
+            "protocols": rows, "trees": trees, "hat_trees": hat_trees}
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,48 @@ def tree_curve(how: str, shape: str, g1: float) -> CostCurve:
     return CostCurve(tuple((x, g1 * r) for x, r in points))
 
 
+def hat_tree_rows(args, target: "Shape", input_part: float, per_param: float, watts: float, link: Link,
+                  wire: WireSizes, steps: "GpuSteps", g1: float, middle: float) -> List[Dict[str, Any]]:
+    """The feature drafter's chain of 8 and its trees (HAT_TREE_RECORD: τ measured here, ShareGPT), priced as
+    predict_hat_tree and predict('hat', 8) say, the device drafting over the record's draft vocabulary, the cloud's
+    tree verify captured or eager (tree_curve); none for another target or cut."""
+    rec = json.loads(Path(HAT_TREE_RECORD).read_text())
+    if rec["base_model"] != args.target or int(rec["m"]) != args.m:
+        return []
+    r = rec["record"]
+    key = next(k for k in r if k.startswith("acceptance_draft_vocab_"))
+    vocab = int(key.rsplit("_", 1)[1])
+    feature = target.layer_params + 2 * target.hidden ** 2 + min(vocab, target.vocab) * target.hidden
+    dev = DeviceCosts(hat_draft_s=(input_part + feature) * per_param, hat_verify_s=target.head_params * per_param,
+                      prefill_s=input_part * per_param, watts=watts)
+    out = []
+    chain = r[key]["sharegpt"]
+    gamma = int(chain["max_draft"])
+    cloud = CloudCosts(steps.curve(g1), 0.0, middle)
+    pred = predict("hat", gamma, args.prompt_tokens, link, dev, cloud, wire,
+                   alpha_for(chain["tokens_per_round"], gamma))
+    out.append({**pred.as_dict(), "shape": f"g{gamma}", "cloud_step": "chain", "draft_vocab": vocab})
+    for name, entry in r[f"trees_draft_vocab_{vocab}"].items():
+        nodes, depth, _ = entry["sharegpt"]["tree"]
+        for how in ("captured", "eager"):
+            cloud = CloudCosts(tree_curve(how, args.gpu_shape, g1), 0.0, middle)
+            pred = predict_hat_tree(nodes, depth, entry["sharegpt"]["tokens_per_round"], args.prompt_tokens, link,
+                                    dev, cloud, wire)
+            out.append({**pred.as_dict(), "shape": name, "cloud_step": how, "draft_vocab": vocab})
+    return out
+
+
+def alpha_for(tau: float, gamma: int) -> float:
+    """The α whose chains of γ commit τ tokens a round (E(α, γ) = τ, Leviathan eq. 1; bisection: E grows with α)."""
+    if not 1.0 <= tau <= gamma + 1:
+        raise ValueError(f"a chain of {gamma} commits 1 to {gamma + 1} tokens a round, not {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
 def measured_hat_tau() -> float:
     rec = json.loads(Path(HAT_RECORD).read_text())["record"]
     return float(rec["acceptance_draft_vocab_16384"]["sharegpt"]["tokens_per_round"])
@@ -345,8 +392,16 @@ def format_rows(doc: Dict[str, Any]) -> str:
     trees = [["sd shape", "cloud step", "tok/round", "tok/s", "up B/tok", "cloud ms/tok"]]
     trees += [[r["shape"], r["cloud_step"], f"{r['tokens_per_round']:.2f}", f"{r['tokens_per_s']:.1f}",
                f"{r['up_bytes_per_token']:.0f}", f"{1e3 * r['cloud_s_per_token']:.2f}"] for r in doc.get("trees", [])]
-    widths = [max(len(line[i]) for line in trees) for i in range(len(trees[0]))]
-    return out + "\n\n" + "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in trees)
+    hat = [["hat shape", "cloud step", "tok/round", "tok/s", "TTFT s", "up B/tok", "cloud ms/tok"]]
+    hat += [[r["shape"], r["cloud_step"], f"{r['tokens_per_round']:.2f}", f"{r['tokens_per_s']:.1f}",
+             f"{r['ttft_s']:.3f}", f"{r['up_bytes_per_token']:.0f}", f"{1e3 * r['cloud_s_per_token']:.2f}"]
+            for r in doc.get("hat_trees", [])]
+    return "\n\n".join([out] + [_table(t) for t in (trees, hat) if len(t) > 1])
+
+
+def _table(lines: List[List[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
 def run(args: argparse.Namespace) -> int:
