@@ -490,13 +490,14 @@ class AutoController:
                     return Choice("sd", shape[0], what, rates, shape)
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
         held = preds.get(current.protocol) if current is not None else None
-        if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
-            best = held  # not worth a switch
         why = ""
+        if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
+            why = f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth a switch
+            best = held
         if best.protocol == "sd" and behind > 0 and "llm" in preds:
             cost, saved = est.catch_up_cost(behind), _saved_s(remaining, preds["llm"], best)
             if saved < cost:
-                why = f"; sd would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
+                why += f"; sd would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
                 best = preds["llm"]
         stale = [p for p in preds.values() if p.protocol != best.protocol and current is not None
                  and est.idle.get(p.protocol, 0) >= PROBE_EVERY

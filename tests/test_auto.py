@@ -55,7 +55,8 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     ratio = preds["sd"].tokens_per_s / preds["llm"].tokens_per_s
     assert 1.0 < ratio < 1.10, ratio  # sd a little ahead
     c.record(Choice("llm", 8, "predicted", {}), 8)  # running llm: sd's small edge does not move it
-    assert c.decide(Link(0.01)).protocol == "llm"
+    kept = c.decide(Link(0.01))
+    assert kept.protocol == "llm" and kept.reason.endswith("llm kept: sd is within 1.10× of it"), kept.reason
     slow_draft = _estimates(0.1, 0.05, step_1=0.2, step_9=0.24)  # llm clearly ahead: sd no longer runs ...
     c = _controller(slow_draft)
     for _ in range(PROBE_EVERY):
