@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 from profiles.bench.board import Board, SlowedLM
 from profiles.bench.provenance import write_report
@@ -175,19 +175,23 @@ def run(args: argparse.Namespace) -> int:
     phases = parse_trace(args.trace)
     trees = tree_rows(args.trees)
     protocols = [p for p in args.protocols.split(",") if p] + list(trees)
+    if trees and args.engine == "torch" and any(p.power for p in phases):
+        raise ValueError("--trees with a power phase needs --engine llamacpp: the torch engine drafts trees with a "
+                         "model of its own that the board's slowdown does not reach")
     if not 1.0 <= args.power_slowdown <= 100.0:
         raise ValueError(f"--power-slowdown must be in [1, 100], got {args.power_slowdown}")
     cores = sorted(os.sched_getaffinity(0))
     if not 0 < args.cloud_cores < len(cores):
         raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the device needs a core of its own)")
     cloud_cores, device_cores = cores[:args.cloud_cores], cores[args.cloud_cores:]
-    os.sched_setaffinity(0, device_cores)  # before the engines start their threads
     prompts = demo_prompts(4)
     rows: List[dict] = []
     t0 = time.perf_counter()
     board = Board() if any(p.power for p in phases) else None
-    with board or nullcontext(), Rig(args.target, cloud_args=["--engine", args.engine], threads=len(cloud_cores),
-                                     cloud_cpus=cloud_cores, link="loopback") as bed:
+    # this process on the device's cores before the engines start their threads, and back on all of them after
+    with pinned(device_cores), board or nullcontext(), Rig(args.target, cloud_args=["--engine", args.engine],
+                                                           threads=len(cloud_cores), cloud_cpus=cloud_cores,
+                                                           link="loopback") as bed:
         # the device on cores of its own, as on a real device: its prefill and catch-up run while the cloud works
         config = EdgeConfig(model=args.draft, link=bed.link_config(link_policy="wait", reconnect_timeout_s=120.0),
                             draft_len=args.draft_len, overlap_prefill="on",
@@ -240,6 +244,18 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report)
     print(f"wrote {args.out}")
     return 0
+
+
+@contextmanager
+def pinned(cpus: List[int]) -> Iterator[None]:
+    """This process on `cpus` for the block, then on the cores it had before (a caller that runs the bench twice in
+    one process, a test, keeps its cores)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def tree_rows(text: str) -> Dict[str, dict]:

@@ -82,5 +82,12 @@ class SlowedLM:
         state.forward_s = before + board_time(took, self.board.slowdown)
         return out
 
+    def forward_tree(self, state, parents: Sequence[int], tokens: Sequence[int], start: int):
+        """A draft tree's level (a model that drafts trees), stretched like a forward."""
+        before = state.forward_s
+        out = self.inner.forward_tree(state, parents, tokens, start)
+        state.forward_s = before + board_time(state.forward_s - before, self.board.slowdown)
+        return out
+
     def crop(self, state, length: int) -> None:
         self.inner.crop(state, length)
