@@ -222,8 +222,8 @@ def run(args: argparse.Namespace) -> int:
                             timer.start()
                         commits: List[tuple] = []
                         runner = rt_auto if name == "auto" else rt
-                        runner.config = dataclasses.replace(config, **trees[name]) if name in trees else (
-                            runner.config if name == "auto" else config)
+                        if runner is rt:  # a fixed row: the base config, a tree row's shape on it
+                            rt.config = dataclasses.replace(config, **trees.get(name, {}))
                         res = runner.run(_request(prompt, "sd" if name in trees else name, args,
                                                   SamplingParams(args.temperature), commits))
                         if timer:

@@ -166,8 +166,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     t_d = draft.step_params * per_param
     input_part = args.m * target.layer_params
     head = target.head_params
-    feature = target.layer_params + 2 * target.hidden ** 2 + min(args.draft_vocab or target.vocab, target.vocab) \
-        * target.hidden
+    feature = feature_params(target, args.draft_vocab)
     watts = float(mode.watts) if mode.watts else 0.0
     dev = DeviceCosts(draft_step_s=t_d, local_step_s=t_d, prefill_s=t_d / 8, round_s=0.0,
                       split_step_s=(input_part + head) * per_param, hat_draft_s=(input_part + feature) * per_param,
@@ -299,7 +298,7 @@ def hat_tree_rows(args, target: "Shape", input_part: float, per_param: float, wa
     r = rec["record"]
     key = next(k for k in r if k.startswith("acceptance_draft_vocab_"))
     vocab = int(key.rsplit("_", 1)[1])
-    feature = target.layer_params + 2 * target.hidden ** 2 + min(vocab, target.vocab) * target.hidden
+    feature = feature_params(target, vocab)
     dev = DeviceCosts(hat_draft_s=(input_part + feature) * per_param, hat_verify_s=target.head_params * per_param,
                       prefill_s=input_part * per_param, watts=watts)
     out = []
@@ -317,6 +316,12 @@ def hat_tree_rows(args, target: "Shape", input_part: float, per_param: float, wa
                                     dev, cloud, wire)
             out.append({**pred.as_dict(), "shape": name, "cloud_step": how, "draft_vocab": vocab})
     return out
+
+
+def feature_params(target: "Shape", draft_vocab: int) -> float:
+    """Parameters a feature-drafter step reads: one decoder layer, the fusion (2 h²) and the draft head over
+    draft_vocab rows (0: the whole head)."""
+    return target.layer_params + 2 * target.hidden ** 2 + min(draft_vocab or target.vocab, target.vocab) * target.hidden
 
 
 def alpha_for(tau: float, gamma: int) -> float:
