@@ -26,6 +26,7 @@ from hardware.device_profiles import ProfileError, get_profile
 OVERLAP_MODES = ("auto", "on", "off")
 LINK_POLICIES = ("wait", "degrade", "fail")  # when the link drops mid-answer (sessions.base.Session.resume)
 CHUNKING_MODES = ("auto", "off")
+DRAFT_STOPS = ("eta", "cost")  # how hat's chain draft ends (SplitConfig.draft_stop)
 TOKEN_DRAFTS = ("model", "adapter")
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "llamacpp")
 BUNDLE_BACKENDS = ("onnxruntime", "tensorrt")  # run a hat-export bundle's graphs
@@ -146,6 +147,10 @@ class SplitConfig:
     draft_stop_prob: float = setting(0.6, "HAT's η (eq. 5): end a draft after a token whose draft probability is "
                                      "below it",
                          flag="--hat-draft-stop-prob", aliases=("--hat-eta",), old_keys=("eta",))
+    draft_stop: str = setting("eta", "how hat's chain draft ends: \"eta\" (eq. 5, draft_stop_prob) | \"cost\" "
+                              "(before a draft whose expected tokens do not repay its measured cost: acceptance per "
+                              "confidence and round seconds measured on this connection; hat_split.math.draft_stop)",
+                              choices=DRAFT_STOPS, flag="--hat-draft-stop")
     draft_len: int = setting(8, "tokens drafted per round at most (HAT's draft length)",
                              flag="--hat-draft-len", aliases=("--max-draft",), old_keys=("max_draft",))
     chunking: str = setting("auto", "prompt chunking: \"auto\" (the cloud's eq. 3 answer) | \"off\" (one chunk)",
@@ -181,6 +186,11 @@ class SplitConfig:
             raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
         if not 1 <= self.draft_len <= 64:
             raise ValueError(f"draft_len must be in 1..64, got {self.draft_len}")
+        if self.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft_stop must be one of {', '.join(DRAFT_STOPS)}, got {self.draft_stop!r}")
+        if self.draft_stop == "cost" and self.tree_nodes:
+            raise ValueError("draft_stop \"cost\" sizes chains; a draft tree is sized by tree_nodes and tree_depth "
+                             "(set draft_stop = \"eta\", or tree_nodes = 0)")
         if self.chunking not in CHUNKING_MODES:
             raise ValueError(f"chunking must be one of {', '.join(CHUNKING_MODES)}, got {self.chunking!r}")
         if self.chunk_tokens < 0 or self.pd_topk < 0 or self.up_bps < 0 or self.down_bps < 0 or self.draft_vocab < 0:

@@ -21,6 +21,7 @@ class DraftState:
     dout: PartCacheLike  # the draft's output tail layers (same coverage as lam)
     drafts: List[int] = field(default_factory=list)
     q: List[np.ndarray] = field(default_factory=list)  # per draft `# [vocab]`
+    conf: List[float] = field(default_factory=list)  # per draft: its draft probability (raw softmax)
     shallow: List[Any] = field(default_factory=list)  # per position `# [1, 1, hidden]`: T[-1], d1, ..., dL (backend's)
     stopped: bool = False  # η fired: the draft is complete
     first: int = -1  # a parallel-drafting candidate: the token it replaces the last draft with

@@ -206,8 +206,10 @@ class SplitDrafter(FeaturePairs):
         self._timed(t0)
         return s
 
-    def draft(self, max_len: int, eta: float) -> DraftState:
-        """HAT drafting (eq. 5): up to max_len drafts, stopping after the first with draft probability < η."""
+    def draft(self, max_len: int, eta: float, admit: Optional[Callable[[float], bool]] = None) -> DraftState:
+        """HAT drafting (eq. 5): up to max_len drafts, stopping after the first with draft probability < η; or, with
+        `admit` (hat_split.math.draft_stop.DraftStop.admit: the measured cost rule), before the first draft it
+        refuses given its draft probability (a round may then send none)."""
         if not self.parts.has_adapter:
             raise RuntimeError("drafting needs an adapter (protocol hat)")
         state = self.adopted
@@ -218,13 +220,19 @@ class SplitDrafter(FeaturePairs):
             state.shallow.append(self._input(state.inp, self.tokens[-1]))
         if len(state.drafts) > max_len:  # a reused continuation longer than this round allows
             self._truncate(state, max_len)
-        self.extend(state, max_len, eta)
+        if admit is not None:  # a reused continuation's drafts pass the rule like fresh ones
+            kept = next((i for i, c in enumerate(state.conf) if not admit(c)), None)
+            if kept is not None:
+                self._truncate(state, kept)
+                state.stopped = True
+        self.extend(state, max_len, eta, admit=admit)
         self.pending = state
         return state
 
     def extend(self, state: DraftState, max_len: int, eta: float, steps: Optional[int] = None,
-               stop: Callable[[], bool] = lambda: False) -> None:
-        """Continue a draft by up to `steps` tokens (default: until η or max_len), checking `stop` between tokens."""
+               stop: Callable[[], bool] = lambda: False, admit: Optional[Callable[[float], bool]] = None) -> None:
+        """Continue a draft by up to `steps` tokens (default: until η, `admit`'s refusal or max_len), checking `stop`
+        between tokens. A refused token is not kept: its step's draft-module work is the rule's price."""
         t0 = time.perf_counter()
         done = 0
         while not state.stopped and len(state.drafts) < max_len and (steps is None or done < steps) and not stop():
@@ -233,13 +241,18 @@ class SplitDrafter(FeaturePairs):
             q = warp(logits, self.params)  # [1, vocab]
             position = state.base + len(state.drafts) + 1
             token = int(sample(q, np.array([keyed_uniform(self.seed, "draft", position)]))[0])
+            conf = float(softmax_prob(logits, np.array([token]))[0])
+            done += 1
+            if admit is not None and not admit(conf):
+                state.stopped = True
+                break
             state.drafts.append(token)
             state.q.append(q[0])
+            state.conf.append(conf)
             state.last_logits = logits[0]
             if not self.deferred:
                 state.shallow.append(self._input(state.inp, token))
-            state.stopped = eta > 0 and float(softmax_prob(logits, np.array([token]))[0]) < eta
-            done += 1
+            state.stopped = admit is None and eta > 0 and conf < eta
         self._timed(t0)
 
     def upload_states(self, state: DraftState) -> Any:
@@ -439,7 +452,7 @@ class SplitDrafter(FeaturePairs):
         return full
 
     def _truncate(self, state: DraftState, n: int) -> None:
-        del state.drafts[n:], state.q[n:], state.shallow[n + 1:]
+        del state.drafts[n:], state.q[n:], state.conf[n:], state.shallow[n + 1:]
         state.fhat = {p: f for p, f in state.fhat.items() if p < state.base + n}
         state.inp.crop(min(state.inp.length, state.base + n + 1))
         for cache in (state.lam, state.dout):

@@ -264,6 +264,30 @@ def test_hat_with_the_feature_drafter_gives_the_full_models_tokens(tiny_server, 
     assert res.drafted > 0
 
 
+@pytest.mark.parametrize("drafter", ["feature", "lambda"])
+@pytest.mark.parametrize("per_draft", [0.0, 1.0])
+def test_the_measured_cost_rule_keeps_the_full_models_tokens(tiny_server, tiny_pair, drafter, per_draft):
+    """`draft_stop = "cost"` (hat_split.math.draft_stop), the feature drafter and Λ: greedy tokens are the full
+    model's whatever the rule sends. A connection whose draft steps took a second against 10 ms rounds sends only its
+    probes' drafts (one round in PROBE_EVERY); one whose drafts are free sends more."""
+    from edge_runtime.sessions.split import LinkState
+    from hat_split.math.draft_stop import PROBE_EVERY, RoundCostFit, RoundCosts
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.models.adapter import Adapter
+    from tests.test_hat import _greedy, _run_split
+
+    model = tiny_pair[1].model
+    torch.manual_seed(3)
+    d = _perturbed(SplitModel(model, 1), seed=9) if drafter == "feature" else Adapter(model, 1).eval()
+    state = LinkState.configured(0.0, 0.0)
+    state.round_costs = RoundCosts(RoundCostFit(0.005, 0.0), draft_s=per_draft, rest_s=0.005)
+    res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=24, adapter=d, draft_stop="cost", draft_len=4,
+                     parallel_draft=False, link_state=state)
+    assert res.tokens == _greedy(model, 24) and res.finish_reason == "length"
+    probes = -(-23 // PROBE_EVERY)  # 23 decode rounds: a probe sends its first draft whatever it costs
+    assert (0 < res.drafted <= probes) if per_draft else (res.drafted > probes)
+
+
 @pytest.mark.real_models
 def test_hat_with_the_feature_drafter_across_processes_on_the_real_smollm2_cut(smollm2, tmp_path):
     """`hat-cloud serve` and `hat-edge generate --adapter DIR` (a feature drafter's directory) as processes: hat's
@@ -378,8 +402,8 @@ def test_hat_distill_trains_a_feature_drafter_resumably_on_the_real_cut(smollm2,
 @pytest.mark.real_models
 def test_hat_bench_runs_the_feature_drafters_rows_end_to_end(smollm2, tmp_path):
     """`hat-bench hat --feature-drafter DIR` on SmolLM2-135M (one prompt, 8 tokens, wifi-near): a cloud process, the
-    link emulator and the device's rows U-shape, +SD F, HAT F v64 and its 6-node trees run and are summarised,
-    Table 4 has the feature drafter's row, and greedy tokens are U-shape's in every row."""
+    link emulator and the device's rows U-shape, +SD F, HAT F v64, its 6-node trees and its cost-rule row run and are
+    summarised, Table 4 has the feature drafter's row, and greedy tokens are U-shape's in every row."""
     import json
     import subprocess
     import sys
@@ -392,14 +416,15 @@ def test_hat_bench_runs_the_feature_drafters_rows_end_to_end(smollm2, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "profiles.bench.bench", "hat", "--model", "smollm2-135m", "--m", "2",
                            "--feature-drafter", str(tmp_path / "fd"), "--draft-vocab", "64",
-                           "--trees", "6x3x2", "--variants", "U-shape,+SD F,HAT F v64,HAT F v64 t6d3w2",
+                           "--trees", "6x3x2", "--cost-rule",
+                           "--variants", "U-shape,+SD F,HAT F v64,HAT F v64 t6d3w2,HAT F v64 cost",
                            "--links", "wifi-near", "--prompts", "1",
                            "--min-prompt-tokens", "40", "--max-prompt-tokens", "300", "--max-new-tokens", "8",
                            "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     table = report["tables"]["wifi-near"]
-    assert list(table) == ["U-shape", "+SD F", "HAT F v64", "HAT F v64 t6d3w2"]
+    assert list(table) == ["U-shape", "+SD F", "HAT F v64", "HAT F v64 t6d3w2", "HAT F v64 cost"]
     assert all(row["same_tokens_as_ushape"] == "1/1" for row in table.values())
     assert table["+SD F"]["drafts_per_round"] > 0 and "wifi-near, feature" in report["table4"]
     assert report["feature_parameters"] == FeatureDrafter(smollm2.model).n_params()

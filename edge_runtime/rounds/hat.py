@@ -4,14 +4,15 @@ drafting while it waits, §3.5)."""
 from __future__ import annotations
 
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
 from edge_runtime.config import SplitConfig
-from edge_runtime.sessions.split import SplitSession
+from edge_runtime.sessions.split import LinkState, SplitSession
 from edge_runtime.split_drafter import DraftState, SplitDrafter
 from hat_split.math.chunking import ema, parallel_steps
+from hat_split.math.draft_stop import DraftStop, RoundCosts
 from hat_split.math.tree import below_chain, check_tree
 from hat_split.wire.hidden_codec import bytes_per_position
 
@@ -73,9 +74,17 @@ def round_hat(session: SplitSession) -> None:
     st = session.link_state
     limit = max(1, min(c.draft_len, session.remaining - 1))
     t0 = time.perf_counter()
-    state = dev.draft(limit, c.draft_stop_prob)
+    stop = None  # the measured cost rule; a connection's first rounds end by η until a round has been measured
+    if c.draft_stop == "cost" and st.round_costs is not None:
+        stop = DraftStop(st.acceptance, st.round_costs, probe=st.gate.probe())
+        if not st.gate.worth(st.acceptance, st.round_costs, st.draft_s):
+            limit = 0  # first drafts seldom repay their step here: this round sends the last token alone
+    state = dev.draft(limit, c.draft_stop_prob, admit=stop.admit if stop else None)
     L = len(state.drafts)
-    st.draft_s = ema(st.draft_s or None, (time.perf_counter() - t0) / max(L, 1))
+    drafting = time.perf_counter() - t0
+    draft_steps = len(stop.offered) if stop is not None else L  # steps run (a refused draft's included)
+    if L:
+        st.draft_s = ema(st.draft_s or None, drafting / L)
     upload = session.send_hidden(state.base, dev.upload_states(state), L + 1)
     cands = []
     if c.parallel_draft and c.pd_topk > 0:
@@ -84,10 +93,13 @@ def round_hat(session: SplitSession) -> None:
         steps = parallel_steps(L + 1, a, st.up_bps or 1e9, st.down_bps or 1e9, st.g_mu, st.draft_s,
                                session.client.base_rtt_s) if st.draft_s > 0 else c.draft_len
         session.counters.pd_steps += _draft_candidates(dev, cands, steps, c, session.client.ready)
-    deep = session.receive_deep(upload)
-    logits = dev.target_logits(deep, state.base, L + 1)  # [L + 1, vocab]
-    n, token = dev.verify(state, logits)
     counters = session.counters
+    cloud0 = counters.cloud_compute_s
+    deep = session.receive_deep(upload)
+    t_head = time.perf_counter()
+    logits = dev.target_logits(deep, state.base, L + 1)  # [L + 1, vocab]
+    verify_s = counters.cloud_compute_s - cloud0 + time.perf_counter() - t_head
+    n, token = dev.verify(state, logits)
     if cands and dev.adopt(cands, token, n, L):
         counters.pd_hits += 1
     counters.rounds += 1
@@ -97,7 +109,32 @@ def round_hat(session: SplitSession) -> None:
     committed = state.drafts[:n] + [token]
     before = len(session.generated)
     session.commit(committed, n, session.token_logprobs(logits[:n + 1], committed))
-    counters.verify_log.append([len(session.generated) - before, L, time.perf_counter() - t0])
+    seconds = time.perf_counter() - t0
+    counters.verify_log.append([len(session.generated) - before, L, seconds])
+    if c.draft_stop == "cost":
+        offered = stop.offered if stop is not None else state.conf
+        wire_s = 8 * bytes_per_position(c.hidden_format, dev.parts.hidden_size) / st.up_bps if st.up_bps else 0.0
+        # a request's first round also runs the feature drafter over the whole prompt: not a round's cost
+        typical = len(counters.verify_log) > 1 or not dev.features
+        timing = (L, seconds, drafting / draft_steps if draft_steps else None, verify_s, wire_s)
+        _measure_round(st, state.conf, offered[0] if offered else None, n, timing if typical else None)
+
+
+def _measure_round(st: LinkState, confidences: List[float], first: Optional[float], accepted: int,
+                   timing: Optional[Tuple[int, float, Optional[float], float, float]]) -> None:
+    """What the cost rule learns from a verified round: its drafts' outcomes by confidence, the first draft's
+    probability when the step ran, and its timing (drafts sent, seconds, seconds per draft step or None when none
+    ran, seconds verifying, a draft's seconds on the uplink; None: not a typical round's)."""
+    st.acceptance.observe(confidences, accepted)
+    if first is not None:
+        st.gate.observe(first)
+    if timing is None:
+        return
+    drafts, seconds, draft_s, verify_s, wire_s = timing
+    if st.round_costs is None:
+        st.round_costs = RoundCosts.first(drafts, seconds, draft_s or 0.0, verify_s, wire_s)
+    else:
+        st.round_costs.observe(drafts, seconds, draft_s, verify_s, wire_s)
 
 
 def _draft_candidates(dev: SplitDrafter, cands: List[DraftState], steps: int, c: SplitConfig,

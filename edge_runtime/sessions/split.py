@@ -28,6 +28,7 @@ from edge_runtime.monitor import DeviceMonitor
 from edge_runtime.sessions.base import Session
 from edge_runtime.split_drafter import SplitDrafter
 from hat_split.math.chunking import RateEstimate, arrival_known, ema
+from hat_split.math.draft_stop import AcceptanceByConfidence, DraftGate, RoundCosts
 from hat_split.wire import messages as P
 from hat_split.wire.hidden_codec import decode_hidden, encode_hidden
 
@@ -43,6 +44,9 @@ class LinkState:
     g_mu: float = 0.0  # the cloud's last predicted step delay g(μ)
     input_s: float = 0.0  # prefill seconds per prompt position: the input layers (before a chunk can leave)
     adapter_s: float = 0.0  # and Λ (after it, before the next one); chunk_size weighs them
+    acceptance: AcceptanceByConfidence = field(default_factory=AcceptanceByConfidence)  # hat's draft_stop "cost":
+    round_costs: Optional[RoundCosts] = None  # what this connection's drafts were worth and what its rounds cost
+    gate: DraftGate = field(default_factory=DraftGate)  # and whether its first draft steps pay
 
     @classmethod
     def configured(cls, up_bps: float, down_bps: float) -> "LinkState":

@@ -6,7 +6,8 @@ Rows (protocol, prompt chunking, parallel drafting), as Table 5:
   +SD+PD (hat, one chunk, PD), HAT (hat, chunked, PD); and HAT int8: HAT with 8-bit hidden states on the wire;
   with `--draft-vocab N`, "HAT vNk": HAT drafting over the adapter's N most frequent tokens (beyond the paper);
   with `--feature-drafter DIR`, "+SD F" and "HAT F" (and "HAT F vNk"): the same rows drafting with the feature drafter
-  (hat_split.models.feature_drafter) instead of Λ, and Table 4 for it beside Λ's.
+  (hat_split.models.feature_drafter) instead of Λ, and Table 4 for it beside Λ's; with `--cost-rule`, "ROW cost"
+  beside every HAT chain row: its draft lengths by the measured cost rule (hat_split.math.draft_stop) instead of η.
 Chunked rows use the cloud's chunk size (hat_split.math.chunking.chunk_size from its delay model and the device's β_up).
 Each row runs the same long held-out ShareGPT prompts (whole conversation histories, templated), greedy by default,
 interleaved prompt by prompt, the order of the rows (and backends) rotating by one per prompt (stats.rotated), so
@@ -91,6 +92,9 @@ def add_parser(sub) -> None:
     s.add_argument("--trees", default="", metavar="NxDxW,...",
                    help="add rows: HAT with Λ (and with --feature-drafter's drafter) drafting trees (split.tree_nodes, "
                         "tree_depth, tree_width), e.g. 16x4x4; over --draft-vocab's head when given")
+    s.add_argument("--cost-rule", action="store_true",
+                   help="add a \"ROW cost\" row beside every HAT chain row: its draft lengths by the measured cost "
+                        "rule (split.draft_stop = cost, hat_split.math.draft_stop) instead of η")
     s.add_argument("--threads", type=int, default=2, help="torch threads of the cloud (2: the cores here)")
     s.add_argument("--device-threads", type=int, default=0, help="torch threads of the device (0: --threads)")
     s.add_argument("--cloud-cores", type=int, default=0,
@@ -241,6 +245,10 @@ def run(args) -> int:
         rows[vocab_row(args.draft_vocab)] = ("hat", {**VARIANTS["HAT"][1], "draft_vocab": args.draft_vocab})
     tree_rows(rows, args.trees, args.draft_vocab)  # beyond the paper: draft trees
     feature_meta = feature_rows(rows, args.feature_drafter, args.draft_vocab, args.trees)
+    if args.cost_rule:  # beyond the paper: draft lengths by what drafts were worth and cost on this connection
+        rows.update({f"{name} cost": ("hat", {**fields, "draft_stop": "cost"}) for name, (protocol, fields)
+                     in list(rows.items()) if name.startswith("HAT") and protocol == "hat"
+                     and not fields.get("tree_nodes")})
     variants = names(args.variants, rows, "variant") if args.variants else list(rows)
     links = [get_link_profile(name) for name in args.links.split(",") if name]
     if not links:

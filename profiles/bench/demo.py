@@ -13,7 +13,11 @@ middle layers, and an edge process holding the input layers, the head and HAT's 
 hat-distill: by default the feature drafter in runs/adapters/<target>-m<m>-feature, drafting over its 16k most frequent
 tokens, else Λ in runs/adapters/<target>-m<m>; the bootstrap distils a feature drafter in a 5-minute budget when there
 is neither). They run at this machine's speed (no board emulation;
-`hat-bench hat` emulates a slower device).
+`hat-bench hat` emulates a slower device). `hat` runs with DEMO_HAT_FLAGS: without parallel drafting, as device and
+cloud share this machine's cores (drafting while the cloud verifies would take the cloud's cores, not idle ones as on
+a board of its own: on two cores it halved hat's tokens/s), and with the measured cost rule for its draft lengths
+(`--hat-draft-stop cost`: a draft is sent only when its expected tokens repay what drafts cost on this machine, so a
+poor drafter costs little; docs/HAT.md).
 
 Streams each answer as it is accepted, then prints and saves per protocol: tokens/s, time to first token, accepted
 drafts per round, uplink/downlink bytes per generated token (counted from the real frames by the edge, and on the
@@ -153,6 +157,8 @@ def pick_engine(asked: str) -> str:
     return "llamacpp" if llama_cpp_installed() else "torch"
 
 
+DEMO_HAT_FLAGS = ["--no-parallel-draft",  # device and cloud on the same cores: nothing idle to draft on
+                  "--hat-draft-stop", "cost"]
 DEMO_DRAFT_VOCAB = 16384  # the feature drafter's draft head in the demo: its most frequent training tokens
 
 
@@ -188,8 +194,8 @@ def drafter_line(adapter: str) -> str:
     line = f"hat: drafted with the {kind} in {adapter} ({how}; held-out top-1 " + \
            (f"{top1:.3f}" if isinstance(top1, float) else "?") + f", the full recipe's {FULL_RECIPE_TOP1})"
     if budget:
-        line += ("; it drafts poorly, so hat here pays for drafts the cloud rejects: the full recipe (docs/HAT.md) "
-                 "writes the same directory")
+        line += ("; it drafts poorly, so the cost rule sends few of its drafts and hat runs about as fast as ushape: "
+                 "the full recipe (docs/HAT.md) writes the same directory")
     return line
 
 
@@ -245,8 +251,9 @@ def main(argv=None) -> int:
             results += _side(args, profile, prompts, args.target, engine, args.draft, protocols, extra, wire)
         if split_protocols:
             print(f"hat-demo: split protocols {', '.join(split_protocols)}: {args.target} cut at layer {args.m}, "
-                  f"torch on both sides, adapter {adapter}", flush=True)
-            extra = ["--m", str(args.m), *(["--adapter", adapter, *draft_vocab_flags(adapter)]
+                  f"torch on both sides, adapter {adapter}; hat {' '.join(DEMO_HAT_FLAGS)} (device and cloud share "
+                  "these cores)", flush=True)
+            extra = ["--m", str(args.m), *(["--adapter", adapter, *draft_vocab_flags(adapter), *DEMO_HAT_FLAGS]
                                            if "hat" in split_protocols else [])]
             results += _side(args, profile, prompts, args.target, "torch", args.target, split_protocols, extra, wire)
     except RuntimeError as exc:

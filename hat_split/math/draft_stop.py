@@ -1,0 +1,248 @@
+"""Where a chain draft should end: the measured cost rule (HAT's `draft_stop = "cost"`). Pure numpy.
+
+HAT eq. 5 ends a draft after the first token whose draft probability is below a fixed η. That η ignores two things
+the device measures anyway: how often a draft of a given confidence is accepted (a short-trained drafter is often
+overconfident), and what one more draft costs against a round (on a GPU cloud beside a fast link a draft is nearly
+free; where device and cloud share cores it costs about a quarter of a round). The cost rule drafts only what lowers
+the expected time per token:
+
+- a round with k drafts costs R(k) = base + k · per_draft seconds (`RoundCosts`), from parts measured apart, as a
+  round's wall time is too noisy to fit a slope from a few rounds: per_draft = the device's draft step (the draft
+  module, its head and the draft's input-part step, timed each round) + what one more position adds to the
+  verification (the cloud's reported compute and the device's head, `RoundCostFit`: a least-squares line over the
+  rounds measured so far, starting from "nothing" until rounds of different lengths have been seen) + the draft's
+  shallow state on the uplink at the measured rate; base = the rest of a round (link, verification of the last
+  token, bookkeeping), a moving average. A connection's first round ends by η;
+- draft i is accepted, given every earlier one was, with probability a(c_i) for its draft probability c_i
+  (`AcceptanceByConfidence`: per confidence bin, the accepted share of the drafts verified so far, starting from
+  a(c) = c);
+- the expected tokens of a round with k drafts are E(k) = 1 + Σ_{i ≤ k} P_i, with P_i = Π_{j ≤ i} a(c_j) (the
+  bonus token counts one);
+- draft k + 1 is kept iff R(k + 1) / E(k + 1) < R(k) / E(k), i.e. P_{k+1} / E(k) > per_draft / R(k) (`DraftStop`).
+
+The rule reads only the draft's own probabilities and the outcomes of earlier rounds, never the target's answer for
+this round's drafts, so the verified output keeps the target's law (any stopping rule of that kind does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+CONFIDENCE_BINS = 10
+PRIOR_WEIGHT = 2.0  # pseudo-drafts per bin at a(c) = c before any is verified
+DECAY = 0.98  # old rounds fade: a change of prompt, link or load shows within a few dozen rounds
+PRIOR_ROUNDS = 0.1  # the prior line weighs as much as this many rounds at k = 0 and at k = 1 (little: it only
+# decides the slope until rounds of two lengths have been measured)
+EMA_WEIGHT = 0.1  # RoundCosts: a new round's weight in the draft step's and the rest's moving averages
+GATE_MIN_SEEN = 16.0  # DraftGate: first drafts seen (decayed) before it may skip a step: not on a handful
+PROBE_EVERY = 8  # DraftGate: a round in this many runs the first draft step even when it seldom pays
+
+
+@dataclass
+class AcceptanceByConfidence:
+    """Accepted share of verified drafts per confidence bin (a Beta(2c, 2(1 - c)) prior per bin, decayed counts)."""
+
+    bins: int = CONFIDENCE_BINS
+    accepted: np.ndarray = field(default=None)  # `# [bins]` float64
+    seen: np.ndarray = field(default=None)  # `# [bins]` float64
+
+    def __post_init__(self) -> None:
+        if self.bins < 1:
+            raise ValueError(f"bins must be >= 1, got {self.bins}")
+        if self.accepted is None:
+            self.accepted = np.zeros(self.bins)
+        if self.seen is None:
+            self.seen = np.zeros(self.bins)
+
+    def _bin(self, confidence: float) -> int:
+        if not 0.0 <= confidence <= 1.0 or confidence != confidence:
+            raise ValueError(f"a draft probability must be in [0, 1], got {confidence}")
+        return min(int(confidence * self.bins), self.bins - 1)
+
+    def rate(self, confidence: float) -> float:
+        """a(c): the estimated probability that a draft of probability c is accepted (its predecessors were)."""
+        b = self._bin(confidence)
+        mid = (b + 0.5) / self.bins
+        return float((PRIOR_WEIGHT * mid + self.accepted[b]) / (PRIOR_WEIGHT + self.seen[b]))
+
+    def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
+        """A verified chain: its drafts' probabilities and how many were accepted. The first n_accepted count as
+        accepted, the next one (if any) as rejected; the drafts after it were never put to the test."""
+        if not 0 <= n_accepted <= len(confidences):
+            raise ValueError(f"{n_accepted} accepted of {len(confidences)} drafts")
+        tested = list(confidences[:n_accepted + 1])
+        if not tested:
+            return
+        self.accepted *= DECAY
+        self.seen *= DECAY
+        for i, c in enumerate(tested):
+            b = self._bin(float(c))
+            self.seen[b] += 1.0
+            self.accepted[b] += float(i < n_accepted)
+
+
+@dataclass
+class RoundCostFit:
+    """Seconds of a round with k drafts, R(k) = base + k · per_draft: weighted least squares over the measured rounds
+    (decayed), with a prior line of PRIOR_ROUNDS rounds at k = 0 and at k = 1 so that it is defined from the start."""
+
+    prior_base: float
+    prior_per_draft: float
+    _sw: float = 0.0
+    _sk: float = 0.0
+    _skk: float = 0.0
+    _sy: float = 0.0
+    _sky: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.prior_base > 0 or self.prior_per_draft < 0:
+            raise ValueError(f"a round's prior cost must be > 0 and a draft's >= 0, got {self.prior_base}, "
+                             f"{self.prior_per_draft}")
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        if drafts < 0 or not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"a round of {drafts} drafts in {seconds} s")
+        for name in ("_sw", "_sk", "_skk", "_sy", "_sky"):
+            setattr(self, name, getattr(self, name) * DECAY)
+        self._sw += 1.0
+        self._sk += drafts
+        self._skk += drafts * drafts
+        self._sy += seconds
+        self._sky += drafts * seconds
+
+    def line(self) -> tuple:
+        """(base, per_draft) seconds: the fit, the prior's two points included; per_draft >= 0, base > 0."""
+        p0, p1 = self.prior_base, self.prior_base + self.prior_per_draft
+        w = self._sw + 2 * PRIOR_ROUNDS
+        sk = self._sk + PRIOR_ROUNDS
+        skk = self._skk + PRIOR_ROUNDS
+        sy = self._sy + PRIOR_ROUNDS * (p0 + p1)
+        sky = self._sky + PRIOR_ROUNDS * p1
+        det = w * skk - sk * sk
+        slope = (w * sky - sk * sy) / det
+        slope = max(slope, 0.0)
+        base = max((sy - slope * sk) / w, 1e-6)
+        return base, slope
+
+    def cost(self, drafts: int) -> float:
+        base, per_draft = self.line()
+        return base + drafts * per_draft
+
+
+@dataclass
+class RoundCosts:
+    """R(k) = base + k · per_draft from its measured parts (see the module docstring); `line()` → (base, per_draft)."""
+
+    verify: RoundCostFit  # seconds of the verification (cloud compute + device head) against the drafts sent
+    draft_s: float  # the device's seconds per draft step
+    rest_s: float  # the round's seconds outside drafting and verification
+    wire_s: float = 0.0  # one draft's shallow state on the uplink
+
+    @classmethod
+    def first(cls, drafts: int, seconds: float, draft_s: float, verify_s: float, wire_s: float = 0.0
+              ) -> "RoundCosts":
+        """From a connection's first measured round: `seconds` in all, `draft_s` per draft step, `verify_s` of it
+        verifying (the verification's line starts flat: one more position costs nothing until measured)."""
+        verify = RoundCostFit(max(verify_s, 1e-6), 0.0)
+        verify.observe(drafts, verify_s)
+        return cls(verify, max(draft_s, 0.0), max(seconds - drafts * draft_s - verify_s, 0.0), max(wire_s, 0.0))
+
+    def observe(self, drafts: int, seconds: float, draft_s: Optional[float], verify_s: float,
+                wire_s: float = 0.0) -> None:
+        """A round: `drafts` sent, `seconds` in all, `draft_s` per draft step (None: no step ran), `verify_s`."""
+        if not seconds >= 0 or not verify_s >= 0 or seconds == float("inf"):
+            raise ValueError(f"a round of {seconds} s with {verify_s} s verifying")
+        self.verify.observe(drafts, verify_s)
+        steps = 0.0
+        if draft_s is not None:
+            self.draft_s = (1 - EMA_WEIGHT) * self.draft_s + EMA_WEIGHT * max(draft_s, 0.0)
+            steps = drafts * draft_s
+        self.rest_s = (1 - EMA_WEIGHT) * self.rest_s + EMA_WEIGHT * max(seconds - steps - verify_s, 0.0)
+        self.wire_s = max(wire_s, 0.0)
+
+    def line(self) -> tuple:
+        v0, v1 = self.verify.line()
+        return max(self.rest_s + v0, 1e-6), self.draft_s + v1 + self.wire_s
+
+
+@dataclass
+class DraftStop:
+    """One round's cost rule: `admit(c)` for each new draft's probability, in order; False ends the draft there
+    (that draft is not sent)."""
+
+    acceptance: AcceptanceByConfidence
+    costs: "RoundCosts | RoundCostFit"  # anything with line() → (base, per_draft)
+    drafts: int = 0
+    path: float = 1.0  # P_k: the probability that every draft so far is accepted
+    expected: float = 1.0  # E(k)
+    offered: List[float] = field(default_factory=list)  # the probabilities it was asked about, in order
+    probe: bool = False  # a probe round (DraftGate): its first draft is sent whatever it is worth, so that rounds
+    # with a draft keep being measured (the cost line's slope, the acceptance) where drafting seldom pays
+
+    def admit(self, confidence: float) -> bool:
+        self.offered.append(confidence)
+        p = self.path * self.acceptance.rate(confidence)
+        base, per_draft = self.costs.line()
+        forced = self.probe and self.drafts == 0
+        if not forced and p * (base + self.drafts * per_draft) <= per_draft * self.expected:
+            return False
+        self.drafts += 1
+        self.path = p
+        self.expected += p
+        return True
+
+
+@dataclass
+class DraftGate:
+    """Whether a round should run its first draft step at all. A refused first draft still cost its step (the draft
+    module and its head); where the drafter's first drafts are seldom worth sending, rounds skip the step and draft
+    nothing (once GATE_MIN_SEEN first drafts have been seen), and one round in PROBE_EVERY is a probe (`probe()`: it
+    sends its first draft whatever it is worth) so that the confidences, the acceptance and what a draft costs stay
+    measured.
+
+    The step runs iff the expected saving per token, Σ_b h_b · max(0, R0 − (R0 + c) / (1 + a_b)) over the first
+    drafts' confidence histogram h (R0, c: `RoundCostFit.line()`, a_b: `AcceptanceByConfidence` at bin b), is at least
+    the step's cost in the rounds where the draft is refused, step_s · Σ_{b refused} h_b."""
+
+    bins: int = CONFIDENCE_BINS
+    seen: np.ndarray = field(default=None)  # `# [bins]` decayed counts of first-draft confidences
+    since_probe: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seen is None:
+            self.seen = np.zeros(self.bins)
+
+    def observe(self, confidence: float) -> None:
+        """The first draft's probability in a round that ran the step."""
+        if not 0.0 <= confidence <= 1.0:
+            raise ValueError(f"a draft probability must be in [0, 1], got {confidence}")
+        self.seen *= DECAY
+        self.seen[min(int(confidence * self.bins), self.bins - 1)] += 1.0
+        self.since_probe = 0
+
+    def probe(self) -> bool:
+        """This round is due to probe (nothing seen yet, or PROBE_EVERY - 1 rounds since the step last ran)."""
+        return float(self.seen.sum()) <= 0 or self.since_probe >= PROBE_EVERY - 1
+
+    def worth(self, acceptance: AcceptanceByConfidence, costs: "RoundCosts | RoundCostFit", step_s: float) -> bool:
+        total = float(self.seen.sum())
+        if self.probe() or total < GATE_MIN_SEEN:
+            return True
+        base, per_draft = costs.line()
+        saving = refused = 0.0
+        for b in range(self.bins):
+            if self.seen[b] <= 0:
+                continue
+            h = self.seen[b] / total
+            a = acceptance.rate((b + 0.5) / self.bins)
+            gain = base - (base + per_draft) / (1.0 + a)
+            if gain > 0:
+                saving += h * gain
+            else:
+                refused += h
+        if saving >= max(step_s, 0.0) * refused:
+            return True
+        self.since_probe += 1
+        return False

@@ -1,0 +1,137 @@
+"""hat's measured cost rule for where a chain draft ends (hat_split.math.draft_stop), on hand-made streams: known
+acceptance and round costs give known draft lengths; a drafter whose drafts the cloud keeps rejecting stops drafting."""
+import math
+
+import numpy as np
+import pytest
+
+from hat_split.math.draft_stop import (PROBE_EVERY, AcceptanceByConfidence, DraftGate, DraftStop, RoundCostFit,
+                                       RoundCosts)
+
+
+def test_acceptance_starts_at_the_drafts_own_probability_and_follows_what_is_verified():
+    a = AcceptanceByConfidence()
+    assert a.rate(0.93) == pytest.approx(0.95) and a.rate(0.31) == pytest.approx(0.35) and a.rate(1.0) == 0.95
+    over = AcceptanceByConfidence()  # an overconfident drafter: its 0.9-probability drafts are mostly rejected
+    for _ in range(200):
+        over.observe([0.92], 0)
+    assert over.rate(0.95) < 0.05 and over.rate(0.5) == pytest.approx(0.55)  # only the bin it was seen in moves
+    good = AcceptanceByConfidence()
+    for _ in range(200):
+        good.observe([0.45, 0.45], 2)
+    assert good.rate(0.41) > 0.95
+
+
+def test_only_the_drafts_put_to_the_test_count():
+    """Of a chain with 1 accepted, the first counts accepted, the second rejected, the rest never tested."""
+    a = AcceptanceByConfidence()
+    a.observe([0.15, 0.55, 0.95, 0.95], 1)
+    assert a.seen.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert a.accepted.tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    a.observe([], 0)  # a round that sent no draft changes nothing
+    assert a.seen.sum() == 2
+    with pytest.raises(ValueError, match="3 accepted of 2 drafts"):
+        a.observe([0.5, 0.5], 3)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\], got nan"):
+        a.rate(float("nan"))
+
+
+def test_the_cost_line_is_recovered_from_rounds_of_different_lengths():
+    fit = RoundCostFit(1.0, 0.5)  # a prior far off
+    for i in range(300):
+        k = i % 4
+        fit.observe(k, 0.2 + 0.05 * k)
+    base, per_draft = fit.line()
+    assert base == pytest.approx(0.2, abs=0.02) and per_draft == pytest.approx(0.05, abs=0.01)
+    assert fit.cost(3) == pytest.approx(0.35, abs=0.03)
+
+
+def test_rounds_of_one_length_keep_the_prior_slope():
+    fit = RoundCostFit(0.2, 0.0)
+    for _ in range(100):
+        fit.observe(1, 0.30)
+    assert fit.line() == pytest.approx((0.2, 0.1), abs=0.01)  # the data's level through the prior's k = 0 point
+    never_negative = RoundCostFit(0.3, 0.0)
+    for k in (0, 1, 2, 3) * 20:
+        never_negative.observe(k, 0.3 - 0.02 * k)  # longer rounds faster: noise, not a negative cost
+    assert never_negative.line()[1] == 0.0
+    with pytest.raises(ValueError, match="a round of 1 drafts in nan s"):
+        fit.observe(1, float("nan"))
+    with pytest.raises(ValueError, match="must be > 0"):
+        RoundCostFit(0.0, 0.1)
+
+
+def test_a_rounds_cost_is_built_from_its_measured_parts():
+    """per_draft = the draft step + the verification's slope + the uplink; base = the rest + the verification of one
+    position. Rounds whose verification grows 20 ms a draft, with 50 ms draft steps and 150 ms of link."""
+    costs = RoundCosts.first(1, 0.05 + 0.1 + 0.12 + 0.02, 0.05, 0.12, wire_s=0.001)
+    assert costs.line() == pytest.approx((0.12 + 0.12, 0.05 + 0.001))  # the verification flat until measured
+    for i in range(300):
+        k = i % 3
+        verify = 0.1 + 0.02 * k
+        costs.observe(k, 0.15 + 0.05 * k + verify, 0.05 if k else None, verify, wire_s=0.001)
+    base, per_draft = costs.line()
+    assert base == pytest.approx(0.25, abs=0.01) and per_draft == pytest.approx(0.071, abs=0.005)
+    with pytest.raises(ValueError, match="a round of nan s"):
+        costs.observe(1, float("nan"), 0.05, 0.1)
+
+
+def test_a_draft_is_kept_while_it_lowers_the_expected_time_per_token():
+    """R(k) = 0.2 + 0.05 k, a(c) = c's bin middle: 0.95, 0.95 repay their cost, a 0.35 after them does not
+    (P3 · R(2) = 0.9025 · 0.35 · 0.30 = 0.095 < c · E(2) = 0.05 · 2.855 = 0.143)."""
+    stop = DraftStop(AcceptanceByConfidence(), RoundCostFit(0.2, 0.05))
+    assert [stop.admit(c) for c in (0.97, 0.96, 0.33)] == [True, True, False]
+    assert stop.drafts == 2 and stop.expected == pytest.approx(1 + 0.95 + 0.95 ** 2)
+    assert stop.offered == [0.97, 0.96, 0.33]
+    free = DraftStop(AcceptanceByConfidence(), RoundCostFit(0.2, 0.0))  # a free draft is always worth sending
+    assert all(free.admit(0.05) for _ in range(8))
+    dear = DraftStop(AcceptanceByConfidence(), RoundCostFit(0.2, 0.25))  # costs more than a round: never
+    assert not dear.admit(0.99) and dear.drafts == 0
+
+
+def test_the_threshold_follows_the_cost_ratio():
+    """The first draft is kept iff a(c) > per_draft / base: the confidence it takes rises with the draft's cost."""
+    def lowest_kept(per_draft):
+        for c in np.arange(0.0, 1.0, 0.1):
+            if DraftStop(AcceptanceByConfidence(), RoundCostFit(1.0, per_draft)).admit(float(c) + 0.01):
+                return round(float(c), 1)
+        return math.inf
+    assert [lowest_kept(x) for x in (0.01, 0.2, 0.5, 0.9)] == [0.0, 0.2, 0.5, 0.9]
+
+
+def test_a_drafter_the_cloud_keeps_rejecting_stops_drafting_and_probes():
+    """First drafts at probability ~0.8, all rejected: after a few rounds the rule refuses them, and the gate skips
+    the draft step in all rounds but one in PROBE_EVERY; a good drafter's step always runs."""
+    acc, costs, gate = AcceptanceByConfidence(), RoundCostFit(0.25, 0.06), DraftGate()
+    sent = []
+    for _ in range(40):
+        stop = DraftStop(acc, costs)
+        kept = stop.admit(0.81)
+        gate.observe(0.81)
+        acc.observe([0.81] if kept else [], 0)
+        sent.append(kept)
+    assert sent[0] and not any(sent[-30:])
+    runs = []
+    for _ in range(3 * PROBE_EVERY):
+        runs.append(gate.worth(acc, costs, 0.03))
+        if runs[-1]:  # a probe: the step ran, its draft seen (and refused)
+            gate.observe(0.81)
+    assert runs == ([False] * (PROBE_EVERY - 1) + [True]) * 3
+    probe = DraftStop(acc, costs, probe=True)  # a probe sends its first draft, not a second one that does not pay
+    assert probe.admit(0.81) and not probe.admit(0.81)
+    good_acc, good_gate = AcceptanceByConfidence(), DraftGate()
+    for _ in range(40):
+        good_acc.observe([0.81], 1)
+        good_gate.observe(0.81)
+    assert all(good_gate.worth(good_acc, costs, 0.03) for _ in range(20))
+    assert DraftGate().worth(acc, costs, 0.03)  # nothing seen yet: run the step
+
+
+def test_the_config_names_what_it_refuses():
+    from edge_runtime.config import SplitConfig
+
+    assert SplitConfig(draft_stop="cost").draft_stop == "cost"
+    with pytest.raises(ValueError, match="draft_stop must be one of eta, cost, got 'fast'"):
+        SplitConfig(draft_stop="fast")
+    with pytest.raises(ValueError, match="sizes chains; a draft tree is sized by tree_nodes"):
+        SplitConfig(draft_stop="cost", tree_nodes=8)
