@@ -243,7 +243,8 @@ class SplitDrafter(FeaturePairs):
             token = int(sample(q, np.array([keyed_uniform(self.seed, "draft", position)]))[0])
             conf = float(softmax_prob(logits, np.array([token]))[0])
             done += 1
-            if admit is not None and not admit(conf):
+            if admit is not None and not admit(conf):  # the refused step's pair leaves the draft module's caches
+                self._truncate(state, len(state.drafts))  # (a parallel-drafting fork starts before the last draft)
                 state.stopped = True
                 break
             state.drafts.append(token)

@@ -273,7 +273,8 @@ def test_the_demo_picks_the_feature_drafter_and_its_draft_vocabulary(tmp_path, m
         "budget": {"windows": 104, "steps": 57, "budget_s": 210.0}, "eval": {"top1": 0.258}}}))
     line = drafter_line(str(feature))
     assert "feature drafter" in line and "104 windows and 57 steps in 210 s" in line and "top-1 0.258" in line
-    assert "drafts poorly" in line
+    assert "drafts poorly, so the cost rule sends few of its drafts" in line
+    assert "pays for drafts the cloud rejects" in drafter_line(str(feature), "eta")
     assert "Λ" in drafter_line(str(lam)) and "drafts poorly" not in drafter_line(str(lam))
 
 

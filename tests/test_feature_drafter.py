@@ -266,9 +266,11 @@ def test_hat_with_the_feature_drafter_gives_the_full_models_tokens(tiny_server, 
 
 @pytest.mark.parametrize("drafter", ["feature", "lambda"])
 @pytest.mark.parametrize("per_draft", [0.0, 1.0])
-def test_the_measured_cost_rule_keeps_the_full_models_tokens(tiny_server, tiny_pair, drafter, per_draft):
-    """`draft_stop = "cost"` (hat_split.math.draft_stop), the feature drafter and Λ: greedy tokens are the full
-    model's whatever the rule sends. A connection whose draft steps took a second against 10 ms rounds sends only its
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_measured_cost_rule_keeps_the_full_models_tokens(tiny_server, tiny_pair, drafter, per_draft, parallel):
+    """`draft_stop = "cost"` (hat_split.math.draft_stop), the feature drafter and Λ, with and without parallel
+    drafting (its forks start before a refused draft's step): greedy tokens are the full model's whatever the rule
+    sends. A connection whose draft steps took a second against 10 ms rounds sends only its
     probes' drafts (one round in PROBE_EVERY); one whose drafts are free sends more."""
     from edge_runtime.sessions.split import LinkState
     from hat_split.math.draft_stop import PROBE_EVERY, RoundCostFit, RoundCosts
@@ -282,7 +284,7 @@ def test_the_measured_cost_rule_keeps_the_full_models_tokens(tiny_server, tiny_p
     state = LinkState.configured(0.0, 0.0)
     state.round_costs = RoundCosts(RoundCostFit(0.005, 0.0), draft_s=per_draft, rest_s=0.005)
     res = _run_split(tiny_server, model, "hat", SamplingParams(0.0), n=24, adapter=d, draft_stop="cost", draft_len=4,
-                     parallel_draft=False, link_state=state)
+                     parallel_draft=parallel, pd_topk=2, link_state=state)
     assert res.tokens == _greedy(model, 24) and res.finish_reason == "length"
     probes = -(-23 // PROBE_EVERY)  # 23 decode rounds: a probe sends its first draft whatever it costs
     assert (0 < res.drafted <= probes) if per_draft else (res.drafted > probes)

@@ -13,11 +13,11 @@ middle layers, and an edge process holding the input layers, the head and HAT's 
 hat-distill: by default the feature drafter in runs/adapters/<target>-m<m>-feature, drafting over its 16k most frequent
 tokens, else Λ in runs/adapters/<target>-m<m>; the bootstrap distils a feature drafter in a 5-minute budget when there
 is neither). They run at this machine's speed (no board emulation;
-`hat-bench hat` emulates a slower device). `hat` runs with DEMO_HAT_FLAGS: without parallel drafting, as device and
+`hat-bench hat` emulates a slower device). `hat` runs without parallel drafting (DEMO_HAT_FLAGS), as device and
 cloud share this machine's cores (drafting while the cloud verifies would take the cloud's cores, not idle ones as on
-a board of its own: on two cores it halved hat's tokens/s), and with the measured cost rule for its draft lengths
-(`--hat-draft-stop cost`: a draft is sent only when its expected tokens repay what drafts cost on this machine, so a
-poor drafter costs little; docs/HAT.md).
+a board of its own: on two cores it halved hat's tokens/s), and by default with the measured cost rule for its draft
+lengths (`--hat-draft-stop cost`: a draft is sent only when its expected tokens repay what drafts cost on this
+machine, so a poor drafter costs little; `eta` for HAT's eq. 5; docs/HAT.md).
 
 Streams each answer as it is accepted, then prints and saves per protocol: tokens/s, time to first token, accepted
 drafts per round, uplink/downlink bytes per generated token (counted from the real frames by the edge, and on the
@@ -39,6 +39,7 @@ from hat_split.models.llamacpp_lib import INSTALL_HINT, llama_cpp_installed
 from hat_split.net.security import cli_args
 from hat_split.prompt_sets import demo_prompts
 from hat_split.protocols import AUTO, get, of_family
+from edge_runtime.config import DRAFT_STOPS
 from profiles.bench.rig import Rig
 from testbed.links import get_link_profile
 from profiles.bench.provenance import write_report
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "runs/adapters/<target>-m<m>-feature when it holds a feature drafter, else "
                     "runs/adapters/<target>-m<m>)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hat-draft-stop", choices=DRAFT_STOPS, default="cost",
+                    help="how hat's drafts end: cost (the measured cost rule) or eta (HAT eq. 5); default %(default)s")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
     ap.add_argument("--out", default="runs/demo.json", help="where to save the JSON report (default %(default)s)")
     return ap
@@ -157,8 +160,7 @@ def pick_engine(asked: str) -> str:
     return "llamacpp" if llama_cpp_installed() else "torch"
 
 
-DEMO_HAT_FLAGS = ["--no-parallel-draft",  # device and cloud on the same cores: nothing idle to draft on
-                  "--hat-draft-stop", "cost"]
+DEMO_HAT_FLAGS = ["--no-parallel-draft"]  # device and cloud on the same cores: nothing idle to draft on
 DEMO_DRAFT_VOCAB = 16384  # the feature drafter's draft head in the demo: its most frequent training tokens
 
 
@@ -175,7 +177,7 @@ def demo_drafter(target: str, m: int) -> str:
 FULL_RECIPE_TOP1 = 0.435  # the full recipe's held-out top-1 on the 1.5B cut (docs/HAT.md, 1200 windows, 600 steps)
 
 
-def drafter_line(adapter: str) -> str:
+def drafter_line(adapter: str, stop: str = "cost") -> str:
     """What the hat row drafted with: the module, what trained it, its held-out top-1 beside the full recipe's, so a
     short demo recipe's slow `hat` row is read for what it is."""
     for name, kind in (("drafter.json", "feature drafter"), ("adapter.json", "Λ")):
@@ -194,8 +196,9 @@ def drafter_line(adapter: str) -> str:
     line = f"hat: drafted with the {kind} in {adapter} ({how}; held-out top-1 " + \
            (f"{top1:.3f}" if isinstance(top1, float) else "?") + f", the full recipe's {FULL_RECIPE_TOP1})"
     if budget:
-        line += ("; it drafts poorly, so the cost rule sends few of its drafts and hat runs about as fast as ushape: "
-                 "the full recipe (docs/HAT.md) writes the same directory")
+        line += ("; it drafts poorly, so " + ("the cost rule sends few of its drafts and hat runs about as fast as "
+                                              "ushape" if stop == "cost" else "hat here pays for drafts the cloud "
+                                              "rejects") + ": the full recipe (docs/HAT.md) writes the same directory")
     return line
 
 
@@ -251,9 +254,10 @@ def main(argv=None) -> int:
             results += _side(args, profile, prompts, args.target, engine, args.draft, protocols, extra, wire)
         if split_protocols:
             print(f"hat-demo: split protocols {', '.join(split_protocols)}: {args.target} cut at layer {args.m}, "
-                  f"torch on both sides, adapter {adapter}; hat {' '.join(DEMO_HAT_FLAGS)} (device and cloud share "
-                  "these cores)", flush=True)
-            extra = ["--m", str(args.m), *(["--adapter", adapter, *draft_vocab_flags(adapter), *DEMO_HAT_FLAGS]
+                  f"torch on both sides, adapter {adapter}; hat drafts by the {args.hat_draft_stop} rule, without "
+                  "parallel drafting (device and cloud share these cores)", flush=True)
+            extra = ["--m", str(args.m), *(["--adapter", adapter, *draft_vocab_flags(adapter), *DEMO_HAT_FLAGS,
+                                           "--hat-draft-stop", args.hat_draft_stop]
                                            if "hat" in split_protocols else [])]
             results += _side(args, profile, prompts, args.target, "torch", args.target, split_protocols, extra, wire)
     except RuntimeError as exc:
@@ -266,7 +270,8 @@ def main(argv=None) -> int:
         "link_profile": profile.name,
         "engine": {"cloud": engine, "device": engine, "split_protocols": "torch"},
         "adapter": adapter if "hat" in split_protocols else None,
-        "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "draft_len", "seed")},
+        "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "draft_len", "seed",
+                                                   "hat_draft_stop")},
         "prompts": [p.to_json() for p in prompts],
         "per_protocol": agg,
         "relay_wire_stats": wire,
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
         print(auto_line(agg, results))
     print(planned(args))
     if "hat" in split_protocols:
-        print(drafter_line(adapter))
+        print(drafter_line(adapter, args.hat_draft_stop))
     print(f"\nhat-demo: report saved to {args.out}")
     return 0
 
