@@ -23,7 +23,7 @@ class DraftState:
     q: List[np.ndarray] = field(default_factory=list)  # per draft `# [vocab]`
     conf: List[float] = field(default_factory=list)  # per draft: its draft probability (raw softmax)
     shallow: List[Any] = field(default_factory=list)  # per position `# [1, 1, hidden]`: T[-1], d1, ..., dL (backend's)
-    stopped: bool = False  # η fired: the draft is complete
+    stopped: bool = False  # η fired, or the cost rule refused the next draft: the draft is complete
     first: int = -1  # a parallel-drafting candidate: the token it replaces the last draft with
     last_logits: Optional[np.ndarray] = None  # `# [vocab]` raw draft logits of the last draft's position
     fhat: Dict[int, Any] = field(default_factory=dict)  # feature drafter: predicted f̂_p `# [1, 1, hidden]` by position

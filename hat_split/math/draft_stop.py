@@ -3,8 +3,8 @@
 HAT eq. 5 ends a draft after the first token whose draft probability is below a fixed η. That η ignores two things
 the device measures anyway: how often a draft of a given confidence is accepted (a short-trained drafter is often
 overconfident), and what one more draft costs against a round (on a GPU cloud beside a fast link a draft is nearly
-free; where device and cloud share cores it costs about a quarter of a round). The cost rule drafts only what lowers
-the expected time per token:
+free; where device and cloud share two CPU cores it cost an eighth to a fifth of a round, docs/HAT.md). The cost rule
+drafts only what lowers the expected time per token:
 
 - a round with k drafts costs R(k) = base + k · per_draft seconds (`RoundCosts`), from parts measured apart, as a
   round's wall time is too noisy to fit a slope from a few rounds: per_draft = the device's draft step (the draft
