@@ -12,7 +12,8 @@ drafts only what lowers the expected time per token:
   verification (the cloud's reported compute and the device's head, `RoundCostFit`: a least-squares line over the
   rounds measured so far, starting from "nothing" until rounds of different lengths have been seen) + the draft's
   shallow state on the uplink at the measured rate; base = the rest of a round (link, verification of the last
-  token, bookkeeping), a moving average. A connection's first round ends by η;
+  token, bookkeeping), a moving average. A connection's rounds end by η until one has been measured (a request's
+  first round is not: the feature drafter then also runs over the whole prompt);
 - draft i is accepted, given every earlier one was, with probability a(c_i) for its draft probability c_i
   (`AcceptanceByConfidence`: per confidence bin, the accepted share of the drafts verified so far, starting from
   a(c) = c);
