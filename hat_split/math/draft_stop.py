@@ -41,6 +41,13 @@ GATE_MIN_SEEN = 16.0  # DraftGate: first drafts seen (decayed) before it may ski
 PROBE_EVERY = 8  # DraftGate: a round in this many runs the first draft step even when it seldom pays
 
 
+def confidence_bin(confidence: float, bins: int) -> int:
+    """The bin of a draft probability among `bins` equal ones (1.0 in the last); ValueError outside [0, 1] or NaN."""
+    if not 0.0 <= confidence <= 1.0:
+        raise ValueError(f"a draft probability must be in [0, 1], got {confidence}")
+    return min(int(confidence * bins), bins - 1)
+
+
 @dataclass
 class AcceptanceByConfidence:
     """Accepted share of verified drafts per confidence bin (a Beta(2c, 2(1 - c)) prior per bin, decayed counts)."""
@@ -57,14 +64,9 @@ class AcceptanceByConfidence:
         if self.seen is None:
             self.seen = np.zeros(self.bins)
 
-    def _bin(self, confidence: float) -> int:
-        if not 0.0 <= confidence <= 1.0 or confidence != confidence:
-            raise ValueError(f"a draft probability must be in [0, 1], got {confidence}")
-        return min(int(confidence * self.bins), self.bins - 1)
-
     def rate(self, confidence: float) -> float:
         """a(c): the estimated probability that a draft of probability c is accepted (its predecessors were)."""
-        b = self._bin(confidence)
+        b = confidence_bin(confidence, self.bins)
         mid = (b + 0.5) / self.bins
         return float((PRIOR_WEIGHT * mid + self.accepted[b]) / (PRIOR_WEIGHT + self.seen[b]))
 
@@ -79,7 +81,7 @@ class AcceptanceByConfidence:
         self.accepted *= DECAY
         self.seen *= DECAY
         for i, c in enumerate(tested):
-            b = self._bin(float(c))
+            b = confidence_bin(float(c), self.bins)
             self.seen[b] += 1.0
             self.accepted[b] += float(i < n_accepted)
 
@@ -217,10 +219,9 @@ class DraftGate:
 
     def observe(self, confidence: float) -> None:
         """The first draft's probability in a round that ran the step."""
-        if not 0.0 <= confidence <= 1.0:
-            raise ValueError(f"a draft probability must be in [0, 1], got {confidence}")
+        b = confidence_bin(confidence, self.bins)
         self.seen *= DECAY
-        self.seen[min(int(confidence * self.bins), self.bins - 1)] += 1.0
+        self.seen[b] += 1.0
         self.since_probe = 0
 
     def probe(self) -> bool:
