@@ -49,12 +49,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from hat_split.math.chunking import DelayModel, ema
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                      predict_tree)
+from hat_split.math.sampling import SamplingParams
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
 
 Shape = Tuple[int, int, int]  # a draft tree's nodes, depth, width
-AUTO_TOKEN = ("sd", "llm")  # the token protocols auto runs in one session (the exact ones the cost model prices)
+AUTO_TOKEN = ("sd", "ksqs", "llm")  # the token protocols auto runs in one session (the exact ones the cost model
+# prices; ksqs only when the request samples: at temperature 0 sd's rows are one-hot and as small)
+DRAFTING = ("sd", "ksqs")  # those whose rounds the draft model drafts (the same model, the same catch-up)
+GREEDY = "greedy"  # the kind of sampling of a temperature-0 request (`sampling_kind`)
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
@@ -65,7 +69,8 @@ SHADOW_SHARE = 0.25  # of an llm round's expected time: the most one catch-up fo
 # (a reply that arrives during it waits for it) ...
 SHADOW_MAX_S = 0.05  # ... and at most this (the opening's wait, whose end the device cannot predict: TTFT)
 DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
-DEVICE_OVERHEADS = ("sd", "sd:busy")  # these estimates, and sd's round overheads (keys of overhead_s)
+DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # these estimates, and the drafting protocols' round
+# overheads (keys of overhead_s)
 DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
 READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
 # share of the best protocol's: else the reading costs the device energy (and, where device and cloud share a memory
@@ -78,20 +83,54 @@ PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before on
 
 
 @dataclass
+class Acceptance:
+    """A drafting protocol's acceptance: accepted and examined draft positions per round as moving averages
+    (ALPHA_POPULATION) over the prompts of recent requests, and the request's own totals (`begin`)."""
+
+    accepted: Optional[float] = None
+    examined: Optional[float] = None
+    request_accepted: int = 0
+    request_examined: int = 0
+
+    @property
+    def alpha(self) -> Optional[float]:
+        """The acceptance for the request running: the prompts' (the rounds of recent requests) as a prior worth
+        ALPHA_PRIOR_DRAFTS drafts, moved by this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
+        if self.examined is None or not self.examined > 0:
+            return None
+        prior = min(1.0, (self.accepted or 0.0) / self.examined)
+        return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + self.request_accepted)
+                   / (ALPHA_PRIOR_DRAFTS + self.request_examined))
+
+    def begin(self) -> None:
+        self.request_accepted = self.request_examined = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round's drafts: the positions examined are the accepted ones and the first rejected, if any."""
+        examined = accepted + (accepted < drafted)
+        self.accepted = ema(self.accepted, float(accepted), ALPHA_POPULATION)
+        self.examined = ema(self.examined, float(examined), ALPHA_POPULATION)
+        self.request_accepted += accepted
+        self.request_examined += examined
+
+
+@dataclass
 class AutoEstimates:
     """What the device measured for the cost model (module docstring)."""
 
-    accepted: Optional[float] = None  # moving averages (ALPHA_POPULATION) of sd's accepted and examined draft
-    examined: Optional[float] = None  # positions per round, over the prompts of recent requests
-    request_accepted: int = 0  # ... and the request's own totals (begin_request), which `alpha` weighs against them
-    request_examined: int = 0
+    kind: str = GREEDY  # how the request running samples (`sampling_kind`): acceptance and a draft row's bytes
+    # depend on it (a greedy row is one-hot, a sampled one dense), so both are kept per kind
+    acceptance: Dict[Tuple[str, str], Acceptance] = field(default_factory=dict)  # per (drafting protocol, kind):
+    # ksqs's drafts are sampled from the lattice's quantization of sd's rows
+    kind_rounds: Dict[Tuple[str, str], int] = field(default_factory=dict)  # rounds observed per (protocol, kind)
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
     # pack drafts; llm's do none of it) and per the cloud's state (`_overhead_key`: a busy cloud's queueing shows
     # here, and must not follow the device once the load ends)
     up_round: Optional[float] = None  # bytes of a round's request without drafts (Generate)
-    up_per_draft: Optional[float] = None  # bytes per draft row (sd's Verify)
+    up_per_row: Dict[Tuple[str, str], float] = field(default_factory=dict)  # bytes per draft row (its id and its
+    # distribution: sd's float rows, ksqs's lattice codes) per (protocol, kind)
     down_round: Optional[float] = None  # bytes of a reply
     down_per_token: Optional[float] = None
     observed: DelayModel = field(default_factory=DelayModel)  # cloud seconds by positions, this device's rounds
@@ -121,17 +160,31 @@ class AutoEstimates:
 
     @property
     def alpha(self) -> Optional[float]:
-        """sd's acceptance for the request running: the prompts' (the rounds of recent requests) as a prior worth
-        ALPHA_PRIOR_DRAFTS drafts, moved by this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
-        if self.examined is None or not self.examined > 0:
-            return None
-        prior = min(1.0, (self.accepted or 0.0) / self.examined)
-        return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + self.request_accepted)
-                   / (ALPHA_PRIOR_DRAFTS + self.request_examined))
+        """sd's acceptance for the request running (Acceptance.alpha, its kind of sampling)."""
+        return self.alpha_of("sd")
 
-    def begin_request(self) -> None:
-        """A new request: its own acceptance starts from the prompts' prior."""
-        self.request_accepted = self.request_examined = 0
+    def alpha_of(self, protocol: str) -> Optional[float]:
+        """`protocol`'s acceptance for the request running (its kind of sampling); ksqs's is sd's until ksqs has
+        drafted."""
+        own = self.acceptance.get((protocol, self.kind))
+        if own is not None and own.alpha is not None:
+            return own.alpha
+        return self.alpha_of("sd") if protocol != "sd" else None
+
+    def up_per_draft(self, protocol: str = "sd") -> Optional[float]:
+        """Bytes of one of `protocol`'s draft rows for the request running (its kind of sampling); None before one
+        was measured."""
+        return self.up_per_row.get((protocol, self.kind))
+
+    def rounds_of(self, protocol: str) -> int:
+        """Rounds of `protocol` observed under the request's kind of sampling."""
+        return self.kind_rounds.get((protocol, self.kind), 0)
+
+    def begin_request(self, kind: str = GREEDY) -> None:
+        """A new request sampling as `kind` (`sampling_kind`): its own acceptance starts from the prompts' prior."""
+        self.kind = kind
+        for a in self.acceptance.values():
+            a.begin()
 
     def take_report(self, cost: Optional[P.CloudCost]) -> bool:
         """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
@@ -210,35 +263,35 @@ class AutoEstimates:
         return CostCurve(tuple(sorted(points.values())))
 
     def observe_sd(self, drafted: int, accepted: int, draft_s: float, cloud_s: float, up_bytes: int,
-                   down_bytes: int, wall_s: float, link: Link, now: float, caught_up: int = 0) -> None:
-        """One sd round at `now`: γ drafts, a of them accepted, the draft model's and the cloud's seconds, its frames'
-        bytes, its wall time; caught_up > 0: the draft model first fed that many committed tokens it had not seen
-        (sd after llm), so its seconds say nothing of a draft step."""
+                   down_bytes: int, wall_s: float, link: Link, now: float, caught_up: int = 0,
+                   protocol: str = "sd") -> None:
+        """One round of a drafting `protocol` (sd, ksqs) at `now`: γ drafts, a of them accepted, the draft model's and
+        the cloud's seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many
+        committed tokens it had not seen (after llm), so its seconds say nothing of a draft step. The draft step is
+        the draft model's, whichever protocol drafted (ksqs's quantization is outside it, in its round overhead)."""
         if drafted < 1:
             return
-        self._ran("sd")
-        examined = accepted + (accepted < drafted)
-        self.accepted = ema(self.accepted, float(accepted), ALPHA_POPULATION)
-        self.examined = ema(self.examined, float(examined), ALPHA_POPULATION)
-        self.request_accepted += accepted
-        self.request_examined += examined
+        self._ran(protocol)
+        key = (protocol, self.kind)
+        self.kind_rounds[key] = self.kind_rounds.get(key, 0) + 1
+        self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted)
         if not caught_up:
             self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, draft_s / drafted)
             if self._restarts("local_step_s") or self.local_step_s is None:
                 self.local_step_s = self.draft_step_s
         elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
             self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
-        self.up_per_draft = ema(self.up_per_draft, self._verify_round(drafted, draft_s, cloud_s, up_bytes, down_bytes,
-                                                                      wall_s, link, now))
+        per_draft = self._verify_round(drafted, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, protocol)
+        self.up_per_row[key] = ema(self.up_per_row.get(key), per_draft)
 
     def _verify_round(self, drafted: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
-                      wall_s: float, link: Link, now: float) -> float:
-        """What an sd round teaches whatever its drafts' shape (a chain, a tree of `drafted` nodes): the cloud's step
-        of drafted + 1 positions, the reply's bytes, sd's overhead; returns its uplink bytes per draft."""
+                      wall_s: float, link: Link, now: float, protocol: str = "sd") -> float:
+        """What a drafting round teaches whatever its drafts' shape (a chain, a tree of `drafted` nodes): the cloud's
+        step of drafted + 1 positions, the reply's bytes, `protocol`'s overhead; returns its uplink bytes per draft."""
         if cloud_s > 0:
             self._cloud(drafted + 1, cloud_s, now)
         self.down_round = ema(self.down_round, float(down_bytes))
-        self._overhead("sd", wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        self._overhead(protocol, wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
         base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
         return max(0.0, up_bytes - base) / drafted
 
@@ -344,8 +397,11 @@ class AutoEstimates:
             return 0.0
         return self.reported_wait_s
 
-    def wire(self) -> WireSizes:
-        return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND, self.up_per_draft or 0.0,
+    def wire(self, protocol: str = "sd") -> WireSizes:
+        """The frames' bytes as measured; a draft row's those of `protocol`'s rounds (ksqs: its lattice codes) under
+        the request's kind of sampling."""
+        return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND,
+                         self.up_per_draft(protocol) or 0.0,
                          self.down_round or 0.0,
                          self.down_per_token if self.down_per_token is not None else PRIOR_DOWN_PER_TOKEN)
 
@@ -353,6 +409,15 @@ class AutoEstimates:
         """The device's costs as `protocol`'s rounds measured them."""
         return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
                            round_s=self.overhead(protocol), shares_host=shares_host)
+
+
+def sampling_kind(params: SamplingParams) -> str:
+    """How a request samples, as far as a draft's acceptance and its rows' bytes go: "greedy" at temperature 0,
+    else its temperature and truncation ("T=0.7", "T=1 top-k=40")."""
+    if params.temperature == 0:
+        return GREEDY
+    return (f"T={params.temperature:g}" + (f" top-k={params.top_k}" if params.top_k else "")
+            + (f" top-p={params.top_p:g}" if params.top_p < 1 else ""))
 
 
 def _joined(points: Tuple[Tuple[float, float], ...], others: float) -> Tuple[Tuple[float, float], ...]:
@@ -401,7 +466,7 @@ class AutoController:
     """One request's choices (module docstring) over the runtime's estimates."""
 
     estimates: AutoEstimates
-    eligible: Sequence[str]  # the token protocols it may run ("sd", "llm")
+    eligible: Sequence[str]  # the token protocols it may run (of AUTO_TOKEN)
     max_draft: int  # γ at most (the cloud's Welcome, the device's own limit)
     chunk: int  # llm's tokens per round
     prompt_tokens: int
@@ -412,7 +477,8 @@ class AutoController:
     def __post_init__(self) -> None:
         unknown = set(self.eligible) - set(AUTO_TOKEN)
         if unknown or not self.eligible:
-            raise ValueError(f"auto chooses among sd and llm in a token session, got {sorted(self.eligible)}")
+            raise ValueError(f"auto chooses among {', '.join(AUTO_TOKEN)} in a token session, got "
+                             f"{sorted(self.eligible)}")
         if self.max_draft < 1 or self.chunk < 1:
             raise ValueError(f"max_draft and chunk must be >= 1, got {self.max_draft}, {self.chunk}")
 
@@ -423,10 +489,13 @@ class AutoController:
 
     def _at(self, name: str, knob: int, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
         est = self.estimates
-        if curve is None or not est.measured.get(name) or (name == "sd" and est.alpha is None):
-            return None
+        drafting = name in DRAFTING
+        if curve is None or not est.measured.get(name) or (drafting and (est.alpha_of(name) is None
+                                                                         or est.up_per_draft(name) is None)):
+            return None  # a drafting protocol is priced from its rounds under the request's kind of sampling
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
-                       CloudCosts(curve, est.wait_s(name)), est.wire(), est.alpha or 0.0)
+                       CloudCosts(curve, est.wait_s(name)), est.wire(name),
+                       (est.alpha_of(name) or 0.0) if drafting else 0.0)
 
     def _at_tree(self, shape: Shape, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
         """sd with the draft tree `shape` (protocol "sd_tree", knob = its nodes); None while it cannot be priced."""
@@ -454,7 +523,7 @@ class AutoController:
         out: Dict[str, Prediction] = {}
         tree = None
         for name in self.eligible:
-            knobs = range(1, self.max_draft + 1) if name == "sd" else (self.chunk,)
+            knobs = range(1, self.max_draft + 1) if name in DRAFTING else (self.chunk,)
             preds = [(None, p) for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
             if name == "sd" and preds:
                 preds += [(s, p) for s, p in ((s, self._at_tree(s, link, curve)) for s in self.trees)
@@ -472,13 +541,13 @@ class AutoController:
         preds, best_tree = self._priced(link, now)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
         est = self.estimates
-        unmeasured = [name for name in self.eligible if name not in preds
-                      or est.measured.get(name, 0) < MEASURE_ROUNDS]
+        ran = {name: est.rounds_of(name) if name in DRAFTING else est.measured.get(name, 0) for name in self.eligible}
+        unmeasured = [name for name in self.eligible if name not in preds or ran[name] < MEASURE_ROUNDS]
         if unmeasured:
             name = unmeasured[0]
             knob = self.chunk if name == "llm" else min(4, self.max_draft)
-            return Choice(name, knob, f"measuring {name}: {est.measured.get(name, 0)} of {MEASURE_ROUNDS} rounds",
-                          rates)
+            kind = f" ({est.kind})" if name in DRAFTING and est.kind != GREEDY else ""
+            return Choice(name, knob, f"measuring {name}{kind}: {ran[name]} of {MEASURE_ROUNDS} rounds", rates)
         if self.trees and "sd" in preds:
             for shape in self.trees:  # each shape measured in turn, then probed when it has not run for a while
                 measuring = est.tree_rounds.get(shape, 0) < MEASURE_ROUNDS
@@ -494,14 +563,14 @@ class AutoController:
         if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
             why = f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth a switch
             best = held
-        if best.protocol == "sd" and behind > 0 and "llm" in preds:
+        if best.protocol in DRAFTING and behind > 0 and "llm" in preds:
             cost, saved = est.catch_up_cost(behind), _saved_s(remaining, preds["llm"], best)
             if saved < cost:
-                why += f"; sd would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
+                why += f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
                 best = preds["llm"]
         stale = [p for p in preds.values() if p.protocol != best.protocol and current is not None
                  and est.idle.get(p.protocol, 0) >= PROBE_EVERY
-                 and (p.protocol != "sd" or behind <= self.chunk)]
+                 and (p.protocol not in DRAFTING or behind <= self.chunk)]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
@@ -510,13 +579,16 @@ class AutoController:
                       rates, tree)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
-        """Whether sd may run soon, by `predictions`: not priced yet, or predicted at READ_AHEAD_REACH of the best
-        protocol or more (what decides whether the draft model reads the tokens it lacks while the device waits)."""
-        if "sd" not in self.eligible:
+        """Whether a drafting protocol (sd, ksqs) may run soon, by `predictions`: one not priced yet, or predicted at
+        READ_AHEAD_REACH of the best protocol or more (what decides whether the draft model reads the tokens it
+        lacks while the device waits)."""
+        drafting = [name for name in DRAFTING if name in self.eligible]
+        if not drafting:
             return False
-        if "sd" not in preds:
+        if any(name not in preds for name in drafting):
             return True
-        return preds["sd"].tokens_per_s >= READ_AHEAD_REACH * max(p.tokens_per_s for p in preds.values())
+        best = max(p.tokens_per_s for p in preds.values())
+        return any(preds[name].tokens_per_s >= READ_AHEAD_REACH * best for name in drafting)
 
     def local_wins(self, rtt_s: float) -> str:
         """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it
@@ -568,7 +640,7 @@ def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
 
 def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates, tree: Optional[Shape] = None) -> str:
     """The predictions in words; sd's draft tree, when it is sd's best, named by its shape `tree`."""
-    knob = {"sd": lambda p: f" γ={p.knob}",
+    knob = {"sd": lambda p: f" γ={p.knob}", "ksqs": lambda p: f" γ={p.knob}",
             "sd_tree": lambda p: f" {_tree_text(tree)}" if tree is not None else f" ({p.knob} nodes)"}
     parts = [f"{p.protocol}{knob[p.protocol](p) if p.protocol in knob else ''} {p.tokens_per_s:.2f} tok/s"
              for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates, Shape
+from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates, Shape, sampling_kind
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
@@ -148,8 +148,9 @@ class EdgeRuntime:
             return self._auto_fixed(request, "slm", f"the cloud unreachable ({exc})")
         self.monitor.refresh_mode(REQUEST_MODE_AGE_S)
         welcome, config = self.client.welcome, self.config
-        self.auto_estimates.begin_request()  # this prompt's acceptance starts from the recent prompts'
-        controller = AutoController(self.auto_estimates, [p for p in AUTO_TOKEN if p in welcome.protocols],
+        # this prompt's acceptance starts from the recent prompts' that sampled as it does
+        self.auto_estimates.begin_request(sampling_kind(request.sampling))
+        controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome))
         if request.allow_lossy:
@@ -249,15 +250,23 @@ def _within(welcome: P.Welcome, shape: Shape) -> Optional[Shape]:
     return nodes, min(shape[1], welcome.max_tree_depth, nodes), shape[2]
 
 
+def auto_eligible(offered: Sequence[str], sampling: SamplingParams) -> List[str]:
+    """The token protocols auto may run for a request sampling with `sampling` on a cloud offering `offered`: sd
+    and llm; ksqs (exact, its drafts' rows as lattice codes) only when the request samples (at temperature 0 sd's
+    rows are one-hot and as small as a code)."""
+    return [p for p in AUTO_TOKEN if p in offered and (p != "ksqs" or sampling.temperature > 0)]
+
+
 def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
-    """`round_fn` of an sd or llm request, each round's figures given to protocol auto's estimates (and, before its
-    first round, the cloud's cost report of the session's opening and the board's power mode; an sd request's draft
-    tree, if its config drafts one, as that shape's)."""
+    """`round_fn` of an sd, ksqs or llm request, each round's figures given to protocol auto's estimates (and, before
+    its first round, the request's kind of sampling, the cloud's cost report of the session's opening and the board's
+    power mode; an sd request's draft tree, if its config drafts one, as that shape's)."""
     opened = [False]
 
     def run(session) -> None:
         if not opened[0]:
             opened[0] = True
+            estimates.begin_request(sampling_kind(session.params))
             estimates.take_report(session.cloud_cost)
             if session.monitor is not None:
                 estimates.take_mode(session.monitor.power_mode)

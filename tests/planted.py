@@ -10,7 +10,7 @@ The fault wraps hat_split.math.verify.speculative_verify, which both sides call 
 device's SplitDrafter directly); nothing in the product knows of it.
 
     python -m tests.planted auto-alternate edge ARGS...   # not a fault: protocol auto switching at every round
-                                                           # boundary (sd with γ = 3, then llm for 2 tokens, ...)
+                                                           # boundary (sd γ = 3, llm 2 tokens, ksqs γ = 3, llm ...)
 """
 from __future__ import annotations
 
@@ -50,12 +50,13 @@ ALTERNATE = "auto-alternate"
 
 
 def alternate() -> None:
-    """Protocol auto's controller replaced by a script: sd (γ = 3) and llm (2 tokens) in turn, every round."""
+    """Protocol auto's controller replaced by a script, a round each: sd (γ = 3), llm (2 tokens), ksqs (γ = 3), llm."""
     import itertools
 
     from edge_runtime.auto import AutoController, Choice
 
-    script = itertools.cycle([Choice("sd", 3, "forced", {}), Choice("llm", 2, "forced", {})])
+    script = itertools.cycle([Choice("sd", 3, "forced", {}), Choice("llm", 2, "forced", {}),
+                              Choice("ksqs", 3, "forced", {}), Choice("llm", 2, "forced", {})])
     AutoController.decide = lambda self, link, now=None, behind=0, remaining=0: next(script)
 
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from edge_runtime.auto import PROBE_EVERY, AutoController, AutoEstimates, Choice
+from edge_runtime.auto import GREEDY, PROBE_EVERY, Acceptance, AutoController, AutoEstimates, Choice
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link
 from hat_split.wire import messages as P
@@ -20,9 +20,10 @@ PROMPT = [5, 17, 99, 3, 250, 7]
 
 def _estimates(alpha: float, draft_s: float, step_1: float, step_9: float) -> AutoEstimates:
     """Both protocols measured: sd's acceptance and draft step, the cloud's step at 1 and 9 positions."""
-    est = AutoEstimates(accepted=alpha, examined=1.0, draft_step_s=draft_s, local_step_s=draft_s,
-                        up_round=80.0, up_per_draft=60.0, down_round=100.0, down_per_token=4.0,
-                        measured={"sd": 3, "llm": 3})
+    est = AutoEstimates(draft_step_s=draft_s, local_step_s=draft_s, up_round=80.0, down_round=100.0,
+                        down_per_token=4.0, measured={"sd": 3, "llm": 3}, kind_rounds={("sd", GREEDY): 3},
+                        up_per_row={("sd", GREEDY): 60.0})
+    est.acceptance[("sd", GREEDY)] = Acceptance(accepted=alpha, examined=1.0)
     est.observed = DelayModel()
     est.observed.observe(1, step_1)
     est.observed.observe(9, step_9)
@@ -113,6 +114,47 @@ def test_a_catch_up_is_priced_as_one_forward_of_its_size():
     assert c.decide(Link(0.01), behind=62, remaining=remaining).protocol == "llm"
 
 
+def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
+    """A sampling request may run ksqs (exact; its drafts' rows as lattice codes). Acceptance and a row's bytes are
+    kept per kind of sampling (a greedy row is one-hot, a sampled one dense): sd is measured again for a sampling
+    request, then ksqs, whose acceptance is sd's until its own rounds say otherwise; over a slow uplink ksqs wins
+    where sd's dense rows (2 V bytes) cost more than its quantization loses, over a free link sd does; at
+    temperature 0 ksqs is not a candidate; a greedy request finds its own figures again."""
+    from edge_runtime.auto import sampling_kind
+    from edge_runtime.runtime import auto_eligible
+    from hat_split.math.sampling import SamplingParams
+
+    offered = ("sd", "hlm", "llm", "qs", "ksqs", "slm")
+    assert auto_eligible(offered, SamplingParams(0.0)) == ["sd", "llm"]
+    assert auto_eligible(offered, SamplingParams(0.7)) == ["sd", "ksqs", "llm"]
+    assert auto_eligible(("sd", "llm"), SamplingParams(1.0)) == ["sd", "llm"]  # a cloud that does not offer it
+    assert sampling_kind(SamplingParams(0.0, 40)) == GREEDY
+    assert sampling_kind(SamplingParams(0.7, 40, 0.9)) == "T=0.7 top-k=40 top-p=0.9"
+    est = _estimates(0.8, 0.02, step_1=0.2, step_9=0.24)  # greedy figures: sd's rows 60 bytes
+    est.begin_request("T=1")
+    c = _controller(est, eligible=("sd", "ksqs", "llm"))
+    lte = Link(0.03, 5e6, 20e6)
+    first = c.decide(lte)
+    assert first.protocol == "sd" and first.reason == "measuring sd (T=1): 0 of 3 rounds", first
+    dense = 4 + 2 * 49152
+    for _ in range(3):  # sd's sampled rounds: 3 of 4 drafts accepted, dense rows
+        est.observe_sd(4, 3, 0.08, 0.24, 80 + 4 * dense, 100, 0.9, lte, now=1.0)
+    assert est.alpha == pytest.approx(0.75) and est.up_per_draft() == pytest.approx(dense)
+    second = c.decide(lte)
+    assert second.protocol == "ksqs" and second.reason.startswith("measuring ksqs (T=1)"), second
+    assert est.alpha_of("ksqs") == est.alpha  # sd's until ksqs drafted
+    for _ in range(3):  # its rounds: 1 of 4 drafts accepted, 60 bytes a row
+        est.observe_sd(4, 1, 0.08, 0.24, 80 + 4 * 60, 100, 0.4, lte, now=1.0, protocol="ksqs")
+    assert est.alpha_of("ksqs") == pytest.approx(0.5) and est.alpha == pytest.approx(0.75)  # each its own
+    assert est.up_per_draft("ksqs") == pytest.approx(60.0)
+    slow_uplink = c.decide(lte)
+    assert slow_uplink.protocol == "ksqs" and "ksqs γ=" in slow_uplink.reason, slow_uplink
+    free_link = _controller(est, eligible=("sd", "ksqs", "llm")).decide(Link(0.001))
+    assert free_link.protocol == "sd", free_link  # the same rows cost nothing: sd's higher acceptance wins
+    est.begin_request(GREEDY)
+    assert est.alpha == pytest.approx(0.8) and est.up_per_draft() == 60.0 and est.up_per_draft("ksqs") is None
+
+
 def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
     """α for a request: the recent prompts' acceptance (a slow moving average) as a prior worth ALPHA_PRIOR_DRAFTS
     drafts, moved by the request's own drafts; a new request starts from the prior again, not from the last prompt's
@@ -127,7 +169,8 @@ def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
     assert est.alpha == pytest.approx(1.0)
     for _ in range(3):  # a hard prompt: 1 of 4 accepted, 2 examined per round
         est.observe_sd(4, 1, 0.08, 0.2, 300, 100, 0.4, Link(), now=2.0)
-    prior = est.accepted / est.examined
+    sd = est.acceptance[("sd", GREEDY)]
+    prior = sd.accepted / sd.examined
     assert 0.8 < prior < 1.0  # the prompts' average moved a little
     assert est.alpha == pytest.approx((ALPHA_PRIOR_DRAFTS * prior + 3) / (ALPHA_PRIOR_DRAFTS + 6))  # this prompt's
     assert est.alpha < 0.8
@@ -212,7 +255,8 @@ def test_a_new_power_mode_is_another_board():
     assert est.catch_up_cost(10) == pytest.approx(0.1)  # replaced, not averaged with 0.04
     est.observe_catch_up(10, 0.2)
     assert est.catch_up_cost(10) == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)  # then averaged again
-    assert est.take_mode("MAXN") and not est.restart  # back: the full-power board's figures, as measured there
+    assert est.take_mode("MAXN") and est.restart == {"ksqs", "ksqs:busy"}  # back: the full-power board's figures,
+    # as measured there (ksqs never ran in it)
     assert est.draft_step_s == pytest.approx(0.024) and est.catch_up_cost(10) == pytest.approx(0.04)
     assert est.overhead_s["sd:busy"] == 0.2
     assert est.take_mode("MODE_15W") and est.draft_step_s == pytest.approx(0.06)
@@ -288,12 +332,13 @@ def smollm2_server(smollm2):
 
 @pytest.mark.real_models
 def test_forced_switches_keep_the_targets_greedy_tokens(smollm2, smollm2_server, monkeypatch):
-    """sd γ=2 → llm → sd γ=5 → llm → ... at every round boundary: the target's greedy tokens, the segments as run,
-    the cloud's cost report taken."""
+    """sd γ=2 → llm → sd γ=5 → llm → ksqs γ=3 → ... at every round boundary: the target's greedy tokens, the
+    segments as run, the cloud's cost report taken."""
     from hat_split.math.sampling import SamplingParams
 
     script = itertools.cycle([Choice("sd", 2, "forced", {}), Choice("llm", 3, "forced", {}),
-                              Choice("sd", 5, "forced", {}), Choice("llm", 1, "forced", {})])
+                              Choice("sd", 5, "forced", {}), Choice("llm", 1, "forced", {}),
+                              Choice("ksqs", 3, "forced", {})])
     with _runtime(smollm2, smollm2_server.endpoint) as rt:
         ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 40, seed=0)
         monkeypatch.setattr(AutoController, "decide", lambda self, link, now=None, behind=0, remaining=0: next(script))
@@ -302,7 +347,24 @@ def test_forced_switches_keep_the_targets_greedy_tokens(smollm2, smollm2_server,
     ran = [(s["protocol"], s["knob"]) for s in res.auto]
     assert len(ran) >= 6 and ran[:4] == [("sd", 2), ("llm", 3), ("sd", 5), ("llm", 1)], ran
     assert sum(s["tokens"] for s in res.auto) == res.n == 40
-    assert rt.auto_estimates.reported and rt.auto_estimates.measured.keys() == {"sd", "llm"}
+    assert rt.auto_estimates.reported and rt.auto_estimates.measured.keys() == {"sd", "llm", "ksqs"}
+
+
+@pytest.mark.real_models
+def test_a_sampling_request_measures_ksqs_a_greedy_one_never_runs_it(smollm2, smollm2_server):
+    """At T > 0 auto measures ksqs beside sd and llm (its rows as lattice codes: a fraction of sd's bytes a draft);
+    at temperature 0 it runs sd and llm only."""
+    from hat_split.math.sampling import SamplingParams
+
+    with _runtime(smollm2, smollm2_server.endpoint) as rt:
+        greedy = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
+        sampled = rt.generate(PROMPT, "auto", SamplingParams(1.0), 40, seed=0)
+        est = rt.auto_estimates
+    assert {s["protocol"] for s in greedy.auto} <= {"sd", "llm"}
+    assert any(s["protocol"] == "ksqs" and s["reason"].startswith("measuring ksqs") for s in sampled.auto), sampled.auto
+    assert sum(s["tokens"] for s in sampled.auto) == sampled.n == 40 and est.measured.get("ksqs", 0) >= 3
+    est.begin_request("T=1")  # the sampled request's figures: ksqs's rows a small part of sd's dense ones
+    assert 0 < est.up_per_draft("ksqs") < est.up_per_draft("sd") / 20, (est.up_per_draft("ksqs"), est.up_per_draft())
 
 
 @pytest.mark.real_models

@@ -37,6 +37,24 @@ def test_sd_round_is_qs_sd_eq_9():
     assert p.tokens_per_round == pytest.approx(expected_tokens(0.5, L))
 
 
+def test_ksqs_is_sd_with_its_own_rows_and_acceptance():
+    """ksqs's round is QS-SD eq. 9 with each row's lattice code for b: at equal bytes and α it is sd's round; at
+    T > 0 over LTE, sd's dense float16 rows (2 V bytes) cost more uplink than the code's few dozen bytes save in
+    acceptance, and the best γ follows."""
+    V, L, T_slm, T_llm, Cu, Cd = 151936, 4, 0.03, 0.25, 5e6, 20e6
+    link, dev, cloud = Link(0.05, Cu, Cd), DeviceCosts(draft_step_s=T_slm), _cloud(T_llm)
+    code = WireSizes(up_per_draft=4 + 70)  # an id and a 16-point lattice code
+    same = [predict(name, L, 10, link, dev, cloud, code, alpha=0.7) for name in ("sd", "ksqs")]
+    assert same[0].round_s == same[1].round_s and same[0].tokens_per_round == same[1].tokens_per_round
+    ksqs = predict("ksqs", L, 10, link, dev, cloud, code, alpha=0.65)
+    eq9 = L * T_slm + 0.05 + L * 8 * 74 / Cu + T_llm
+    assert ksqs.round_s == pytest.approx(eq9, rel=1e-12) and ksqs.up_bytes_per_token == pytest.approx(
+        L * 74 / expected_tokens(0.65, L))
+    sd = best_knob("sd", range(1, 9), 10, link, dev, cloud, WireSizes(up_per_draft=4 + 2 * V), alpha=0.7)
+    best = best_knob("ksqs", range(1, 9), 10, link, dev, cloud, code, alpha=0.65)
+    assert best.tokens_per_s > 2 * sd.tokens_per_s and best.knob > sd.knob
+
+
 def test_hand_computed_rounds_of_every_protocol():
     link = Link(rtt_s=0.02, up_bps=8e6, down_bps=16e6)  # 1 MB/s up, 2 MB/s down
     curve = CostCurve(((1, 0.1), (4, 0.16)))  # 0.1 s for 1 position, +0.02 s per position up to 4, then +0.02

@@ -177,20 +177,23 @@ def test_draft_trees_follow_the_target_at_every_position(bigrams, tmp_path):
 
 
 def test_auto_switching_at_every_round_follows_the_target(bigrams, tmp_path):
-    """Protocol auto made to switch at every round boundary (tests.planted auto-alternate: sd with γ = 3, then llm
-    for 2 tokens, in turn): the positions sd's verification decided follow p (|Z| < 4, with the power to catch each
-    planted fault), and so do the positions the cloud sampled alone, each llm round's first one the token right
-    after a switch."""
+    """Protocol auto made to switch at every round boundary (tests.planted auto-alternate: sd with γ = 3, llm for 2
+    tokens, ksqs with γ = 3, llm, in turn): the positions sd's and ksqs's verifications decided follow p (|Z| < 4,
+    with the power to catch each planted fault), and so do the positions the cloud sampled alone, each llm round's
+    first one the token right after a switch."""
     target, draft = bigrams
     with _cloud(target) as cloud:
-        (r,) = _generate(cloud.endpoint, draft, ["auto"], tmp_path, fault="auto-alternate", tokens=2 * TOKENS)
+        (r,) = _generate(cloud.endpoint, draft, ["auto"], tmp_path, ["--ell", "8", "--k", "2"],
+                         fault="auto-alternate", tokens=2 * TOKENS)
     segments = r["auto"]
-    assert [s["protocol"] for s in segments[:4]] == ["sd", "llm", "sd", "llm"] and len(segments) > 100
-    shapes, at, drafted, alone = iter(r["verify_log"]), 0, [], []
+    assert [s["protocol"] for s in segments[:4]] == ["sd", "llm", "ksqs", "llm"] and len(segments) > 100
+    shapes, lattice, at, drafted, alone = iter(r["verify_log"]), iter(r["round_log"]), 0, [], []
     for seg in segments:  # one round each
         if seg["protocol"] == "sd":
             c, d, _ = next(shapes)
             drafted += range(at, at + min(seg["tokens"], c, d))
+        elif seg["protocol"] == "ksqs":
+            drafted += range(at, at + min(seg["tokens"], next(lattice)["L"]))
         else:
             alone += range(at, at + seg["tokens"])
         at += seg["tokens"]

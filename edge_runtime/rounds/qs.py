@@ -35,10 +35,12 @@ class QSState:
     confidences: list = field(default_factory=list)  # draft probability of every accepted draft so far
 
 
-def _state(session: TokenSession) -> QSState:
+def _state(session: TokenSession, name: str) -> QSState:
+    """The request's QS state for protocol `name` (its record's support rule and sampling order), made at its first
+    round."""
     if session.round_state is None:
         cfg = session.config.qs
-        record = protocols.get(session.name)  # its support rule and sampling order
+        record = protocols.get(name)  # its support rule and sampling order
         conformal = ConformalThreshold(cfg.alpha, cfg.eta, cfg.beta) if record.support == "conformal" else None
         wire = LatticeWire(session.drafter.lm.vocab_size, cfg.ell, record.support, cfg.k, conformal,
                            sample_first=record.sample_first)
@@ -49,9 +51,17 @@ def _state(session: TokenSession) -> QSState:
 
 
 def round_qs(session: TokenSession) -> None:
-    st = _state(session)
+    """One round of the session's own protocol (qs, ksqs, csqs, sq), its (L, ℓ) the policy's."""
+    qs_round(session, session.name)
+
+
+def qs_round(session: TokenSession, name: str, draft_len: int = 0) -> None:
+    """One round of protocol `name` over `session`: L drafts (`draft_len`, or the policy's when 0; protocol auto
+    chooses its own) at the policy's ℓ, their lattice rows as one bit stream, the verdict committed."""
+    st = _state(session, name)
     seen = st.state  # what the policy acts on this round, logged beside what it chose
-    draft_len, ell = st.policy.act(seen)
+    chosen, ell = st.policy.act(seen)
+    draft_len = draft_len or chosen
     st.wire.ell = ell
     drafts, rows = session.drafter.draft(session.cap_draft_len(draft_len), session.rng, 0.0, st.wire,
                                          session.config.qs.budget_bits)

@@ -1,17 +1,19 @@
 """`--protocol auto` in a token session: one cloud session, and before every round the controller
-(edge_runtime.auto) says which exact token protocol runs it (`sd` with its γ, or `llm` with its chunk). The cloud's
+(edge_runtime.auto) says which exact token protocol runs it (`sd` with its γ or a draft tree, `ksqs` with its γ when
+the request samples, or `llm` with its chunk). The cloud's
 session does not depend on the protocol that opened it (a Verify and a Generate continue the same sequence), so a
 switch costs nothing and loses or repeats no token: each round commits what its protocol's verification or the
 target's own sampling gives at the committed position, whatever ran before it. The draft model catches up on the
-tokens it did not draft when sd follows llm (edge_runtime.drafter feeds what its cache lacks): while the device waits
-for llm's replies when it has cores of its own (`overlap_prefill`), else in sd's first round, a cost the controller
-weighs before it switches."""
+tokens it did not draft when sd or ksqs follows llm (edge_runtime.drafter feeds what its cache lacks): while the
+device waits for llm's replies when it has cores of its own (`overlap_prefill`), else in the first drafting round, a
+cost the controller weighs before it switches."""
 from __future__ import annotations
 
 import time
 from typing import Callable, List, Optional
 
 from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE, AutoController, AutoEstimates, Choice, Shape
+from edge_runtime.rounds.qs import qs_round
 from edge_runtime.rounds.token import tree_round, verify_round
 from edge_runtime.sessions.base import GenerationResult
 from edge_runtime.sessions.token import TokenSession
@@ -87,6 +89,8 @@ class AutoSession(TokenSession):
         elif choice.protocol == "sd":
             n = observed_round(self, self.auto.estimates, "sd",
                                lambda: verify_round(self, choice.knob, self.config.dist_format))
+        elif choice.protocol == "ksqs":
+            n = observed_round(self, self.auto.estimates, "ksqs", lambda: qs_round(self, "ksqs", choice.knob))
         else:
             n = observed_round(self, self.auto.estimates, "llm", lambda: self.generate(choice.knob))
         self.auto.record(choice, n)
@@ -103,9 +107,9 @@ class AutoSession(TokenSession):
 
 def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: str, run: Callable[[], None],
                    tree: Optional[Shape] = None) -> int:
-    """Run one round of `protocol` ("sd" or "llm": `run` does it; sd with the draft tree `tree` when given) on
-    `session` and give its figures to `estimates` (protocol auto's rounds, and the rounds of sd and llm requests on
-    the same runtime: what a device served teaches auto). Returns the tokens it committed."""
+    """Run one round of `protocol` ("sd", "ksqs" or "llm": `run` does it; sd with the draft tree `tree` when given) on
+    `session` and give its figures to `estimates` (protocol auto's rounds, and the rounds of sd, ksqs and llm
+    requests on the same runtime: what a device served teaches auto). Returns the tokens it committed."""
     c, client, d = session.counters, session.client, session.drafter
     link = measured_link(session)
     n0, drafted0, accepted0, cloud0 = len(session.generated), c.drafted, c.accepted, c.cloud_compute_s
@@ -120,9 +124,9 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     if tree is not None:
         estimates.observe_tree(tree, n, d.compute_s - draft0, cloud_s, up, down, wall, link, now,
                                caught_up=behind if behind > 1 else 0)
-    elif protocol == "sd":
+    elif protocol in ("sd", "ksqs"):
         estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, d.compute_s - draft0, cloud_s, up, down,
-                             wall, link, now, caught_up=behind if behind > 1 else 0)
+                             wall, link, now, caught_up=behind if behind > 1 else 0, protocol=protocol)
     else:
         estimates.observe_llm(n, cloud_s, up, down, wall, link, now)
     return n

@@ -13,6 +13,10 @@ Terms (the round is Leviathan et al. 2023's; QS-SD eq. 7-10 add the link; HAT eq
 
 Protocols:
   * `sd` (γ): round = γ t_d + o + link(u₀ + γ u₁, d₀ + E d₁) + w + g(γ + 1); E(α, γ) tokens.
+  * `ksqs` (γ, K-SQS): sd's round, each draft sampled from its row's lattice quantization on the top-K support and
+    sent as that row's enumerative code (QS-SD eq. 7-10: the round's latency is the drafting, the uplink of
+    γ rows of b bits, the verification and the reply): u₁ is the code's bytes per row (a few dozen, against sd's
+    dense float16 row of 2 V bytes at T > 0) and α the acceptance of the quantized draft (a little below sd's).
   * `llm` (chunk c): the cloud decodes c tokens alone: round = o + link(u₀, d₀ + c d₁) + w + c g(1); c tokens.
   * `sd` with a draft tree of N nodes, D levels (`predict_tree`): round = D t_d + o + link(u₀ + N u₁, d₀ + τ d₁) + w +
     g(N + 1); τ tokens, measured (a tree's acceptance has no closed form here).
@@ -43,7 +47,7 @@ __all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Predi
            "predict_hat_tree", "best_knob",
            "KNOBBED", "PROMPT_ID_BYTES"]
 
-KNOBBED = ("sd", "hat")  # protocols whose knob is the draft length γ (llm's is its chunk, fixed by the device)
+KNOBBED = ("sd", "ksqs", "hat")  # protocols whose knob is the draft length γ (llm's: its chunk, the device's)
 PROMPT_ID_BYTES = 4  # a prompt token id on the wire (int32)
 
 
@@ -150,7 +154,7 @@ class WireSizes:
 @dataclass(frozen=True)
 class Prediction:
     protocol: str
-    knob: int  # γ (sd, hat), the chunk (llm), 0 (slm, ushape)
+    knob: int  # γ (sd, ksqs, hat), the chunk (llm), 0 (slm, ushape)
     tokens_per_round: float
     round_s: float
     ttft_s: float
@@ -174,8 +178,9 @@ class Prediction:
 
 def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: DeviceCosts,
             cloud: Optional[CloudCosts], wire: WireSizes, alpha: float = 0.0) -> Prediction:
-    """The module docstring's formulas for one protocol at one knob (γ for sd and hat, the chunk for llm; ignored
-    otherwise), a prompt of `prompt_tokens` positions, acceptance α (sd, hat). `cloud` may be None for slm only."""
+    """The module docstring's formulas for one protocol at one knob (γ for sd, ksqs and hat, the chunk for llm;
+    ignored otherwise), a prompt of `prompt_tokens` positions, acceptance α (sd, ksqs, hat; `wire` holds the
+    protocol's own bytes per draft). `cloud` may be None for slm only."""
     if prompt_tokens < 1:
         raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
     if protocol != "slm" and cloud is None:
@@ -193,7 +198,7 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
     split = protocol in ("ushape", "hat")
     if split and not wire.hidden > 0:
         raise ValueError(f"{protocol}: the size of a hidden state on the wire is not known")
-    if protocol == "sd":
+    if protocol in ("sd", "ksqs"):  # the same round; ksqs's u₁ and α are its own (`wire`, `alpha`)
         n = expected_tokens(alpha, knob)
         device_s = knob * device.draft_step_s
         up, down = wire.up_round + knob * wire.up_per_draft, wire.down_round + n * wire.down_per_token
@@ -216,7 +221,7 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
         up, down = (knob + 1) * wire.hidden + wire.up_round, (knob + 1) * wire.hidden + wire.down_round
         cloud_s = cloud.middle_share * g(knob + 1)
     else:
-        raise ValueError(f"no cost model for protocol {protocol!r}; it has: sd, llm, slm, ushape, hat")
+        raise ValueError(f"no cost model for protocol {protocol!r}; it has: sd, ksqs, llm, slm, ushape, hat")
     return _round(protocol, knob, n, device_s, up, down, cloud_s, prompt_tokens, link, device, cloud, wire)
 
 
