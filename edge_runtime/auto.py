@@ -85,12 +85,15 @@ PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before on
 @dataclass
 class Acceptance:
     """A drafting protocol's acceptance: accepted and examined draft positions per round as moving averages
-    (ALPHA_POPULATION) over the prompts of recent requests, and the request's own totals (`begin`)."""
+    (ALPHA_POPULATION) over the prompts of recent requests — plain means over the first rounds, until there are
+    1 / (1 − ALPHA_POPULATION) of them, so the first round is not most of the estimate for twenty rounds — and the
+    request's own totals (`begin`)."""
 
     accepted: Optional[float] = None
     examined: Optional[float] = None
     request_accepted: int = 0
     request_examined: int = 0
+    rounds: int = 0
 
     @property
     def alpha(self) -> Optional[float]:
@@ -108,8 +111,10 @@ class Acceptance:
     def observe(self, drafted: int, accepted: int) -> None:
         """A round's drafts: the positions examined are the accepted ones and the first rejected, if any."""
         examined = accepted + (accepted < drafted)
-        self.accepted = ema(self.accepted, float(accepted), ALPHA_POPULATION)
-        self.examined = ema(self.examined, float(examined), ALPHA_POPULATION)
+        self.rounds += 1
+        keep = min(ALPHA_POPULATION, 1.0 - 1.0 / self.rounds)
+        self.accepted = ema(self.accepted, float(accepted), keep)
+        self.examined = ema(self.examined, float(examined), keep)
         self.request_accepted += accepted
         self.request_examined += examined
 
@@ -150,6 +155,8 @@ class AutoEstimates:
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
     by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
+    uplink_bps: float = 0.0  # the cloud's latest measurement of this device's uploads on a request large enough to
+    # measure (edge_runtime.sessions.auto.MIN_RATE_FRAME; 0: none yet), kept across requests
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
     tree_tokens: Dict[Shape, float] = field(default_factory=dict)  # tokens a round of each draft tree shape (moving

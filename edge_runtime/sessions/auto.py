@@ -20,6 +20,8 @@ from edge_runtime.sessions.token import TokenSession
 from hat_split import protocols
 from hat_split.math.costmodel import Link
 
+MIN_RATE_FRAME = 4096  # bytes: the cloud's uplink reading of a smaller request is noise (its transfer is within the
+# link's jitter and the error of the connection's round-trip probe: a 96-byte Generate read 41 kbit/s of LTE's 5 Mbit/s)
 DEGRADED_REASON = "the cloud unreachable: the device alone until it is back (degrade)"
 
 
@@ -32,7 +34,7 @@ class AutoSession(TokenSession):
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
 
     def link(self) -> Link:
-        return measured_link(self)
+        return measured_link(self, self.auto.estimates)
 
     def _choose(self) -> Choice:
         if self.monitor is not None:  # a power mode that changed (read at most every 5 s) is another board
@@ -111,7 +113,6 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     `session` and give its figures to `estimates` (protocol auto's rounds, and the rounds of sd, ksqs and llm
     requests on the same runtime: what a device served teaches auto). Returns the tokens it committed."""
     c, client, d = session.counters, session.client, session.drafter
-    link = measured_link(session)
     n0, drafted0, accepted0, cloud0 = len(session.generated), c.drafted, c.accepted, c.cloud_compute_s
     draft0, up0, down0 = d.compute_s, client.counters.up_bytes, client.counters.down_bytes
     behind = d.behind  # what sd feeds before its first draft; 1 (the last draft of a round wholly accepted) is
@@ -119,6 +120,7 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     t0 = time.perf_counter()
     run()
     wall, now = time.perf_counter() - t0, time.monotonic()
+    link = measured_link(session, estimates)  # with the rate this round's upload was measured at
     up, down = client.counters.up_bytes - up0, client.counters.down_bytes - down0
     cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
     if tree is not None:
@@ -129,9 +131,12 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
                              wall, link, now, caught_up=behind if behind > 1 else 0, protocol=protocol)
     else:
         estimates.observe_llm(n, cloud_s, up, down, wall, link, now)
+    if session.uplink_bps > 0 and up >= MIN_RATE_FRAME:
+        estimates.uplink_bps = session.uplink_bps
     return n
 
 
-def measured_link(session: TokenSession) -> Link:
-    """The link as measured so far: the probe's round trip and the uplink rate the cloud saw (0: not yet)."""
-    return Link(session.client.base_rtt_s, session.uplink_bps, 0.0)
+def measured_link(session: TokenSession, estimates: AutoEstimates) -> Link:
+    """The link as measured so far: the probe's round trip and the uplink rate the cloud last saw on a request of at
+    least MIN_RATE_FRAME bytes (0: none yet, the uplink taken as free)."""
+    return Link(session.client.base_rtt_s, estimates.uplink_bps, 0.0)

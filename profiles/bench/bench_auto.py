@@ -8,7 +8,7 @@ with a connection each, asking the cloud to decode alone without pause: no model
 cut of the link for --cut-s seconds during each request. In every phase each protocol of --protocols (auto among
 them) runs one request on the same prompt, in a rotating order; the whole trace is repeated --repetitions times. Per
 phase and overall: tokens/s, decode tokens/s, TTFT, the cloud's step seconds per token, bytes per token, and the
-cost model's predicted decode tokens/s for sd and llm (auto's estimates as they stand after its request in that
+cost model's predicted decode tokens/s for sd, ksqs and llm (auto's estimates as they stand after its request in that
 phase) against the measured ones, sd's also at the α the fixed sd request realised (the model apart from the α
 estimate); what auto ran in each phase.
 
@@ -231,9 +231,8 @@ def run(args: argparse.Namespace) -> int:
                             time.sleep(0.2)
                         rows.append(_row(rep, phase, name, res, commits))
                         if name == "auto":
-                            rows[-1]["predicted"] = _predictions(rt_auto, Link(rt_auto.client.base_rtt_s),
-                                                                 res.prompt_tokens,
-                                                                 args.draft_len)
+                            link = Link(rt_auto.client.base_rtt_s, rt_auto.auto_estimates.uplink_bps)
+                            rows[-1]["predicted"] = _predictions(rt_auto, link, res.prompt_tokens, args.draft_len)
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
                               + (f"; ran {_ran(res)}" if res.auto else ""), flush=True)
@@ -305,23 +304,28 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
 
 
 def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, object]:
-    """sd's (at the fixed protocol's γ) and llm's (at its chunk) tokens/s after the first reply, as auto's estimates
-    predict them now (None for one not measured yet); sd's at every α of ALPHA_GRID (the model given a request's own
-    acceptance: the summary's second error); the estimates themselves."""
+    """sd's and ksqs's (at the fixed protocol's γ) and llm's (at its chunk) tokens/s after the first reply, as auto's
+    estimates predict them now for the request's kind of sampling (None for one not measured yet); sd's at every α
+    of ALPHA_GRID (the model given a request's own acceptance: the summary's second error); the estimates
+    themselves."""
     from edge_runtime.auto import AUTO_TOKEN, AutoController
     from hat_split.math.costmodel import CloudCosts, predict
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
                        shares_host=not rt.config.overlaps_prefill)
     now = time.monotonic()
-    preds = {"sd": c.at("sd", draft_len, link, now), "llm": c.at("llm", rt.config.llm_chunk, link, now)}
+    preds = {"sd": c.at("sd", draft_len, link, now), "ksqs": c.at("ksqs", draft_len, link, now),
+             "llm": c.at("llm", rt.config.llm_chunk, link, now)}
     out: Dict[str, object] = {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
                                       CloudCosts(curve, est.wait_s("sd")), est.wire(), a).tokens_per_s
                               for a in ALPHA_GRID]
-    out["estimates"] = {"alpha": est.alpha, "draft_step_s": est.draft_step_s, "catch_up": est.catch_up.points(),
+    out["estimates"] = {"kind": est.kind, "alpha": est.alpha, "alpha_ksqs": est.alpha_of("ksqs"),
+                        "up_per_draft": {p: est.up_per_draft(p) for p in ("sd", "ksqs")},
+                        "uplink_bps": est.uplink_bps, "draft_step_s": est.draft_step_s,
+                        "catch_up": est.catch_up.points(),
                         "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy, "power_mode": est.power_mode,
                         "reported_wait_s": est.reported_wait_s, "curve": list(curve.points) if curve else [],
                         "rtt_s": link.rtt_s, "wire": est.wire().__dict__}
@@ -340,8 +344,8 @@ def at_alpha(grid_values: List[float], alpha: float) -> float:
 
 def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> dict:
     """Per phase and protocol: totals and medians over repetitions (n beside them); auto against the best fixed exact
-    protocol; the cost model's error per phase for sd and llm (its prediction after that phase's auto request against
-    the fixed protocol's measured tokens/s after the first reply in the same repetition, each at the fixed
+    protocol; the cost model's error per phase for sd, ksqs and llm (its prediction after that phase's auto request
+    against the fixed protocol's measured tokens/s after the first reply in the same repetition, each at the fixed
     protocol's knob)."""
     out: Dict[str, dict] = {}
     for phase in [p.name for p in phases] + ["overall"]:
@@ -365,7 +369,7 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
             entry["auto_over_best_fixed"] = per["auto"]["tokens_per_s"] / fixed[best]
             entry["best_fixed"] = best
         errors = {}
-        for name in ("sd", "llm"):
+        for name in ("sd", "ksqs", "llm"):
             pairs = [(a["predicted"], f) for a in sel if a["protocol"] == "auto" and a.get("predicted", {}).get(name)
                      for f in sel if f["protocol"] == name and f["rep"] == a["rep"] and f["phase"] == a["phase"]
                      and f["steady_tokens_per_s"] > 0]
