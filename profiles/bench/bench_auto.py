@@ -297,7 +297,8 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
     n = max(res.n, 1)
     return {"rep": rep, "phase": phase.name, "protocol": name, "tokens": res.n, "total_s": res.total_s,
             "ttft_s": res.ttft_s, "tokens_per_s": s["tokens_per_s"], "steady_tokens_per_s": steady_rate(commits),
-            "alpha": s.get("alpha"), "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n,
+            "alpha": s.get("alpha"), "accepted": res.accepted, "drafted": res.drafted,
+            "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n,
             "up_bytes_per_token":
             s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
             "auto": res.auto}

@@ -23,13 +23,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                       predict_hat_tree, predict_tree)
 from hat_split.math.verify import expected_tokens
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
+SAMPLED_PROTOCOLS = PROTOCOLS + ("ksqs",)  # --sampled: ksqs's lattice-coded rows beside sd's dense ones
+SAMPLED_SD = "results/speculative/trees_T1.json"  # sd γ = 4 on the Qwen pair at T = 1 (hat-bench speculative)
+SAMPLED_KSQS = "results/auto/trace_T1.json"  # the fixed ksqs rows of `hat-bench auto --temperature 1` on the pair
+KSQS_K, KSQS_ELL = 16, 100  # the ksqs row priced: the config's defaults (edge_runtime.config.QSConfig)
 GPU_BENCH = "results/gpu/gpu_bench_2026-11-26b.json"  # the GPU check with batched verify steps
 SPECULATIVE = "results/speculative/bench_speculative.json"
 HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
@@ -57,6 +61,12 @@ def add_parser(sub) -> None:
     s.add_argument("--m", type=int, default=2, help="the split protocols' cut (default %(default)s)")
     s.add_argument("--alpha", type=float, default=None,
                    help=f"sd's acceptance (default: measured here, {SPECULATIVE}, γ = 4)")
+    s.add_argument("--sampled", action="store_true",
+                   help="price a request that samples (T = 1): sd's draft rows dense float16 over the vocabulary, "
+                        f"its α measured at T = 1 ({SAMPLED_SD}), and ksqs beside it (a lattice code per row, K = "
+                        f"{KSQS_K}, ℓ = {KSQS_ELL}; its α: --ksqs-alpha)")
+    s.add_argument("--ksqs-alpha", type=float, default=None,
+                   help=f"ksqs's acceptance at T = 1 (default: measured here, {SAMPLED_KSQS})")
     s.add_argument("--hat-tokens-per-round", type=float, default=None,
                    help=f"hat's τ (default: measured here, {HAT_RECORD}, ShareGPT)")
     s.add_argument("--draft-vocab", type=int, default=16384, help="hat's draft head rows (default %(default)s)")
@@ -173,20 +183,25 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                       hat_verify_s=head * per_param, watts=watts)
     rate = lambda r: 8.0 * r if r and math.isfinite(r) else 0.0  # noqa: E731  bytes/s → bit/s
     link = Link(2 * link_profile.delay_s, rate(link_profile.up_rate_bps), rate(link_profile.down_rate_bps))
-    wire = WireSizes(WIRE_ROUND, DRAFT_ROW, WIRE_ROUND, 4.0, HIDDEN_DTYPE_BYTES * target.hidden)
+    row = sampled_row_bytes(target.vocab) if args.sampled else DRAFT_ROW
+    wire = WireSizes(WIRE_ROUND, row, WIRE_ROUND, 4.0, HIDDEN_DTYPE_BYTES * target.hidden)
     middle = (target.layers - args.m) / target.layers
-    alpha = args.alpha if args.alpha is not None else measured_alpha()
+    alpha = args.alpha if args.alpha is not None else measured_alpha(args.sampled)
+    ksqs = None
+    if args.sampled:
+        ksqs = (args.ksqs_alpha if args.ksqs_alpha is not None else measured_ksqs_alpha(),
+                WireSizes(WIRE_ROUND, ksqs_row_bytes(target.vocab), WIRE_ROUND, 4.0, wire.hidden))
     tau = args.hat_tokens_per_round if args.hat_tokens_per_round is not None else measured_hat_tau()
     hat_alpha = 1.0 - 1.0 / tau  # E(α, γ) → 1 / (1 − α) for long drafts: the α whose chains give τ
-    price = Pricing(args.prompt_tokens, link, dev, wire, alpha, hat_alpha)
+    price = Pricing(args.prompt_tokens, link, dev, wire, alpha, hat_alpha, ksqs)
     rows: List[Dict[str, Any]] = []
-    for name in PROTOCOLS:
+    for name in SAMPLED_PROTOCOLS if args.sampled else PROTOCOLS:
         pred = price.best(name, CloudCosts(steps.curve(g1), 0.0, middle))
         cap = None if name == "slm" else capacity(lambda n: price.shared(pred, steps, g1, middle, n),
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
     trees = []
-    for name, nodes, depth, shape_tau in measured_shapes(args.draft, args.target):
+    for name, nodes, depth, shape_tau in measured_shapes(args.draft, args.target, args.sampled):
         for how in ("chain",) if name.startswith("g") else ("captured", "eager"):
             curve = steps.curve(g1) if how == "chain" else tree_curve(how, args.gpu_shape, g1)
             pred = predict_tree(nodes, depth, shape_tau, args.prompt_tokens, link, dev, CloudCosts(curve, 0.0, 1.0),
@@ -196,6 +211,9 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     return {"estimate": True, "device": device.name, "mode": mode.name, "watts": watts or None, "gpu": gpu.name,
             "link": link_profile.name, "draft": args.draft, "target": args.target, "m": args.m,
             "alpha_sd": alpha, "hat_tokens_per_round": tau, "sla_tbt_ms": args.sla_tbt_ms,
+            "sampled": args.sampled, "alpha_ksqs": ksqs[0] if ksqs else None,
+            "hat_tokens_per_round_at": "T = 0 (the feature drafter's record; not measured at T = 1)",
+            "draft_row_bytes": {"sd": row, **({"ksqs": ksqs[1].up_per_draft} if ksqs else {})},
             "assumptions": {"device_efficiency": args.device_efficiency, "device_bytes_per_weight": args.device_bytes,
                             "cloud_dtype": "bfloat16", "gpu_check": GPU_BENCH, "gpu_shape": args.gpu_shape,
                             "cloud_step_s": g1, "device_draft_step_s": t_d,
@@ -213,22 +231,23 @@ class Pricing:
     wire: WireSizes
     alpha: float  # sd's
     hat_alpha: float
+    ksqs: Optional[Tuple[float, WireSizes]] = None  # ksqs's α and wire sizes (a sampled request)
 
     def at(self, name: str, knob: int, cloud: CloudCosts) -> Prediction:
-        a = self.hat_alpha if name == "hat" else self.alpha
+        a, wire = {"hat": (self.hat_alpha, self.wire), "ksqs": self.ksqs}.get(name, (self.alpha, self.wire))
         return predict(name, knob, self.prompt_tokens, self.link, self.device, None if name == "slm" else cloud,
-                       self.wire, a)
+                       wire, a)
 
     def best(self, name: str, cloud: CloudCosts) -> Prediction:
-        """sd and hat at their best γ in 1..8; llm in chunks of 8."""
-        if name in ("sd", "hat"):
+        """sd, ksqs and hat at their best γ in 1..8; llm in chunks of 8."""
+        if name in ("sd", "ksqs", "hat"):
             return max((self.at(name, g, cloud) for g in range(1, 9)), key=lambda p: (p.tokens_per_s, -p.knob))
         return self.at(name, 8 if name == "llm" else 0, cloud)
 
     def shared(self, pred: Prediction, steps: "GpuSteps", g1: float, middle: float, n: int) -> float:
         """Mean seconds between tokens of one of n devices running `pred`'s protocol and knob, their rounds' cloud
         work in shared steps (n devices' sessions in one batched step, half a step of waiting)."""
-        positions = pred.knob + 1 if pred.protocol in ("sd", "hat") else 1
+        positions = pred.knob + 1 if pred.protocol in ("sd", "ksqs", "hat") else 1
         share = middle if pred.protocol in ("ushape", "hat") else 1.0
         step = share * steps.batched_step_s(g1, n, positions)
         # the shared step, whatever this device's positions; llm's round is c such steps (one point: proportional)
@@ -249,15 +268,40 @@ def capacity(tbt, sla_s: float, most: int = 4096) -> int:
     return lo
 
 
-def measured_alpha() -> float:
-    return float(json.loads(Path(SPECULATIVE).read_text())["summary"]["hatspec_sd_g4"]["alpha"])
+def measured_alpha(sampled: bool = False) -> float:
+    """sd's acceptance at γ = 4 measured here on the Qwen pair: greedy, or at T = 1 (`sampled`)."""
+    return float(json.loads(Path(SAMPLED_SD if sampled else SPECULATIVE).read_text())["summary"]["hatspec_sd_g4"][
+        "alpha"])
 
 
-def measured_shapes(draft: str, target: str) -> List[tuple]:
-    """(name, nodes, depth, tokens per round) of the chains and trees measured here on this model pair (TREE_RECORDS;
-    none for another pair): g4 is a chain of 4, t32d8w4 a tree of 32 nodes, 8 levels, 4 wide."""
+def measured_ksqs_alpha() -> float:
+    """ksqs's acceptance at T = 1 on the Qwen pair: its fixed rows in SAMPLED_KSQS, accepted over drafted."""
+    rows = [r for r in json.loads(Path(SAMPLED_KSQS).read_text())["rows"] if r["protocol"] == "ksqs"]
+    if not rows:
+        raise ValueError(f"{SAMPLED_KSQS} has no ksqs row: give --ksqs-alpha")
+    return float(sum(r["accepted"] for r in rows) / sum(r["drafted"] for r in rows))
+
+
+def sampled_row_bytes(vocab: int) -> float:
+    """A sampled draft's row on sd's wire: its id and the whole row in float16 (`dist_format auto` sends the dense
+    form once the sparse one, 6 bytes a nonzero entry, is larger: at T = 1 every entry is nonzero)."""
+    return 4.0 + 2.0 * vocab
+
+
+def ksqs_row_bytes(vocab: int) -> float:
+    """A ksqs draft: its id and its lattice code (hat_split.wire.sqs.row_bits: the support's subset index and the
+    lattice point), at the config's K and ℓ."""
+    from hat_split.wire.sqs import row_bits
+
+    return 4.0 + row_bits(vocab, KSQS_K, KSQS_ELL, False) / 8.0
+
+
+def measured_shapes(draft: str, target: str, sampled: bool = False) -> List[tuple]:
+    """(name, nodes, depth, tokens per round) of the chains and trees measured here on this model pair (TREE_RECORDS,
+    or at T = 1 SAMPLED_SD; none for another pair): g4 is a chain of 4, t32d8w4 a tree of 32 nodes, 8 levels, 4
+    wide."""
     out = []
-    for path in TREE_RECORDS:
+    for path in (SAMPLED_SD,) if sampled else TREE_RECORDS:
         record = json.loads(Path(path).read_text())
         if (record["settings"]["draft"], record["settings"]["target"]) != (draft, target):
             continue
@@ -415,8 +459,11 @@ def run(args: argparse.Namespace) -> int:
     doc = plan(args)
     write_report(args.out, doc)
     note = plot(doc, Path(args.out).with_suffix(".png"))
+    sampled = (f", sampled (T = 1): ksqs α {doc['alpha_ksqs']:.2f}, a draft row {doc['draft_row_bytes']['sd']:.0f} B "
+               f"(sd) / {doc['draft_row_bytes']['ksqs']:.0f} B (ksqs)" if doc["sampled"] else "")
     print(f"ESTIMATES: {doc['device']} ({doc['mode']}) + {doc['gpu']} over {doc['link']}, {doc['draft']} → "
-          f"{doc['target']}; sd α {doc['alpha_sd']:.2f}, hat τ {doc['hat_tokens_per_round']:.2f} (measured here)")
+          f"{doc['target']}; sd α {doc['alpha_sd']:.2f}, hat τ {doc['hat_tokens_per_round']:.2f} (measured here)"
+          + sampled)
     print(format_rows(doc))
     a = doc["assumptions"]
     print(f"assumed: device steps at {a['device_efficiency']:.0%} of peak DRAM bandwidth, "
