@@ -3,20 +3,22 @@ run, by the cost model (hat_split.math.costmodel) fed with what it measured. No 
 (edge_runtime.sessions.auto) hands it each round's figures and asks it what to run next.
 
 What it measures (`AutoEstimates`, one per runtime, kept from request to request):
-  * sd's acceptance α: accepted over examined draft positions, each a moving average (α = 0.8, HAT's) so a round's
-    share is its size; the draft step t_d (the draft model's seconds per draft) and the per-round overhead o (a
-    round's wall time less its draft, cloud and link parts);
+  * the drafting protocols' acceptance α (sd's, and ksqs's: its drafts sampled from the lattice quantization of sd's
+    rows), per kind of sampling (greedy, or the temperature and truncation: `sampling_kind`): accepted over examined
+    draft positions, each a moving average over rounds; the draft step t_d (the draft model's seconds per draft)
+    and the per-round overhead o per protocol (a round's wall time less its draft, cloud and link parts);
   * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
     sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
     (SessionOpened's CloudCost) where the device has no point of its own; while the cloud reports other sessions'
     work waiting, every step of this device is priced with the others' μ positions in it (x own positions cost
     g(x + μ): continuous batching), plus half a step's wait for the step in progress;
-  * the bytes of its rounds (request without drafts, per draft row, reply);
-  * the link's round trip (the client's probe) and the uplink rate the cloud measured.
+  * the bytes of its rounds (request without drafts, reply; per draft row per drafting protocol and kind of
+    sampling: a greedy row is one-hot, a sampled one the whole vocabulary, a ksqs row a lattice code);
+  * the link's round trip (the client's probe) and the uplink rate the cloud measured on a request large enough.
 
-How it chooses (`AutoController.decide`): a protocol not yet measured runs `MEASURE_ROUNDS` rounds first (both are
-exact, so exploring costs only time); then the one with the most predicted tokens/s, its draft length γ among 1 ..
-max_draft_len the best for sd; the protocol running now is kept unless another promises `SWITCH_GAIN` more, and a
+How it chooses (`AutoController.decide`): a protocol not yet measured (a drafting one: under the request's kind of
+sampling) runs `MEASURE_ROUNDS` rounds first (all are exact, so exploring costs only time); then the one with the most
+predicted tokens/s, its draft length γ among 1 .. max_draft_len the best for sd and ksqs; the protocol running now is kept unless another promises `SWITCH_GAIN` more, and a
 switch to sd must also repay, over the tokens the request has left, the draft model's catch-up on the tokens it has
 not read (`behind`: the prompt at the opening when the device cannot prefill while the cloud does, the tokens llm
 made since). Where the device has cores of its own (`overlap_prefill`) and sd is within reach (`sd_within_reach`),
@@ -127,7 +129,6 @@ class AutoEstimates:
     # depend on it (a greedy row is one-hot, a sampled one dense), so both are kept per kind
     acceptance: Dict[Tuple[str, str], Acceptance] = field(default_factory=dict)  # per (drafting protocol, kind):
     # ksqs's drafts are sampled from the lattice's quantization of sd's rows
-    kind_rounds: Dict[Tuple[str, str], int] = field(default_factory=dict)  # rounds observed per (protocol, kind)
     draft_step_s: Optional[float] = None  # t_d
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
@@ -184,8 +185,9 @@ class AutoEstimates:
         return self.up_per_row.get((protocol, self.kind))
 
     def rounds_of(self, protocol: str) -> int:
-        """Rounds of `protocol` observed under the request's kind of sampling."""
-        return self.kind_rounds.get((protocol, self.kind), 0)
+        """Rounds of a drafting `protocol` observed under the request's kind of sampling."""
+        own = self.acceptance.get((protocol, self.kind))
+        return own.rounds if own is not None else 0
 
     def begin_request(self, kind: str = GREEDY) -> None:
         """A new request sampling as `kind` (`sampling_kind`): its own acceptance starts from the prompts' prior."""
@@ -280,7 +282,6 @@ class AutoEstimates:
             return
         self._ran(protocol)
         key = (protocol, self.kind)
-        self.kind_rounds[key] = self.kind_rounds.get(key, 0) + 1
         self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted)
         if not caught_up:
             self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, draft_s / drafted)

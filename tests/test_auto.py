@@ -21,8 +21,7 @@ PROMPT = [5, 17, 99, 3, 250, 7]
 def _estimates(alpha: float, draft_s: float, step_1: float, step_9: float) -> AutoEstimates:
     """Both protocols measured: sd's acceptance and draft step, the cloud's step at 1 and 9 positions."""
     est = AutoEstimates(draft_step_s=draft_s, local_step_s=draft_s, up_round=80.0, down_round=100.0,
-                        down_per_token=4.0, measured={"sd": 3, "llm": 3}, kind_rounds={("sd", GREEDY): 3},
-                        up_per_row={("sd", GREEDY): 60.0})
+                        down_per_token=4.0, measured={"sd": 3, "llm": 3}, up_per_row={("sd", GREEDY): 60.0})
     est.acceptance[("sd", GREEDY)] = Acceptance(accepted=alpha, examined=1.0, rounds=20)  # long measured
     est.observed = DelayModel()
     est.observed.observe(1, step_1)
