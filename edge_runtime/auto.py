@@ -18,16 +18,16 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
 
 How it chooses (`AutoController.decide`): a protocol not yet measured (a drafting one: under the request's kind of
 sampling) runs `MEASURE_ROUNDS` rounds first (all are exact, so exploring costs only time); then the one with the most
-predicted tokens/s, its draft length γ among 1 .. max_draft_len the best for sd and ksqs; the protocol running now is kept unless another promises `SWITCH_GAIN` more, and a
-switch to sd must also repay, over the tokens the request has left, the draft model's catch-up on the tokens it has
-not read (`behind`: the prompt at the opening when the device cannot prefill while the cloud does, the tokens llm
-made since). Where the device has cores of its own (`overlap_prefill`) and sd is within reach (`sd_within_reach`),
-the session reads those tokens into the draft model while it waits for llm's replies, so the draft is ready when sd
-comes back. After a new power mode the device's own figures are that mode's (or restart from their next
-observations). A protocol that
-has not run for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step
-costs stay current, never as a request's first round and, for sd, only when its catch-up is one round's tokens at
-most. What changes fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue
+predicted tokens/s, its draft length γ among 1 .. max_draft_len the best for sd and ksqs; the protocol running now
+is kept unless another promises `SWITCH_GAIN` more, and a switch to a drafting protocol must also repay, over the
+tokens the request has left, the draft model's catch-up on the tokens it has not read (`behind`: the prompt at the
+opening when the device cannot prefill while the cloud does, the tokens llm made since). Where the device has cores
+of its own (`overlap_prefill`) and drafting is within reach (`sd_within_reach`), the session reads those tokens into
+the draft model while it waits for llm's replies, so the draft is ready when drafting comes back. After a new power
+mode the device's own figures are that mode's (or restart from their next observations). A protocol that has not run
+for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
+current, never as a request's first round and, for a drafting protocol, only when its catch-up is one round's tokens
+at most. What changes fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue
 with every session opening, the device's own points of that curve older than `STALE_S`, or measured while the
 cloud's queue was in another state than it now reports (busy / idle), give way to the report. Every switch is logged
 with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
