@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,9 +32,9 @@ from hat_split.math.verify import expected_tokens
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
 SAMPLED_PROTOCOLS = PROTOCOLS + ("ksqs",)  # --sampled: ksqs's lattice-coded rows beside sd's dense ones
-SAMPLED_SD = "results/speculative/trees_T1.json"  # sd γ = 4 on the Qwen pair at T = 1 (hat-bench speculative)
-SAMPLED_KSQS = "results/auto/trace_T1.json"  # the fixed ksqs rows of `hat-bench auto --temperature 1` on the pair
-KSQS_K, KSQS_ELL = 16, 100  # the ksqs row priced: the config's defaults (edge_runtime.config.QSConfig)
+SAMPLED_TREES = "results/speculative/trees_T1.json"  # sd's chains and trees on the Qwen pair at T = 1
+SAMPLED = "results/auto/trace_T1.json"  # `hat-bench auto --temperature 1` on the pair: the fixed sd and ksqs rows'
+# acceptance, and the bytes of a draft row as auto measured them (K-SQS at the config's K = 16, ℓ = 100)
 GPU_BENCH = "results/gpu/gpu_bench_2026-11-26b.json"  # the GPU check with batched verify steps
 SPECULATIVE = "results/speculative/bench_speculative.json"
 HAT_RECORD = "results/hat/feature_drafter_qwen2.5-coder-1.5b-m2-s1200.json"
@@ -62,11 +63,11 @@ def add_parser(sub) -> None:
     s.add_argument("--alpha", type=float, default=None,
                    help=f"sd's acceptance (default: measured here, {SPECULATIVE}, γ = 4)")
     s.add_argument("--sampled", action="store_true",
-                   help="price a request that samples (T = 1): sd's draft rows dense float16 over the vocabulary, "
-                        f"its α measured at T = 1 ({SAMPLED_SD}), and ksqs beside it (a lattice code per row, K = "
-                        f"{KSQS_K}, ℓ = {KSQS_ELL}; its α: --ksqs-alpha)")
+                   help="price a request that samples (T = 1): sd's draft rows as measured at T = 1 (float16 over "
+                        f"their support), and ksqs beside them (a lattice code per row); both α and both rows' bytes "
+                        f"measured here ({SAMPLED}), --alpha and --ksqs-alpha replace the α")
     s.add_argument("--ksqs-alpha", type=float, default=None,
-                   help=f"ksqs's acceptance at T = 1 (default: measured here, {SAMPLED_KSQS})")
+                   help=f"ksqs's acceptance at T = 1 (default: measured here, {SAMPLED})")
     s.add_argument("--hat-tokens-per-round", type=float, default=None,
                    help=f"hat's τ (default: measured here, {HAT_RECORD}, ShareGPT)")
     s.add_argument("--draft-vocab", type=int, default=16384, help="hat's draft head rows (default %(default)s)")
@@ -183,14 +184,15 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                       hat_verify_s=head * per_param, watts=watts)
     rate = lambda r: 8.0 * r if r and math.isfinite(r) else 0.0  # noqa: E731  bytes/s → bit/s
     link = Link(2 * link_profile.delay_s, rate(link_profile.up_rate_bps), rate(link_profile.down_rate_bps))
-    row = sampled_row_bytes(target.vocab) if args.sampled else DRAFT_ROW
+    sampled = measured_sampled(args.draft, args.target) if args.sampled else None
+    row = sampled["row_bytes"]["sd"] if sampled else DRAFT_ROW
     wire = WireSizes(WIRE_ROUND, row, WIRE_ROUND, 4.0, HIDDEN_DTYPE_BYTES * target.hidden)
     middle = (target.layers - args.m) / target.layers
-    alpha = args.alpha if args.alpha is not None else measured_alpha(args.sampled)
+    alpha = args.alpha if args.alpha is not None else sampled["alpha"]["sd"] if sampled else measured_alpha()
     ksqs = None
-    if args.sampled:
-        ksqs = (args.ksqs_alpha if args.ksqs_alpha is not None else measured_ksqs_alpha(),
-                WireSizes(WIRE_ROUND, ksqs_row_bytes(target.vocab), WIRE_ROUND, 4.0, wire.hidden))
+    if sampled:
+        ksqs = (args.ksqs_alpha if args.ksqs_alpha is not None else sampled["alpha"]["ksqs"],
+                WireSizes(WIRE_ROUND, sampled["row_bytes"]["ksqs"], WIRE_ROUND, 4.0, wire.hidden))
     tau = args.hat_tokens_per_round if args.hat_tokens_per_round is not None else measured_hat_tau()
     hat_alpha = 1.0 - 1.0 / tau  # E(α, γ) → 1 / (1 − α) for long drafts: the α whose chains give τ
     price = Pricing(args.prompt_tokens, link, dev, wire, alpha, hat_alpha, ksqs)
@@ -268,40 +270,35 @@ def capacity(tbt, sla_s: float, most: int = 4096) -> int:
     return lo
 
 
-def measured_alpha(sampled: bool = False) -> float:
-    """sd's acceptance at γ = 4 measured here on the Qwen pair: greedy, or at T = 1 (`sampled`)."""
-    return float(json.loads(Path(SAMPLED_SD if sampled else SPECULATIVE).read_text())["summary"]["hatspec_sd_g4"][
-        "alpha"])
+def measured_alpha() -> float:
+    """sd's acceptance at γ = 4 measured here on the Qwen pair, greedy."""
+    return float(json.loads(Path(SPECULATIVE).read_text())["summary"]["hatspec_sd_g4"]["alpha"])
 
 
-def measured_ksqs_alpha() -> float:
-    """ksqs's acceptance at T = 1 on the Qwen pair: its fixed rows in SAMPLED_KSQS, accepted over drafted."""
-    rows = [r for r in json.loads(Path(SAMPLED_KSQS).read_text())["rows"] if r["protocol"] == "ksqs"]
-    if not rows:
-        raise ValueError(f"{SAMPLED_KSQS} has no ksqs row: give --ksqs-alpha")
-    return float(sum(r["accepted"] for r in rows) / sum(r["drafted"] for r in rows))
-
-
-def sampled_row_bytes(vocab: int) -> float:
-    """A sampled draft's row on sd's wire: its id and the whole row in float16 (`dist_format auto` sends the dense
-    form once the sparse one, 6 bytes a nonzero entry, is larger: at T = 1 every entry is nonzero)."""
-    return 4.0 + 2.0 * vocab
-
-
-def ksqs_row_bytes(vocab: int) -> float:
-    """A ksqs draft: its id and its lattice code (hat_split.wire.sqs.row_bits: the support's subset index and the
-    lattice point), at the config's K and ℓ."""
-    from hat_split.wire.sqs import row_bits
-
-    return 4.0 + row_bits(vocab, KSQS_K, KSQS_ELL, False) / 8.0
+def measured_sampled(draft: str, target: str) -> Dict[str, Dict[str, float]]:
+    """At T = 1 on this model pair (SAMPLED): sd's and ksqs's acceptance (their fixed rows' accepted over drafted
+    positions) and the bytes of one draft row (the median over auto's requests of its estimate: a round's request
+    less its frame, per draft; the fixed rows' totals would carry the prompt's upload)."""
+    doc = json.loads(Path(SAMPLED).read_text())
+    if (doc["args"]["draft"], doc["args"]["target"], doc["args"]["temperature"]) != (draft, target, 1.0):
+        raise ValueError(f"{SAMPLED} was measured on {doc['args']['draft']} → {doc['args']['target']} at T = "
+                         f"{doc['args']['temperature']}, not {draft} → {target} at T = 1: give --alpha and "
+                         "--ksqs-alpha, and measure the rows")
+    alpha, row_bytes = {}, {}
+    for name in ("sd", "ksqs"):
+        rows = [r for r in doc["rows"] if r["protocol"] == name]
+        alpha[name] = sum(r["accepted"] for r in rows) / sum(r["drafted"] for r in rows)
+        row_bytes[name] = statistics.median(r["predicted"]["estimates"]["up_per_draft"][name]
+                                            for r in doc["rows"] if r["protocol"] == "auto")
+    return {"alpha": alpha, "row_bytes": row_bytes}
 
 
 def measured_shapes(draft: str, target: str, sampled: bool = False) -> List[tuple]:
     """(name, nodes, depth, tokens per round) of the chains and trees measured here on this model pair (TREE_RECORDS,
-    or at T = 1 SAMPLED_SD; none for another pair): g4 is a chain of 4, t32d8w4 a tree of 32 nodes, 8 levels, 4
+    or at T = 1 SAMPLED_TREES; none for another pair): g4 is a chain of 4, t32d8w4 a tree of 32 nodes, 8 levels, 4
     wide."""
     out = []
-    for path in (SAMPLED_SD,) if sampled else TREE_RECORDS:
+    for path in (SAMPLED_TREES,) if sampled else TREE_RECORDS:
         record = json.loads(Path(path).read_text())
         if (record["settings"]["draft"], record["settings"]["target"]) != (draft, target):
             continue
