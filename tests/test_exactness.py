@@ -18,8 +18,8 @@ fails instead of passing quietly. Measured here (2026-11-25; `pytest -s` prints 
 | hat (3 drafts, η = 0) | 800 | 760 | +0.37 | 1.000 / 1.000 / 0.999 |
 | auto, a switch every round (sd γ 3, llm 2, ksqs γ 3, llm; 2026-11-27) | 800 | 300 | +1.07 | 1.000 / 1.000 / 0.993 |
 
-(auto's ksqs rounds at ℓ = 8, K = 2; its 500 positions the cloud sampled alone, each llm round's first one right after a switch: Z = −1.10 against
-the decoy one position behind, power 1.000.)
+(auto's ksqs rounds at ℓ = 8, K = 2; its 500 positions the cloud sampled alone, each llm round's first one right
+after a switch: Z = −1.10 against the decoy one position behind, power 1.000.)
 
 Planted (tests/planted.py) into the cloud for sd: accept-all Z = +30.5 (150 tokens), resample-from-q +31.4 (150),
 mix15 +9.0 (400); into the device for hat: mix15 +6.6 (800). A correct verifier stays within ±4 with probability
