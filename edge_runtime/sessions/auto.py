@@ -1,12 +1,11 @@
 """`--protocol auto` in a token session: one cloud session, and before every round the controller
 (edge_runtime.auto) says which exact token protocol runs it (`sd` with its γ or a draft tree, `ksqs` with its γ when
-the request samples, or `llm` with its chunk). The cloud's
-session does not depend on the protocol that opened it (a Verify and a Generate continue the same sequence), so a
-switch costs nothing and loses or repeats no token: each round commits what its protocol's verification or the
-target's own sampling gives at the committed position, whatever ran before it. The draft model catches up on the
-tokens it did not draft when sd or ksqs follows llm (edge_runtime.drafter feeds what its cache lacks): while the
-device waits for llm's replies when it has cores of its own (`overlap_prefill`), else in the first drafting round, a
-cost the controller weighs before it switches."""
+the request samples, or `llm` with its chunk). The cloud's session does not depend on the protocol that opened it (a
+Verify and a Generate continue the same sequence), so a switch costs nothing and loses or repeats no token: each
+round commits what its protocol's verification or the target's own sampling gives at the committed position, whatever
+ran before it. The draft model catches up on the tokens it did not draft when sd or ksqs follows llm
+(edge_runtime.drafter feeds what its cache lacks): while the device waits for llm's replies when it has cores of its
+own (`overlap_prefill`), else in the first drafting round, a cost the controller weighs before it switches."""
 from __future__ import annotations
 
 import time
@@ -120,8 +119,10 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     t0 = time.perf_counter()
     run()
     wall, now = time.perf_counter() - t0, time.monotonic()
-    link = measured_link(session, estimates)  # with the rate this round's upload was measured at
     up, down = client.counters.up_bytes - up0, client.counters.down_bytes - down0
+    if session.uplink_bps > 0 and up >= MIN_RATE_FRAME:
+        estimates.uplink_bps = session.uplink_bps
+    link = measured_link(session, estimates)  # with the rate this round's upload was measured at, if it could be
     cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
     if tree is not None:
         estimates.observe_tree(tree, n, d.compute_s - draft0, cloud_s, up, down, wall, link, now,
@@ -131,8 +132,6 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
                              wall, link, now, caught_up=behind if behind > 1 else 0, protocol=protocol)
     else:
         estimates.observe_llm(n, cloud_s, up, down, wall, link, now)
-    if session.uplink_bps > 0 and up >= MIN_RATE_FRAME:
-        estimates.uplink_bps = session.uplink_bps
     return n
 
 
