@@ -126,7 +126,7 @@ class AutoEstimates:
     """What the device measured for the cost model (module docstring)."""
 
     kind: str = GREEDY  # how the request running samples (`sampling_kind`): acceptance and a draft row's bytes
-    # depend on it (a greedy row is one-hot, a sampled one dense), so both are kept per kind
+    # depend on it (a greedy row is one-hot, a sampled one spread over thousands of tokens), so both are kept per kind
     acceptance: Dict[Tuple[str, str], Acceptance] = field(default_factory=dict)  # per (drafting protocol, kind):
     # ksqs's drafts are sampled from the lattice's quantization of sd's rows
     draft_step_s: Optional[float] = None  # t_d
