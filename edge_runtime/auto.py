@@ -419,6 +419,13 @@ class AutoEstimates:
                            round_s=self.overhead(protocol), shares_host=shares_host)
 
 
+def auto_eligible(offered: Sequence[str], sampling: SamplingParams) -> List[str]:
+    """The token protocols auto may run for a request sampling with `sampling` on a cloud offering `offered`: sd
+    and llm; ksqs (exact, its drafts' rows as lattice codes) only when the request samples (at temperature 0 sd's
+    rows are one-hot and as small as a code)."""
+    return [p for p in AUTO_TOKEN if p in offered and (p != "ksqs" or sampling.temperature > 0)]
+
+
 def sampling_kind(params: SamplingParams) -> str:
     """How a request samples, as far as a draft's acceptance and its rows' bytes go: "greedy" at temperature 0,
     else its temperature and truncation ("T=0.7", "T=1 top-k=40")."""

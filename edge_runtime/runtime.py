@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates, Shape, sampling_kind
+from edge_runtime.auto import (AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates, Shape, auto_eligible,
+                                sampling_kind)
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
@@ -248,13 +249,6 @@ def _within(welcome: P.Welcome, shape: Shape) -> Optional[Shape]:
     if nodes < 1 or welcome.max_tree_depth < 1:
         return None
     return nodes, min(shape[1], welcome.max_tree_depth, nodes), shape[2]
-
-
-def auto_eligible(offered: Sequence[str], sampling: SamplingParams) -> List[str]:
-    """The token protocols auto may run for a request sampling with `sampling` on a cloud offering `offered`: sd
-    and llm; ksqs (exact, its drafts' rows as lattice codes) only when the request samples (at temperature 0 sd's
-    rows are one-hot and as small as a code)."""
-    return [p for p in AUTO_TOKEN if p in offered and (p != "ksqs" or sampling.temperature > 0)]
 
 
 def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
