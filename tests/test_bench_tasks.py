@@ -79,6 +79,27 @@ def test_summary_without_baseline_or_with_one_prompt():
     assert "slm" in format_table({"humaneval": {"slm": out}})
 
 
+def test_uplink_bytes_per_token_and_their_share_of_hlms():
+    """Bytes per generated token over the records that counted them (older records did not: they count for nothing,
+    and n says how many did), and the share of hlm's where hlm ran."""
+    recs = [{**_rec("gsm8k", 0, "hlm", 1.0, n=10), "up_bytes": 3_000_000},
+            {**_rec("gsm8k", 1, "hlm", 1.0, n=30), "up_bytes": 9_000_000},  # 300 000 B a token over both
+            {**_rec("gsm8k", 0, "cuhlm_online", 1.0, n=10, skipped=5), "up_bytes": 1_000},
+            {**_rec("gsm8k", 1, "cuhlm_online", 1.0, n=30, skipped=15), "up_bytes": 2_000},
+            _rec("gsm8k", 2, "cuhlm_online", 1.0, n=50, skipped=25),  # written before bytes were kept
+            _rec("gsm8k", 0, "llm", 1.0)]
+    out = summarise(recs)["gsm8k"]
+    assert out["hlm"]["up_bytes_per_token"] == pytest.approx(300_000) and out["hlm"]["bytes_n"] == 2
+    assert out["hlm"]["up_bytes_vs_hlm"] == pytest.approx(1.0)
+    assert out["cuhlm_online"]["up_bytes_per_token"] == pytest.approx(75) and out["cuhlm_online"]["bytes_n"] == 2
+    assert out["cuhlm_online"]["up_bytes_vs_hlm"] == pytest.approx(75 / 300_000)
+    assert out["llm"]["up_bytes_per_token"] is None and out["llm"]["up_bytes_vs_hlm"] is None
+    table = format_table({"gsm8k": out})
+    assert "75 (2)" in table and "0.03%" in table
+    no_hlm = summarise([r for r in recs if r["protocol"] != "hlm"])["gsm8k"]["cuhlm_online"]
+    assert no_hlm["up_bytes_per_token"] == pytest.approx(75) and no_hlm["up_bytes_vs_hlm"] is None
+
+
 def test_resume_keeps_matching_records_only(tmp_path):
     path = str(tmp_path / "r.jsonl")
     config = {"max_new_tokens": 24}
@@ -132,6 +153,8 @@ def test_tiny_real_run(tmp_path):
         assert {k: stamp[k] for k in ("git_commit", "command")} == {k: report["provenance"][k]
                                                                     for k in ("git_commit", "command")}
         assert stamp["machine"]["cpus"] >= 1 and stamp["started_utc"].endswith("+00:00")
+        rec = json.loads(line)  # and what it moved: at least the prompt up and a token down, in one round trip or more
+        assert rec["up_bytes"] > 0 and rec["down_bytes"] > 0 and rec["round_trips"] >= 1
     assert main(argv) == 0  # a rerun finds everything done and generates nothing
     assert len((tmp_path / "tasks.jsonl").read_text().splitlines()) == 12
     assert [p["name"] for p in report["curve"]["gsm8k"]] != [] and report["matched_random"] == {}  # no randhlm ran

@@ -130,7 +130,8 @@ def generate(args, tasks, protocols, base_unc, config, jsonl) -> None:
                 rec = {"task": task, "task_id": problem.task_id, "protocol": name, "config": config, "seed": seed,
                        "text": r.text, **score(task, problem, r.text), "n_tokens": r.n,
                        "tokens_per_s": s["tokens_per_s"], "skipped": r.skipped, "total_s": r.total_s,
-                       "finish_reason": r.finish_reason, "provenance": stamp}
+                       "finish_reason": r.finish_reason, "up_bytes": r.up_bytes, "down_bytes": r.down_bytes,
+                       "round_trips": r.round_trips, "provenance": stamp}
                 append_record(jsonl, rec)
                 print(f"  [{k + 1}/{len(todo)}] {task} {problem.task_id} {name:14s} score {rec['score']:.0f} "
                       f"({rec['detail']}), {r.n} tokens in {r.total_s:.1f} s, skipped {r.skipped}", flush=True)

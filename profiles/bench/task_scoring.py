@@ -21,6 +21,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from profiles.bench.stats import ci_text, mean_ci, paired_diff_ci
 from hat_split.files import strict_json
 
+HLM = "hlm"  # the reference of the skipping protocols' uplink bytes
+
 GSM8K_INSTRUCTION = ("Solve the problem step by step. On the last line write the final answer as a number alone, "
                      "after \"####\".")
 
@@ -86,7 +88,10 @@ def summarise(records: Iterable[dict], cosine: Optional[Dict[Tuple[str, str, str
     """{task: {protocol: entry}} over `records`: score with its 95 % interval (stats.mean_ci); the paired difference
     vs `baseline` on the prompts both ran (None without the baseline); the mean MiniLM cosine vs the baseline's
     answer from `cosine` (keyed like the records); how many answers are identical to the baseline's; mean tokens/s;
-    skip rate (skipped / generated tokens)."""
+    skip rate (skipped / generated tokens); uplink bytes per generated token over the records that counted them (the
+    request's frames, session open and close included; None where none did: records written before they were kept),
+    with how many records that is, and its ratio to `hlm`'s (U-HLM's and CU-HLM's reference: every token's whole
+    distribution uploaded) where hlm ran too."""
     by: Dict[str, Dict[str, Dict[str, dict]]] = {}
     for r in records:
         by.setdefault(r["task"], {}).setdefault(r["protocol"], {})[r["task_id"]] = r
@@ -110,7 +115,15 @@ def summarise(records: Iterable[dict], cosine: Optional[Dict[Tuple[str, str, str
             entry["tokens_per_s"] = sum(rows[i]["tokens_per_s"] for i in ids) / len(ids)
             n_tok = sum(rows[i]["n_tokens"] for i in ids)
             entry["skip_rate"] = sum(rows[i]["skipped"] for i in ids) / n_tok if n_tok else None
+            counted = [rows[i] for i in ids if rows[i].get("up_bytes") is not None]
+            n_counted = sum(r["n_tokens"] for r in counted)
+            entry["up_bytes_per_token"] = sum(r["up_bytes"] for r in counted) / n_counted if n_counted else None
+            entry["bytes_n"] = len(counted)
             out[task][proto] = entry
+        hlm = out[task].get(HLM, {}).get("up_bytes_per_token")
+        for entry in out[task].values():
+            mine = entry["up_bytes_per_token"]
+            entry["up_bytes_vs_" + HLM] = mine / hlm if hlm and mine is not None else None
     return out
 
 
@@ -120,7 +133,7 @@ def _fmt(v, spec: str) -> str:
 
 def format_table(summary: dict, baseline: str = "llm") -> str:
     head = ["task", "protocol", "n", "score [95% CI]", f"diff vs {baseline} [95% CI]", f"= {baseline}", "cos vs llm",
-            "tok/s", "skip"]
+            "tok/s", "skip", "up B/token (n)", "of hlm's"]
     rows: List[List[str]] = [head]
     for task, protos in summary.items():
         for proto, e in protos.items():
@@ -128,8 +141,11 @@ def format_table(summary: dict, baseline: str = "llm") -> str:
             score = ci_text(s, "{:.3f}", form="interval")
             diff = ci_text(d, "{:+.3f}", form="interval")
             same = e.get("same_answer_as_" + baseline)
+            up = e.get("up_bytes_per_token")
             rows.append([task, proto, str(e["n"]), score, diff, "-" if same is None else str(same),
                          _fmt(e["cosine_vs_" + baseline], ".3f"),
-                         _fmt(e["tokens_per_s"], ".2f"), _fmt(e["skip_rate"], ".1%")])
+                         _fmt(e["tokens_per_s"], ".2f"), _fmt(e["skip_rate"], ".1%"),
+                         "-" if up is None else f"{up:.0f} ({e['bytes_n']})",
+                         _fmt(e.get("up_bytes_vs_" + HLM), ".2%")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
