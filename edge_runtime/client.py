@@ -16,13 +16,20 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from edge_runtime.config import LinkConfig
+from hat_split.math.chunking import RoundTripFilter
 from hat_split.net.security import load_public, load_secret
 from hat_split.wire import messages as P
 
 M = TypeVar("M", bound=P.Message)
 
 RECONNECT_BACKOFF_MAX_S = 5.0  # the longest wait between two reconnection attempts after a drop
-RTT_PROBES = 3  # tiny round trips after the handshake; their minimum is the uplink estimate's baseline
+RTT_PROBES = 3  # tiny round trips after the handshake: the round-trip estimate's first samples
+RTT_WINDOW = 16  # the round trip is the least of at most this many recent samples ...
+RTT_MAX_AGE_S = 30.0  # ... of the last this many seconds
+RTT_SAMPLE_BYTES = 1024  # an exchange is a sample when its frames are at most this big both ways (1 KiB: 1.6 ms at
+# LTE's 5 Mbit/s uplink, within a few percent of its round trip)
+RTT_ARRIVAL_S = 1e-3  # ... and its reply was seen within this long of arriving
+NO_MODEL_WORK = (P.Welcome, P.Reported, P.SplitOpened)  # replies the cloud sends without a model step
 
 
 class CloudUnavailable(RuntimeError):
@@ -82,7 +89,9 @@ class CloudClient:
         self._monitor = None
         self.counters = LinkCounters()
         self.welcome: Optional[P.Welcome] = None
-        self.base_rtt_s = 0.0  # round trip of a tiny message on the established connection (measured in connect)
+        self.rtt = RoundTripFilter(RTT_WINDOW, RTT_MAX_AGE_S)  # the link's round trip: probed in connect, then
+        # sampled from every small exchange (`base_rtt_s`), so it follows a link that changes under the connection
+        self.last_sent_bytes = 0  # the last request's frames' bytes
         self.last_reply_at = 0.0  # perf_counter() when the last reply arrived (first seen by `ready`, else read)
         self.last_reply_bytes = 0  # its frames' bytes
         self.arrival_uncertainty_s = 0.0  # it arrived within this many seconds before last_reply_at
@@ -192,7 +201,7 @@ class CloudClient:
                 raise CloudError(P.Error("version", f"cloud speaks v{reply.protocol_version}"))
             self.welcome = reply
             try:
-                self.base_rtt_s = self._probe_rtt()
+                self._probe_rtt()
             except LinkDown:  # dropped right after the Welcome: this attempt failed
                 self.welcome = None
                 if attempt == link.connect_retries:
@@ -207,20 +216,34 @@ class CloudClient:
             f"({link.connect_timeout_s:.1f} s each): is `hat-cloud serve` running and reachable?"
         )
 
-    def _probe_rtt(self) -> float:
-        """Smallest of RTT_PROBES tiny round trips on the open connection (0 when none answered).
+    def _probe_rtt(self) -> None:
+        """RTT_PROBES tiny round trips on the open connection: the round-trip filter's first samples (`_sample_rtt`).
 
-        The first Hello also paid for TCP and ZeroMQ's greeting, so it is not used. The minimum, not the mean, is the
-        baseline: a probe can only be slowed by scheduling noise, never sped up, and a baseline too large makes every
-        later uplink estimate too fast.
+        The first Hello also paid for TCP and ZeroMQ's greeting, so it is not one of them.
         """
-        best = math.inf
+        self.rtt.clear()
         for _ in range(RTT_PROBES):
-            t0 = time.perf_counter()
-            if isinstance(self._roundtrip(self.hello, self.link.request_timeout_s), P.Welcome):  # (connected: a slow
-                # answer is a loaded cloud; a probe given up on would leave its late reply to the next request)
-                best = min(best, time.perf_counter() - t0)
-        return 0.0 if best == math.inf else best
+            self._roundtrip(self.hello, self.link.request_timeout_s)  # (connected: a slow answer is a loaded cloud;
+            # a probe given up on would leave its late reply to the next request)
+
+    @property
+    def base_rtt_s(self) -> float:
+        """The link's round trip now: the least of the recent exchanges' times on the wire (0 before any)."""
+        return self.rtt.value
+
+    def _sample_rtt(self, reply: P.Message) -> None:
+        """An exchange whose frames are small both ways and whose reply was seen as it arrived is a round-trip sample:
+        its wall time less the model time the cloud reports (replies that do no model work: none). Others (a row or a
+        state of kilobytes, a reply read late) would measure the link's rate or the device's work as well."""
+        if (self.last_sent_bytes > RTT_SAMPLE_BYTES or self.last_reply_bytes > RTT_SAMPLE_BYTES
+                or self.arrival_uncertainty_s > RTT_ARRIVAL_S):
+            return
+        held = 0.0 if isinstance(reply, NO_MODEL_WORK) else getattr(reply, "compute_s", None)
+        if held is None or not math.isfinite(held) or held < 0:
+            return
+        sample = self.last_reply_at - self.last_sent_at - held
+        if sample > 0:
+            self.rtt.observe(sample, self.last_reply_at)
 
     def request(self, msg: P.Message) -> P.Message:
         """Send one request and return its reply; CloudError for an Error reply, CloudUnavailable on timeout."""
@@ -250,7 +273,8 @@ class CloudClient:
             raise self._lost(f"the connection to the cloud at {self.link.server} could not take a message within "
                              f"{self.link.connect_timeout_s:.1f} s") from None
         self.last_sent_at = time.perf_counter()
-        self.counters.up_bytes += P.frame_bytes(frames)
+        self.last_sent_bytes = P.frame_bytes(frames)
+        self.counters.up_bytes += self.last_sent_bytes
         if self.tap is not None:
             self.tap("up", [bytes(f) for f in frames])
 
@@ -317,7 +341,9 @@ class CloudClient:
         self.counters.round_trips += 1
         if self.tap is not None:
             self.tap("down", [bytes(f) for f in reply])
-        return P.decode(reply)
+        msg = P.decode(reply)
+        self._sample_rtt(msg)
+        return msg
 
     def ready(self, wait_s: float = 0.0) -> bool:
         """True when a reply is waiting (waits at most wait_s for one): lets the device work until the cloud answers.

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
-from edge_runtime.client import RTT_PROBES, CloudClient, CloudError, CloudUnavailable, expect
+from edge_runtime.client import (RTT_PROBES, RTT_SAMPLE_BYTES, RTT_WINDOW, CloudClient, CloudError, CloudUnavailable,
+                                 expect)
 from edge_runtime.config import LinkConfig
 from hat_split.net.security import LinkSecurity
 from hat_split.wire import messages as P
@@ -42,6 +43,37 @@ def test_connect_says_hello_and_keeps_the_clouds_welcome(tiny_server):
     assert not client.is_open
     with pytest.raises(CloudUnavailable, match="not connected"):  # closed: no request goes out
         client.request(P.Report(P.DeviceState()))
+
+
+def test_the_round_trip_follows_a_link_that_changes_under_the_connection(tiny_server):
+    """Through a link emulator: the probes measure loopback; the link slows to 25 ms each way under the open
+    connection and small exchanges raise the estimate to it once the fast samples leave the window; back to loopback,
+    the first small exchange brings it down. A reply of kilobytes or one read late is no sample."""
+    from testbed.link_emulator import LinkEmulator
+    from testbed.links import LinkProfile
+
+    host, port = tiny_server.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    with LinkEmulator("loopback", (host, int(port))) as emu:
+        with CloudClient(link(emu.address), HELLO) as client:
+            fast = client.base_rtt_s
+            assert 0 < fast < 0.02 and len(client.rtt.samples) == RTT_PROBES
+            emu.set_profile(LinkProfile("slow", delay_s=0.025))
+            for _ in range(RTT_WINDOW):
+                assert isinstance(client.request(P.Report(P.DeviceState())), P.Reported)
+            slow = client.base_rtt_s
+            assert 0.045 < slow < 0.2, slow
+            emu.set_profile("loopback")
+            reply = client.request(P.Report(P.DeviceState()))
+            assert client.base_rtt_s < 0.02
+            n = len(client.rtt.samples)
+            client.last_reply_bytes = RTT_SAMPLE_BYTES + 1  # as after a reply of kilobytes
+            client._sample_rtt(reply)
+            client.last_reply_bytes, client.arrival_uncertainty_s = 10, 0.03  # a reply seen 30 ms late
+            client._sample_rtt(reply)
+            client.arrival_uncertainty_s = 0.0
+            client._sample_rtt(P.Error("busy", "no model time"))  # no compute_s to take off
+            assert len(client.rtt.samples) == n
+    print(f"round trip: loopback {fast * 1e3:.2f} ms, 25 ms each way {slow * 1e3:.1f} ms")
 
 
 def test_a_refusing_address_gives_cloud_unavailable_after_the_configured_attempts(monkeypatch):

@@ -268,6 +268,30 @@ def test_link_rates_weigh_transfers_by_size_and_only_known_arrivals_measure():
     assert not arrival_known(0.002, 48e3, 0.0) and arrival_known(0.0, 48e3, 0.0)  # no rate yet: only exact arrivals
 
 
+def test_the_round_trip_is_the_least_recent_sample_and_follows_a_changing_link():
+    from hat_split.math.chunking import RoundTripFilter
+
+    f = RoundTripFilter(window=4, max_age_s=10.0)
+    assert f.value == 0.0  # nothing seen yet
+    for t, s in enumerate([0.0021, 0.0020, 0.0090, 0.0025]):  # loopback, one sample slowed by scheduling
+        f.observe(s, float(t))
+    assert f.value == 0.0020
+    for t in range(4, 8):  # the link slows to 60 ms: the old samples leave the window one by one
+        f.observe(0.060 + 0.001 * (t % 2), float(t))
+        assert f.value == (0.0020 if t < 5 else 0.0025 if t < 7 else 0.060)
+    assert f.observe(0.003, 8.0) == 0.003  # faster again: at the first faster sample
+    f.observe(0.050, 30.0)  # after a silence longer than max_age_s only the newest sample counts
+    assert f.value == 0.050 and len(f.samples) == 1
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="round-trip sample"):
+            f.observe(bad, 31.0)
+    assert f.value == 0.050  # a refused sample changes nothing
+    with pytest.raises(ValueError, match="window >= 1"):
+        RoundTripFilter(window=0)
+    f.clear()
+    assert f.value == 0.0
+
+
 # -- Λ and the device's drafter ---------------------------------------------------------------------------------------
 def _target():
     from tests.conftest import tiny_model

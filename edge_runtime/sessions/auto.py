@@ -20,7 +20,7 @@ from hat_split import protocols
 from hat_split.math.costmodel import Link
 
 MIN_RATE_FRAME = 4096  # bytes: the cloud's uplink reading of a smaller request is noise (its transfer is within the
-# link's jitter and the error of the connection's round-trip probe: a 96-byte Generate read 41 kbit/s of LTE's 5 Mbit/s)
+# link's jitter and the error of the device's round-trip estimate: a 96-byte Generate read 41 kbit/s of LTE's 5 Mbit/s)
 DEGRADED_REASON = "the cloud unreachable: the device alone until it is back (degrade)"
 
 
@@ -136,6 +136,6 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
 
 
 def measured_link(session: TokenSession, estimates: AutoEstimates) -> Link:
-    """The link as measured so far: the probe's round trip and the uplink rate the cloud last saw on a request of at
-    least MIN_RATE_FRAME bytes (0: none yet, the uplink taken as free)."""
+    """The link as measured so far: the round trip now (CloudClient.base_rtt_s) and the uplink rate the cloud last
+    saw on a request of at least MIN_RATE_FRAME bytes (0: none yet, the uplink taken as free)."""
     return Link(session.client.base_rtt_s, estimates.uplink_bps, 0.0)

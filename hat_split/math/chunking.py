@@ -11,13 +11,16 @@
   than the cloud is a third pipeline stage, which eq. 3 leaves out) the X whose predicted prefill ends first.
 - `RateEstimate`, `arrival_known`: the device's link rates as moving averages of bits and seconds per transfer, and
   which replies' arrival times are known well enough to measure the next upload.
+- `RoundTripFilter`: the link's round trip as the least of its recent samples (a windowed minimum), so that it follows
+  a link that changes under an open connection.
 - `parallel_steps`: eq. 6, λ = ⌊(μ_i A / β_up + g(μ) + μ_i A / β_down) / γ⌋ (plus the propagation round trip).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from collections import deque
+from typing import Deque, Dict, Optional, Sequence, Tuple
 
 ALPHA = 0.8  # HAT §3.2: weight of the history in the moving averages
 
@@ -44,6 +47,42 @@ class RateEstimate:
         self.bits, self.seconds = ema(self.bits, bits), ema(self.seconds, seconds)
         self.bps = self.bits / self.seconds
         return self.bps
+
+
+@dataclass
+class RoundTripFilter:
+    """The link's round trip: the least of the samples of the last `max_age_s` seconds, at most `window` of them.
+
+    A sample is one exchange's time on the wire (its wall time less what the cloud reports it spent): queueing,
+    scheduling and a device that read the reply late can only lengthen it, never shorten it, so the least is the
+    estimate. A window, not the least ever seen, lets it rise when the link slows (after the window's samples age
+    out); it falls at the first faster sample. The newest sample is always kept, so the filter is never empty once it
+    has seen one. `value` is 0 before any."""
+
+    window: int = 16
+    max_age_s: float = 30.0
+    samples: Deque[Tuple[float, float]] = field(default_factory=deque)  # (when, seconds), oldest first
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not self.max_age_s > 0:
+            raise ValueError(f"a round-trip filter needs window >= 1 and max_age_s > 0, got {self.window}, "
+                             f"{self.max_age_s}")
+
+    def observe(self, seconds: float, now: float) -> float:
+        if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(now)):
+            raise ValueError(f"a round-trip sample needs finite seconds > 0 and a finite time, got {seconds}, {now}")
+        self.samples.append((now, seconds))
+        while len(self.samples) > self.window or now - self.samples[0][0] > self.max_age_s:
+            self.samples.popleft()
+        return self.value
+
+    @property
+    def value(self) -> float:
+        return min(s for _, s in self.samples) if self.samples else 0.0
+
+    def clear(self) -> None:
+        """A new connection: its path may be another."""
+        self.samples.clear()
 
 
 def arrival_known(uncertainty_s: float, upload_bits: float, up_bps: float, resolution_s: float = 1e-3) -> bool:
