@@ -160,11 +160,13 @@ class AutoEstimates:
     # measure (edge_runtime.sessions.auto.MIN_RATE_FRAME; 0: none yet), kept across requests
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
-    tree_tokens: Dict[Shape, float] = field(default_factory=dict)  # tokens a round of each draft tree shape (moving
-    # averages) ...
-    tree_draft_s: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's seconds a round ...
-    tree_up_per_node: Dict[Shape, float] = field(default_factory=dict)  # ... uplink bytes a node ...
-    tree_rounds: Dict[Shape, int] = field(default_factory=dict)  # ... and its rounds observed
+    tree_tokens: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # tokens a round of each draft tree
+    # shape per kind of sampling (moving averages; like a chain's acceptance, a tree's depends on it) ...
+    tree_draft_s: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's seconds a round (per
+    # shape: drafting a tree costs the same however the request samples) ...
+    tree_up_per_node: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... uplink bytes a node per
+    # kind (a greedy tree sends no rows, a sampled one a row per node with children) ...
+    tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... and its rounds observed per kind
 
     @property
     def alpha(self) -> Optional[float]:
@@ -310,18 +312,28 @@ class AutoEstimates:
         tokens, so its seconds say nothing of the tree's drafting."""
         if tokens < 1:
             return
-        self.tree_rounds[shape] = self.tree_rounds.get(shape, 0) + 1
-        self.tree_tokens[shape] = ema(self.tree_tokens.get(shape), float(tokens), ALPHA_POPULATION)
+        key = (shape, self.kind)
+        self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
+        self.tree_tokens[key] = ema(self.tree_tokens.get(key), float(tokens), ALPHA_POPULATION)
         if not caught_up:
             self.tree_draft_s[shape] = ema(self.tree_draft_s.get(shape), draft_s)
-        self.tree_up_per_node[shape] = ema(self.tree_up_per_node.get(shape), self._verify_round(
+        self.tree_up_per_node[key] = ema(self.tree_up_per_node.get(key), self._verify_round(
             shape[0], draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now))
 
+    def tree_rounds_of(self, shape: Shape) -> int:
+        """Rounds of the tree `shape` observed under the request's kind of sampling."""
+        return self.tree_rounds.get((shape, self.kind), 0)
+
+    def tree_up_per_node_of(self, shape: Shape) -> Optional[float]:
+        """Uplink bytes a node of the tree `shape` under the request's kind of sampling; None before measured."""
+        return self.tree_up_per_node.get((shape, self.kind))
+
     def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
-        """Tokens a round of the tree `shape` commits: as measured, else the chain of its depth's expectation at the
-        prompts' α (a tree holds that chain: the least it commits); None before α is known."""
-        if shape in self.tree_tokens:
-            return max(1.0, self.tree_tokens[shape])
+        """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured, else the
+        chain of its depth's expectation at the request's α (a tree holds that chain: the least it commits); None
+        before α is known."""
+        if (shape, self.kind) in self.tree_tokens:
+            return max(1.0, self.tree_tokens[(shape, self.kind)])
         a = self.alpha
         if a is None:
             return None
@@ -523,8 +535,8 @@ class AutoController:
         if shape in est.tree_draft_s:  # the tree's own drafting time, a level at a time
             device = dataclasses.replace(device, draft_step_s=est.tree_draft_s[shape] / depth)
         wire = est.wire()
-        if shape in est.tree_up_per_node:
-            wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node[shape])
+        if est.tree_up_per_node_of(shape) is not None:
+            wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node_of(shape))
         return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, CloudCosts(curve, est.wait_s("sd")),
                             wire)
 
@@ -565,10 +577,10 @@ class AutoController:
             return Choice(name, knob, f"measuring {name}{kind}: {ran[name]} of {MEASURE_ROUNDS} rounds", rates)
         if self.trees and "sd" in preds:
             for shape in self.trees:  # each shape measured in turn, then probed when it has not run for a while
-                measuring = est.tree_rounds.get(shape, 0) < MEASURE_ROUNDS
+                measuring = est.tree_rounds_of(shape) < MEASURE_ROUNDS
                 if measuring or (current is not None and est.idle.get(_tree_key(shape), 0) >= PROBE_EVERY
                                  and behind <= 1):
-                    what = (f"measuring sd's tree {_tree_text(shape)}: {est.tree_rounds.get(shape, 0)} of "
+                    what = (f"measuring sd's tree {_tree_text(shape)}: {est.tree_rounds_of(shape)} of "
                             f"{MEASURE_ROUNDS} rounds" if measuring else
                             f"probing sd's tree {_tree_text(shape)}: not run for {PROBE_EVERY} rounds")
                     return Choice("sd", shape[0], what, rates, shape)

@@ -536,10 +536,24 @@ def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
             est.observe_tree(shape, 6, 8 * 0.005, step_33, 80 + 32 * 6, 100, 0.04 + 0.1 + step_33 + 0.002, Link(0.1),
                              now=0.0)
             c.record(first, 6)
-        assert est.tree_tokens_per_round(shape) == pytest.approx(6.0) and est.tree_up_per_node[shape] == 6.0
+        assert est.tree_tokens_per_round(shape) == pytest.approx(6.0) and est.tree_up_per_node_of(shape) == 6.0
         pick = c.decide(Link(0.1))
         assert (pick.protocol == "sd" and pick.tree == shape) == want_tree, pick
         assert ("sd_tree 32x8x4" in pick.reason) == want_tree, pick.reason
+    from edge_runtime.auto import sampling_kind
+    from hat_split.math.sampling import SamplingParams
+
+    # a sampling request: what greedy rounds taught about the tree does not price it (a sampled tree accepts less and
+    # sends a row per node with children); it is measured again under its own kind, and the greedy figures stay
+    sampled = sampling_kind(SamplingParams(0.7))
+    est.begin_request(sampled)
+    assert est.tree_rounds_of(shape) == 0 and est.tree_up_per_node_of(shape) is None
+    assert est.tree_tokens_per_round(shape) is None  # not even the chain's prior: sd's α is not known for this kind
+    est.observe_tree(shape, 3, 8 * 0.005, 1.2, 80 + 32 * 400, 100, 1.5, Link(0.1), now=0.0)
+    assert est.tree_tokens_per_round(shape) == pytest.approx(3.0) and est.tree_up_per_node_of(shape) > 300
+    est.begin_request()
+    assert est.tree_tokens_per_round(shape) == pytest.approx(6.0) and est.tree_up_per_node_of(shape) == 6.0
+    assert est.tree_rounds_of(shape) == 3
     c = _controller(_estimates(0.7, 0.02, step_1=0.02, step_9=0.021))  # no tree configured: chains only
     assert c.decide(Link(0.1)).tree is None
 
@@ -606,8 +620,8 @@ def test_auto_with_a_tree_configured_measures_it_and_keeps_the_targets_tokens(sm
         assert trees and trees[0]["protocol"] == "sd" and trees[0]["reason"].startswith("measuring sd's tree")
         assert any(s.get("tree") == [12, 3, 4] and s["reason"].startswith("measuring sd's tree 12x3x4")
                    for s in res.auto), res.auto  # the second shape measured after the first
-        before = rt.auto_estimates.tree_rounds[(8, 4, 2)]
+        before = rt.auto_estimates.tree_rounds_of((8, 4, 2))
         assert before == sum(s["rounds"] for s in trees), res.auto
         taught = rt.generate(PROMPT, "sd", SamplingParams(0.0), 16, seed=0)
         assert taught.tokens == ref.tokens[:16]
-        assert rt.auto_estimates.tree_rounds[(8, 4, 2)] == before + taught.rounds
+        assert rt.auto_estimates.tree_rounds_of((8, 4, 2)) == before + taught.rounds
