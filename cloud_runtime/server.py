@@ -332,7 +332,7 @@ class CloudServer:
             reply = self._error("internal", f"{type(exc).__name__}: {exc}", msg)
         self.metrics.request(msg)
         if reply is not None:
-            self._send(identity, reply, msg)
+            self._send(identity, reply, msg, received_at)
 
     def step(self) -> None:
         """Launch and collect batched steps of every session's queued work; sends the replies of what finished."""
@@ -352,7 +352,7 @@ class CloudServer:
             reply = self._finish(pending, rows)
             self.metrics.replied(pending.draft, reply)
             if reply is not None:
-                self._send(pending.identity, reply, pending.msg)
+                self._send(pending.identity, reply, pending.msg, pending.received_at)
 
     def _finish(self, pending: Pending, rows: Any) -> Optional[P.Message]:
         try:
@@ -363,7 +363,11 @@ class CloudServer:
             log.exception("finishing a %s failed", type(pending.msg).__name__)
             return self._error("internal", f"{type(exc).__name__}: {exc}", pending.msg)
 
-    def _send(self, identity: bytes, reply: P.Message, msg: Any) -> None:
+    def _send(self, identity: bytes, reply: P.Message, msg: Any, received_at: Optional[float] = None) -> None:
+        """Encode and send `reply` to `identity`; a reply that has `held_s` gets the seconds since its request was
+        read at `received_at`, so that the device can time the link without this cloud's queueing."""
+        if received_at is not None and hasattr(reply, "held_s"):
+            reply.held_s = max(0.0, time.perf_counter() - received_at)
         out = P.encode(reply)
         self.stats.bytes_out += P.frame_bytes(out)
         try:

@@ -11,6 +11,7 @@ its handlers and the work runner share, so that none of them imports another for
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Optional, Protocol, Sequence, Tuple
 
@@ -58,6 +59,8 @@ class Pending:
     q: Optional[np.ndarray] = None  # Verify: the drafts' distributions `# [L, vocab]`
     generated: List[int] = field(default_factory=list)  # Generate: the tokens sampled so far
     logprobs: List[Logprobs] = field(default_factory=list)  # Generate: theirs, when the session asked
+    received_at: float = field(default_factory=time.perf_counter)  # when the request was read (queued as it was
+    # handled, within the handling's microseconds): the reply's held_s counts from here
 
 
 class ModelWork(Protocol):

@@ -32,6 +32,13 @@ RTT_ARRIVAL_S = 1e-3  # ... and its reply was seen within this long of arriving
 NO_MODEL_WORK = (P.Welcome, P.Reported, P.SplitOpened)  # replies the cloud sends without a model step
 
 
+def _seconds(value: object) -> Optional[float]:
+    """A reply's duration field as seconds, or None when it is missing or not a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
 class CloudUnavailable(RuntimeError):
     """The cloud did not answer within the configured attempts or timeout."""
 
@@ -233,13 +240,20 @@ class CloudClient:
 
     def _sample_rtt(self, reply: P.Message) -> None:
         """An exchange whose frames are small both ways and whose reply was seen as it arrived is a round-trip sample:
-        its wall time less the model time the cloud reports (replies that do no model work: none). Others (a row or a
-        state of kilobytes, a reply read late) would measure the link's rate or the device's work as well."""
+        its wall time less the time the cloud says it held the request (`held_s`: its queueing and model time; from an
+        older cloud, the model time it reports, so a loaded cloud's queueing stays in; replies without either: none).
+        Others (a row or a state of kilobytes, a reply read late) would measure the link's rate or the device's work
+        as well. What no reply can take off — a request that waited in the socket while the cloud ran a step it took
+        no part in, at most a step — the filter's minimum mostly leaves out."""
         if (self.last_sent_bytes > RTT_SAMPLE_BYTES or self.last_reply_bytes > RTT_SAMPLE_BYTES
                 or self.arrival_uncertainty_s > RTT_ARRIVAL_S):
             return
-        held = 0.0 if isinstance(reply, NO_MODEL_WORK) else getattr(reply, "compute_s", None)
-        if held is None or not math.isfinite(held) or held < 0:
+        held = _seconds(getattr(reply, "held_s", None))
+        if not held and isinstance(reply, P.Closed):  # its compute_s is the whole session's: nothing to go by
+            return
+        if not held:
+            held = 0.0 if isinstance(reply, NO_MODEL_WORK) else _seconds(getattr(reply, "compute_s", None))
+        if held is None:
             return
         sample = self.last_reply_at - self.last_sent_at - held
         if sample > 0:

@@ -76,6 +76,41 @@ def test_the_round_trip_follows_a_link_that_changes_under_the_connection(tiny_se
     print(f"round trip: loopback {fast * 1e3:.2f} ms, 25 ms each way {slow * 1e3:.1f} ms")
 
 
+def test_replies_say_how_long_the_cloud_held_them_and_the_device_takes_that_off(tiny_server):
+    """The cloud stamps every reply that did model work with held_s (its queueing and model time, from reading the
+    request to sending the reply): at least its compute_s, at most the exchange's wall time. The device takes held_s
+    off a sample, so a loaded cloud's queueing is not read as the link; an older cloud's reply (held_s 0) falls back
+    to compute_s; a malformed one to compute_s too, and with neither usable there is no sample."""
+    with CloudClient(link(tiny_server.endpoint), HELLO) as client:
+        t0 = time.perf_counter()
+        opened = client.request(P.OpenSession(1, "sd", PROMPT))
+        wall = time.perf_counter() - t0
+        assert isinstance(opened, P.SessionOpened) and opened.compute_s > 0
+        assert opened.compute_s <= opened.held_s < wall
+        generated = client.request(P.Generate(1, 1, len(PROMPT), np.zeros(0, np.int32), 2))
+        assert isinstance(generated, P.Generated) and generated.compute_s <= generated.held_s
+        t0 = time.perf_counter()
+        closed = client.request(P.CloseSession(1))  # (its compute_s is the session's in all, not this request's)
+        assert isinstance(closed, P.Closed) and 0 < closed.held_s < time.perf_counter() - t0
+
+        client.rtt.clear()
+        client.last_sent_bytes, client.last_reply_bytes, client.arrival_uncertainty_s = 100, 100, 0.0
+        client.last_sent_at, client.last_reply_at = 10.0, 10.55
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1, held_s=0.5))  # 0.4 s queued behind others' work
+        assert client.base_rtt_s == pytest.approx(0.05)
+        client.rtt.clear()
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1))  # an older cloud: only its model time comes off
+        assert client.base_rtt_s == pytest.approx(0.45)
+        client.rtt.clear()
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1, held_s=float("nan")))  # malformed: as an older cloud
+        assert client.base_rtt_s == pytest.approx(0.45)
+        client.rtt.clear()
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, float("inf"), held_s=-1.0))  # neither usable: no sample
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1, held_s=0.9))  # held longer than the exchange: no sample
+        client._sample_rtt(P.Closed(1, 3, 0.001))  # an older cloud's Closed: its compute_s is the session's
+        assert client.base_rtt_s == 0.0 and not client.rtt.samples
+
+
 def test_a_refusing_address_gives_cloud_unavailable_after_the_configured_attempts(monkeypatch):
     attempts = []
     opened = CloudClient._open_socket
