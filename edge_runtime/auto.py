@@ -80,6 +80,8 @@ READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only whil
 ALPHA_POPULATION = 0.95  # per sd round: weight of the history in the prompts' acceptance (some 20 rounds, a few
 # requests)
 ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
+LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
+LINK_CHANGE_S = 0.002  # uplink rate measured on the first does not price the second
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -157,7 +159,8 @@ class AutoEstimates:
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
     by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
     uplink_bps: float = 0.0  # the cloud's latest measurement of this device's uploads on a request large enough to
-    # measure (edge_runtime.sessions.auto.MIN_RATE_FRAME; 0: none yet), kept across requests
+    # measure (edge_runtime.sessions.auto.MIN_RATE_FRAME; 0: none yet), kept across requests ...
+    uplink_rtt_s: float = 0.0  # ... with the round trip of the link it was measured on (`uplink_at`)
     bad_reports: int = 0  # malformed cost reports refused
     last_bad_report: str = ""
     tree_tokens: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # tokens a round of each draft tree
@@ -185,6 +188,23 @@ class AutoEstimates:
         """Bytes of one of `protocol`'s draft rows for the request running (its kind of sampling); None before one
         was measured."""
         return self.up_per_row.get((protocol, self.kind))
+
+    def take_uplink(self, bps: float, rtt_s: float) -> None:
+        """The cloud measured `bps` on an upload large enough to tell, with the link's round trip at `rtt_s`."""
+        self.uplink_bps, self.uplink_rtt_s = bps, rtt_s
+
+    def uplink_at(self, rtt_s: float) -> float:
+        """The uplink rate for a link whose round trip is now `rtt_s`: the last measured one while the round trip is
+        the one it was measured with (within LINK_CHANGE_RATIO and LINK_CHANGE_S); 0 once the round trip says the link
+        is another (unknown: taken as free, so the next drafting round uploads and measures it). Only a large upload
+        measures the rate, and at T = 0 or under llm none comes; the round trip is measured from every small exchange,
+        so it is what shows that a reading went stale (LTE's 5 Mbit/s priced loopback's sd rows otherwise)."""
+        if self.uplink_bps <= 0:
+            return 0.0
+        lo, hi = sorted((max(0.0, rtt_s), self.uplink_rtt_s))
+        if hi - lo > LINK_CHANGE_S and hi > LINK_CHANGE_RATIO * lo:
+            return 0.0
+        return self.uplink_bps
 
     def rounds_of(self, protocol: str) -> int:
         """Rounds of a drafting `protocol` observed under the request's kind of sampling."""

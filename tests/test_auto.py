@@ -113,6 +113,25 @@ def test_a_catch_up_is_priced_as_one_forward_of_its_size():
     assert c.decide(Link(0.01), behind=62, remaining=remaining).protocol == "llm"
 
 
+def test_an_uplink_rate_prices_only_the_link_it_was_measured_on():
+    """The uplink rate is measured only by large uploads (none at T = 0 or under llm); the round trip by every small
+    exchange. A round trip that moved by more than LINK_CHANGE_RATIO (and LINK_CHANGE_S) says the link is another:
+    the old rate is not used (0: the uplink taken as free, so the next drafting round measures it), and it is again
+    once the round trip is back."""
+    from edge_runtime.auto import LINK_CHANGE_RATIO, LINK_CHANGE_S
+
+    est = AutoEstimates()
+    assert est.uplink_at(0.05) == 0.0  # nothing measured
+    est.take_uplink(5e6, 0.050)  # LTE: 5 Mbit/s at 50 ms
+    assert est.uplink_at(0.050) == est.uplink_at(0.062) == est.uplink_at(0.030) == 5e6  # LTE's jitter: the same link
+    assert est.uplink_at(0.0004) == 0.0  # loopback now: LTE's rate would price sd's rows at 5 Mbit/s
+    assert est.uplink_at(0.050 * LINK_CHANGE_RATIO * 1.1) == 0.0  # a slower link than the one measured
+    assert est.uplink_at(0.050) == 5e6  # back on LTE: the reading holds again
+    est.take_uplink(8e8, 0.0004)  # loopback
+    assert est.uplink_at(0.0004 + 0.9 * LINK_CHANGE_S) == 8e8  # within the clock's and the scheduler's noise
+    assert est.uplink_at(0.004) == 0.0  # WiFi's 4 ms: another link
+
+
 def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     """A sampling request may run ksqs (exact; its drafts' rows as lattice codes). Acceptance and a row's bytes are
     kept per kind of sampling (a greedy row is one-hot, a sampled one dense): sd is measured again for a sampling

@@ -121,7 +121,7 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     wall, now = time.perf_counter() - t0, time.monotonic()
     up, down = client.counters.up_bytes - up0, client.counters.down_bytes - down0
     if session.uplink_bps > 0 and up >= MIN_RATE_FRAME:
-        estimates.uplink_bps = session.uplink_bps
+        estimates.take_uplink(session.uplink_bps, client.base_rtt_s)
     link = measured_link(session, estimates)  # with the rate this round's upload was measured at, if it could be
     cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
     if tree is not None:
@@ -137,5 +137,7 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
 
 def measured_link(session: TokenSession, estimates: AutoEstimates) -> Link:
     """The link as measured so far: the round trip now (CloudClient.base_rtt_s) and the uplink rate the cloud last
-    saw on a request of at least MIN_RATE_FRAME bytes (0: none yet, the uplink taken as free)."""
-    return Link(session.client.base_rtt_s, estimates.uplink_bps, 0.0)
+    saw on a request of at least MIN_RATE_FRAME bytes, while the round trip says it is the same link (0: none yet or
+    another link, the uplink taken as free: AutoEstimates.uplink_at)."""
+    rtt = session.client.base_rtt_s
+    return Link(rtt, estimates.uplink_at(rtt), 0.0)

@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
                             time.sleep(0.2)
                         rows.append(_row(rep, phase, name, res, commits))
                         if name == "auto":
-                            link = Link(rt_auto.client.base_rtt_s, rt_auto.auto_estimates.uplink_bps)
+                            rtt = rt_auto.client.base_rtt_s
+                            link = Link(rtt, rt_auto.auto_estimates.uplink_at(rtt))
                             rows[-1]["predicted"] = _predictions(rt_auto, link, res.prompt_tokens, args.draft_len)
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
