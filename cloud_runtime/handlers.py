@@ -58,9 +58,10 @@ class Handlers:
         }
 
     def handle(self, identity: bytes, msg: Any, received_at: float, request_bytes: int,
-               user: str = "") -> Optional[P.Message]:
+               user: str = "", unseen_s: float = 0.0) -> Optional[P.Message]:
         """The reply to one decoded request, or None when it is answered once its work is computed. `user`: the
-        allow-list name the connection authenticated with (CurveZMQ), "" on a plaintext link."""
+        allow-list name the connection authenticated with (CurveZMQ), "" on a plaintext link; unseen_s: how long
+        before `received_at` it may have arrived (the server was computing, not reading its socket)."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise P.ProtocolError("unexpected", f"{type(msg).__name__} is not a request the cloud accepts")
@@ -68,7 +69,7 @@ class Handlers:
             raise P.ProtocolError("no_handshake", "send Hello before any other request")
         if user:
             self.registry.authenticated(identity, user)
-        self.arrival.at, self.arrival.size = received_at, request_bytes
+        self.arrival.at, self.arrival.size, self.arrival.unseen_s = received_at, request_bytes, unseen_s
         reply = handler(identity, msg)
         self.registry.heard(identity)  # after the handler: a refused Hello is no handshake
         return reply

@@ -50,6 +50,7 @@ from hat_split.net.security import load_secret
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.cloud")
+WOKE_S = 1e-3  # a poll that returned a request after blocking this long was woken by it: it arrived just then
 
 
 def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str, max_sessions: int = 1) -> ModelFacts:
@@ -141,6 +142,8 @@ class CloudServer:
         self.metrics = CloudMetrics(self)  # Prometheus, served on config.metrics_port (cloud_runtime.metrics)
         self.dashboard: Optional[Dashboard] = None  # the fleet page, while served on config.dashboard_port
         self._status_at = -1e9  # monotonic time of the last status file
+        self._empty_at = time.perf_counter()  # when the socket was last seen with nothing waiting (a request read
+        # later may have arrived any time since: the cloud was computing, not reading)
         self._trimmed = (time.monotonic(), (0, 0, 0))  # the last heap trim: (monotonic time, (steps, opened, open))
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
@@ -237,7 +240,11 @@ class CloudServer:
             # one, look again soon; idle: wake to expire sessions
             waiting = self.work.busy and wake is None
             wait_ms = 0 if self.work.can_launch else 1 if waiting else self.config.poll_ms
+            looked = time.perf_counter()
             ready = any(sock is self._sock for sock, _ in poller.poll(wait_ms))
+            back = time.perf_counter()
+            if not ready or back - looked > WOKE_S:  # watched until now (a request that woke the poll came just now)
+                self._empty_at = back
             t0, progress = time.perf_counter(), (self.work.stats.steps, self.work.launches)
             if ready:
                 self.drain()
@@ -305,6 +312,7 @@ class CloudServer:
             try:
                 raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._empty_at = time.perf_counter()
                 return
             self.handle_one(raw)
 
@@ -319,12 +327,13 @@ class CloudServer:
             except zmq.ZMQError:
                 pass
         received_at, size = time.perf_counter(), P.frame_bytes(body)
+        unseen = max(0.0, received_at - self._empty_at)  # since the socket was last seen empty
         self.stats.requests += 1
         self.stats.bytes_in += size
         msg: Any = None
         try:
             msg = P.decode(body, self.config.max_message_bytes)
-            reply = self.handlers.handle(identity, msg, received_at, size, user)
+            reply = self.handlers.handle(identity, msg, received_at, size, user, unseen)
         except P.ProtocolError as exc:
             reply = self._error(exc.code, exc.message, msg)
         except Exception as exc:  # a bug or a compute failure must not take the server down
@@ -332,7 +341,7 @@ class CloudServer:
             reply = self._error("internal", f"{type(exc).__name__}: {exc}", msg)
         self.metrics.request(msg)
         if reply is not None:
-            self._send(identity, reply, msg, received_at)
+            self._send(identity, reply, msg, received_at, unseen)
 
     def step(self) -> None:
         """Launch and collect batched steps of every session's queued work; sends the replies of what finished."""
@@ -352,7 +361,7 @@ class CloudServer:
             reply = self._finish(pending, rows)
             self.metrics.replied(pending.draft, reply)
             if reply is not None:
-                self._send(pending.identity, reply, pending.msg, pending.received_at)
+                self._send(pending.identity, reply, pending.msg, pending.received_at, pending.unseen_s)
 
     def _finish(self, pending: Pending, rows: Any) -> Optional[P.Message]:
         try:
@@ -363,11 +372,14 @@ class CloudServer:
             log.exception("finishing a %s failed", type(pending.msg).__name__)
             return self._error("internal", f"{type(exc).__name__}: {exc}", pending.msg)
 
-    def _send(self, identity: bytes, reply: P.Message, msg: Any, received_at: Optional[float] = None) -> None:
+    def _send(self, identity: bytes, reply: P.Message, msg: Any, received_at: Optional[float] = None,
+              unseen_s: float = 0.0) -> None:
         """Encode and send `reply` to `identity`; a reply that has `held_s` gets the seconds since its request was
-        read at `received_at`, so that the device can time the link without this cloud's queueing."""
+        read at `received_at` and `unseen_s`, how long before that it may have arrived, so that the device can time
+        the link without this cloud's queueing (or knows it cannot)."""
         if received_at is not None and hasattr(reply, "held_s"):
             reply.held_s = max(0.0, time.perf_counter() - received_at)
+            reply.unseen_s = unseen_s
         out = P.encode(reply)
         self.stats.bytes_out += P.frame_bytes(out)
         try:

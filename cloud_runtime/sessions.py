@@ -165,17 +165,25 @@ class Arrival:
 
     at: float = 0.0  # perf_counter() when it was taken off the socket
     size: int = 0  # its bytes
+    unseen_s: float = 0.0  # it may have arrived this long before `at` (the cloud was computing, not reading)
+
+    def stamp(self) -> Dict[str, float]:
+        """When the request was read and how long before it may have arrived, for its Pending (work.Pending)."""
+        return {"received_at": self.at, "unseen_s": self.unseen_s}
 
     def uplink_bps(self, session: Any, idle_s: float) -> float:
         """The uplink rate this request saw: its bits over the time it spent on the link.
 
         Time on the link = (arrival − the previous reply's departure) − the device's idle time in between − the
         device's tiny-message round trip (propagation both ways and the reply's own transfer). Exact for one device on
-        an otherwise idle server; a request that queued behind other devices' compute reads as a slower link.
+        an otherwise idle server; a request that queued behind other devices' compute reads as a slower link, and one
+        that may have waited unseen in the socket for more than a quarter of that time (`unseen_s`) is not measured.
         A transfer quicker than RATE_RESOLUTION_S is counted as taking that long: the answer is then a lower bound
         (such a link is fast enough for any payload here). Returns 0 without a baseline (no link_rtt_s from the device).
         """
         if not session.replied_at or not session.link_rtt_s or not 0 <= idle_s < 1e6:
             return 0.0
         on_link = self.at - session.replied_at - idle_s - session.link_rtt_s
+        if self.unseen_s > max(RATE_RESOLUTION_S, 0.25 * on_link):  # it waited in the socket for an unknown part
+            return 0.0  # of that while the cloud computed: not measurable
         return 8.0 * self.size / max(on_link, RATE_RESOLUTION_S)

@@ -92,7 +92,8 @@ class SplitHandlers(FamilyHandlers):
         prompt = n if n > self.config.max_draft_len + 1 and tree is None else 0  # a prompt chunk, not a verify
         device = self.admission.charge(identity, key, self.work.kv_cost(session.start, session.stop), n,
                                        prompt=prompt)
-        pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s))
+        pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s),
+                          **self.arrival.stamp())
         self.admission.with_room(identity, key, lambda: self.work.submit_states(key, x, msg.want, pending, tree))
         if tree is not None:
             session.tree_at = msg.position

@@ -64,8 +64,8 @@ class TokenHandlers(FamilyHandlers):
         self.tables.stats.sessions_opened += 1
         if len(session.tokens) == 1:  # the last prompt token is fed with the first drafts: nothing to prefill
             return P.SessionOpened(msg.session_id, 1, 0.0, self._cost(session))
-        admission.with_room(identity, key, lambda: self.work.submit_tokens(key, session.tokens[:-1], 0,
-                                                                           Pending(identity, msg, session)))
+        pending = Pending(identity, msg, session, **self.arrival.stamp())  # (now: the lambda may run later)
+        admission.with_room(identity, key, lambda: self.work.submit_tokens(key, session.tokens[:-1], 0, pending))
         admission.spend(device, len(prompt))
         return None
 
@@ -94,7 +94,7 @@ class TokenHandlers(FamilyHandlers):
         feed = session.tokens[self.work.held(key)[0]:] + new.tolist() + drafts
         self.admission.charge(identity, key, self.work.kv_cost(0, self.model.layers), len(feed))
         pending = Pending(identity, msg, session, self.arrival.uplink_bps(session, msg.idle_s), draft=drafts, q=q,
-                          parents=parents)
+                          parents=parents, **self.arrival.stamp())
         chain = None if not tree else below_chain(len(feed) - L, parents)
         self.admission.with_room(identity, key, lambda: self.work.submit_tokens(key, feed, L + 1, pending, chain))
         session.tokens.extend(new.tolist())  # committed once the work is queued (a refusal changes nothing)
@@ -171,8 +171,8 @@ class TokenHandlers(FamilyHandlers):
         key = (identity, msg.session_id)
         feed = session.tokens[self.work.held(key)[0]:] + new.tolist()
         self.admission.charge(identity, key, self.work.kv_cost(0, self.model.layers), len(feed) + msg.n)
-        self.admission.with_room(identity, key,
-                                 lambda: self.work.submit_tokens(key, feed, 1, Pending(identity, msg, session)))
+        pending = Pending(identity, msg, session, **self.arrival.stamp())
+        self.admission.with_room(identity, key, lambda: self.work.submit_tokens(key, feed, 1, pending))
         session.tokens.extend(new.tolist())
         session.step = msg.step
         return None

@@ -11,7 +11,6 @@ its handlers and the work runner share, so that none of them imports another for
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Optional, Protocol, Sequence, Tuple
 
@@ -59,8 +58,8 @@ class Pending:
     q: Optional[np.ndarray] = None  # Verify: the drafts' distributions `# [L, vocab]`
     generated: List[int] = field(default_factory=list)  # Generate: the tokens sampled so far
     logprobs: List[Logprobs] = field(default_factory=list)  # Generate: theirs, when the session asked
-    received_at: float = field(default_factory=time.perf_counter)  # when the request was read (queued as it was
-    # handled, within the handling's microseconds): the reply's held_s counts from here
+    received_at: float = 0.0  # when the request was read (sessions.Arrival.at): the reply's held_s counts from here
+    unseen_s: float = 0.0  # ... and how long before it may have arrived (Arrival.unseen_s): the reply's unseen_s
 
 
 class ModelWork(Protocol):

@@ -28,7 +28,7 @@ RTT_WINDOW = 16  # the round trip is the least of at most this many recent sampl
 RTT_MAX_AGE_S = 30.0  # ... of the last this many seconds
 RTT_SAMPLE_BYTES = 1024  # an exchange is a sample when its frames are at most this big both ways (1 KiB: 1.6 ms at
 # LTE's 5 Mbit/s uplink, within a few percent of its round trip)
-RTT_ARRIVAL_S = 1e-3  # ... and its reply was seen within this long of arriving
+RTT_ARRIVAL_S = 1e-3  # ... and its reply was seen within this long of arriving, and its request by the cloud
 NO_MODEL_WORK = (P.Welcome, P.Reported, P.SplitOpened)  # replies the cloud sends without a model step
 
 
@@ -243,10 +243,11 @@ class CloudClient:
         its wall time less the time the cloud says it held the request (`held_s`: its queueing and model time; from an
         older cloud, the model time it reports, so a loaded cloud's queueing stays in; replies without either: none).
         Others (a row or a state of kilobytes, a reply read late) would measure the link's rate or the device's work
-        as well. What no reply can take off — a request that waited in the socket while the cloud ran a step it took
-        no part in, at most a step — the filter's minimum mostly leaves out."""
+        as well, and so would one that waited unseen in the cloud's socket while it computed (`unseen_s`, the reply
+        says how long it may have: a loaded cloud's every request, so a loaded cloud leaves the estimate as it was)."""
+        unseen = _seconds(getattr(reply, "unseen_s", 0.0))
         if (self.last_sent_bytes > RTT_SAMPLE_BYTES or self.last_reply_bytes > RTT_SAMPLE_BYTES
-                or self.arrival_uncertainty_s > RTT_ARRIVAL_S):
+                or self.arrival_uncertainty_s > RTT_ARRIVAL_S or unseen is None or unseen > RTT_ARRIVAL_S):
             return
         held = _seconds(getattr(reply, "held_s", None))
         if not held and isinstance(reply, P.Closed):  # its compute_s is the whole session's: nothing to go by

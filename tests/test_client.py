@@ -109,6 +109,42 @@ def test_replies_say_how_long_the_cloud_held_them_and_the_device_takes_that_off(
         client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1, held_s=0.9))  # held longer than the exchange: no sample
         client._sample_rtt(P.Closed(1, 3, 0.001))  # an older cloud's Closed: its compute_s is the session's
         assert client.base_rtt_s == 0.0 and not client.rtt.samples
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1, held_s=0.5, unseen_s=0.2))  # it may have waited unseen
+        assert not client.rtt.samples
+        client._sample_rtt(P.Verdict(1, 2, 0, 5, 9, 0.1, held_s=0.5, unseen_s=0.0002))  # read as it arrived
+        assert client.base_rtt_s == pytest.approx(0.05)
+    assert opened.unseen_s < 0.05  # an idle cloud reads a request as it arrives (its poll wakes on it)
+
+
+def test_a_request_that_waited_while_the_cloud_computed_says_so(tiny_pair):
+    """The cloud does not read its socket while it computes: a request that arrived then waited for an unknown part
+    of that time, and its reply says how long it may have (unseen_s), so the device takes no round-trip sample from
+    it. Here the cloud "computes" for 0.25 s (its loop not running) after the request is sent."""
+    from cloud_runtime.config import CloudConfig
+    from cloud_runtime.server import CloudServer
+
+    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024,
+                      security=LinkSecurity.plaintext())
+    with CloudServer(cfg, tiny_pair[1], "tiny-target", "tiny-vocab") as server:
+        def serve(seconds):
+            end = time.perf_counter() + seconds
+            server.serve_forever(until=lambda: time.perf_counter() > end)
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.endpoint)
+        try:
+            sock.send_multipart(P.encode(HELLO))
+            serve(0.3)
+            assert isinstance(P.decode(sock.recv_multipart()), P.Welcome)
+            sock.send_multipart(P.encode(P.OpenSession(1, "sd", PROMPT)))
+            time.sleep(0.25)  # the cloud busy elsewhere: not reading
+            serve(0.3)
+            opened = P.decode(sock.recv_multipart())
+            assert isinstance(opened, P.SessionOpened) and 0.2 < opened.unseen_s < 1.0, opened
+            assert opened.held_s < 0.25  # counted from the read, not from the arrival it cannot see
+        finally:
+            sock.close()
 
 
 def test_a_refusing_address_gives_cloud_unavailable_after_the_configured_attempts(monkeypatch):

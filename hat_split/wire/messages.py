@@ -231,7 +231,9 @@ class SessionOpened(msgspec.Struct, tag=True):
     compute_s: float
     cost: Optional[CloudCost] = None  # the cloud's step costs now (None from older clouds)
     held_s: float = 0.0  # seconds from the cloud reading the request to sending this reply, queueing included
-    # (0: an older cloud); the device takes it off an exchange's wall time to time the link (edge_runtime.client)
+    # (0: an older cloud); the device takes it off an exchange's wall time to time the link (edge_runtime.client) ...
+    unseen_s: float = 0.0  # ... when the request was read within this long of arriving (the cloud, busy computing,
+    # did not look at its socket for that long before it read it: the request may have waited there unseen)
 
 
 class Verify(msgspec.Struct, tag=True):
@@ -259,6 +261,7 @@ class Verdict(msgspec.Struct, tag=True):
     logprobs: Optional[TokenLogprobs] = None  # of the n_accepted + 1 committed tokens, if the session asked
     path: Any = None  # a tree's verdict: [n_accepted] int16 the accepted drafts' indices, the root's child first
     held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 class Generate(msgspec.Struct, tag=True):
@@ -277,6 +280,7 @@ class Generated(msgspec.Struct, tag=True):
     compute_s: float
     logprobs: Optional[TokenLogprobs] = None  # of the n tokens, if the session asked
     held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 class CloseSession(msgspec.Struct, tag=True):
@@ -294,6 +298,7 @@ class Closed(msgspec.Struct, tag=True):
     n_tokens: NonNeg = 0  # committed sequence length (prompt + generated) the cloud ended with
     digest: NonNeg = 0  # sequence_digest of its first CloseSession.length tokens (all if no length was given)
     held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 class OpenSplit(msgspec.Struct, tag=True):
@@ -340,6 +345,7 @@ class Deep(msgspec.Struct, tag=True):
     uplink_bps: float = 0.0
     cloud: CloudState = CloudState()
     held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 class Error(msgspec.Struct, tag=True):
