@@ -29,7 +29,8 @@ RTT_MAX_AGE_S = 30.0  # ... of the last this many seconds
 RTT_SAMPLE_BYTES = 1024  # an exchange is a sample when its frames are at most this big both ways (1 KiB: 1.6 ms at
 # LTE's 5 Mbit/s uplink, within a few percent of its round trip)
 RTT_ARRIVAL_S = 1e-3  # ... and its reply was seen within this long of arriving, and its request by the cloud
-NO_MODEL_WORK = (P.Welcome, P.Reported, P.SplitOpened)  # replies the cloud sends without a model step
+NO_MODEL_WORK = (P.Welcome, P.Reported, P.SplitOpened)  # replies the cloud sends without a model step (an older
+# cloud's carry no held_s: their held time is taken as 0)
 
 
 def _seconds(value: object) -> Optional[float]:

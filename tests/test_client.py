@@ -143,6 +143,12 @@ def test_a_request_that_waited_while_the_cloud_computed_says_so(tiny_pair):
             opened = P.decode(sock.recv_multipart())
             assert isinstance(opened, P.SessionOpened) and 0.2 < opened.unseen_s < 1.0, opened
             assert opened.held_s < 0.25  # counted from the read, not from the arrival it cannot see
+            for request, kind in ((P.Report(P.DeviceState()), P.Reported), (HELLO, P.Welcome)):  # no model work:
+                sock.send_multipart(P.encode(request))  # the same (a probe or a state report read late under load)
+                time.sleep(0.25)
+                serve(0.3)
+                reply = P.decode(sock.recv_multipart())
+                assert isinstance(reply, kind) and 0.2 < reply.unseen_s < 1.0, reply
         finally:
             sock.close()
 

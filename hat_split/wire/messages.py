@@ -212,6 +212,8 @@ class Welcome(msgspec.Struct, tag=True):
     software: str = ""
     max_tree_nodes: NonNeg = 0  # nodes of a draft tree one Verify may carry; 0: this cloud verifies chains only
     max_tree_depth: NonNeg = 0  # levels of such a tree
+    held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 class OpenSession(msgspec.Struct, tag=True):
@@ -318,6 +320,8 @@ class SplitOpened(msgspec.Struct, tag=True):
     hidden_size: NonNeg
     chunk_size: NonNeg  # prompt chunk size from HAT eq. 3 (0: the cloud has no estimate; the device decides)
     cloud: CloudState = CloudState()
+    held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 class Hidden(msgspec.Struct, tag=True):
@@ -385,6 +389,8 @@ class Report(msgspec.Struct, tag=True):
 class Reported(msgspec.Struct, tag=True):
     cloud: CloudState
     cost: Optional[CloudCost] = None  # the cloud's step costs now (None from older clouds)
+    held_s: float = 0.0  # as SessionOpened.held_s
+    unseen_s: float = 0.0  # as SessionOpened.unseen_s
 
 
 Message = Union[
