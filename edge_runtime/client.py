@@ -230,9 +230,15 @@ class CloudClient:
         The first Hello also paid for TCP and ZeroMQ's greeting, so it is not one of them.
         """
         self.rtt.clear()
+        least = math.inf
         for _ in range(RTT_PROBES):
-            self._roundtrip(self.hello, self.link.request_timeout_s)  # (connected: a slow answer is a loaded cloud;
-            # a probe given up on would leave its late reply to the next request)
+            t0 = time.perf_counter()
+            reply = self._roundtrip(self.hello, self.link.request_timeout_s)  # (connected: a slow answer is a loaded
+            # cloud; a probe given up on would leave its late reply to the next request)
+            if isinstance(reply, P.Welcome):
+                least = min(least, self.last_reply_at - t0 - (_seconds(reply.held_s) or 0.0))
+        if not self.rtt.samples and 0 < least < math.inf:  # none was read as it arrived (a busy cloud, a busy
+            self.rtt.observe(least, self.last_reply_at)  # host): the least of them, an upper bound, beats none
 
     @property
     def base_rtt_s(self) -> float:

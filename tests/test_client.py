@@ -153,6 +153,16 @@ def test_a_request_that_waited_while_the_cloud_computed_says_so(tiny_pair):
             sock.close()
 
 
+def test_probes_none_of_which_was_read_on_arrival_still_give_a_round_trip(tiny_server, monkeypatch):
+    """A busy host or cloud may read every probe late (unseen_s or the reply's arrival past the bound): the least
+    probe, an upper bound, is the estimate then, not 0 (0 is "no baseline" to the cloud's uplink readings)."""
+    import edge_runtime.client as client_module
+
+    monkeypatch.setattr(client_module, "RTT_ARRIVAL_S", -1.0)  # no exchange qualifies as a sample
+    with CloudClient(link(tiny_server.endpoint), HELLO) as client:
+        assert 0 < client.base_rtt_s < 1.0 and len(client.rtt.samples) == 1
+
+
 def test_a_refusing_address_gives_cloud_unavailable_after_the_configured_attempts(monkeypatch):
     attempts = []
     opened = CloudClient._open_socket
