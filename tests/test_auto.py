@@ -309,6 +309,30 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     assert not far.sd_within_reach(preds) and not llm_only.sd_within_reach(llm_only.predictions(Link(0.01)))
 
 
+def test_a_read_while_waiting_is_sized_by_the_wait_still_predicted():
+    """One catch-up forward while waiting takes at most a quarter of the wait still predicted: at the opening the
+    prompt's (a whole prompt in one or two forwards where the wait allows, not a token at a time: a forward's fixed
+    cost made that several times slower), in an llm round the round's; a token at a time once the reply is late;
+    SHADOW_MAX_S while llm is unpriced."""
+    from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE
+
+    est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.4)  # a loaded cloud: a prompt of 200 takes seconds
+    est.observe_catch_up(1, 0.04)  # a forward's fixed cost: one token 40 ms, 64 tokens 0.8 s
+    est.observe_catch_up(64, 0.8)
+    c = AutoController(est, ("sd", "llm"), 8, 8, 200)  # a prompt of 200 tokens
+    preds = c.predictions(Link(0.01))
+    prompt_wait, round_wait = preds["llm"].ttft_s - preds["llm"].round_s, preds["llm"].round_s
+    assert prompt_wait > 1.0 and round_wait > 1.0
+    opening = c.read_budget_s(preds, opening=True, elapsed_s=0.0)
+    assert opening == pytest.approx(SHADOW_SHARE * prompt_wait)
+    assert est.catch_up_within(opening, most=200) >= 20 >= est.catch_up_within(SHADOW_MAX_S, most=200)
+    assert c.read_budget_s(preds, opening=False, elapsed_s=0.5) == pytest.approx(SHADOW_SHARE * (round_wait - 0.5))
+    late = c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait + 1.0)
+    assert late == 0.0 and est.catch_up_within(late, most=200) == 1
+    assert est.catch_up_within(10.0, most=7) == 7  # never more than the tokens behind
+    assert _controller(AutoEstimates()).read_budget_s({}, opening=True, elapsed_s=0.0) == SHADOW_MAX_S
+
+
 @pytest.mark.parametrize("bad,field", [
     (P.CloudCost([[1.0, float("nan")]]), r"points\[0\]: seconds"),
     (P.CloudCost([[1.0, 0.1], [1.0, 0.2]]), r"points\[1\]: positions must increase"),

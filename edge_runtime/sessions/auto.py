@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
-from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE, AutoController, AutoEstimates, Choice, Shape
+from edge_runtime.auto import AutoController, AutoEstimates, Choice, Shape
 from edge_runtime.rounds.qs import qs_round
 from edge_runtime.rounds.token import tree_round, verify_round
 from edge_runtime.sessions.base import GenerationResult
@@ -58,21 +58,21 @@ class AutoSession(TokenSession):
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
         (AutoController.sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works,
-        a forward at a time, each at most SHADOW_SHARE of an llm round's expected time and SHADOW_MAX_S, until the
-        reply is there."""
+        a forward at a time, each as many tokens as the measured forwards fit in AutoController.read_budget_s (a
+        quarter of the wait still predicted), until the reply is there."""
         if not self.config.overlaps_prefill:
             return
+        t0 = time.perf_counter()  # the request has just left
         preds = self.auto.predictions(self.link(), time.monotonic())
         if not self._opening and not self.auto.sd_within_reach(preds):
             return
         est, d = self.auto.estimates, self.drafter
-        pred = preds.get("llm")
-        budget = SHADOW_MAX_S if pred is None else min(SHADOW_MAX_S, SHADOW_SHARE * self.auto.chunk / pred.tokens_per_s)
         known = est.catch_up.known or est.draft_step_s is not None
-        chunk = est.catch_up_within(budget) if known else 8
         while d.behind and not self.client.ready():
-            t0, n = time.perf_counter(), d.catch_up(chunk)
-            est.observe_catch_up(n, time.perf_counter() - t0)
+            budget = self.auto.read_budget_s(preds, self._opening, time.perf_counter() - t0)
+            chunk = est.catch_up_within(budget, most=d.behind) if known else 8
+            t1, n = time.perf_counter(), d.catch_up(chunk)
+            est.observe_catch_up(n, time.perf_counter() - t1)
 
     def reopen(self, prompt: List[int]) -> None:
         super().reopen(prompt)
