@@ -58,7 +58,7 @@ class CloudProcess:
         while not ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                tail = "".join(self._stderr[-20:])
+                tail = "".join(self._stderr[-60:])  # torchrun prints its summary after the cause
                 raise RuntimeError(f"the cloud process did not become ready (exit {self.proc.returncode}):\n{tail}")
         return self
 
