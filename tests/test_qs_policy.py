@@ -147,7 +147,7 @@ def test_policy_follows_the_rate_the_cloud_measures(tmp_path):
     print(f"measured uplink: fast {np.median(rates_fast):.0f} bit/s, slow {np.median(rates_slow):.0f} bit/s; "
           f"actions fast {[(r['L'], r['ell']) for r in fast_rounds]}, slow {[(r['L'], r['ell']) for r in slow_rounds]}")
     # the cloud reads a row of a few hundred bytes: on a loaded 2-core host its transfer time carries scheduling
-    # delay, and the fast link read 0.75-3.4 Mbit/s of 5 (median 1.4) in one CI run; the bounds still keep the two 60x apart
+    # delay, and the fast link read 0.75-3.4 Mbit/s of 5 (median 1.4) in one CI run; the bounds stay 60x apart
     assert np.median(rates_slow) < 3 * LOW < HIGH / 5 < np.median(rates_fast)
     policy = make_policy("dqn", 4, 100, 16, policy_file)
     for i, r in enumerate(log):
