@@ -5,8 +5,10 @@ run, by the cost model (hat_split.math.costmodel) fed with what it measured. No 
 What it measures (`AutoEstimates`, one per runtime, kept from request to request):
   * the drafting protocols' acceptance α (sd's, and ksqs's: its drafts sampled from the lattice quantization of sd's
     rows), per kind of sampling (greedy, or the temperature and truncation: `sampling_kind`): accepted over examined
-    draft positions, each a moving average over rounds; the draft step t_d (the draft model's seconds per draft)
-    and the per-round overhead o per protocol (a round's wall time less its draft, cloud and link parts);
+    draft positions, each a moving average over rounds, the request's own drafts moving the prompts' average, and
+    both protocols' rounds one estimate of the prompt (`AutoEstimates.alpha_of`); the draft step t_d (the draft
+    model's seconds per draft) and the per-round overhead o per protocol (a round's wall time less its draft, cloud
+    and link parts);
   * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
     sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
     (SessionOpened's CloudCost) where the device has no point of its own; while the cloud reports other sessions'
@@ -77,9 +79,12 @@ DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
 READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
 # share of the best protocol's: else the reading costs the device energy (and, where device and cloud share a memory
 # bus, the cloud time) for a switch that is not coming
-ALPHA_POPULATION = 0.95  # per sd round: weight of the history in the prompts' acceptance (some 20 rounds, a few
-# requests)
+ALPHA_POPULATION = 0.98  # per drafting round: weight of the history in the prompts' acceptance (some 50 rounds,
+# six to ten requests: a prompt's α is its own, 0.6 to 1.0 here, and the prior of the next one is their mean; at 0.95
+# two easy prompts made it 1.00 and the next prompt, of α 0.76, drafted γ = 8)
 ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
+RATIO_PRIOR_ROUNDS = 4.0  # rounds of a drafting protocol's own against the prior that its acceptance is sd's
+# (`AutoEstimates.alpha_of`: ksqs drafts from the lattice's quantization of sd's rows and loses a little)
 LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
 LINK_CHANGE_S = 0.002  # uplink rate measured on the first does not price the second
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
@@ -100,14 +105,25 @@ class Acceptance:
     rounds: int = 0
 
     @property
-    def alpha(self) -> Optional[float]:
-        """The acceptance for the request running: the prompts' (the rounds of recent requests) as a prior worth
-        ALPHA_PRIOR_DRAFTS drafts, moved by this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
+    def population(self) -> Optional[float]:
+        """The prompts' acceptance (the rounds of recent requests); None before a round."""
         if self.examined is None or not self.examined > 0:
             return None
-        prior = min(1.0, (self.accepted or 0.0) / self.examined)
-        return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + self.request_accepted)
-                   / (ALPHA_PRIOR_DRAFTS + self.request_examined))
+        return min(1.0, (self.accepted or 0.0) / self.examined)
+
+    @property
+    def weight(self) -> float:
+        """Rounds the population's average stands for (its memory at most)."""
+        return min(float(self.rounds), 1.0 / (1.0 - ALPHA_POPULATION))
+
+    @property
+    def alpha(self) -> Optional[float]:
+        """The acceptance for the request running: the prompts' as a prior worth ALPHA_PRIOR_DRAFTS drafts, moved by
+        this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
+        prior = self.population
+        if prior is None:
+            return None
+        return posterior(prior, self.request_accepted, self.request_examined)
 
     def begin(self) -> None:
         self.request_accepted = self.request_examined = 0
@@ -121,6 +137,11 @@ class Acceptance:
         self.examined = ema(self.examined, float(examined), keep)
         self.request_accepted += accepted
         self.request_examined += examined
+
+
+def posterior(prior: float, accepted: float, examined: float) -> float:
+    """A request's acceptance: `prior` worth ALPHA_PRIOR_DRAFTS drafts, moved by the request's own drafts."""
+    return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + accepted) / (ALPHA_PRIOR_DRAFTS + examined))
 
 
 @dataclass
@@ -177,12 +198,32 @@ class AutoEstimates:
         return self.alpha_of("sd")
 
     def alpha_of(self, protocol: str) -> Optional[float]:
-        """`protocol`'s acceptance for the request running (its kind of sampling); ksqs's is sd's until ksqs has
-        drafted."""
-        own = self.acceptance.get((protocol, self.kind))
-        if own is not None and own.alpha is not None:
-            return own.alpha
-        return self.alpha_of("sd") if protocol != "sd" else None
+        """`protocol`'s acceptance for the request running (its kind of sampling). The drafting protocols draft with
+        the same model on the same prompt, so they share what they learn: the prompt's acceptance on sd's scale is
+        one estimate (`posterior`) from every drafting protocol's rounds, the population's and the request's, each
+        protocol's taken to sd's scale by its ratio ρ to sd, and a protocol's α is that times its ρ. ρ (at most 1:
+        ksqs drafts from a quantization of sd's rows) is the ratio of the two populations, shrunk toward 1 by
+        RATIO_PRIOR_ROUNDS: a few rounds of easy prompts read ksqs 1.00 against sd's 0.91, which was the prompts,
+        not ksqs. Before any drafting round, None."""
+        own = [(p, a) for p in DRAFTING if (a := self.acceptance.get((p, self.kind))) is not None
+               and a.population is not None]
+        if not own:
+            return None
+        sd = self.acceptance.get(("sd", self.kind))
+        ratios = {p: self._ratio(a, sd) for p, a in own}
+        weight = sum(a.weight for _, a in own)
+        prior = sum(a.weight * a.population / ratios[p] for p, a in own) / weight
+        accepted = sum(a.request_accepted / ratios[p] for p, a in own)
+        examined = sum(a.request_examined for _, a in own)
+        return posterior(min(1.0, prior), accepted, examined) * ratios.get(protocol, 1.0)  # not drafted yet: sd's
+
+    @staticmethod
+    def _ratio(own: Optional[Acceptance], sd: Optional[Acceptance]) -> float:
+        """A drafting protocol's acceptance over sd's (1 for sd, and without both populations), shrunk toward 1."""
+        if own is None or own is sd or sd is None or not sd.population:
+            return 1.0
+        measured = own.population / sd.population
+        return max(0.05, min(1.0, (own.weight * measured + RATIO_PRIOR_ROUNDS) / (own.weight + RATIO_PRIOR_ROUNDS)))
 
     def up_per_draft(self, protocol: str = "sd") -> Optional[float]:
         """Bytes of one of `protocol`'s draft rows for the request running (its kind of sampling); None before one

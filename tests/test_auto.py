@@ -138,7 +138,7 @@ def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     request, then ksqs, whose acceptance is sd's until its own rounds say otherwise; over a slow uplink ksqs wins
     where sd's dense rows (2 V bytes) cost more than its quantization loses, over a free link sd does; at
     temperature 0 ksqs is not a candidate; a greedy request finds its own figures again."""
-    from edge_runtime.auto import sampling_kind
+    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS, RATIO_PRIOR_ROUNDS, sampling_kind
     from edge_runtime.runtime import auto_eligible
     from hat_split.math.sampling import SamplingParams
 
@@ -163,7 +163,10 @@ def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     assert est.alpha_of("ksqs") == est.alpha  # sd's until ksqs drafted
     for _ in range(3):  # its rounds: 1 of 4 drafts accepted, 60 bytes a row
         est.observe_sd(4, 1, 0.08, 0.24, 80 + 4 * 60, 100, 0.4, lte, now=1.0, protocol="ksqs")
-    assert est.alpha_of("ksqs") == pytest.approx(0.5) and est.alpha == pytest.approx(0.75)  # each its own
+    rho = (3 * (0.5 / 0.75) + RATIO_PRIOR_ROUNDS) / (3 + RATIO_PRIOR_ROUNDS)  # ksqs over sd, shrunk toward 1
+    prior = (3 * 0.75 + 3 * 0.5 / rho) / 6  # the prompts' on sd's scale, both protocols' rounds
+    sd_alpha = (ALPHA_PRIOR_DRAFTS * prior + 9 + 3 / rho) / (ALPHA_PRIOR_DRAFTS + 12 + 6)  # with this prompt's
+    assert est.alpha == pytest.approx(sd_alpha) and est.alpha_of("ksqs") == pytest.approx(sd_alpha * rho)
     assert est.up_per_draft("ksqs") == pytest.approx(60.0)
     slow_uplink = c.decide(lte)
     assert slow_uplink.protocol == "ksqs" and "ksqs γ=" in slow_uplink.reason, slow_uplink
@@ -171,6 +174,31 @@ def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     assert free_link.protocol == "sd", free_link  # the same rows cost nothing: sd's higher acceptance wins
     est.begin_request(GREEDY)
     assert est.alpha == pytest.approx(0.8) and est.up_per_draft() == 60.0 and est.up_per_draft("ksqs") is None
+
+
+def test_the_drafting_protocols_share_what_they_learn_of_a_prompt():
+    """sd and ksqs draft with the same model on the same prompt: a few ksqs rounds on easy prompts (all accepted) do
+    not make ksqs's acceptance 1.00 beside sd's long-measured 0.9 (their ratio is shrunk toward 1 and at most 1),
+    and a hard prompt's sd rounds lower ksqs's acceptance too, before ksqs drafts on it."""
+    est = AutoEstimates()
+    for _ in range(40):  # sd over many prompts: 9 of 10 examined accepted
+        est.observe_sd(9, 9, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0)
+        est.observe_sd(1, 0, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0)
+    for _ in range(5):  # ksqs on two easy prompts: 26 of 26
+        est.observe_sd(5, 5, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0, protocol="ksqs")
+    est.begin_request()
+    sd, ksqs = est.alpha_of("sd"), est.alpha_of("ksqs")
+    assert 0.88 < ksqs <= sd < 0.95, (sd, ksqs)  # the prompts', not 1.00
+    for _ in range(3):  # a hard prompt, under sd: 1 of 2 examined
+        est.observe_sd(4, 1, 0.08, 0.2, 300, 100, 0.4, Link(), now=2.0)
+    assert est.alpha_of("ksqs") < 0.8 and est.alpha_of("ksqs") <= est.alpha_of("sd")
+    est.begin_request()
+    assert est.alpha_of("ksqs") > 0.85  # the next prompt starts from the prompts' prior again
+    bad = AutoEstimates()  # degenerate: only ksqs ran, every draft rejected; bounded, never NaN
+    for _ in range(4):
+        bad.observe_sd(4, 0, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0, protocol="ksqs")
+    assert bad.alpha_of("sd") == 0.0 and bad.alpha_of("ksqs") == 0.0
+    assert AutoEstimates().alpha_of("ksqs") is None
 
 
 def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
@@ -202,7 +230,7 @@ def test_the_first_rounds_are_averaged_not_the_first_one_kept():
     for accepted in (0, 4, 4):
         a.observe(4, accepted)
     assert a.alpha == pytest.approx((8 / 3) / ((1 + 4 + 4) / 3))  # 8 accepted of 9 examined, as a mean
-    for _ in range(100):
+    for _ in range(200):
         a.observe(4, 0)
     a.begin()
     assert a.alpha < 0.05  # long after, a moving average (the old rounds forgotten)
