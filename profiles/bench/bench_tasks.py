@@ -194,7 +194,8 @@ def plot(path: str, summary: dict, curves: Dict[str, List[dict]]) -> str:
                 zip(names_, means)]]
         ax.bar(range(len(names_)), means, yerr=err, capsize=4)
         ax.set_xticks(range(len(names_)), names_, rotation=30, ha="right")
-        ax.set_title(f"{task} ({ci_note(protos[p]['score'] for p in names_)})")
+        ax.set_title(f"{task}\n{ci_note(protos[p]['score'] for p in names_)}", fontsize=9)  # two lines: the
+        # intervals' note names each n, and two of them overran a 5-inch panel
         ax.set_ylabel("pass@1" if task == "humaneval" else "exact match")
         ax.set_ylim(0, 1)
     return save_figure(fig, axes, path)
