@@ -194,7 +194,7 @@ class AutoEstimates:
 
     @property
     def alpha(self) -> Optional[float]:
-        """sd's acceptance for the request running (Acceptance.alpha, its kind of sampling)."""
+        """sd's acceptance for the request running (`alpha_of`, its kind of sampling)."""
         return self.alpha_of("sd")
 
     def alpha_of(self, protocol: str) -> Optional[float]:
@@ -218,9 +218,9 @@ class AutoEstimates:
         return posterior(min(1.0, prior), accepted, examined) * ratios.get(protocol, 1.0)  # not drafted yet: sd's
 
     @staticmethod
-    def _ratio(own: Optional[Acceptance], sd: Optional[Acceptance]) -> float:
-        """A drafting protocol's acceptance over sd's (1 for sd, and without both populations), shrunk toward 1."""
-        if own is None or own is sd or sd is None or not sd.population:
+    def _ratio(own: Acceptance, sd: Optional[Acceptance]) -> float:
+        """A drafting protocol's acceptance over sd's (1 for sd, and without sd's population), shrunk toward 1."""
+        if own is sd or sd is None or not sd.population:
             return 1.0
         measured = own.population / sd.population
         return max(0.05, min(1.0, (own.weight * measured + RATIO_PRIOR_ROUNDS) / (own.weight + RATIO_PRIOR_ROUNDS)))
