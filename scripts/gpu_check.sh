@@ -220,6 +220,11 @@ step_install() {
       echo "== pip install --no-index --no-deps --force-reinstall $whl"
       timeout 180 "$PY" -m pip install --no-index --no-deps --force-reinstall "$whl" || rc=1
     fi
+    for whl in "$KIT"/data/*.whl; do  # GPU_KIT_DATA=1: the data hat-distill reads (pure Python, no dependencies)
+      [ -f "$whl" ] || continue
+      echo "== pip install --no-index --no-deps $whl"
+      timeout 180 "$PY" -m pip install --no-index --no-deps "$whl" || rc=1
+    done
   elif [ -f "$KIT/py$v.files" ]; then
     site="${TMPDIR:-/tmp}/hatspec-gpu-site-py$v"  # outside the kit, which stays as MANIFEST.txt lists it
     echo "== no pip: unpacking the kit's wheels for Python $v into $site (hat-bench then runs through python -m)"

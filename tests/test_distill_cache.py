@@ -211,3 +211,19 @@ def test_a_larger_cache_grows_from_a_smaller_one_of_its_first_windows(tmp_path, 
         _cache(tmp_path / "g4", split, windows, dtype="float16").grow_from(tmp_path / "small" / "cache", windows)
     with pytest.raises(ValueError, match="no teacher cache in"):
         _cache(tmp_path / "g5", split, windows).grow_from(tmp_path / "nothing", windows)
+
+
+@pytest.mark.parametrize("device,says", [("tpu", "device must be one of auto | cpu | cuda | cuda:N, got 'tpu'"),
+                                         ("cuda:7", "--device cuda:7: ")])
+def test_hat_distill_refuses_a_device_it_cannot_use_before_loading_a_model(device, says, capsys):
+    """`hat-distill --device` is resolved before any model loads: a name that is no device, or a GPU this process
+    cannot use (a CPU-only torch, none visible, an index out of range), is refused in one line."""
+    import torch
+
+    from edge_runtime.training.distill import main
+
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    assert main(["--model", "no-such-model", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hat-distill: ") and says in err and len(err.strip().splitlines()) == 1, err

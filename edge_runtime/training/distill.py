@@ -30,6 +30,7 @@ from hat_split.models.distill import CACHE_DTYPES, ce_positions, student_loss, t
 from hat_split.models.feature_drafter import TOKEN_INPUTS
 from hat_split.models.loading import load_model, resolve_dtype
 from hat_split.models.partition import SplitModel
+from hat_split.models.placement import device_name, resolve_device
 from hat_split.models.registry import default_adapter_dir
 from hat_split.files import strict_json
 
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init", default="layer-m", choices=ADAPTER_INITS,
                     help="Λ's starting point: a copy of layer m, of the last layer, or random (docs/HAT.md)")
     ap.add_argument("--dtype", default="auto",
-                    help="the frozen model's dtype (auto: bfloat16 or float32, whichever this CPU multiplies a "
-                         "batch of windows faster, measured at the start); Λ keeps float32 weights")
+                    help="the frozen model's dtype (auto: on a CPU bfloat16 or float32, whichever it multiplies a "
+                         "batch of windows faster, measured at the start; on a GPU bfloat16, or float16 where it "
+                         "lacks bfloat16); the drafter keeps float32 weights")
     ap.add_argument("--windows", type=int, default=0,
                     help="distinct training windows (default --steps × --batch: each seen once); fewer are cached "
                          "and revisited in a new random order each pass")
@@ -95,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "adapter; --eval-only adds it to an adapter made without one")
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    ap.add_argument("--device", default="auto",
+                    help="where the frozen model, the teacher and the training run: auto (the first CUDA GPU when "
+                         "this process sees one, else the CPU) | cpu | cuda | cuda:N; the teacher cache stays on "
+                         "disk and the artifact loads on any device (docs/HAT.md, \"Training on a GPU\")")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="artifact directory (default runs/adapters/<model>-m<m>[-t<tail>])")
@@ -154,8 +160,9 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail, args.drafter)
-    dtype = resolve_dtype(args.dtype, rows=args.batch * args.seq_len)  # auto: measured at a batch's size
-    loaded = load_model(args.model, dtype=dtype)
+    device = resolve_device(args.device)  # refused here, in one line, before any model loads
+    dtype = resolve_dtype(args.dtype, device, rows=args.batch * args.seq_len)  # auto on a CPU: measured at a batch
+    loaded = load_model(args.model, dtype=dtype, device=device)
     model = loaded.model.requires_grad_(False)
     split = SplitModel(model, args.m, args.tail)
     if args.drafter == "feature":
@@ -206,6 +213,7 @@ def run(args) -> int:
         adapter.to(next(model.parameters()).dtype)
         record = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                   "w_ce": args.w_ce, "ce_fraction": args.ce_fraction, "init": args.init, "dtype": dtype,
+                  "device": device_name(model),
                   "windows": len(train), "train_windows": used,
                   "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,

@@ -29,6 +29,7 @@ from hat_split.models.distill import autocast, ce_positions, teacher
 from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_drafter, read_feature_meta,
                                               save_feature_drafter, token_states, ttt_loss)
 from hat_split.models.partition import head_rows
+from hat_split.models.placement import device_name
 
 BUDGET_CACHE = 0.5  # the share of --budget-s the teacher cache may take; the training gets the rest
 RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "train_windows", "seed", "unroll", "token_input",
@@ -131,6 +132,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         record = {"drafter": "feature", "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
                   "lr": args.lr, "w_ce": args.w_ce, "ce_fraction": args.ce_fraction, "unroll": args.unroll,
                   "token_input": args.token_input, "train_vocab": args.train_vocab, "dtype": dtype,
+                  "device": device_name(model),
                   "windows": len(train), "train_windows": used,
                   "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,

@@ -34,6 +34,7 @@ import numpy as np
 from hat_split.files.atomic import write_json
 
 from hat_split.models.partition import PartCache, SplitModel, Stack, lm_head_logits
+from hat_split.models.placement import to_device, to_host
 
 W_CE = 0.1  # HAT eq. 4
 
@@ -51,8 +52,9 @@ def teacher(split: SplitModel, tokens: Any) -> Teacher:
     """tokens `# [B, n]` int64 → the teacher's states (inference mode, then cloned into ordinary tensors)."""
     import torch
 
+    embed = split.model.model.embed_tokens
     with torch.inference_mode():
-        embedded = split.model.model.embed_tokens(tokens)  # [B, n, hidden]
+        embedded = embed(tokens.to(embed.weight.device))  # [B, n, hidden]
     shallow = split.input.forward(PartCache(), embedded)
     deep = split.middle.forward(PartCache(), shallow)
     feats = _features(split, deep, train=False)
@@ -117,6 +119,7 @@ def student_loss(split: SplitModel, lam: Stack, t: Teacher, w_ce: float = W_CE, 
         l_sl = F.smooth_l1_loss(feats.float(), t.features.float())
         flat, target = feats.flatten(0, 1), t.features.flatten(0, 1)
         if positions is not None:
+            positions = positions.to(flat.device)
             flat, target = flat[positions], target[positions]
         logits = lm_head_logits(split.model, flat, train=True)  # [k, vocab]
     probs = teacher_probs(split, target)
@@ -204,8 +207,8 @@ class TeacherCache:
                 return
             lo, hi = self.done, min(self.spec.windows, self.done + batch)
             t = teacher(split, torch.tensor(windows[lo:hi], dtype=torch.long))
-            self.shallow[lo:hi] = t.shallow.float().numpy().astype(self.spec.dtype)
-            self.features[lo:hi] = t.features.float().numpy().astype(self.spec.dtype)
+            self.shallow[lo:hi] = to_host(t.shallow).astype(self.spec.dtype)
+            self.features[lo:hi] = to_host(t.features).astype(self.spec.dtype)
             self.shallow.flush()
             self.features.flush()
             self.done = hi
@@ -246,14 +249,12 @@ class TeacherCache:
         return copied
 
     def teacher(self, split: SplitModel, idx: Sequence[int]) -> Teacher:
-        """The cached teacher of windows `idx`, in the model's dtype."""
-        import torch
-
+        """The cached teacher of windows `idx`, on the model's device in its dtype."""
         if max(idx) >= self.done:
             raise ValueError(f"window {max(idx)} is not in the cache yet ({self.done} of {self.spec.windows} filled)")
-        dtype = next(split.model.parameters()).dtype
-        shallow = torch.from_numpy(np.asarray(self.shallow[list(idx)], dtype=np.float32)).to(dtype)
-        feats = torch.from_numpy(np.asarray(self.features[list(idx)], dtype=np.float32)).to(dtype)
+        weight = next(split.model.parameters())
+        shallow, feats = (to_device(np.asarray(a[list(idx)], dtype=np.float32), weight.device, weight.dtype)
+                          for a in (self.shallow, self.features))
         return Teacher(shallow, feats)
 
     def _save_meta(self) -> None:

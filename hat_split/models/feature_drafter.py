@@ -189,7 +189,7 @@ def ttt_loss(split: SplitModel, drafter: FeatureDrafter, stack: Stack, features:
     keep = torch.ones_like(valid_pos, dtype=torch.bool)
     if positions is not None:
         keep = torch.zeros_like(keep)
-        keep[positions] = True
+        keep[positions.to(keep.device)] = True
     total = features.new_zeros((), dtype=torch.float32)
     stats: Dict[str, Any] = {"top1_steps": []}
     for j, fhat in enumerate(outs):

@@ -55,6 +55,16 @@ def model_device(model: Any) -> Any:
     return next(model.parameters()).device
 
 
+def device_name(model: Any) -> str:
+    """Where a model runs, for a record: "cpu", or "cuda:N (<the GPU's name>)"."""
+    device = model_device(model)
+    if not is_cuda(device):
+        return str(device)
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
 def to_device(x: np.ndarray, device: Any, dtype: Any = None) -> Any:
     """A host array as a tensor on `device` (cast to `dtype` there when given). To a GPU it is copied once from pinned
     memory without blocking the host; later work on the device's stream is ordered after the copy."""

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List, Sequence
 import numpy as np
 
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
+from profiles.bench.gpu_distill import add_arguments as add_distill_arguments
+from profiles.bench.gpu_distill import measure_distill
 from profiles.bench.provenance import write_report
 
 MODELS_DIR = Path(__file__).resolve().parent / "gpu_models"
@@ -52,6 +54,10 @@ def add_parser(sub) -> None:
     s.add_argument("--batch-verify", type=int, default=5,
                    help="positions per session of the batched verify figure (γ + 1; 0: no such figure): a step of "
                         "each --batches count of sessions verifying that many positions each")
+    s.add_argument("--figures", default="steps", metavar="steps,distill",
+                   help="which figures: steps (the cloud's decode / verify / batched / prefill steps, each way), "
+                        "distill (the teacher's rate and the feature drafter's training step: gpu_distill.py)")
+    add_distill_arguments(s)
     s.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's table of each way's decode steps (after the figures)")
     s.add_argument("--out", default="runs/gpu-bench", help="directory of gpu_bench.json and gpu_bench.png")
@@ -273,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
     from hat_split.models.loading import resolve_dtype
     from hat_split.models.placement import is_cuda, resolve_device
 
+    figures = set(args.figures.split(","))
+    if not figures or figures - {"steps", "distill"}:
+        raise ValueError(f"--figures: a comma-separated list of steps, distill; got {args.figures!r}")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     batches = [int(x) for x in args.batches.split(",")]
@@ -292,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         limit = bandwidth / weight_bytes  # tokens/s if a decode only read the weights once
         row: Dict[str, Any] = {"weight_bytes": weight_bytes, "limit_tok_s": limit, "ways": {}}
-        for way, m in measure(model, ways, args, batches, gammas).items():
+        for way, m in (measure(model, ways, args, batches, gammas) if "steps" in figures else {}).items():
             m["decode_of_limit"] = m["decode_tok_s"] / limit
             row["ways"][way] = m
             print(f"{label} {way:>7}: decode {m['decode_tok_s']:.1f} tok/s "
@@ -304,6 +313,12 @@ def run(args: argparse.Namespace) -> int:
         if "graphs" in row["ways"]:
             row["graphs_over_eager_decode"] = (row["ways"]["graphs"]["decode_tok_s"]
                                                / row["ways"]["slots"]["decode_tok_s"])
+        if "distill" in figures:
+            d = row["distill"] = measure_distill(model, device, args)
+            print(f"{label} distill: teacher {d['teacher_tok_s']:.0f} tok/s; a training step of the feature drafter "
+                  f"({d['drafter_params'] / 1e6:.1f}M, {d['batch']} x {d['seq_len']} tokens): " + ", ".join(
+                      f"unroll {u} {x['step_ms']:.0f} ms ({x['positions_per_s']:.0f} positions/s)"
+                      for u, x in d["train"].items()), flush=True)
         result["models"][label] = row
         write_report(str(out / "gpu_bench.json"), result)  # after each model: a run stopped early keeps what it did
         del model
@@ -317,7 +332,9 @@ def plot(result: Dict[str, Any], path: Path) -> str:
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    models = result["models"]
+    models = {name: row for name, row in result["models"].items() if row["ways"]}
+    if not models:
+        return "no PNG (no step figures)"
     fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.2 * len(models)), squeeze=False)
     for (name, row), (ax_v, ax_b) in zip(models.items(), axes):
         for way, m in row["ways"].items():
