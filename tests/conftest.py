@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,26 @@ def tiny_model(seed: int, layers: int = 2):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       tie_word_embeddings=False)
     return Qwen2ForCausalLM(cfg).eval()
+
+
+def tiny_model_dir(path: Path) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, saved as a Hugging Face directory (processes load
+    it by path). The tokenizer: $HATSPEC_GPU_TOKENIZER (scripts/gpu_kit.sh carries it), else the local cache's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = Path(os.environ.get("HATSPEC_GPU_TOKENIZER", Path.home() / ".cache/hatspec/hf/smollm2-135m"))
+    if not (source / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer at {source} (run scripts/gpu_kit.sh)")
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(f, path / f.name)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from hat_split.models.distill import teacher
 from hat_split.models.feature_drafter import (FeatureDrafter, load_feature_drafter, save_feature_drafter,
                                               shift_features, ttt_forward, ttt_loss)
 from hat_split.models.partition import PartCache, SplitModel
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -430,3 +430,30 @@ def test_hat_bench_runs_the_feature_drafters_rows_end_to_end(smollm2, tmp_path):
     assert all(row["same_tokens_as_ushape"] == "1/1" for row in table.values())
     assert table["+SD F"]["drafts_per_round"] > 0 and "wifi-near, feature" in report["table4"]
     assert report["feature_parameters"] == FeatureDrafter(smollm2.model).n_params()
+
+
+def test_hat_distill_trains_the_feature_drafter_live_as_over_its_cache(tmp_path, capsys):
+    """`--no-cache` runs the frozen model live at every step (a GPU's way at scale: no disk of 6 KB a position): over
+    float32 states it gives the history that training over a float32 cache gives, and makes no cache; a time budget,
+    which sizes the cache, is refused with it."""
+    import json
+
+    from edge_runtime.training.distill import main
+
+    model_dir = tiny_model_dir(tmp_path / "tiny")
+    args = ["--drafter", "feature", "--model", str(model_dir), "--m", "2", "--batch", "2", "--seq-len", "32",
+            "--windows", "4", "--steps", "3", "--unroll", "2", "--train-vocab", "64", "--dtype", "float32",
+            "--cache-dtype", "float32", "--device", "cpu", "--eval-windows", "1", "--eval-prompts", "1",
+            "--eval-tokens", "4"]
+    records = {}
+    for way, extra in (("cached", []), ("live", ["--no-cache"])):
+        assert main([*args, *extra, "--out", str(tmp_path / way)]) == 0, capsys.readouterr().err[-2000:]
+        records[way] = json.loads((tmp_path / way / "drafter.json").read_text())["record"]
+    cached, live = records["cached"], records["live"]
+    assert live["teacher_cache"] is None and not (tmp_path / "live" / "teacher-cache").exists()
+    assert cached["teacher_cache"]["dtype"] == "float32" and len(live["history"]) == 3
+    for a, b in zip(cached["history"], live["history"]):
+        assert b[:5] == pytest.approx(a[:5], rel=1e-5) and b[5] == pytest.approx(a[5], rel=1e-5)
+    capsys.readouterr()
+    assert main([*args, "--no-cache", "--budget-s", "10", "--out", str(tmp_path / "budget")]) == 2
+    assert "without --resume, --eval-only or --no-cache" in capsys.readouterr().err

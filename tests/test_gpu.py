@@ -3,10 +3,6 @@ GPU machine). Tiny random models are enough here: each test compares a path with
 float32, on the same GPU."""
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +13,7 @@ from hat_split.models.adapter import Adapter
 from hat_split.models.feature_drafter import FeatureDrafter
 from hat_split.models.lm import CausalLM
 from hat_split.models.partition import SplitModel
-from tests.conftest import serving, tiny_model
+from tests.conftest import serving, tiny_model, tiny_model_dir
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (scripts/gpu_check.sh)")]
@@ -99,25 +95,6 @@ def test_graph_captured_steps_equal_eager_steps(family):
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
     assert runner.graphs.captures > 0 and runner.graphs.replays > 0
-
-
-def tiny_model_dir(path: Path) -> Path:
-    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, saved as a Hugging Face directory (processes load
-    it by path). The tokenizer: $HATSPEC_GPU_TOKENIZER (scripts/gpu_kit.sh carries it), else the local cache's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    source = Path(os.environ.get("HATSPEC_GPU_TOKENIZER", Path.home() / ".cache/hatspec/hf/smollm2-135m"))
-    if not (source / "tokenizer.json").is_file():
-        pytest.skip(f"no tokenizer at {source} (run scripts/gpu_kit.sh)")
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(path)
-    for f in source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 def test_cloud_and_device_processes_on_cuda_equal_the_model_alone(tmp_path):

@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a smaller teacher cache of the same model and cut whose windows are this run's first ones: "
                          "they are copied, so only the new windows run through the teacher (a data-scaling curve)")
     ap.add_argument("--cache-dtype", default="float16", choices=CACHE_DTYPES, help="storage of the cached states")
-    ap.add_argument("--no-cache", action="store_true", help="run the frozen model live at every step instead")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="run the frozen model live at every step instead: the cache holds 2 x hidden x 2 bytes a "
+                         "position (6 KB on the 1.5B), too much for a GPU's millions of windows, where the teacher "
+                         "costs less than the step (docs/HAT.md, \"Training on a GPU\")")
     return ap
 
 
@@ -152,9 +155,10 @@ def run(args) -> int:
         raise ValueError(f"--train-windows must be in [0, --windows], got {args.train_windows}")
     if not 0 < args.ce_fraction <= 1:
         raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
-    if args.budget_s < 0 or (args.budget_s and (args.drafter != "feature" or args.resume or args.eval_only)):
+    if args.budget_s < 0 or (args.budget_s and (args.drafter != "feature" or args.resume or args.eval_only
+                                                 or args.no_cache)):
         raise ValueError("--budget-s is a time in seconds > 0 for training a feature drafter afresh (--drafter "
-                         "feature, without --resume or --eval-only)")
+                         "feature, without --resume, --eval-only or --no-cache)")
     etas(args.eta_sweep)  # refused before any work
     parse_shapes(args.eval_trees)
     if args.threads:

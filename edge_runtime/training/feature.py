@@ -37,11 +37,12 @@ RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "train_windo
 
 
 def window_states(cache: Any, split: Any, drafter: FeatureDrafter, train: List[List[int]], idx: List[int]):
-    """(features, token states) `# [B, n, hidden]` of cached windows `idx`."""
+    """(features, token states) `# [B, n, hidden]` of windows `idx`: read from the teacher cache, or (cache None:
+    --no-cache) the frozen model run live on them."""
     import torch
 
-    t = cache.teacher(split, idx)
     tokens = torch.tensor([train[i] for i in idx], dtype=torch.long)
+    t = teacher(split, tokens) if cache is None else cache.teacher(split, idx)
     return t.features, token_states(split, drafter, t.shallow, tokens)
 
 
@@ -111,7 +112,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
             start, history = resume(out, args, RESUME_KEYS, drafter, opt)
         t0 = time.perf_counter()
         deadline = args.started + BUDGET_CACHE * args.budget_s if args.budget_s else None
-        cache = teacher_cache(args, out, loaded.name, split, train, deadline)
+        cache = None if args.no_cache else teacher_cache(args, out, loaded.name, split, train, deadline)
         cache_s = time.perf_counter() - t0
         if args.budget_s:
             used = min(used, cache.done)
@@ -136,7 +137,8 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
                   "windows": len(train), "train_windows": used,
                   "train_tokens": args.steps * args.batch * args.seq_len,
                   "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
-                  "teacher_cache": {"dtype": args.cache_dtype, "seconds": cache_s}, "history": history}
+                  "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
+                  "history": history}
         if budget is not None:
             record["budget"] = {**budget, "seconds_used": time.perf_counter() - args.started}
     t_eval = time.perf_counter()

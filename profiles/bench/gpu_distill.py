@@ -85,5 +85,4 @@ def measure_distill(model: Any, device: str, args: argparse.Namespace) -> Dict[s
     if is_cuda(device):
         out["peak_memory_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     out["free_memory_GB"] = available_bytes(device) / 1e9
-    del drafter, opt, stack
     return out
