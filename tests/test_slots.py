@@ -260,6 +260,32 @@ def test_hat_bench_gpu_runs_on_the_cpu(tmp_path):
         assert m["prefill_tok_s"] > 0 and 0 < m["decode_of_limit"]
 
 
+def test_hat_bench_gpu_times_a_drafters_training_on_the_cpu(tmp_path, capsys):
+    """`hat-bench gpu --figures distill` on a tiny shape: the teacher's rate and a training step per unroll count,
+    without the step figures; arguments that cannot run are refused in one line before any model is built."""
+    import json
+
+    from profiles.bench.bench import main
+
+    config = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024, "tie_word_embeddings": False}
+    (tmp_path / "tiny.json").write_text(json.dumps(config))
+    args = ["gpu", "--models", str(tmp_path / "tiny.json"), "--device", "cpu", "--dtype", "float32", "--steps", "8",
+            "--figures", "distill", "--distill-batch", "2", "--distill-seq", "32", "--distill-vocab", "64",
+            "--distill-unrolls", "1,2", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    row = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())["models"]["tiny"]
+    d = row["distill"]
+    assert row["ways"] == {} and d["teacher_tok_s"] > 0 and d["timed_steps"] == 2 and set(d["train"]) == {"1", "2"}
+    assert all(x["step_ms"] > 0 and x["positions_per_s"] > 0 for x in d["train"].values())
+    capsys.readouterr()
+    for bad, says in ((["--distill-unrolls", "0"], "--distill-unrolls: comma-separated counts >= 1"),
+                      (["--figures", "distil"], "--figures: a comma-separated list of steps, distill")):
+        assert main([*args, *bad]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_graphs_fall_back_to_eager_past_their_limit_and_after_a_failed_capture():
     graphs = CpuGraphs()
     graphs.max_graphs = 1

@@ -28,6 +28,7 @@ import numpy as np
 
 from hat_split.files.figures import NO_MATPLOTLIB, pyplot, save_figure
 from profiles.bench.gpu_distill import add_arguments as add_distill_arguments
+from profiles.bench.gpu_distill import check_arguments as check_distill_arguments
 from profiles.bench.gpu_distill import measure_distill
 from profiles.bench.provenance import write_report
 
@@ -282,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
     figures = set(args.figures.split(","))
     if not figures or figures - {"steps", "distill"}:
         raise ValueError(f"--figures: a comma-separated list of steps, distill; got {args.figures!r}")
+    if "distill" in figures:
+        check_distill_arguments(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     batches = [int(x) for x in args.batches.split(",")]

@@ -32,6 +32,18 @@ def add_arguments(s: Any) -> None:
     s.add_argument("--distill-vocab", type=int, default=16384, help="distill figures: the CE's draft vocabulary")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse distill figures' arguments that cannot run, before any model is built."""
+    try:
+        unrolls = [int(x) for x in args.distill_unrolls.split(",")]
+    except ValueError:
+        unrolls = []
+    if not unrolls or min(unrolls) < 1:
+        raise ValueError(f"--distill-unrolls: comma-separated counts >= 1, got {args.distill_unrolls!r}")
+    if args.distill_batch < 1 or args.distill_seq < 8 or args.distill_vocab < 1:
+        raise ValueError("--distill-batch and --distill-vocab must be >= 1 and --distill-seq >= 8")
+
+
 def timed(fn: Any, device: str, steps: int) -> float:
     """Seconds per call of `fn` (one untimed call first), the device synchronised before and after."""
     fn()
