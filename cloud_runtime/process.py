@@ -19,6 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
+
+
+def die_with(parent: int) -> None:
+    """In a child process: be sent SIGTERM when `parent` ends, however it ends (a benchmark killed by a signal, or by
+    SIGKILL, runs no cleanup of its own), so no server outlives it holding cores and ports. Linux only; elsewhere
+    nothing. A parent already gone by now ends the child at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 class CloudProcess:
     """Context manager: a cloud server process on 127.0.0.1:<port>; `endpoint` once ready."""
 
@@ -41,9 +58,15 @@ class CloudProcess:
 
     def __enter__(self) -> "CloudProcess":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None  # in the child, before torch
+        parent, cpus = os.getpid(), self.cpus
+
+        def in_child() -> None:  # after the fork, before the server starts
+            die_with(parent)
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # before torch starts its threads
+
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     preexec_fn=pin)
+                                     preexec_fn=in_child)
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
         ready = threading.Event()
