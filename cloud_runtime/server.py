@@ -147,7 +147,7 @@ class CloudServer:
         self._trimmed = (time.monotonic(), (0, 0, 0))  # the last heap trim: (monotonic time, (steps, opened, open))
         self._ctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
-        self._running = False
+        self._stopping = False  # stop() asked: kept until serving ends, even when asked before serving began
 
     @property
     def stats(self) -> ServerStats:
@@ -224,18 +224,18 @@ class CloudServer:
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def stop(self) -> None:
-        self._running = False
+        """End serve_forever (from a signal handler too); asked before it began, it returns at once."""
+        self._stopping = True
 
     def serve_forever(self, until: Optional[Callable[[], bool]] = None) -> None:
         """Serve until stop() is called or `until()` returns True (checked every poll_ms)."""
-        self._running = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         wake = self.work.wake_socket  # readable when a pipeline batch is back
         if wake is not None:
             poller.register(wake, zmq.POLLIN)
         last_sweep = time.monotonic()
-        while self._running and not (until and until()):
+        while not self._stopping and not (until and until()):
             # launchable work: do not wait; batches in pipeline stages: until one is back (wake socket) or, without
             # one, look again soon; idle: wake to expire sessions
             waiting = self.work.busy and wake is None

@@ -52,3 +52,22 @@ def test_the_cloud_server_ends_when_the_process_that_started_it_is_killed(tmp_pa
         parent.wait()
         if server is not None and not _gone(server):  # the failure above: leave no server behind all the same
             psutil.Process(server).kill()
+
+
+def test_a_stop_asked_before_serving_begins_is_kept(tiny_pair):
+    """SIGTERM can reach `hat-cloud serve` between its ready line and its serving loop (a launcher that kills it as
+    soon as it is ready): the stop is kept, and serving returns at once instead of running on."""
+    import threading
+
+    from cloud_runtime.config import CloudConfig
+    from cloud_runtime.server import CloudServer
+    from hat_split.net.security import LinkSecurity
+
+    cfg = CloudConfig(model="tiny", bind="tcp://127.0.0.1:0", poll_ms=20, max_context=1024,
+                      security=LinkSecurity.plaintext())
+    with CloudServer(cfg, tiny_pair[1], "tiny-target", "tiny-vocab") as server:
+        server.stop()
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "serve_forever ran on after stop()"
