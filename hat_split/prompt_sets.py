@@ -130,6 +130,37 @@ def sharegpt_conversations(n: int, offset: int = 0, min_turns: int = 2) -> List[
     return out
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def read_conversations(path: str) -> List[List[dict]]:
+    """A training corpus of one's own: a JSON Lines file, each line a conversation, either a list of chat messages or
+    an object with one under "messages" (OpenAI's format), each message {"role": system | user | assistant,
+    "content": non-empty text}. ValueError naming the file and line of the first that is not."""
+    out: List[List[dict]] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            msgs = item.get("messages") if isinstance(item, dict) else item
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError(f"{where}: a conversation is a list of messages, or {{\"messages\": [...]}}")
+            for m in msgs:
+                if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
+                        and m["content"].strip()):
+                    raise ValueError(f"{where}: each message needs a role ({', '.join(CHAT_ROLES)}) and non-empty "
+                                     f"text content, got {str(m)[:80]}")
+            out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+    if not out:
+        raise ValueError(f"{path}: no conversations")
+    return out
+
+
 def long_chat_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, offset: int = 0,
                       limit: int = DISTILL_SPLIT) -> List[List[int]]:
     """n prompts of min_tokens..max_tokens tokens: a conversation's history up to a user turn, templated, ready for

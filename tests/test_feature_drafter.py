@@ -457,3 +457,38 @@ def test_hat_distill_trains_the_feature_drafter_live_as_over_its_cache(tmp_path,
     capsys.readouterr()
     assert main([*args, "--no-cache", "--budget-s", "10", "--out", str(tmp_path / "budget")]) == 2
     assert "without --resume, --eval-only or --no-cache" in capsys.readouterr().err
+
+
+def test_hat_distill_trains_on_a_corpus_of_ones_own(tmp_path, capsys):
+    """`--data FILE.jsonl`: the windows come from the file's conversations (a list of messages, or {"messages": ...}
+    per line), the record names it; a line that is no conversation is refused naming the file and line."""
+    import json
+
+    from edge_runtime.training.common import windows
+    from edge_runtime.training.distill import main
+    from hat_split.models.loading import load_model
+
+    model_dir = tiny_model_dir(tmp_path / "tiny")
+    corpus = tmp_path / "corpus.jsonl"
+    talk = [{"role": "user", "content": "Tell me about zebras. " * 6},
+            {"role": "assistant", "content": "Zebras are striped horses of Africa. " * 8}]
+    corpus.write_text("\n".join([json.dumps(talk), json.dumps({"messages": talk})] * 3) + "\n")
+    tok = load_model(model_dir, tokenizer_only=True).tokenizer
+    got = windows(tok, 4, 32, 1000, corpus=str(corpus))
+    assert len(got) == 4 and all(len(w) == 32 for w in got) and "Zebras" in tok.decode(sum(got, []))
+    with pytest.raises(ValueError, match=r"corpus.jsonl ran out after 24 windows of 32 tokens"):
+        windows(tok, 100, 32, 0, corpus=str(corpus))
+    args = ["--drafter", "feature", "--model", str(model_dir), "--m", "2", "--batch", "2", "--seq-len", "32",
+            "--windows", "4", "--steps", "2", "--train-vocab", "16", "--dtype", "float32", "--device", "cpu",
+            "--no-cache", "--eval-windows", "1", "--eval-prompts", "1", "--eval-tokens", "4"]
+    assert main([*args, "--data", str(corpus), "--out", str(tmp_path / "fd")]) == 0, capsys.readouterr().err[-2000:]
+    assert json.loads((tmp_path / "fd" / "drafter.json").read_text())["record"]["train_data"] == str(corpus)
+    bad = tmp_path / "bad.jsonl"
+    for text, says in (('[{"role": "user", "content": "hi"}]\n{"oops"\n', "bad.jsonl:2: not JSON"),
+                       ('[{"role": "robot", "content": "hi"}]\n', "bad.jsonl:1: each message needs a role"),
+                       ("\n", "bad.jsonl: no conversations")):
+        bad.write_text(text)
+        capsys.readouterr()
+        assert main([*args, "--data", str(bad), "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert says in err[-1] and err[-1].startswith("hat-distill: "), err

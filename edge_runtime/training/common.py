@@ -23,21 +23,27 @@ from hat_split.prompt_sets import (
     HUMANEVAL_SPLIT,
     humaneval_prompts,
     long_chat_prompts,
+    read_conversations,
     sharegpt_conversations,
 )
 
 TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held out (evaluation and benchmarks)
 
 
-def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversation: int = 4) -> List[List[int]]:
-    """n_windows token windows of exactly seq_len tokens from conversations offset, offset + 1, ..."""
+def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversation: int = 4,
+            corpus: str = "") -> List[List[int]]:
+    """n_windows token windows of exactly seq_len tokens from ShareGPT's conversations offset, offset + 1, ..., or
+    (corpus: a JSON Lines file, hat_split.prompt_sets.read_conversations) from that file's, in its order."""
 
     out: List[List[int]] = []
     at = offset
+    own = read_conversations(corpus) if corpus else None
     while len(out) < n_windows:
-        convs = sharegpt_conversations(256, at)
+        convs = sharegpt_conversations(256, at) if own is None else own[:256]
+        if own is not None:
+            del own[:256]
         if not convs:
-            raise ValueError(f"ShareGPT ran out after {len(out)} windows of {seq_len} tokens")
+            raise ValueError(f"{corpus or 'ShareGPT'} ran out after {len(out)} windows of {seq_len} tokens")
         at += len(convs)
         for conv in convs:
             ids = encode_chat(tokenizer, conv)
@@ -148,6 +154,7 @@ def print_acceptance(args, at_eta: dict, sweep: dict) -> None:
 
 
 CHECKPOINT = "checkpoint.pt"
+ADDED_ARGS = {"data": ""}  # arguments newer than some checkpoints, with the value those checkpoints ran with
 
 
 def resume(out: Path, args, keys: Sequence[str], module: Any, opt: Any) -> Tuple[int, list]:
@@ -159,6 +166,7 @@ def resume(out: Path, args, keys: Sequence[str], module: Any, opt: Any) -> Tuple
     if not ckpt.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
     state = torch.load(ckpt, weights_only=False, map_location="cpu")  # load_state_dict moves it to the weights
+    state["args"] = {**ADDED_ARGS, **state["args"]}  # a checkpoint from before an argument existed ran without it
     differ = [k for k in keys if state["args"].get(k) != vars(args)[k]]
     if differ:
         raise ValueError(f"{ckpt} was made with other " + ", ".join(

@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-windows", type=int, default=0, metavar="N",
                     help="train on the first N of the --windows only (0: all): points of a data-scaling curve over "
                          "one teacher cache")
+    ap.add_argument("--data", default="", metavar="FILE.jsonl",
+                    help="train on these conversations instead of ShareGPT's (JSON Lines: each line a list of "
+                         "{role, content} messages, or {\"messages\": [...]}); the held-out evaluation stays on "
+                         "ShareGPT's held-out conversations and HumanEval, so keep those out of FILE")
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows for loss / top-1")
     ap.add_argument("--eval-prompts", type=int, default=8,
                     help="held-out prompts for the acceptance length, of ShareGPT and of HumanEval each")
@@ -182,7 +186,8 @@ def run(args) -> int:
         meta = read_adapter_meta(out)
         record, stamp["weights_from"] = meta["record"], meta.get("provenance")  # None: trained before the stamps
         if args.draft_vocab and not (out / DRAFT_VOCAB).is_file():  # rank the tokens of the data it was trained on
-            ranked = vocab_ranking(model, tok, windows(tok, record["windows"], record["seq_len"], TRAIN_FROM))
+            ranked = vocab_ranking(model, tok, windows(tok, record["windows"], record["seq_len"], TRAIN_FROM,
+                                                       corpus=record.get("train_data", "")))
     else:
         adapter = Adapter(model, args.m, args.init).float()  # float32 master weights; the steps autocast
         lam = adapter_stack(split, adapter)
@@ -190,12 +195,12 @@ def run(args) -> int:
         start, history = 0, []
         if args.resume:
             start, history = resume(out, args, ("model", "m", "tail", "init", "seq_len", "batch", "windows",
-                                                "train_windows", "seed"), adapter, opt)
+                                                "train_windows", "seed", "data"), adapter, opt)
         n_windows = args.windows or args.steps * args.batch
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m} tail={args.tail}: Λ ({args.init}) has "
               f"{adapter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
-        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
+        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM, corpus=args.data)
         used = args.train_windows or len(train)
         ranked = vocab_ranking(model, tok, train)  # of every window: one draft vocabulary for a data-scaling curve
         order = visit_order(used, args.steps * args.batch, args.seed)
@@ -220,7 +225,8 @@ def run(args) -> int:
                   "device": device_name(model),
                   "windows": len(train), "train_windows": used,
                   "train_tokens": args.steps * args.batch * args.seq_len,
-                  "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
+                  "train_data": args.data, "train_from_conversation": TRAIN_FROM,
+                  "seconds": time.perf_counter() - t0,
                   "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
                   "history": history}
     if ranked is not None:

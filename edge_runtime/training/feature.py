@@ -33,7 +33,7 @@ from hat_split.models.placement import device_name
 
 BUDGET_CACHE = 0.5  # the share of --budget-s the teacher cache may take; the training gets the rest
 RESUME_KEYS = ("model", "m", "tail", "seq_len", "batch", "windows", "train_windows", "seed", "unroll", "token_input",
-               "train_vocab")
+               "train_vocab", "data")
 
 
 def window_states(cache: Any, split: Any, drafter: FeatureDrafter, train: List[List[int]], idx: List[int]):
@@ -101,7 +101,7 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m}: the feature drafter ({args.token_input}) has "
               f"{drafter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
-        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM)
+        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM, corpus=args.data)
         used = args.train_windows or len(train)
         ranked = vocab_ranking(model, tok, train)  # of every window: one draft vocabulary for a data-scaling curve
         out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,8 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
                   "device": device_name(model),
                   "windows": len(train), "train_windows": used,
                   "train_tokens": args.steps * args.batch * args.seq_len,
-                  "train_from_conversation": TRAIN_FROM, "seconds": time.perf_counter() - t0,
+                  "train_data": args.data, "train_from_conversation": TRAIN_FROM,
+                  "seconds": time.perf_counter() - t0,
                   "teacher_cache": None if cache is None else {"dtype": args.cache_dtype, "seconds": cache_s},
                   "history": history}
         if budget is not None:
