@@ -258,6 +258,10 @@ def test_hat_bench_gpu_runs_on_the_cpu(tmp_path):
     for m in row["ways"].values():
         assert m["decode_tok_s"] > 0 and set(m["verify_ms"]) == {"1", "4"} and set(m["batched_tok_s"]) == {"1", "3"}
         assert m["prefill_tok_s"] > 0 and 0 < m["decode_of_limit"]
+    png = tmp_path / "drawn" / "gpu_bench.png"  # drawn here from the JSON, as for a GPU machine's run
+    assert main(["gpu", "--plot-from", str(tmp_path / "out" / "gpu_bench.json"), "--out", str(png.parent)]) == 0
+    assert png.is_file() and png.stat().st_size > 1000
+    assert main(["gpu", "--plot-from", str(tmp_path / "tiny.json"), "--out", str(png.parent)]) == 2
 
 
 def test_hat_bench_gpu_times_a_drafters_training_on_the_cpu(tmp_path, capsys):

@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
     s.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's table of each way's decode steps (after the figures)")
     s.add_argument("--out", default="runs/gpu-bench", help="directory of gpu_bench.json and gpu_bench.png")
+    s.add_argument("--plot-from", default="", metavar="JSON",
+                   help="measure nothing: draw the PNG of a gpu_bench.json written elsewhere (a GPU machine's kit "
+                        "carries no matplotlib) into --out")
 
 
 def model_config(name: str) -> Any:
@@ -275,6 +278,16 @@ def measure(model: Any, ways: Sequence[str], args: argparse.Namespace, batches: 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot_from:
+        try:
+            result = json.loads(Path(args.plot_from).read_text())
+            result["models"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--plot-from {args.plot_from}: not a gpu_bench.json ({exc})") from None
+        png = Path(args.out) / (Path(args.plot_from).stem + ".png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        print(plot(result, png) or f"wrote {png}")
+        return 0
     import torch
 
     from hat_split.models.loading import resolve_dtype
