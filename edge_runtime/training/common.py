@@ -39,9 +39,7 @@ def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversati
     at = offset
     own = read_conversations(corpus) if corpus else None
     while len(out) < n_windows:
-        convs = sharegpt_conversations(256, at) if own is None else own[:256]
-        if own is not None:
-            del own[:256]
+        convs = sharegpt_conversations(256, at) if own is None else own[at - offset:at - offset + 256]
         if not convs:
             raise ValueError(f"{corpus or 'ShareGPT'} ran out after {len(out)} windows of {seq_len} tokens")
         at += len(convs)

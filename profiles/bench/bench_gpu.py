@@ -281,9 +281,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot_from:
         try:
             result = json.loads(Path(args.plot_from).read_text())
-            result["models"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--plot-from {args.plot_from}: not a gpu_bench.json ({exc})") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--plot-from {args.plot_from}: {exc}") from None
+        if not isinstance(result, dict) or "models" not in result:
+            raise ValueError(f"--plot-from {args.plot_from}: not a gpu_bench.json (no \"models\")")
         png = Path(args.out) / (Path(args.plot_from).stem + ".png")
         png.parent.mkdir(parents=True, exist_ok=True)
         print(plot(result, png) or f"wrote {png}")
