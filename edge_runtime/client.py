@@ -135,9 +135,10 @@ class CloudClient:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.link.heartbeat_s))
         self._handshake_events: List[int] = []
         self._established = False  # the ZMTP handshake (CurveZMQ and ZAP included) succeeded: the cloud is there
+        self._handshaking = False  # TCP is connected and the handshake's outcome has not come back yet
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
-                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED)
         sock.connect(self.link.server)
         self._sock, self._seen_at = sock, None
 
@@ -149,7 +150,20 @@ class CloudClient:
             self._handshake_events.append(event)  # (no-detail failures are connections reset mid-handshake)
         self._established = (self._established or event == zmq.EVENT_HANDSHAKE_SUCCEEDED) and \
             event != zmq.EVENT_DISCONNECTED
+        self._handshaking = event == zmq.EVENT_CONNECTED
         return event
+
+    def _await_handshake(self) -> None:
+        """After a drop, while a reconnection's handshake is in flight (TCP up, no outcome yet), wait for its outcome,
+        at most connect_timeout_s: a refusal (a revoked key) travels back behind the cloud's decision, and a request
+        sent meanwhile must learn it rather than call the link merely down. With no connection in progress (the
+        cloud's host unreachable) it returns at once."""
+        deadline = time.monotonic() + self.link.connect_timeout_s
+        while self._handshaking and self._monitor is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._monitor.poll(int(1000 * left)):
+                return
+            self._monitor_event()
 
     def _dropped(self) -> bool:
         """Read the socket's waiting events; True when one says the connection dropped."""
@@ -281,6 +295,7 @@ class CloudClient:
         # again first (only a drop from now on may lose this request's reply)
         dropped = not isinstance(msg, P.Hello) and self._dropped()
         if dropped:
+            self._await_handshake()
             failure = self._handshake_failure()
             if failure:  # it reconnected and the cloud refused it (a revoked key): say so at once
                 raise CloudError(P.Error("unauthorized", failure))

@@ -28,23 +28,28 @@ def _server(tiny_pair, security):
 
 @contextlib.contextmanager
 def _recording_proxy(upstream: str):
-    """A TCP relay that keeps every byte it forwards (both directions); `cut()` drops the live connections."""
+    """A TCP relay that keeps every byte it forwards (both directions); `cut(delay_down_s)` drops the live connections
+    and holds what later connections' cloud sends back to the device for delay_down_s (a slow or loaded path)."""
     host, port = upstream.split("//")[1].rsplit(":", 1)
     listener = socket.create_server(("127.0.0.1", 0))
     wire = bytearray()
     lock = threading.Lock()
     live = []
+    delay_down_s = [0.0]
 
-    def cut():
+    def cut(delay_s: float = 0.0):
+        delay_down_s[0] = delay_s
         for s in live:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
 
-    def pump(a, b):
+    def pump(a, b, down):
         with contextlib.suppress(OSError):
             while data := a.recv(65536):
                 with lock:
                     wire.extend(data)
+                if down:
+                    time.sleep(delay_down_s[0])
                 b.sendall(data)
         for s in (a, b):
             with contextlib.suppress(OSError):
@@ -56,8 +61,8 @@ def _recording_proxy(upstream: str):
                 client, _ = listener.accept()
                 server = socket.create_connection((host, int(port)))
                 live.extend((client, server))
-                for a, b in ((client, server), (server, client)):
-                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+                for a, b, down in ((client, server, False), (server, client, True)):
+                    threading.Thread(target=pump, args=(a, b, down), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", wire, cut
@@ -108,10 +113,13 @@ def test_traffic_is_not_readable_on_the_wire(tiny_pair, tmp_path):
         assert marker in wire and b"OpenSession" in wire  # the control: plaintext is readable
 
 
-def test_a_device_refused_on_reconnection_is_told_and_never_hangs(tiny_pair, tmp_path):
+@pytest.mark.parametrize("delay_down_s", [0.0, 0.5])
+def test_a_device_refused_on_reconnection_is_told_and_never_hangs(tiny_pair, tmp_path, delay_down_s):
     """A connected device whose key is revoked, then whose link drops: libzmq reconnects, the cloud refuses the new
     handshake and the socket is left with nowhere to queue a message. The next request must fail at once with the
-    reason, not block in the send forever."""
+    reason, not block in the send forever. With delay_down_s the refusal reaches the device well after the cloud
+    counted it (a slow path; on a loaded machine the relay alone did it): the request, sent while the handshake is
+    still in flight, must wait for its outcome rather than call the link merely down."""
     cloud, devices = ephemeral(tmp_path / "keys", ["orin-1"])
     link_of = lambda address: LinkConfig(address, security=devices["orin-1"], connect_timeout_s=2.0,  # noqa: E731
                                          connect_retries=2, backoff_s=0.1)
@@ -120,7 +128,7 @@ def test_a_device_refused_on_reconnection_is_told_and_never_hangs(tiny_pair, tmp
         client.connect()
         assert isinstance(client.request(P.OpenSession(1, "sd", PROMPT)), P.SessionOpened)
         assert keys_main(["revoke", "orin-1", "--allow-dir", cloud.allow_dir]) == 0
-        cut()
+        cut(delay_down_s)
         deadline = time.monotonic() + 3.0
         while not server.report()["security"]["refused"] and time.monotonic() < deadline:
             time.sleep(0.05)  # libzmq's reconnection, refused
