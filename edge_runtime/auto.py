@@ -691,6 +691,16 @@ class AutoController:
         best = max(p.tokens_per_s for p in preds.values())
         return any(preds[name].tokens_per_s >= READ_AHEAD_REACH * best for name in drafting)
 
+    def drafting_best(self, preds: Dict[str, Prediction]) -> bool:
+        """Whether a drafting protocol (sd, ksqs, a draft tree) is the best of `predictions`, priced before the
+        opening's reply from the cloud's last report: its first round will read the whole prompt, so the opening
+        reads it in one forward while the cloud prefills, as a fixed sd opening does (forwards within a budget pay
+        a forward's fixed cost each: on a slow board the reading then outlasts the cloud's prefill)."""
+        if not preds:
+            return False
+        best = max(preds.values(), key=lambda p: p.tokens_per_s)
+        return best.protocol in DRAFTING + ("sd_tree",)
+
     def local_wins(self, rtt_s: float) -> str:
         """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it
         is not, or not measured yet (allow_lossy requests)."""

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from edge_runtime.auto import GREEDY, PROBE_EVERY, Acceptance, AutoController, AutoEstimates, Choice
+from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link
 from hat_split.wire import messages as P
@@ -335,6 +336,9 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     assert preds["sd"].tokens_per_s < READ_AHEAD_REACH * preds["llm"].tokens_per_s
     llm_only = _controller(AutoEstimates(), eligible=("llm",))
     assert not far.sd_within_reach(preds) and not llm_only.sd_within_reach(llm_only.predictions(Link(0.01)))
+    assert not far.drafting_best(preds) and not unpriced.drafting_best(unpriced.predictions(Link(0.01)))
+    best = _controller(_estimates(0.9, 0.02, step_1=0.2, step_9=0.22))
+    assert best.drafting_best(best.predictions(Link(0.01)))  # the opening then reads the prompt in one forward
 
 
 def test_a_read_while_waiting_is_sized_by_the_wait_still_predicted():
@@ -457,7 +461,8 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     to look late, so the catch-up runs to its end whatever this machine's speed); the tokens stay the target's. On a
     shared host nothing is read while waiting (it would slow the cloud): sd reads everything first. With sd out of
     reach the prompt is still read at the opening (a load that makes sd the best is only known from the reply), llm's
-    tokens are not."""
+    tokens are not. Where a drafting protocol is already priced best, the opening reads the prompt in one forward
+    (as a fixed sd opening does); otherwise in forwards sized by the wait."""
     from edge_runtime.client import CloudClient
     from hat_split.math.sampling import SamplingParams
 
@@ -473,21 +478,29 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     ready = CloudClient.ready
     monkeypatch.setattr(CloudClient, "ready", lambda self, wait_s=0.0: False if wait_s == 0.0 else ready(self, wait_s))
     results = {}
-    within_reach = AutoController.sd_within_reach
-    for overlap, reach in (("on", True), ("off", True), ("on", False)):
-        seen = []
+    within_reach, catch_up_of = AutoController.sd_within_reach, Drafter.catch_up
+    for overlap, reach, best in (("on", True, False), ("off", True, False), ("on", False, False), ("on", True, True)):
+        seen, reads = [], []
         monkeypatch.setattr(AutoController, "decide", scripted(seen))
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
+        monkeypatch.setattr(AutoController, "drafting_best", lambda self, preds, best=best: best)
+        monkeypatch.setattr(Drafter, "catch_up", lambda self, n: reads.append(catch_up_of(self, n)) or reads[-1])
         with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
+            reads.clear()
+            rt.auto_estimates.observe_catch_up(1, 0.04)  # a forward's fixed cost, and 5 tokens a second: the
+            rt.auto_estimates.observe_catch_up(5, 1.0)  # opening's wait (milliseconds here) fits a token a forward
             res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
         assert res.tokens == ref.tokens, overlap
-        results[overlap, reach] = (seen, rt.auto_estimates.catch_up)
-    seen, catch_up = results["on", True]
+        results[overlap, reach, best] = (seen, rt.auto_estimates.catch_up, reads)
+    seen, catch_up, reads = results["on", True, False]
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
-    seen, _ = results["off", True]
+    assert len(reads) > 3 and reads[0] < len(PROMPT) - 1, reads  # the prompt in forwards sized by the wait
+    seen, _, reads = results["on", True, True]
+    assert reads[0] == len(PROMPT) - 1 and seen[0] == ("llm", 0), (reads, seen)  # the prompt in one forward
+    seen, _, _ = results["off", True, False]
     assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9), seen
-    seen, _ = results["on", False]
+    seen, _, _ = results["on", False, False]
     assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd", seen
 
 

@@ -59,7 +59,8 @@ class AutoSession(TokenSession):
         """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
         (AutoController.sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works,
         a forward at a time, each as many tokens as the measured forwards fit in AutoController.read_budget_s (a
-        quarter of the wait still predicted), until the reply is there."""
+        quarter of the wait still predicted), until the reply is there; at an opening where a drafting protocol is
+        priced best (AutoController.drafting_best), the whole prompt in one forward."""
         if not self.config.overlaps_prefill:
             return
         t0 = time.perf_counter()  # the request has just left
@@ -68,9 +69,10 @@ class AutoSession(TokenSession):
             return
         est, d = self.auto.estimates, self.drafter
         known = est.catch_up.known or est.draft_step_s is not None
+        whole = self._opening and self.auto.drafting_best(preds)  # the first round will draft: read it all now
         while d.behind and not self.client.ready():
             budget = self.auto.read_budget_s(preds, self._opening, time.perf_counter() - t0)
-            chunk = est.catch_up_within(budget, most=d.behind) if known else 8
+            chunk = d.behind if whole else est.catch_up_within(budget, most=d.behind) if known else 8
             t1, n = time.perf_counter(), d.catch_up(chunk)
             est.observe_catch_up(n, time.perf_counter() - t1)
 
