@@ -69,8 +69,9 @@ PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a prot
 MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
 STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
 # report (a load that ended, a link that changed)
-SHADOW_SHARE = 0.25  # of the wait still predicted (the opening's prompt, an llm round): the most one catch-up forward
-# may take while the device waits (a reply that arrives during it waits for it)
+SHADOW_SHARE = 0.25  # of the wait still predicted (the opening's prompt, an llm round), or of the wait so far once
+# the reply is late: the most one catch-up forward may take while the device waits (a reply that arrives during it
+# waits for it)
 SHADOW_MAX_S = 0.05  # one catch-up forward while llm is not priced yet (nothing predicts the wait)
 DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
 DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # these estimates, and the drafting protocols' round
@@ -670,14 +671,17 @@ class AutoController:
         """Seconds one forward of the draft model may take while the device waits for the cloud, `elapsed_s` after
         the request left: SHADOW_SHARE of the wait still predicted — the prompt's at the opening (llm's time to
         first token less its round), an llm round's later — so a reply that comes during a forward waits at most a
-        quarter of what was left; SHADOW_MAX_S while llm is not priced. A forward has a fixed cost (a step of the
-        model's weights) beside its per-token one: a budget that fits a token or two reads a prompt several times
-        slower than one forward of it, longer than the cloud's prefill under load (docs/AUTO.md)."""
+        quarter of what was left; SHADOW_MAX_S while llm is not priced. Once the reply is later than predicted (a
+        load that began since the last report) nothing predicts the rest of the wait: a quarter of the wait so far,
+        so the forwards grow with it, a reply waits at most a quarter of what it took, and a prompt is read in a
+        few forwards. A forward has a fixed cost (a step of the model's weights) beside its per-token one: a budget
+        that fits a token or two reads a prompt several times slower than one forward of it, longer than the cloud's
+        prefill under load (docs/AUTO.md)."""
         pred = preds.get("llm")
         if pred is None:
             return SHADOW_MAX_S
         wait = pred.ttft_s - pred.round_s if opening else pred.round_s
-        return SHADOW_SHARE * max(0.0, wait - elapsed_s)
+        return SHADOW_SHARE * max(wait - elapsed_s, elapsed_s)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether a drafting protocol (sd, ksqs) may run soon, by `predictions`: one not priced yet, or predicted at

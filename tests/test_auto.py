@@ -344,8 +344,9 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
 def test_a_read_while_waiting_is_sized_by_the_wait_still_predicted():
     """One catch-up forward while waiting takes at most a quarter of the wait still predicted: at the opening the
     prompt's (a whole prompt in one or two forwards where the wait allows, not a token at a time: a forward's fixed
-    cost made that several times slower), in an llm round the round's; a token at a time once the reply is late;
-    SHADOW_MAX_S while llm is unpriced."""
+    cost made that several times slower), in an llm round the round's; once the reply is late, a quarter of the wait
+    so far (not a token at a time: a loaded cloud's late reply left a prompt read a token a forward); SHADOW_MAX_S
+    while llm is unpriced."""
     from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE
 
     est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.4)  # a loaded cloud: a prompt of 200 takes seconds
@@ -359,8 +360,11 @@ def test_a_read_while_waiting_is_sized_by_the_wait_still_predicted():
     assert opening == pytest.approx(SHADOW_SHARE * prompt_wait)
     assert est.catch_up_within(opening, most=200) >= 20 >= est.catch_up_within(SHADOW_MAX_S, most=200)
     assert c.read_budget_s(preds, opening=False, elapsed_s=0.5) == pytest.approx(SHADOW_SHARE * (round_wait - 0.5))
-    late = c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait + 1.0)
-    assert late == 0.0 and est.catch_up_within(late, most=200) == 1
+    late = c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait + 1.0)  # a load that began since the report:
+    assert late == pytest.approx(SHADOW_SHARE * (prompt_wait + 1.0))  # a quarter of the wait so far, growing with it
+    assert est.catch_up_within(late, most=200) > est.catch_up_within(opening, most=200)
+    assert c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait / 2) == pytest.approx(SHADOW_SHARE * prompt_wait
+                                                                                               / 2)
     assert est.catch_up_within(10.0, most=7) == 7  # never more than the tokens behind
     assert _controller(AutoEstimates()).read_budget_s({}, opening=True, elapsed_s=0.0) == SHADOW_MAX_S
 

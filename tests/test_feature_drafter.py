@@ -459,11 +459,13 @@ def test_hat_distill_trains_the_feature_drafter_live_as_over_its_cache(tmp_path,
     assert "without --resume, --eval-only or --no-cache" in capsys.readouterr().err
 
 
-def test_hat_distill_trains_on_a_corpus_of_ones_own(tmp_path, capsys):
+def test_hat_distill_trains_on_a_corpus_of_ones_own(tmp_path, capsys, monkeypatch):
     """`--data FILE.jsonl`: the windows come from the file's conversations (a list of messages, or {"messages": ...}
-    per line), the record names it; a line that is no conversation is refused naming the file and line."""
+    per line), the record names it; a line that is no conversation, or a file that is not there, is refused naming
+    the file (and line) before any model loads."""
     import json
 
+    from edge_runtime.training import distill
     from edge_runtime.training.common import windows
     from edge_runtime.training.distill import main
     from hat_split.models.loading import load_model
@@ -484,10 +486,13 @@ def test_hat_distill_trains_on_a_corpus_of_ones_own(tmp_path, capsys):
     assert main([*args, "--data", str(corpus), "--out", str(tmp_path / "fd")]) == 0, capsys.readouterr().err[-2000:]
     assert json.loads((tmp_path / "fd" / "drafter.json").read_text())["record"]["train_data"] == str(corpus)
     bad = tmp_path / "bad.jsonl"
+    monkeypatch.setattr(distill, "load_model", lambda *a, **k: pytest.fail("a model loaded for a corpus refused"))
     for text, says in (('[{"role": "user", "content": "hi"}]\n{"oops"\n', "bad.jsonl:2: not JSON"),
                        ('[{"role": "robot", "content": "hi"}]\n', "bad.jsonl:1: each message needs a role"),
-                       ("\n", "bad.jsonl: no conversations")):
-        bad.write_text(text)
+                       ("\n", "bad.jsonl: no conversations"), (None, "No such file or directory")):
+        bad.unlink(missing_ok=True)
+        if text is not None:
+            bad.write_text(text)
         capsys.readouterr()
         assert main([*args, "--data", str(bad), "--out", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -33,6 +33,7 @@ from hat_split.models.partition import SplitModel
 from hat_split.models.placement import device_name, resolve_device
 from hat_split.models.registry import default_adapter_dir
 from hat_split.files import strict_json
+from hat_split.prompt_sets import read_conversations
 
 DRAFTERS = ("adapter", "feature")  # HAT's Λ (paper 004), or the feature drafter (hat_split.models.feature_drafter)
 
@@ -167,6 +168,8 @@ def run(args) -> int:
     parse_shapes(args.eval_trees)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.data:
+        read_conversations(args.data)  # a corpus that is not one is refused (file and line) before any model loads
     out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail, args.drafter)
     device = resolve_device(args.device)  # refused here, in one line, before any model loads
     dtype = resolve_dtype(args.dtype, device, rows=args.batch * args.seq_len)  # auto on a CPU: measured at a batch
