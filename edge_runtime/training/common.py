@@ -31,13 +31,14 @@ TRAIN_FROM = DISTILL_SPLIT  # ShareGPT conversations [0, TRAIN_FROM) are held ou
 
 
 def windows(tokenizer, n_windows: int, seq_len: int, offset: int, per_conversation: int = 4,
-            corpus: str = "") -> List[List[int]]:
+            corpus: str = "", conversations: Optional[List[List[dict]]] = None) -> List[List[int]]:
     """n_windows token windows of exactly seq_len tokens from ShareGPT's conversations offset, offset + 1, ..., or
-    (corpus: a JSON Lines file, hat_split.prompt_sets.read_conversations) from that file's, in its order."""
+    (corpus: a JSON Lines file, hat_split.prompt_sets.read_conversations) from that file's, in its order
+    (conversations: the file as already read)."""
 
     out: List[List[int]] = []
     at = offset
-    own = read_conversations(corpus) if corpus else None
+    own = conversations if conversations is not None else read_conversations(corpus) if corpus else None
     while len(out) < n_windows:
         convs = sharegpt_conversations(256, at) if own is None else own[at - offset:at - offset + 256]
         if not convs:

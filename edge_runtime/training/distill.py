@@ -168,8 +168,8 @@ def run(args) -> int:
     parse_shapes(args.eval_trees)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.data:
-        read_conversations(args.data)  # a corpus that is not one is refused (file and line) before any model loads
+    # a corpus that is not one is refused (file and line) before any model loads; read once, for the windows too
+    args.conversations = read_conversations(args.data) if args.data else None
     out = Path(args.out) if args.out else default_adapter_dir(args.model, args.m, args.tail, args.drafter)
     device = resolve_device(args.device)  # refused here, in one line, before any model loads
     dtype = resolve_dtype(args.dtype, device, rows=args.batch * args.seq_len)  # auto on a CPU: measured at a batch
@@ -203,7 +203,7 @@ def run(args) -> int:
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m} tail={args.tail}: Λ ({args.init}) has "
               f"{adapter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
-        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM, corpus=args.data)
+        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM, corpus=args.data, conversations=args.conversations)
         used = args.train_windows or len(train)
         ranked = vocab_ranking(model, tok, train)  # of every window: one draft vocabulary for a data-scaling curve
         order = visit_order(used, args.steps * args.batch, args.seed)

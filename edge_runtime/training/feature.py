@@ -101,7 +101,8 @@ def run(args, loaded: Any, split: Any, out: Path, dtype: str) -> int:
         print(f"hat-distill: {loaded.name} ({dtype}) cut m={args.m}: the feature drafter ({args.token_input}) has "
               f"{drafter.n_params():,} parameters; reading {n_windows} windows of {args.seq_len} tokens",
               file=sys.stderr)
-        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM, corpus=args.data)
+        train = windows(tok, n_windows, args.seq_len, TRAIN_FROM, corpus=args.data,
+                        conversations=args.conversations)
         used = args.train_windows or len(train)
         ranked = vocab_ranking(model, tok, train)  # of every window: one draft vocabulary for a data-scaling curve
         out.mkdir(parents=True, exist_ok=True)
