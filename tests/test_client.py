@@ -69,7 +69,8 @@ def test_the_round_trip_follows_a_link_that_changes_under_the_connection(tiny_se
     with LinkEmulator("loopback", (host, int(port))) as emu:
         with CloudClient(link(emu.address), HELLO) as client:
             fast = client.base_rtt_s
-            assert 0 < fast < 0.02 and len(client.rtt.samples) == RTT_PROBES
+            # a probe read late on a loaded host is no sample (the least of them stands in when none is): 1 to all
+            assert 0 < fast < 0.02 and 1 <= len(client.rtt.samples) <= RTT_PROBES
             emu.set_profile(LinkProfile("slow", delay_s=0.025))
             took = _exchanges_until(client, lambda: client.base_rtt_s > 0.045)
             slow = client.base_rtt_s
