@@ -84,6 +84,10 @@ ALPHA_POPULATION = 0.98  # per drafting round: weight of the history in the prom
 # six to ten requests: a prompt's α is its own, 0.6 to 1.0 here, and the prior of the next one is their mean; at 0.95
 # two easy prompts made it 1.00 and the next prompt, of α 0.76, drafted γ = 8)
 ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
+ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of the prompts' own here (0.55 to 1.00 on
+# the Qwen pair at T = 0, results/auto/trace_T0_lte_load_load-power.json) ...
+ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
+# prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it)
 RATIO_PRIOR_ROUNDS = 4.0  # rounds of a drafting protocol's own against the prior that its acceptance is sd's
 # (`AutoEstimates.alpha_of`: ksqs drafts from the lattice's quantization of sd's rows and loses a little)
 LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
@@ -107,10 +111,13 @@ class Acceptance:
 
     @property
     def population(self) -> Optional[float]:
-        """The prompts' acceptance (the rounds of recent requests); None before a round."""
+        """The prompts' acceptance (the rounds of recent requests), pulled toward ALPHA_BASE as if ALPHA_BASE_ROUNDS
+        rounds had read it, against every round observed (the pull fades as the pair's rounds accumulate: 2 % after
+        200): a few rounds of one prompt are one prompt's, not the prompts'; None before a round."""
         if self.examined is None or not self.examined > 0:
             return None
-        return min(1.0, (self.accepted or 0.0) / self.examined)
+        measured = min(1.0, (self.accepted or 0.0) / self.examined)
+        return (self.rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (self.rounds + ALPHA_BASE_ROUNDS)
 
     @property
     def weight(self) -> float:
