@@ -12,7 +12,9 @@ serve the token protocols on the model's own caches, planned by the same schedul
 
 Flow control is request/response: a device has at most one request in flight, so the ROUTER never queues more than
 one reply per device. ROUTER_MANDATORY makes a reply to a vanished device fail loudly (it is then dropped) rather
-than silently. With CurveZMQ only devices in the allow-list get through (cloud_runtime.zap).
+than silently. With CurveZMQ only devices in the allow-list get through (cloud_runtime.zap). The public socket
+belongs to a thread of its own (cloud_runtime.intake), which stamps each request as it arrives while the loop
+computes, so a reply's `held_s` includes the queueing and the device can time the link under any load.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from cloud_runtime.dashboard import Dashboard
 from cloud_runtime.fleet import fleet_view
 from cloud_runtime.devices import DeviceRegistry
 from cloud_runtime.handlers import Handlers
+from cloud_runtime.intake import Intake, unpack
 from cloud_runtime.metrics import CloudMetrics, listen_host
 from cloud_runtime.runner import LocalExecutor, ModelEnds, kv_layout
 from cloud_runtime.quotas import Admission, Quota, QuotaBook, allow_list_quotas, format_bytes, parse_bytes
@@ -50,7 +53,6 @@ from hat_split.net.security import load_secret
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.cloud")
-WOKE_S = 1e-3  # a poll that returned a request after blocking this long was woken by it: it arrived just then
 
 
 def model_facts(lm: CausalLM, model_name: str, vocab_fingerprint: str, max_sessions: int = 1) -> ModelFacts:
@@ -142,11 +144,10 @@ class CloudServer:
         self.metrics = CloudMetrics(self)  # Prometheus, served on config.metrics_port (cloud_runtime.metrics)
         self.dashboard: Optional[Dashboard] = None  # the fleet page, while served on config.dashboard_port
         self._status_at = -1e9  # monotonic time of the last status file
-        self._empty_at = time.perf_counter()  # when the socket was last seen with nothing waiting (a request read
-        # later may have arrived any time since: the cloud was computing, not reading)
         self._trimmed = (time.monotonic(), (0, 0, 0))  # the last heap trim: (monotonic time, (steps, opened, open))
         self._ctx = zmq.Context.instance()
-        self._sock: Optional[zmq.Socket] = None
+        self._intake: Optional[Intake] = None  # the thread that owns the public socket (cloud_runtime.intake) ...
+        self._sock: Optional[zmq.Socket] = None  # ... and the loop's end of its pair: requests in, replies out
         self._stopping = False  # stop() asked: kept until serving ends, even when asked before serving began
 
     @property
@@ -188,8 +189,13 @@ class CloudServer:
         sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a peer whose single frame exceeds this; the application check answers smaller excess.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        sock.bind(self.config.bind)
-        self._sock = sock
+        try:
+            sock.bind(self.config.bind)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self._intake = Intake(self._ctx, sock, security.curve)  # requests seen as they arrive, computing or not
+        self._sock = self._intake.sock
         try:
             if self.config.metrics_port:
                 self.metrics.serve(listen_host(self.config.bind), self.config.metrics_port)
@@ -206,9 +212,9 @@ class CloudServer:
 
     def close(self) -> None:
         """Close the socket before anything else, then the ZAP handler; free every session; stop the stages."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if self._intake is not None:
+            self._intake.close()
+            self._intake, self._sock = None, None
         if self.zap is not None:
             self.zap.close()
             self.zap = None
@@ -221,7 +227,7 @@ class CloudServer:
 
     @property
     def endpoint(self) -> str:
-        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self._intake.endpoint
 
     def stop(self) -> None:
         """End serve_forever (from a signal handler too); asked before it began, it returns at once."""
@@ -240,11 +246,7 @@ class CloudServer:
             # one, look again soon; idle: wake to expire sessions
             waiting = self.work.busy and wake is None
             wait_ms = 0 if self.work.can_launch else 1 if waiting else self.config.poll_ms
-            looked = time.perf_counter()
             ready = any(sock is self._sock for sock, _ in poller.poll(wait_ms))
-            back = time.perf_counter()
-            if not ready or back - looked > WOKE_S:  # watched until now (a request that woke the poll came just now)
-                self._empty_at = back
             t0, progress = time.perf_counter(), (self.work.stats.steps, self.work.launches)
             if ready:
                 self.drain()
@@ -312,22 +314,16 @@ class CloudServer:
             try:
                 raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self._empty_at = time.perf_counter()
                 return
             self.handle_one(raw)
 
     def handle_one(self, raw: List[Any]) -> None:
         """Decode and answer one request (or queue its work: answered by `step`)."""
-        frames = [f.buffer if hasattr(f, "buffer") else f for f in raw]
+        received_at, unseen, user, envelope = unpack(raw)  # stamped by the intake as it arrived (the allow-list
+        # name ZAP gave its connection, under CurveZMQ)
+        frames = [f.buffer if hasattr(f, "buffer") else f for f in envelope]
         identity, body = P.split_envelope(frames)
-        user = ""
-        if self.zap is not None and hasattr(raw[-1], "get"):  # the allow-list name ZAP gave this connection
-            try:
-                user = raw[-1].get("User-Id")
-            except zmq.ZMQError:
-                pass
-        received_at, size = time.perf_counter(), P.frame_bytes(body)
-        unseen = max(0.0, received_at - self._empty_at)  # since the socket was last seen empty
+        size = P.frame_bytes(body)
         self.stats.requests += 1
         self.stats.bytes_in += size
         msg: Any = None
@@ -374,18 +370,15 @@ class CloudServer:
 
     def _send(self, identity: bytes, reply: P.Message, msg: Any, received_at: Optional[float] = None,
               unseen_s: float = 0.0) -> None:
-        """Encode and send `reply` to `identity`; a reply that has `held_s` gets the seconds since its request was
-        read at `received_at` and `unseen_s`, how long before that it may have arrived, so that the device can time
-        the link without this cloud's queueing (or knows it cannot)."""
+        """Encode and send `reply` to `identity`; a reply that has `held_s` gets the seconds since its request
+        arrived at `received_at` (the intake's stamp: queueing behind a step included) and `unseen_s`, how long
+        before that it may have arrived, so that the device can time the link without this cloud's queueing."""
         if received_at is not None and hasattr(reply, "held_s"):
             reply.held_s = max(0.0, time.perf_counter() - received_at)
             reply.unseen_s = unseen_s
         out = P.encode(reply)
         self.stats.bytes_out += P.frame_bytes(out)
-        try:
-            self._sock.send_multipart([identity, *out], copy=False)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the device went away before its answer
-            log.warning("dropping reply to vanished peer %r: %s", identity, exc)
+        self._sock.send_multipart([identity, *out], copy=False)  # the intake sends it on (or logs a vanished peer)
         session = self.tables.sessions.get((identity, getattr(msg, "session_id", None)))
         if session is not None:
             session.replied_at = time.perf_counter()
