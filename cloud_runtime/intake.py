@@ -15,6 +15,8 @@ Model steps release the interpreter (torch's kernels, llama.cpp's calls), so the
 the loop runs Python the thread waits for the interpreter at most a switch interval (5 ms by default), and that
 wait is in `unseen_s`.
 
+A thread that fails logs why and ends; the loop then raises (`alive`) rather than serve a socket nobody reads.
+
 Frames to the loop: [stamp (two float64: arrival, unseen_s), user (the CurveZMQ allow-list name, or empty), identity,
 message frames...]; from the loop: [identity, message frames...], or one empty frame: stop.
 """
@@ -55,6 +57,11 @@ class Intake:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hatspec-intake", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still serves the public socket (it ends on `close`, or on a bug it logged)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         """Stop the thread (it closes the public socket), then close the loop's end."""

@@ -247,6 +247,8 @@ class CloudServer:
             waiting = self.work.busy and wake is None
             wait_ms = 0 if self.work.can_launch else 1 if waiting else self.config.poll_ms
             ready = any(sock is self._sock for sock, _ in poller.poll(wait_ms))
+            if not self._intake.alive:  # a cloud that reads no more requests must not look as if it served
+                raise RuntimeError("the intake thread stopped (its error is logged above): no request can arrive")
             t0, progress = time.perf_counter(), (self.work.stats.steps, self.work.launches)
             if ready:
                 self.drain()
