@@ -65,7 +65,7 @@ class Intake:
 
     def close(self) -> None:
         """Stop the thread (it closes the public socket), then close the loop's end."""
-        if self._thread.is_alive():
+        if self.alive:
             self._stopping.set()
             try:
                 self.sock.send(STOP, zmq.NOBLOCK)
