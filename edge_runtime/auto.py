@@ -25,8 +25,11 @@ is kept unless another promises `SWITCH_GAIN` more, and a switch to a drafting p
 tokens the request has left, the draft model's catch-up on the tokens it has not read (`behind`: the prompt at the
 opening when the device cannot prefill while the cloud does, the tokens llm made since). Where the device has cores
 of its own (`overlap_prefill`) and drafting is within reach (`sd_within_reach`), the session reads those tokens into
-the draft model while it waits for llm's replies, so the draft is ready when drafting comes back. After a new power
-mode the device's own figures are that mode's (or restart from their next observations). A protocol that has not run
+the draft model while it waits for llm's replies, on a thread of its own (edge_runtime.read_ahead: no reply waits
+for a forward), so the draft is ready when drafting comes back. After a new power mode the device's own figures are
+that mode's as measured before, or restart from their next observations; until then the draft step and the device
+alone are the last mode's scaled by the board's slowdown as the first read in the new mode measured it (the
+opening reads the prompt whatever auto runs next: `observe_catch_up`). A protocol that has not run
 for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
 current, never as a request's first round and, for a drafting protocol, only when its catch-up is one round's tokens
 at most. What changes fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue
@@ -69,14 +72,12 @@ PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a prot
 MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
 STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
 # report (a load that ended, a link that changed)
-SHADOW_SHARE = 0.25  # of the wait still predicted (the opening's prompt, an llm round), or of the wait so far once
-# the reply is late: the most one catch-up forward may take while the device waits (a reply that arrives during it
-# waits for it)
-SHADOW_MAX_S = 0.05  # one catch-up forward while llm is not priced yet (nothing predicts the wait)
 DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
 DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # these estimates, and the drafting protocols' round
 # overheads (keys of overhead_s)
 DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
+MODE_RATIO_BOUNDS = (0.1, 10.0)  # the most one read may rescale the last mode's device times by (a forward that
+# another process on the device's cores stretched is not a board ten times slower)
 READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
 # share of the best protocol's: else the reading costs the device energy (and, where device and cloud share a memory
 # bus, the cloud time) for a switch that is not coming
@@ -423,9 +424,20 @@ class AutoEstimates:
         self._overhead("llm", wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """The draft model read `tokens` committed tokens (no drafts) in one forward of `seconds`."""
+        """The draft model read `tokens` committed tokens (no drafts) in one forward of `seconds`. The first such
+        forward in a new power mode also says how much slower (or faster) the board now runs the model than in the
+        last mode (the ratio to what that mode's forwards of this size took, within MODE_RATIO_BOUNDS): the draft
+        step and the device alone, while they await their first observation in this mode, are the last mode's times
+        that ratio (a read comes at every opening, drafting only when chosen: priced with the last mode's step, a
+        board three times slower had sd at γ 7 chosen and one slow round run before llm)."""
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
             if self._restarts("catch_up"):
+                if self.catch_up.known:
+                    lo, hi = MODE_RATIO_BOUNDS
+                    ratio = min(hi, max(lo, seconds / self.catch_up.g(tokens)))
+                    for name in ("draft_step_s", "local_step_s"):
+                        if name in self.restart and getattr(self, name) is not None:
+                            setattr(self, name, getattr(self, name) * ratio)
                 self.catch_up = DelayModel()
             self.catch_up.observe(tokens, seconds)
 
@@ -438,11 +450,6 @@ class AutoEstimates:
         if self.catch_up.known:
             return self.catch_up.g(tokens)
         return tokens * (self.draft_step_s or 0.0)
-
-    def catch_up_within(self, budget_s: float, most: int = 64) -> int:
-        """The most tokens (1 … `most`) one catch-up forward reads within `budget_s`, as measured."""
-        fits = [n for n in range(1, most + 1) if self.catch_up_cost(n) <= budget_s]
-        return max(fits, default=1)
 
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
@@ -674,22 +681,6 @@ class AutoController:
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, best_tree) + why,
                       rates, tree)
 
-    def read_budget_s(self, preds: Dict[str, Prediction], opening: bool, elapsed_s: float) -> float:
-        """Seconds one forward of the draft model may take while the device waits for the cloud, `elapsed_s` after
-        the request left: SHADOW_SHARE of the wait still predicted — the prompt's at the opening (llm's time to
-        first token less its round), an llm round's later — so a reply that comes during a forward waits at most a
-        quarter of what was left; SHADOW_MAX_S while llm is not priced. Once the reply is later than predicted (a
-        load that began since the last report) nothing predicts the rest of the wait: a quarter of the wait so far,
-        so the forwards grow with it, a reply waits at most a quarter of what it took, and a prompt is read in a
-        few forwards. A forward has a fixed cost (a step of the model's weights) beside its per-token one: a budget
-        that fits a token or two reads a prompt several times slower than one forward of it, longer than the cloud's
-        prefill under load (docs/AUTO.md)."""
-        pred = preds.get("llm")
-        if pred is None:
-            return SHADOW_MAX_S
-        wait = pred.ttft_s - pred.round_s if opening else pred.round_s
-        return SHADOW_SHARE * max(wait - elapsed_s, elapsed_s)
-
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether a drafting protocol (sd, ksqs) may run soon, by `predictions`: one not priced yet, or predicted at
         READ_AHEAD_REACH of the best protocol or more (what decides whether the draft model reads the tokens it
@@ -701,16 +692,6 @@ class AutoController:
             return True
         best = max(p.tokens_per_s for p in preds.values())
         return any(preds[name].tokens_per_s >= READ_AHEAD_REACH * best for name in drafting)
-
-    def drafting_best(self, preds: Dict[str, Prediction]) -> bool:
-        """Whether a drafting protocol (sd, ksqs, a draft tree) is the best of `predictions`, priced before the
-        opening's reply from the cloud's last report: its first round will read the whole prompt, so the opening
-        reads it in one forward while the cloud prefills, as a fixed sd opening does (forwards within a budget pay
-        a forward's fixed cost each: on a slow board the reading then outlasts the cloud's prefill)."""
-        if not preds:
-            return False
-        best = max(preds.values(), key=lambda p: p.tokens_per_s)
-        return best.protocol in DRAFTING + ("sd_tree",)
 
     def local_wins(self, rtt_s: float) -> str:
         """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it

@@ -168,10 +168,13 @@ class Drafter:
     def commit(self, tokens: List[int], n_accepted_drafts: int = 0) -> None:
         """Append committed tokens, of which the first n_accepted_drafts are this round's accepted drafts.
 
-        Cached positions past the old sequence are valid only for accepted drafts; the rest (rejected drafts) go.
+        Cached positions past the old sequence are valid only for accepted drafts; the rest (rejected drafts) go. A
+        cache holding no drafts is not touched: a read of the committed tokens may be in progress on another thread
+        (edge_runtime.read_ahead), and it never reads past them.
         """
         if not 0 <= n_accepted_drafts <= len(tokens):
             raise ValueError(f"n_accepted_drafts={n_accepted_drafts} outside 0..{len(tokens)}")
         keep = len(self.tokens) + n_accepted_drafts
         self.tokens.extend(tokens)
-        self.lm.crop(self.kv, min(self.kv.length, keep))
+        if self.kv.length > keep:
+            self.lm.crop(self.kv, keep)

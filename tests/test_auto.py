@@ -103,13 +103,11 @@ def test_a_catch_up_is_priced_as_one_forward_of_its_size():
     """Reading n tokens is one forward: priced from the forwards measured, by size (a rate per token taken from
     1-token reads would price 60 tokens at 60 of them); the read while waiting takes the most that fits its budget."""
     est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.22)
-    assert est.catch_up_cost(0) == 0.0 and est.catch_up_within(0.05) == 2  # a draft step per token, unmeasured
+    assert est.catch_up_cost(0) == 0.0 and est.catch_up_cost(2) == pytest.approx(0.04)  # a draft step per token
     est.observe_catch_up(1, 0.02)
     assert est.catch_up_cost(60) == pytest.approx(60 * 0.02)  # one size known: proportional
     est.observe_catch_up(64, 0.2)
     assert est.catch_up_cost(60) == pytest.approx(0.02 + 59 * 0.18 / 63)
-    assert est.catch_up_within(0.05) == 11 and est.catch_up_within(1.0, most=64) == 64
-    assert est.catch_up_within(0.001) == 1  # at least one token
     est.observe_catch_up(8, float("nan"))  # a broken timing is not kept
     assert est.catch_up.points() == ((1.0, 0.02), (64.0, 0.2))
     c = _controller(est)
@@ -373,37 +371,37 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     assert preds["sd"].tokens_per_s < READ_AHEAD_REACH * preds["llm"].tokens_per_s
     llm_only = _controller(AutoEstimates(), eligible=("llm",))
     assert not far.sd_within_reach(preds) and not llm_only.sd_within_reach(llm_only.predictions(Link(0.01)))
-    assert not far.drafting_best(preds) and not unpriced.drafting_best(unpriced.predictions(Link(0.01)))
-    best = _controller(_estimates(0.9, 0.02, step_1=0.2, step_9=0.22))
-    assert best.drafting_best(best.predictions(Link(0.01)))  # the opening then reads the prompt in one forward
 
 
-def test_a_read_while_waiting_is_sized_by_the_wait_still_predicted():
-    """One catch-up forward while waiting takes at most a quarter of the wait still predicted: at the opening the
-    prompt's (a whole prompt in one or two forwards where the wait allows, not a token at a time: a forward's fixed
-    cost made that several times slower), in an llm round the round's; once the reply is late, a quarter of the wait
-    so far (not a token at a time: a loaded cloud's late reply left a prompt read a token a forward); SHADOW_MAX_S
-    while llm is unpriced."""
-    from edge_runtime.auto import SHADOW_MAX_S, SHADOW_SHARE
+def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
+    """A new mode never measured: the opening's read of the prompt (it comes whatever auto runs next) says the board
+    is three times slower, and the draft step and the device alone are priced at three times the last mode's until
+    their own first observations replace them; sd, priced at the old step the best, is no longer. A forward that
+    reads a hundred times slower moves them by MODE_RATIO_BOUNDS at most; a mode measured before keeps its own."""
+    from edge_runtime.auto import MODE_RATIO_BOUNDS
 
-    est = _estimates(0.9, 0.02, step_1=0.2, step_9=0.4)  # a loaded cloud: a prompt of 200 takes seconds
-    est.observe_catch_up(1, 0.04)  # a forward's fixed cost: one token 40 ms, 64 tokens 0.8 s
-    est.observe_catch_up(64, 0.8)
-    c = AutoController(est, ("sd", "llm"), 8, 8, 200)  # a prompt of 200 tokens
-    preds = c.predictions(Link(0.01))
-    prompt_wait, round_wait = preds["llm"].ttft_s - preds["llm"].round_s, preds["llm"].round_s
-    assert prompt_wait > 1.0 and round_wait > 1.0
-    opening = c.read_budget_s(preds, opening=True, elapsed_s=0.0)
-    assert opening == pytest.approx(SHADOW_SHARE * prompt_wait)
-    assert est.catch_up_within(opening, most=200) >= 20 >= est.catch_up_within(SHADOW_MAX_S, most=200)
-    assert c.read_budget_s(preds, opening=False, elapsed_s=0.5) == pytest.approx(SHADOW_SHARE * (round_wait - 0.5))
-    late = c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait + 1.0)  # a load that began since the report:
-    assert late == pytest.approx(SHADOW_SHARE * (prompt_wait + 1.0))  # a quarter of the wait so far, growing with it
-    assert est.catch_up_within(late, most=200) > est.catch_up_within(opening, most=200)
-    assert c.read_budget_s(preds, opening=True, elapsed_s=prompt_wait / 2) == pytest.approx(SHADOW_SHARE * prompt_wait
-                                                                                               / 2)
-    assert est.catch_up_within(10.0, most=7) == 7  # never more than the tokens behind
-    assert _controller(AutoEstimates()).read_budget_s({}, opening=True, elapsed_s=0.0) == SHADOW_MAX_S
+    est = _estimates(0.75, 0.04, step_1=0.1, step_9=0.14)
+    est.observe_catch_up(10, 0.08)
+    est.observe_catch_up(40, 0.2)
+    assert not est.take_mode("MAXN")
+    c = _controller(est)
+    c.record(Choice("sd", 4, "predicted", {}), 4)
+    assert c.decide(Link(0.01)).protocol == "sd"
+    assert est.take_mode("MODE_15W") and est.draft_step_s == pytest.approx(0.04)  # unmeasured: the last mode's
+    est.observe_catch_up(40, 0.6)  # the prompt read in the new mode: three times the full-power board's 0.2 s
+    assert est.draft_step_s == pytest.approx(0.12) and est.local_step_s == pytest.approx(0.12)
+    assert est.catch_up_cost(40) == pytest.approx(0.6) and "draft_step_s" in est.restart
+    assert c.decide(Link(0.01)).protocol == "llm"
+    est.observe_catch_up(40, 0.5)  # a second read is this mode's own figure, not another rescaling
+    assert est.draft_step_s == pytest.approx(0.12)
+    est.observe_sd(4, 3, 4 * 0.1, 0.14, 300, 100, 0.7, Link(), now=1.0)  # drafting measured: replaced
+    assert est.draft_step_s == pytest.approx(0.1) and "draft_step_s" not in est.restart
+    assert est.take_mode("MAXN") and est.draft_step_s == pytest.approx(0.04)  # a mode it knows: its own figures
+    est.observe_catch_up(40, 0.2)
+    assert est.draft_step_s == pytest.approx(0.04)
+    assert est.take_mode("MODE_10W")
+    est.observe_catch_up(40, 100 * est.catch_up_cost(40))  # a forward stretched by something else on the cores
+    assert est.draft_step_s == pytest.approx(0.04 * MODE_RATIO_BOUNDS[1])
 
 
 @pytest.mark.parametrize("bad,field", [
@@ -495,54 +493,94 @@ def test_a_sampling_request_measures_ksqs_a_greedy_one_never_runs_it(smollm2, sm
     assert 0 < est.up_per_draft("ksqs") < est.up_per_draft("sd") / 20, (est.up_per_draft("ksqs"), est.up_per_draft())
 
 
+def _scripted(seen, llm_rounds: int = 3):
+    """AutoController.decide replaced: `llm_rounds` llm rounds of 3 tokens, then sd γ=4; (protocol, behind) seen."""
+    script = itertools.chain([Choice("llm", 3, "forced", {})] * llm_rounds,
+                             itertools.cycle([Choice("sd", 4, "forced", {})]))
+
+    def decide(self, link, now=None, behind=0, remaining=0):
+        choice = next(script)
+        seen.append((choice.protocol, behind))
+        return choice
+    return decide
+
+
 @pytest.mark.real_models
 def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     """With cores of its own (overlap_prefill on) the device reads the prompt and llm's tokens into the draft model
-    while it waits for the cloud: when sd comes, only the last llm round's tokens are left to read (the reply is made
-    to look late, so the catch-up runs to its end whatever this machine's speed); the tokens stay the target's. On a
-    shared host nothing is read while waiting (it would slow the cloud): sd reads everything first. With sd out of
-    reach the prompt is still read at the opening (a load that makes sd the best is only known from the reply), llm's
-    tokens are not. Where a drafting protocol is already priced best, the opening reads the prompt in one forward
-    (as a fixed sd opening does); otherwise in forwards sized by the wait."""
+    while it waits for the cloud, on the reader's thread (never the session's): when sd comes, only the last llm
+    round's tokens are left to read (each reply is held here until the reader has run out of tokens, so the reads
+    end whatever this machine's speed); the tokens stay the target's. On a shared host nothing is read while waiting
+    (it would slow the cloud): sd reads everything first. With sd out of reach the prompt is still read at the
+    opening (a load that makes sd the best is only known from the reply), llm's tokens are not."""
+    import threading
+    import time
+
     from edge_runtime.client import CloudClient
     from hat_split.math.sampling import SamplingParams
 
-    def scripted(seen):
-        script = itertools.chain([Choice("llm", 3, "forced", {})] * 3, itertools.cycle([Choice("sd", 4, "forced", {})]))
+    receive = CloudClient.receive
 
-        def decide(self, link, now=None, behind=0, remaining=0):
-            choice = next(script)
-            seen.append((choice.protocol, behind))
-            return choice
-        return decide
+    def late(self, *args, **kwargs):  # the reply waits for the reader to finish (a slow cloud)
+        deadline = time.monotonic() + 30.0
+        while any(t.name == "hatspec-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return receive(self, *args, **kwargs)
 
-    ready = CloudClient.ready
-    monkeypatch.setattr(CloudClient, "ready", lambda self, wait_s=0.0: False if wait_s == 0.0 else ready(self, wait_s))
+    monkeypatch.setattr(CloudClient, "receive", late)
     results = {}
     within_reach, catch_up_of = AutoController.sd_within_reach, Drafter.catch_up
-    for overlap, reach, best in (("on", True, False), ("off", True, False), ("on", False, False), ("on", True, True)):
+    for overlap, reach in (("on", True), ("off", True), ("on", False)):
         seen, reads = [], []
-        monkeypatch.setattr(AutoController, "decide", scripted(seen))
+        monkeypatch.setattr(AutoController, "decide", _scripted(seen))
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
-        monkeypatch.setattr(AutoController, "drafting_best", lambda self, preds, best=best: best)
-        monkeypatch.setattr(Drafter, "catch_up", lambda self, n: reads.append(catch_up_of(self, n)) or reads[-1])
+        monkeypatch.setattr(Drafter, "catch_up", lambda self, n: reads.append(
+            (threading.current_thread().name, catch_up_of(self, n))) or reads[-1][1])
         with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
             reads.clear()
-            rt.auto_estimates.observe_catch_up(1, 0.04)  # a forward's fixed cost, and 5 tokens a second: the
-            rt.auto_estimates.observe_catch_up(5, 1.0)  # opening's wait (milliseconds here) fits a token a forward
             res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
         assert res.tokens == ref.tokens, overlap
-        results[overlap, reach, best] = (seen, rt.auto_estimates.catch_up, reads)
-    seen, catch_up, reads = results["on", True, False]
+        results[overlap, reach] = (seen, rt.auto_estimates.catch_up, reads)
+    seen, catch_up, reads = results["on", True]
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
-    assert len(reads) > 3 and reads[0] < len(PROMPT) - 1, reads  # the prompt in forwards sized by the wait
-    seen, _, reads = results["on", True, True]
-    assert reads[0] == len(PROMPT) - 1 and seen[0] == ("llm", 0), (reads, seen)  # the prompt in one forward
-    seen, _, _ = results["off", True, False]
-    assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9), seen
-    seen, _, _ = results["on", False, False]
+    assert {name for name, _ in reads} == {"hatspec-read-ahead"} and sum(n for _, n in reads) == len(PROMPT) - 1 + 6
+    seen, _, reads = results["off", True]
+    assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9) and not reads, seen
+    seen, _, reads = results["on", False]
     assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd", seen
+    assert sum(n for _, n in reads) == len(PROMPT) - 1
+
+
+@pytest.mark.real_models
+def test_a_reply_is_not_held_by_the_drafts_read(smollm2, smollm2_server, monkeypatch):
+    """Every read of the draft model takes 1.5 s here (a slow board) while the cloud answers in milliseconds: the
+    first token still comes at the cloud's pace and llm's rounds go on while the reader works (a read on the session's
+    thread held the reply for a whole forward); the request ends with the reader's last forward, and the device's
+    compute counts it."""
+    import time
+
+    from hat_split.math.sampling import SamplingParams
+
+    seen = []
+    monkeypatch.setattr(AutoController, "decide", _scripted(seen, llm_rounds=100))
+    monkeypatch.setattr(AutoController, "sd_within_reach", lambda self, preds: True)
+    catch_up_of = Drafter.catch_up
+
+    def slow(self, n):
+        read = catch_up_of(self, n)
+        time.sleep(1.5)
+        self.kv.forward_s += 1.5
+        return read
+
+    monkeypatch.setattr(Drafter, "catch_up", slow)
+    with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill="on") as rt:
+        rt.generate(PROMPT, "llm", SamplingParams(0.0), 12, seed=0)  # the cloud warm
+        res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 12, seed=0)
+    assert [s["protocol"] for s in res.auto] == ["llm"] and res.n == 12
+    assert res.ttft_s < 1.0, res.ttft_s  # the prompt's read (1.5 s) began before the request left
+    assert res.device_compute_s >= 1.5  # the read that outlived the answer's last reply is counted
+    assert len(seen) == 4  # four rounds of 3 tokens, all while the prompt's read was in progress
 
 
 @pytest.mark.real_models

@@ -5,13 +5,15 @@ Verify and a Generate continue the same sequence), so a switch costs nothing and
 round commits what its protocol's verification or the target's own sampling gives at the committed position, whatever
 ran before it. The draft model catches up on the tokens it did not draft when sd or ksqs follows llm
 (edge_runtime.drafter feeds what its cache lacks): while the device waits for llm's replies when it has cores of its
-own (`overlap_prefill`), else in the first drafting round, a cost the controller weighs before it switches."""
+own (`overlap_prefill`: on a thread of its own, edge_runtime.read_ahead, so no reply waits for a forward), else in
+the first drafting round, a cost the controller weighs before it switches."""
 from __future__ import annotations
 
 import time
 from typing import Callable, List, Optional
 
 from edge_runtime.auto import AutoController, AutoEstimates, Choice, Shape
+from edge_runtime.read_ahead import ReadAhead
 from edge_runtime.rounds.qs import qs_round
 from edge_runtime.rounds.token import tree_round, verify_round
 from edge_runtime.sessions.base import GenerationResult
@@ -30,7 +32,9 @@ class AutoSession(TokenSession):
         runtime's estimates."""
         self.auto = controller
         self._opening = False  # the device waits for SessionOpened
+        self._in_flight = 0  # tokens the llm round in flight asks for
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
+        self.reader = ReadAhead(self.drafter)
 
     def link(self) -> Link:
         return measured_link(self, self.auto.estimates)
@@ -38,9 +42,20 @@ class AutoSession(TokenSession):
     def _choose(self) -> Choice:
         if self.monitor is not None:  # a power mode that changed (read at most every 5 s) is another board
             self.auto.estimates.take_mode(self.monitor.refresh_mode())
+        self._reads()
+        # a read in progress counts as not read: the draft model has that much to do still
         choice = self.auto.decide(self.link(), time.monotonic(), self.drafter.behind, self.remaining)
+        if choice.protocol != "llm":  # this round drafts: the reader's forward in progress ends first
+            self.reader.settle()
+            self._reads()
         self.protocol = protocols.get(choice.protocol)  # what this round runs
+        self._in_flight = choice.knob if choice.protocol == "llm" else 0
         return choice
+
+    def _reads(self) -> None:
+        """The reader's forwards since the last call, to the cost model (on this thread: it reads them)."""
+        for n, seconds in self.reader.drain():
+            self.auto.estimates.observe_catch_up(n, seconds)
 
     def open(self, prompt: List[int]) -> None:
         """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost
@@ -57,24 +72,17 @@ class AutoSession(TokenSession):
 
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
-        (AutoController.sd_within_reach), the draft model reads the committed tokens it lacks while the cloud works,
-        a forward at a time, each as many tokens as the measured forwards fit in AutoController.read_budget_s (a
-        quarter of the wait still predicted), until the reply is there; at an opening where a drafting protocol is
-        priced best (AutoController.drafting_best), the whole prompt in one forward."""
+        (AutoController.sd_within_reach) and a round may follow the one in flight, the draft model reads the committed
+        tokens it lacks while the cloud works, on the reader's thread (edge_runtime.read_ahead): the reply is taken
+        the moment it comes, whatever forward is in progress."""
         if not self.config.overlaps_prefill:
             return
-        t0 = time.perf_counter()  # the request has just left
-        preds = self.auto.predictions(self.link(), time.monotonic())
-        if not self._opening and not self.auto.sd_within_reach(preds):
-            return
-        est, d = self.auto.estimates, self.drafter
-        known = est.catch_up.known or est.draft_step_s is not None
-        whole = self._opening and self.auto.drafting_best(preds)  # the first round will draft: read it all now
-        while d.behind and not self.client.ready():
-            budget = self.auto.read_budget_s(preds, self._opening, time.perf_counter() - t0)
-            chunk = d.behind if whole else est.catch_up_within(budget, most=d.behind) if known else 8
-            t1, n = time.perf_counter(), d.catch_up(chunk)
-            est.observe_catch_up(n, time.perf_counter() - t1)
+        if not self._opening:
+            last = self.remaining <= self._in_flight  # the round in flight ends the request: nothing will draft
+            if last or not self.auto.sd_within_reach(self.auto.predictions(self.link(), time.monotonic())):
+                self.reader.stop()
+                return
+        self.reader.start()
 
     def reopen(self, prompt: List[int]) -> None:
         super().reopen(prompt)
@@ -98,8 +106,17 @@ class AutoSession(TokenSession):
             n = observed_round(self, self.auto.estimates, "llm", lambda: self.generate(choice.knob))
         self.auto.record(choice, n)
 
+    def resume(self, prompt: List[int], exc: Exception) -> bool:
+        self.reader.settle()  # the caches go back to the committed sequence, the device may generate alone
+        return super().resume(prompt, exc)
+
     def run(self, prompt: List[int], decode_text: Callable[[List[int]], str]) -> GenerationResult:
-        result = super().run(prompt, decode_text)
+        try:
+            result = super().run(prompt, decode_text)
+        finally:  # the draft model is the runtime's: no forward of this request outlives it
+            self.reader.settle()
+            self._reads()
+        result.device_compute_s = self.drafter.compute_s  # a read that ended after the close included
         result.protocol = protocols.AUTO
         result.auto = [s.as_dict() for s in self.auto.segments]
         if result.degraded:

@@ -1,0 +1,90 @@
+"""The draft model reading the committed tokens it lacks on a thread of its own, while the device waits for the cloud
+(protocol auto's llm rounds and its opening, on a device with cores of its own: edge_runtime.sessions.auto).
+
+The session's own thread never waits for a read: a reply that comes while the draft model is in a forward is
+handled at once, the next request leaves, and the reading goes on behind it (a read in the session's thread held
+every reply that came during a forward: 0.2–1.1 s of time to first token at low power under load, docs/AUTO.md).
+The thread touches only the draft model's cache, up to the committed tokens it is handed (Drafter.catch_up never
+reads past them), and the session lets it finish (`settle`) before it drafts, rolls back, generates alone or ends
+the request: one writer of the cache at a time. What each forward took is kept for the session to hand to the cost
+model on its own thread (`drain`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import List, Optional, Tuple
+
+from edge_runtime.drafter import Drafter
+
+READ_MOST = 64  # tokens per forward: a forward in progress when the session settles (a drafting round, the request's
+# end) finishes first, so one forward is the most it waits; 64 tokens cost a few forwards of one (its fixed cost paid
+# once), a prompt of hundreds a few forwards
+
+
+class ReadAhead:
+    """One request's reader of `drafter`'s missing tokens (module docstring)."""
+
+    def __init__(self, drafter: Drafter, most: int = READ_MOST):
+        if most < 1:
+            raise ValueError(f"a read takes at least one token per forward, got {most}")
+        self.drafter, self.most = drafter, most
+        self._lock = threading.Lock()
+        self._running = False  # a thread is reading (set and cleared under the lock)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._reads: List[Tuple[int, float]] = []  # (tokens, seconds) of each forward since the last drain
+        self._error: Optional[BaseException] = None
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self) -> None:
+        """Read what the draft model lacks, a forward of at most `most` tokens at a time, until it lacks nothing or
+        `stop`; a reader already running goes on (it reads what was committed since as well)."""
+        with self._lock:
+            if self._running or not self.drafter.behind:
+                return
+            self._running = True
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._read, name="hatspec-read-ahead", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """No forward after the one in progress (which finishes on its own thread: nobody waits for it)."""
+        self._stop.set()
+
+    def settle(self) -> None:
+        """Stop and wait for the forward in progress: the caller may use the draft model after. Re-raises what
+        failed on the reader's thread."""
+        self.stop()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"the draft model's read while waiting failed: {error}") from error
+
+    def drain(self) -> List[Tuple[int, float]]:
+        """The forwards (tokens, seconds) finished since the last drain."""
+        with self._lock:
+            reads, self._reads = self._reads, []
+        return reads
+
+    def _read(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._stop.is_set() or not self.drafter.behind:
+                        self._running = False
+                        return
+                t0 = time.perf_counter()
+                n = self.drafter.catch_up(self.most)
+                took = time.perf_counter() - t0
+                with self._lock:
+                    self._reads.append((n, took))
+        except BaseException as exc:  # handed to the session's thread by `settle`
+            with self._lock:
+                self._error, self._running = exc, False

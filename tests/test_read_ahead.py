@@ -1,0 +1,137 @@
+"""edge_runtime.read_ahead: the draft model's reads on a thread of their own, on a real Drafter over a toy model whose
+forwards can be held."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edge_runtime.drafter import Drafter
+from edge_runtime.read_ahead import ReadAhead
+from hat_split.math.sampling import SamplingParams
+from tests.markov_lm import MarkovLM
+
+
+class HeldLM(MarkovLM):
+    """A MarkovLM whose forwards wait for `go` (set: they run at once), counting the forwards begun."""
+
+    def __init__(self, vocab: int = 300):
+        rng = np.random.default_rng(0)
+        table = rng.random((vocab, vocab)) + 0.01
+        super().__init__(table / table.sum(axis=1, keepdims=True))
+        self.go = threading.Event()
+        self.go.set()
+        self.begun = threading.Semaphore(0)
+        self.fail = False
+        self.in_forward = False
+
+    def forward(self, state, tokens, n_logits=1):
+        self.in_forward = True
+        try:
+            self.begun.release()
+            assert self.go.wait(10.0), "a test left a forward held"
+            if self.fail:
+                raise RuntimeError("the board's model went away")
+            return super().forward(state, tokens, n_logits)
+        finally:
+            self.in_forward = False
+
+    def crop(self, state, length):
+        if self.in_forward:  # two writers of one cache (a llama.cpp context is not thread-safe)
+            raise AssertionError("the cache was cropped while a forward was in progress")
+        super().crop(state, length)
+
+
+def _drafter(prompt_len: int = 150) -> Drafter:
+    d = Drafter(HeldLM(), SamplingParams(0.0))
+    d.start(list(range(1, prompt_len + 1)), prefill=False)
+    return d
+
+
+def _until_idle(r: ReadAhead) -> None:
+    """Wait for the reader to run out of tokens by itself (settle would stop it after its forward in progress)."""
+    deadline = time.monotonic() + 10.0
+    while r.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not r.running
+
+
+def test_it_reads_everything_committed_in_forwards_of_at_most_its_size():
+    d = _drafter(150)
+    r = ReadAhead(d, most=64)
+    r.start()
+    _until_idle(r)
+    reads = r.drain()
+    assert [n for n, _ in reads] == [64, 64, 21] and all(s >= 0 for _, s in reads)
+    assert d.kv.length == 149 and not r.drain() and not r.running
+
+
+def test_the_callers_thread_never_waits_for_a_forward_and_settle_does():
+    """start returns while a forward is held; tokens committed meanwhile are read by the same thread; stop leaves the
+    forward in progress to finish on its own; settle waits for it."""
+    d = _drafter(10)
+    lm = d.lm
+    lm.go.clear()
+    r = ReadAhead(d, most=64)
+    t0 = time.perf_counter()
+    r.start()
+    assert lm.begun.acquire(timeout=5.0) and time.perf_counter() - t0 < 1.0 and r.running
+    threads = [t for t in threading.enumerate() if t.name == "hatspec-read-ahead"]
+    d.commit([11, 12, 13])  # an llm round's tokens, committed while the prompt's read is in progress
+    r.start()  # a reader already running goes on: no second thread
+    assert [t for t in threading.enumerate() if t.name == "hatspec-read-ahead"] == threads
+    lm.go.set()
+    _until_idle(r)
+    assert [n for n, _ in r.drain()] == [9, 3] and d.behind == 0
+    assert lm.begun.acquire(timeout=5.0)  # the second forward's
+    d.commit([14, 15])
+    lm.go.clear()
+    r.start()
+    assert lm.begun.acquire(timeout=5.0)
+    r.stop()
+    assert r.running  # the forward in progress finishes on its own
+    waiter = threading.Thread(target=r.settle)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # settle waits for it
+    lm.go.set()
+    waiter.join(5.0)
+    assert not waiter.is_alive() and not r.running and d.behind == 0 and [n for n, _ in r.drain()] == [2]
+
+
+def test_a_commit_while_reading_leaves_the_cache_to_the_reader():
+    """Drafter.commit crops only a cache that holds drafts: the reader's forward in progress is left alone (no second
+    writer of the cache), and after it the cache holds the prompt, the committed tokens still to read."""
+    d = _drafter(20)
+    d.lm.go.clear()
+    r = ReadAhead(d)
+    r.start()
+    assert d.lm.begun.acquire(timeout=5.0)
+    d.commit([30, 31])
+    d.lm.go.set()
+    r.settle()
+    assert d.kv.length == 19 and d.behind == 2 and d.tokens[-2:] == [30, 31]
+
+
+def test_a_failed_read_is_raised_where_the_session_settles():
+    d = _drafter(10)
+    d.lm.fail = True
+    r = ReadAhead(d)
+    r.start()
+    assert d.lm.begun.acquire(timeout=5.0)
+    with pytest.raises(RuntimeError, match="read while waiting failed: the board's model went away"):
+        r.settle()
+    assert not r.running
+    r.settle()  # raised once
+
+
+def test_nothing_to_read_starts_no_thread_and_a_size_below_one_is_refused():
+    d = _drafter(1)
+    r = ReadAhead(d)
+    r.start()
+    assert not r.running and r._thread is None
+    r.settle()
+    with pytest.raises(ValueError, match="at least one token"):
+        ReadAhead(d, most=0)
