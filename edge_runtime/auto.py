@@ -239,6 +239,17 @@ class AutoEstimates:
         was measured."""
         return self.up_per_row.get((protocol, self.kind))
 
+    def observe_agreement(self, agreed: int, compared: int) -> None:
+        """At temperature 0, of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with
+        compare), `agreed` were its argmax from the prefix before them: sd's drafts that would have been accepted
+        there. They move the request's acceptance as sd's own drafts do (not the prompts': only where sd is within
+        reach are tokens read), so a prompt that auto left for llm on a few unlucky rounds can win sd back."""
+        if self.kind != GREEDY or compared < 1 or not 0 <= agreed <= compared:
+            return
+        own = self.acceptance.setdefault(("sd", GREEDY), Acceptance())
+        own.request_accepted += agreed
+        own.request_examined += compared
+
     def take_uplink(self, bps: float, rtt_s: float) -> None:
         """The cloud measured `bps` on an upload large enough to tell, with the link's round trip at `rtt_s`."""
         self.uplink_bps, self.uplink_rtt_s = bps, rtt_s

@@ -31,6 +31,9 @@ class Drafter:
     local_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last sample_local() call
     can_generate_alone = True  # sessions.base.Session.resume under link_policy "degrade"
     _tree: Tuple[int, int] = field(init=False, default=(0, 0))  # the last draft tree: its start, its cached nodes
+    prompt_len: int = field(init=False, default=0)
+    agreed: int = field(init=False, default=0)  # of `compared` target tokens read by catch_up(compare=True), those
+    compared: int = field(init=False, default=0)  # the draft's argmax named
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -45,6 +48,7 @@ class Drafter:
         the first forward that needs the cache)."""
         self.kv = self.lm.new_state()
         self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
         if prefill and len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
@@ -53,12 +57,23 @@ class Drafter:
         """Committed tokens (all but the last, which the next draft feeds) the cache has not read yet."""
         return max(0, len(self.tokens) - 1 - self.kv.length)
 
-    def catch_up(self, max_tokens: int) -> int:
-        """Read up to max_tokens of what the cache lacks (no logits): lets the device use time it would wait anyway
-        (a round in which it drafts nothing) so that a later draft starts at once. Returns how many it read."""
-        feed = self.tokens[self.kv.length:max(0, len(self.tokens) - 1)][:max(0, max_tokens)]
+    def catch_up(self, max_tokens: int, compare: bool = False) -> int:
+        """Read up to max_tokens of what the cache lacks: lets the device use time it would wait anyway (a round in
+        which it drafts nothing) so that a later draft starts at once. Returns how many it read. compare: also ask
+        the logits of every position read and count, in `agreed` of `compared`, the target's tokens (past the
+        prompt) that the draft's argmax named from the prefix before them: at temperature 0 each is a draft that
+        sd would have had accepted there, so llm's rounds still measure the prompt's acceptance."""
+        start = self.kv.length
+        feed = self.tokens[start:max(0, len(self.tokens) - 1)][:max(0, max_tokens)]
+        # the position after feed[i] holds the committed token start + i + 1; only the target's are compared (the
+        # prompt's are someone's text), and only their rows are asked for
+        first = min(len(feed), max(0, self.prompt_len - start - 1)) if compare else len(feed)
         if feed:
-            self.lm.forward(self.kv, feed, n_logits=0)
+            logits = self.lm.forward(self.kv, feed, n_logits=len(feed) - first)
+            named = np.argmax(np.asarray(logits), axis=-1) if first < len(feed) else ()
+            for i, token in enumerate(named, start=first):
+                self.compared += 1
+                self.agreed += int(token == self.tokens[start + i + 1])
         return len(feed)
 
     def rollback(self) -> None:

@@ -7,13 +7,15 @@ every reply that came during a forward: 0.2–1.1 s of time to first token at lo
 The thread touches only the draft model's cache, up to the committed tokens it is handed (Drafter.catch_up never
 reads past them), and the session lets it finish (`settle`) before it drafts, rolls back, generates alone or ends
 the request: one writer of the cache at a time. What each forward took is kept for the session to hand to the cost
-model on its own thread (`drain`).
+model on its own thread (`drain`), and, for a request at temperature 0 (`compare`), how many of the target's tokens
+it read the draft's argmax named (Drafter.catch_up): the prompt's acceptance, measured while llm runs.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional
 
 from edge_runtime.drafter import Drafter
 
@@ -22,18 +24,29 @@ READ_MOST = 64  # tokens per forward: a forward in progress when the session set
 # once), a prompt of hundreds a few forwards
 
 
+@dataclass(frozen=True)
+class Read:
+    """One forward of the reader."""
+
+    tokens: int
+    seconds: float
+    agreed: int = 0  # of `compared` target tokens read, those the draft's argmax named (compare only)
+    compared: int = 0
+
+
 class ReadAhead:
     """One request's reader of `drafter`'s missing tokens (module docstring)."""
 
-    def __init__(self, drafter: Drafter, most: int = READ_MOST):
+    def __init__(self, drafter: Drafter, most: int = READ_MOST, compare: bool = False):
+        """compare: count the draft's agreement with the target's tokens read (a request at temperature 0)."""
         if most < 1:
             raise ValueError(f"a read takes at least one token per forward, got {most}")
-        self.drafter, self.most = drafter, most
+        self.drafter, self.most, self.compare = drafter, most, compare
         self._lock = threading.Lock()
         self._running = False  # a thread is reading (set and cleared under the lock)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._reads: List[Tuple[int, float]] = []  # (tokens, seconds) of each forward since the last drain
+        self._reads: List[Read] = []  # each forward since the last drain
         self._error: Optional[BaseException] = None
 
     @property
@@ -42,9 +55,13 @@ class ReadAhead:
 
     def start(self) -> None:
         """Read what the draft model lacks, a forward of at most `most` tokens at a time, until it lacks nothing or
-        `stop`; a reader already running goes on (it reads what was committed since as well)."""
+        `stop`; a reader already running goes on (it reads what was committed since as well, a `stop` asked of it
+        withdrawn)."""
         with self._lock:
-            if self._running or not self.drafter.behind:
+            if self._running:  # its thread has not yet seen the stop (it checks under this lock): it goes on
+                self._stop.clear()
+                return
+            if not self.drafter.behind:
                 return
             self._running = True
             self._stop.clear()
@@ -67,8 +84,8 @@ class ReadAhead:
         if error is not None:
             raise RuntimeError(f"the draft model's read while waiting failed: {error}") from error
 
-    def drain(self) -> List[Tuple[int, float]]:
-        """The forwards (tokens, seconds) finished since the last drain."""
+    def drain(self) -> List[Read]:
+        """The forwards finished since the last drain."""
         with self._lock:
             reads, self._reads = self._reads, []
         return reads
@@ -80,11 +97,12 @@ class ReadAhead:
                     if self._stop.is_set() or not self.drafter.behind:
                         self._running = False
                         return
-                t0 = time.perf_counter()
-                n = self.drafter.catch_up(self.most)
-                took = time.perf_counter() - t0
+                d = self.drafter
+                agreed, compared, t0 = d.agreed, d.compared, time.perf_counter()
+                n = d.catch_up(self.most, compare=True) if self.compare else d.catch_up(self.most)
+                read = Read(n, time.perf_counter() - t0, d.agreed - agreed, d.compared - compared)
                 with self._lock:
-                    self._reads.append((n, took))
+                    self._reads.append(read)
         except BaseException as exc:  # handed to the session's thread by `settle`
             with self._lock:
                 self._error, self._running = exc, False

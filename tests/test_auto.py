@@ -373,6 +373,27 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
     assert not far.sd_within_reach(preds) and not llm_only.sd_within_reach(llm_only.predictions(Link(0.01)))
 
 
+def test_the_targets_tokens_read_while_llm_runs_move_the_requests_acceptance():
+    """A prompt priced at the prompts' α 0.5 runs llm; the draft model, reading llm's tokens at temperature 0, named
+    30 of 30: the request's α moves as if sd had drafted them, and sd wins the prompt back. None of it at T > 0 (a
+    draft's acceptance there needs the target's distribution), nor from a malformed count."""
+    est = _estimates(0.5, 0.04, step_1=0.1, step_9=0.14)
+    est.begin_request(GREEDY)
+    c = _controller(est)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    assert c.decide(Link(0.01)).protocol == "llm"
+    est.observe_agreement(3, 2)  # more agreed than compared: refused
+    est.observe_agreement(0, 0)
+    assert c.decide(Link(0.01)).protocol == "llm" and est.alpha == pytest.approx(_pulled(0.5, 10**9))
+    est.observe_agreement(30, 30)
+    assert est.alpha == pytest.approx((8 * _pulled(0.5, 10**9) + 30) / (8 + 30))
+    back = c.decide(Link(0.01))
+    assert back.protocol == "sd" and back.knob >= 4, back
+    est.begin_request("T=1.00")  # a sampled request: its reads are not compared
+    est.observe_agreement(30, 30)
+    assert ("sd", "T=1.00") not in est.acceptance
+
+
 def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
     """A new mode never measured: the opening's read of the prompt (it comes whatever auto runs next) says the board
     is three times slower, and the draft step and the device alone are priced at three times the last mode's until
@@ -534,8 +555,8 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
         seen, reads = [], []
         monkeypatch.setattr(AutoController, "decide", _scripted(seen))
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
-        monkeypatch.setattr(Drafter, "catch_up", lambda self, n: reads.append(
-            (threading.current_thread().name, catch_up_of(self, n))) or reads[-1][1])
+        monkeypatch.setattr(Drafter, "catch_up", lambda self, n, **kw: reads.append(
+            (threading.current_thread().name, catch_up_of(self, n, **kw), self)) or reads[-1][1])
         with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
             reads.clear()
@@ -544,12 +565,14 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
         results[overlap, reach] = (seen, rt.auto_estimates.catch_up, reads)
     seen, catch_up, reads = results["on", True]
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
-    assert {name for name, _ in reads} == {"hatspec-read-ahead"} and sum(n for _, n in reads) == len(PROMPT) - 1 + 6
+    assert {name for name, _, _ in reads} == {"hatspec-read-ahead"} and sum(n for _, n, _ in reads) == len(PROMPT) + 5
+    drafter = reads[-1][2]  # at temperature 0 the reads compare: the two llm rounds' 6 tokens, all the draft's
+    assert (drafter.agreed, drafter.compared) == (6, 6)  # argmax (the draft is the target here)
     seen, _, reads = results["off", True]
     assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9) and not reads, seen
     seen, _, reads = results["on", False]
     assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd", seen
-    assert sum(n for _, n in reads) == len(PROMPT) - 1
+    assert sum(n for _, n, _ in reads) == len(PROMPT) - 1 and reads[-1][2].compared == 0  # the prompt's own
 
 
 @pytest.mark.real_models
@@ -567,8 +590,8 @@ def test_a_reply_is_not_held_by_the_drafts_read(smollm2, smollm2_server, monkeyp
     monkeypatch.setattr(AutoController, "sd_within_reach", lambda self, preds: True)
     catch_up_of = Drafter.catch_up
 
-    def slow(self, n):
-        read = catch_up_of(self, n)
+    def slow(self, n, **kw):
+        read = catch_up_of(self, n, **kw)
         time.sleep(1.5)
         self.kv.forward_s += 1.5
         return read

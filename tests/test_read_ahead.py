@@ -64,7 +64,8 @@ def test_it_reads_everything_committed_in_forwards_of_at_most_its_size():
     r.start()
     _until_idle(r)
     reads = r.drain()
-    assert [n for n, _ in reads] == [64, 64, 21] and all(s >= 0 for _, s in reads)
+    assert [read.tokens for read in reads] == [64, 64, 21] and all(read.seconds >= 0 for read in reads)
+    assert all(read.compared == 0 for read in reads)  # not asked
     assert d.kv.length == 149 and not r.drain() and not r.running
 
 
@@ -84,9 +85,19 @@ def test_the_callers_thread_never_waits_for_a_forward_and_settle_does():
     assert [t for t in threading.enumerate() if t.name == "hatspec-read-ahead"] == threads
     lm.go.set()
     _until_idle(r)
-    assert [n for n, _ in r.drain()] == [9, 3] and d.behind == 0
+    assert [read.tokens for read in r.drain()] == [9, 3] and d.behind == 0
     assert lm.begun.acquire(timeout=5.0)  # the second forward's
     d.commit([14, 15])
+    lm.go.clear()
+    r.start()
+    assert lm.begun.acquire(timeout=5.0)
+    r.stop()
+    r.start()  # asked to go on before its forward ended: the stop is withdrawn
+    d.commit([16])
+    lm.go.set()
+    _until_idle(r)
+    assert [read.tokens for read in r.drain()] == [2, 1] and lm.begun.acquire(timeout=5.0)
+    d.commit([17, 18])
     lm.go.clear()
     r.start()
     assert lm.begun.acquire(timeout=5.0)
@@ -98,7 +109,7 @@ def test_the_callers_thread_never_waits_for_a_forward_and_settle_does():
     assert waiter.is_alive()  # settle waits for it
     lm.go.set()
     waiter.join(5.0)
-    assert not waiter.is_alive() and not r.running and d.behind == 0 and [n for n, _ in r.drain()] == [2]
+    assert not waiter.is_alive() and not r.running and d.behind == 0 and [read.tokens for read in r.drain()] == [2]
 
 
 def test_a_commit_while_reading_leaves_the_cache_to_the_reader():
@@ -135,3 +146,20 @@ def test_nothing_to_read_starts_no_thread_and_a_size_below_one_is_refused():
     r.settle()
     with pytest.raises(ValueError, match="at least one token"):
         ReadAhead(d, most=0)
+
+
+def test_at_temperature_0_it_counts_the_targets_tokens_the_draft_named():
+    """compare: every target token read past the prompt is checked against the draft's argmax from the prefix
+    before it (a bigram model: the argmax after t is table[t]'s); the prompt's own tokens are not counted."""
+    d = _drafter(10)
+    best = d.lm.table.argmax(axis=1)
+    first = int(best[d.tokens[-1]])
+    other = int((best[first] + 1) % d.lm.vocab_size)  # not what the draft names after `first`
+    d.commit([first, other, int(best[other])])
+    r = ReadAhead(d, most=4, compare=True)
+    r.start()
+    _until_idle(r)
+    reads = r.drain()
+    assert [read.tokens for read in reads] == [4, 4, 4]  # all but the last committed token (the next draft's)
+    assert [read.compared for read in reads] == [0, 0, 3] and [read.agreed for read in reads] == [0, 0, 2]
+    assert (d.agreed, d.compared) == (2, 3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
-from edge_runtime.auto import AutoController, AutoEstimates, Choice, Shape
+from edge_runtime.auto import GREEDY, AutoController, AutoEstimates, Choice, Shape, sampling_kind
 from edge_runtime.read_ahead import ReadAhead
 from edge_runtime.rounds.qs import qs_round
 from edge_runtime.rounds.token import tree_round, verify_round
@@ -34,7 +34,8 @@ class AutoSession(TokenSession):
         self._opening = False  # the device waits for SessionOpened
         self._in_flight = 0  # tokens the llm round in flight asks for
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
-        self.reader = ReadAhead(self.drafter)
+        # at temperature 0 the reads also measure the prompt's acceptance (AutoEstimates.observe_agreement)
+        self.reader = ReadAhead(self.drafter, compare=sampling_kind(self.params) == GREEDY)
 
     def link(self) -> Link:
         return measured_link(self, self.auto.estimates)
@@ -54,8 +55,9 @@ class AutoSession(TokenSession):
 
     def _reads(self) -> None:
         """The reader's forwards since the last call, to the cost model (on this thread: it reads them)."""
-        for n, seconds in self.reader.drain():
-            self.auto.estimates.observe_catch_up(n, seconds)
+        for read in self.reader.drain():
+            self.auto.estimates.observe_catch_up(read.tokens, read.seconds)
+            self.auto.estimates.observe_agreement(read.agreed, read.compared)
 
     def open(self, prompt: List[int]) -> None:
         """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost
