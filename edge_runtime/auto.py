@@ -677,7 +677,10 @@ class AutoController:
         if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
             why = f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth a switch
             best = held
-        if best.protocol in DRAFTING and behind > 0 and "llm" in preds:
+        # one token behind is no catch-up: the last draft of a round wholly accepted, which the next round's first
+        # draft step feeds with its own token (observe_sd does not count it either); priced as one, a forward of
+        # the largest size read (flat below it) drove auto off sd after its best rounds
+        if best.protocol in DRAFTING and behind > 1 and "llm" in preds:
             cost, saved = est.catch_up_cost(behind), _saved_s(remaining, preds["llm"], best)
             if saved < cost:
                 why += f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"

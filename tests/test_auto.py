@@ -97,6 +97,11 @@ def test_a_switch_to_sd_repays_the_draft_catching_up():
     long_ = int(2.0 / saved_per_token)
     assert c.decide(Link(0.01), behind=200, remaining=long_).protocol == "sd"
     assert c.decide(Link(0.01), behind=0, remaining=short).protocol == "sd"
+    # one token behind (the last draft of a round wholly accepted) is no catch-up: the measured 200-token forward,
+    # flat below its size, must not price it (seen in a trace: "sd would first read 1 tokens (0.57 s)", then llm)
+    assert est.catch_up_cost(1) == pytest.approx(1.0)
+    assert c.decide(Link(0.01), behind=1, remaining=short).protocol == "sd"
+    assert c.decide(Link(0.01), behind=2, remaining=short).protocol == "llm"
 
 
 def test_a_catch_up_is_priced_as_one_forward_of_its_size():
