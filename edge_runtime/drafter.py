@@ -31,7 +31,7 @@ class Drafter:
     local_logits: np.ndarray = field(init=False, default=None)  # raw logits of the last sample_local() call
     can_generate_alone = True  # sessions.base.Session.resume under link_policy "degrade"
     _tree: Tuple[int, int] = field(init=False, default=(0, 0))  # the last draft tree: its start, its cached nodes
-    prompt_len: int = field(init=False, default=0)
+    prompt_len: int = field(init=False, default=0)  # tokens of the request's prompt (not compared: someone's text)
     agreed: int = field(init=False, default=0)  # of `compared` target tokens read by catch_up(compare=True), those
     compared: int = field(init=False, default=0)  # the draft's argmax named
 
