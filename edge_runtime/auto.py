@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hat_split.math.chunking import DelayModel, ema
+from hat_split.math.chunking import DelayModel, ema, piecewise
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                      predict_tree)
 from hat_split.math.sampling import SamplingParams
@@ -454,13 +454,19 @@ class AutoEstimates:
 
     def catch_up_cost(self, tokens: int) -> float:
         """Seconds the draft model needs to read `tokens` in one forward before it can draft: the measured forwards
-        (linear between sizes, flat below the smallest, the last slope past the largest), a draft step per token
-        before any was measured."""
+        (linear between sizes, the last slope past the largest), a draft step per token before any was measured.
+        Below the smallest forward measured, the line from one draft step (a forward of one token, which every
+        drafting round measures) to it: the reader's forwards are of up to 64 tokens, and a catch-up of a few tokens
+        priced flat as the smallest of them kept auto on llm where sd was best."""
         if tokens <= 0:
             return 0.0
-        if self.catch_up.known:
-            return self.catch_up.g(tokens)
-        return tokens * (self.draft_step_s or 0.0)
+        step = self.draft_step_s or 0.0
+        if not self.catch_up.known:
+            return tokens * step
+        points = self.catch_up.points()
+        if 0.0 < step < points[0][1] and points[0][0] > 1.0:
+            points = ((1.0, step),) + points
+        return piecewise(points, tokens)
 
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
