@@ -4,12 +4,29 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 TINY_VOCAB = 512
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist each worker gets its share of the cores for OpenMP (torch's CPU kernels), it and the
+    processes its tests start (they inherit the variable), unless OMP_NUM_THREADS is set already. Two workers at two
+    threads each on two cores spin against each other: the export validation's 44 forwards of SmolLM2, run in a
+    process beside the suite, took 90 s at two threads and 18 s at one (2026-11-28)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:  # loaded before this file (a plugin): the variable came too late for it
+            sys.modules["torch"].set_num_threads(threads)
+
+
+_share_the_cores()
 
 
 def tiny_model(seed: int, layers: int = 2):
