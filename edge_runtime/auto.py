@@ -684,8 +684,8 @@ class AutoController:
             why = f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth a switch
             best = held
         # one token behind is no catch-up: the last draft of a round wholly accepted, which the next round's first
-        # draft step feeds with its own token (observe_sd does not count it either); priced as one, a forward of
-        # the largest size read (flat below it) drove auto off sd after its best rounds
+        # draft step feeds with its own token (observe_sd does not count it either); priced as one (a 64-token
+        # forward, when the catch-up model was flat below its smallest size) it drove auto off sd after its best rounds
         if best.protocol in DRAFTING and behind > 1 and "llm" in preds:
             cost, saved = est.catch_up_cost(behind), _saved_s(remaining, preds["llm"], best)
             if saved < cost:
