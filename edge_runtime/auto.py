@@ -456,8 +456,8 @@ class AutoEstimates:
         """Seconds the draft model needs to read `tokens` in one forward before it can draft: the measured forwards
         (linear between sizes, the last slope past the largest), a draft step per token before any was measured.
         Below the smallest forward measured, the line from one draft step (a forward of one token, which every
-        drafting round measures) to it: the reader's forwards are of up to 64 tokens, and a catch-up of a few tokens
-        priced flat as the smallest of them kept auto on llm where sd was best."""
+        drafting round measures) to it, when that step is the smaller: the reader's forwards are of up to 64 tokens, and
+        flat below them a catch-up of a few tokens was priced as a 64-token forward."""
         if tokens <= 0:
             return 0.0
         step = self.draft_step_s or 0.0

@@ -104,6 +104,8 @@ def test_a_switch_to_sd_repays_the_draft_catching_up():
     assert est.catch_up_cost(2) == pytest.approx(0.02 + 0.98 / 199)
     assert c.decide(Link(0.01), behind=2, remaining=short).protocol == "sd"
     assert c.decide(Link(0.01), behind=150, remaining=short).protocol == "llm"  # 0.75 s to read, 0.5 s saved
+    est.draft_step_s = 2.0  # a step slower than the whole measured forward anchors nothing: flat below it
+    assert est.catch_up_cost(2) == pytest.approx(1.0)
 
 
 def test_a_catch_up_is_priced_as_one_forward_of_its_size():
