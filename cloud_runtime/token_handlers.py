@@ -180,6 +180,7 @@ class TokenHandlers(FamilyHandlers):
     def next_token(self, p: Pending, logits: np.ndarray) -> Optional[P.Message]:
         """Sample the next token from logits `# [1, vocab]`; one token per step, like any decoding device."""
         p.generated.append(p.session.target.sample_next(logits))
+        p.probs.append(p.session.target.drawn_p)
         if p.session.logprobs is not None:
             p.logprobs.append(token_logprobs(logits[-1:], p.generated[-1:], p.session.logprobs))
         msg = p.msg
@@ -188,7 +189,8 @@ class TokenHandlers(FamilyHandlers):
             self.admission.with_room(p.identity, key, lambda: self.work.submit_tokens(key, p.generated[-1:], 1, p))
             return None
         return P.Generated(msg.session_id, msg.step, np.asarray(p.generated, np.int32), len(p.session.tokens),
-                           p.compute_s, _wire(concat(p.logprobs) if p.logprobs else None))
+                           p.compute_s, _wire(concat(p.logprobs) if p.logprobs else None),
+                           probs=np.asarray(p.probs, np.float32) if msg.probs else None)
 
     def close(self, identity: bytes, msg: P.CloseSession, session: TargetSession) -> P.Message:
         """Close `session` (the one msg names) and report the digest of the tokens the device holds. Everything is

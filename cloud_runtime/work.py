@@ -58,6 +58,7 @@ class Pending:
     q: Optional[np.ndarray] = None  # Verify: the drafts' distributions `# [L, vocab]`
     generated: List[int] = field(default_factory=list)  # Generate: the tokens sampled so far
     logprobs: List[Logprobs] = field(default_factory=list)  # Generate: theirs, when the session asked
+    probs: List[float] = field(default_factory=list)  # Generate: each one's probability as drawn (TargetState.drawn_p)
     received_at: float = 0.0  # when the request was read (sessions.Arrival.at): the reply's held_s counts from here
     unseen_s: float = 0.0  # ... and how long before it may have arrived (Arrival.unseen_s): the reply's unseen_s
 

@@ -106,7 +106,7 @@ class Acceptance:
 
     accepted: Optional[float] = None
     examined: Optional[float] = None
-    request_accepted: int = 0
+    request_accepted: float = 0.0  # fractional: llm's tokens read above temperature 0 (observe_agreement)
     request_examined: int = 0
     rounds: int = 0
 
@@ -239,14 +239,15 @@ class AutoEstimates:
         was measured."""
         return self.up_per_row.get((protocol, self.kind))
 
-    def observe_agreement(self, agreed: int, compared: int) -> None:
-        """At temperature 0, of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with
-        compare), `agreed` were its argmax from the prefix before them: sd's drafts that would have been accepted
-        there. They move the request's acceptance as sd's own drafts do (not the prompts': only where sd is within
-        reach are tokens read), so a prompt that auto left for llm on a few unlucky rounds can win sd back."""
-        if self.kind != GREEDY or compared < 1 or not 0 <= agreed <= compared:
+    def observe_agreement(self, agreed: float, compared: int) -> None:
+        """Of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with compare), sd's
+        drafts would have had `agreed` accepted there (at temperature 0 those its argmax named; above, an unbiased
+        estimate from the probability each was drawn with). They move the request's acceptance as sd's own drafts
+        do (not the prompts': only where sd is within reach are tokens read), so a prompt that auto left for llm on
+        a few unlucky rounds can win sd back."""
+        if compared < 1 or not 0 <= agreed <= compared:  # NaN too
             return
-        own = self.acceptance.setdefault(("sd", GREEDY), Acceptance())
+        own = self.acceptance.setdefault(("sd", self.kind), Acceptance())
         own.request_accepted += agreed
         own.request_examined += compared
 

@@ -9,7 +9,7 @@ distribution the device sampled from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from hat_split.wire import dist_codec
 from hat_split.models.lm import CausalLM, KVState
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
 from hat_split.math.tree import GrownTree, grow_tree
+from hat_split.math.verify import acceptance_of_samples
 
 
 @dataclass
@@ -32,8 +33,10 @@ class Drafter:
     can_generate_alone = True  # sessions.base.Session.resume under link_policy "degrade"
     _tree: Tuple[int, int] = field(init=False, default=(0, 0))  # the last draft tree: its start, its cached nodes
     prompt_len: int = field(init=False, default=0)  # tokens of the request's prompt (not compared: someone's text)
-    agreed: int = field(init=False, default=0)  # of `compared` target tokens read by catch_up(compare=True), those
-    compared: int = field(init=False, default=0)  # the draft's argmax named
+    agreed: float = field(init=False, default=0.0)  # of `compared` target tokens read by catch_up(compare=True), the
+    compared: int = field(init=False, default=0)  # drafts sd would have had accepted there (an estimate above T = 0)
+    drawn_p: Dict[int, float] = field(init=False, default_factory=dict)  # index in `tokens` → the target's
+    # probability of that token as it drew it (protocol llm's replies, when asked: `note_drawn`)
 
     def __post_init__(self) -> None:
         self.kv = self.lm.new_state()
@@ -49,6 +52,7 @@ class Drafter:
         self.kv = self.lm.new_state()
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
+        self.drawn_p = {}
         if prefill and len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
@@ -60,9 +64,10 @@ class Drafter:
     def catch_up(self, max_tokens: int, compare: bool = False) -> int:
         """Read up to max_tokens of what the cache lacks: lets the device use time it would wait anyway (a round in
         which it drafts nothing) so that a later draft starts at once. Returns how many it read. compare: also ask
-        the logits of every position read and count, in `agreed` of `compared`, the target's tokens (past the
-        prompt) that the draft's argmax named from the prefix before them: at temperature 0 each is a draft that
-        sd would have had accepted there, so llm's rounds still measure the prompt's acceptance."""
+        the logits of every position read and add, to `agreed` of `compared`, what sd's draft would have had
+        accepted at each of the target's tokens (past the prompt): at temperature 0, 1 where the draft's argmax
+        named it; above, min(1, q(x) / p(x)) where the cloud said p(x) (`note_drawn`), an unbiased estimate of
+        Σ min(p, q) (verify.acceptance_of_samples). So llm's rounds still measure the prompt's acceptance."""
         start = self.kv.length
         feed = self.tokens[start:max(0, len(self.tokens) - 1)][:max(0, max_tokens)]
         # the position after feed[i] holds the committed token start + i + 1; only the target's are compared (the
@@ -70,11 +75,29 @@ class Drafter:
         first = min(len(feed), max(0, self.prompt_len - start - 1)) if compare else len(feed)
         if feed:
             logits = self.lm.forward(self.kv, feed, n_logits=len(feed) - first)
-            named = np.argmax(np.asarray(logits), axis=-1) if first < len(feed) else ()
-            for i, token in enumerate(named, start=first):
-                self.compared += 1
-                self.agreed += int(token == self.tokens[start + i + 1])
+            if first < len(feed):
+                self._compare(np.asarray(logits), start + first + 1)
         return len(feed)
+
+    def note_drawn(self, probs: List[float]) -> None:
+        """The target's probabilities of the next len(probs) tokens to be committed, as it drew them (llm)."""
+        at = len(self.tokens)
+        self.drawn_p.update((at + i, float(p)) for i, p in enumerate(probs))
+
+    def _compare(self, logits: np.ndarray, at: int) -> None:
+        """Row i of logits `# [n, vocab]` is the draft's at the committed token at + i."""
+        targets = np.asarray(self.tokens[at:at + logits.shape[0]])
+        if self.params.greedy:
+            rows, p = np.arange(targets.size), np.ones(targets.size)
+            q = (np.argmax(logits, axis=-1) == targets).astype(np.float64)
+        else:
+            rows = np.asarray([i for i in range(targets.size) if at + i in self.drawn_p], dtype=np.int64)
+            if not rows.size:
+                return
+            p = np.asarray([self.drawn_p[at + int(i)] for i in rows])
+            q = warp(logits[rows], self.params)[np.arange(rows.size), targets[rows]]
+        self.agreed += float(acceptance_of_samples(p, q).sum())
+        self.compared += int(rows.size)
 
     def rollback(self) -> None:
         """Forget cached positions past the committed sequence (drafts of a round that never got its verdict)."""

@@ -7,8 +7,8 @@ every reply that came during a forward: 0.2–1.1 s of time to first token at lo
 The thread touches only the draft model's cache, up to the committed tokens it is handed (Drafter.catch_up never
 reads past them), and the session lets it finish (`settle`) before it drafts, rolls back, generates alone or ends
 the request: one writer of the cache at a time. What each forward took is kept for the session to hand to the cost
-model on its own thread (`drain`), and, for a request at temperature 0 (`compare`), how many of the target's tokens
-it read the draft's argmax named (Drafter.catch_up): the prompt's acceptance, measured while llm runs.
+model on its own thread (`drain`), and (`compare`) what sd's drafts would have had accepted at the target's tokens it
+read (Drafter.catch_up): the prompt's acceptance, measured while llm runs.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Read:
 
     tokens: int
     seconds: float
-    agreed: int = 0  # of `compared` target tokens read, those the draft's argmax named (compare only)
+    agreed: float = 0.0  # of `compared` target tokens read, the drafts sd would have had accepted (compare only)
     compared: int = 0
 
 
@@ -38,7 +38,7 @@ class ReadAhead:
     """One request's reader of `drafter`'s missing tokens (module docstring)."""
 
     def __init__(self, drafter: Drafter, most: int = READ_MOST, compare: bool = False):
-        """compare: count the draft's agreement with the target's tokens read (a request at temperature 0)."""
+        """compare: measure the draft's acceptance on the target's tokens read (Drafter.catch_up)."""
         if most < 1:
             raise ValueError(f"a read takes at least one token per forward, got {most}")
         self.drafter, self.most, self.compare = drafter, most, compare

@@ -384,8 +384,9 @@ def test_the_draft_reads_ahead_only_while_sd_is_within_reach():
 
 def test_the_targets_tokens_read_while_llm_runs_move_the_requests_acceptance():
     """A prompt priced at the prompts' α 0.5 runs llm; the draft model, reading llm's tokens at temperature 0, named
-    30 of 30: the request's α moves as if sd had drafted them, and sd wins the prompt back. None of it at T > 0 (a
-    draft's acceptance there needs the target's distribution), nor from a malformed count."""
+    30 of 30: the request's α moves as if sd had drafted them, and sd wins the prompt back. A sampled request's
+    reads (an estimate from each token's drawn probability, fractional) move its own kind's α only; a malformed
+    count moves nothing."""
     est = _estimates(0.5, 0.04, step_1=0.1, step_9=0.14)
     est.begin_request(GREEDY)
     c = _controller(est)
@@ -398,9 +399,30 @@ def test_the_targets_tokens_read_while_llm_runs_move_the_requests_acceptance():
     assert est.alpha == pytest.approx((8 * _pulled(0.5, 10**9) + 30) / (8 + 30))
     back = c.decide(Link(0.01))
     assert back.protocol == "sd" and back.knob >= 4, back
-    est.begin_request("T=1.00")  # a sampled request: its reads are not compared
-    est.observe_agreement(30, 30)
-    assert ("sd", "T=1.00") not in est.acceptance
+    greedy = est.acceptance[("sd", GREEDY)].request_accepted
+    est.begin_request("T=1")
+    est.observe_agreement(float("nan"), 4)
+    assert ("sd", "T=1") not in est.acceptance
+    est.observe_agreement(12.5, 20)
+    own = est.acceptance[("sd", "T=1")]
+    assert (own.request_accepted, own.request_examined) == (12.5, 20) and own.population is None
+    assert est.acceptance[("sd", GREEDY)].request_accepted == 0 and greedy == 30  # begin_request: a new request
+
+
+def test_a_malformed_list_of_drawn_probabilities_is_refused_by_name_and_the_tokens_stand(caplog):
+    """Generated.probs only feeds an estimate: one of the wrong length, not in (0, 1], NaN or not floats is refused
+    (logged, naming the field) and nothing is measured on those tokens; none (an older cloud) measures nothing."""
+    import numpy as np
+
+    from edge_runtime.sessions.token import checked_probs
+
+    assert checked_probs(np.array([0.5, 1.0], np.float32), 2) == [0.5, 1.0]
+    assert checked_probs(None, 2) == [] and not caplog.records
+    for bad in (np.array([0.5], np.float32), np.array([0.5, float("nan")]), np.array([0.0, 0.5]),
+                np.array([0.5, 1.5]), np.array([1, 1]), np.array([[0.5, 0.5]])):
+        caplog.clear()
+        assert checked_probs(bad, 2) == []
+        assert "Generated.probs refused" in caplog.text, bad
 
 
 def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
@@ -535,6 +557,24 @@ def _scripted(seen, llm_rounds: int = 3):
     return decide
 
 
+def _late_replies(monkeypatch) -> None:
+    """Every reply waits for the draft model's reader to run out of tokens (a slow cloud)."""
+    import threading
+    import time
+
+    from edge_runtime.client import CloudClient
+
+    receive = CloudClient.receive
+
+    def late(self, *args, **kwargs):
+        deadline = time.monotonic() + 30.0
+        while any(t.name == "hatspec-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return receive(self, *args, **kwargs)
+
+    monkeypatch.setattr(CloudClient, "receive", late)
+
+
 @pytest.mark.real_models
 def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     """With cores of its own (overlap_prefill on) the device reads the prompt and llm's tokens into the draft model
@@ -544,20 +584,10 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     (it would slow the cloud): sd reads everything first. With sd out of reach the prompt is still read at the
     opening (a load that makes sd the best is only known from the reply), llm's tokens are not."""
     import threading
-    import time
 
-    from edge_runtime.client import CloudClient
     from hat_split.math.sampling import SamplingParams
 
-    receive = CloudClient.receive
-
-    def late(self, *args, **kwargs):  # the reply waits for the reader to finish (a slow cloud)
-        deadline = time.monotonic() + 30.0
-        while any(t.name == "hatspec-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return receive(self, *args, **kwargs)
-
-    monkeypatch.setattr(CloudClient, "receive", late)
+    _late_replies(monkeypatch)
     results = {}
     within_reach, catch_up_of = AutoController.sd_within_reach, Drafter.catch_up
     for overlap, reach in (("on", True), ("off", True), ("on", False)):
@@ -582,6 +612,30 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     seen, _, reads = results["on", False]
     assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd", seen
     assert sum(n for _, n, _ in reads) == len(PROMPT) - 1 and reads[-1][2].compared == 0  # the prompt's own
+
+
+@pytest.mark.real_models
+def test_at_temperature_1_the_reads_of_llms_tokens_measure_the_drafts_acceptance(smollm2, smollm2_server,
+                                                                                 monkeypatch):
+    """Above temperature 0 llm's replies carry each token's probability as the target drew it (Generate.probs) and
+    the draft's reads add min(1, q(x) / p(x)) per token: the draft here is the target's own model, so each is 1 up
+    to the two sides' rounding — p paired with a neighbouring token would read well below. The estimate reaches the
+    request's α (T = 0.5: its own kind of sampling)."""
+    from hat_split.math.sampling import SamplingParams
+
+    _late_replies(monkeypatch)
+    seen, drafters = [], []
+    monkeypatch.setattr(AutoController, "decide", _scripted(seen, llm_rounds=10**6))  # llm throughout
+    monkeypatch.setattr(AutoController, "sd_within_reach", lambda self, preds: True)
+    catch_up_of = Drafter.catch_up
+    monkeypatch.setattr(Drafter, "catch_up", lambda self, n, **kw: drafters.append(self) or catch_up_of(self, n, **kw))
+    with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill="on") as rt:
+        res = rt.generate(PROMPT, "auto", SamplingParams(0.5), 24, seed=0)
+        own = rt.auto_estimates.acceptance.get(("sd", "T=0.5"))
+    d = drafters[-1]
+    assert res.n == 24 and {p for p, _ in seen} == {"llm"}
+    assert d.compared >= 12 and d.agreed / d.compared > 0.98, (d.agreed, d.compared)
+    assert own is not None and own.request_examined == d.compared and own.request_accepted == pytest.approx(d.agreed)
 
 
 @pytest.mark.real_models

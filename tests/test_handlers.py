@@ -17,6 +17,7 @@ from cloud_runtime.sessions import ACTIVE_S, SessionTable
 from cloud_runtime.state import CloudTables
 from cloud_runtime.work import ModelFacts, Pending
 from hat_split.math.chunking import DelayModel
+from hat_split.math.sampling import SamplingParams, warp
 from hat_split.net.security import LinkSecurity
 from hat_split.wire import messages as P
 
@@ -154,6 +155,25 @@ def test_requests_reach_their_family_and_finishers_build_the_replies():
     err = refused(handlers, b"dev", split)
     assert (err.code, err.message) == ("invalid", FACTS.split_refusal)
 
+
+def test_a_generate_that_asks_gets_each_tokens_probability_as_drawn():
+    """Generate.probs: the reply carries p(x) of each token under the distribution it was drawn from (temperature
+    applied), what a device needs to measure its draft's acceptance on llm's tokens; a Generate that does not ask
+    gets none."""
+    handlers, work, _, _ = cloud()
+    hello(handlers, b"dev")
+    ask(handlers, b"dev", P.OpenSession(1, "sd", np.ones(1, np.int32), P.Sampling(temperature=2.0), 5))
+    for step, probs in ((1, True), (2, False)):
+        assert ask(handlers, b"dev", P.Generate(1, step, 1 + 3 * (step - 1), np.zeros(0, np.int32), 3, probs)) is None
+        reply = None
+        while reply is None:
+            ((pending, rows),) = work.complete(next_token=7)
+            reply = handlers.finish(pending, rows)
+        if not probs:
+            assert reply.probs is None
+            continue
+        p = warp(np.where(np.arange(VOCAB) == 7, 5.0, -5.0)[None], SamplingParams(2.0))[0]
+        assert reply.probs.dtype == np.float32 and reply.probs.tolist() == pytest.approx(p[reply.tokens].tolist())
 
 
 def test_the_cost_report_counts_the_other_devices_using_the_cloud():

@@ -163,3 +163,32 @@ def test_at_temperature_0_it_counts_the_targets_tokens_the_draft_named():
     assert [read.tokens for read in reads] == [4, 4, 4]  # all but the last committed token (the next draft's)
     assert [read.compared for read in reads] == [0, 0, 3] and [read.agreed for read in reads] == [0, 0, 2]
     assert (d.agreed, d.compared) == (2, 3)
+
+
+def test_above_temperature_0_it_estimates_acceptance_from_the_targets_drawn_probabilities():
+    """T = 1: each target token read whose probability as drawn the cloud sent (note_drawn) adds min(1, q(x) / p(x)),
+    q the draft's distribution after the token before it (a bigram model: table[prev]); a token committed without
+    one (an sd round's) is not counted, the prompt's own never."""
+    d = Drafter(HeldLM(), SamplingParams(1.0))
+    d.start(list(range(1, 11)), prefill=False)
+    rng = np.random.default_rng(3)
+    vocab = d.lm.vocab_size
+    target = rng.dirichlet(np.ones(vocab), size=vocab)
+    seq, probs, prev = [], [], d.tokens[-1]
+    for _ in range(6):
+        prev = int(rng.choice(vocab, p=target[prev]))
+        probs.append(float(target[d.tokens[-1] if not seq else seq[-1], prev]))
+        seq.append(prev)
+    d.note_drawn(probs[:4])
+    d.commit(seq[:4])
+    d.commit(seq[4:5])
+    d.note_drawn(probs[5:])
+    d.commit(seq[5:])
+    r = ReadAhead(d, most=4, compare=True)
+    r.start()
+    _until_idle(r)
+    reads = r.drain()
+    before = [10] + seq[:-1]
+    due = [min(1.0, d.lm.table[a, x] / p) for i, (a, x, p) in enumerate(zip(before, seq, probs)) if i != 4]
+    assert sum(read.compared for read in reads) == d.compared == 5
+    assert d.agreed == pytest.approx(sum(due), rel=1e-5) and 0 < d.agreed < 5

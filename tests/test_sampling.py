@@ -22,6 +22,7 @@ import pytest
 from hat_split.math.sampling import SamplingParams, sample, sample_rng, softmax_prob, warp
 from hat_split.math.verify import (
     VerifyResult,
+    acceptance_of_samples,
     acceptance_rate,
     expected_accepted,
     expected_tokens,
@@ -161,6 +162,29 @@ def test_mean_accepted_matches_expected_accepted() -> None:
     beta = float(acceptance_rate(p, q))
     sd = math.sqrt(L * L / 4 / N)  # N is in [0, L]: variance <= L^2 / 4
     assert abs(res.n_accepted.mean() - expected_accepted(beta, L)) < 5 * sd
+
+
+def test_acceptance_of_the_targets_own_samples_estimates_beta() -> None:
+    """min(1, q(x) / p(x)) over x ~ p: by hand; its mean over 10^5 of the target's samples is Σ min(p, q) within five
+    standard errors, where two decoys a reader might write are far outside it (q(x) alone: Σ p q; the ratio the
+    other way: Σ min(p, p² / q)); at temperature 0 it is the argmax's agreement; bad input is refused by name."""
+    assert acceptance_of_samples(np.array([0.5, 0.2, 1.0]), np.array([0.25, 0.6, 0.0])).tolist() == [0.5, 1.0, 0.0]
+    V, N = 12, 100_000
+    rng = np.random.default_rng([SEED, 7])
+    p, q = rng.dirichlet(np.ones(V)), rng.dirichlet(np.ones(V))
+    x = sample_rng(np.tile(p, (N, 1)), rng)
+    est = acceptance_of_samples(p[x], q[x])
+    beta, se = float(acceptance_rate(p, q)), est.std() / math.sqrt(N)
+    assert abs(est.mean() - beta) < 5 * se
+    for decoy in (q[x], np.minimum(1.0, p[x] / q[x])):
+        assert abs(decoy.mean() - beta) > 20 * se, (decoy.mean(), beta, se)
+    greedy = acceptance_of_samples(np.ones(3), np.array([1.0, 0.0, 1.0]))  # one-hot q: the draft named x or not
+    assert greedy.tolist() == [1.0, 0.0, 1.0]
+    for bad_p, bad_q, match in [([0.0], [0.5], "p_drawn"), ([float("nan")], [0.5], "p_drawn"),
+                                ([1.5], [0.5], "p_drawn"), ([0.5], [-0.1], "q_at"), ([0.5, 0.5], [0.5], "one length"),
+                                (["a"], [0.5], "p_drawn")]:
+        with pytest.raises(ValueError, match=match):
+            acceptance_of_samples(np.array(bad_p), np.array(bad_q))
 
 
 def markov_generate(Pm: np.ndarray, Qm: np.ndarray, start: int, T: int, L: int, n: int, rng: np.random.Generator,

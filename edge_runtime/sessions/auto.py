@@ -34,8 +34,10 @@ class AutoSession(TokenSession):
         self._opening = False  # the device waits for SessionOpened
         self._in_flight = 0  # tokens the llm round in flight asks for
         super().__init__(*args, round_fn=lambda s: s.auto_round(), **kwargs)
-        # at temperature 0 the reads also measure the prompt's acceptance (AutoEstimates.observe_agreement)
-        self.reader = ReadAhead(self.drafter, compare=sampling_kind(self.params) == GREEDY)
+        # the reads also measure the prompt's acceptance on llm's tokens (AutoEstimates.observe_agreement): above
+        # temperature 0 from the probability each was drawn with, which llm's replies then carry
+        self.reader = ReadAhead(self.drafter, compare=True)
+        self.drawn_probs = sampling_kind(self.params) != GREEDY
 
     def link(self) -> Link:
         return measured_link(self, self.auto.estimates)

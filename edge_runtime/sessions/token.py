@@ -6,6 +6,7 @@ skips of uhlm, randhlm, cuhlm) wait in `pending` until the next upload or the cl
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -17,6 +18,8 @@ from edge_runtime.sessions.base import Session
 from hat_split.math.logprobs import Logprobs
 from hat_split.math.skip_budget import SkipPolicy
 from hat_split.wire import messages as P
+
+log = logging.getLogger("hatspec.edge")
 
 
 class TokenSession(Session):
@@ -33,6 +36,7 @@ class TokenSession(Session):
         self.pending: List[int] = []  # committed here, not yet sent to the cloud (skipped uploads)
         self.uplink_bps = 0.0  # the cloud's latest measurement of this device's uploads (0: none yet)
         self.cloud_cost: Optional[P.CloudCost] = None  # the cloud's step costs as its last SessionOpened stated
+        self.drawn_probs = False  # Generate asks for each token's probability as the target drew it (auto, T > 0)
 
     def _open_message(self, tokens: Sequence[int]) -> P.OpenSession:
         sampling = P.Sampling(self.params.temperature, self.params.top_k, self.params.top_p)
@@ -164,12 +168,19 @@ class TokenSession(Session):
     def generate(self, n: int) -> None:
         """Cloud only: the target decodes up to n tokens on its own; commit them."""
         msg = P.Generate(self.session_id, self.step + 1, self.cloud_position, np.zeros(0, np.int32),
-                         min(n, self.remaining))
+                         min(n, self.remaining), probs=self.drawn_probs)
         reply = expect(self.request(msg, self.while_waiting), P.Generated, P.Generate)
         self.counters.rounds += 1
         self.counters.cloud_compute_s += reply.compute_s
         self.cloud_position = reply.position
-        self.commit([int(t) for t in reply.tokens], logprobs=self._cloud_logprobs(reply.logprobs, len(reply.tokens)))
+        tokens = [int(t) for t in reply.tokens]
+        if self.drawn_probs:
+            if reply.probs is None:  # an older cloud: asked no more in this request
+                log.warning("the cloud sends no probabilities with its tokens (an older cloud?): the draft's "
+                            "acceptance is not measured on them")
+                self.drawn_probs = False
+            self.drafter.note_drawn(checked_probs(reply.probs, len(tokens)))
+        self.commit(tokens, logprobs=self._cloud_logprobs(reply.logprobs, len(tokens)))
 
     def _cloud_logprobs(self, wire: Optional[P.TokenLogprobs], n: int) -> Optional[Logprobs]:
         """The log-probabilities the cloud sent with n committed tokens (checked), when the request asked."""
@@ -186,3 +197,16 @@ class TokenSession(Session):
             raise RuntimeError(f"the cloud sent log-probabilities of {len(lp)} tokens with {lp.k} alternatives; "
                                f"{n} tokens with {self.logprobs_k} were due")
         return lp
+
+
+def checked_probs(wire, n: int) -> List[float]:
+    """The probabilities a Generated reply of n tokens carries (Generate.probs), checked; none from an older cloud or
+    a malformed reply (the field named in the log): they only feed an estimate, the tokens stand."""
+    if wire is None:
+        return []
+    probs = np.asarray(wire)
+    if probs.shape != (n,) or not np.issubdtype(probs.dtype, np.floating) or not ((probs > 0) & (probs <= 1)).all():
+        log.warning("Generated.probs refused: %d values in (0, 1] were due, got shape %s dtype %s", n, probs.shape,
+                    probs.dtype)
+        return []
+    return probs.tolist()

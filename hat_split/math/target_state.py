@@ -25,6 +25,7 @@ class TargetState:
     tokens: List[int]  # committed sequence: prompt + generated
     rng: np.random.Generator = field(init=False)  # draws acceptance/resampling uniforms and `llm` samples
     last_p: Optional[np.ndarray] = None  # target distributions `# [L + 1, vocab]` of the last accept (hat-calibrate)
+    drawn_p: float = 1.0  # the last sample_next's token's probability under the distribution it was drawn from
 
     def __post_init__(self) -> None:
         self.rng = session_rng(self.seed, "cloud")
@@ -55,7 +56,11 @@ class TargetState:
         return verdict
 
     def sample_next(self, logits: np.ndarray) -> int:
-        """Sample and commit the target's next token from its logits `# [1, vocab]` (protocol `llm`)."""
-        token = int(sample_rng(warp(logits, self.params), self.rng)[0])
+        """Sample and commit the target's next token from its logits `# [1, vocab]` (protocol `llm`); `drawn_p` is
+        then its probability there (what a device needs to measure a draft's acceptance on it: verify's
+        acceptance_of_samples)."""
+        p = warp(logits, self.params)
+        token = int(sample_rng(p, self.rng)[0])
+        self.drawn_p = float(p.reshape(-1)[token])
         self.tokens.append(token)
         return token

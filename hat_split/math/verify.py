@@ -228,6 +228,26 @@ def acceptance_rate(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.minimum(np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)).sum(axis=-1)
 
 
+def acceptance_of_samples(p_drawn: np.ndarray, q_at: np.ndarray) -> np.ndarray:
+    """Unbiased estimates of beta from tokens x the target sampled itself: min(1, q(x) / p(x)) each.
+
+    p_drawn: `# [n]` p(x), each token's probability under the distribution it was drawn from (> 0: it was drawn);
+    q_at: `# [n]` q(x), the draft's probability of the same token from the same prefix. For x ~ p,
+    E[min(1, q(x) / p(x))] = sum_v p(v) min(1, q(v) / p(v)) = sum_v min(p(v), q(v)) = beta (`acceptance_rate`), so the
+    mean over the target's own tokens (protocol `llm`) estimates what sd's drafts would have had accepted there,
+    without a draft. At temperature 0 p(x) = 1 and q(x) is 1 where the draft's argmax names x: the count of agreements.
+    Returns `# [n]` float64 in [0, 1]."""
+    p = _real_array(p_drawn, "p_drawn").astype(np.float64)
+    q = _real_array(q_at, "q_at").astype(np.float64)
+    if p.ndim != 1 or p.shape != q.shape:
+        raise ValueError(f"p_drawn and q_at must be [n] of one length, got {p.shape} and {q.shape}")
+    if not ((p > 0) & (p <= 1)).all():
+        raise ValueError("p_drawn must be in (0, 1]: each token was drawn from it")
+    if not ((q >= 0) & (q <= 1)).all():
+        raise ValueError("q_at must be in [0, 1]")
+    return np.minimum(1.0, q / p)
+
+
 def _check_alpha_gamma(alpha: float, gamma: int) -> tuple[float, int]:
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not (0.0 <= float(alpha) <= 1.0):
         raise ValueError(f"alpha must be a real number in [0, 1], got {alpha!r}")

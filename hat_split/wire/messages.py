@@ -272,6 +272,8 @@ class Generate(msgspec.Struct, tag=True):
     position: NonNeg
     new_tokens: Any  # [m] int32
     n: Positive  # tokens the cloud should decode on its own
+    probs: bool = False  # the reply carries each token's probability under the distribution it was drawn from (a
+    # device measuring its draft's acceptance on the target's tokens above temperature 0: protocol auto)
 
 
 class Generated(msgspec.Struct, tag=True):
@@ -283,6 +285,7 @@ class Generated(msgspec.Struct, tag=True):
     logprobs: Optional[TokenLogprobs] = None  # of the n tokens, if the session asked
     held_s: float = 0.0  # as SessionOpened.held_s
     unseen_s: float = 0.0  # as SessionOpened.unseen_s
+    probs: Any = None  # [n] float32 p(x) of each token as drawn (after temperature, top-k, top-p), if Generate asked
 
 
 class CloseSession(msgspec.Struct, tag=True):
