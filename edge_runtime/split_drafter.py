@@ -37,7 +37,8 @@ from edge_runtime.backends.split_parts import PartCacheLike, SplitParts
 from edge_runtime.feature_pairs import DraftState, FeaturePairs
 from hat_split.math.rng import keyed_rng, keyed_uniform
 from hat_split.math.sampling import SamplingParams, sample, softmax_prob, warp
-from hat_split.math.tree import ROOT, GrownTree, TreeVerdict, grow_tree, verify_tree, verify_tree_greedy
+from hat_split.math.tree import (ROOT, GrownTree, TreeVerdict, grow_tree, top_tokens, verify_tree,
+                                 verify_tree_greedy)
 from hat_split.math.verify import speculative_verify
 from hat_split.models.lm import board_time
 
@@ -406,7 +407,7 @@ class SplitDrafter(FeaturePairs):
         if not state.drafts or k < 1:
             return []
         L = len(state.drafts)
-        ranked = np.argsort(-state.last_logits)[: k + 1]  # by the draft's own scores: also at temperature 0
+        ranked = top_tokens(state.last_logits, k + 1)  # by the draft's own scores: also at temperature 0
         order = [int(t) for t in ranked if int(t) != state.drafts[-1]][:k]
         out = []
         if order and len(state.shallow) < L + 1:  # deferred drafts' shallow states (they upload anyway)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hat_split.math.tree import (ROOT, ancestor_mask, chain, check_tree, children_of, draw_children, path_to,
-                                 verify_tree, verify_tree_greedy)
+                                 top_tokens, verify_tree, verify_tree_greedy)
 
 
 @pytest.mark.parametrize("parents,tokens,message", [
@@ -350,3 +350,18 @@ def test_a_tree_below_a_chain_is_one_tree():
     assert below_chain(1, [-1, 0, 0, 1]) == [-1, 0, 1, 1, 2]  # the root, then the tree below it
     assert below_chain(3, [-1, -1]) == [-1, 0, 1, 2, 2]  # two tokens the cache lacks, the root, two children
     check_tree(np.array(below_chain(3, [-1, -1, 0])), np.arange(6), 6, 6)
+
+
+def test_top_tokens_is_the_stable_sorts_head_without_the_sort():
+    """top_tokens(q, k) = np.argsort(-q, kind="stable")[:k] (most probable first, ties by the smaller id) on rows
+    with ties across the k-th value, exact zeros, -inf logits and k beyond the vocabulary."""
+    rng = np.random.default_rng(5)
+    tied = np.array([0.1, 0.3, 0.3, 0.0, 0.3, 0.0])
+    assert top_tokens(tied, 2).tolist() == [1, 2] and top_tokens(tied, 4).tolist() == [1, 2, 4, 0]
+    rows = [tied, np.array([-np.inf, 2.0, -np.inf, 2.0]), rng.random(1000), rng.integers(0, 5, 1000).astype(float),
+            np.zeros(7)]
+    for q in rows:
+        for k in (1, 2, 3, 5, 50, q.size, q.size + 3):
+            assert top_tokens(q, k).tolist() == np.argsort(-q, kind="stable")[:k].tolist(), (q[:8], k)
+    assert top_tokens(tied, 0).size == 0
+
