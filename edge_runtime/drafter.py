@@ -181,7 +181,7 @@ class Drafter:
 
         tree = grow_tree(q_root, q_after, budget, max_depth, width, rng.random, greedy, stop_below)
         if not greedy:
-            rows.extend(np.zeros_like(rows[0]) for _ in range(tree.q.shape[0] - len(rows)))
+            rows.extend(np.zeros_like(rows[0]) for _ in range(len(tree.rows) - len(rows)))
         self._tree = (start, self.kv.length - start)  # where the tree begins, how many of its nodes are cached
         return tree, rows
 
