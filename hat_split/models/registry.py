@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,11 +182,17 @@ def hf_cache_path(key: str) -> Path:
 # ---------------------------------------------------------------------------------------------------- installing
 
 
+_FINDERS = threading.Lock()  # importlib.invalidate_caches is not thread-safe: two runtimes opened at once from two
+# threads raced in it (CPython 3.11's PathFinder deletes from sys.path_importer_cache while the other iterates: a
+# KeyError from the second runtime's constructor, seen once in the suite)
+
+
 def missing_packages(name: str) -> list[str]:
     """The PyPI packages of `name` whose module cannot be found (checked with find_spec: nothing is imported)."""
     spec = get_model_spec(name)
-    importlib.invalidate_caches()
-    return [p for p, m in zip(spec.packages, spec.modules) if importlib.util.find_spec(m) is None]
+    with _FINDERS:
+        importlib.invalidate_caches()
+        return [p for p, m in zip(spec.packages, spec.modules) if importlib.util.find_spec(m) is None]
 
 
 def is_installed(name: str) -> bool:
