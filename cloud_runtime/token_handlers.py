@@ -180,7 +180,8 @@ class TokenHandlers(FamilyHandlers):
     def next_token(self, p: Pending, logits: np.ndarray) -> Optional[P.Message]:
         """Sample the next token from logits `# [1, vocab]`; one token per step, like any decoding device."""
         p.generated.append(p.session.target.sample_next(logits))
-        p.probs.append(p.session.target.drawn_p)
+        if p.msg.probs:
+            p.probs.append(p.session.target.drawn_p)
         if p.session.logprobs is not None:
             p.logprobs.append(token_logprobs(logits[-1:], p.generated[-1:], p.session.logprobs))
         msg = p.msg
