@@ -32,9 +32,12 @@ alone are the last mode's scaled by the board's slowdown as the first read in th
 opening reads the prompt whatever auto runs next: `observe_catch_up`). A protocol that has not run
 for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
 current, never as a request's first round and, for a drafting protocol, only when its catch-up is one round's tokens
-at most. What changes fast (the cloud's load, the link) needs no probe: the cloud reports its cost curve and its queue
-with every session opening, the device's own points of that curve older than `STALE_S`, or measured while the
-cloud's queue was in another state than it now reports (busy / idle), give way to the report. Every switch is logged
+at most; llm's probe decodes one token (its round overhead and a step are what it measures, and a chunk of c at
+llm's rate is c tokens at the slower protocol's: under load, where a step costs a second here, a probe of 8 cost
+some 5 s of a 32-token request). What changes fast (the cloud's load, the link) needs no probe: the cloud reports
+its cost curve and its queue with every session opening, the device's own points of that curve older than
+`STALE_S`, or measured while the cloud's queue was in another state than it now reports (busy / idle), give way to
+the report. Every switch is logged
 with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
 
 Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
@@ -697,6 +700,8 @@ class AutoController:
                  and (p.protocol not in DRAFTING or behind <= self.chunk)]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
+            if alt.protocol == "llm":  # one token: its round's overhead and a step, measured at 1/chunk of the cost
+                return Choice("llm", 1, f"probing llm (one token): not run for {PROBE_EVERY} rounds", rates)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, best_tree) + why,

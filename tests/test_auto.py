@@ -81,6 +81,20 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert fresh.decide(Link(0.01)).protocol == "llm"
 
 
+def test_a_probe_of_llm_decodes_one_token():
+    """sd clearly ahead: after PROBE_EVERY rounds without llm, llm runs one round of a single token (its overhead
+    and a step are what a probe measures; a chunk would commit c tokens at the slower rate), then sd again."""
+    c = _controller(_estimates(0.9, 0.02, step_1=0.2, step_9=0.22))
+    for _ in range(PROBE_EVERY):
+        choice = c.decide(Link(0.01))
+        assert choice.protocol == "sd", choice
+        c.record(choice, 5)
+    probe = c.decide(Link(0.01))
+    assert (probe.protocol, probe.knob) == ("llm", 1) and probe.reason.startswith("probing llm (one token)"), probe
+    c.record(probe, 1)
+    assert c.decide(Link(0.01)).protocol == "sd"
+
+
 def test_a_switch_to_sd_repays_the_draft_catching_up():
     """sd well ahead, but the draft model has 200 tokens to read first: worth it for a long remainder, not for a
     short one; the cost is the measured catch-up rate (a draft step per token before one is measured)."""

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from profiles.bench.bench_auto import ALPHA_GRID, Phase, at_alpha, parse_trace, steady_rate, summarise, tree_rows
+from profiles.bench.bench_auto import (ALPHA_GRID, Phase, at_alpha, chain_rows, paired, parse_trace, steady_rate,
+                                      summarise, tree_rows)
 
 
 def test_the_trace_parses_and_refuses_what_it_cannot_run():
@@ -50,6 +51,7 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     assert s["lte"]["best_fixed"] == "sd" and s["lte"]["auto_over_best_fixed"] == pytest.approx(2.0 / 2.2)
     assert s["lte"]["model_error"]["sd"]["median_abs_error"] == pytest.approx(2 / 18)
     assert s["lte"]["model_error"]["llm"]["median_abs_error"] == pytest.approx(0.1)
+    assert s["lte"]["auto_over_best_fixed_per_request"] == [pytest.approx((32 / 2.2) / (32 / 2.0))]
     assert s["overall"]["protocols"]["auto"]["n"] == 1
     assert "median_abs_error_own_alpha" not in s["lte"]["model_error"]["sd"]  # no α grid: only the online figure
     # the model at the request's own α: sd measured 18 tok/s at α 0.7; the grid predicts 10 + 10 α, 17 at α 0.7
@@ -58,6 +60,20 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     s = summarise(rows, [Phase("lte", "lte")], ["llm", "sd", "auto"])
     assert s["lte"]["model_error"]["sd"]["median_abs_error_own_alpha"] == pytest.approx(1 / 18)
     assert at_alpha(rows[2]["predicted"]["sd_by_alpha"], 0.725) == pytest.approx(17.25)
+
+
+def test_ratios_are_paired_request_by_request_and_chain_rows_are_named_by_their_draft_length():
+    def row(protocol, rep, rate, phase="lte"):
+        return {"phase": phase, "rep": rep, "protocol": protocol, "tokens": 32 if rate else 0,
+                "total_s": 32 / (rate or 1)}
+
+    rows = [row("sd", 0, 2.0), row("auto", 0, 1.0), row("sd", 1, 4.0), row("auto", 1, 5.0), row("auto", 2, 3.0),
+            row("sd", 2, 0.0), row("sd", 0, 8.0, "wifi-far")]  # a request of sd with no tokens: no ratio
+    assert paired(rows, "auto", "sd") == [0.5, 1.25]
+    assert chain_rows("6, 8") == {"sd_g6": {"draft_len": 6}, "sd_g8": {"draft_len": 8}} and chain_rows("") == {}
+    for bad in ("0", "17", "x", "6.5"):
+        with pytest.raises(ValueError, match="--chains"):
+            chain_rows(bad)
 
 
 @pytest.mark.real_models

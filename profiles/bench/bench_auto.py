@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                    help="draft-tree shapes NODESxDEPTHxWIDTH, comma separated (e.g. 16x4x4,32x6x4): each a fixed row "
                         "of its own (sd_tNdDwW, among the fixed exact protocols auto is compared with), and all of "
                         "them auto's candidates beside the chains (its --auto-trees)")
+    s.add_argument("--chains", default="",
+                   help="more draft lengths γ for sd, comma separated (e.g. 6,8): each a fixed row of its own (sd_gN, "
+                        "among the fixed exact protocols auto is compared with)")
     s.add_argument("--load-devices", type=int, default=8)
     s.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut phase cuts the link for, per request")
     s.add_argument("--power-slowdown", type=float, default=3.0,
@@ -173,9 +176,9 @@ def run(args: argparse.Namespace) -> int:
     from profiles.bench.rig import Rig
 
     phases = parse_trace(args.trace)
-    trees = tree_rows(args.trees)
+    trees = {**chain_rows(args.chains), **tree_rows(args.trees)}  # the fixed sd rows beside sd: their config fields
     protocols = [p for p in args.protocols.split(",") if p] + list(trees)
-    if trees and args.engine == "torch" and any(p.power for p in phases):
+    if args.trees and args.engine == "torch" and any(p.power for p in phases):
         raise ValueError("--trees with a power phase needs --engine llamacpp: the torch engine drafts trees with a "
                          "model of its own that the board's slowdown does not reach")
     if not 1.0 <= args.power_slowdown <= 100.0:
@@ -258,6 +261,16 @@ def pinned(cpus: List[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def chain_rows(text: str) -> Dict[str, dict]:
+    """The fixed chain rows of --chains: each γ's name (sd_gN) and the EdgeConfig field it sets."""
+    out: Dict[str, dict] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if not item.isdigit() or not 1 <= int(item) <= 16:
+            raise ValueError(f"--chains: draft lengths 1..16, comma separated, got {item!r}")
+        out[f"sd_g{int(item)}"] = {"draft_len": int(item)}
+    return out
+
+
 def tree_rows(text: str) -> Dict[str, dict]:
     """The fixed tree rows of --trees: each shape's name (sd_tNdDwW) and the EdgeConfig fields it sets."""
     from hat_split.math.tree import parse_shapes, shape_name
@@ -302,7 +315,8 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
             "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n,
             "up_bytes_per_token":
             s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
-            "auto": res.auto}
+            "auto": res.auto,
+            "commits": [[round(t - commits[0][0], 4), k] for t, k in commits]}  # each commit's time from the first
 
 
 def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, object]:
@@ -319,6 +333,8 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     preds = {"sd": c.at("sd", draft_len, link, now), "ksqs": c.at("ksqs", draft_len, link, now),
              "llm": c.at("llm", rt.config.llm_chunk, link, now)}
     out: Dict[str, object] = {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
+    by_gamma = [c.at("sd", g, link, now) for g in range(1, 9)]  # the model's ranking of sd's draft lengths
+    out["sd_by_gamma"] = [p.tokens_per_s if p is not None else None for p in by_gamma]
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
@@ -370,6 +386,7 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
             best = max(fixed, key=fixed.get)
             entry["auto_over_best_fixed"] = per["auto"]["tokens_per_s"] / fixed[best]
             entry["best_fixed"] = best
+            entry["auto_over_best_fixed_per_request"] = paired(sel, "auto", best)
         errors = {}
         for name in ("sd", "ksqs", "llm"):
             pairs = [(a["predicted"], f) for a in sel if a["protocol"] == "auto" and a.get("predicted", {}).get(name)
@@ -388,10 +405,22 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
     return out
 
 
+def paired(rows: List[dict], a: str, b: str) -> List[float]:
+    """Protocol a's tokens/s over b's, request by request (the same phase, repetition and prompt), in row order:
+    the spread of the phase's ratio."""
+    rate = lambda r: r["tokens"] / r["total_s"] if r["total_s"] > 0 else 0.0  # noqa: E731
+    of = {(r["phase"], r["rep"]): rate(r) for r in rows if r["protocol"] == b}
+    return [rate(r) / of[(r["phase"], r["rep"])] for r in rows
+            if r["protocol"] == a and of.get((r["phase"], r["rep"]), 0) > 0]
+
+
 def print_summary(report: dict) -> None:
     for phase, e in report["summary"].items():
         cells = ", ".join(f"{k} {v['tokens_per_s']:.2f}" for k, v in e["protocols"].items())
-        ratio = f"; auto {e['auto_over_best_fixed']:.2f}x {e['best_fixed']}" if "auto_over_best_fixed" in e else ""
+        each = e.get("auto_over_best_fixed_per_request") or []
+        spread = f" (per request {min(each):.2f}–{max(each):.2f}, n={len(each)})" if each else ""
+        ratio = (f"; auto {e['auto_over_best_fixed']:.2f}x {e['best_fixed']}{spread}" if "auto_over_best_fixed" in e
+                 else "")
         err = "; model error " + ", ".join(
             f"{k} {100 * v['median_abs_error']:.0f} %" + (f" ({100 * v['median_abs_error_own_alpha']:.0f} % at the "
                                                           "request's own α)" if "median_abs_error_own_alpha" in v
