@@ -490,8 +490,13 @@ class AutoEstimates:
         self.observed_at[b] = now
 
     def _overhead(self, protocol: str, residual_s: float) -> None:
-        key = self._overhead_key(protocol, bool(self.cloud_busy))
-        self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), max(0.0, residual_s))
+        """A round's wall time beyond its parts. Under load it holds the wait for the step in progress: kept net of the
+        wait the cloud's report stated then (signed: a device in step with the cloud's steps may wait less than half
+        a step), so that the next report's wait, a load that grew or eased, prices the next round at once."""
+        busy = bool(self.cloud_busy)
+        key = self._overhead_key(protocol, busy)
+        value = residual_s - self.reported_wait_s if busy else max(0.0, residual_s)
+        self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), value)
 
     @staticmethod
     def _overhead_key(protocol: str, busy: bool) -> str:
@@ -499,17 +504,19 @@ class AutoEstimates:
 
     def overhead(self, protocol: str) -> float:
         """o of `protocol` as measured while the cloud was in the state it last reported (busy or idle); the other
-        state's before one is."""
+        state's before one is. One measured busy is net of the wait reported then (`_overhead`): the wait the cloud
+        reports now is added (0 when idle)."""
         busy = bool(self.cloud_busy)
         for key in (self._overhead_key(protocol, busy), self._overhead_key(protocol, not busy)):
             if key in self.overhead_s:
-                return self.overhead_s[key]
+                return max(0.0, self.overhead_s[key] + (self.reported_wait_s if key.endswith(":busy") else 0.0))
         return 0.0
 
     def wait_s(self, protocol: str) -> float:
         """The wait for a busy cloud's step in progress, as `protocol` should be priced with it: the report's half a
         step until the protocol's round overhead has been measured under load, which then holds the wait (the cloud's
-        compute seconds count only the steps a request is in), so it is not counted twice."""
+        compute seconds count only the steps a request is in; `overhead` adds the report's wait to what it measured
+        beyond the wait reported then), so it is not counted twice."""
         if self.cloud_busy and self._overhead_key(protocol, True) in self.overhead_s:
             return 0.0
         return self.reported_wait_s

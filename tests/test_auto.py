@@ -348,9 +348,23 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     # once sd's round overhead is measured under the load, that overhead holds the wait (the cloud's compute counts
     # only the steps a request is in): the report's wait is not added again; llm, not measured busy, keeps it
     est.observe_sd(4, 4, 4 * 0.01, 0.36, 300, 100, 4 * 0.01 + 0.36 + 0.1, Link(0.01), now=1.0)
+    g_before_5 = est.curve().step_s(5)
     assert est.wait_s("sd") == 0.0 and est.wait_s("llm") == pytest.approx(0.1)
     measured = c.at("sd", 4, Link(0.01))
-    busy_overhead = est.overhead_s.pop("sd:busy")
+    busy_overhead = est.overhead("sd")
+    assert busy_overhead == pytest.approx(0.09)  # the round's 0.1 s beyond its parts, less the link's 0.01
+    # the overhead measured under load is kept net of the wait reported then: a report of a lighter load (4 other
+    # positions a step: half a step 0.5 * g(4) = 0.5 * 0.1086 s) shortens sd's next round by the change in that wait
+    # at once, rather than after several rounds of moving averages measured under the heavier one
+    assert est.take_report(P.CloudCost(curve, others=2, others_positions=4.0))
+    lighter = c.at("sd", 4, Link(0.01))
+    g = est.curve()
+    assert est.reported_wait_s == pytest.approx(0.5 * (0.04 + 3 * 0.16 / 7))
+    assert lighter.round_s == pytest.approx(measured.round_s - (0.1 - est.reported_wait_s)
+                                            - g_before_5 + g.step_s(5))
+    assert est.take_report(P.CloudCost(curve, batch_tokens=8.0, queued=3))  # the heavier load again
+    assert c.at("sd", 4, Link(0.01)).round_s == pytest.approx(measured.round_s)
+    est.overhead_s.pop("sd:busy")
     unmeasured = c.at("sd", 4, Link(0.01))  # the idle overhead and the report's wait
     assert unmeasured.round_s == pytest.approx(measured.round_s - busy_overhead + est.overhead("sd") + 0.1)
 
