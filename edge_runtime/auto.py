@@ -37,8 +37,8 @@ llm's rate is c tokens at the slower protocol's: under load, where a step costs 
 some 5 s of a 32-token request). What changes fast (the cloud's load, the link) needs no probe: the cloud reports
 its cost curve and its queue with every session opening, the device's own points of that curve older than
 `STALE_S`, or measured while the cloud's queue was in another state than it now reports (busy / idle), give way to
-the report. Every switch is logged
-with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into the request's result.
+the report. Every switch is logged with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into
+the request's result.
 
 Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
 candidates are the chains of γ and that tree (nodes N, depth D, width W), priced by `predict_tree` with the tokens

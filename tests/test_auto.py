@@ -346,7 +346,7 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     assert est.curve().step_s(1) == pytest.approx(0.22) and est.reported_wait_s == pytest.approx(0.5 * 0.20)
     assert c.decide(Link(0.01)).protocol == "sd"
     # once sd's round overhead is measured under the load, that overhead holds the wait (the cloud's compute counts
-    # only the steps a request is in): the report's wait is not added again; llm, not measured busy, keeps it
+    # only the steps a request is in): wait_s adds nothing more for sd; llm, not measured busy, keeps the report's
     est.observe_sd(4, 4, 4 * 0.01, 0.36, 300, 100, 4 * 0.01 + 0.36 + 0.1, Link(0.01), now=1.0)
     g_before_5 = est.curve().step_s(5)
     assert est.wait_s("sd") == 0.0 and est.wait_s("llm") == pytest.approx(0.1)
