@@ -324,7 +324,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     estimates predict them now for the request's kind of sampling (None for one not measured yet); sd's at every α
     of ALPHA_GRID (the model given a request's own acceptance: the summary's second error); the estimates
     themselves."""
-    from edge_runtime.auto import AUTO_TOKEN, AutoController
+    from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController
     from hat_split.math.costmodel import CloudCosts, predict
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
@@ -333,7 +333,8 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     preds = {"sd": c.at("sd", draft_len, link, now), "ksqs": c.at("ksqs", draft_len, link, now),
              "llm": c.at("llm", rt.config.llm_chunk, link, now)}
     out: Dict[str, object] = {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
-    by_gamma = [c.at("sd", g, link, now) for g in range(1, 9)]  # the model's ranking of sd's draft lengths
+    # the model's ranking of the draft lengths auto chooses among (runtime: within the cloud's max_draft_len)
+    by_gamma = [c.at("sd", g, link, now) for g in range(1, min(rt.client.welcome.max_draft_len, AUTO_MAX_DRAFT) + 1)]
     out["sd_by_gamma"] = [p.tokens_per_s if p is not None else None for p in by_gamma]
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
