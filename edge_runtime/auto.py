@@ -202,7 +202,9 @@ class AutoEstimates:
     # shape: drafting a tree costs the same however the request samples) ...
     tree_up_per_node: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... uplink bytes a node per
     # kind (a greedy tree sends no rows, a sampled one a row per node with children) ...
-    tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... and its rounds observed per kind
+    tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... its rounds observed per kind ...
+    tree_sent: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... and the nodes a round sent (fewer
+    # than the shape's when η ends it early: a chain of width 1 that ends on its draft's confidence)
 
     @property
     def alpha(self) -> Optional[float]:
@@ -391,19 +393,23 @@ class AutoEstimates:
         return max(0.0, up_bytes - base) / drafted
 
     def observe_tree(self, shape: Shape, tokens: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
-                     wall_s: float, link: Link, now: float, caught_up: int = 0) -> None:
+                     wall_s: float, link: Link, now: float, caught_up: int = 0, sent: Optional[int] = None) -> None:
         """One sd round with a draft tree of `shape` at `now`: `tokens` committed, the draft model's and the cloud's
         seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many committed
-        tokens, so its seconds say nothing of the tree's drafting."""
+        tokens, so its seconds say nothing of the tree's drafting; sent: the nodes it sent (None: the shape's)."""
         if tokens < 1:
             return
+        nodes = shape[0] if sent is None else sent
+        if not 1 <= nodes <= shape[0]:
+            raise ValueError(f"a round of the tree {_tree_text(shape)} sends 1..{shape[0]} nodes, got {sent}")
         key = (shape, self.kind)
         self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
         self.tree_tokens[key] = ema(self.tree_tokens.get(key), float(tokens), ALPHA_POPULATION)
+        self.tree_sent[key] = ema(self.tree_sent.get(key), float(nodes), ALPHA_POPULATION)
         if not caught_up:
             self.tree_draft_s[shape] = ema(self.tree_draft_s.get(shape), draft_s)
         self.tree_up_per_node[key] = ema(self.tree_up_per_node.get(key), self._verify_round(
-            shape[0], draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now))
+            nodes, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now))
 
     def tree_rounds_of(self, shape: Shape) -> int:
         """Rounds of the tree `shape` observed under the request's kind of sampling."""
@@ -412,6 +418,10 @@ class AutoEstimates:
     def tree_up_per_node_of(self, shape: Shape) -> Optional[float]:
         """Uplink bytes a node of the tree `shape` under the request's kind of sampling; None before measured."""
         return self.tree_up_per_node.get((shape, self.kind))
+
+    def tree_sent_of(self, shape: Shape) -> Optional[float]:
+        """Nodes a round of the tree `shape` sends under the request's kind of sampling; None before measured."""
+        return self.tree_sent.get((shape, self.kind))
 
     def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
         """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured, else the
@@ -628,6 +638,10 @@ class AutoController:
                        CloudCosts(curve, est.wait_s(name)), est.wire(name),
                        (est.alpha_of(name) or 0.0) if drafting else 0.0)
 
+    def at_tree(self, shape: Shape, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
+        """The cost model's prediction of sd with the draft tree `shape` (as `at` for a chain)."""
+        return self._at_tree(shape, link, self.estimates.curve(now))
+
     def _at_tree(self, shape: Shape, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
         """sd with the draft tree `shape` (protocol "sd_tree", knob = its nodes); None while it cannot be priced."""
         est = self.estimates
@@ -642,7 +656,7 @@ class AutoController:
         if est.tree_up_per_node_of(shape) is not None:
             wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node_of(shape))
         return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, CloudCosts(curve, est.wait_s("sd")),
-                            wire)
+                            wire, est.tree_sent_of(shape))
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""

@@ -4,6 +4,7 @@ the target's greedy tokens, a cut link degrades to the device alone, a private r
 only when allowed."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -834,6 +835,24 @@ def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
     assert est.tree_rounds_of(shape) == 3
     c = _controller(_estimates(0.7, 0.02, step_1=0.02, step_9=0.021))  # no tree configured: chains only
     assert c.decide(Link(0.1)).tree is None
+
+
+def test_a_chain_that_eta_ends_is_priced_by_the_nodes_it_sends():
+    """A tree of width 1 with η (8x8x1: a chain of at most 8 that ends on its draft's confidence) sends fewer nodes
+    than its shape: the estimates keep the nodes a round sent, and the price counts their uploads and positions, not
+    the shape's 8. A round that claims more nodes than the shape holds is refused."""
+    shape = (8, 8, 1)
+    est = _estimates(0.7, 0.005, step_1=0.1, step_9=0.3)
+    c = _controller(est, trees=(shape,))
+    for sent in (3, 4, 3, 4):
+        est.observe_tree(shape, 3, sent * 0.005, 0.15, 80 + sent * 6, 100, 0.3, Link(0.1), now=0.0, sent=sent)
+    assert 3.0 < est.tree_sent_of(shape) < 4.0 and est.tree_up_per_node_of(shape) == pytest.approx(6.0)
+    priced = c.at_tree(shape, Link(0.1), now=0.0)
+    whole = dataclasses.replace(est, tree_sent={})  # the same rounds taken as the shape's 8 nodes each
+    assert priced.round_s < _controller(whole, trees=(shape,)).at_tree(shape, Link(0.1), now=0.0).round_s
+    assert priced.up_bytes_per_token == pytest.approx((est.wire().up_round + est.tree_sent_of(shape) * 6.0) / 3.0)
+    with pytest.raises(ValueError, match="sends 1..8 nodes"):
+        est.observe_tree(shape, 3, 0.05, 0.15, 200, 100, 0.3, Link(0.1), now=0.0, sent=9)
 
 
 def test_several_tree_shapes_are_each_measured_and_the_fastest_is_run():

@@ -26,11 +26,18 @@ def test_the_trace_parses_and_refuses_what_it_cannot_run():
 
 
 def test_tree_rows_are_named_by_their_shape_and_refuse_what_is_not_one():
-    assert tree_rows("16x4x4, 32x6x4") == {"sd_t16d4w4": {"tree_nodes": 16, "tree_depth": 4, "tree_width": 4},
-                                           "sd_t32d6w4": {"tree_nodes": 32, "tree_depth": 6, "tree_width": 4}}
+    assert tree_rows("16x4x4, 32x6x4") == {
+        "sd_t16d4w4": {"tree_nodes": 16, "tree_depth": 4, "tree_width": 4, "draft_stop_prob": 0.0},
+        "sd_t32d6w4": {"tree_nodes": 32, "tree_depth": 6, "tree_width": 4, "draft_stop_prob": 0.0}}
+    # η ends a shape early: 8x8x1 is a chain of at most 8 that ends on its draft's confidence, named with its η
+    assert tree_rows("8x8x1", 0.4) == {
+        "sd_t8d8w1_e0.4": {"tree_nodes": 8, "tree_depth": 8, "tree_width": 1, "draft_stop_prob": 0.4}}
     assert tree_rows("") == {}
     with pytest.raises(ValueError, match="NODESxDEPTHxWIDTH"):
         tree_rows("16x4")
+    for eta in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="--eta must be in"):
+            tree_rows("8x8x1", eta)
 
 
 def test_the_pace_after_the_first_reply_leaves_out_its_tokens():

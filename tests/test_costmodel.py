@@ -139,6 +139,14 @@ def test_a_tree_round_is_a_chain_round_with_its_measured_tokens():
     assert tree.protocol == "sd_tree" and tree.knob == 32
     with pytest.raises(ValueError, match="nodes >= depth"):
         predict_tree(4, 8, 2.0, 64, link, dev, cloud, wire)
+    # η ends a chain of 8 after 3.5 drafts on average: 3.5 nodes up and 4.5 positions verified, the same drafting
+    short = predict_tree(8, 8, 3.0, 64, link, dev, cloud, wire, sent=3.5)
+    g45 = 0.01 + (4.5 - 1) / (17 - 1) * (0.012 - 0.01)
+    want = 8 * 0.01 + 0.002 + 0.05 + 8 * (100 + 3.5 * 8) / 8e6 + 8 * (100 + 3 * 4) / 16e6 + g45
+    assert short.round_s == pytest.approx(want, rel=1e-12) and short.up_bytes_per_token == pytest.approx(128 / 3)
+    for bad in (0.5, 8.5, float("nan")):
+        with pytest.raises(ValueError, match="sends 1..8 of them"):
+            predict_tree(8, 8, 3.0, 64, link, dev, cloud, wire, sent=bad)
 
 
 def test_a_hat_tree_round_by_hand():

@@ -227,18 +227,22 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
 
 
 def predict_tree(nodes: int, depth: int, tokens_per_round: float, prompt_tokens: int, link: Link,
-                 device: DeviceCosts, cloud: CloudCosts, wire: WireSizes) -> Prediction:
+                 device: DeviceCosts, cloud: CloudCosts, wire: WireSizes, sent: Optional[float] = None) -> Prediction:
     """`sd` with a draft tree of `nodes` nodes and `depth` levels (hat_split.math.tree), committing
     `tokens_per_round` tokens a round (measured: a tree's acceptance has no closed form here): the device drafts a
     level per forward (depth t_d: a level's few nodes cost one draft step, the weights read once — a stated
     assumption for a bandwidth-bound board), every node goes up (u₁ each), the cloud verifies nodes + 1 positions in
-    one step. A chain of γ is the tree of γ nodes and depth γ."""
+    one step. A chain of γ is the tree of γ nodes and depth γ. sent: the nodes a round sends on average when fewer
+    than the shape's (a tree or chain that η ends early, as measured: its uploads and the cloud's positions; its
+    drafting is the caller's device.draft_step_s)."""
     if nodes < 1 or not 1 <= depth <= nodes or not tokens_per_round >= 1:
         raise ValueError(f"a tree needs nodes >= depth >= 1 and >= 1 token a round, got {nodes}, {depth}, "
                          f"{tokens_per_round}")
-    n = float(tokens_per_round)
-    up, down = wire.up_round + nodes * wire.up_per_draft, wire.down_round + n * wire.down_per_token
-    return _round("sd_tree", nodes, n, depth * device.draft_step_s, up, down, cloud.curve.step_s(nodes + 1),
+    if sent is not None and not 1.0 <= sent <= nodes:
+        raise ValueError(f"a tree of {nodes} nodes sends 1..{nodes} of them a round, got {sent}")
+    n, m = float(tokens_per_round), float(nodes if sent is None else sent)
+    up, down = wire.up_round + m * wire.up_per_draft, wire.down_round + n * wire.down_per_token
+    return _round("sd_tree", nodes, n, depth * device.draft_step_s, up, down, cloud.curve.step_s(m + 1),
                   prompt_tokens, link, device, cloud, wire)
 
 

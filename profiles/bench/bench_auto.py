@@ -52,6 +52,10 @@ def add_parser(sub) -> None:
                    help="draft-tree shapes NODESxDEPTHxWIDTH, comma separated (e.g. 16x4x4,32x6x4): each a fixed row "
                         "of its own (sd_tNdDwW, among the fixed exact protocols auto is compared with), and all of "
                         "them auto's candidates beside the chains (its --auto-trees)")
+    s.add_argument("--eta", type=float, default=0.0,
+                   help="η (draft_stop_prob) of the --trees rows and of auto's trees: a tree ends after the level "
+                        "whose main-line draft has probability below η; NxNx1 is a chain of at most N that ends on "
+                        "its draft's confidence (default 0: the whole shape)")
     s.add_argument("--chains", default="",
                    help="more draft lengths γ for sd, comma separated (e.g. 6,8): each a fixed row of its own (sd_gN, "
                         "among the fixed exact protocols auto is compared with)")
@@ -176,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     from profiles.bench.rig import Rig
 
     phases = parse_trace(args.trace)
-    trees = {**chain_rows(args.chains), **tree_rows(args.trees)}  # the fixed sd rows beside sd: their config fields
+    trees = {**chain_rows(args.chains), **tree_rows(args.trees, args.eta)}  # the fixed sd rows beside sd: their
+    # config fields
     protocols = [p for p in args.protocols.split(",") if p] + list(trees)
     if args.trees and args.engine == "torch" and any(p.power for p in phases):
         raise ValueError("--trees with a power phase needs --engine llamacpp: the torch engine drafts trees with a "
@@ -203,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         rt = bed.runtime(config)
         # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
         # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime); the tree shapes are its candidates
-        rt_auto = bed.runtime(dataclasses.replace(config, auto_trees=args.trees)) if "auto" in protocols else rt
+        rt_auto = (bed.runtime(dataclasses.replace(config, auto_trees=args.trees, draft_stop_prob=args.eta))
+                   if "auto" in protocols else rt)  # auto's chains draft γ whatever η (edge_runtime.sessions.auto)
         if board is not None:
             for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
                 r.engine.lm = SlowedLM(r.engine.lm, board)
@@ -271,12 +277,16 @@ def chain_rows(text: str) -> Dict[str, dict]:
     return out
 
 
-def tree_rows(text: str) -> Dict[str, dict]:
-    """The fixed tree rows of --trees: each shape's name (sd_tNdDwW) and the EdgeConfig fields it sets."""
+def tree_rows(text: str, eta: float = 0.0) -> Dict[str, dict]:
+    """The fixed tree rows of --trees: each shape's name (sd_tNdDwW, and _eη when η ends it early) and the EdgeConfig
+    fields it sets."""
     from hat_split.math.tree import parse_shapes, shape_name
 
-    return {f"sd_{shape_name(*t)}": dict(zip(("tree_nodes", "tree_depth", "tree_width"), t))
-            for t in parse_shapes(text)}
+    if not 0.0 <= eta < 1.0:
+        raise ValueError(f"--eta must be in [0, 1), got {eta}")
+    return {f"sd_{shape_name(*t)}" + (f"_e{eta:g}" if eta else ""): {
+        **dict(zip(("tree_nodes", "tree_depth", "tree_width"), t)), "draft_stop_prob": eta}
+        for t in parse_shapes(text)}
 
 
 def _cut(link, seconds: float) -> None:
@@ -322,13 +332,16 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
 def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, object]:
     """sd's and ksqs's (at the fixed protocol's γ) and llm's (at its chunk) tokens/s after the first reply, as auto's
     estimates predict them now for the request's kind of sampling (None for one not measured yet); sd's at every α
-    of ALPHA_GRID (the model given a request's own acceptance: the summary's second error); the estimates
-    themselves."""
+    of ALPHA_GRID (the model given a request's own acceptance: the summary's second error); its draft trees
+    (sd_trees, by shape); the estimates themselves."""
     from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController
+    from edge_runtime.runtime import tree_shapes
     from hat_split.math.costmodel import CloudCosts, predict
+    from hat_split.math.tree import shape_name
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
-                       shares_host=not rt.config.overlaps_prefill)
+                       shares_host=not rt.config.overlaps_prefill,
+                       trees=tree_shapes(rt.config, rt.client.welcome))
     now = time.monotonic()
     preds = {"sd": c.at("sd", draft_len, link, now), "ksqs": c.at("ksqs", draft_len, link, now),
              "llm": c.at("llm", rt.config.llm_chunk, link, now)}
@@ -336,6 +349,8 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     # the model's ranking of the draft lengths auto chooses among (runtime: within the cloud's max_draft_len)
     by_gamma = [c.at("sd", g, link, now) for g in range(1, min(rt.client.welcome.max_draft_len, AUTO_MAX_DRAFT) + 1)]
     out["sd_by_gamma"] = [p.tokens_per_s if p is not None else None for p in by_gamma]
+    trees = {shape_name(*t): c.at_tree(t, link, now) for t in c.trees}  # auto's tree candidates, as priced now
+    out["sd_trees"] = {name: p.tokens_per_s if p is not None else None for name, p in trees.items()}
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
