@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.cloud")
 STEP_LOG = 4096  # batches whose size and time the stats keep (for the fleet benchmark's per-step figures)
+DUTY_WINDOW_S = 5.0  # the recent stretch whose share spent in steps the cost report states (StepStats.duty)
 
 
 @dataclass
@@ -56,8 +58,15 @@ class StepStats:
     head_s: float = 0.0  # model time outside the batched steps: final norm and head, results to the host
     stage_s: List[float] = field(default_factory=list)  # model time per pipeline stage
     step_log: List[Tuple[int, int, float]] = field(default_factory=list)  # recent (tokens, segments, compute_s)
+    recent: Deque[Tuple[float, float]] = field(default_factory=deque)  # (when it ended, compute_s) of the steps
+    # of the last DUTY_WINDOW_S
 
-    def observe(self, tokens: int, segments: int, compute_s: float, stage_s: Sequence[float]) -> None:
+    def observe(self, tokens: int, segments: int, compute_s: float, stage_s: Sequence[float],
+                now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.recent.append((now, compute_s))
+        while self.recent and self.recent[0][0] < now - DUTY_WINDOW_S:
+            self.recent.popleft()
         self.steps += 1
         self.tokens += tokens
         self.segments += segments
@@ -66,6 +75,16 @@ class StepStats:
         self.stage_s = [a + b for a, b in zip(self.stage_s, stage_s)] if self.stage_s else list(stage_s)
         self.step_log.append((tokens, segments, compute_s))
         del self.step_log[:-STEP_LOG]
+
+
+    def duty(self, now: Optional[float] = None) -> float:
+        """The share of the last DUTY_WINDOW_S seconds spent computing steps (a step that ended at e after c seconds
+        ran over [e − c, e]): 1 when steps ran back to back, as under other devices' continuous decoding, where a
+        request waits for the step in progress to end whenever it comes (hat_split.math.costmodel.phase_wait)."""
+        now = time.monotonic() if now is None else now
+        start = now - DUTY_WINDOW_S
+        spent = sum(max(0.0, min(end, now) - max(end - c, start)) for end, c in self.recent)
+        return min(1.0, spent / DUTY_WINDOW_S)
 
 
 class Batcher:

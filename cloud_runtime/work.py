@@ -119,6 +119,7 @@ def cloud_state(work: ModelWork) -> P.CloudState:
 def cloud_cost(work: ModelWork, device: Hashable = None, others: int = 0) -> P.CloudCost:
     """What a step costs now (hat_split.wire.messages.CloudCost) as `device` sees it: g's points, μ, the sessions
     with work waiting, the KV positions free, the `others` devices using the cloud besides it
-    (cloud_runtime.sessions.SessionTable.others_active) and their positions per step, for the devices' cost models."""
+    (cloud_runtime.sessions.SessionTable.others_active) and their positions per step, the share of the last seconds
+    spent in steps (StepStats.duty), for the devices' cost models."""
     return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, work.scheduler.waiting,
-                       work.scheduler.kv_free, others, work.scheduler.others_positions(device))
+                       work.scheduler.kv_free, others, work.scheduler.others_positions(device), work.stats.duty())

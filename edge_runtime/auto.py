@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.math.chunking import DelayModel, ema, piecewise
-from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
-                                     predict_tree)
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, phase_wait,
+                                     predict, predict_tree)
 from hat_split.math.sampling import SamplingParams
 from hat_split.wire import messages as P
 
@@ -178,7 +178,10 @@ class AutoEstimates:
     reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
     reported_wait_s: float = 0.0  # half a step of the others' positions (g(reported_others)) when the cloud was busy as
     # it reported (other devices using it or work waiting: CloudCost.others, queued; a request arrives, on average,
-    # half-way through a step in progress), else 0; see `wait_s`
+    # half-way through a step in progress), times the share of its time not in steps (1 − duty), else 0 ...
+    reported_step_s: float = 0.0  # ... and the rest: g(reported_others), a step of the others' work, when busy ...
+    reported_duty: float = 0.0  # ... with the share of its time in steps (CloudCost.duty): a round's request waits
+    # duty × phase_wait(x, step) (costmodel.phase_wait: in phase with steps back to back); see `wait_s`
     reported_others: float = 0.0  # the other devices' positions per step then (each of this device's steps joins
     # them: CloudCost.others_positions; μ from an older cloud), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
@@ -302,7 +305,9 @@ class AutoEstimates:
         if points:
             self.reported = points
             self.reported_others = others if busy else 0.0
-            self.reported_wait_s = 0.5 * CostCurve(points).step_s(max(1.0, others)) if busy else 0.0
+            step = CostCurve(points).step_s(max(1.0, others)) if busy else 0.0
+            self.reported_step_s, self.reported_duty = step, float(cost.duty) if busy else 0.0
+            self.reported_wait_s = 0.5 * step * (1.0 - self.reported_duty)
         if self.cloud_busy is not None and busy != self.cloud_busy:
             self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
         self.cloud_busy = busy
@@ -388,7 +393,8 @@ class AutoEstimates:
         if cloud_s > 0:
             self._cloud(drafted + 1, cloud_s, now)
         self.down_round = ema(self.down_round, float(down_bytes))
-        self._overhead(protocol, wall_s - draft_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        link_s = link.transfer_s(up_bytes, down_bytes)
+        self._overhead(protocol, wall_s - draft_s - cloud_s - link_s, draft_s + link_s)
         base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
         return max(0.0, up_bytes - base) / drafted
 
@@ -446,7 +452,8 @@ class AutoEstimates:
         self.up_round = ema(self.up_round, float(up_bytes))
         base = self.down_round if self.down_round is not None else 0.0
         self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
-        self._overhead("llm", wall_s - cloud_s - link.transfer_s(up_bytes, down_bytes))
+        link_s = link.transfer_s(up_bytes, down_bytes)
+        self._overhead("llm", wall_s - cloud_s - link_s, link_s)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """The draft model read `tokens` committed tokens (no drafts) in one forward of `seconds`. The first such
@@ -499,13 +506,17 @@ class AutoEstimates:
         self.observed.observe(positions, seconds)
         self.observed_at[b] = now
 
-    def _overhead(self, protocol: str, residual_s: float) -> None:
-        """A round's wall time beyond its parts. Under load it holds the wait for the step in progress: kept net of the
-        wait the cloud's report stated then (signed: a device in step with the cloud's steps may wait less than half
-        a step), so that the next report's wait, a load that grew or eased, prices the next round at once."""
+    def _overhead(self, protocol: str, residual_s: float, ahead_s: float) -> None:
+        """A round's wall time beyond its parts; ahead_s: its time from the last reply's leaving to its request's
+        arrival (drafting and the link). Under load it holds the wait for the step in progress: kept net of the wait
+        the cloud's report stated then — half a step where its steps leave gaps, the phase wait of `ahead_s` where
+        they run back to back (costmodel.phase_wait) — signed, so that the next report's wait, a load that grew or
+        eased, prices the next round at once."""
         busy = bool(self.cloud_busy)
         key = self._overhead_key(protocol, busy)
-        value = residual_s - self.reported_wait_s if busy else max(0.0, residual_s)
+        value = (residual_s - self.reported_wait_s - self.reported_duty * phase_wait(max(0.0, ahead_s),
+                                                                                     self.reported_step_s)
+                 if busy else max(0.0, residual_s))
         self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), value)
 
     @staticmethod
@@ -530,6 +541,11 @@ class AutoEstimates:
         if self.cloud_busy and self._overhead_key(protocol, True) in self.overhead_s:
             return 0.0
         return self.reported_wait_s
+
+    def cloud(self, curve: CostCurve, protocol: str) -> CloudCosts:
+        """The cloud as `protocol`'s rounds should be priced: `curve`, the wait (`wait_s`) and, when busy, its
+        others' step and duty (the phase wait)."""
+        return CloudCosts(curve, self.wait_s(protocol), step_s=self.reported_step_s, duty=self.reported_duty)
 
     def wire(self, protocol: str = "sd") -> WireSizes:
         """The frames' bytes as measured; a draft row's those of `protocol`'s rounds (ksqs: its lattice codes) under
@@ -635,7 +651,7 @@ class AutoController:
                                                                          or est.up_per_draft(name) is None)):
             return None  # a drafting protocol is priced from its rounds under the request's kind of sampling
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
-                       CloudCosts(curve, est.wait_s(name)), est.wire(name),
+                       est.cloud(curve, name), est.wire(name),
                        (est.alpha_of(name) or 0.0) if drafting else 0.0)
 
     def at_tree(self, shape: Shape, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
@@ -655,8 +671,8 @@ class AutoController:
         wire = est.wire()
         if est.tree_up_per_node_of(shape) is not None:
             wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node_of(shape))
-        return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, CloudCosts(curve, est.wait_s("sd")),
-                            wire, est.tree_sent_of(shape))
+        return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, est.cloud(curve, "sd"), wire,
+                            est.tree_sent_of(shape))
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""

@@ -370,6 +370,36 @@ def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     assert unmeasured.round_s == pytest.approx(measured.round_s - busy_overhead + est.overhead("sd") + 0.1)
 
 
+def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
+    """Other devices keep the cloud stepping back to back (duty 1, steps of 0.5 s with their positions): a round's
+    request waits for the step in progress, so a round costs whole steps — drafting up to the step's end is free and
+    a draft that passes it waits most of another step. Measured under such a load (2026-11-29, this machine): sd's
+    rounds took 1.0 s at γ ≤ 5 and 1.5 s at γ 6–8. The model then prefers the longest draft that fits (γ 6 here:
+    0.42 s of drafting and 20 ms of link within 0.5 s) over γ 8 (α 0.8, whose mean wait would have looked cheap),
+    and a round measured in phase leaves no overhead beyond the wait it priced. A report without duty (an older
+    cloud) keeps the wait of half a step."""
+    curve = [[1.0, 0.05], [9.0, 0.06], [20.0, 0.5], [40.0, 0.55]]  # the others' 20 positions a step: 0.5 s
+    est = _estimates(0.8, 0.07, step_1=0.04, step_9=0.05)
+    est.observed = DelayModel()  # only the report prices the cloud
+    assert est.take_report(P.CloudCost(curve, others=8, others_positions=20.0, duty=1.0))
+    step = est.reported_step_s
+    assert step == pytest.approx(0.5) and est.reported_wait_s == 0.0 and est.reported_duty == 1.0
+    c = _controller(est)
+    by_gamma = {g: c.at("sd", g, Link(0.02)) for g in range(1, 9)}
+    fits = max(g for g in range(1, 9) if g * 0.07 + 0.02 + est.overhead("sd") < step)
+    for g, p in by_gamma.items():  # whole steps before its own
+        ahead = p.round_s - est.curve().step_s(g + 1)
+        assert ahead == pytest.approx(step * (1 if g <= fits else 2)), g
+    assert max(by_gamma.values(), key=lambda p: p.tokens_per_s).knob == fits
+    # a round measured in phase: its residual is the phase wait, and nothing is left as overhead
+    g5 = est.curve().step_s(6)
+    est.observe_sd(5, 4, 5 * 0.07, g5, 300, 100, step + g5, Link(0.02), now=0.0)
+    assert est.overhead_s["sd:busy"] == pytest.approx(0.0, abs=1e-9)
+    # an older cloud's report (no duty): the wait of half a step, whatever the draft's length
+    assert est.take_report(P.CloudCost(curve, others=8, others_positions=20.0))
+    assert est.reported_duty == 0.0 and est.reported_wait_s == pytest.approx(0.5 * step)
+
+
 def test_a_new_power_mode_is_another_board():
     """The board's power mode changes: each of the device's own figures is replaced by its next observation rather
     than averaged with it, α (the models') stays; back in a mode it knows, that mode's figures return; the first
@@ -495,6 +525,9 @@ def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
     (P.CloudCost([[1.0, 0.1]], others=float("nan")), "CloudCost.others"),
     (P.CloudCost([[1.0, 0.1]], others_positions=-3.0), "CloudCost.others_positions"),
     (P.CloudCost([[1.0, 0.1]], batch_tokens=float("inf")), "CloudCost.batch_tokens"),
+    (P.CloudCost([[1.0, 0.1]], duty=float("nan")), "CloudCost.duty"),
+    (P.CloudCost([[1.0, 0.1]], duty=1.5), "CloudCost.duty"),
+    (P.CloudCost([[1.0, 0.1]], duty=-0.1), "CloudCost.duty"),
     (P.CloudCost([["x", 0.1]]), r"points\[0\] must be a \(positions, seconds\) pair"),
 ])
 def test_a_hostile_cost_report_is_refused_and_the_last_good_one_kept(bad, field):
@@ -509,10 +542,11 @@ def test_a_hostile_cost_report_is_refused_and_the_last_good_one_kept(bad, field)
 
 
 def test_the_cloud_report_survives_the_wire():
-    cost = P.CloudCost([[1.0, 0.05], [8.0, 0.09]], 2.5, 1, 4096)
+    cost = P.CloudCost([[1.0, 0.05], [8.0, 0.09]], 2.5, 1, 4096, duty=0.75)
     frames = P.encode(P.SessionOpened(3, 10, 0.2, cost))
     back = P.decode([bytes(f) for f in frames])
     assert P.cost_curve(back.cost) == ((1.0, 0.05), (8.0, 0.09)) and back.cost.kv_free == 4096
+    assert back.cost.duty == 0.75
     older = P.decode([bytes(f) for f in P.encode(P.SessionOpened(3, 10, 0.2))])
     assert older.cost is None
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, best_knob, predict,
-                                      predict_hat_tree, predict_tree)
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, best_knob, phase_wait,
+                                      predict, predict_hat_tree, predict_tree)
 from hat_split.math.verify import expected_tokens, ideal_speedup
 
 
@@ -147,6 +147,34 @@ def test_a_tree_round_is_a_chain_round_with_its_measured_tokens():
     for bad in (0.5, 8.5, float("nan")):
         with pytest.raises(ValueError, match="sends 1..8 of them"):
             predict_tree(8, 8, 3.0, 64, link, dev, cloud, wire, sent=bad)
+
+
+def test_phase_wait_and_a_round_in_phase_with_a_cloud_stepping_back_to_back():
+    """A request x seconds after its last reply left waits for the step in progress: s⌈x/s⌉ − x; a round then costs
+    whole steps of the others' work and its own step; the prompt waits half a step; duty scales the phase wait (0:
+    a cloud that does not say, its wait_s alone)."""
+    assert phase_wait(0.3, 0.5) == pytest.approx(0.2) and phase_wait(0.5, 0.5) == pytest.approx(0.0)
+    assert phase_wait(0.6, 0.5) == pytest.approx(0.4) and phase_wait(1.3, 0.5) == pytest.approx(0.2)
+    assert phase_wait(0.0, 0.5) == 0.0 and phase_wait(0.3, 0.0) == 0.0
+    for bad in ((-0.1, 0.5), (0.3, -1.0), (float("nan"), 0.5), (0.3, float("inf"))):
+        with pytest.raises(ValueError, match="phase_wait needs"):
+            phase_wait(*bad)
+    link, dev, wire = Link(rtt_s=0.02), DeviceCosts(draft_step_s=0.07), WireSizes()
+    flat = CostCurve(((1, 0.5), (64, 0.5)))
+    stepping = CloudCosts(flat, step_s=0.5, duty=1.0)
+    for gamma, steps in ((1, 1), (6, 1), (7, 2), (8, 2)):  # 0.07 γ + 0.02 within 0.5 s, or not
+        p = predict("sd", gamma, 10, link, dev, stepping, wire, alpha=0.8)
+        assert p.round_s == pytest.approx(0.5 * steps + 0.5), gamma
+    assert best_knob("sd", range(1, 9), 10, link, dev, stepping, wire, 0.8).knob == 6
+    half = CloudCosts(flat, wait_s=0.25)
+    for gamma in (1, 8):  # the mean wait: every draft step costs its time, no step's edge
+        p = predict("sd", gamma, 10, link, dev, half, wire, alpha=0.8)
+        assert p.round_s == pytest.approx(0.07 * gamma + 0.02 + 0.25 + 0.5)
+    some = predict("sd", 8, 10, link, dev, CloudCosts(flat, step_s=0.5, duty=0.4), wire, alpha=0.8)
+    assert some.round_s == pytest.approx(0.58 + 0.4 * 0.42 + 0.5)
+    assert some.ttft_s - some.round_s == pytest.approx(0.02 + 0.5 * 0.4 * 0.5 + 0.5)
+    with pytest.raises(ValueError, match="duty must be a share"):
+        CloudCosts(flat, step_s=0.5, duty=1.5)
 
 
 def test_a_hat_tree_round_by_hand():

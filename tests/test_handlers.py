@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import pytest
 
+from cloud_runtime.batching import StepStats
 from cloud_runtime.config import CloudConfig
 from cloud_runtime.devices import DeviceRegistry, check_stats
 from cloud_runtime.handlers import Handlers
@@ -38,6 +39,7 @@ class FakeWork:
         self.capacity = capacity
         self.scheduler = self  # what the cost report reads (cloud_runtime.work.cloud_cost): waiting, kv_free
         self.load = DelayModel()
+        self.stats = StepStats()  # what the cost report's duty reads
         self.launches = 0
         self.positions: Dict[tuple, List[int]] = {}  # key → [computed, queued]
         self.queue: List[Tuple[tuple, int, int, Pending]] = []  # (key, positions, logits rows, tag)
@@ -195,6 +197,26 @@ def test_the_cost_report_counts_the_other_devices_using_the_cloud():
     tables.sessions.get((b"a", 1)).last_active -= ACTIVE_S + 1  # long queued: still using the cloud
     assert ask(handlers, b"c", P.Report(P.DeviceState())).cost.others == 1
     assert ask(handlers, b"a", P.Report(P.DeviceState())).cost.others == 0  # b silent; a's own work not counted
+
+def test_the_cost_report_states_the_share_of_recent_time_in_steps():
+    """CloudCost.duty: the share of the last DUTY_WINDOW_S seconds the cloud spent computing steps — 1 when steps ran
+    back to back (a request then waits for the one in progress: hat_split.math.costmodel.phase_wait), the part of a
+    step inside the window counted, 0 once the window holds none."""
+    from cloud_runtime.batching import DUTY_WINDOW_S
+
+    stats = StepStats()
+    assert stats.duty(now=100.0) == 0.0
+    for k in range(1, 21):  # steps of 0.5 s back to back, ending at 90.5 ... 100.0
+        stats.observe(8, 2, 0.5, (0.5,), now=90.0 + 0.5 * k)
+    assert stats.duty(now=100.0) == pytest.approx(1.0)
+    assert stats.duty(now=101.0) == pytest.approx((DUTY_WINDOW_S - 1.0) / DUTY_WINDOW_S)  # a second idle since
+    assert stats.duty(now=100.0 + DUTY_WINDOW_S) == 0.0
+    assert len(stats.recent) <= DUTY_WINDOW_S / 0.5 + 1  # only the window's steps are kept
+    handlers, work, _, _ = cloud()
+    hello(handlers, b"a")
+    work.stats.observe(8, 2, 1.0, (1.0,))  # a step of a second that just ended
+    assert ask(handlers, b"a", open_token(1)).cost.duty == pytest.approx(1.0 / DUTY_WINDOW_S, rel=0.05)
+
 
 # -- the device registry ----------------------------------------------------------------------------------------------
 def test_a_hello_with_another_vocabulary_is_refused_and_is_no_handshake():

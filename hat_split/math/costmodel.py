@@ -126,16 +126,35 @@ class CloudCosts:
     """The cloud as it reports itself: its cost curve, the wait for a step in progress, the middle part's share."""
 
     curve: CostCurve
-    wait_s: float = 0.0  # w: expected wait before a request's step starts (load)
+    wait_s: float = 0.0  # w: expected wait before a request's step starts (load), beyond the phase wait below
     middle_share: float = 1.0  # φ: the split protocols' middle part over a whole step (layers L − 2m of L)
+    step_s: float = 0.0  # s: a step of the other devices' work, when the cloud is busy with it ...
+    duty: float = 0.0  # ... and the share of its time the cloud spends in steps (1: back to back): a round's request
+    # then waits for the step in progress to end, duty × phase_wait(x, s)
 
     def __post_init__(self) -> None:
         if not isinstance(self.curve, CostCurve):
             raise ValueError("CloudCosts.curve must be a CostCurve")
-        for name in ("wait_s", "middle_share"):
+        for name in ("wait_s", "middle_share", "step_s", "duty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"CloudCosts.{name} must be a finite number >= 0, got {v!r}")
+        if self.duty > 1.0:
+            raise ValueError(f"CloudCosts.duty must be a share in [0, 1], got {self.duty!r}")
+
+
+def phase_wait(x: float, step_s: float) -> float:
+    """The wait of a request that reaches a cloud stepping back to back (steps of step_s) x seconds after the step
+    that carried its last reply ended: until the step in progress ends, s⌈x/s⌉ − x (0 for s = 0). A device's rounds
+    are in phase with such a cloud's steps: a round whose drafting and link time x stays within one step waits the
+    rest of it, and one that passes it waits most of another — so a round costs s⌈x/s⌉ plus its own step, and
+    drafting up to the step's end is free. (A request at a random time would wait s/2 on average: the wait of a
+    cloud busy only at times.)"""
+    if not (math.isfinite(x) and x >= 0 and math.isfinite(step_s) and step_s >= 0):
+        raise ValueError(f"phase_wait needs finite x >= 0 and step_s >= 0, got {x}, {step_s}")
+    if step_s <= 0:
+        return 0.0
+    return step_s * math.ceil(x / step_s - 1e-9) - x if x > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -271,9 +290,11 @@ def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down:
     split = protocol in ("ushape", "hat", "hat_tree")
     watts = device.watts
     device_s += device.round_s
-    round_s = device_s + link.transfer_s(up, down) + cloud.wait_s + cloud_s
+    ahead = max(0.0, device_s + link.transfer_s(up, down))  # from the reply's leaving to the next request's arrival
+    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cloud.step_s) + cloud_s
     prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
                                wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
+    prompt_s += 0.5 * cloud.duty * cloud.step_s  # the prompt comes at no step's end: half a step on average
     prompt_s += (cloud.middle_share if split else 1.0) * cloud.curve.step_s(prompt_tokens)
     if device.shares_host or split:  # the split family's input part must run before its states can leave
         prompt_s += prompt_tokens * device.prefill_s

@@ -153,7 +153,8 @@ class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
     their positions per step (the mean over the cloud's last steps: what each step of the asker's holds besides its
     own work; μ also counts the asker's own prompt, a large step just before its session opened). Sent
     with every SessionOpened and Reported; a device checks it (`cost_curve`) and keeps its last good one when it is
-    malformed."""
+    malformed. `duty`: the share of the cloud's last seconds spent in steps (cloud_runtime.batching.StepStats.duty):
+    near 1 its steps run back to back, and a request waits for the one in progress to end."""
 
     points: List[Tuple[float, float]] = []
     batch_tokens: float = 0.0
@@ -161,6 +162,8 @@ class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_free: int = 0
     others: int = 0
     others_positions: float = 0.0
+    duty: float = 0.0  # the share of its last seconds the cloud spent computing steps (1: back to back; 0: an older
+    # cloud, not stated)
 
 
 MAX_STEP_S = 3600.0  # a cloud step reported slower than an hour is absurd: refused
@@ -169,13 +172,16 @@ MAX_POSITIONS = 1 << 24  # as a step of more positions
 
 def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
-    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0. Empty when the
-    cloud has run no step."""
+    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0; duty in [0, 1].
+    Empty when the cloud has run no step."""
     for name in ("batch_tokens", "queued", "kv_free", "others", "others_positions"):
         v = getattr(cost, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                 or v > MAX_POSITIONS:
             raise ValueError(f"CloudCost.{name} must be a number in [0, {MAX_POSITIONS}], got {v!r}")
+    d = cost.duty
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:  # NaN fails the bounds
+        raise ValueError(f"CloudCost.duty must be a share in [0, 1], got {d!r}")
     pts = []
     for i, pt in enumerate(cost.points):
         try:

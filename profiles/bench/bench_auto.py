@@ -336,7 +336,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     (sd_trees, by shape); the estimates themselves."""
     from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController
     from edge_runtime.runtime import tree_shapes
-    from hat_split.math.costmodel import CloudCosts, predict
+    from hat_split.math.costmodel import predict
     from hat_split.math.tree import shape_name
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
@@ -354,14 +354,15 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
-                                      CloudCosts(curve, est.wait_s("sd")), est.wire(), a).tokens_per_s
+                                      est.cloud(curve, "sd"), est.wire(), a).tokens_per_s
                               for a in ALPHA_GRID]
     out["estimates"] = {"kind": est.kind, "alpha": est.alpha, "alpha_ksqs": est.alpha_of("ksqs"),
                         "up_per_draft": {p: est.up_per_draft(p) for p in ("sd", "ksqs")},
                         "uplink_bps": est.uplink_bps, "draft_step_s": est.draft_step_s,
                         "catch_up": est.catch_up.points(),
                         "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy, "power_mode": est.power_mode,
-                        "reported_wait_s": est.reported_wait_s, "curve": list(curve.points) if curve else [],
+                        "reported_wait_s": est.reported_wait_s, "reported_step_s": est.reported_step_s,
+                        "reported_duty": est.reported_duty, "curve": list(curve.points) if curve else [],
                         "rtt_s": link.rtt_s, "wire": est.wire().__dict__}
     return out
 
