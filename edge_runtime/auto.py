@@ -706,9 +706,13 @@ class AutoController:
         unmeasured = [name for name in self.eligible if name not in preds or ran[name] < MEASURE_ROUNDS]
         if unmeasured:
             name = unmeasured[0]
-            knob = self.chunk if name == "llm" else min(4, self.max_draft)
+            if name == "llm":  # one token a round, as its probes: its overhead and a step are all the model reads of
+                # it, and a chunk of 8 steps under load (0.5 s each) cost a fresh runtime's first request some 8 s
+                return Choice("llm", 1, f"measuring llm (one token a round): {ran[name]} of {MEASURE_ROUNDS} rounds",
+                              rates)
             kind = f" ({est.kind})" if name in DRAFTING and est.kind != GREEDY else ""
-            return Choice(name, knob, f"measuring {name}{kind}: {ran[name]} of {MEASURE_ROUNDS} rounds", rates)
+            return Choice(name, min(4, self.max_draft), f"measuring {name}{kind}: {ran[name]} of {MEASURE_ROUNDS} "
+                          "rounds", rates)
         if self.trees and "sd" in preds:
             for shape in self.trees:  # each shape measured in turn, then probed when it has not run for a while
                 measuring = est.tree_rounds_of(shape) < MEASURE_ROUNDS

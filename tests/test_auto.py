@@ -53,6 +53,12 @@ def test_the_controller_follows_the_cost_model():
     assert llm.protocol == "llm", llm
     fresh = _controller(AutoEstimates()).decide(Link())
     assert fresh.protocol == "sd" and fresh.reason.startswith("measuring")
+    # sd measured, llm not: llm is measured a token a round (its overhead and a step; a chunk under load costs seconds)
+    est = _estimates(0.9, 0.02, **fast_cloud_verify)
+    est.measured.pop("llm")
+    first_llm = _controller(est).decide(Link(0.01))
+    assert (first_llm.protocol, first_llm.knob) == ("llm", 1), first_llm
+    assert first_llm.reason == "measuring llm (one token a round): 0 of 3 rounds"
     # a loaded cloud: verification of 9 positions costs as much as 9 steps, and drafting is no longer worth it
     loaded = _controller(_estimates(0.6, 0.03, step_1=0.2, step_9=1.8)).decide(Link(0.01))
     assert loaded.protocol == "llm", loaded
