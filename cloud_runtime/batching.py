@@ -76,7 +76,6 @@ class StepStats:
         self.step_log.append((tokens, segments, compute_s))
         del self.step_log[:-STEP_LOG]
 
-
     def duty(self, now: Optional[float] = None) -> float:
         """The share of the last DUTY_WINDOW_S seconds spent computing steps (a step that ended at e after c seconds
         ran over [e − c, e]): 1 when steps ran back to back, as under other devices' continuous decoding, where a

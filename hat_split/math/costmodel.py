@@ -154,7 +154,7 @@ def phase_wait(x: float, step_s: float) -> float:
         raise ValueError(f"phase_wait needs finite x >= 0 and step_s >= 0, got {x}, {step_s}")
     if step_s <= 0:
         return 0.0
-    return step_s * math.ceil(x / step_s - 1e-9) - x if x > 0 else 0.0
+    return max(0.0, step_s * math.ceil(x / step_s - 1e-9) - x)  # a step's end within 1e-9 of x: no wait
 
 
 @dataclass(frozen=True)
