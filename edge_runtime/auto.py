@@ -92,6 +92,9 @@ ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of 
 # the Qwen pair at T = 0, results/auto/trace_T0_lte_load_load-power.json) ...
 ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
 # prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it)
+TREE_PRIOR_ROUNDS = 2.0  # rounds the prompts' tokens a round of a draft tree count as against a request's own (as
+# ALPHA_PRIOR_DRAFTS, some two rounds of drafts, for a chain's α): a prompt whose tree commits 2 a round where the
+# prompts' committed 5 ran it for 14 rounds over lte at 0.66 × llm, its moving average too slow to leave
 RATIO_PRIOR_ROUNDS = 4.0  # rounds of a drafting protocol's own against the prior that its acceptance is sd's
 # (`AutoEstimates.alpha_of`: ksqs drafts from the lattice's quantization of sd's rows and loses a little)
 LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
@@ -208,6 +211,8 @@ class AutoEstimates:
     tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... its rounds observed per kind ...
     tree_sent: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... and the nodes a round sent (fewer
     # than the shape's when η ends it early: a chain of width 1 that ends on its draft's confidence)
+    tree_request: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # the request's own tree
+    # rounds: (tokens committed, rounds), per shape and kind
 
     @property
     def alpha(self) -> Optional[float]:
@@ -286,6 +291,7 @@ class AutoEstimates:
         self.kind = kind
         for a in self.acceptance.values():
             a.begin()
+        self.tree_request.clear()
 
     def take_report(self, cost: Optional[P.CloudCost]) -> bool:
         """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
@@ -411,6 +417,8 @@ class AutoEstimates:
         key = (shape, self.kind)
         self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
         self.tree_tokens[key] = ema(self.tree_tokens.get(key), float(tokens), ALPHA_POPULATION)
+        mine, rounds = self.tree_request.get(key, (0.0, 0))
+        self.tree_request[key] = (mine + tokens, rounds + 1)
         self.tree_sent[key] = ema(self.tree_sent.get(key), float(nodes), ALPHA_POPULATION)
         if not caught_up:
             self.tree_draft_s[shape] = ema(self.tree_draft_s.get(shape), draft_s)
@@ -430,11 +438,14 @@ class AutoEstimates:
         return self.tree_sent.get((shape, self.kind))
 
     def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
-        """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured, else the
-        chain of its depth's expectation at the request's α (a tree holds that chain: the least it commits); None
-        before α is known."""
-        if (shape, self.kind) in self.tree_tokens:
-            return max(1.0, self.tree_tokens[(shape, self.kind)])
+        """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured — the prompts'
+        moving average worth TREE_PRIOR_ROUNDS rounds against the request's own rounds (a prompt's is its own) —
+        else the chain of its depth's expectation at the request's α (a tree holds that chain: the least it
+        commits); None before α is known."""
+        key = (shape, self.kind)
+        if key in self.tree_tokens:
+            mine, rounds = self.tree_request.get(key, (0.0, 0))
+            return max(1.0, (TREE_PRIOR_ROUNDS * self.tree_tokens[key] + mine) / (TREE_PRIOR_ROUNDS + rounds))
         a = self.alpha
         if a is None:
             return None

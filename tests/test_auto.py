@@ -895,6 +895,29 @@ def test_a_chain_that_eta_ends_is_priced_by_the_nodes_it_sends():
         est.observe_tree(shape, 3, 0.05, 0.15, 200, 100, 0.3, Link(0.1), now=0.0, sent=9)
 
 
+def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
+    """The prompts' tokens a round of a tree (a moving average over requests) count as TREE_PRIOR_ROUNDS rounds
+    against the request's own: a prompt whose η-chain commits 2 a round where the prompts' committed 6 is priced at
+    its own pace within a few rounds (over lte the moving average alone kept such a prompt on the tree for 14 rounds
+    at 0.66 × llm), and the next request starts from the prompts' again."""
+    from edge_runtime.auto import TREE_PRIOR_ROUNDS
+
+    shape = (8, 8, 1)
+    est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
+    for _ in range(40):  # earlier requests: 6 tokens a round
+        est.observe_tree(shape, 6, 0.04, 0.06, 200, 100, 0.2, Link(0.05), now=0.0, sent=6)
+    est.begin_request()
+    population = est.tree_tokens[(shape, GREEDY)]
+    assert est.tree_tokens_per_round(shape) == pytest.approx(population)
+    for k in range(1, 5):
+        est.observe_tree(shape, 2, 0.02, 0.06, 150, 100, 0.2, Link(0.05), now=0.0, sent=2)
+        want = (TREE_PRIOR_ROUNDS * est.tree_tokens[(shape, GREEDY)] + 2 * k) / (TREE_PRIOR_ROUNDS + k)
+        assert est.tree_tokens_per_round(shape) == pytest.approx(want)
+    assert est.tree_tokens_per_round(shape) < 3.4  # four rounds in: near the prompt's 2, not the prompts' 5.9
+    est.begin_request()
+    assert est.tree_tokens_per_round(shape) > 5.5  # the next prompt: the prompts' again
+
+
 def test_several_tree_shapes_are_each_measured_and_the_fastest_is_run():
     """auto_trees: every shape is measured in turn (MEASURE_ROUNDS rounds each, in the configured order), then sd
     runs the one its own rounds price fastest — here the wide tree that commits 6 tokens a round over the narrow one
