@@ -58,8 +58,11 @@ class StepStats:
     head_s: float = 0.0  # model time outside the batched steps: final norm and head, results to the host
     stage_s: List[float] = field(default_factory=list)  # model time per pipeline stage
     step_log: List[Tuple[int, int, float]] = field(default_factory=list)  # recent (tokens, segments, compute_s)
-    recent: Deque[Tuple[float, float]] = field(default_factory=deque)  # (when it ended, compute_s) of the steps
-    # of the last DUTY_WINDOW_S
+
+    def __post_init__(self) -> None:
+        # (when it ended, compute_s) of the steps of the last DUTY_WINDOW_S: not a field, so that the cloud's status
+        # file (dataclasses.asdict of these stats, as JSON) leaves it out
+        self.recent: Deque[Tuple[float, float]] = deque()
 
     def observe(self, tokens: int, segments: int, compute_s: float, stage_s: Sequence[float],
                 now: Optional[float] = None) -> None:

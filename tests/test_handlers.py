@@ -4,6 +4,8 @@ KV positions and hands back logits rows on demand. Every refusal is checked by i
 nothing."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -212,6 +214,7 @@ def test_the_cost_report_states_the_share_of_recent_time_in_steps():
     assert stats.duty(now=101.0) == pytest.approx((DUTY_WINDOW_S - 1.0) / DUTY_WINDOW_S)  # a second idle since
     assert stats.duty(now=100.0 + DUTY_WINDOW_S) == 0.0
     assert len(stats.recent) <= DUTY_WINDOW_S / 0.5 + 1  # only the window's steps are kept
+    json.dumps(dataclasses.asdict(stats))  # the cloud's status file holds these stats as JSON
     handlers, work, _, _ = cloud()
     hello(handlers, b"a")
     work.stats.observe(8, 2, 1.0, (1.0,))  # a step of a second that just ended
