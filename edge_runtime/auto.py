@@ -71,6 +71,8 @@ DRAFTING = ("sd", "ksqs")  # those whose rounds the draft model drafts (the same
 GREEDY = "greedy"  # the kind of sampling of a temperature-0 request (`sampling_kind`)
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
+LLM_EXPLORE_TOKENS = 1  # what llm's measuring and probing rounds decode: its round overhead and a step are all the
+# model reads of llm, which one token measures as well as a chunk (a chunk under load costs seconds)
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
 MEASURE_ROUNDS = 3  # rounds a protocol runs before its estimates are trusted (one round's acceptance is a coin)
 STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
@@ -717,10 +719,10 @@ class AutoController:
         unmeasured = [name for name in self.eligible if name not in preds or ran[name] < MEASURE_ROUNDS]
         if unmeasured:
             name = unmeasured[0]
-            if name == "llm":  # one token a round, as its probes: its overhead and a step are all the model reads of
-                # it, and a chunk of 8 steps under load (0.5 s each) cost a fresh runtime's first request some 8 s
-                return Choice("llm", 1, f"measuring llm (one token a round): {ran[name]} of {MEASURE_ROUNDS} rounds",
-                              rates)
+            if name == "llm":  # LLM_EXPLORE_TOKENS: three chunks of 8 under load cost a fresh runtime's first
+                # request 11.7 s for 24 tokens
+                return Choice("llm", LLM_EXPLORE_TOKENS, f"measuring llm (one token a round): {ran[name]} of "
+                              f"{MEASURE_ROUNDS} rounds", rates)
             kind = f" ({est.kind})" if name in DRAFTING and est.kind != GREEDY else ""
             return Choice(name, min(4, self.max_draft), f"measuring {name}{kind}: {ran[name]} of {MEASURE_ROUNDS} "
                           "rounds", rates)
@@ -752,8 +754,9 @@ class AutoController:
                  and (p.protocol not in DRAFTING or behind <= self.chunk)]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
-            if alt.protocol == "llm":  # one token: its round's overhead and a step, measured at 1/chunk of the cost
-                return Choice("llm", 1, f"probing llm (one token): not run for {PROBE_EVERY} rounds", rates)
+            if alt.protocol == "llm":  # LLM_EXPLORE_TOKENS: measured at 1/chunk of the cost
+                return Choice("llm", LLM_EXPLORE_TOKENS, f"probing llm (one token): not run for {PROBE_EVERY} rounds",
+                              rates)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, best_tree) + why,
