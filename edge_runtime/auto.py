@@ -610,6 +610,7 @@ class Choice:
     reason: str
     predicted: Dict[str, float]  # tokens/s predicted per protocol at its best knob (empty while exploring)
     tree: Optional[Shape] = None  # sd drafts this tree (nodes, depth, width) instead of a chain of γ
+    eta: float = 0.0  # > 0: the tree is auto's η-chain, a chain of up to `knob` that η ends (AutoController.eta)
 
 
 @dataclass
@@ -622,12 +623,15 @@ class Segment:
     tokens: int = 0
     rounds: int = 0
     tree: Optional[Shape] = None
+    eta: float = 0.0
 
     def as_dict(self) -> dict:
         out = {"protocol": self.protocol, "knob": self.knob, "tokens": self.tokens, "rounds": self.rounds,
                "reason": self.reason}
         if self.tree is not None:
             out["tree"] = list(self.tree)
+        if self.eta:
+            out["eta"] = self.eta
         return out
 
 
@@ -642,6 +646,7 @@ class AutoController:
     prompt_tokens: int
     shares_host: bool = False
     trees: Sequence[Shape] = ()  # the draft trees sd may run (nodes, depth, width; within the cloud's limits)
+    eta: float = 0.0  # > 0: the η-chain is a candidate (`eta_chain`)
     segments: List[Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -651,6 +656,17 @@ class AutoController:
                              f"{sorted(self.eligible)}")
         if self.max_draft < 1 or self.chunk < 1:
             raise ValueError(f"max_draft and chunk must be >= 1, got {self.max_draft}, {self.chunk}")
+        if not 0.0 <= self.eta < 1.0:
+            raise ValueError(f"η must be in [0, 1), got {self.eta}")
+
+    @property
+    def eta_chain(self) -> Optional[Shape]:
+        """sd's η-chain: a chain of up to max_draft drafts that ends after a draft token whose probability is below
+        `eta` (HAT eq. 5), measured as the tree max_draft × max_draft × 1 whose rounds send the nodes η left (a chain
+        drafted whole is sd's γ = max_draft). None without η, or when that shape is a configured tree, which then
+        runs with the device's draft_stop_prob."""
+        shape = (self.max_draft, self.max_draft, 1)
+        return shape if self.eta > 0 and "sd" in self.eligible and shape not in self.trees else None
 
     def at(self, name: str, knob: int, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
         """The cost model's prediction of `name` at `knob` from the estimates (as they stand at `now`: STALE_S);
@@ -700,12 +716,32 @@ class AutoController:
             knobs = range(1, self.max_draft + 1) if name in DRAFTING else (self.chunk,)
             preds = [(None, p) for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
             if name == "sd" and preds:
-                preds += [(s, p) for s, p in ((s, self._at_tree(s, link, curve)) for s in self.trees)
+                preds += [(s, p) for s, p in ((s, self._at_tree(s, link, curve)) for s in self._shapes())
                           if p is not None]
             if preds:
                 shape, out[name] = max(preds, key=lambda sp: (sp[1].tokens_per_s, -sp[1].knob))
                 tree = shape if name == "sd" else tree
         return out, tree
+
+    def _shapes(self) -> List[Shape]:
+        """The draft trees sd's best is chosen among: the configured ones, and the η-chain once measured."""
+        eta = self.eta_chain
+        measured = eta is not None and self.estimates.tree_rounds_of(eta) >= MEASURE_ROUNDS
+        return list(self.trees) + ([eta] if measured else [])
+
+    def _eta_turn(self, best: Prediction, current: Optional[Segment], behind: int) -> str:
+        """Why the η-chain runs this round in place of sd's best (a chain of γ or a tree), or "": it is measured
+        (MEASURE_ROUNDS rounds) and probed (after PROBE_EVERY rounds without it) only where sd runs anyway, so
+        measuring it costs no more than its difference from sd's best; its catch-up, if any, sd's would have been."""
+        eta, est = self.eta_chain, self.estimates
+        if eta is None or best.protocol not in ("sd", "sd_tree"):
+            return ""
+        name = f"sd's {_shape_text(eta, self.eta)}"
+        if est.tree_rounds_of(eta) < MEASURE_ROUNDS:
+            return f"measuring {name} in place of sd's best: {est.tree_rounds_of(eta)} of {MEASURE_ROUNDS} rounds"
+        if current is not None and est.idle.get(_tree_key(eta), 0) >= PROBE_EVERY and behind <= 1:
+            return f"probing {name}: not run for {PROBE_EVERY} rounds"
+        return ""
 
     def decide(self, link: Link, now: Optional[float] = None, behind: int = 0, remaining: int = 0) -> Choice:
         """What the next round runs, at `now` (the caller's monotonic clock; None: nothing goes stale); behind: the
@@ -749,6 +785,9 @@ class AutoController:
             if saved < cost:
                 why += f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
                 best = preds["llm"]
+        turn = self._eta_turn(best, current, behind)
+        if turn:
+            return Choice("sd", self.max_draft, turn, rates, self.eta_chain, self.eta)
         stale = [p for p in preds.values() if p.protocol != best.protocol and current is not None
                  and est.idle.get(p.protocol, 0) >= PROBE_EVERY
                  and (p.protocol not in DRAFTING or behind <= self.chunk)]
@@ -759,8 +798,10 @@ class AutoController:
                               rates)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
-        return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, best_tree) + why,
-                      rates, tree)
+        eta = self.eta if tree is not None and tree == self.eta_chain else 0.0
+        text = _shape_text(best_tree, self.eta if best_tree == self.eta_chain else 0.0) if best_tree else ""
+        return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, text) + why,
+                      rates, tree, eta)
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether a drafting protocol (sd, ksqs) may run soon, by `predictions`: one not priced yet, or predicted at
@@ -791,7 +832,7 @@ class AutoController:
         idle = self.estimates.idle
         for name in self.eligible:
             idle[name] = 0 if name == choice.protocol else idle.get(name, 0) + 1
-        for shape in self.trees:
+        for shape in list(self.trees) + ([self.eta_chain] if self.eta_chain else []):
             idle[_tree_key(shape)] = 0 if choice.tree == shape else idle.get(_tree_key(shape), 0) + 1
         seg = self.segments[-1] if self.segments else None
         kind = lambda reason: reason.split()[0]  # noqa: E731  measuring / probing / predicted
@@ -800,7 +841,7 @@ class AutoController:
             if seg is not None:
                 log.info("auto: %s %s %d after %d tokens: %s", choice.protocol, "tree of" if choice.tree else
                          "γ/chunk", choice.knob, sum(s.tokens for s in self.segments), choice.reason)
-            seg = Segment(choice.protocol, choice.knob, choice.reason, tree=choice.tree)
+            seg = Segment(choice.protocol, choice.knob, choice.reason, tree=choice.tree, eta=choice.eta)
             self.segments.append(seg)
         seg.tokens += tokens
         seg.rounds += 1
@@ -815,6 +856,11 @@ def _tree_text(shape: Shape) -> str:
     return "{}x{}x{}".format(*shape)
 
 
+def _shape_text(shape: Shape, eta: float) -> str:
+    """A tree by its shape; the η-chain (eta > 0) as the longest chain and its η."""
+    return f"η-chain γ≤{shape[1]} η={eta:g}" if eta else _tree_text(shape)
+
+
 def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
     """Seconds `fast` saves over `slow` on `tokens` tokens (0 when either rate is 0)."""
     if tokens < 1 or slow.tokens_per_s <= 0 or fast.tokens_per_s <= 0:
@@ -822,10 +868,10 @@ def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
     return max(0.0, tokens / slow.tokens_per_s - tokens / fast.tokens_per_s)
 
 
-def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates, tree: Optional[Shape] = None) -> str:
-    """The predictions in words; sd's draft tree, when it is sd's best, named by its shape `tree`."""
+def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates, tree: str = "") -> str:
+    """The predictions in words; sd's draft tree, when it is sd's best, named by `tree` (`_shape_text`)."""
     knob = {"sd": lambda p: f" γ={p.knob}", "ksqs": lambda p: f" γ={p.knob}",
-            "sd_tree": lambda p: f" {_tree_text(tree)}" if tree is not None else f" ({p.knob} nodes)"}
+            "sd_tree": lambda p: f" {tree}" if tree else f" ({p.knob} nodes)"}
     parts = [f"{p.protocol}{knob[p.protocol](p) if p.protocol in knob else ''} {p.tokens_per_s:.2f} tok/s"
              for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]
     alpha = f", α {est.alpha:.2f}" if est.alpha is not None else ""

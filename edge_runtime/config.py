@@ -314,6 +314,9 @@ class EdgeConfig:
     auto_trees: str = setting("", "protocol auto: more draft-tree shapes sd may run, NODESxDEPTHxWIDTH comma "
                               "separated (e.g. 16x4x4,48x6x8), priced beside the chains and tree_nodes' tree: each "
                               "measured for a few rounds, then run where predicted fastest (docs/AUTO.md)")
+    auto_eta: float = setting(0.4, "protocol auto: η of its η-chain, a candidate beside sd's chains: a chain of "
+                              "up to sd's longest γ that ends after a draft token whose probability is below η (HAT "
+                              "eq. 5), measured in place of sd's chain once sd is chosen (docs/AUTO.md); 0: none")
     dist_dtype: str = setting("float16", "wire dtype of draft distributions; the draft is sampled from the rounded "
                               "values", choices=WIRE_DTYPES)
     dist_format: str = setting("auto", "\"dense\" | \"sparse\" | \"auto\" (smaller of the two); `hlm` always sends "
@@ -371,6 +374,8 @@ class EdgeConfig:
             raise ValueError("llm_chunk must be >= 1")
         if not 0.0 <= self.draft_stop_prob < 1.0:
             raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
+        if not 0.0 <= self.auto_eta < 1.0:
+            raise ValueError(f"auto_eta must be in [0, 1), got {self.auto_eta}")
         if self.engine.token_draft == "adapter" and not self.split.adapter and self.engine.backend == "torch":
             raise ValueError("token_draft 'adapter' needs split.adapter (a hat-distill directory, --adapter)")
         if self.overlap_prefill not in OVERLAP_MODES:

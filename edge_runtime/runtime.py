@@ -153,7 +153,8 @@ class EdgeRuntime:
         self.auto_estimates.begin_request(sampling_kind(request.sampling))
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
-                                    shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome))
+                                    shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),
+                                    eta=config.auto_eta)
         if request.allow_lossy:
             why = controller.local_wins(self.client.base_rtt_s)
             if why:
@@ -265,5 +266,15 @@ def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
             if session.monitor is not None:
                 estimates.take_mode(session.monitor.power_mode)
         tree = tree_shape(session.config, session.client.welcome) if protocol == "sd" else None
+        if protocol == "sd" and tree is None:
+            tree = eta_chain_of(session.config, session.client.welcome)
         observed_round(session, estimates, protocol, lambda: round_fn(session), tree)
     return run
+
+
+def eta_chain_of(config: EdgeConfig, welcome: P.Welcome) -> Optional[Shape]:
+    """The shape of auto's η-chain (AutoController.eta_chain) when an sd request's chains are it — the longest γ auto
+    drafts, ended by auto's η — so that its rounds teach the η-chain's estimates; else None."""
+    longest = min(welcome.max_draft_len, AUTO_MAX_DRAFT)
+    same = config.auto_eta > 0 and config.draft_stop_prob == config.auto_eta and config.draft_len == longest
+    return (longest, longest, 1) if same else None

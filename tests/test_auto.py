@@ -918,6 +918,44 @@ def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
     assert est.tree_tokens_per_round(shape) > 5.5  # the next prompt: the prompts' again
 
 
+def test_the_eta_chain_is_measured_in_place_of_sds_best_and_then_priced_beside_it():
+    """auto's η-chain (EdgeConfig.auto_eta): not run while llm is the best; where sd runs anyway it takes sd's place
+    for MEASURE_ROUNDS rounds (`measuring sd's η-chain ...`), then is priced by its own rounds — the nodes η let
+    through, the tokens they committed — and runs where it beats sd's chains; when it does not, it is probed in
+    sd's place after PROBE_EVERY rounds without it. A configured tree of its shape runs instead of it."""
+    shape = (8, 8, 1)
+    llm_best = _controller(_estimates(0.05, 0.05, step_1=0.2, step_9=0.22), eta=0.4).decide(Link(0.01))
+    assert llm_best.protocol == "llm" and llm_best.eta == 0.0, llm_best
+    est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
+    c = _controller(est, eta=0.4)
+    assert c.eta_chain == shape
+    for k in range(3):
+        choice = c.decide(Link(0.1))
+        assert (choice.protocol, choice.knob, choice.tree, choice.eta) == ("sd", 8, shape, 0.4), choice
+        assert choice.reason == f"measuring sd's η-chain γ≤8 η=0.4 in place of sd's best: {k} of 3 rounds"
+        est.observe_tree(shape, 5, 4 * 0.005, 0.055, 80 + 4 * 60, 100, 0.25, Link(0.1), now=0.0, sent=4)
+        c.record(choice, 5)
+    assert c.segments[0].as_dict()["eta"] == 0.4 and c.segments[0].as_dict()["tree"] == [8, 8, 1]
+    pick = c.decide(Link(0.1))  # 5 tokens for 4 drafts: more than any chain of γ commits at α 0.8
+    assert pick.tree == shape and pick.eta == 0.4 and "sd_tree η-chain γ≤8 η=0.4" in pick.reason, pick
+    # a prompt on which η ends every chain after one draft: sd's chains are faster, and the η-chain is probed
+    slow = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
+    slow_c = _controller(slow, eta=0.4)
+    for _ in range(3):
+        slow.observe_tree(shape, 1, 0.005, 0.05, 80 + 60, 100, 0.2, Link(0.1), now=0.0, sent=1)
+        slow_c.record(slow_c.decide(Link(0.1)), 1)
+    chain = slow_c.decide(Link(0.1))
+    assert chain.protocol == "sd" and chain.tree is None and chain.eta == 0.0, chain
+    for _ in range(PROBE_EVERY):
+        slow_c.record(chain, 4)
+    probe = slow_c.decide(Link(0.1))
+    assert probe.tree == shape and probe.reason == "probing sd's η-chain γ≤8 η=0.4: not run for 24 rounds", probe
+    assert _controller(est, eta=0.4, trees=(shape,)).eta_chain is None  # the configured tree runs in its place
+    assert _controller(est).eta_chain is None
+    with pytest.raises(ValueError, match=r"η must be in \[0, 1\), got 1.0"):
+        _controller(est, eta=1.0)
+
+
 def test_several_tree_shapes_are_each_measured_and_the_fastest_is_run():
     """auto_trees: every shape is measured in turn (MEASURE_ROUNDS rounds each, in the configured order), then sd
     runs the one its own rounds price fastest — here the wide tree that commits 6 tokens a round over the narrow one
@@ -985,3 +1023,38 @@ def test_auto_with_a_tree_configured_measures_it_and_keeps_the_targets_tokens(sm
         taught = rt.generate(PROMPT, "sd", SamplingParams(0.0), 16, seed=0)
         assert taught.tokens == ref.tokens[:16]
         assert rt.auto_estimates.tree_rounds_of((8, 4, 2)) == before + taught.rounds
+
+
+@pytest.mark.real_models
+def test_the_eta_chain_keeps_the_targets_tokens_and_an_sd_request_of_its_kind_teaches_it(smollm2, smollm2_server,
+                                                                                         monkeypatch):
+    """auto's η-chain rounds (forced here, between llm and sd rounds) draft chains of at most 8 that η ends, keep the
+    target's greedy tokens and are measured as the shape 8x8x1 with the nodes they sent; a fixed sd request whose
+    chains are the η-chain's (γ 8, draft_stop_prob = auto_eta) teaches it."""
+    from edge_runtime.config import EdgeConfig, LinkConfig
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+    from hat_split.net.security import LinkSecurity
+
+    shape, eta = (8, 8, 1), 0.4
+    script = itertools.cycle([Choice("sd", 8, "forced", {}, shape, eta), Choice("llm", 2, "forced", {}),
+                              Choice("sd", 3, "forced", {})])
+    config = EdgeConfig(model="smollm2-135m", auto_eta=eta,
+                        link=LinkConfig(smollm2_server.endpoint, security=LinkSecurity.plaintext()))
+    with EdgeRuntime(config, smollm2) as rt:
+        ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 48, seed=0)
+        with monkeypatch.context() as m:
+            m.setattr(AutoController, "decide", lambda self, link, now=None, behind=0, remaining=0: next(script))
+            res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 48, seed=0)
+        assert res.tokens == ref.tokens
+        chains = [s for s in res.auto if s.get("eta") == eta]
+        assert chains and all(s["tree"] == [8, 8, 1] and s["knob"] == 8 for s in chains), res.auto
+        est = rt.auto_estimates
+        rounds = est.tree_rounds_of(shape)
+        assert rounds == sum(s["rounds"] for s in chains) and 1.0 <= est.tree_sent_of(shape) <= 8.0
+        rt.config = dataclasses.replace(config, draft_len=8, draft_stop_prob=eta)
+        taught = rt.generate(PROMPT, "sd", SamplingParams(0.0), 24, seed=0)
+        assert taught.tokens == ref.tokens[:24] and est.tree_rounds_of(shape) == rounds + taught.rounds
+        rt.config = dataclasses.replace(config, draft_len=8, draft_stop_prob=0.0)  # whole chains are sd γ 8's
+        rt.generate(PROMPT, "sd", SamplingParams(0.0), 16, seed=0)
+        assert est.tree_rounds_of(shape) == rounds + taught.rounds

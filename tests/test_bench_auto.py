@@ -77,8 +77,9 @@ def test_ratios_are_paired_request_by_request_and_chain_rows_are_named_by_their_
     rows = [row("sd", 0, 2.0), row("auto", 0, 1.0), row("sd", 1, 4.0), row("auto", 1, 5.0), row("auto", 2, 3.0),
             row("sd", 2, 0.0), row("sd", 0, 8.0, "wifi-far")]  # a request of sd with no tokens: no ratio
     assert paired(rows, "auto", "sd") == [0.5, 1.25]
-    assert chain_rows("6, 8") == {"sd_g6": {"draft_len": 6}, "sd_g8": {"draft_len": 8}} and chain_rows("") == {}
-    for bad in ("0", "17", "x", "6.5"):
+    assert chain_rows("6, 8e0.4") == {"sd_g6": {"draft_len": 6, "draft_stop_prob": 0.0},
+                                      "sd_g8_e0.4": {"draft_len": 8, "draft_stop_prob": 0.4}} and chain_rows("") == {}
+    for bad in ("0", "17", "x", "6.5", "8e0", "8e1.5", "8ex", "e0.4"):
         with pytest.raises(ValueError, match="--chains"):
             chain_rows(bad)
 
@@ -90,7 +91,8 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
     out = tmp_path / "auto.json"
     assert main(["auto", "--draft", "smollm2-135m", "--target", "smollm2-135m", "--engine", "torch", "--trace",
                  "loopback,cut:loopback,load+power:wifi-near", "--repetitions", "1", "--max-new-tokens", "24",
-                 "--protocols", "llm,auto", "--load-devices", "2", "--cut-s", "1.0", "--out", str(out)]) == 0
+                 "--protocols", "llm,auto", "--load-devices", "2", "--cut-s", "1.0", "--chains", "", "--out",
+                 str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load+power:wifi-near"] * 2
     assert all(r["tokens"] == 24 for r in doc["rows"])
@@ -103,8 +105,9 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
 
 @pytest.mark.real_models
 def test_a_trace_with_a_tree_row_runs_end_to_end(smollm2, tmp_path):
-    """--trees: a fixed row of sd drafting that tree in every phase, and the shape among auto's candidates; with a
-    power phase on the torch engine (whose tree model the board's slowdown does not reach) it is refused."""
+    """--trees: a fixed row of sd drafting that tree in every phase, and the shape among auto's candidates, beside the
+    default --chains row of auto's η-chain; with a power phase on the torch engine (whose tree model the board's
+    slowdown does not reach) it is refused."""
     from profiles.bench.bench import main
 
     out = tmp_path / "auto.json"
@@ -114,5 +117,6 @@ def test_a_trace_with_a_tree_row_runs_end_to_end(smollm2, tmp_path):
     doc = json.loads(out.read_text())
     trees = [r for r in doc["rows"] if r["protocol"] == "sd_t4d2w2"]  # the tree row: sd drafting 4-node trees
     assert len(trees) == 2 and all(r["tokens"] == 16 and r["alpha"] is not None for r in trees)
-    assert set(doc["summary"]["overall"]["protocols"]) == {"llm", "auto", "sd_t4d2w2"}
+    assert set(doc["summary"]["overall"]["protocols"]) == {"llm", "auto", "sd_t4d2w2", "sd_g8_e0.4"}
+    assert all(r["tokens"] == 16 for r in doc["rows"] if r["protocol"] == "sd_g8_e0.4")
     assert main(base + ["--trace", "power:loopback"]) == 2  # refused in one line, before any model loads

@@ -96,7 +96,10 @@ class AutoSession(TokenSession):
         """One round of the protocol the controller picks; its figures go to the estimates."""
         choice = self._choose()
         c = self.config
-        if choice.tree is not None:
+        if choice.eta:  # auto's η-chain: a chain that η ends, measured as the tree γ × γ × 1 it is
+            n = observed_round(self, self.auto.estimates, "sd",
+                               lambda: verify_round(self, choice.knob, c.dist_format, choice.eta), tree=choice.tree)
+        elif choice.tree is not None:
             nodes, depth, width = choice.tree
             n = observed_round(self, self.auto.estimates, "sd",
                                lambda: tree_round(self, nodes, depth, width, c.dist_format, c.draft_stop_prob),

@@ -28,10 +28,14 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List
 
+from edge_runtime.auto import AUTO_MAX_DRAFT
+from edge_runtime.config import EdgeConfig
 from profiles.bench.board import Board, SlowedLM
 from profiles.bench.provenance import write_report
 
 DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near,load+power:wifi-near"
+DEFAULT_AUTO_ETA = EdgeConfig.__dataclass_fields__["auto_eta"].default
+DEFAULT_CHAINS = f"{AUTO_MAX_DRAFT}e{DEFAULT_AUTO_ETA:g}"  # auto's η-chain as a fixed row of its own
 
 
 def add_parser(sub) -> None:
@@ -56,9 +60,13 @@ def add_parser(sub) -> None:
                    help="η (draft_stop_prob) of the --trees rows and of auto's trees: a tree ends after the level "
                         "whose main-line draft has probability below η; NxNx1 is a chain of at most N that ends on "
                         "its draft's confidence (default 0: the whole shape)")
-    s.add_argument("--chains", default="",
-                   help="more draft lengths γ for sd, comma separated (e.g. 6,8): each a fixed row of its own (sd_gN, "
-                        "among the fixed exact protocols auto is compared with)")
+    s.add_argument("--chains", default=DEFAULT_CHAINS,
+                   help="more chains for sd, comma separated: a draft length γ (e.g. 6) or one ended by η (8e0.4: up "
+                        "to 8, ended after a draft token of probability below 0.4, HAT eq. 5), each a fixed row of its "
+                        "own (sd_gN, sd_gN_eη; among the fixed exact protocols auto is compared with); default "
+                        "%(default)s: auto's η-chain at the default --auto-eta ('' for none)")
+    s.add_argument("--auto-eta", type=float, default=DEFAULT_AUTO_ETA,
+                   help="auto's η-chain (EdgeConfig.auto_eta; 0: none); default %(default)s")
     s.add_argument("--load-devices", type=int, default=8)
     s.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut phase cuts the link for, per request")
     s.add_argument("--power-slowdown", type=float, default=3.0,
@@ -173,7 +181,7 @@ class Load:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edge_runtime.config import EdgeConfig, EngineConfig
+    from edge_runtime.config import EngineConfig
     from hat_split.math.costmodel import Link
     from hat_split.math.sampling import SamplingParams
     from hat_split.prompt_sets import demo_prompts
@@ -208,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         rt = bed.runtime(config)
         # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
         # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime); the tree shapes are its candidates
-        rt_auto = (bed.runtime(dataclasses.replace(config, auto_trees=args.trees, draft_stop_prob=args.eta))
+        rt_auto = (bed.runtime(dataclasses.replace(config, auto_trees=args.trees, draft_stop_prob=args.eta,
+                                                   auto_eta=args.auto_eta))
                    if "auto" in protocols else rt)  # auto's chains draft γ whatever η (edge_runtime.sessions.auto)
         if board is not None:
             for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
@@ -268,12 +277,18 @@ def pinned(cpus: List[int]) -> Iterator[None]:
 
 
 def chain_rows(text: str) -> Dict[str, dict]:
-    """The fixed chain rows of --chains: each γ's name (sd_gN) and the EdgeConfig field it sets."""
+    """The fixed chain rows of --chains: each chain's name (sd_gN, sd_gN_eη) and the EdgeConfig fields it sets."""
     out: Dict[str, dict] = {}
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        if not item.isdigit() or not 1 <= int(item) <= 16:
-            raise ValueError(f"--chains: draft lengths 1..16, comma separated, got {item!r}")
-        out[f"sd_g{int(item)}"] = {"draft_len": int(item)}
+        gamma, _, eta = item.partition("e")
+        try:
+            g, e = int(gamma), float(eta) if eta else 0.0
+        except ValueError:
+            g, e = 0, 0.0
+        if not 1 <= g <= 16 or not 0.0 <= e < 1.0 or (eta and e == 0.0):
+            raise ValueError(f"--chains: a draft length 1..16, or one ended by η in (0, 1) as 8e0.4, comma "
+                             f"separated; got {item!r}")
+        out[f"sd_g{g}" + (f"_e{e:g}" if e else "")] = {"draft_len": g, "draft_stop_prob": e}
     return out
 
 
@@ -334,7 +349,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     estimates predict them now for the request's kind of sampling (None for one not measured yet); sd's at every α
     of ALPHA_GRID (the model given a request's own acceptance: the summary's second error); its draft trees
     (sd_trees, by shape); the estimates themselves."""
-    from edge_runtime.auto import AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController
+    from edge_runtime.auto import AUTO_TOKEN, AutoController
     from edge_runtime.runtime import tree_shapes
     from hat_split.math.costmodel import predict
     from hat_split.math.tree import shape_name
@@ -350,6 +365,9 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     by_gamma = [c.at("sd", g, link, now) for g in range(1, min(rt.client.welcome.max_draft_len, AUTO_MAX_DRAFT) + 1)]
     out["sd_by_gamma"] = [p.tokens_per_s if p is not None else None for p in by_gamma]
     trees = {shape_name(*t): c.at_tree(t, link, now) for t in c.trees}  # auto's tree candidates, as priced now
+    longest = min(rt.client.welcome.max_draft_len, AUTO_MAX_DRAFT)
+    if rt.config.auto_eta and (longest, longest, 1) not in c.trees:  # and its η-chain (once measured)
+        trees[f"g{longest}_e{rt.config.auto_eta:g}"] = c.at_tree((longest, longest, 1), link, now)
     out["sd_trees"] = {name: p.tokens_per_s if p is not None else None for name, p in trees.items()}
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
     if preds["sd"] is not None and curve is not None:
