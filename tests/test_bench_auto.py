@@ -120,3 +120,4 @@ def test_a_trace_with_a_tree_row_runs_end_to_end(smollm2, tmp_path):
     assert set(doc["summary"]["overall"]["protocols"]) == {"llm", "auto", "sd_t4d2w2", "sd_g8_e0.4"}
     assert all(r["tokens"] == 16 for r in doc["rows"] if r["protocol"] == "sd_g8_e0.4")
     assert main(base + ["--trace", "power:loopback"]) == 2  # refused in one line, before any model loads
+    assert main(base + ["--trace", "loopback", "--auto-eta", "1.5"]) == 2

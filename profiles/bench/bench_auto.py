@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trees and args.engine == "torch" and any(p.power for p in phases):
         raise ValueError("--trees with a power phase needs --engine llamacpp: the torch engine drafts trees with a "
                          "model of its own that the board's slowdown does not reach")
+    if not 0.0 <= args.auto_eta < 1.0:
+        raise ValueError(f"--auto-eta must be in [0, 1), got {args.auto_eta}")
     if not 1.0 <= args.power_slowdown <= 100.0:
         raise ValueError(f"--power-slowdown must be in [1, 100], got {args.power_slowdown}")
     cores = sorted(os.sched_getaffinity(0))
