@@ -574,6 +574,11 @@ class AutoEstimates:
                            round_s=self.overhead(protocol), shares_host=shares_host)
 
 
+def auto_max_draft(max_draft_len: int) -> int:
+    """The longest γ auto drafts (and its η-chain's length) under a cloud whose Welcome allows max_draft_len."""
+    return min(max_draft_len, AUTO_MAX_DRAFT)
+
+
 def auto_eligible(offered: Sequence[str], sampling: SamplingParams) -> List[str]:
     """The token protocols auto may run for a request sampling with `sampling` on a cloud offering `offered`: sd
     and llm; ksqs (exact, its drafts' rows as lattice codes) only when the request samples (at temperature 0 sd's
@@ -798,10 +803,14 @@ class AutoController:
                               rates)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
-        eta = self.eta if tree is not None and tree == self.eta_chain else 0.0
-        text = _shape_text(best_tree, self.eta if best_tree == self.eta_chain else 0.0) if best_tree else ""
+        text = _shape_text(best_tree, self._eta_of(best_tree)) if best_tree else ""
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, text) + why,
-                      rates, tree, eta)
+                      rates, tree, self._eta_of(tree))
+
+    def _eta_of(self, shape: Optional[Shape]) -> float:
+        """η of sd's draft tree `shape`: auto's when it is the η-chain, else 0 (a configured tree's is the device's
+        draft_stop_prob, which the session applies)."""
+        return self.eta if shape is not None and shape == self.eta_chain else 0.0
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether a drafting protocol (sd, ksqs) may run soon, by `predictions`: one not priced yet, or predicted at

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from edge_runtime.auto import (AUTO_MAX_DRAFT, AUTO_TOKEN, AutoController, AutoEstimates, Shape, auto_eligible,
+from edge_runtime.auto import (AUTO_TOKEN, AutoController, AutoEstimates, Shape, auto_eligible, auto_max_draft,
                                 sampling_kind)
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
@@ -152,7 +152,7 @@ class EdgeRuntime:
         # this prompt's acceptance starts from the recent prompts' that sampled as it does
         self.auto_estimates.begin_request(sampling_kind(request.sampling))
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
-                                    min(welcome.max_draft_len, AUTO_MAX_DRAFT), config.llm_chunk, len(ids),
+                                    auto_max_draft(welcome.max_draft_len), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),
                                     eta=config.auto_eta)
         if request.allow_lossy:
@@ -275,6 +275,6 @@ def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
 def eta_chain_of(config: EdgeConfig, welcome: P.Welcome) -> Optional[Shape]:
     """The shape of auto's η-chain (AutoController.eta_chain) when an sd request's chains are it — the longest γ auto
     drafts, ended by auto's η — so that its rounds teach the η-chain's estimates; else None."""
-    longest = min(welcome.max_draft_len, AUTO_MAX_DRAFT)
+    longest = auto_max_draft(welcome.max_draft_len)
     same = config.auto_eta > 0 and config.draft_stop_prob == config.auto_eta and config.draft_len == longest
     return (longest, longest, 1) if same else None

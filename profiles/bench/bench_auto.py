@@ -351,7 +351,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     estimates predict them now for the request's kind of sampling (None for one not measured yet); sd's at every α
     of ALPHA_GRID (the model given a request's own acceptance: the summary's second error); its draft trees
     (sd_trees, by shape); the estimates themselves."""
-    from edge_runtime.auto import AUTO_TOKEN, AutoController
+    from edge_runtime.auto import AUTO_TOKEN, AutoController, auto_max_draft
     from edge_runtime.runtime import tree_shapes
     from hat_split.math.costmodel import predict
     from hat_split.math.tree import shape_name
@@ -364,10 +364,10 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
              "llm": c.at("llm", rt.config.llm_chunk, link, now)}
     out: Dict[str, object] = {name: (p.tokens_per_s if p is not None else None) for name, p in preds.items()}
     # the model's ranking of the draft lengths auto chooses among (runtime: within the cloud's max_draft_len)
-    by_gamma = [c.at("sd", g, link, now) for g in range(1, min(rt.client.welcome.max_draft_len, AUTO_MAX_DRAFT) + 1)]
+    longest = auto_max_draft(rt.client.welcome.max_draft_len)
+    by_gamma = [c.at("sd", g, link, now) for g in range(1, longest + 1)]
     out["sd_by_gamma"] = [p.tokens_per_s if p is not None else None for p in by_gamma]
     trees = {shape_name(*t): c.at_tree(t, link, now) for t in c.trees}  # auto's tree candidates, as priced now
-    longest = min(rt.client.welcome.max_draft_len, AUTO_MAX_DRAFT)
     if rt.config.auto_eta and (longest, longest, 1) not in c.trees:  # and its η-chain (once measured)
         trees[f"g{longest}_e{rt.config.auto_eta:g}"] = c.at_tree((longest, longest, 1), link, now)
     out["sd_trees"] = {name: p.tokens_per_s if p is not None else None for name, p in trees.items()}
