@@ -79,8 +79,9 @@ STALE_S = 20.0  # s: the device's own points of the cloud's curve older than thi
 # report (a load that ended, a link that changed)
 DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
 DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # these estimates, and the drafting protocols' round
-# overheads (keys of overhead_s)
+# overheads (keys of overhead_s; a draft tree's own, `_tree_key`, as well: `device_overhead`)
 DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
+TREE_KEY = "sd_tree "  # a draft tree's idle counter and round overhead: TREE_KEY + its shape (`_tree_key`)
 MODE_RATIO_BOUNDS = (0.1, 10.0)  # the most one read may rescale the last mode's device times by (a forward that
 # another process on the device's cores stretched is not a board ten times slower)
 READ_AHEAD_REACH = 0.8  # the draft model reads while the device waits only while sd's prediction is at least this
@@ -206,8 +207,9 @@ class AutoEstimates:
     last_bad_report: str = ""
     tree_tokens: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # tokens a round of each draft tree
     # shape per kind of sampling (moving averages; like a chain's acceptance, a tree's depends on it) ...
-    tree_draft_s: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's seconds a round (per
-    # shape: drafting a tree costs the same however the request samples) ...
+    tree_draft_steps: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's time a round in
+    # draft steps (per shape: drafting a tree costs the same however the request samples; in steps, so a new power
+    # mode prices it with that mode's step, draft_step_s) ...
     tree_up_per_node: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... uplink bytes a node per
     # kind (a greedy tree sends no rows, a sampled one a row per node with children) ...
     tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... its rounds observed per kind ...
@@ -334,16 +336,15 @@ class AutoEstimates:
         self.by_mode[self.power_mode] = self._device_figures()
         self.power_mode = mode
         known = self.by_mode.get(mode, {})
-        for name in DEVICE_FIGURES:
-            if name in known:
-                self._set_figure(name, known[name])
-        self.restart = set(DEVICE_FIGURES) - set(known)
+        for name, value in known.items():
+            self._set_figure(name, value)
+        self.restart = (set(DEVICE_FIGURES) | {n for n in self.overhead_s if device_overhead(n)}) - set(known)
         return True
 
     def _device_figures(self) -> Dict[str, object]:
         """The device figures measured in this mode (those not awaiting their first observation)."""
         values = {n: copy.deepcopy(getattr(self, n)) for n in DEVICE_TIMES}
-        values.update({n: self.overhead_s.get(n) for n in DEVICE_OVERHEADS})
+        values.update({n: v for n, v in self.overhead_s.items() if device_overhead(n)})
         return {n: v for n, v in values.items()
                 if v is not None and n not in self.restart and getattr(v, "known", True)}
 
@@ -386,18 +387,23 @@ class AutoEstimates:
         key = (protocol, self.kind)
         self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted)
         if not caught_up:
-            self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, draft_s / drafted)
-            if self._restarts("local_step_s") or self.local_step_s is None:
-                self.local_step_s = self.draft_step_s
+            self._draft_step(draft_s / drafted)
         elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
             self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
         per_draft = self._verify_round(drafted, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, protocol)
         self.up_per_row[key] = ema(self.up_per_row.get(key), per_draft)
 
+    def _draft_step(self, seconds: float) -> None:
+        """A draft step of a chain's round took `seconds` (the device alone's step until one is measured)."""
+        self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, seconds)
+        if self._restarts("local_step_s") or self.local_step_s is None:
+            self.local_step_s = self.draft_step_s
+
     def _verify_round(self, drafted: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
                       wall_s: float, link: Link, now: float, protocol: str = "sd") -> float:
         """What a drafting round teaches whatever its drafts' shape (a chain, a tree of `drafted` nodes): the cloud's
-        step of drafted + 1 positions, the reply's bytes, `protocol`'s overhead; returns its uplink bytes per draft."""
+        step of drafted + 1 positions, the reply's bytes, `protocol`'s overhead (a tree's: `_tree_key`); returns its
+        uplink bytes per draft."""
         if cloud_s > 0:
             self._cloud(drafted + 1, cloud_s, now)
         self.down_round = ema(self.down_round, float(down_bytes))
@@ -423,9 +429,16 @@ class AutoEstimates:
         self.tree_request[key] = (mine + tokens, rounds + 1)
         self.tree_sent[key] = ema(self.tree_sent.get(key), float(nodes), ALPHA_POPULATION)
         if not caught_up:
-            self.tree_draft_s[shape] = ema(self.tree_draft_s.get(shape), draft_s)
+            steps = None
+            if shape[2] == 1:  # a chain (η may end it early): a forward a draft sent, each one of sd's draft steps
+                self._draft_step(draft_s / nodes)
+                steps = float(nodes)
+            elif self.draft_step_s:
+                steps = draft_s / self.draft_step_s
+            if steps is not None:
+                self.tree_draft_steps[shape] = ema(self.tree_draft_steps.get(shape), steps)
         self.tree_up_per_node[key] = ema(self.tree_up_per_node.get(key), self._verify_round(
-            nodes, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now))
+            nodes, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, _tree_key(shape)))
 
     def tree_rounds_of(self, shape: Shape) -> int:
         """Rounds of the tree `shape` observed under the request's kind of sampling."""
@@ -536,24 +549,35 @@ class AutoEstimates:
     def _overhead_key(protocol: str, busy: bool) -> str:
         return f"{protocol}:busy" if busy else protocol
 
-    def overhead(self, protocol: str) -> float:
-        """o of `protocol` as measured while the cloud was in the state it last reported (busy or idle); the other
-        state's before one is. One measured busy is net of the wait reported then (`_overhead`): the wait the cloud
-        reports now is added (0 when idle)."""
+    def _overhead_entry(self, protocol: str) -> Optional[str]:
+        """The key of overhead_s that prices `protocol`'s rounds: its own measured while the cloud was in the state it
+        last reported (busy or idle), else — for a draft tree (`_tree_key`) — sd's in that state, else its own or
+        sd's in the other state; None before any. A tree's (the η-chain's) own, apart from the chains': what the
+        phase-wait model (`_overhead`) misses of a busy cloud's wait depends on how long a round drafts, so pooled,
+        the η-chain's rounds and the chains' priced each other wrong (docs/AUTO.md "Each shape its own overhead")."""
         busy = bool(self.cloud_busy)
-        for key in (self._overhead_key(protocol, busy), self._overhead_key(protocol, not busy)):
-            if key in self.overhead_s:
-                return max(0.0, self.overhead_s[key] + (self.reported_wait_s if key.endswith(":busy") else 0.0))
-        return 0.0
+        mine = (protocol, "sd") if protocol.startswith(TREE_KEY) else (protocol,)
+        for state in (busy, not busy):
+            for name in mine:
+                if self._overhead_key(name, state) in self.overhead_s:
+                    return self._overhead_key(name, state)
+        return None
+
+    def overhead(self, protocol: str) -> float:
+        """o of `protocol` (`_overhead_entry`); 0 before one is measured. One measured busy is net of the wait reported
+        then (`_overhead`): the wait the cloud reports now is added (0 when idle)."""
+        key = self._overhead_entry(protocol)
+        if key is None:
+            return 0.0
+        return max(0.0, self.overhead_s[key] + (self.reported_wait_s if key.endswith(":busy") else 0.0))
 
     def wait_s(self, protocol: str) -> float:
         """The wait for a busy cloud's step in progress, as `protocol` should be priced with it: the report's half a
-        step until the protocol's round overhead has been measured under load, which then holds the wait (the cloud's
-        compute seconds count only the steps a request is in; `overhead` adds the report's wait to what it measured
-        beyond the wait reported then), so it is not counted twice."""
-        if self.cloud_busy and self._overhead_key(protocol, True) in self.overhead_s:
-            return 0.0
-        return self.reported_wait_s
+        step until the overhead that prices the protocol was measured under load, which then holds the wait (the
+        cloud's compute seconds count only the steps a request is in; `overhead` adds the report's wait to what it
+        measured beyond the wait reported then), so it is not counted twice."""
+        key = self._overhead_entry(protocol)
+        return 0.0 if key is not None and key.endswith(":busy") else self.reported_wait_s
 
     def cloud(self, curve: CostCurve, protocol: str) -> CloudCosts:
         """The cloud as `protocol`'s rounds should be priced: `curve`, the wait (`wait_s`) and, when busy, its
@@ -699,13 +723,14 @@ class AutoController:
         if curve is None or not est.measured.get("sd") or tokens is None:
             return None
         nodes, depth, _ = shape
-        device = est.device(self.shares_host, "sd")
-        if shape in est.tree_draft_s:  # the tree's own drafting time, a level at a time
-            device = dataclasses.replace(device, draft_step_s=est.tree_draft_s[shape] / depth)
+        key = _tree_key(shape)
+        device = est.device(self.shares_host, key)
+        if shape in est.tree_draft_steps and device.draft_step_s:  # the tree's own drafting time, a level at a time
+            device = dataclasses.replace(device, draft_step_s=device.draft_step_s * est.tree_draft_steps[shape] / depth)
         wire = est.wire()
         if est.tree_up_per_node_of(shape) is not None:
             wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node_of(shape))
-        return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, est.cloud(curve, "sd"), wire,
+        return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, est.cloud(curve, key), wire,
                             est.tree_sent_of(shape))
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
@@ -857,8 +882,14 @@ class AutoController:
 
 
 def _tree_key(shape: Shape) -> str:
-    """The idle counter of sd with the draft tree `shape`."""
-    return "sd_tree " + _tree_text(shape)
+    """The idle counter and the round overhead of sd with the draft tree `shape`."""
+    return TREE_KEY + _tree_text(shape)
+
+
+def device_overhead(key: str) -> bool:
+    """Whether the round overhead `key` of overhead_s is the device's (a power mode's own): a drafting protocol's or
+    a draft tree's, not llm's."""
+    return key in DEVICE_OVERHEADS or key.startswith(TREE_KEY)
 
 
 def _tree_text(shape: Shape) -> str:

@@ -895,6 +895,38 @@ def test_a_chain_that_eta_ends_is_priced_by_the_nodes_it_sends():
         est.observe_tree(shape, 3, 0.05, 0.15, 200, 100, 0.3, Link(0.1), now=0.0, sent=9)
 
 
+def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps():
+    """The η-chain (a tree of width 1) keeps a round overhead of its own, apart from sd's chains' — sd's until its
+    own is measured — and per power mode as sd's is; its drafts are sd's draft steps, and its drafting is priced in
+    draft steps, so a new power mode prices it with that mode's step."""
+    shape, key, link = (8, 8, 1), "sd_tree 8x8x1", Link(0.1)
+    est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
+    est.overhead_s = {"sd": 0.03}
+    assert not est.take_mode("MAXN")
+    c = _controller(est, eta=0.4)
+    assert est.overhead(key) == 0.03 and est.device(False, key).round_s == 0.03  # sd's, before its own
+    sent, residual = 4, 0.2
+    wall = sent * 0.02 + 0.06 + link.transfer_s(80 + sent * 60, 100) + residual
+    est.observe_tree(shape, 5, sent * 0.02, 0.06, 80 + sent * 60, 100, wall, link, now=0.0, sent=sent)
+    assert est.overhead(key) == pytest.approx(residual) and est.overhead("sd") == 0.03  # each its own
+    assert est.draft_step_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # the chain's drafts are draft steps
+    assert est.tree_draft_steps[shape] == sent
+    fast = c.at_tree(shape, link, now=0.0)
+    chain = c.at("sd", 4, link, now=0.0)
+    assert fast.round_s == pytest.approx(sent * est.draft_step_s + residual + 0.06 + link.transfer_s(
+        80 + sent * 60, 100), rel=0.05)
+    assert est.take_mode("MODE_15W") and key in est.restart  # the board's figure: measured again in this mode
+    est.observe_sd(4, 4, 4 * 0.03, 0.06, 320, 100, 4 * 0.03 + 0.06 + 0.05, link, now=1.0)  # a slower draft step
+    assert est.draft_step_s == pytest.approx(0.03)
+    slow = c.at_tree(shape, link, now=1.0)
+    assert slow.round_s - fast.round_s == pytest.approx(sent * (0.03 - (0.8 * 0.01 + 0.2 * 0.02)))  # its drafting
+    # in this mode's steps; its overhead the last mode's until measured here, not the chains' of this mode
+    assert c.at("sd", 4, link, now=1.0).round_s != pytest.approx(chain.round_s)
+    est.observe_tree(shape, 5, sent * 0.03, 0.06, 80 + sent * 60, 100, wall + 0.5, link, now=1.0, sent=sent)
+    assert est.overhead(key) == pytest.approx(residual + 0.5 + sent * (0.02 - 0.03))  # replaced, not averaged
+    assert est.take_mode("MAXN") and est.overhead(key) == pytest.approx(residual)  # back: that mode's own
+
+
 def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
     """The prompts' tokens a round of a tree (a moving average over requests) count as TREE_PRIOR_ROUNDS rounds
     against the request's own: a prompt whose η-chain commits 2 a round where the prompts' committed 6 is priced at
@@ -936,6 +968,8 @@ def test_the_eta_chain_is_measured_in_place_of_sds_best_and_then_priced_beside_i
         est.observe_tree(shape, 5, 4 * 0.005, 0.055, 80 + 4 * 60, 100, 0.25, Link(0.1), now=0.0, sent=4)
         c.record(choice, 5)
     assert c.segments[0].as_dict()["eta"] == 0.4 and c.segments[0].as_dict()["tree"] == [8, 8, 1]
+    assert est.overhead("sd_tree 8x8x1") > 0.0 == est.overhead("sd")  # its own (sd's chains measured none here)
+    est.overhead_s["sd"] = est.overhead("sd_tree 8x8x1")  # the chains' rounds with the η-chain's overhead
     pick = c.decide(Link(0.1))  # 5 tokens for 4 drafts: more than any chain of γ commits at α 0.8
     assert pick.tree == shape and pick.eta == 0.4 and "sd_tree η-chain γ≤8 η=0.4" in pick.reason, pick
     # a prompt on which η ends every chain after one draft: sd's chains are faster, and the η-chain is probed
