@@ -7,13 +7,14 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
     rows), per kind of sampling (greedy, or the temperature and truncation: `sampling_kind`): accepted over examined
     draft positions, each a moving average over rounds, the request's own drafts moving the prompts' average, and
     both protocols' rounds one estimate of the prompt (`AutoEstimates.alpha_of`); the draft step t_d (the draft
-    model's seconds per draft) and the per-round overhead o per protocol (a round's wall time less its draft, cloud
-    and link parts);
+    model's seconds per draft) and the per-round overhead o per protocol and per draft tree shape (a round's wall
+    time less its draft, cloud and link parts and the wait the model prices);
   * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
     sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
     (SessionOpened's CloudCost) where the device has no point of its own; while the cloud reports other sessions'
     work waiting, every step of this device is priced with the others' μ positions in it (x own positions cost
-    g(x + μ): continuous batching), plus half a step's wait for the step in progress;
+    g(x + μ): continuous batching), plus the wait for the step in progress — in phase with steps that run back to
+    back, blurred by how much its own verify steps wander about the curve (`step_jitter`: costmodel.phase_wait);
   * the bytes of its rounds (request without drafts, reply; per draft row per drafting protocol and kind of
     sampling: a greedy row is one-hot, a sampled one the whole vocabulary, a ksqs row a lattice code);
   * the link's round trip (the client's probe) and the uplink rate the cloud measured on a request large enough.
@@ -43,9 +44,9 @@ the request's result.
 Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
 candidates are the chains of γ and that tree (nodes N, depth D, width W), priced by `predict_tree` with the tokens
 per round its own rounds committed (a moving average; a tree's acceptance has no closed form here) — before any,
-with the chain of depth D's (1 − α^(D+1)) / (1 − α), the least a tree holding that chain commits — its draft
-seconds per round, and its uplink bytes per node as measured. Once sd is measured the tree runs MEASURE_ROUNDS
-rounds to be measured, and again after PROBE_EVERY rounds without it.
+with the chain of depth D's (1 − α^(D+1)) / (1 − α), the least a tree holding that chain commits — its drafting
+time per round in draft steps, its round overhead, and its uplink bytes per node as measured. Once sd is measured
+the tree runs MEASURE_ROUNDS rounds to be measured, and again after PROBE_EVERY rounds without it.
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ RATIO_PRIOR_ROUNDS = 4.0  # rounds of a drafting protocol's own against the prio
 # (`AutoEstimates.alpha_of`: ksqs drafts from the lattice's quantization of sd's rows and loses a little)
 LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
 LINK_CHANGE_S = 0.002  # uplink rate measured on the first does not price the second
+STEP_VAR_KEEP = 0.9  # weight of the history in the busy cloud's step spread (a squared deviation is a noisy reading:
+# some ten rounds)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -188,6 +191,9 @@ class AutoEstimates:
     reported_step_s: float = 0.0  # ... and the rest: g(reported_others), a step of the others' work, when busy ...
     reported_duty: float = 0.0  # ... with the share of its time in steps (CloudCost.duty): a round's request waits
     # duty × phase_wait(x, step) (costmodel.phase_wait: in phase with steps back to back); see `wait_s`
+    step_var: Optional[float] = None  # the squared relative deviation of this device's verify steps from the curve
+    # while the cloud is busy (a moving average, STEP_VAR_KEEP; `step_jitter`): how far the busy cloud's steps, and so
+    # a round's phase against them, wander (costmodel.phase_wait's jitter)
     reported_others: float = 0.0  # the other devices' positions per step then (each of this device's steps joins
     # them: CloudCost.others_positions; μ from an older cloud), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
@@ -320,6 +326,7 @@ class AutoEstimates:
             self.reported_wait_s = 0.5 * step * (1.0 - self.reported_duty)
         if self.cloud_busy is not None and busy != self.cloud_busy:
             self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
+            self.step_var = None
         self.cloud_busy = busy
         return True
 
@@ -405,6 +412,7 @@ class AutoEstimates:
         step of drafted + 1 positions, the reply's bytes, `protocol`'s overhead (a tree's: `_tree_key`); returns its
         uplink bytes per draft."""
         if cloud_s > 0:
+            self._step_spread(drafted + 1, cloud_s, now)
             self._cloud(drafted + 1, cloud_s, now)
         self.down_round = ema(self.down_round, float(down_bytes))
         link_s = link.transfer_s(up_bytes, down_bytes)
@@ -520,6 +528,20 @@ class AutoEstimates:
         if tokens > 0 and seconds > 0:
             self.local_step_s = ema(None if self._restarts("local_step_s") else self.local_step_s, seconds / tokens)
 
+    def _step_spread(self, positions: int, seconds: float, now: float) -> None:
+        """A verify step of `positions` took `seconds` while the cloud was busy: its deviation from the curve, relative,
+        squared, into `step_var` (one step a round: llm's rounds of several steps average theirs away)."""
+        curve = self.curve(now)
+        expected = curve.step_s(positions) if curve is not None and self.cloud_busy else 0.0
+        if expected > 0:
+            self.step_var = ema(self.step_var, ((seconds - expected) / expected) ** 2, STEP_VAR_KEEP)
+
+    @property
+    def step_jitter(self) -> float:
+        """The busy cloud's steps' relative standard deviation as this device's verify steps showed it (0 before any
+        or while the cloud is idle): costmodel.phase_wait's jitter."""
+        return math.sqrt(self.step_var) if self.step_var is not None and self.cloud_busy else 0.0
+
     def _ran(self, protocol: str) -> None:
         self.measured[protocol] = self.measured.get(protocol, 0) + 1
 
@@ -540,9 +562,8 @@ class AutoEstimates:
         eased, prices the next round at once."""
         busy = bool(self.cloud_busy)
         key = self._overhead_key(protocol, busy)
-        value = (residual_s - self.reported_wait_s - self.reported_duty * phase_wait(max(0.0, ahead_s),
-                                                                                     self.reported_step_s)
-                 if busy else max(0.0, residual_s))
+        wait = phase_wait(max(0.0, ahead_s), self.reported_step_s, self.step_jitter)
+        value = residual_s - self.reported_wait_s - self.reported_duty * wait if busy else max(0.0, residual_s)
         self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), value)
 
     @staticmethod
@@ -581,8 +602,9 @@ class AutoEstimates:
 
     def cloud(self, curve: CostCurve, protocol: str) -> CloudCosts:
         """The cloud as `protocol`'s rounds should be priced: `curve`, the wait (`wait_s`) and, when busy, its
-        others' step and duty (the phase wait)."""
-        return CloudCosts(curve, self.wait_s(protocol), step_s=self.reported_step_s, duty=self.reported_duty)
+        others' step, duty and the steps' jitter (the phase wait)."""
+        return CloudCosts(curve, self.wait_s(protocol), step_s=self.reported_step_s, duty=self.reported_duty,
+                          jitter=self.step_jitter)
 
     def wire(self, protocol: str = "sd") -> WireSizes:
         """The frames' bytes as measured; a draft row's those of `protocol`'s rounds (ksqs: its lattice codes) under

@@ -406,6 +406,34 @@ def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
     assert est.reported_duty == 0.0 and est.reported_wait_s == pytest.approx(0.5 * step)
 
 
+def test_a_busy_clouds_step_spread_smooths_the_phase_it_prices():
+    """The device's verify steps under load wander about the curve (the others' batches differ step to step): their
+    relative spread (`step_jitter`, from drafting rounds while the cloud is busy) is the phase wait's jitter
+    (costmodel.phase_wait), so a γ whose drafting passes a step's end is priced less than a whole step above one that
+    fits — at low power under load the rounds' waits showed no phase at all (docs/AUTO.md "The phase of a jittery
+    cloud"). An idle cloud's report, or a change of load, drops it."""
+    curve = [[1.0, 0.05], [9.0, 0.06], [20.0, 0.5], [40.0, 0.55]]  # the others' 20 positions a step: 0.5 s
+    est = _estimates(0.8, 0.07, step_1=0.04, step_9=0.05)
+    est.observed = DelayModel()
+    assert est.take_report(P.CloudCost(curve, others=8, others_positions=20.0, duty=1.0))
+    assert est.step_jitter == 0.0 and est.step_var is None
+    expected = est.curve(0.0).step_s(6)
+    for k in range(60):  # verify steps of 6 positions, 20 % off the curve either way
+        seconds = expected * (1.2 if k % 2 else 0.8)
+        est.observe_sd(5, 4, 5 * 0.07, seconds, 300, 100, 0.5 + seconds, Link(0.02), now=0.0)
+    assert 0.12 < est.step_jitter < 0.28
+    c = _controller(est)
+    smooth = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (6, 7)}
+    spread, est.step_var = est.step_var, None
+    sharp = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (6, 7)}
+    assert sharp[7] - sharp[6] > 0.4 and smooth[7] - smooth[6] < 0.5 * (sharp[7] - sharp[6])  # a step's edge, blurred
+    est.step_var = spread
+    assert est.take_report(P.CloudCost(curve, others=0, duty=0.2))  # the load ended: an idle cloud
+    assert est.step_jitter == 0.0 and est.step_var is None
+    est.observe_sd(5, 4, 5 * 0.07, 0.05, 300, 100, 0.6, Link(0.02), now=1.0)
+    assert est.step_var is None  # an idle cloud's steps are not the busy cloud's spread
+
+
 def test_a_new_power_mode_is_another_board():
     """The board's power mode changes: each of the device's own figures is replaced by its next observation rather
     than averaged with it, α (the models') stays; back in a mode it knows, that mode's figures return; the first

@@ -3,6 +3,7 @@ Leviathan et al.'s ideal speedup and QS-SD's round latency (eq. 9)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -147,6 +148,32 @@ def test_a_tree_round_is_a_chain_round_with_its_measured_tokens():
     for bad in (0.5, 8.5, float("nan")):
         with pytest.raises(ValueError, match="sends 1..8 of them"):
             predict_tree(8, 8, 3.0, 64, link, dev, cloud, wire, sent=bad)
+
+
+def test_a_jittery_clouds_phase_wait_is_its_mean_over_the_phases_it_may_meet():
+    """With steps of relative standard deviation σ (jitter) a request x seconds on meets the steps' grid within a
+    window of width √12 · σ · s · √max(1, x/s) around x: the wait is s⌈t/s⌉ − t's mean over it — the sawtooth itself
+    without jitter or inside one step, s/2 over a whole step, the hand-computed mean across a step's end, a Monte
+    Carlo's — and a round is priced with it; a negative or NaN jitter is refused."""
+    s = 0.5
+    j = lambda half, x: half / (0.5 * math.sqrt(12.0) * s * math.sqrt(max(1.0, x / s)))  # noqa: E731 σ of a half-width
+    assert phase_wait(0.3, s, 0.0) == phase_wait(0.3, s) == pytest.approx(0.2)
+    assert phase_wait(0.3, s, j(0.1, 0.3)) == pytest.approx(0.2)  # [0.2, 0.4]: linear inside a step
+    assert phase_wait(0.5, s, j(0.1, 0.5)) == pytest.approx((0.005 + 0.045) / 0.2)  # [0.4, 0.6]: across its end
+    assert phase_wait(1.0, s, j(0.25, 1.0)) == pytest.approx(0.25)  # [0.75, 1.25]: a whole step, s/2
+    rng = random.Random(7)
+    x, jitter = 0.84, 0.18
+    half = 0.5 * math.sqrt(12.0) * jitter * s * math.sqrt(x / s)
+    draws = [x + rng.uniform(-half, half) for _ in range(100_000)]
+    assert phase_wait(x, s, jitter) == pytest.approx(sum(phase_wait(t, s) for t in draws) / len(draws), abs=0.003)
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="phase_wait needs"):
+            phase_wait(0.3, s, bad)
+    with pytest.raises(ValueError, match="CloudCosts.jitter"):
+        CloudCosts(CostCurve(((1, 0.5),)), jitter=-1.0)
+    link, dev, flat = Link(rtt_s=0.02), DeviceCosts(draft_step_s=0.07), CostCurve(((1, 0.5), (64, 0.5)))
+    p = predict("sd", 8, 10, link, dev, CloudCosts(flat, step_s=s, duty=1.0, jitter=jitter), WireSizes(), alpha=0.8)
+    assert p.round_s == pytest.approx(0.58 + phase_wait(0.58, s, jitter) + 0.5)
 
 
 def test_phase_wait_and_a_round_in_phase_with_a_cloud_stepping_back_to_back():

@@ -130,12 +130,13 @@ class CloudCosts:
     middle_share: float = 1.0  # φ: the split protocols' middle part over a whole step (layers L − 2m of L)
     step_s: float = 0.0  # s: a step of the other devices' work, when the cloud is busy with it ...
     duty: float = 0.0  # ... and the share of its time the cloud spends in steps (1: back to back): a round's request
-    # then waits for the step in progress to end, duty × phase_wait(x, s)
+    # then waits for the step in progress to end, duty × phase_wait(x, s, jitter) ...
+    jitter: float = 0.0  # ... the steps' relative standard deviation (0: steady steps, the wait in phase with them)
 
     def __post_init__(self) -> None:
         if not isinstance(self.curve, CostCurve):
             raise ValueError("CloudCosts.curve must be a CostCurve")
-        for name in ("wait_s", "middle_share", "step_s", "duty"):
+        for name in ("wait_s", "middle_share", "step_s", "duty", "jitter"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"CloudCosts.{name} must be a finite number >= 0, got {v!r}")
@@ -143,18 +144,35 @@ class CloudCosts:
             raise ValueError(f"CloudCosts.duty must be a share in [0, 1], got {self.duty!r}")
 
 
-def phase_wait(x: float, step_s: float) -> float:
+def phase_wait(x: float, step_s: float, jitter: float = 0.0) -> float:
     """The wait of a request that reaches a cloud stepping back to back (steps of step_s) x seconds after the step
     that carried its last reply ended: until the step in progress ends, s⌈x/s⌉ − x (0 for s = 0). A device's rounds
     are in phase with such a cloud's steps: a round whose drafting and link time x stays within one step waits the
     rest of it, and one that passes it waits most of another — so a round costs s⌈x/s⌉ plus its own step, and
     drafting up to the step's end is free. (A request at a random time would wait s/2 on average: the wait of a
-    cloud busy only at times.)"""
-    if not (math.isfinite(x) and x >= 0 and math.isfinite(step_s) and step_s >= 0):
-        raise ValueError(f"phase_wait needs finite x >= 0 and step_s >= 0, got {x}, {step_s}")
+    cloud busy only at times.)
+
+    jitter: the steps' relative standard deviation σ (the others' batches differ step to step). The k-th step's end
+    is then k·s give or take σ·s·√k, so a request x seconds on meets the steps' grid with a phase known to about
+    σ·s·√max(1, x/s): the wait is the mean of s⌈t/s⌉ − t over t uniform on the window of that standard deviation
+    (width √12 of it) around x — in phase for a short x and steady steps, s/2 once the window spans a step."""
+    if not (math.isfinite(x) and x >= 0 and math.isfinite(step_s) and step_s >= 0 and math.isfinite(jitter)
+            and jitter >= 0):
+        raise ValueError(f"phase_wait needs finite x >= 0, step_s >= 0 and jitter >= 0, got {x}, {step_s}, {jitter}")
     if step_s <= 0:
         return 0.0
-    return max(0.0, step_s * math.ceil(x / step_s - 1e-9) - x)  # a step's end within 1e-9 of x: no wait
+    half = 0.5 * math.sqrt(12.0) * jitter * step_s * math.sqrt(max(1.0, x / step_s))
+    lo, hi = max(0.0, x - half), x + half
+    if hi - lo < 1e-9 * step_s:
+        return max(0.0, step_s * math.ceil(x / step_s - 1e-9) - x)  # a step's end within 1e-9 of x: no wait
+    return (_waited(hi, step_s) - _waited(lo, step_s)) / (hi - lo)
+
+
+def _waited(t: float, s: float) -> float:
+    """∫₀ᵗ (s⌈u/s⌉ − u) du: s²/2 a whole step, s·r − r²/2 for the r into the last one."""
+    k = math.floor(t / s)
+    r = t - k * s
+    return k * s * s / 2.0 + s * r - r * r / 2.0
 
 
 @dataclass(frozen=True)
@@ -291,7 +309,7 @@ def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down:
     watts = device.watts
     device_s += device.round_s
     ahead = max(0.0, device_s + link.transfer_s(up, down))  # from the reply's leaving to the next request's arrival
-    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cloud.step_s) + cloud_s
+    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cloud.step_s, cloud.jitter) + cloud_s
     prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
                                wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
     prompt_s += 0.5 * cloud.duty * cloud.step_s  # the prompt comes at no step's end: half a step on average
