@@ -562,8 +562,11 @@ class AutoEstimates:
         eased, prices the next round at once."""
         busy = bool(self.cloud_busy)
         key = self._overhead_key(protocol, busy)
-        wait = phase_wait(max(0.0, ahead_s), self.reported_step_s, self.step_jitter)
-        value = residual_s - self.reported_wait_s - self.reported_duty * wait if busy else max(0.0, residual_s)
+        if busy:
+            wait = phase_wait(max(0.0, ahead_s), self.reported_step_s, self.step_jitter)
+            value = residual_s - self.reported_wait_s - self.reported_duty * wait
+        else:
+            value = max(0.0, residual_s)
         self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), value)
 
     @staticmethod
