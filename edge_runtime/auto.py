@@ -156,6 +156,11 @@ class Acceptance:
         keep = min(ALPHA_POPULATION, 1.0 - 1.0 / self.rounds)
         self.accepted = ema(self.accepted, float(accepted), keep)
         self.examined = ema(self.examined, float(examined), keep)
+        self.inform(accepted, examined)
+
+    def inform(self, accepted: float, examined: float) -> None:
+        """Drafts of the request's prompt examined: they move the request's acceptance. A chain round of this
+        protocol (`observe`) moves the prompts' as well; llm's tokens read and a chain-shaped tree's rounds only this."""
         self.request_accepted += accepted
         self.request_examined += examined
 
@@ -270,9 +275,7 @@ class AutoEstimates:
         a few unlucky rounds can win sd back."""
         if compared < 1 or not 0 <= agreed <= compared:  # NaN too
             return
-        own = self.acceptance.setdefault(("sd", self.kind), Acceptance())
-        own.request_accepted += agreed
-        own.request_examined += compared
+        self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(agreed, compared)
 
     def take_uplink(self, bps: float, rtt_s: float) -> None:
         """The cloud measured `bps` on an upload large enough to tell, with the link's round trip at `rtt_s`."""
@@ -421,15 +424,24 @@ class AutoEstimates:
         return max(0.0, up_bytes - base) / drafted
 
     def observe_tree(self, shape: Shape, tokens: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
-                     wall_s: float, link: Link, now: float, caught_up: int = 0, sent: Optional[int] = None) -> None:
+                     wall_s: float, link: Link, now: float, caught_up: int = 0, sent: Optional[int] = None,
+                     accepted: Optional[int] = None) -> None:
         """One sd round with a draft tree of `shape` at `now`: `tokens` committed, the draft model's and the cloud's
         seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many committed
-        tokens, so its seconds say nothing of the tree's drafting; sent: the nodes it sent (None: the shape's)."""
+        tokens, so its seconds say nothing of the tree's drafting; sent: the nodes it sent (None: the shape's);
+        accepted: the nodes of the path the cloud accepted (None: not known). A chain-shaped tree's (width 1: the
+        η-chain) accepted drafts are a chain's: they move the request's acceptance of sd (`Acceptance.inform`; not
+        the prompts', which stay the chains' own), so a prompt auto runs on the η-chain prices sd's chains at its own
+        α rather than the prompts' (docs/AUTO.md, "The η-chain's drafts teach the chains")."""
         if tokens < 1:
             return
         nodes = shape[0] if sent is None else sent
         if not 1 <= nodes <= shape[0]:
             raise ValueError(f"a round of the tree {_tree_text(shape)} sends 1..{shape[0]} nodes, got {sent}")
+        if accepted is not None and not 0 <= accepted <= nodes:
+            raise ValueError(f"a round of {nodes} nodes accepts 0..{nodes} of them, got {accepted}")
+        if accepted is not None and shape[2] == 1:
+            self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, accepted + (accepted < nodes))
         key = (shape, self.kind)
         self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
         self.tree_tokens[key] = ema(self.tree_tokens.get(key), float(tokens), ALPHA_POPULATION)

@@ -934,6 +934,37 @@ def test_a_chain_that_eta_ends_is_priced_by_the_nodes_it_sends():
         est.observe_tree(shape, 3, 0.05, 0.15, 200, 100, 0.3, Link(0.1), now=0.0, sent=9)
 
 
+def test_the_eta_chains_drafts_move_the_requests_acceptance_of_sds_chains():
+    """A prompt auto runs on the η-chain teaches sd's chains its acceptance: each round's accepted nodes, and the
+    first rejected, count as the request's own drafts (the prompts' stay the chains'). A tree of width > 1 teaches
+    no chain; an accepted count the round cannot hold is refused before anything is kept."""
+    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS
+
+    eta_chain, wide, link = (8, 8, 1), (8, 4, 2), Link(0.1)
+    est = _estimates(0.6, 0.01, step_1=0.05, step_9=0.06)
+    est.begin_request()
+    assert est.alpha == pytest.approx(0.6)
+
+    def tree_round(shape, sent, accepted, now=0.0):
+        est.observe_tree(shape, accepted + 1, sent * 0.01, 0.06, 80 + sent * 6, 100, 0.3, link, now=now, sent=sent,
+                         accepted=accepted)
+
+    for _ in range(3):  # an easy prompt: 5 of 5 sent accepted, then 2 of 5 (2 accepted, the third rejected)
+        tree_round(eta_chain, 5, 5)
+    tree_round(eta_chain, 5, 2)
+    want = (ALPHA_PRIOR_DRAFTS * 0.6 + 17) / (ALPHA_PRIOR_DRAFTS + 18)
+    assert est.alpha == pytest.approx(want) and est.alpha > 0.8  # from 0.6
+    sd = est.acceptance[("sd", GREEDY)]
+    assert sd.population == pytest.approx(0.6) and sd.rounds == 10**9  # the prompts' acceptance: the chains' own
+    tree_round(wide, 8, 3)  # a wide tree's path says nothing of a chain's drafts
+    assert est.alpha == pytest.approx(want)
+    with pytest.raises(ValueError, match="accepts 0..5"):
+        tree_round(eta_chain, 5, 6, now=1.0)
+    assert est.alpha == pytest.approx(want) and est.tree_rounds_of(eta_chain) == 4  # the refused round kept nothing
+    est.begin_request()  # the next prompt starts from the prompts' again
+    assert est.alpha == pytest.approx(0.6)
+
+
 def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps():
     """The η-chain (a tree of width 1) keeps a round overhead of its own, apart from sd's chains' — sd's until its
     own is measured — and per power mode as sd's is; its drafts are sd's draft steps, and its drafting is priced in

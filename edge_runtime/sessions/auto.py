@@ -152,7 +152,8 @@ def observed_round(session: TokenSession, estimates: AutoEstimates, protocol: st
     cloud_s, n = c.cloud_compute_s - cloud0, len(session.generated) - n0
     if tree is not None:
         estimates.observe_tree(tree, n, d.compute_s - draft0, cloud_s, up, down, wall, link, now,
-                               caught_up=behind if behind > 1 else 0, sent=c.drafted - drafted0)
+                               caught_up=behind if behind > 1 else 0, sent=c.drafted - drafted0,
+                               accepted=c.accepted - accepted0)
     elif protocol in ("sd", "ksqs"):
         estimates.observe_sd(c.drafted - drafted0, c.accepted - accepted0, d.compute_s - draft0, cloud_s, up, down,
                              wall, link, now, caught_up=behind if behind > 1 else 0, protocol=protocol)
