@@ -160,7 +160,8 @@ class Acceptance:
 
     def inform(self, accepted: float, examined: float) -> None:
         """Drafts of the request's prompt examined: they move the request's acceptance. A chain round of this
-        protocol (`observe`) moves the prompts' as well; llm's tokens read and a chain-shaped tree's rounds only this."""
+        protocol (`observe`) moves the prompts' as well; llm's tokens read and a chain-shaped tree's rounds only
+        this."""
         self.request_accepted += accepted
         self.request_examined += examined
 
