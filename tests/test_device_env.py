@@ -80,6 +80,42 @@ def test_a_second_install_of_the_same_build_does_nothing(device_python):
     assert not again.changed and not again.sent_files and again.device["build"] == json.loads(stamp)["build"]
 
 
+def test_wheel_builds_of_one_checkout_take_turns(tmp_path, monkeypatch):
+    """Two builds of one checkout at once (two flashes, two test workers) staged their files in the same build/ and
+    removed each other's: they take turns; a checkout whose build/ cannot be written is named."""
+    import threading
+    import time
+
+    from export.deploy import software
+    from export.deploy.flash import FlashError
+
+    spans = []
+
+    def pip_wheel(cmd, what, timeout=600):  # as long as a build, and leaves its wheel where -w says
+        start = time.monotonic()
+        time.sleep(0.3)
+        (Path(cmd[cmd.index("-w") + 1]) / "hatspec-0.1.0-py3-none-any.whl").write_bytes(b"")
+        spans.append((start, time.monotonic()))
+        return ""
+
+    monkeypatch.setattr(software, "_call", pip_wheel)
+    source = tmp_path / "checkout"
+    source.mkdir()
+    outs = [tmp_path / f"out{i}" for i in range(2)]
+    builds = [threading.Thread(target=software.build_wheel, args=(source, out)) for out in outs]
+    for out, build in zip(outs, builds):
+        out.mkdir()
+        build.start()
+    for build in builds:
+        build.join()
+    (_, first_end), (second_start, _) = sorted(spans)
+    assert len(spans) == 2 and first_end <= second_start, spans
+    assert all((out / "hatspec-0.1.0-py3-none-any.whl").is_file() for out in outs)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FlashError, match="needs to write"):
+        software.build_wheel(tmp_path / "file", tmp_path)  # its build/ cannot be made
+
+
 def test_the_device_wheels_follow_the_device_pythons_markers(tmp_path):
     """Without an interpreter of the device's version here, hatspec's own requirements are evaluated for the device:
     Python 3.8 gets tomli, typing_extensions and a tokenizers with 3.8 wheels; 3.11 none of them."""

@@ -15,6 +15,7 @@ the extra); an install whose build and extra the device already has does nothing
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import re
@@ -24,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from export.deploy.flash import FlashError, Target, _call, run_playbook, send_files
 from hat_split.models.registry import cache_dir
@@ -115,13 +117,34 @@ def checkout_root() -> Path:
 
 
 def build_wheel(source: Path, out: Path) -> Path:
-    """A wheel of the checkout at `source` (no dependencies, the build tools installed here)."""
-    _call([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-           "--disable-pip-version-check", "-w", str(out), str(source)], "building hatspec's wheel", timeout=600)
+    """A wheel of the checkout at `source` (no dependencies, the build tools installed here). Builds of one checkout
+    take turns (`_checkout_lock`): the build tools stage the packages in the checkout's build/, and two builds at once
+    (two flashes from one checkout, two test workers) removed each other's staged files."""
+    with _checkout_lock(source):
+        _call([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+               "--disable-pip-version-check", "-w", str(out), str(source)], "building hatspec's wheel", timeout=600)
     wheels = sorted(out.glob("hatspec-*.whl"))
     if len(wheels) != 1:
         raise FlashError(f"building hatspec's wheel left {len(wheels)} wheels in {out}")
     return wheels[0]
+
+
+@contextmanager
+def _checkout_lock(source: Path) -> Iterator[None]:
+    """The checkout's build/ to this process alone for the block (an exclusive lock on a file in it; another
+    process, or another thread here, waits)."""
+    build = source / "build"
+    try:
+        build.mkdir(exist_ok=True)
+        lock = open(build / ".wheel-lock", "a", encoding="utf-8")
+    except OSError as exc:
+        raise FlashError(f"building hatspec's wheel needs to write {build}: {exc}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def build_id(wheel: Path) -> str:
