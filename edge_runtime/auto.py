@@ -150,8 +150,8 @@ class Acceptance:
         self.request_accepted = self.request_examined = 0
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A round's drafts: the positions examined are the accepted ones and the first rejected, if any."""
-        examined = accepted + (accepted < drafted)
+        """A round's drafts (`examined_of`)."""
+        examined = examined_of(drafted, accepted)
         self.rounds += 1
         keep = min(ALPHA_POPULATION, 1.0 - 1.0 / self.rounds)
         self.accepted = ema(self.accepted, float(accepted), keep)
@@ -164,6 +164,11 @@ class Acceptance:
         this."""
         self.request_accepted += accepted
         self.request_examined += examined
+
+
+def examined_of(drafted: int, accepted: int) -> int:
+    """A chain's draft positions examined in a round: the accepted ones and the first rejected, if any."""
+    return accepted + (accepted < drafted)
 
 
 def posterior(prior: float, accepted: float, examined: float) -> float:
@@ -442,7 +447,7 @@ class AutoEstimates:
         if accepted is not None and not 0 <= accepted <= nodes:
             raise ValueError(f"a round of {nodes} nodes accepts 0..{nodes} of them, got {accepted}")
         if accepted is not None and shape[2] == 1:
-            self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, accepted + (accepted < nodes))
+            self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
         key = (shape, self.kind)
         self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
         self.tree_tokens[key] = ema(self.tree_tokens.get(key), float(tokens), ALPHA_POPULATION)
