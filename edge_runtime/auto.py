@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hat_split.math.chunking import DelayModel, ema, piecewise
+from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, phase_wait,
                                      predict, predict_tree)
 from hat_split.math.sampling import SamplingParams
@@ -210,6 +210,8 @@ class AutoEstimates:
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
+    speed: SpeedDrift = field(default_factory=SpeedDrift)  # the cloud's speed drifting against the curve: every
+    # step observed moves every point (`_cloud`), so a protocol not run is priced at the speed the others see
     catch_up: DelayModel = field(default_factory=DelayModel)  # the draft model's seconds for one forward reading n
     # committed tokens without drafting (sd's first round after llm, a read while waiting), by n: a forward of 60
     # tokens costs a few forwards of one, so a rate per token measured on small reads would overprice a large one
@@ -335,6 +337,7 @@ class AutoEstimates:
             self.reported_wait_s = 0.5 * step * (1.0 - self.reported_duty)
         if self.cloud_busy is not None and busy != self.cloud_busy:
             self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
+            self.speed = SpeedDrift()  # ... and the next step measures its speed afresh
             self.step_var = None
         self.cloud_busy = busy
         return True
@@ -564,13 +567,27 @@ class AutoEstimates:
         self.measured[protocol] = self.measured.get(protocol, 0) + 1
 
     def _cloud(self, positions: int, seconds: float, now: float) -> None:
-        """A step of `positions` took `seconds`: its bucket's moving average, started afresh when its last
+        """A step of `positions` took `seconds`: first the cloud's speed against the curve (`SpeedDrift`: every point,
+        the report's and the device's own, moves by a share of the step's ratio to the curve, so a drift one
+        protocol's rounds see prices the others too), then its bucket's moving average, started afresh when its last
         observation is older than STALE_S (a single probe after a loaded stretch must not be averaged with it)."""
+        curve = self.curve(now)
+        if curve is not None:
+            self._rescale(self.speed.move(curve.step_s(positions), seconds, now))
         b = _bucket(positions)
         if now - self.observed_at.get(b, now) > STALE_S:
             self.observed.forget(positions)
         self.observed.observe(positions, seconds)
         self.observed_at[b] = now
+
+    def _rescale(self, factor: float) -> None:
+        """The cloud steps `factor` times as long as its curve said: every point of it, the device's own and the
+        report's. (The report's wait for a busy cloud's step in progress is left as reported: what a busy round's
+        overhead holds is kept net of it, and the next report states it again.)"""
+        if factor == 1.0:
+            return
+        self.observed.scale(factor)
+        self.reported = tuple((x, y * factor) for x, y in self.reported)
 
     def _overhead(self, protocol: str, residual_s: float, ahead_s: float) -> None:
         """A round's wall time beyond its parts; ahead_s: its time from the last reply's leaving to its request's

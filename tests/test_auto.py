@@ -329,6 +329,58 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     assert est.take_report(P.CloudCost([[1.0, 0.05]])) and est.overhead("llm") == pytest.approx(idle_overhead)
 
 
+def test_a_drift_seen_at_one_size_prices_every_size():
+    """The cloud's speed drifts (its host's load): llm's chunks slowing 1.5x after a pause move the price of a verify
+    step, which no round measured since, by as much (SpeedDrift: every point moves by (observed / predicted)^w, w =
+    1 − exp(−Δt / τ)), so the protocol that stopped running is not left at its old pace. Right after another step the
+    move is a small share (the steps' noise). Kept per size alone (τ huge: no move), the chunks slowed 2x hand the
+    request to sd, which is no faster on the slowed cloud."""
+    from edge_runtime.auto import SWITCH_GAIN
+    from hat_split.math.chunking import DRIFT_TAU_S, SpeedDrift
+
+    def run(speed: SpeedDrift):
+        est = _estimates(0.4, 0.03, step_1=0.1, step_9=0.3)
+        est.reported = ((1.0, 0.1), (9.0, 0.3))  # the cloud's report at the opening: the same curve
+        est.observed_at = {0: 0.0, 3: 0.0}
+        est.speed = speed
+        c = _controller(est)
+        before = c.predictions(Link(0.01), now=1.0)
+        assert before["llm"].tokens_per_s > SWITCH_GAIN * before["sd"].tokens_per_s  # llm clearly ahead
+        est.observe_llm(8, 8 * 0.2, 90, 130, 1.7, Link(0.01), now=60.0)  # after a pause: 0.2 s a step
+        return est, c
+
+    est, c = run(SpeedDrift(at=0.0))
+    w = 1.0 - math.exp(-60.0 / DRIFT_TAU_S)
+    assert est.curve(now=60.0).step_s(9) == pytest.approx(0.3 * 2.0 ** w)  # the verify, by the same ratio
+    assert est.curve(now=60.0).step_s(1) == pytest.approx(0.2)  # llm's own (stale: restarted from the chunk)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    assert c.decide(Link(0.01), now=60.0).protocol == "llm"
+    est.observe_llm(8, 8 * 0.4, 90, 130, 3.3, Link(0.01), now=61.0)  # a second on: a small share of its 2x
+    assert est.curve(now=61.0).step_s(9) == pytest.approx(0.3 * 2.0 ** w * 2.0 ** (1.0 - math.exp(-0.1)))
+    est, c = run(SpeedDrift(tau_s=1e12, at=0.0))  # per size alone
+    assert est.curve(now=60.0).step_s(9) == pytest.approx(0.3)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    assert c.decide(Link(0.01), now=60.0).protocol == "sd"
+
+
+def test_the_speed_drift_is_weighed_by_time_and_bounded():
+    """Hand-computed: the first step moves the curve all the way, the next by the share 1 − exp(−Δt / τ), a step
+    that says nothing (zero, NaN, infinite) not at all, a stall at most DRIFT_BOUND; τ must be positive."""
+    from hat_split.math.chunking import DRIFT_BOUND, SpeedDrift
+
+    s = SpeedDrift(tau_s=10.0)
+    assert s.move(0.1, 0.2, now=5.0) == pytest.approx(2.0)
+    assert s.move(0.1, 0.2, now=15.0) == pytest.approx(2.0 ** (1.0 - math.exp(-1.0)))
+    assert s.move(0.1, 0.05, now=15.0) == 1.0  # at the same instant: no time, no move
+    for bad in (0.0, float("nan"), float("inf"), -1.0):
+        assert s.move(0.1, bad, now=30.0) == 1.0 and s.move(bad, 0.1, now=30.0) == 1.0
+    assert s.move(0.1, 100.0, now=1e6) == pytest.approx(DRIFT_BOUND)
+    assert s.move(0.1, 1e-9, now=2e6) == pytest.approx(1.0 / DRIFT_BOUND)
+    assert s.move(0.1, 0.2, now=0.0) == 1.0  # a clock that went back: no time
+    with pytest.raises(ValueError, match="tau_s"):
+        SpeedDrift(tau_s=0.0)
+
+
 def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     """No round of its own measured under the load yet: the cloud's report (8 other positions in its steps, work
     waiting) alone moves the choice from llm to sd: an llm round's 8 steps each carry the others, a verify once. (A

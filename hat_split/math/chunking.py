@@ -13,6 +13,9 @@
   which replies' arrival times are known well enough to measure the next upload.
 - `RoundTripFilter`: the link's round trip as the least of its recent samples (a windowed minimum), so that it follows
   a link that changes under an open connection.
+- `SpeedDrift`: how much slower or faster than its curve the cloud steps now (its speed drifts with what else its host
+  runs): each observed step moves every point of the curve by a share of its ratio to the curve's prediction, the
+  share growing with the time since the last, so a drift seen at one size prices every size.
 - `parallel_steps`: eq. 6, λ = ⌊(μ_i A / β_up + g(μ) + μ_i A / β_down) / γ⌋ (plus the propagation round trip).
 """
 from __future__ import annotations
@@ -153,6 +156,45 @@ class DelayModel:
 
     def g_mu(self) -> float:
         return self.g(self.mu) if self.known and self.mu is not None else 0.0
+
+    def scale(self, factor: float) -> None:
+        """Every bucket's seconds times `factor` (the cloud's speed moved: `SpeedDrift`)."""
+        self.buckets = {b: (x, y * factor) for b, (x, y) in self.buckets.items()}
+
+
+DRIFT_TAU_S = 10.0  # s: the time over which the cloud's speed is taken to move (here it drifted by up to 1.75x
+# within tens of seconds: docs/AUTO.md "One speed over the curve")
+DRIFT_BOUND = 4.0  # one step moves the curve by at most this factor either way (a stalled step is not a speed)
+
+
+@dataclass
+class SpeedDrift:
+    """The cloud's speed against the curve that prices its steps. Its host's load drifts (here the same step took
+    1.75x as long minutes apart), and the drift slows every size of step alike, where a curve kept per size bucket
+    follows it only at the sizes being run: a protocol not run keeps the pace it last read. So each observed step —
+    `seconds` where the curve predicted `predicted` — moves the whole curve by the factor (seconds / predicted)^w,
+    w = 1 − exp(−Δt / τ) and Δt the time since the last observation: a step right after another moves it little (the
+    steps' own noise, averaged over many), the first after a pause moves it all the way (nothing recent speaks
+    against it). The ratio is bounded to 1/DRIFT_BOUND .. DRIFT_BOUND. `move` returns the factor; the caller
+    multiplies its points (and keeps each size's own moving average on top, which learns the curve's shape)."""
+
+    tau_s: float = DRIFT_TAU_S
+    at: Optional[float] = None  # the time of the last observation (None: none yet, the next moves all the way)
+
+    def __post_init__(self) -> None:
+        if not self.tau_s > 0:
+            raise ValueError(f"tau_s must be > 0, got {self.tau_s}")
+
+    def move(self, predicted: float, seconds: float, now: float) -> float:
+        """The factor by which every point of the curve moves for a step of `seconds` predicted at `predicted`
+        observed at `now` (1 for a step that says nothing: non-positive or not finite)."""
+        if not (predicted > 0 and seconds > 0 and math.isfinite(predicted) and math.isfinite(seconds)
+                and math.isfinite(now)):
+            return 1.0
+        w = 1.0 if self.at is None else 1.0 - math.exp(-max(0.0, now - self.at) / self.tau_s)
+        self.at = now if self.at is None else max(self.at, now)
+        ratio = min(DRIFT_BOUND, max(1.0 / DRIFT_BOUND, seconds / predicted))
+        return ratio ** w
 
 
 MAX_CHUNKS = 128  # chunk counts tried in the compute-bound case
