@@ -11,10 +11,12 @@ What it measures (`AutoEstimates`, one per runtime, kept from request to request
     time less its draft, cloud and link parts and the wait the model prices);
   * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
     sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
-    (SessionOpened's CloudCost) where the device has no point of its own; while the cloud reports other sessions'
-    work waiting, every step of this device is priced with the others' μ positions in it (x own positions cost
-    g(x + μ): continuous batching), plus the wait for the step in progress — in phase with steps that run back to
-    back, blurred by how much its own verify steps wander about the curve (`step_jitter`: costmodel.phase_wait);
+    (SessionOpened's CloudCost) where the device has no point of its own, every point moved by each step observed as
+    the cloud's speed drifts (hat_split.math.chunking.SpeedDrift: one protocol's rounds price the others at the speed
+    they see); while the cloud reports other sessions' work waiting, every step of this device is priced with the
+    others' μ positions in it (x own positions cost g(x + μ): continuous batching), plus the wait for the step in
+    progress — in phase with steps that run back to back, blurred by how much its own verify steps wander about the
+    curve (`step_jitter`: costmodel.phase_wait);
   * the bytes of its rounds (request without drafts, reply; per draft row per drafting protocol and kind of
     sampling: a greedy row is one-hot, a sampled one the whole vocabulary, a ksqs row a lattice code);
   * the link's round trip (the client's probe) and the uplink rate the cloud measured on a request large enough.
