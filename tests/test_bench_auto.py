@@ -69,6 +69,26 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     assert at_alpha(rows[2]["predicted"]["sd_by_alpha"], 0.725) == pytest.approx(17.25)
 
 
+def test_the_models_error_at_the_same_request_takes_only_requests_of_one_protocol():
+    """auto's prediction at its request's end for the protocol it ran throughout, against that request's own pace:
+    llm 9 against 10 (10 %), sd's trees 20 against 16 (25 %) and 15 against 16; a request that switched, or kept no
+    pace, is left out."""
+    from profiles.bench.bench_auto import same_request_errors
+
+    def auto(ran, steady, **predicted):
+        return {"protocol": "auto", "steady_tokens_per_s": steady, "predicted": predicted,
+                "auto": [{"protocol": p, "tokens": 8} for p in ran]}
+
+    rows = [auto(["llm", "llm"], 10.0, llm=9.0, sd=30.0), auto(["sd"], 16.0, sd=20.0, llm=1.0),
+            auto(["sd", "sd"], 16.0, sd=15.0), auto(["sd", "llm"], 10.0, sd=1.0, llm=1.0),
+            auto(["llm"], 0.0, llm=5.0), {"protocol": "llm", "steady_tokens_per_s": 10.0}]
+    errors = same_request_errors(rows)
+    assert errors["llm"] == {"n": 1, "median_abs_error": pytest.approx(0.1), "max_abs_error": pytest.approx(0.1)}
+    assert errors["sd"]["n"] == 2 and errors["sd"]["max_abs_error"] == pytest.approx(0.25)
+    assert errors["sd"]["median_abs_error"] == pytest.approx((0.25 + 1 / 16) / 2)
+    assert same_request_errors([]) == {}
+
+
 def test_ratios_are_paired_request_by_request_and_chain_rows_are_named_by_their_draft_length():
     def row(protocol, rep, rate, phase="lte"):
         return {"phase": phase, "rep": rep, "protocol": protocol, "tokens": 32 if rate else 0,

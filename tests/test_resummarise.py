@@ -47,7 +47,7 @@ def test_an_engines_report_is_summarised_again_and_other_files_are_refused(tmp_p
     new = resummarise(report)
     assert new["bench"] == "engines" and new["summary"]["goals"] == report["summary"]["goals"]
     assert new["summary"]["alone_ci"]["draft"]["llamacpp"]["method"] == "t"
-    with pytest.raises(ValueError, match="hat-bench hat or engines"):
+    with pytest.raises(ValueError, match="hat-bench hat, engines or auto"):
         kind({"summary": {}})
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report))
@@ -66,3 +66,22 @@ def test_a_report_with_nan_is_rewritten_as_strict_json_and_says_how_many(tmp_pat
     assert back["strict_json"]["non_finite_written_as_null"] == 2 and back["strict_json"]["provenance"]["git_commit"]
     assert main(["resummarise", "--strict-only", str(path)]) == 0  # again: nothing to count, the record stays
     assert strict_json.loads(path.read_text())["strict_json"]["non_finite_written_as_null"] == 2
+
+
+def test_an_auto_report_is_summarised_again_with_the_models_error_at_the_same_request(tmp_path):
+    """A `hat-bench auto` report's rows summarised again: the phases and protocols as the run had them, and the model's
+    error at the same request (auto's llm-only request: predicted 9 against its own 10 tok/s) beside the old figures."""
+    from profiles.bench.bench_auto import Phase, summarise
+
+    def row(protocol, steady, ran=(), predicted=None):
+        return {"rep": 0, "phase": "lte", "protocol": protocol, "tokens": 32, "total_s": 32 / steady, "ttft_s": 0.3,
+                "steady_tokens_per_s": steady, "cloud_s_per_token": 0.02, "up_bytes_per_token": 10.0, "degraded": 0,
+                "auto": [{"protocol": p, "tokens": 16} for p in ran], **({"predicted": predicted} if predicted else {})}
+
+    rows = [row("llm", 11.0), row("sd", 8.0), row("auto", 10.0, ("llm", "llm"), {"llm": 9.0, "sd": 7.0})]
+    phases = [Phase("lte", "lte")]
+    report = {"phases": [p.__dict__ for p in phases], "rows": rows, "summary": summarise(rows, phases, ["llm", "sd"])}
+    new = resummarise(report)
+    assert new["bench"] == "auto" and list(new["summary"]["lte"]["protocols"]) == ["llm", "sd", "auto"]
+    assert new["summary"]["lte"]["model_error_same_request"] == {
+        "llm": {"n": 1, "median_abs_error": pytest.approx(0.1), "max_abs_error": pytest.approx(0.1)}}

@@ -401,7 +401,7 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
     """Per phase and protocol: totals and medians over repetitions (n beside them); auto against the best fixed exact
     protocol; the cost model's error per phase for sd, ksqs and llm (its prediction after that phase's auto request
     against the fixed protocol's measured tokens/s after the first reply in the same repetition, each at the fixed
-    protocol's knob)."""
+    protocol's knob), and at the same request (`same_request_errors`)."""
     out: Dict[str, dict] = {}
     for phase in [p.name for p in phases] + ["overall"]:
         sel = [r for r in rows if phase == "overall" or r["phase"] == phase]
@@ -438,8 +438,27 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
             if own:
                 errors[name]["median_abs_error_own_alpha"] = statistics.median(own)
         entry["model_error"] = errors
+        entry["model_error_same_request"] = same_request_errors(sel)
         out[phase] = entry
     return out
+
+
+def same_request_errors(rows: List[dict]) -> Dict[str, dict]:
+    """The cost model at the moment it priced, per protocol: auto's prediction at its request's end for the protocol
+    it ran throughout (llm, or sd's chains and trees) against that request's own pace after the first reply. The
+    fixed row of the same repetition (`model_error`) runs minutes apart, and a machine whose speed drifts moves
+    between the two; this does not. Requests that ran more than one protocol, or kept no pace, are left out."""
+    errors: Dict[str, List[float]] = {}
+    for a in rows:
+        if a["protocol"] != "auto" or not a.get("auto") or not a["steady_tokens_per_s"] > 0:
+            continue
+        ran = {seg["protocol"] for seg in a["auto"]}
+        predicted = a.get("predicted", {}).get(next(iter(ran))) if len(ran) == 1 else None
+        if predicted:
+            errors.setdefault(next(iter(ran)), []).append(
+                abs(predicted - a["steady_tokens_per_s"]) / a["steady_tokens_per_s"])
+    return {name: {"n": len(v), "median_abs_error": statistics.median(v), "max_abs_error": max(v)}
+            for name, v in sorted(errors.items())}
 
 
 def paired(rows: List[dict], a: str, b: str) -> List[float]:
@@ -463,4 +482,8 @@ def print_summary(report: dict) -> None:
                                                           "request's own α)" if "median_abs_error_own_alpha" in v
                                                           else "") + f" (n={v['n']})"
             for k, v in e["model_error"].items()) if e["model_error"] else ""
+        same = e.get("model_error_same_request") or {}
+        err += ("; at the same request " + ", ".join(
+            f"{k} {100 * v['median_abs_error']:.0f} % (at most {100 * v['max_abs_error']:.0f} %, n={v['n']})"
+            for k, v in same.items())) if same else ""
         print(f"{phase:>16}: tok/s {cells}{ratio}{err}")

@@ -3,9 +3,10 @@ current code's summariser and interval rule (profiles.bench.stats), without reru
 
 A report whose intervals rest on fewer than 8 values was written with a percentile bootstrap, which over 2 or 3 values
 is the min and the max. This reads the records the report kept (`hat-bench hat`: every request of every row;
-`hat-bench engines`: every sample alone and every prompt of every hybrid run), summarises them again with the bench's
-own `summarise` (and Table 4 for hat), and writes the result into the same file under KEY (default "resummarised"),
-beside the original summary, with the provenance of the recomputation and the rule. Nothing else in the file changes,
+`hat-bench engines`: every sample alone and every prompt of every hybrid run; `hat-bench auto`: every request of every
+phase), summarises them again with the bench's own `summarise` (and Table 4 for hat), and writes the result into the
+same file under KEY (default "resummarised"), beside the original summary, with the provenance of the recomputation and
+the rule. Nothing else in the file changes,
 except that the file is written as strict JSON: a non-finite number (a report written before hat_split.files.
 strict_json wrote `NaN`) becomes null, and how many did is recorded under "strict_json" with the rewrite's provenance.
 `--strict-only` does only that, for a report of any bench.
@@ -19,7 +20,7 @@ from typing import Callable, Dict
 
 from hat_split.files.atomic import write_json
 from hat_split.files.provenance import provenance
-from profiles.bench import bench_engines, bench_hat
+from profiles.bench import bench_auto, bench_engines, bench_hat
 from profiles.bench.stats import MIN_BOOTSTRAP_N
 
 RULE = (f"profiles.bench.stats.mean_ci: a percentile bootstrap (10000 resamples, seed 0) from n = {MIN_BOOTSTRAP_N} "
@@ -33,6 +34,12 @@ def _hat(report: dict) -> dict:
     return {"tables": tables, "table4": table4}
 
 
+def _auto(report: dict) -> dict:
+    protocols = list(dict.fromkeys(r["protocol"] for r in report["rows"]))  # the first repetition runs them in order
+    phases = [bench_auto.Phase(**p) for p in report["phases"]]
+    return {"summary": bench_auto.summarise(report["rows"], phases, protocols)}
+
+
 def _engines(report: dict) -> dict:
     return {"summary": bench_engines.summarise(report["alone"], report["hybrid"], report["max_new_tokens"])}
 
@@ -43,10 +50,12 @@ def kind(report: dict) -> str:
         return "hat"
     if {"alone", "hybrid", "summary"} <= set(report):
         return "engines"
-    raise ValueError("not a report whose records this can summarise again (hat-bench hat or engines)")
+    if {"phases", "rows", "summary"} <= set(report):
+        return "auto"
+    raise ValueError("not a report whose records this can summarise again (hat-bench hat, engines or auto)")
 
 
-SUMMARISERS: Dict[str, Callable[[dict], dict]] = {"hat": _hat, "engines": _engines}
+SUMMARISERS: Dict[str, Callable[[dict], dict]] = {"hat": _hat, "engines": _engines, "auto": _auto}
 
 
 def resummarise(report: dict) -> dict:
