@@ -6,10 +6,9 @@ is the min and the max. This reads the records the report kept (`hat-bench hat`:
 `hat-bench engines`: every sample alone and every prompt of every hybrid run; `hat-bench auto`: every request of every
 phase), summarises them again with the bench's own `summarise` (and Table 4 for hat), and writes the result into the
 same file under KEY (default "resummarised"), beside the original summary, with the provenance of the recomputation and
-the rule. Nothing else in the file changes,
-except that the file is written as strict JSON: a non-finite number (a report written before hat_split.files.
-strict_json wrote `NaN`) becomes null, and how many did is recorded under "strict_json" with the rewrite's provenance.
-`--strict-only` does only that, for a report of any bench.
+the rule. Nothing else in the file changes, except that the file is written as strict JSON: a non-finite number (a
+report written before hat_split.files.strict_json wrote `NaN`) becomes null, and how many did is recorded under
+"strict_json" with the rewrite's provenance. `--strict-only` does only that, for a report of any bench.
 """
 from __future__ import annotations
 
@@ -77,8 +76,8 @@ def non_finite(obj) -> int:
 
 def add_parser(sub) -> None:
     s = sub.add_parser("resummarise", help="recompute stored reports' summaries from their records with the current "
-                                           "interval rule; written into each file under --key")
-    s.add_argument("files", nargs="+", help="reports of hat-bench hat or engines (JSON)")
+                                           "code's summariser and interval rule; written into each file under --key")
+    s.add_argument("files", nargs="+", help="reports of hat-bench hat, engines or auto (JSON)")
     s.add_argument("--key", default="resummarised", help="where in each file the recomputed summary goes")
     s.add_argument("--strict-only", action="store_true",
                    help="only rewrite each report as strict JSON (any bench's: NaN becomes null, counted)")
