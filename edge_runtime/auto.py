@@ -426,8 +426,7 @@ class AutoEstimates:
         step of drafted + 1 positions, the reply's bytes, `protocol`'s overhead (a tree's: `_tree_key`); returns its
         uplink bytes per draft."""
         if cloud_s > 0:
-            self._step_spread(drafted + 1, cloud_s, now)
-            self._cloud(drafted + 1, cloud_s, now)
+            self._cloud(drafted + 1, cloud_s, now, verify=True)
         self.down_round = ema(self.down_round, float(down_bytes))
         link_s = link.transfer_s(up_bytes, down_bytes)
         self._overhead(protocol, wall_s - draft_s - cloud_s - link_s, draft_s + link_s)
@@ -551,12 +550,10 @@ class AutoEstimates:
         if tokens > 0 and seconds > 0:
             self.local_step_s = ema(None if self._restarts("local_step_s") else self.local_step_s, seconds / tokens)
 
-    def _step_spread(self, positions: int, seconds: float, now: float) -> None:
-        """A verify step of `positions` took `seconds` while the cloud was busy: its deviation from the curve, relative,
-        squared, into `step_var` (one step a round: llm's rounds of several steps average theirs away)."""
-        curve = self.curve(now)
-        expected = curve.step_s(positions) if curve is not None and self.cloud_busy else 0.0
-        if expected > 0:
+    def _step_spread(self, seconds: float, expected: float) -> None:
+        """A verify step took `seconds` where the curve said `expected`: while the cloud is busy, its deviation,
+        relative, squared, into `step_var` (one step a round: llm's rounds of several steps average theirs away)."""
+        if expected > 0 and self.cloud_busy:
             self.step_var = ema(self.step_var, ((seconds - expected) / expected) ** 2, STEP_VAR_KEEP)
 
     @property
@@ -568,14 +565,18 @@ class AutoEstimates:
     def _ran(self, protocol: str) -> None:
         self.measured[protocol] = self.measured.get(protocol, 0) + 1
 
-    def _cloud(self, positions: int, seconds: float, now: float) -> None:
-        """A step of `positions` took `seconds`: first the cloud's speed against the curve (`SpeedDrift`: every point,
-        the report's and the device's own, moves by a share of the step's ratio to the curve, so a drift one
-        protocol's rounds see prices the others too), then its bucket's moving average, started afresh when its last
-        observation is older than STALE_S (a single probe after a loaded stretch must not be averaged with it)."""
+    def _cloud(self, positions: int, seconds: float, now: float, verify: bool = False) -> None:
+        """A step of `positions` took `seconds`: a verify step's spread about the curve (`_step_spread`), the cloud's
+        speed against the curve (`SpeedDrift`: every point, the report's and the device's own, moves by a share of the
+        step's ratio to the curve, so a drift one protocol's rounds see prices the others too), then its bucket's
+        moving average, started afresh when its last observation is older than STALE_S (a single probe after a
+        loaded stretch must not be averaged with it)."""
         curve = self.curve(now)
         if curve is not None:
-            self._rescale(self.speed.move(curve.step_s(positions), seconds, now))
+            expected = curve.step_s(positions)
+            if verify:
+                self._step_spread(seconds, expected)
+            self._rescale(self.speed.move(expected, seconds, now))
         b = _bucket(positions)
         if now - self.observed_at.get(b, now) > STALE_S:
             self.observed.forget(positions)

@@ -453,10 +453,12 @@ def same_request_errors(rows: List[dict]) -> Dict[str, dict]:
         if a["protocol"] != "auto" or not a.get("auto") or not a["steady_tokens_per_s"] > 0:
             continue
         ran = {seg["protocol"] for seg in a["auto"]}
-        predicted = a.get("predicted", {}).get(next(iter(ran))) if len(ran) == 1 else None
+        if len(ran) != 1:
+            continue
+        name = ran.pop()
+        predicted = a.get("predicted", {}).get(name)
         if predicted:
-            errors.setdefault(next(iter(ran)), []).append(
-                abs(predicted - a["steady_tokens_per_s"]) / a["steady_tokens_per_s"])
+            errors.setdefault(name, []).append(abs(predicted - a["steady_tokens_per_s"]) / a["steady_tokens_per_s"])
     return {name: {"n": len(v), "median_abs_error": statistics.median(v), "max_abs_error": max(v)}
             for name, v in sorted(errors.items())}
 
