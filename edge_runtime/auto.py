@@ -569,17 +569,23 @@ class AutoEstimates:
         """A step of `positions` took `seconds`: a verify step's spread about the curve (`_step_spread`), the cloud's
         speed against the curve (`SpeedDrift`: every point, the report's and the device's own, moves by a share of the
         step's ratio to the curve, so a drift one protocol's rounds see prices the others too), then its bucket's
-        moving average, started afresh when its last observation is older than STALE_S (a single probe after a
-        loaded stretch must not be averaged with it)."""
+        moving average. A bucket whose last observation is older than STALE_S is not averaged with (a single probe
+        after a loaded stretch must not be): it restarts from the curve's price at its size — the fresh points' and
+        the report's, just moved by the speed — and the step is averaged into that, so one slow step moves its own
+        size as it would any other (it once replaced the point: one slow llm chunk a few seconds after a verify
+        priced llm by that chunk alone); with no curve, from the step alone."""
         curve = self.curve(now)
+        expected = None
         if curve is not None:
             expected = curve.step_s(positions)
             if verify:
                 self._step_spread(seconds, expected)
-            self._rescale(self.speed.move(expected, seconds, now))
+            factor = self.speed.move(expected, seconds, now)
+            self._rescale(factor)
+            expected *= factor
         b = _bucket(positions)
         if now - self.observed_at.get(b, now) > STALE_S:
-            self.observed.forget(positions)
+            self.observed.restart(positions, expected)
         self.observed.observe(positions, seconds)
         self.observed_at[b] = now
 

@@ -307,6 +307,7 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     queue changed state (busy <-> idle); a round whose draft first caught up on tokens it had not seen (sd after llm)
     does not count as draft steps, its catch-up is measured instead."""
     from edge_runtime.auto import STALE_S
+    from hat_split.math.chunking import ALPHA, DRIFT_BOUND, DRIFT_TAU_S
 
     est = _estimates(0.2, 0.05, step_1=0.2, step_9=0.24)
     est.observed_at = {0: 0.0, 3: 0.0}
@@ -316,8 +317,13 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     before = est.draft_step_s
     est.observe_sd(4, 1, 2.0, 0.2, 300, 100, 2.5, Link(), now=STALE_S + 2, caught_up=40)
     assert est.draft_step_s == before and est.catch_up_cost(40) == pytest.approx(2.0 - 4 * before)
+    stale = est.observed.g(1)  # the loaded stretch's point (moved by the speed since, like every point)
+    price = est.curve(now=STALE_S + 3).step_s(1)  # the curve's at one position without it: the report's, moved
+    assert price < 0.5 * stale
     est.observe_llm(8, 8 * 0.04, 90, 130, 0.4, Link(), now=STALE_S + 3)  # the probe after a loaded stretch: its
-    assert est.curve(now=STALE_S + 3).step_s(1) == pytest.approx(0.04)  # point replaces the stale one, not averaged
+    moved = price * max(1 / DRIFT_BOUND, 0.04 / price) ** (1.0 - math.exp(-1.0 / DRIFT_TAU_S))  # point restarts
+    assert est.curve(now=STALE_S + 3).step_s(1) == pytest.approx(ALPHA * moved + (1 - ALPHA) * 0.04)  # from the
+    # curve's price (moved by the speed, bounded), the probe averaged in: not from the stale point
     busy = P.CloudCost([[1.0, 0.05], [9.0, 0.06]], batch_tokens=8.0, queued=3)
     assert est.take_report(P.CloudCost([[1.0, 0.05], [9.0, 0.06]])) and est.observed.points()  # idle, as before
     assert est.take_report(busy) and not est.observed.points()  # loaded now: its report prices until measured
@@ -330,13 +336,13 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
 
 
 def test_a_drift_seen_at_one_size_prices_every_size():
-    """The cloud's speed drifts (its host's load): llm's chunks slowing 1.5x after a pause move the price of a verify
+    """The cloud's speed drifts (its host's load): llm's chunks slowing 2x after a pause move the price of a verify
     step, which no round measured since, by as much (SpeedDrift: every point moves by (observed / predicted)^w, w =
     1 − exp(−Δt / τ)), so the protocol that stopped running is not left at its old pace. Right after another step the
-    move is a small share (the steps' noise). Kept per size alone (τ huge: no move), the chunks slowed 2x hand the
-    request to sd, which is no faster on the slowed cloud."""
+    move is a small share (the steps' noise). Kept per size alone (τ huge: no move), the verify keeps its old
+    price while llm's rises."""
     from edge_runtime.auto import SWITCH_GAIN
-    from hat_split.math.chunking import DRIFT_TAU_S, SpeedDrift
+    from hat_split.math.chunking import ALPHA, DRIFT_TAU_S, SpeedDrift
 
     def run(speed: SpeedDrift):
         est = _estimates(0.4, 0.03, step_1=0.1, step_9=0.3)
@@ -352,15 +358,40 @@ def test_a_drift_seen_at_one_size_prices_every_size():
     est, c = run(SpeedDrift(at=0.0))
     w = 1.0 - math.exp(-60.0 / DRIFT_TAU_S)
     assert est.curve(now=60.0).step_s(9) == pytest.approx(0.3 * 2.0 ** w)  # the verify, by the same ratio
-    assert est.curve(now=60.0).step_s(1) == pytest.approx(0.2)  # llm's own (stale: restarted from the chunk)
+    moved = 0.1 * 2.0 ** w  # llm's own point, stale: restarted from the curve's price, moved, the chunk averaged in
+    assert est.curve(now=60.0).step_s(1) == pytest.approx(ALPHA * moved + (1 - ALPHA) * 0.2)
     c.record(Choice("llm", 8, "predicted", {}), 8)
     assert c.decide(Link(0.01), now=60.0).protocol == "llm"
+    price = est.curve(now=61.0).step_s(1)
     est.observe_llm(8, 8 * 0.4, 90, 130, 3.3, Link(0.01), now=61.0)  # a second on: a small share of its 2x
-    assert est.curve(now=61.0).step_s(9) == pytest.approx(0.3 * 2.0 ** w * 2.0 ** (1.0 - math.exp(-0.1)))
-    est, c = run(SpeedDrift(tau_s=1e12, at=0.0))  # per size alone
+    assert est.curve(now=61.0).step_s(9) == pytest.approx(0.3 * 2.0 ** w * (0.4 / price) ** (1.0 - math.exp(-0.1)))
+    est, c = run(SpeedDrift(tau_s=1e12, at=0.0))  # per size alone: the verify keeps its old price
     assert est.curve(now=60.0).step_s(9) == pytest.approx(0.3)
+    assert est.curve(now=60.0).step_s(1) == pytest.approx(ALPHA * 0.1 + (1 - ALPHA) * 0.2)
+
+
+def test_one_slow_step_at_a_stale_size_moves_it_as_any_other():
+    """A verify at the curve's pace, then three seconds on one llm chunk at twice its price, llm's point stale (not
+    run for minutes): the point restarts from the curve's price at one position, moved by the chunk's small share of
+    the speed, and the chunk is averaged in (20 %), so llm is kept. Taken alone — the point replaced by the chunk, as
+    it once was — the same chunk priced llm twice as slow and handed the request to sd."""
+    from hat_split.math.chunking import ALPHA, DRIFT_TAU_S, SpeedDrift
+
+    est = _estimates(0.6, 0.03, step_1=0.1, step_9=0.3)
+    est.reported = ((1.0, 0.1), (9.0, 0.3))
+    est.observed_at = {0: 0.0, 3: 0.0}
+    est.speed = SpeedDrift(at=0.0)
+    c = _controller(est)
+    est.observe_sd(8, 2, 8 * 0.03, 0.3, 300, 100, 0.6, Link(0.01), now=60.0)  # the verify: the curve's pace
+    assert est.curve(now=60.0).step_s(9) == pytest.approx(0.3)
+    est.observe_llm(8, 8 * 0.2, 90, 130, 1.7, Link(0.01), now=63.0)
+    w = 1.0 - math.exp(-3.0 / DRIFT_TAU_S)
+    assert est.curve(now=63.0).step_s(9) == pytest.approx(0.3 * 2.0 ** w)
+    assert est.curve(now=63.0).step_s(1) == pytest.approx(ALPHA * 0.1 * 2.0 ** w + (1 - ALPHA) * 0.2)
     c.record(Choice("llm", 8, "predicted", {}), 8)
-    assert c.decide(Link(0.01), now=60.0).protocol == "sd"
+    assert c.decide(Link(0.01), now=63.0).protocol == "llm"
+    est.observed.restart(1, 0.2)  # the chunk alone
+    assert c.decide(Link(0.01), now=63.0).protocol == "sd"
 
 
 def test_the_speed_drift_is_weighed_by_time_and_bounded():

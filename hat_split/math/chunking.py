@@ -135,9 +135,16 @@ class DelayModel:
         self.buckets[b] = (float(tokens), float(seconds)) if old is None else (
             ema(old[0], float(tokens), self.alpha), ema(old[1], float(seconds), self.alpha))
 
-    def forget(self, tokens: int) -> None:
-        """Drop the bucket of steps of `tokens` tokens (its next observation starts it afresh)."""
-        self.buckets.pop(max(0, int(tokens).bit_length() - 1), None)
+    def restart(self, tokens: int, seconds: Optional[float]) -> None:
+        """The bucket of steps of `tokens` tokens starts again at `seconds` (its next observation averaged in); None:
+        dropped, its next observation starts it. μ is not moved (nothing was observed)."""
+        b = max(0, int(tokens).bit_length() - 1)
+        if seconds is None:
+            self.buckets.pop(b, None)
+        elif not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"a bucket restarts at finite seconds >= 0, got {seconds}")
+        else:
+            self.buckets[b] = (float(tokens), float(seconds))
 
     @property
     def known(self) -> bool:
