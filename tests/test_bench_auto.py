@@ -104,6 +104,33 @@ def test_ratios_are_paired_request_by_request_and_chain_rows_are_named_by_their_
             chain_rows(bad)
 
 
+def test_the_best_fixed_protocol_is_also_picked_on_the_other_repetitions():
+    """Hand-computed: llm runs 4, 4, 10 tok/s in three repetitions, sd 6, 5, 3, auto 5 each. Picked on the same
+    requests, llm (5.0 over the phase) is best and auto 1.00x it; picked on the other repetitions, llm for the first
+    two (5.71 over the others against sd's 3.75 and 4.00) and sd for the third (llm 4.00, sd 5.45): auto 5/4, 5/4,
+    5/3 per request, 96 tokens in 19.2 s against 96 in 26.67 s overall (1.39x). One repetition alone: no pick."""
+    from profiles.bench.bench_auto import held_out_best
+
+    def row(protocol, rep, rate):
+        return {"phase": "lte", "rep": rep, "protocol": protocol, "tokens": 32, "total_s": 32 / rate,
+                "ttft_s": 0.3, "steady_tokens_per_s": rate, "cloud_s_per_token": 0.02, "up_bytes_per_token": 10.0,
+                "degraded": 0}
+
+    rates = {"llm": (4.0, 4.0, 10.0), "sd": (6.0, 5.0, 3.0), "auto": (5.0, 5.0, 5.0)}
+    rows = [row(p, rep, r) for p, each in rates.items() for rep, r in enumerate(each)]
+    held = held_out_best(rows, ["llm", "sd"])
+    assert held["picks"] == [["lte", 0, "llm"], ["lte", 1, "llm"], ["lte", 2, "sd"]]
+    assert held["per_request"] == [pytest.approx(1.25), pytest.approx(1.25), pytest.approx(5 / 3)]
+    assert held["ratio"] == pytest.approx(5.0 / (96 / (8 + 8 + 32 / 3)))
+    assert held["interval"]["n"] == 3 and held["interval"]["mean"] == pytest.approx((2.5 + 5 / 3) / 3)
+    assert held["interval"]["lo"] < held["interval"]["mean"] < held["interval"]["hi"]
+    s = summarise(rows, [Phase("lte", "lte")], ["llm", "sd", "auto"])
+    assert s["lte"]["best_fixed"] == "llm" and s["lte"]["auto_over_best_fixed"] == pytest.approx(1.0)
+    assert s["lte"]["auto_over_held_out_best"]["ratio"] == pytest.approx(held["ratio"])
+    assert s["lte"]["auto_over_best_fixed_interval"]["n"] == 3
+    assert held_out_best([r for r in rows if r["rep"] == 0], ["llm", "sd"]) == {}
+
+
 @pytest.mark.real_models
 def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
     from profiles.bench.bench import main
