@@ -111,6 +111,14 @@ PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
 
+def population_ema(old: Optional[float], new: float, rounds: int) -> float:
+    """The prompts' moving average (ALPHA_POPULATION) with its `rounds`-th round `new`: a plain mean over the first
+    1 / (1 − ALPHA_POPULATION) rounds, so that the first round is not most of the estimate for twenty rounds (a
+    tree's first round committing all 9 of its tokens held its tokens a round at 8–9 for requests whose rounds
+    committed 2–5: docs/AUTO.md "A tree's first round is not most of its average")."""
+    return ema(old, new, min(ALPHA_POPULATION, 1.0 - 1.0 / max(1, rounds)))
+
+
 @dataclass
 class Acceptance:
     """A drafting protocol's acceptance: accepted and examined draft positions per round as moving averages
@@ -155,9 +163,8 @@ class Acceptance:
         """A round's drafts (`examined_of`)."""
         examined = examined_of(drafted, accepted)
         self.rounds += 1
-        keep = min(ALPHA_POPULATION, 1.0 - 1.0 / self.rounds)
-        self.accepted = ema(self.accepted, float(accepted), keep)
-        self.examined = ema(self.examined, float(examined), keep)
+        self.accepted = population_ema(self.accepted, float(accepted), self.rounds)
+        self.examined = population_ema(self.examined, float(examined), self.rounds)
         self.inform(accepted, examined)
 
     def inform(self, accepted: float, examined: float) -> None:
@@ -453,11 +460,11 @@ class AutoEstimates:
         if accepted is not None and shape[2] == 1:
             self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
         key = (shape, self.kind)
-        self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
-        self.tree_tokens[key] = ema(self.tree_tokens.get(key), float(tokens), ALPHA_POPULATION)
+        n = self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
+        self.tree_tokens[key] = population_ema(self.tree_tokens.get(key), float(tokens), n)
         mine, rounds = self.tree_request.get(key, (0.0, 0))
         self.tree_request[key] = (mine + tokens, rounds + 1)
-        self.tree_sent[key] = ema(self.tree_sent.get(key), float(nodes), ALPHA_POPULATION)
+        self.tree_sent[key] = population_ema(self.tree_sent.get(key), float(nodes), n)
         if not caught_up:
             steps = None
             if shape[2] == 1:  # a chain (η may end it early): a forward a draft sent, each one of sd's draft steps

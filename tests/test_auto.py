@@ -1116,6 +1116,31 @@ def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
     assert est.tree_tokens_per_round(shape) > 5.5  # the next prompt: the prompts' again
 
 
+def test_a_trees_first_round_is_not_most_of_its_average():
+    """The prompts' tokens a round of a tree are a plain mean over its first rounds, as a chain's acceptance is: a
+    first round that committed all 9 tokens, then rounds of 3, read 4.2 after five rounds, where a moving average
+    started at the first round (weight 0.98 on the history) read 8.6 — under load auto opened requests on the tree
+    at 8–9 tokens a round where they then committed 2–5. The nodes a round sends likewise."""
+    from edge_runtime.auto import ALPHA_POPULATION, population_ema
+
+    shape = (8, 8, 1)
+    est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
+    est.observe_tree(shape, 9, 0.04, 0.06, 200, 100, 0.2, Link(0.05), now=0.0, sent=8)
+    for _ in range(4):
+        est.observe_tree(shape, 3, 0.04, 0.06, 200, 100, 0.2, Link(0.05), now=0.0, sent=4)
+    est.begin_request()
+    assert est.tree_tokens[(shape, GREEDY)] == pytest.approx((9 + 4 * 3) / 5)
+    assert est.tree_tokens_per_round(shape) == pytest.approx(4.2)
+    assert est.tree_sent[(shape, GREEDY)] == pytest.approx((8 + 4 * 4) / 5)
+    started_at_the_first = 9.0
+    for _ in range(4):
+        started_at_the_first = ALPHA_POPULATION * started_at_the_first + (1 - ALPHA_POPULATION) * 3
+    assert started_at_the_first > 8.5
+    rounds = round(1 / (1 - ALPHA_POPULATION))  # past the plain mean's rounds, the moving average's weight
+    assert population_ema(5.0, 3.0, rounds + 10) == pytest.approx(ALPHA_POPULATION * 5 + (1 - ALPHA_POPULATION) * 3)
+    assert population_ema(None, 3.0, 1) == 3.0 and population_ema(5.0, 3.0, 2) == pytest.approx(4.0)
+
+
 def test_the_eta_chain_is_measured_in_place_of_sds_best_and_then_priced_beside_it():
     """auto's η-chain (EdgeConfig.auto_eta): not run while llm is the best; where sd runs anyway it takes sd's place
     for MEASURE_ROUNDS rounds (`measuring sd's η-chain ...`), then is priced by its own rounds — the nodes η let
