@@ -32,7 +32,7 @@ from edge_runtime.auto import AUTO_MAX_DRAFT
 from edge_runtime.config import EdgeConfig
 from profiles.bench.board import Board, SlowedLM
 from profiles.bench.provenance import write_report
-from profiles.bench.stats import ci_text, interval
+from profiles.bench.stats import MIN_BOOTSTRAP_N, ci_text, interval
 
 DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near,load+power:wifi-near"
 DEFAULT_AUTO_ETA = EdgeConfig.__dataclass_fields__["auto_eta"].default
@@ -493,7 +493,7 @@ def held_out_best(rows: List[dict], fixed: List[str]) -> dict:
             if not b:
                 continue
             picks.append([phase, rep, pick])
-            ratios.append((a[0]["tokens"] / a[0]["total_s"]) / (b[0]["tokens"] / b[0]["total_s"]))
+            ratios.append(_rate(a[0]) / _rate(b[0]))
             compared["auto"].append(a[0])
             compared["pick"].append(b[0])
     if not ratios:
@@ -506,10 +506,21 @@ def held_out_best(rows: List[dict], fixed: List[str]) -> dict:
 def paired(rows: List[dict], a: str, b: str) -> List[float]:
     """Protocol a's tokens/s over b's, request by request (the same phase, repetition and prompt), in row order:
     the spread of the phase's ratio."""
-    rate = lambda r: r["tokens"] / r["total_s"] if r["total_s"] > 0 else 0.0  # noqa: E731
-    of = {(r["phase"], r["rep"]): rate(r) for r in rows if r["protocol"] == b}
-    return [rate(r) / of[(r["phase"], r["rep"])] for r in rows
+    of = {(r["phase"], r["rep"]): _rate(r) for r in rows if r["protocol"] == b}
+    return [_rate(r) / of[(r["phase"], r["rep"])] for r in rows
             if r["protocol"] == a and of.get((r["phase"], r["rep"]), 0) > 0]
+
+
+def _rate(row: dict) -> float:
+    """A request's tokens/s over its whole time (0 for one that took none)."""
+    return row["tokens"] / row["total_s"] if row["total_s"] > 0 else 0.0
+
+
+def _spread(values: List[float], ci: dict) -> str:
+    """Per-request ratios as text: min–max and n below MIN_BOOTSTRAP_N values, the mean's interval from there."""
+    if len(values) < MIN_BOOTSTRAP_N:
+        return f"{min(values):.2f}–{max(values):.2f}, n={len(values)}"
+    return ci_text(ci, form="interval")
 
 
 def print_summary(report: dict) -> None:
@@ -521,7 +532,7 @@ def print_summary(report: dict) -> None:
                  else "")
         held = e.get("auto_over_held_out_best") or {}
         ratio += (f"; {held['ratio']:.2f}x the best fixed picked on the other repetitions (per request "
-                  f"{ci_text(held['interval'], form='interval')})" if held else "")
+                  f"{_spread(held['per_request'], held['interval'])})" if held else "")
         err = "; model error " + ", ".join(
             f"{k} {100 * v['median_abs_error']:.0f} %" + (f" ({100 * v['median_abs_error_own_alpha']:.0f} % at the "
                                                           "request's own α)" if "median_abs_error_own_alpha" in v
