@@ -43,6 +43,11 @@ its cost curve and its queue with every session opening, the device's own points
 the report. Every switch is logged with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into
 the request's result.
 
+A request with an SLA (`sla_tps`: GenerationRequest.sla_tokens_per_s) is chosen for the cloud instead: of every
+protocol, knob and draft tree predicted at SLA_MARGIN times its pace or more, the one whose token adds the least cloud
+compute (costmodel.marginal_cloud_s: its steps less the others' work they carry, from the cloud's report; `_keeping`),
+kept unless another saves SWITCH_GAIN; the fastest when none keeps the pace.
+
 Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
 candidates are the chains of γ and that tree (nodes N, depth D, width W), priced by `predict_tree` with the tokens
 per round its own rounds committed (a moving average; a tree's acceptance has no closed form here) — before any,
@@ -60,20 +65,24 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
-from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, phase_wait,
-                                     predict, predict_tree)
+from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes,
+                                     marginal_cloud_s, phase_wait, predict, predict_tree)
 from hat_split.math.sampling import SamplingParams
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
 
 Shape = Tuple[int, int, int]  # a draft tree's nodes, depth, width
+Candidates = Dict[str, List[Tuple[Optional[Shape], Prediction]]]  # per protocol: (tree shape or None, prediction)
 AUTO_TOKEN = ("sd", "ksqs", "llm")  # the token protocols auto runs in one session (the exact ones the cost model
 # prices; ksqs only when the request samples: at temperature 0 sd's rows are one-hot and as small)
 DRAFTING = ("sd", "ksqs")  # those whose rounds the draft model drafts (the same model, the same catch-up)
 GREEDY = "greedy"  # the kind of sampling of a temperature-0 request (`sampling_kind`)
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
-SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now
+SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now (under a request's
+# SLA: 10 % less cloud compute a token)
+SLA_MARGIN = 1.15  # a protocol keeps a request's pace (sla_tokens_per_s) when predicted at this many times it: the
+# model's error against what ran is within 15-20 % per phase here (docs/AUTO.md)
 LLM_EXPLORE_TOKENS = 1  # what llm's measuring and probing rounds decode: its round overhead and a step are all the
 # model reads of llm, which one token measures as well as a chunk (a chunk under load costs seconds)
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
@@ -752,6 +761,8 @@ class AutoController:
     shares_host: bool = False
     trees: Sequence[Shape] = ()  # the draft trees sd may run (nodes, depth, width; within the cloud's limits)
     eta: float = 0.0  # > 0: the η-chain is a candidate (`eta_chain`)
+    sla_tps: float = 0.0  # > 0: the request's pace (GenerationRequest.sla_tokens_per_s), kept at the least marginal
+    # cloud compute a token (`_keeping`); 0: the fastest
     segments: List[Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -763,6 +774,8 @@ class AutoController:
             raise ValueError(f"max_draft and chunk must be >= 1, got {self.max_draft}, {self.chunk}")
         if not 0.0 <= self.eta < 1.0:
             raise ValueError(f"η must be in [0, 1), got {self.eta}")
+        if not (math.isfinite(self.sla_tps) and self.sla_tps >= 0):
+            raise ValueError(f"the SLA's pace must be a finite number of tokens/s >= 0, got {self.sla_tps}")
 
     @property
     def eta_chain(self) -> Optional[Shape]:
@@ -813,11 +826,21 @@ class AutoController:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""
         return self._priced(link, now)[0]
 
-    def _priced(self, link: Link, now: Optional[float]) -> Tuple[Dict[str, Prediction], Optional[Shape]]:
-        """`predictions`, and the tree shape of sd's when a draft tree is its best."""
-        curve = self.estimates.curve(now)
+    def _priced(self, link: Link, now: Optional[float]) -> Tuple[Dict[str, Prediction], Optional[Shape], Candidates]:
+        """`predictions`, the tree shape of sd's when a draft tree is its best, and every knob's and shape's
+        prediction (`_candidates`)."""
+        cands = self._candidates(link, self.estimates.curve(now))
         out: Dict[str, Prediction] = {}
         tree = None
+        for name, preds in cands.items():
+            shape, out[name] = max(preds, key=lambda sp: (sp[1].tokens_per_s, -sp[1].knob))
+            tree = shape if name == "sd" else tree
+        return out, tree, cands
+
+    def _candidates(self, link: Link, curve: Optional[CostCurve]) -> Candidates:
+        """Per eligible protocol the estimates can price: (tree shape or None, prediction) at every knob (sd: its
+        chains of γ and its draft trees)."""
+        out: Candidates = {}
         for name in self.eligible:
             knobs = range(1, self.max_draft + 1) if name in DRAFTING else (self.chunk,)
             preds = [(None, p) for p in (self._at(name, k, link, curve) for k in knobs) if p is not None]
@@ -825,9 +848,21 @@ class AutoController:
                 preds += [(s, p) for s, p in ((s, self._at_tree(s, link, curve)) for s in self._shapes())
                           if p is not None]
             if preds:
-                shape, out[name] = max(preds, key=lambda sp: (sp[1].tokens_per_s, -sp[1].knob))
-                tree = shape if name == "sd" else tree
-        return out, tree
+                out[name] = preds
+        return out
+
+    def cloud_cost(self, pred: Prediction) -> float:
+        """The cloud seconds a token of `pred` adds, the others' work in the same steps aside
+        (costmodel.marginal_cloud_s; the cloud's last report states the others' step)."""
+        return marginal_cloud_s(pred, self.estimates.reported_step_s)
+
+    def _keeping(self, cands: Candidates, name: Optional[str] = None) -> Optional[Tuple[Optional[Shape], Prediction]]:
+        """Under the request's SLA: of the candidates (of protocol `name` only, when given) predicted to keep its
+        pace (SLA_MARGIN over it), the one that adds the least cloud compute a token (ties: the faster); None when none
+        is predicted to keep it."""
+        floor = SLA_MARGIN * self.sla_tps
+        keep = [sp for n, preds in cands.items() if name in (None, n) for sp in preds if sp[1].tokens_per_s >= floor]
+        return min(keep, key=lambda sp: (self.cloud_cost(sp[1]), -sp[1].tokens_per_s)) if keep else None
 
     def _shapes(self) -> List[Shape]:
         """The draft trees sd's best is chosen among: the configured ones, and the η-chain once measured."""
@@ -854,7 +889,7 @@ class AutoController:
         committed tokens the draft model would read before sd's first draft; remaining: the tokens the request has
         left (0: unknown, no switch is priced)."""
         current = self.segments[-1] if self.segments else None
-        preds, best_tree = self._priced(link, now)
+        preds, best_tree, cands = self._priced(link, now)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
         est = self.estimates
         ran = {name: est.rounds_of(name) if name in DRAFTING else est.measured.get(name, 0) for name in self.eligible}
@@ -877,20 +912,34 @@ class AutoController:
                             f"{MEASURE_ROUNDS} rounds" if measuring else
                             f"probing sd's tree {_tree_text(shape)}: not run for {PROBE_EVERY} rounds")
                     return Choice("sd", shape[0], what, rates, shape)
-        best = max(preds.values(), key=lambda p: p.tokens_per_s)
-        held = preds.get(current.protocol) if current is not None else None
-        why = ""
-        if held is not None and best.protocol != held.protocol and best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
-            why = f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth a switch
-            best = held
+        text = _shape_text(best_tree, self._eta_of(best_tree)) if best_tree else ""  # sd's fastest tree, named
+        kept = self._keeping(cands) if self.sla_tps > 0 else None
+        if kept is not None:
+            best_tree, best, why = self._within_sla(kept, cands, current)
+        else:
+            best = max(preds.values(), key=lambda p: p.tokens_per_s)
+            held = preds.get(current.protocol) if current is not None else None
+            why = f"; none predicted to keep {self.sla_tps:g} tok/s: the fastest" if self.sla_tps > 0 else ""
+            if held is not None and best.protocol != held.protocol and \
+                    best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
+                why += f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth it
+                best = held
         # one token behind is no catch-up: the last draft of a round wholly accepted, which the next round's first
         # draft step feeds with its own token (observe_sd does not count it either); priced as one (a 64-token
         # forward, when the catch-up model was flat below its smallest size) it drove auto off sd after its best rounds
         if best.protocol in DRAFTING and behind > 1 and "llm" in preds:
-            cost, saved = est.catch_up_cost(behind), _saved_s(remaining, preds["llm"], best)
-            if saved < cost:
-                why += f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
-                best = preds["llm"]
+            cost = est.catch_up_cost(behind)
+            if kept is not None:  # under the SLA the catch-up must not break the pace
+                pace = remaining / (remaining / best.tokens_per_s + cost) if remaining > 0 else math.inf
+                if pace < SLA_MARGIN * self.sla_tps:
+                    why += (f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s), keeping "
+                            f"{pace:.2f} tok/s")
+                    best = preds["llm"]
+            else:
+                saved = _saved_s(remaining, preds["llm"], best)
+                if saved < cost:
+                    why += f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s) to save {saved:.2f} s"
+                    best = preds["llm"]
         turn = self._eta_turn(best, current, behind)
         if turn:
             return Choice("sd", self.max_draft, turn, rates, self.eta_chain, self.eta)
@@ -904,9 +953,30 @@ class AutoController:
                               rates)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
-        text = _shape_text(best_tree, self._eta_of(best_tree)) if best_tree else ""
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, text) + why,
                       rates, tree, self._eta_of(tree))
+
+    def _within_sla(self, kept: Tuple[Optional[Shape], Prediction], cands: Candidates,
+                    current: Optional[Segment]) -> Tuple[Optional[Shape], Prediction, str]:
+        """Under the request's SLA: `kept` (`_keeping`: its tree shape or None, its prediction), unless the protocol
+        running now keeps the pace too at no more than SWITCH_GAIN times kept's cloud compute a token (no flapping);
+        and the reason's tail: each protocol's least cloud compute a token at the pace, or that it misses it."""
+        shape, best = kept
+        note = ""
+        held = self._keeping(cands, current.protocol) if current is not None else None
+        if held is not None and _eligible_name(held[1]) != _eligible_name(best) and \
+                self.cloud_cost(held[1]) <= SWITCH_GAIN * self.cloud_cost(best):
+            note = (f"; {current.protocol} kept: {_eligible_name(best)} saves less than {SWITCH_GAIN:.2f}× its cloud "
+                    "compute")
+            shape, best = held
+        others = []
+        for name in sorted(set(cands) - {_eligible_name(best)}):
+            mine = self._keeping(cands, name)
+            others.append(f"{name} {1e3 * self.cloud_cost(mine[1]):.0f} ms" if mine else f"{name} misses it")
+        label = _label(best, _shape_text(shape, self._eta_of(shape)) if shape else "")
+        return shape, best, (f"; {label} keeps {self.sla_tps:g} tok/s ({best.tokens_per_s:.2f}) at the least cloud "
+                             f"compute a token: {1e3 * self.cloud_cost(best):.0f} ms"
+                             + (f" ({', '.join(others)})" if others else "") + note)
 
     def _eta_of(self, shape: Optional[Shape]) -> float:
         """η of sd's draft tree `shape`: auto's when it is the η-chain, else 0 (a configured tree's is the device's
@@ -915,23 +985,29 @@ class AutoController:
 
     def sd_within_reach(self, preds: Dict[str, Prediction]) -> bool:
         """Whether a drafting protocol (sd, ksqs) may run soon, by `predictions`: one not priced yet, or predicted at
-        READ_AHEAD_REACH of the best protocol or more (what decides whether the draft model reads the tokens it
-        lacks while the device waits)."""
+        READ_AHEAD_REACH of the best protocol or more — under the request's SLA, of its pace (SLA_MARGIN over it)
+        when the best keeps it — (what decides whether the draft model reads the tokens it lacks while the device
+        waits)."""
         drafting = [name for name in DRAFTING if name in self.eligible]
         if not drafting:
             return False
         if any(name not in preds for name in drafting):
             return True
         best = max(p.tokens_per_s for p in preds.values())
+        if self.sla_tps > 0 and best >= SLA_MARGIN * self.sla_tps:  # under an SLA: whether it keeps the pace
+            best = SLA_MARGIN * self.sla_tps
         return any(preds[name].tokens_per_s >= READ_AHEAD_REACH * best for name in drafting)
 
     def local_wins(self, rtt_s: float) -> str:
-        """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN, or "" when it
-        is not, or not measured yet (allow_lossy requests)."""
+        """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN — under the
+        request's SLA, predicted to keep its pace (no cloud compute at all) — or "" when it is not, or not measured
+        yet (allow_lossy requests)."""
         est, preds = self.estimates, self.predictions(Link(rtt_s))
         if est.local_step_s is None or not preds:
             return ""
         local = 1.0 / est.local_step_s
+        if self.sla_tps > 0 and local >= SLA_MARGIN * self.sla_tps:
+            return f"lossy allowed: slm predicted {local:.2f} tok/s keeps {self.sla_tps:g} tok/s with no cloud compute"
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
         if local < SWITCH_GAIN * best.tokens_per_s:
             return ""
@@ -955,6 +1031,11 @@ class AutoController:
             self.segments.append(seg)
         seg.tokens += tokens
         seg.rounds += 1
+
+
+def _eligible_name(pred: Prediction) -> str:
+    """The eligible protocol a prediction is of (sd's draft trees are sd's)."""
+    return "sd" if pred.protocol == "sd_tree" else pred.protocol
 
 
 def _tree_key(shape: Shape) -> str:
@@ -984,11 +1065,18 @@ def _saved_s(tokens: int, slow: Prediction, fast: Prediction) -> float:
     return max(0.0, tokens / slow.tokens_per_s - tokens / fast.tokens_per_s)
 
 
+def _label(pred: Prediction, tree: str = "") -> str:
+    """A prediction's protocol and knob in words (sd's draft tree by `tree`, `_shape_text`, when given)."""
+    if pred.protocol in DRAFTING:
+        return f"{pred.protocol} γ={pred.knob}"
+    if pred.protocol == "sd_tree":
+        return f"sd_tree {tree}" if tree else f"sd_tree ({pred.knob} nodes)"
+    return pred.protocol
+
+
 def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates, tree: str = "") -> str:
     """The predictions in words; sd's draft tree, when it is sd's best, named by `tree` (`_shape_text`)."""
-    knob = {"sd": lambda p: f" γ={p.knob}", "ksqs": lambda p: f" γ={p.knob}",
-            "sd_tree": lambda p: f" {tree}" if tree else f" ({p.knob} nodes)"}
-    parts = [f"{p.protocol}{knob[p.protocol](p) if p.protocol in knob else ''} {p.tokens_per_s:.2f} tok/s"
+    parts = [f"{_label(p, tree)} {p.tokens_per_s:.2f} tok/s"
              for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]
     alpha = f", α {est.alpha:.2f}" if est.alpha is not None else ""
     return f"predicted {', '.join(parts)}{alpha}"

@@ -195,6 +195,8 @@ def main(argv=None) -> int:
             if unknown or not protocols:
                 raise ValueError(f"unknown protocol(s) {unknown}; choose from {', '.join(NAMES)}")
             defaults = _request_defaults(args, protocols[0])
+            if (defaults.allow_lossy or defaults.sla_tokens_per_s) and "auto" not in protocols:
+                raise ValueError("--allow-lossy and --sla-tokens-per-s are protocol auto's: add auto to --protocol")
         configured = _configs(parser, args, argv)
         slowdown = (configured.edge if args.command == "serve" else configured).split.slowdown
         how = wait_passively(slowdown)  # before torch loads: a slowed board's sleeps leave the cores free

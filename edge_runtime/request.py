@@ -19,6 +19,7 @@ from hat_split.math.sampling import SamplingParams
 
 MAX_NEW_TOKENS_LIMIT = 8192  # a request asking for more is refused before anything runs
 SEED_LIMIT = 2**63  # seeds name streams in [0, 2**63)
+MAX_SLA_TOKENS_PER_S = 1e4  # a pace above this is a typo, not a service level
 
 OnText = Callable[[str], None]  # the text accepted so far, as it grows (UTF-8 sequences held back until complete)
 OnTokens = Callable[[List[int], Optional[Logprobs]], None]  # each commit's tokens, with their logprobs when asked
@@ -43,9 +44,14 @@ class RequestDefaults:
                             "slm run; a token protocol is refused")
     allow_lossy: bool = setting(False, "protocol auto may also choose slm (the device alone, not the target's "
                                 "distribution) when it is predicted faster")
+    sla_tokens_per_s: float = setting(0.0, "protocol auto: the pace (tokens/s after the first) the request must keep; "
+                                      "auto then runs, of the protocols predicted to keep it, the one that adds the "
+                                      "least cloud compute per token (the fleet's figure), the fastest when none does; "
+                                      "0 = as fast as it can", flag="--sla-tokens-per-s")
 
     def __post_init__(self) -> None:
         self.request("x")  # the same checks a request gets, with the field's name in each message
+        self.request("x", protocol=protocols.AUTO)  # ... and an auto request (its fields, `request`)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -54,15 +60,21 @@ class RequestDefaults:
     def request(self, prompt: Union[str, Sequence[int]], *, protocol: Optional[str] = None,
                 temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
                 max_new_tokens: Optional[int] = None, seed: Optional[int] = None, private: Optional[bool] = None,
-                allow_lossy: Optional[bool] = None, **rest) -> GenerationRequest:
+                allow_lossy: Optional[bool] = None, sla_tokens_per_s: Optional[float] = None,
+                **rest) -> GenerationRequest:
         """A request for `prompt`: what is given (not None) wins, the rest comes from these defaults. `rest`: the
-        request's other fields (chat, logprobs, the callbacks)."""
+        request's other fields (chat, logprobs, the callbacks). allow_lossy and sla_tokens_per_s are auto's: their
+        defaults go to auto's requests only (`hat-edge generate --protocol llm,sd,auto` with an SLA, an agent whose
+        default protocol is sd), named for another protocol they are refused."""
         pick = lambda given, default: default if given is None else given  # noqa: E731
         sampling = SamplingParams(pick(temperature, self.temperature), pick(top_k, self.top_k),
                                   pick(top_p, self.top_p))
-        return GenerationRequest(prompt, pick(protocol, self.protocol), sampling,
-                                 pick(max_new_tokens, self.max_new_tokens), pick(seed, self.seed),
-                                 private=pick(private, self.private), allow_lossy=pick(allow_lossy, self.allow_lossy),
+        name = pick(protocol, self.protocol)
+        auto = name == protocols.AUTO
+        return GenerationRequest(prompt, name, sampling, pick(max_new_tokens, self.max_new_tokens),
+                                 pick(seed, self.seed), private=pick(private, self.private),
+                                 allow_lossy=pick(allow_lossy, self.allow_lossy and auto),
+                                 sla_tokens_per_s=pick(sla_tokens_per_s, self.sla_tokens_per_s if auto else 0.0),
                                  **rest)
 
 
@@ -83,6 +95,7 @@ class GenerationRequest:
     logprobs: Optional[int] = None  # k: each token's log-probability and its k most likely alternatives
     private: bool = False  # only the split protocols and slm (token ids never leave the device)
     allow_lossy: bool = False  # auto may choose slm
+    sla_tokens_per_s: float = 0.0  # auto: the pace to keep at the least cloud compute per token (0: the fastest)
     on_text: Optional[OnText] = field(default=None, compare=False)
     on_tokens: Optional[OnTokens] = field(default=None, compare=False)  # called before on_text gets the text
     should_stop: Optional[ShouldStop] = field(default=None, compare=False)
@@ -102,6 +115,13 @@ class GenerationRequest:
         if self.allow_lossy and self.protocol != protocols.AUTO:
             raise ValueError(f"allow_lossy lets protocol auto choose a lossy protocol; this request names "
                              f"{self.protocol}")
+        sla = self.sla_tokens_per_s
+        if isinstance(sla, bool) or not isinstance(sla, (int, float)) or not 0 <= sla <= MAX_SLA_TOKENS_PER_S:
+            raise ValueError(f"sla_tokens_per_s must be a number of tokens/s in [0, {MAX_SLA_TOKENS_PER_S:g}] "
+                             f"(0: none), got {sla!r}")  # NaN and infinities too
+        if sla and self.protocol != protocols.AUTO:
+            raise ValueError(f"sla_tokens_per_s asks protocol auto to keep a pace at the least cloud compute; this "
+                             f"request names {self.protocol}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \

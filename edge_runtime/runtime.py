@@ -154,7 +154,7 @@ class EdgeRuntime:
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     auto_max_draft(welcome.max_draft_len), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),
-                                    eta=config.auto_eta)
+                                    eta=config.auto_eta, sla_tps=float(request.sla_tokens_per_s))
         if request.allow_lossy:
             why = controller.local_wins(self.client.base_rtt_s)
             if why:
@@ -162,7 +162,8 @@ class EdgeRuntime:
         if config.link.link_policy == "wait":  # auto: the device alone while the cloud is unreachable
             config = replace(config, link=replace(config.link, link_policy="degrade"))
         drafter = Drafter(self.engine.token_lm(config), request.sampling, config.dist_dtype)
-        session = AutoSession(config, replace(request, protocol="sd", private=False, allow_lossy=False), drafter,
+        request = replace(request, protocol="sd", private=False, allow_lossy=False, sla_tokens_per_s=0.0)
+        session = AutoSession(config, request, drafter,
                               self.client, eos_ids=self.engine.eos_ids, session_id=next(self._session_ids),
                               monitor=self.monitor, controller=controller)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
@@ -201,7 +202,7 @@ class EdgeRuntime:
 
     def _auto_fixed(self, request: GenerationRequest, protocol: str, reason: str) -> GenerationResult:
         """An auto request run whole by one protocol, saying so and why."""
-        result = self.run(replace(request, protocol=protocol, allow_lossy=False))
+        result = self.run(replace(request, protocol=protocol, allow_lossy=False, sla_tokens_per_s=0.0))
         result.protocol = protocols.AUTO
         result.auto = [{"protocol": protocol, "knob": 0, "tokens": result.n, "rounds": result.rounds,
                         "reason": reason}]

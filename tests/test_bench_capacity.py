@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from profiles.bench.bench_capacity import between_tokens, capacity, parse_slas, run
+from profiles.bench.bench_capacity import between_tokens, capacity, parse_slas, run, step_seconds_of, with_sla
 
 
 def test_the_tokens_of_a_commit_share_its_gap():
@@ -36,10 +36,26 @@ def test_capacity_is_the_largest_fleet_within_the_sla():
             parse_slas(bad)
 
 
+def test_the_clouds_step_seconds_are_read_off_its_metrics_page():
+    page = ("# HELP hatspec_cloud_step_seconds compute time\n# TYPE hatspec_cloud_step_seconds histogram\n"
+            'hatspec_cloud_step_seconds_bucket{le="0.01"} 3.0\nhatspec_cloud_step_seconds_count 12.0\n'
+            "hatspec_cloud_step_seconds_sum 4.25\n")
+    assert step_seconds_of(page) == 4.25
+    with pytest.raises(ValueError, match="no hatspec_cloud_step_seconds_sum"):
+        step_seconds_of("hatspec_cloud_batch_tokens_sum 3.0\n")
+
+
+def test_an_auto_column_may_name_the_requests_sla():
+    assert with_sla("auto@4") == ("auto", 4.0) and with_sla("auto@2.5") == ("auto", 2.5)
+    assert with_sla("llm") == ("llm", 0.0)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("devices", "0,2", "positive sizes"), ("devices", "1,two", "comma-separated fleet sizes"),
     ("requests", 0, "--requests"), ("gamma", 2, "--gamma"),
-    ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla"), ("protocols", "llm,warp", "warp")])
+    ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla"), ("protocols", "llm,warp", "warp"),
+    ("protocols", "llm,sd@4", "an SLA pace goes with auto"), ("protocols", "auto@fast", "auto@P"),
+    ("protocols", "auto@0", "auto@P")])
 def test_bad_arguments_are_refused_before_anything_starts(field, value, message):
     args = argparse.Namespace(protocols="llm,sd,auto", devices="1,2", requests=1, gamma=8, draft_len=4,
                               cloud_cores=1, sla="4:250")

@@ -53,7 +53,7 @@ MAX_BODY_BYTES = 1 << 20
 SHED_RETRY_S = {"busy": 2, "memory_full": 2, "quota": 5}  # cloud refusals for load → 503, with Retry-After (s)
 SHED_CODES = tuple(SHED_RETRY_S)
 GENERATE_KEYS = frozenset({"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat",
-                           "private", "allow_lossy"})
+                           "private", "allow_lossy", "sla_tokens_per_s"})
 log = logging.getLogger("hatspec.agent")
 
 
@@ -240,8 +240,8 @@ class Agent:
 
     def generate(self, body: dict) -> dict:
         """`POST /hatspec/generate`: {"prompt", "protocol", "max_tokens", "temperature", "top_p", "top_k", "seed",
-        "chat", "private", "allow_lossy"}; what it leaves out comes from the agent's request defaults
-        (config.request)."""
+        "chat", "private", "allow_lossy", "sla_tokens_per_s"}; what it leaves out comes from the agent's request
+        defaults (config.request)."""
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
         unknown = sorted(set(body) - GENERATE_KEYS)
@@ -258,7 +258,7 @@ class Agent:
         sampling = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed")}
         request = self._request(prompt, body.get("protocol"), max_new_tokens=max_tokens, **sampling,
                                 chat=bool(body.get("chat")), private=body.get("private"),
-                                allow_lossy=body.get("allow_lossy"))
+                                allow_lossy=body.get("allow_lossy"), sla_tokens_per_s=body.get("sla_tokens_per_s"))
         result, queued = self._run(request)
         return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                 "protocol": result.protocol, "auto": result.auto, "queue_s": queued, **result.summary()}
@@ -325,7 +325,7 @@ class Agent:
         request = self._request(ids, req.protocol, temperature=req.temperature, top_p=req.top_p,
                                 max_new_tokens=req.max_tokens, seed=req.seed, logprobs=req.logprobs, on_text=on_text,
                                 on_tokens=on_tokens, should_stop=should_stop, private=req.private,
-                                allow_lossy=req.allow_lossy)
+                                allow_lossy=req.allow_lossy, sla_tokens_per_s=req.sla_tokens_per_s)
         result, queued = self._run(request)
         text, stopped = O.cut_at_stop(result.text, req.stop)
         reason = "stop" if stopped else result.finish_reason

@@ -71,9 +71,12 @@ def outcome(exc: BaseException, shed_codes: Sequence[str]) -> str:
 
 
 def _why(reason: str) -> str:
-    """A bounded label for protocol auto's reason: its first word (measuring, probing, predicted), `unreachable`,
-    `private`, `lossy`, or `other`."""
+    """A bounded label for protocol auto's reason: its first word (measuring, probing, predicted), `sla` (predicted,
+    chosen for the least cloud compute that keeps the request's pace), `unreachable`, `private`, `lossy`, or
+    `other`."""
     word = reason.split(":")[0].split()[0] if reason.strip() else ""
+    if word == "predicted" and "at the least cloud compute" in reason:
+        return "sla"
     if word in ("measuring", "probing", "predicted", "private", "lossy"):
         return word
     return "unreachable" if "unreachable" in reason else "other"

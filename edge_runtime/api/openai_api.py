@@ -4,9 +4,10 @@ Routes (edge_runtime.api.agent serves them): `GET /v1/models`, `POST /v1/complet
 streaming (`"stream": true`, server-sent events ending in `data: [DONE]`) or not. Supported: `max_tokens` (chat also
 `max_completion_tokens`), `temperature` (0..2), `top_p` (0..1], `stop` (a string or up to 4), `seed`, `n` = 1,
 `stream_options.include_usage`, a completion prompt as text or as an array of token ids, and the extension
-`hatspec` = {"protocol": "sd" | "hat" | ... | "auto", "tokens": bool, "private": bool, "allow_lossy": bool} choosing
-the device-cloud protocol per request (auto: the device chooses; private: token ids never leave the device;
-allow_lossy: auto may choose slm) and asking for the generated token ids (the openai client sends it with
+`hatspec` = {"protocol": "sd" | "hat" | ... | "auto", "tokens": bool, "private": bool, "allow_lossy": bool,
+"sla_tokens_per_s": number} choosing the device-cloud protocol per request (auto: the device chooses; private: token
+ids never leave the device; allow_lossy: auto may choose slm; sla_tokens_per_s: auto keeps that pace at the least
+cloud compute per token) and asking for the generated token ids (the openai client sends it with
 `extra_body`); the response's `hatspec` says what ran (`auto`: protocols, tokens, reasons). Fields that would change
 the output distribution and that hatspec does not implement (penalties, logit_bias, n > 1, tools, echo, ...) are refused
 with a 400 naming the field, rather than silently ignored.
@@ -29,6 +30,7 @@ from hat_split.math.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOPS = 4
 MAX_TOKENS_LIMIT = MAX_NEW_TOKENS_LIMIT
+HATSPEC_KEYS = frozenset({"protocol", "tokens", "private", "allow_lossy", "sla_tokens_per_s"})  # the extension's
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on the text
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
            "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "functions": None,
@@ -66,6 +68,8 @@ class CompletionRequest:
     logprobs: Optional[int] = None  # k: each token's log-probability and its k most probable alternatives; None: off
     private: Optional[bool] = None  # hatspec.private: token ids never leave the device (None: the agent's default)
     allow_lossy: Optional[bool] = None  # hatspec.allow_lossy: auto may choose slm (None: the agent's default)
+    sla_tokens_per_s: Optional[float] = None  # hatspec.sla_tokens_per_s: the pace auto keeps at the least cloud
+    # compute per token (None: the agent's default)
 
 
 @dataclass(frozen=True)
@@ -146,17 +150,20 @@ def parse_request(body: Any, chat: bool, protocols: Tuple[str, ...], defaults: R
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
     ext = body.get("hatspec") or {}
-    if not isinstance(ext, dict) or set(ext) - {"protocol", "tokens", "private", "allow_lossy"}:
-        raise ApiError("hatspec must be an object with at most protocol, tokens, private and allow_lossy", "hatspec")
+    if not isinstance(ext, dict) or set(ext) - HATSPEC_KEYS:
+        raise ApiError(f"hatspec must be an object with at most {', '.join(sorted(HATSPEC_KEYS))}", "hatspec")
     for key in ("tokens", "private", "allow_lossy"):
         if not isinstance(ext.get(key, False), bool):
             raise ApiError(f"hatspec.{key} must be true or false", "hatspec")
+    sla = ext.get("sla_tokens_per_s")
+    if sla is not None and (isinstance(sla, bool) or not isinstance(sla, (int, float)) or not sla >= 0):
+        raise ApiError("hatspec.sla_tokens_per_s must be a number of tokens/s >= 0", "hatspec")
     protocol = ext.get("protocol", defaults.protocol)
     if protocol not in protocols:
         raise ApiError(f"hatspec.protocol {protocol!r} is not one of {', '.join(protocols)}", "hatspec")
     return CompletionRequest(chat, prompt, messages, max_tokens, temperature, top_p, stop, seed, stream,
                              bool(options.get("include_usage")), protocol, ext.get("tokens", False),
-                             _logprobs(body, chat), ext.get("private"), ext.get("allow_lossy"))
+                             _logprobs(body, chat), ext.get("private"), ext.get("allow_lossy"), sla)
 
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:

@@ -9,7 +9,10 @@ Terms (the round is Leviathan et al. 2023's; QS-SD eq. 7-10 add the link; HAT eq
     bytes); with i.i.d. acceptance α it commits E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens (Leviathan eq. 1).
   * the link: a transfer of u bytes up and d down takes 8u / β_up + 8d / β_down + RTT.
   * tokens/s = E / round seconds; cloud seconds per token = g(positions of the round) / E: the step time an operator
-    pays for one token, at the load the curve was measured under.
+    pays for one token, at the load the curve was measured under. On a cloud whose steps already hold μ positions of
+    other devices' work (continuous batching), a round's k steps of x own positions each cost g(x + μ), of which
+    g(μ) the others' step would take anyway: what the round adds is k (g(x + μ) − g(μ)), the marginal cloud seconds
+    per token (`marginal_cloud_s`: the figure a fleet's capacity turns on; at μ = 0 all of g(x)).
 
 Protocols:
   * `sd` (γ): round = γ t_d + o + link(u₀ + γ u₁, d₀ + E d₁) + w + g(γ + 1); E(α, γ) tokens.
@@ -45,7 +48,7 @@ from hat_split.math.chunking import piecewise
 from hat_split.math.verify import expected_tokens
 
 __all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "predict_tree",
-           "predict_hat_tree", "best_knob",
+           "predict_hat_tree", "best_knob", "marginal_cloud_s",
            "KNOBBED", "PROMPT_ID_BYTES"]
 
 KNOBBED = ("sd", "ksqs", "hat")  # protocols whose knob is the draft length γ (llm's: its chunk, the device's)
@@ -201,6 +204,8 @@ class Prediction:
     cloud_s_per_token: float
     device_s_per_token: float
     joules_per_token: Optional[float]  # None where the device's watts are unknown
+    cloud_steps_per_token: float = 0.0  # cloud steps a token's round runs, per token (llm: 1; a verify: 1 / E; the
+    # split family: its middle layers' share of each)
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,7 +216,7 @@ class Prediction:
                 "ttft_s": self.ttft_s, "tokens_per_round": self.tokens_per_round, "round_s": self.round_s,
                 "up_bytes_per_token": self.up_bytes_per_token, "down_bytes_per_token": self.down_bytes_per_token,
                 "cloud_s_per_token": self.cloud_s_per_token, "device_s_per_token": self.device_s_per_token,
-                "joules_per_token": self.joules_per_token}
+                "joules_per_token": self.joules_per_token, "cloud_steps_per_token": self.cloud_steps_per_token}
 
 
 def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: DeviceCosts,
@@ -236,6 +241,7 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
     split = protocol in ("ushape", "hat")
     if split and not wire.hidden > 0:
         raise ValueError(f"{protocol}: the size of a hidden state on the wire is not known")
+    steps = 1.0  # cloud steps a round (llm's chunk: one a token)
     if protocol in ("sd", "ksqs"):  # the same round; ksqs's u₁ and α are its own (`wire`, `alpha`)
         n = expected_tokens(alpha, knob)
         device_s = knob * device.draft_step_s
@@ -248,19 +254,22 @@ def predict(protocol: str, knob: int, prompt_tokens: int, link: Link, device: De
         device_s = 0.0
         up, down = wire.up_round, wire.down_round + knob * wire.down_per_token
         cloud_s = knob * g(1)
+        steps = float(knob)
     elif protocol == "ushape":
         n, knob = 1.0, 0
         device_s = device.split_step_s
         up, down = wire.hidden + wire.up_round, wire.hidden + wire.down_round
         cloud_s = cloud.middle_share * g(1)
+        steps = cloud.middle_share  # a share of a step: the middle layers' (of the others' too)
     elif protocol == "hat":
         n = expected_tokens(alpha, knob)
         device_s = knob * device.hat_draft_s + device.hat_verify_s
         up, down = (knob + 1) * wire.hidden + wire.up_round, (knob + 1) * wire.hidden + wire.down_round
         cloud_s = cloud.middle_share * g(knob + 1)
+        steps = cloud.middle_share
     else:
         raise ValueError(f"no cost model for protocol {protocol!r}; it has: sd, ksqs, llm, slm, ushape, hat")
-    return _round(protocol, knob, n, device_s, up, down, cloud_s, prompt_tokens, link, device, cloud, wire)
+    return _round(protocol, knob, n, device_s, up, down, cloud_s, prompt_tokens, link, device, cloud, wire, steps)
 
 
 def predict_tree(nodes: int, depth: int, tokens_per_round: float, prompt_tokens: int, link: Link,
@@ -298,13 +307,14 @@ def predict_hat_tree(nodes: int, depth: int, tokens_per_round: float, prompt_tok
     states = (nodes + 1) * wire.hidden
     return _round("hat_tree", nodes, n, depth * device.hat_draft_s + n * device.hat_verify_s,
                   states + wire.up_round, states + wire.down_round, cloud.middle_share * cloud.curve.step_s(nodes + 1),
-                  prompt_tokens, link, device, cloud, wire)
+                  prompt_tokens, link, device, cloud, wire, cloud.middle_share)
 
 
 def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down: float, cloud_s: float,
-           prompt_tokens: int, link: Link, device: DeviceCosts, cloud: CloudCosts, wire: WireSizes) -> Prediction:
+           prompt_tokens: int, link: Link, device: DeviceCosts, cloud: CloudCosts, wire: WireSizes,
+           steps: float = 1.0) -> Prediction:
     """A round of n tokens from its parts (device seconds before the per-round overhead, bytes up and down, cloud
-    step seconds), and the time to first token before it."""
+    step seconds in `steps` steps), and the time to first token before it."""
     split = protocol in ("ushape", "hat", "hat_tree")
     watts = device.watts
     device_s += device.round_s
@@ -317,7 +327,16 @@ def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down:
     if device.shares_host or split:  # the split family's input part must run before its states can leave
         prompt_s += prompt_tokens * device.prefill_s
     return Prediction(protocol, knob, n, round_s, prompt_s + round_s, up / n, down / n, cloud_s / n, device_s / n,
-                      watts * device_s / n if watts else None)
+                      watts * device_s / n if watts else None, steps / n)
+
+
+def marginal_cloud_s(pred: Prediction, others_step_s: float) -> float:
+    """The cloud seconds a token of `pred` adds (module docstring): its steps' seconds less, per step, the
+    `others_step_s` (g(μ)) the other devices' work in the same steps would take alone; 0 others: its whole step
+    time. `pred` priced on the curve as this device's steps join the others' (g(x + μ))."""
+    if not (math.isfinite(others_step_s) and others_step_s >= 0):
+        raise ValueError(f"marginal_cloud_s needs a finite others_step_s >= 0, got {others_step_s!r}")
+    return max(0.0, pred.cloud_s_per_token - pred.cloud_steps_per_token * others_step_s)
 
 
 def best_knob(protocol: str, knobs: Iterable[int], prompt_tokens: int, link: Link, device: DeviceCosts,

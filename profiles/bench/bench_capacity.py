@@ -13,9 +13,11 @@ For each N of --devices and each protocol (in a rotating order), N devices run -
 back, on the recorded prompts, device i starting i/N of a lone llm request's time after the first (arrivals spread
 as a steady stream's are, rather than N prompts at the same instant). Per cell: TTFT (request to its first token)
 and TBT (each commit's gap since the previous one, shared by the tokens it brought) as P50/P99 with n, tokens/s per
-device, the cloud's tokens/s in all, and the drafts that left the recording. Capacity per protocol and per SLA of
---sla (TTFT P99 and TBT P99 bounds): the largest N such that at every size up to it both P99s are within the SLA
-with no failed request.
+device, the cloud's tokens/s in all, the cloud's own compute per generated token (its step seconds over the cell,
+from its /metrics: what a fleet operator pays for, prefill included), and the drafts that left the recording.
+Capacity per protocol and per SLA of --sla (TTFT P99 and TBT P99 bounds): the largest N such that at every size up
+to it both P99s are within the SLA with no failed request. `auto@P` runs auto with the requests' SLA pace P tok/s
+(GenerationRequest.sla_tokens_per_s: the least cloud compute a token that keeps it).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import argparse
 import os
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -34,7 +36,9 @@ def add_parser(sub) -> None:
     s = sub.add_parser("capacity", help="devices one cloud serves within an SLA: llm, sd, auto (emulated devices)")
     s.add_argument("--draft", default="qwen2.5-coder-0.5b")
     s.add_argument("--target", default="qwen2.5-coder-1.5b")
-    s.add_argument("--protocols", default="llm,sd,auto")
+    s.add_argument("--protocols", default="llm,sd,auto",
+                   help="comma-separated; auto@P: auto with the request's SLA pace P tok/s (sla_tokens_per_s: the "
+                        "least cloud compute a token that keeps it)")
     s.add_argument("--devices", default="1,2,4,8,12", help="fleet sizes N, comma-separated")
     s.add_argument("--requests", type=int, default=3, help="requests per device per cell")
     s.add_argument("--prompts", type=int, default=4)
@@ -49,6 +53,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cloud_runtime.process import free_port
     from edge_runtime.config import EdgeConfig, EngineConfig
     from edge_runtime.engine import Engine
     from hat_split.math.sampling import SamplingParams
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if not protocols:
         raise ValueError("--protocols: none given")
     for name in protocols:
-        check_requestable(name)  # a ValueError naming the known ones
+        check_requestable(with_sla(name)[0])  # a ValueError naming the known ones
     slas = parse_slas(args.sla)
     try:
         sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
@@ -76,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, device_cores)
     greedy = SamplingParams(0.0)
     t_start = time.perf_counter()
-    with Rig(args.target, cloud_args=["--engine", "llamacpp"], threads=len(cloud_cores), cloud_cpus=cloud_cores,
-             link=args.link) as bed:
+    metrics_port = free_port()
+    with Rig(args.target, cloud_args=["--engine", "llamacpp", "--metrics-port", str(metrics_port)],
+             threads=len(cloud_cores), cloud_cpus=cloud_cores, link=args.link) as bed:
         base = EdgeConfig(model=args.draft, link=bed.link_config(), draft_len=args.draft_len, overlap_prefill="on",
                           engine=EngineConfig(backend="llamacpp", threads=len(device_cores)))
         real = bed.runtime(base)
@@ -103,11 +109,15 @@ def run(args: argparse.Namespace) -> int:
             for name in order:
                 engines = [Engine(RecordedLM(recording), e.tokenizer, e.vocab_size, e.model_name, e.fingerprint,
                                   e.eos_ids) for _ in range(n)]
+                steps_before = cloud_step_s(metrics_port)
                 cell = _cell(bed, base, engines, name, prompts, args, spread_s=sum(lone) / len(lone))
+                cell["cloud_step_s"] = cloud_step_s(metrics_port) - steps_before
+                cell["cloud_ms_per_token"] = 1e3 * cell["cloud_step_s"] / max(1, cell["tokens"])
                 cells.append(cell)
                 print(f"N={n:>3} {name:>5}: TTFT P99 {cell['ttft_s']['p99']:.2f} s, TBT P99 "
                       f"{1e3 * cell['tbt_s']['p99']:.0f} ms, {cell['tokens_per_s_per_device']:.2f} tok/s a device, "
-                      f"{cell['cloud_tokens_per_s']:.2f} in all, failed {cell['failed']}, drafts off the recording "
+                      f"{cell['cloud_tokens_per_s']:.2f} in all, cloud {cell['cloud_ms_per_token']:.0f} ms a token, "
+                      f"failed {cell['failed']}, drafts off the recording "
                       f"{cell['recording_misses']}", flush=True)
     report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
               "slas": [{"ttft_p99_s": t, "tbt_p99_s": b} for t, b in slas],
@@ -132,6 +142,7 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.math.sampling import SamplingParams
 
+    name, sla = with_sla(protocol)
     ttft: List[float] = []
     tbt: List[float] = []
     tokens, failed, mismatched = [0], [0], [0]
@@ -146,9 +157,9 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
                 stamps: List[tuple] = []
                 t0 = time.perf_counter()
                 try:
-                    res = rt.run(GenerationRequest(tuple(ids), protocol, SamplingParams(0.0), args.max_new_tokens,
-                                                   seed=0, on_tokens=lambda toks, _lp: stamps.append(
-                                                       (time.perf_counter(), len(toks)))))
+                    res = rt.run(GenerationRequest(tuple(ids), name, SamplingParams(0.0), args.max_new_tokens,
+                                                   seed=0, sla_tokens_per_s=sla, on_tokens=lambda toks, _lp:
+                                                   stamps.append((time.perf_counter(), len(toks)))))
                 except Exception:  # noqa: BLE001  a failed request counts against the SLA
                     with lock:
                         failed[0] += 1
@@ -168,11 +179,42 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
         t.join()
     wall = time.perf_counter() - t0
     n = len(engines)
-    cell = {"devices": n, "protocol": protocol, "requests": n * args.requests, "failed": failed[0],
+    cell = {"devices": n, "protocol": protocol, "requests": n * args.requests, "failed": failed[0], "tokens": tokens[0],
             "not_the_targets": mismatched[0], "ttft_s": _pcts(ttft), "tbt_s": _pcts(tbt), "wall_s": wall,
             "cloud_tokens_per_s": tokens[0] / wall, "tokens_per_s_per_device": tokens[0] / wall / n}
     cell["recording_misses"] = sum(e.lm.misses for e in engines)
     return cell
+
+
+def cloud_step_s(port: int) -> float:
+    """The cloud's compute in steps so far, from its Prometheus endpoint on this host."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        return step_seconds_of(reply.read().decode())
+
+
+def step_seconds_of(text: str) -> float:
+    """hatspec_cloud_step_seconds_sum of a /metrics page (docs/METRICS.md)."""
+    for line in text.splitlines():
+        if line.startswith("hatspec_cloud_step_seconds_sum"):
+            return float(line.split()[-1])
+    raise ValueError("the cloud's /metrics has no hatspec_cloud_step_seconds_sum")
+
+
+def with_sla(name: str) -> Tuple[str, float]:
+    """A --protocols entry: the protocol and the SLA pace its requests name ("auto@4": auto keeping 4 tok/s at the
+    least cloud compute a token; 0: none)."""
+    protocol, at, pace = name.partition("@")
+    if not at:
+        return name, 0.0
+    try:
+        sla = float(pace)
+    except ValueError:
+        sla = -1.0
+    if protocol != "auto" or not 0 < sla < 1e4:
+        raise ValueError(f"--protocols: {name!r}: an SLA pace goes with auto, as auto@P with P tok/s > 0")
+    return protocol, sla
 
 
 def between_tokens(commits: List[tuple]) -> List[float]:
