@@ -81,6 +81,7 @@ GREEDY = "greedy"  # the kind of sampling of a temperature-0 request (`sampling_
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
 SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now (under a request's
 # SLA: 10 % less cloud compute a token)
+SLA_REASON = "at the least cloud compute a token"  # what a choice under a request's SLA says (metrics count it)
 SLA_MARGIN = 1.15  # a protocol keeps a request's pace (sla_tokens_per_s) when predicted at this many times it: the
 # model's error against what ran is within 15-20 % per phase here (docs/AUTO.md)
 LLM_EXPLORE_TOKENS = 1  # what llm's measuring and probing rounds decode: its round overhead and a step are all the
@@ -974,8 +975,8 @@ class AutoController:
             mine = self._keeping(cands, name)
             others.append(f"{name} {1e3 * self.cloud_cost(mine[1]):.0f} ms" if mine else f"{name} misses it")
         label = _label(best, _shape_text(shape, self._eta_of(shape)) if shape else "")
-        return shape, best, (f"; {label} keeps {self.sla_tps:g} tok/s ({best.tokens_per_s:.2f}) at the least cloud "
-                             f"compute a token: {1e3 * self.cloud_cost(best):.0f} ms"
+        return shape, best, (f"; {label} keeps {self.sla_tps:g} tok/s ({best.tokens_per_s:.2f}) {SLA_REASON}: "
+                             f"{1e3 * self.cloud_cost(best):.0f} ms"
                              + (f" ({', '.join(others)})" if others else "") + note)
 
     def _eta_of(self, shape: Optional[Shape]) -> float:

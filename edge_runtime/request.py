@@ -135,6 +135,11 @@ class GenerationRequest:
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
 
+    def run_by(self, protocol: str, **fields) -> "GenerationRequest":
+        """This request as protocol auto runs it with `protocol`: auto's own fields (allow_lossy, sla_tokens_per_s)
+        spent, `fields` replaced too."""
+        return replace(self, protocol=protocol, allow_lossy=False, sla_tokens_per_s=0.0, **fields)
+
     def seeded(self) -> "GenerationRequest":
         """This request with its seed drawn now when it named none (one seed per request: the device and the cloud
         derive independent streams from it)."""

@@ -162,8 +162,7 @@ class EdgeRuntime:
         if config.link.link_policy == "wait":  # auto: the device alone while the cloud is unreachable
             config = replace(config, link=replace(config.link, link_policy="degrade"))
         drafter = Drafter(self.engine.token_lm(config), request.sampling, config.dist_dtype)
-        request = replace(request, protocol="sd", private=False, allow_lossy=False, sla_tokens_per_s=0.0)
-        session = AutoSession(config, request, drafter,
+        session = AutoSession(config, request.run_by("sd", private=False), drafter,
                               self.client, eos_ids=self.engine.eos_ids, session_id=next(self._session_ids),
                               monitor=self.monitor, controller=controller)
         result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
@@ -202,7 +201,7 @@ class EdgeRuntime:
 
     def _auto_fixed(self, request: GenerationRequest, protocol: str, reason: str) -> GenerationResult:
         """An auto request run whole by one protocol, saying so and why."""
-        result = self.run(replace(request, protocol=protocol, allow_lossy=False, sla_tokens_per_s=0.0))
+        result = self.run(request.run_by(protocol))
         result.protocol = protocols.AUTO
         result.auto = [{"protocol": protocol, "knob": 0, "tokens": result.n, "rounds": result.rounds,
                         "reason": reason}]

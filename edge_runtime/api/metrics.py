@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from edge_runtime.auto import SLA_REASON
 from edge_runtime.client import CloudError, CloudUnavailable
 from hat_split import protocols
 from hat_split.wire import messages as P
@@ -75,7 +76,7 @@ def _why(reason: str) -> str:
     chosen for the least cloud compute that keeps the request's pace), `unreachable`, `private`, `lossy`, or
     `other`."""
     word = reason.split(":")[0].split()[0] if reason.strip() else ""
-    if word == "predicted" and "at the least cloud compute" in reason:
+    if word == "predicted" and SLA_REASON in reason:
         return "sla"
     if word in ("measuring", "probing", "predicted", "private", "lossy"):
         return word
