@@ -225,7 +225,9 @@ while True:
     print({line!r}, flush=True)
     time.sleep(ms / 1000)
 """)
-    with power.Sampler(power.TegrastatsBackend(0.02, command=(str(tool),)), [], 0.02) as sampler:
+    # run by the interpreter, not exec'd: a script just written can be "Text file busy" to exec while another
+    # thread's fork holds its write descriptor for an instant (seen once under pytest-xdist)
+    with power.Sampler(power.TegrastatsBackend(0.02, command=(sys.executable, str(tool))), [], 0.02) as sampler:
         t0 = time.perf_counter()
         time.sleep(0.3)
         t1 = time.perf_counter()
