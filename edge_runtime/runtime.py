@@ -9,8 +9,8 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from edge_runtime.auto import (AUTO_TOKEN, AutoController, AutoEstimates, Shape, auto_eligible, auto_max_draft,
-                                sampling_kind)
+from edge_runtime.auto import AUTO_TOKEN, AutoController, auto_eligible, auto_max_draft
+from edge_runtime.auto_estimates import AutoEstimates, Shape, sampling_kind
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
@@ -44,7 +44,7 @@ class EdgeRuntime:
         self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         self.link_state: Optional[LinkState] = None  # the split protocols' estimates of this connection
-        self.auto_estimates = AutoEstimates()  # protocol auto's measurements (edge_runtime.auto), kept across requests
+        self.auto_estimates = AutoEstimates()  # auto's measurements, kept across requests (auto_estimates)
         self.split_rates: Dict[str, float] = {}  # private auto requests: decode tokens/s per split protocol
         # uhlm / cuhlm: the skip rule's line and recent uncertainties, kept across requests per protocol and settings
         self.skip_policies: Dict[Tuple[str, UncertaintyConfig], SkipPolicy] = {}

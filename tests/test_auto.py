@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from edge_runtime.auto import GREEDY, PROBE_EVERY, Acceptance, AutoController, AutoEstimates, Choice
+from edge_runtime.auto import PROBE_EVERY, AutoController, Choice
+from edge_runtime.auto_estimates import GREEDY, Acceptance, AutoEstimates
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link
@@ -34,7 +35,7 @@ def _estimates(alpha: float, draft_s: float, step_1: float, step_9: float) -> Au
 
 def _pulled(measured: float, rounds: int) -> float:
     """The prompts' acceptance after `rounds` rounds that measured `measured`: ALPHA_BASE's pull, by hand."""
-    from edge_runtime.auto import ALPHA_BASE, ALPHA_BASE_ROUNDS
+    from edge_runtime.auto_estimates import ALPHA_BASE, ALPHA_BASE_ROUNDS
 
     return (rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (rounds + ALPHA_BASE_ROUNDS)
 
@@ -155,7 +156,7 @@ def test_an_uplink_rate_prices_only_the_link_it_was_measured_on():
     exchange. A round trip that moved by more than LINK_CHANGE_RATIO (and LINK_CHANGE_S) says the link is another:
     the old rate is not used (0: the uplink taken as free, so the next drafting round measures it), and it is again
     once the round trip is back."""
-    from edge_runtime.auto import LINK_CHANGE_RATIO, LINK_CHANGE_S
+    from edge_runtime.auto_estimates import LINK_CHANGE_RATIO, LINK_CHANGE_S
 
     est = AutoEstimates()
     assert est.uplink_at(0.05) == 0.0  # nothing measured
@@ -175,7 +176,7 @@ def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     request, then ksqs, whose acceptance is sd's until its own rounds say otherwise; over a slow uplink ksqs wins
     where sd's dense rows (2 V bytes) cost more than its quantization loses, over a free link sd does; at
     temperature 0 ksqs is not a candidate; a greedy request finds its own figures again."""
-    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS, RATIO_PRIOR_ROUNDS, sampling_kind
+    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS, RATIO_PRIOR_ROUNDS, sampling_kind
     from edge_runtime.runtime import auto_eligible
     from hat_split.math.sampling import SamplingParams
 
@@ -218,7 +219,7 @@ def test_the_drafting_protocols_share_what_they_learn_of_a_prompt():
     """sd and ksqs draft with the same model on the same prompt: a few ksqs rounds on easy prompts (all accepted) do
     not make ksqs's acceptance 1.00 beside sd's long-measured 0.9 (their ratio is shrunk toward 1 and at most 1),
     and a hard prompt's sd rounds lower ksqs's acceptance too, before ksqs drafts on it."""
-    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS
 
     est = AutoEstimates()
     for _ in range(40):  # sd over many prompts: 9 of 10 examined accepted
@@ -246,7 +247,7 @@ def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
     """α for a request: the recent prompts' acceptance (a slow moving average) as a prior worth ALPHA_PRIOR_DRAFTS
     drafts, moved by the request's own drafts; a new request starts from the prior again, not from the last prompt's
     end (prompts' α differ: a prompt of α 0.5 after prompts of α 1 says little of the next)."""
-    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS
 
     est = AutoEstimates()
     assert est.alpha is None
@@ -269,10 +270,10 @@ def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatc
     without ALPHA_BASE's pull, and the next prompt (of its own α) opened at γ 8 on a board where drafting costs (a
     bench run under load: its first round 1 s later than fixed sd's γ 4). With the pull it opens at a middle γ; the
     same estimates without it choose γ 8 (the test can fail)."""
-    import edge_runtime.auto as auto
+    import edge_runtime.auto_estimates as estimates
 
     def opening(base_rounds: float) -> Choice:
-        monkeypatch.setattr(auto, "ALPHA_BASE_ROUNDS", base_rounds)
+        monkeypatch.setattr(estimates, "ALPHA_BASE_ROUNDS", base_rounds)
         est = _estimates(0.5, 0.08, step_1=0.2, step_9=0.22)  # a slow draft step, a verify near a decode's cost
         est.acceptance[("sd", GREEDY)] = Acceptance()
         for _ in range(3):  # one easy prompt: 4 of 4 accepted
@@ -280,7 +281,7 @@ def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatc
         est.begin_request()
         return _controller(est).decide(Link(0.01))
 
-    pulled, certain = opening(auto.ALPHA_BASE_ROUNDS), opening(0.0)
+    pulled, certain = opening(estimates.ALPHA_BASE_ROUNDS), opening(0.0)
     assert certain.protocol == "sd" and certain.knob == 8 and "α 1.00" in certain.reason, certain
     assert pulled.protocol == "sd" and 3 <= pulled.knob <= 5 and "α 0.86" in pulled.reason, pulled
 
@@ -288,7 +289,7 @@ def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatc
 def test_the_first_rounds_are_averaged_not_the_first_one_kept():
     """A moving average that starts at its first observation keeps most of it for some twenty rounds: a first round
     of 0 accepted then 4 of 4 twice read α 0.17 (measured in a bench run). The first rounds are plain means."""
-    from edge_runtime.auto import posterior
+    from edge_runtime.auto_estimates import posterior
 
     a = Acceptance()
     for accepted in (0, 4, 4):
@@ -306,7 +307,7 @@ def test_stale_points_and_a_changed_load_give_way_to_the_report():
     """The device's own points of the cloud's curve expire after STALE_S, or at once when the cloud's report says its
     queue changed state (busy <-> idle); a round whose draft first caught up on tokens it had not seen (sd after llm)
     does not count as draft steps, its catch-up is measured instead."""
-    from edge_runtime.auto import STALE_S
+    from edge_runtime.auto_estimates import STALE_S
     from hat_split.math.chunking import ALPHA, DRIFT_BOUND, DRIFT_TAU_S
 
     est = _estimates(0.2, 0.05, step_1=0.2, step_9=0.24)
@@ -606,7 +607,7 @@ def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
     is three times slower, and the draft step and the device alone are priced at three times the last mode's until
     their own first observations replace them; sd, priced at the old step the best, is no longer. A forward that
     reads a hundred times slower moves them by MODE_RATIO_BOUNDS at most; a mode measured before keeps its own."""
-    from edge_runtime.auto import MODE_RATIO_BOUNDS
+    from edge_runtime.auto_estimates import MODE_RATIO_BOUNDS
 
     est = _estimates(0.75, 0.04, step_1=0.1, step_9=0.14)
     est.observe_catch_up(10, 0.08)
@@ -994,7 +995,7 @@ def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
         pick = c.decide(Link(0.1))
         assert (pick.protocol == "sd" and pick.tree == shape) == want_tree, pick
         assert ("sd_tree 32x8x4" in pick.reason) == want_tree, pick.reason
-    from edge_runtime.auto import sampling_kind
+    from edge_runtime.auto_estimates import sampling_kind
     from hat_split.math.sampling import SamplingParams
 
     # a sampling request: what greedy rounds taught about the tree does not price it (a sampled tree accepts less and
@@ -1034,7 +1035,7 @@ def test_the_eta_chains_drafts_move_the_requests_acceptance_of_sds_chains():
     """A prompt auto runs on the η-chain teaches sd's chains its acceptance: each round's accepted nodes, and the
     first rejected, count as the request's own drafts (the prompts' stay the chains'). A tree of width > 1 teaches
     no chain; an accepted count the round cannot hold is refused before anything is kept."""
-    from edge_runtime.auto import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS
 
     eta_chain, wide, link = (8, 8, 1), (8, 4, 2), Link(0.1)
     est = _estimates(0.6, 0.01, step_1=0.05, step_9=0.06)
@@ -1098,7 +1099,7 @@ def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
     against the request's own: a prompt whose η-chain commits 2 a round where the prompts' committed 6 is priced at
     its own pace within a few rounds (over lte the moving average alone kept such a prompt on the tree for 14 rounds
     at 0.66 × llm), and the next request starts from the prompts' again."""
-    from edge_runtime.auto import TREE_PRIOR_ROUNDS
+    from edge_runtime.auto_estimates import TREE_PRIOR_ROUNDS
 
     shape = (8, 8, 1)
     est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
@@ -1121,7 +1122,7 @@ def test_a_trees_first_round_is_not_most_of_its_average():
     first round that committed all 9 tokens, then rounds of 3, read 4.2 after five rounds, where a moving average
     started at the first round (weight 0.98 on the history) read 8.6 — under load auto opened requests on the tree
     at 8–9 tokens a round where they then committed 2–5. The nodes a round sends likewise."""
-    from edge_runtime.auto import ALPHA_POPULATION, population_ema
+    from edge_runtime.auto_estimates import ALPHA_POPULATION, population_ema
 
     shape = (8, 8, 1)
     est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)

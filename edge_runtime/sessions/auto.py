@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
-from edge_runtime.auto import GREEDY, AutoController, AutoEstimates, Choice, Shape, sampling_kind
+from edge_runtime.auto import AutoController, Choice
+from edge_runtime.auto_estimates import GREEDY, AutoEstimates, Shape, sampling_kind
 from edge_runtime.read_ahead import ReadAhead
 from edge_runtime.rounds.qs import qs_round
 from edge_runtime.rounds.token import tree_round, verify_round

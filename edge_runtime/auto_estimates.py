@@ -1,0 +1,668 @@
+"""What `--protocol auto` measures: `AutoEstimates`, one per runtime, kept from request to request, which the
+controller (edge_runtime.auto) prices the protocols from. No torch, no I/O: the session (edge_runtime.sessions.auto)
+hands it each round's figures.
+
+  * the drafting protocols' acceptance α (sd's, and ksqs's: its drafts sampled from the lattice quantization of sd's
+    rows), per kind of sampling (greedy, or the temperature and truncation: `sampling_kind`): accepted over examined
+    draft positions, each a moving average over rounds, the request's own drafts moving the prompts' average, and
+    both protocols' rounds one estimate of the prompt (`AutoEstimates.alpha_of`); the draft step t_d (the draft
+    model's seconds per draft) and the per-round overhead o per protocol and per draft tree shape (a round's wall
+    time less its draft, cloud and link parts and the wait the model prices);
+  * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
+    sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
+    (SessionOpened's CloudCost) where the device has no point of its own, every point moved by each step observed as
+    the cloud's speed drifts (hat_split.math.chunking.SpeedDrift: one protocol's rounds price the others at the speed
+    they see); while the cloud reports other sessions' work waiting, every step of this device is priced with the
+    others' μ positions in it (x own positions cost g(x + μ): continuous batching), plus the wait for the step in
+    progress — in phase with steps that run back to back, blurred by how much its own verify steps wander about the
+    curve (`step_jitter`: costmodel.phase_wait);
+  * the bytes of its rounds (request without drafts, reply; per draft row per drafting protocol and kind of
+    sampling: a greedy row is one-hot, a sampled one the whole vocabulary, a ksqs row a lattice code);
+  * the link's round trip (the client's probe) and the uplink rate the cloud measured on a request large enough.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
+from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, phase_wait
+from hat_split.math.sampling import SamplingParams
+from hat_split.wire import messages as P
+
+log = logging.getLogger("hatspec.edge")
+
+Shape = Tuple[int, int, int]  # a draft tree's nodes, depth, width
+DRAFTING = ("sd", "ksqs")  # those whose rounds the draft model drafts (the same model, the same catch-up)
+GREEDY = "greedy"  # the kind of sampling of a temperature-0 request (`sampling_kind`)
+STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
+# report (a load that ended, a link that changed)
+DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
+DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # these estimates, and the drafting protocols' round
+# overheads (keys of overhead_s; a draft tree's own, `tree_key`, as well: `device_overhead`)
+DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
+TREE_KEY = "sd_tree "  # a draft tree's idle counter and round overhead: TREE_KEY + its shape (`tree_key`)
+MODE_RATIO_BOUNDS = (0.1, 10.0)  # the most one read may rescale the last mode's device times by (a forward that
+# another process on the device's cores stretched is not a board ten times slower)
+ALPHA_POPULATION = 0.98  # per drafting round: weight of the history in the prompts' acceptance (some 50 rounds,
+# six to ten requests: a prompt's α is its own, 0.6 to 1.0 here, and the prior of the next one is their mean; at 0.95
+# two easy prompts made it 1.00 and the next prompt, of α 0.76, drafted γ = 8)
+ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
+ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of the prompts' own here (0.55 to 1.00 on
+# the Qwen pair at T = 0, results/auto/trace_T0_lte_load_load-power.json) ...
+ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
+# prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it)
+TREE_PRIOR_ROUNDS = 2.0  # rounds the prompts' tokens a round of a draft tree count as against a request's own (as
+# ALPHA_PRIOR_DRAFTS, some two rounds of drafts, for a chain's α): a prompt whose tree commits 2 a round where the
+# prompts' committed 5 ran it for 14 rounds over lte at 0.66 × llm, its moving average too slow to leave
+RATIO_PRIOR_ROUNDS = 4.0  # rounds of a drafting protocol's own against the prior that its acceptance is sd's
+# (`AutoEstimates.alpha_of`: ksqs drafts from the lattice's quantization of sd's rows and loses a little)
+LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
+LINK_CHANGE_S = 0.002  # uplink rate measured on the first does not price the second
+STEP_VAR_KEEP = 0.9  # weight of the history in the busy cloud's step spread (a squared deviation is a noisy reading:
+# some ten rounds)
+PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
+PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
+
+
+def population_ema(old: Optional[float], new: float, rounds: int) -> float:
+    """The prompts' moving average (ALPHA_POPULATION) with its `rounds`-th round `new`: a plain mean over the first
+    1 / (1 − ALPHA_POPULATION) rounds, so that the first round is not most of the estimate for twenty rounds (a
+    tree's first round committing all 9 of its tokens held its tokens a round at 8–9 for requests whose rounds
+    committed 2–5: docs/AUTO.md "A tree's first round is not most of its average")."""
+    return ema(old, new, min(ALPHA_POPULATION, 1.0 - 1.0 / max(1, rounds)))
+
+
+@dataclass
+class Acceptance:
+    """A drafting protocol's acceptance: accepted and examined draft positions per round as moving averages
+    (ALPHA_POPULATION) over the prompts of recent requests — plain means over the first rounds, until there are
+    1 / (1 − ALPHA_POPULATION) of them, so the first round is not most of the estimate for twenty rounds — and the
+    request's own totals (`begin`)."""
+
+    accepted: Optional[float] = None
+    examined: Optional[float] = None
+    request_accepted: float = 0.0  # fractional: llm's tokens read above temperature 0 (observe_agreement)
+    request_examined: int = 0
+    rounds: int = 0
+
+    @property
+    def population(self) -> Optional[float]:
+        """The prompts' acceptance (the rounds of recent requests), pulled toward ALPHA_BASE as if ALPHA_BASE_ROUNDS
+        rounds had read it, against every round observed (the pull fades as the pair's rounds accumulate: 2 % after
+        200): a few rounds of one prompt are one prompt's, not the prompts'; None before a round."""
+        if self.examined is None or not self.examined > 0:
+            return None
+        measured = min(1.0, (self.accepted or 0.0) / self.examined)
+        return (self.rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (self.rounds + ALPHA_BASE_ROUNDS)
+
+    @property
+    def weight(self) -> float:
+        """Rounds the population's average stands for (its memory at most)."""
+        return min(float(self.rounds), 1.0 / (1.0 - ALPHA_POPULATION))
+
+    @property
+    def alpha(self) -> Optional[float]:
+        """The acceptance for the request running: the prompts' as a prior worth ALPHA_PRIOR_DRAFTS drafts, moved by
+        this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
+        prior = self.population
+        if prior is None:
+            return None
+        return posterior(prior, self.request_accepted, self.request_examined)
+
+    def begin(self) -> None:
+        self.request_accepted = self.request_examined = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round's drafts (`examined_of`)."""
+        examined = examined_of(drafted, accepted)
+        self.rounds += 1
+        self.accepted = population_ema(self.accepted, float(accepted), self.rounds)
+        self.examined = population_ema(self.examined, float(examined), self.rounds)
+        self.inform(accepted, examined)
+
+    def inform(self, accepted: float, examined: float) -> None:
+        """Drafts of the request's prompt examined: they move the request's acceptance. A chain round of this
+        protocol (`observe`) moves the prompts' as well; llm's tokens read and a chain-shaped tree's rounds only
+        this."""
+        self.request_accepted += accepted
+        self.request_examined += examined
+
+
+def examined_of(drafted: int, accepted: int) -> int:
+    """A chain's draft positions examined in a round: the accepted ones and the first rejected, if any."""
+    return accepted + (accepted < drafted)
+
+
+def posterior(prior: float, accepted: float, examined: float) -> float:
+    """A request's acceptance: `prior` worth ALPHA_PRIOR_DRAFTS drafts, moved by the request's own drafts."""
+    return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + accepted) / (ALPHA_PRIOR_DRAFTS + examined))
+
+
+@dataclass
+class AutoEstimates:
+    """What the device measured for the cost model (module docstring)."""
+
+    kind: str = GREEDY  # how the request running samples (`sampling_kind`): acceptance and a draft row's bytes
+    # depend on it (a greedy row is one-hot, a sampled one spread over thousands of tokens), so both are kept per kind
+    acceptance: Dict[Tuple[str, str], Acceptance] = field(default_factory=dict)  # per (drafting protocol, kind):
+    # ksqs's drafts are sampled from the lattice's quantization of sd's rows
+    draft_step_s: Optional[float] = None  # t_d
+    local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
+    overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
+    # pack drafts; llm's do none of it) and per the cloud's state (`_overhead_key`: a busy cloud's queueing shows
+    # here, and must not follow the device once the load ends)
+    up_round: Optional[float] = None  # bytes of a round's request without drafts (Generate)
+    up_per_row: Dict[Tuple[str, str], float] = field(default_factory=dict)  # bytes per draft row (its id and its
+    # distribution: sd's float rows, ksqs's lattice codes) per (protocol, kind)
+    down_round: Optional[float] = None  # bytes of a reply
+    down_per_token: Optional[float] = None
+    observed: DelayModel = field(default_factory=DelayModel)  # cloud seconds by positions, this device's rounds
+    reported: Tuple[Tuple[float, float], ...] = ()  # the cloud's last good curve
+    reported_wait_s: float = 0.0  # half a step of the others' positions (g(reported_others)) when the cloud was busy as
+    # it reported (other devices using it or work waiting: CloudCost.others, queued; a request arrives, on average,
+    # half-way through a step in progress), times the share of its time not in steps (1 − duty), else 0 ...
+    reported_step_s: float = 0.0  # ... and the rest: g(reported_others), a step of the others' work, when busy ...
+    reported_duty: float = 0.0  # ... with the share of its time in steps (CloudCost.duty): a round's request waits
+    # duty × phase_wait(x, step) (costmodel.phase_wait: in phase with steps back to back); see `wait_s`
+    step_var: Optional[float] = None  # the squared relative deviation of this device's verify steps from the curve
+    # while the cloud is busy (a moving average, STEP_VAR_KEEP; `step_jitter`): how far the busy cloud's steps, and so
+    # a round's phase against them, wander (costmodel.phase_wait's jitter)
+    reported_others: float = 0.0  # the other devices' positions per step then (each of this device's steps joins
+    # them: CloudCost.others_positions; μ from an older cloud), else 0
+    measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
+    idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
+    observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
+    speed: SpeedDrift = field(default_factory=SpeedDrift)  # the cloud's speed drifting against the curve: every
+    # step observed moves every point (`_cloud`), so a protocol not run is priced at the speed the others see
+    catch_up: DelayModel = field(default_factory=DelayModel)  # the draft model's seconds for one forward reading n
+    # committed tokens without drafting (sd's first round after llm, a read while waiting), by n: a forward of 60
+    # tokens costs a few forwards of one, so a rate per token measured on small reads would overprice a large one
+    cloud_busy: Optional[bool] = None  # the cloud's last good report had other devices using it or work waiting
+    power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
+    restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
+    by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
+    uplink_bps: float = 0.0  # the cloud's latest measurement of this device's uploads on a request large enough to
+    # measure (edge_runtime.sessions.auto.MIN_RATE_FRAME; 0: none yet), kept across requests ...
+    uplink_rtt_s: float = 0.0  # ... with the round trip of the link it was measured on (`uplink_at`)
+    bad_reports: int = 0  # malformed cost reports refused
+    last_bad_report: str = ""
+    tree_tokens: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # tokens a round of each draft tree
+    # shape per kind of sampling (moving averages; like a chain's acceptance, a tree's depends on it) ...
+    tree_draft_steps: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's time a round in
+    # draft steps (per shape: drafting a tree costs the same however the request samples; in steps, so a new power
+    # mode prices it with that mode's step, draft_step_s) ...
+    tree_up_per_node: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... uplink bytes a node per
+    # kind (a greedy tree sends no rows, a sampled one a row per node with children) ...
+    tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... its rounds observed per kind ...
+    tree_sent: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... and the nodes a round sent (fewer
+    # than the shape's when η ends it early: a chain of width 1 that ends on its draft's confidence)
+    tree_request: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # the request's own tree
+    # rounds: (tokens committed, rounds), per shape and kind
+
+    @property
+    def alpha(self) -> Optional[float]:
+        """sd's acceptance for the request running (`alpha_of`, its kind of sampling)."""
+        return self.alpha_of("sd")
+
+    def alpha_of(self, protocol: str) -> Optional[float]:
+        """`protocol`'s acceptance for the request running (its kind of sampling). The drafting protocols draft with
+        the same model on the same prompt, so they share what they learn: the prompt's acceptance on sd's scale is
+        one estimate (`posterior`) from every drafting protocol's rounds, the population's and the request's, each
+        protocol's taken to sd's scale by its ratio ρ to sd, and a protocol's α is that times its ρ. ρ (at most 1:
+        ksqs drafts from a quantization of sd's rows) is the ratio of the two populations, shrunk toward 1 by
+        RATIO_PRIOR_ROUNDS: a few rounds of easy prompts read ksqs 1.00 against sd's 0.91, which was the prompts,
+        not ksqs. Before any drafting round, None."""
+        own = [(p, a) for p in DRAFTING if (a := self.acceptance.get((p, self.kind))) is not None
+               and a.population is not None]
+        if not own:
+            return None
+        sd = self.acceptance.get(("sd", self.kind))
+        ratios = {p: self._ratio(a, sd) for p, a in own}
+        weight = sum(a.weight for _, a in own)
+        prior = sum(a.weight * a.population / ratios[p] for p, a in own) / weight
+        accepted = sum(a.request_accepted / ratios[p] for p, a in own)
+        examined = sum(a.request_examined for _, a in own)
+        return posterior(min(1.0, prior), accepted, examined) * ratios.get(protocol, 1.0)  # not drafted yet: sd's
+
+    @staticmethod
+    def _ratio(own: Acceptance, sd: Optional[Acceptance]) -> float:
+        """A drafting protocol's acceptance over sd's (1 for sd, and without sd's population), shrunk toward 1."""
+        if own is sd or sd is None or not sd.population:
+            return 1.0
+        measured = own.population / sd.population
+        return max(0.05, min(1.0, (own.weight * measured + RATIO_PRIOR_ROUNDS) / (own.weight + RATIO_PRIOR_ROUNDS)))
+
+    def up_per_draft(self, protocol: str = "sd") -> Optional[float]:
+        """Bytes of one of `protocol`'s draft rows for the request running (its kind of sampling); None before one
+        was measured."""
+        return self.up_per_row.get((protocol, self.kind))
+
+    def observe_agreement(self, agreed: float, compared: int) -> None:
+        """Of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with compare), sd's
+        drafts would have had `agreed` accepted there (at temperature 0 those its argmax named; above, an unbiased
+        estimate from the probability each was drawn with). They move the request's acceptance as sd's own drafts
+        do (not the prompts': only where sd is within reach are tokens read), so a prompt that auto left for llm on
+        a few unlucky rounds can win sd back."""
+        if compared < 1 or not 0 <= agreed <= compared:  # NaN too
+            return
+        self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(agreed, compared)
+
+    def take_uplink(self, bps: float, rtt_s: float) -> None:
+        """The cloud measured `bps` on an upload large enough to tell, with the link's round trip at `rtt_s`."""
+        self.uplink_bps, self.uplink_rtt_s = bps, rtt_s
+
+    def uplink_at(self, rtt_s: float) -> float:
+        """The uplink rate for a link whose round trip is now `rtt_s`: the last measured one while the round trip is
+        the one it was measured with (within LINK_CHANGE_RATIO and LINK_CHANGE_S); 0 once the round trip says the link
+        is another (unknown: taken as free, so the next drafting round uploads and measures it). Only a large upload
+        measures the rate, and at T = 0 or under llm none comes; the round trip is measured from every small exchange,
+        so it is what shows that a reading went stale (LTE's 5 Mbit/s priced loopback's sd rows otherwise)."""
+        if self.uplink_bps <= 0:
+            return 0.0
+        lo, hi = sorted((max(0.0, rtt_s), self.uplink_rtt_s))
+        if hi - lo > LINK_CHANGE_S and hi > LINK_CHANGE_RATIO * lo:
+            return 0.0
+        return self.uplink_bps
+
+    def rounds_of(self, protocol: str) -> int:
+        """Rounds of a drafting `protocol` observed under the request's kind of sampling."""
+        own = self.acceptance.get((protocol, self.kind))
+        return own.rounds if own is not None else 0
+
+    def begin_request(self, kind: str = GREEDY) -> None:
+        """A new request sampling as `kind` (`sampling_kind`): its own acceptance starts from the prompts' prior."""
+        self.kind = kind
+        for a in self.acceptance.values():
+            a.begin()
+        self.tree_request.clear()
+
+    def take_report(self, cost: Optional[P.CloudCost]) -> bool:
+        """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
+        malformed. None (an older cloud) changes nothing."""
+        if cost is None:
+            return False
+        try:
+            points = P.cost_curve(cost)
+        except ValueError as exc:
+            self.bad_reports += 1
+            self.last_bad_report = str(exc)
+            log.warning("the cloud's cost report was refused (%s): keeping the last good one", exc)
+            return False
+        busy = cost.queued > 0 or cost.others > 0
+        # the others' positions per step where the cloud counts them (an older cloud: every session's, μ)
+        others = cost.others_positions if cost.others else cost.batch_tokens
+        if points:
+            self.reported = points
+            self.reported_others = others if busy else 0.0
+            step = CostCurve(points).step_s(max(1.0, others)) if busy else 0.0
+            self.reported_step_s, self.reported_duty = step, float(cost.duty) if busy else 0.0
+            self.reported_wait_s = 0.5 * step * (1.0 - self.reported_duty)
+        if self.cloud_busy is not None and busy != self.cloud_busy:
+            self.observed, self.observed_at = DelayModel(), {}  # measured under another load: the report stands
+            self.speed = SpeedDrift()  # ... and the next step measures its speed afresh
+            self.step_var = None
+        self.cloud_busy = busy
+        return True
+
+    def take_mode(self, mode: str) -> bool:
+        """The device's power mode as the board reports it ("" off a Jetson). After a change the device's own
+        figures (draft step, catch-up, the device alone, sd's round overheads) are another board's: those measured
+        in that mode before come back; the others are replaced by their next observation rather than averaged with
+        it (α is the two models', kept). True on a change."""
+        if self.power_mode is None or mode == self.power_mode:
+            self.power_mode = mode
+            return False
+        log.info("auto: the power mode changed from %r to %r: the device's figures are that mode's", self.power_mode,
+                 mode)
+        self.by_mode[self.power_mode] = self._device_figures()
+        self.power_mode = mode
+        known = self.by_mode.get(mode, {})
+        for name, value in known.items():
+            self._set_figure(name, value)
+        self.restart = (set(DEVICE_FIGURES) | {n for n in self.overhead_s if device_overhead(n)}) - set(known)
+        return True
+
+    def _device_figures(self) -> Dict[str, object]:
+        """The device figures measured in this mode (those not awaiting their first observation)."""
+        values = {n: copy.deepcopy(getattr(self, n)) for n in DEVICE_TIMES}
+        values.update({n: v for n, v in self.overhead_s.items() if device_overhead(n)})
+        return {n: v for n, v in values.items()
+                if v is not None and n not in self.restart and getattr(v, "known", True)}
+
+    def _set_figure(self, name: str, value) -> None:
+        if name in DEVICE_TIMES:
+            setattr(self, name, copy.deepcopy(value))
+        else:
+            self.overhead_s[name] = value
+
+    def _restarts(self, name: str) -> bool:
+        """True once for a device figure after a new power mode: its next observation replaces it."""
+        if name in self.restart:
+            self.restart.discard(name)
+            return True
+        return False
+
+    def curve(self, now: Optional[float] = None) -> Optional[CostCurve]:
+        """Seconds of a cloud step of x positions as this device sees it: its own rounds' points (the other sessions'
+        work in the same steps included; at `now`, those fed within STALE_S), the cloud's report for the sizes it has
+        none of. None before either exists."""
+        points = {_bucket(x): (x, y) for x, y in _joined(self.reported, self.reported_others)}
+        for x, y in self.observed.points():
+            b = _bucket(x)
+            if now is None or now - self.observed_at.get(b, now) <= STALE_S:
+                points[b] = (x, y)
+        if not points:
+            return None
+        return CostCurve(tuple(sorted(points.values())))
+
+    def observe_sd(self, drafted: int, accepted: int, draft_s: float, cloud_s: float, up_bytes: int,
+                   down_bytes: int, wall_s: float, link: Link, now: float, caught_up: int = 0,
+                   protocol: str = "sd") -> None:
+        """One round of a drafting `protocol` (sd, ksqs) at `now`: γ drafts, a of them accepted, the draft model's and
+        the cloud's seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many
+        committed tokens it had not seen (after llm), so its seconds say nothing of a draft step. The draft step is
+        the draft model's, whichever protocol drafted (ksqs's quantization is outside it, in its round overhead)."""
+        if drafted < 1:
+            return
+        self._ran(protocol)
+        key = (protocol, self.kind)
+        self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted)
+        if not caught_up:
+            self._draft_step(draft_s / drafted)
+        elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
+            self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
+        per_draft = self._verify_round(drafted, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, protocol)
+        self.up_per_row[key] = ema(self.up_per_row.get(key), per_draft)
+
+    def _draft_step(self, seconds: float) -> None:
+        """A draft step of a chain's round took `seconds` (the device alone's step until one is measured)."""
+        self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, seconds)
+        if self._restarts("local_step_s") or self.local_step_s is None:
+            self.local_step_s = self.draft_step_s
+
+    def _verify_round(self, drafted: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
+                      wall_s: float, link: Link, now: float, protocol: str = "sd") -> float:
+        """What a drafting round teaches whatever its drafts' shape (a chain, a tree of `drafted` nodes): the cloud's
+        step of drafted + 1 positions, the reply's bytes, `protocol`'s overhead (a tree's: `tree_key`); returns its
+        uplink bytes per draft."""
+        if cloud_s > 0:
+            self._cloud(drafted + 1, cloud_s, now, verify=True)
+        self.down_round = ema(self.down_round, float(down_bytes))
+        link_s = link.transfer_s(up_bytes, down_bytes)
+        self._overhead(protocol, wall_s - draft_s - cloud_s - link_s, draft_s + link_s)
+        base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
+        return max(0.0, up_bytes - base) / drafted
+
+    def observe_tree(self, shape: Shape, tokens: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
+                     wall_s: float, link: Link, now: float, caught_up: int = 0, sent: Optional[int] = None,
+                     accepted: Optional[int] = None) -> None:
+        """One sd round with a draft tree of `shape` at `now`: `tokens` committed, the draft model's and the cloud's
+        seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many committed
+        tokens, so its seconds say nothing of the tree's drafting; sent: the nodes it sent (None: the shape's);
+        accepted: the nodes of the path the cloud accepted (None: not known). A chain-shaped tree's (width 1: the
+        η-chain) accepted drafts are a chain's: they move the request's acceptance of sd (`Acceptance.inform`; not
+        the prompts', which stay the chains' own), so a prompt auto runs on the η-chain prices sd's chains at its own
+        α rather than the prompts' (docs/AUTO.md, "The η-chain's drafts teach the chains")."""
+        if tokens < 1:
+            return
+        nodes = shape[0] if sent is None else sent
+        if not 1 <= nodes <= shape[0]:
+            raise ValueError(f"a round of the tree {tree_text(shape)} sends 1..{shape[0]} nodes, got {sent}")
+        if accepted is not None and not 0 <= accepted <= nodes:
+            raise ValueError(f"a round of {nodes} nodes accepts 0..{nodes} of them, got {accepted}")
+        if accepted is not None and shape[2] == 1:
+            self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
+        key = (shape, self.kind)
+        n = self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
+        self.tree_tokens[key] = population_ema(self.tree_tokens.get(key), float(tokens), n)
+        mine, rounds = self.tree_request.get(key, (0.0, 0))
+        self.tree_request[key] = (mine + tokens, rounds + 1)
+        self.tree_sent[key] = population_ema(self.tree_sent.get(key), float(nodes), n)
+        if not caught_up:
+            steps = None
+            if shape[2] == 1:  # a chain (η may end it early): a forward a draft sent, each one of sd's draft steps
+                self._draft_step(draft_s / nodes)
+                steps = float(nodes)
+            elif self.draft_step_s:
+                steps = draft_s / self.draft_step_s
+            if steps is not None:
+                self.tree_draft_steps[shape] = ema(self.tree_draft_steps.get(shape), steps)
+        self.tree_up_per_node[key] = ema(self.tree_up_per_node.get(key), self._verify_round(
+            nodes, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, tree_key(shape)))
+
+    def tree_rounds_of(self, shape: Shape) -> int:
+        """Rounds of the tree `shape` observed under the request's kind of sampling."""
+        return self.tree_rounds.get((shape, self.kind), 0)
+
+    def tree_up_per_node_of(self, shape: Shape) -> Optional[float]:
+        """Uplink bytes a node of the tree `shape` under the request's kind of sampling; None before measured."""
+        return self.tree_up_per_node.get((shape, self.kind))
+
+    def tree_sent_of(self, shape: Shape) -> Optional[float]:
+        """Nodes a round of the tree `shape` sends under the request's kind of sampling; None before measured."""
+        return self.tree_sent.get((shape, self.kind))
+
+    def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
+        """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured — the prompts'
+        moving average worth TREE_PRIOR_ROUNDS rounds against the request's own rounds (a prompt's is its own) —
+        else the chain of its depth's expectation at the request's α (a tree holds that chain: the least it
+        commits); None before α is known."""
+        key = (shape, self.kind)
+        if key in self.tree_tokens:
+            mine, rounds = self.tree_request.get(key, (0.0, 0))
+            return max(1.0, (TREE_PRIOR_ROUNDS * self.tree_tokens[key] + mine) / (TREE_PRIOR_ROUNDS + rounds))
+        a = self.alpha
+        if a is None:
+            return None
+        depth = shape[1]
+        return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+
+    def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
+                    link: Link, now: float) -> None:
+        """One llm round at `now`: the cloud decoded `tokens` alone in cloud_s."""
+        if tokens < 1:
+            return
+        self._ran("llm")
+        if cloud_s > 0:
+            self._cloud(1, cloud_s / tokens, now)
+        self.up_round = ema(self.up_round, float(up_bytes))
+        base = self.down_round if self.down_round is not None else 0.0
+        self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
+        link_s = link.transfer_s(up_bytes, down_bytes)
+        self._overhead("llm", wall_s - cloud_s - link_s, link_s)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft model read `tokens` committed tokens (no drafts) in one forward of `seconds`. The first such
+        forward in a new power mode also says how much slower (or faster) the board now runs the model than in the
+        last mode (the ratio to what that mode's forwards of this size took, within MODE_RATIO_BOUNDS): the draft
+        step and the device alone, while they await their first observation in this mode, are the last mode's times
+        that ratio (a read comes at every opening, drafting only when chosen: priced with the last mode's step, a
+        board three times slower had sd at γ 7 chosen and one slow round run before llm)."""
+        if tokens > 0 and seconds > 0 and math.isfinite(seconds):
+            if self._restarts("catch_up"):
+                if self.catch_up.known:
+                    lo, hi = MODE_RATIO_BOUNDS
+                    ratio = min(hi, max(lo, seconds / self.catch_up.g(tokens)))
+                    for name in ("draft_step_s", "local_step_s"):
+                        if name in self.restart and getattr(self, name) is not None:
+                            setattr(self, name, getattr(self, name) * ratio)
+                self.catch_up = DelayModel()
+            self.catch_up.observe(tokens, seconds)
+
+    def catch_up_cost(self, tokens: int) -> float:
+        """Seconds the draft model needs to read `tokens` in one forward before it can draft: the measured forwards
+        (linear between sizes, the last slope past the largest), a draft step per token before any was measured.
+        Below the smallest forward measured, the line from one draft step (a forward of one token, which every
+        drafting round measures) to it, when that step is the smaller: the reader's forwards are of up to 64 tokens, and
+        flat below them a catch-up of a few tokens was priced as a 64-token forward."""
+        if tokens <= 0:
+            return 0.0
+        step = self.draft_step_s or 0.0
+        if not self.catch_up.known:
+            return tokens * step
+        points = self.catch_up.points()
+        if 0.0 < step < points[0][1] and points[0][0] > 1.0:
+            points = ((1.0, step),) + points
+        return piecewise(points, tokens)
+
+    def observe_local(self, tokens: int, seconds: float) -> None:
+        """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
+        if tokens > 0 and seconds > 0:
+            self.local_step_s = ema(None if self._restarts("local_step_s") else self.local_step_s, seconds / tokens)
+
+    def _step_spread(self, seconds: float, expected: float) -> None:
+        """A verify step took `seconds` where the curve said `expected`: while the cloud is busy, its deviation,
+        relative, squared, into `step_var` (one step a round: llm's rounds of several steps average theirs away)."""
+        if expected > 0 and self.cloud_busy:
+            self.step_var = ema(self.step_var, ((seconds - expected) / expected) ** 2, STEP_VAR_KEEP)
+
+    @property
+    def step_jitter(self) -> float:
+        """The busy cloud's steps' relative standard deviation as this device's verify steps showed it (0 before any
+        or while the cloud is idle): costmodel.phase_wait's jitter."""
+        return math.sqrt(self.step_var) if self.step_var is not None and self.cloud_busy else 0.0
+
+    def _ran(self, protocol: str) -> None:
+        self.measured[protocol] = self.measured.get(protocol, 0) + 1
+
+    def _cloud(self, positions: int, seconds: float, now: float, verify: bool = False) -> None:
+        """A step of `positions` took `seconds`: a verify step's spread about the curve (`_step_spread`), the cloud's
+        speed against the curve (`SpeedDrift`: every point, the report's and the device's own, moves by a share of the
+        step's ratio to the curve, so a drift one protocol's rounds see prices the others too), then its bucket's
+        moving average. A bucket whose last observation is older than STALE_S is not averaged with (a single probe
+        after a loaded stretch must not be): it restarts from the curve's price at its size — the fresh points' and
+        the report's, just moved by the speed — and the step is averaged into that, so one slow step moves its own
+        size as it would any other (it once replaced the point: one slow llm chunk a few seconds after a verify
+        priced llm by that chunk alone); with no curve, from the step alone."""
+        curve = self.curve(now)
+        expected = None
+        if curve is not None:
+            expected = curve.step_s(positions)
+            if verify:
+                self._step_spread(seconds, expected)
+            factor = self.speed.move(expected, seconds, now)
+            self._rescale(factor)
+            expected *= factor
+        b = _bucket(positions)
+        if now - self.observed_at.get(b, now) > STALE_S:
+            self.observed.restart(positions, expected)
+        self.observed.observe(positions, seconds)
+        self.observed_at[b] = now
+
+    def _rescale(self, factor: float) -> None:
+        """The cloud steps `factor` times as long as its curve said: every point of it, the device's own and the
+        report's. (The report's wait for a busy cloud's step in progress is left as reported: what a busy round's
+        overhead holds is kept net of it, and the next report states it again.)"""
+        if factor == 1.0:
+            return
+        self.observed.scale(factor)
+        self.reported = tuple((x, y * factor) for x, y in self.reported)
+
+    def _overhead(self, protocol: str, residual_s: float, ahead_s: float) -> None:
+        """A round's wall time beyond its parts; ahead_s: its time from the last reply's leaving to its request's
+        arrival (drafting and the link). Under load it holds the wait for the step in progress: kept net of the wait
+        the cloud's report stated then — half a step where its steps leave gaps, the phase wait of `ahead_s` where
+        they run back to back (costmodel.phase_wait) — signed, so that the next report's wait, a load that grew or
+        eased, prices the next round at once."""
+        busy = bool(self.cloud_busy)
+        key = self._overhead_key(protocol, busy)
+        if busy:
+            wait = phase_wait(max(0.0, ahead_s), self.reported_step_s, self.step_jitter)
+            value = residual_s - self.reported_wait_s - self.reported_duty * wait
+        else:
+            value = max(0.0, residual_s)
+        self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), value)
+
+    @staticmethod
+    def _overhead_key(protocol: str, busy: bool) -> str:
+        return f"{protocol}:busy" if busy else protocol
+
+    def _overhead_entry(self, protocol: str) -> Optional[str]:
+        """The key of overhead_s that prices `protocol`'s rounds: its own measured while the cloud was in the state it
+        last reported (busy or idle), else — for a draft tree (`tree_key`) — sd's in that state, else its own or
+        sd's in the other state; None before any. A tree's (the η-chain's) own, apart from the chains': what the
+        phase-wait model (`_overhead`) misses of a busy cloud's wait depends on how long a round drafts, so pooled,
+        the η-chain's rounds and the chains' priced each other wrong (docs/AUTO.md "Each shape its own overhead")."""
+        busy = bool(self.cloud_busy)
+        mine = (protocol, "sd") if protocol.startswith(TREE_KEY) else (protocol,)
+        for state in (busy, not busy):
+            for name in mine:
+                if self._overhead_key(name, state) in self.overhead_s:
+                    return self._overhead_key(name, state)
+        return None
+
+    def overhead(self, protocol: str) -> float:
+        """o of `protocol` (`_overhead_entry`); 0 before one is measured. One measured busy is net of the wait reported
+        then (`_overhead`): the wait the cloud reports now is added (0 when idle)."""
+        key = self._overhead_entry(protocol)
+        if key is None:
+            return 0.0
+        return max(0.0, self.overhead_s[key] + (self.reported_wait_s if key.endswith(":busy") else 0.0))
+
+    def wait_s(self, protocol: str) -> float:
+        """The wait for a busy cloud's step in progress, as `protocol` should be priced with it: the report's half a
+        step until the overhead that prices the protocol was measured under load, which then holds the wait (the
+        cloud's compute seconds count only the steps a request is in; `overhead` adds the report's wait to what it
+        measured beyond the wait reported then), so it is not counted twice."""
+        key = self._overhead_entry(protocol)
+        return 0.0 if key is not None and key.endswith(":busy") else self.reported_wait_s
+
+    def cloud(self, curve: CostCurve, protocol: str) -> CloudCosts:
+        """The cloud as `protocol`'s rounds should be priced: `curve`, the wait (`wait_s`) and, when busy, its
+        others' step, duty and the steps' jitter (the phase wait)."""
+        return CloudCosts(curve, self.wait_s(protocol), step_s=self.reported_step_s, duty=self.reported_duty,
+                          jitter=self.step_jitter)
+
+    def wire(self, protocol: str = "sd") -> WireSizes:
+        """The frames' bytes as measured; a draft row's those of `protocol`'s rounds (ksqs: its lattice codes) under
+        the request's kind of sampling."""
+        return WireSizes(self.up_round if self.up_round is not None else PRIOR_UP_ROUND,
+                         self.up_per_draft(protocol) or 0.0,
+                         self.down_round or 0.0,
+                         self.down_per_token if self.down_per_token is not None else PRIOR_DOWN_PER_TOKEN)
+
+    def device(self, shares_host: bool, protocol: str) -> DeviceCosts:
+        """The device's costs as `protocol`'s rounds measured them."""
+        return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
+                           round_s=self.overhead(protocol), shares_host=shares_host)
+
+
+def sampling_kind(params: SamplingParams) -> str:
+    """How a request samples, as far as a draft's acceptance and its rows' bytes go: "greedy" at temperature 0,
+    else its temperature and truncation ("T=0.7", "T=1 top-k=40")."""
+    if params.temperature == 0:
+        return GREEDY
+    return (f"T={params.temperature:g}" + (f" top-k={params.top_k}" if params.top_k else "")
+            + (f" top-p={params.top_p:g}" if params.top_p < 1 else ""))
+
+
+def _joined(points: Tuple[Tuple[float, float], ...], others: float) -> Tuple[Tuple[float, float], ...]:
+    """The cloud's curve (a step of x positions in all) as one session sees it when every step it joins also holds
+    `others` positions of other sessions (continuous batching): x own positions cost g(x + others)."""
+    if not points or others <= 0:
+        return points
+    g = CostCurve(points).step_s
+    return ((1.0, g(1.0 + others)),) + tuple((x - others, y) for x, y in points if x - others > 1.0)
+
+
+def _bucket(x: float) -> int:
+    return max(0, int(x).bit_length() - 1)
+
+
+def tree_key(shape: Shape) -> str:
+    """The idle counter and the round overhead of sd with the draft tree `shape`."""
+    return TREE_KEY + tree_text(shape)
+
+
+def device_overhead(key: str) -> bool:
+    """Whether the round overhead `key` of overhead_s is the device's (a power mode's own): a drafting protocol's or
+    a draft tree's, not llm's."""
+    return key in DEVICE_OVERHEADS or key.startswith(TREE_KEY)
+
+
+def tree_text(shape: Shape) -> str:
+    return "{}x{}x{}".format(*shape)
