@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hat_split.math.verify import expected_tokens
-from profiles.bench.plan import GpuSteps, alpha_for, capacity, shape_of
+from profiles.bench.plan import GpuSteps, alpha_for, auto_at_sla, capacity, error_text, measured_error, shape_of
 
 
 def test_capacity_is_the_most_devices_within_the_sla():
@@ -58,8 +58,17 @@ def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
     assert hat["t64d8w8", "captured"]["protocol"] == "hat_tree"
     assert hat["t64d8w8", "captured"]["tokens_per_s"] > hat["t64d8w8", "eager"]["tokens_per_s"]
     assert hat["t64d8w8", "captured"]["up_bytes_per_token"] > hat["g8", "chain"]["up_bytes_per_token"]  # 65 states
+    fleet = doc["auto_at_sla"]  # auto under the SLA: at least every protocol's row, which are among its candidates
+    assert fleet["devices_at_sla"] >= max(r["devices_at_sla"] for r in rows.values() if r["protocol"] != "slm")
+    assert fleet["over_llm"] == pytest.approx(fleet["devices_at_sla"] / rows["llm"]["devices_at_sla"])
+    err = doc["assumptions"]["model_error_here"]  # measured on this machine, not a placeholder
+    assert err["record"] == "results/auto/bench_auto_b4d7ebf.json" and err["phases"] == 7
+    assert 0 < err["llm"]["min"] <= err["llm"]["max"] < 1 and err["sd"]["n_per_phase"] == 8
     out_text = capsys.readouterr().out
     assert "ESTIMATES" in out_text and "hat shape" in out_text
+    assert f"one {doc['gpu']} serves {fleet['devices_at_sla']} devices" in out_text
+    assert "SpecEdge reports 2.22×" in out_text
+    assert "model error here: llm " in out_text and "n = 8 requests each" in out_text
     assert main(["plan", "--gpu", "nope", "--out", str(out)]) == 2
 
 
@@ -121,3 +130,58 @@ def test_alpha_for_inverts_the_chains_expected_tokens():
             assert expected_tokens(alpha_for(tau, gamma), gamma) == pytest.approx(tau, abs=1e-9)
     with pytest.raises(ValueError, match="1 to 5 tokens"):
         alpha_for(6.0, 4)
+
+
+def test_the_model_error_is_read_from_the_trace_per_phase(tmp_path):
+    """The least and most over the phases of each protocol's median error, the n a phase, sd at both α."""
+    phase = lambda llm, sd, own: {"model_error": {"llm": {"n": 8, "median_abs_error": llm},  # noqa: E731
+                                                  "sd": {"n": 6, "median_abs_error": sd,
+                                                         "median_abs_error_own_alpha": own}}}
+    doc = {"summary": {"a": phase(0.05, 0.2, 0.04), "b": phase(0.15, 0.3, 0.1), "overall": phase(9, 9, 9)},
+           "provenance": {"git_commit": "f" * 40}}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(doc))
+    err = measured_error(str(path))
+    assert err["phases"] == 2 and err["llm"] == {"min": 0.05, "max": 0.15, "n_per_phase": 8, "phases": 2}
+    assert (err["sd"]["min"], err["sd"]["max"]) == (0.04, 0.1) and err["sd_at_autos_alpha"]["max"] == 0.3
+    assert error_text(err).startswith("llm 5–15 %, sd 4–10 % at the request's α (20–30 % at auto's)")
+    assert "2 phases, n = 6 requests each" in error_text(err)
+
+
+class _Steps:
+    """A cloud whose batched step costs one decode step a session (no batching gain) and a tenth of one for each
+    further position a session verifies."""
+
+    def batched_step_s(self, one_step_s, sessions, positions):
+        return one_step_s * sessions * (1 + 0.1 * (positions - 1))
+
+    def curve(self, one_step_s):
+        from hat_split.math.costmodel import CostCurve
+
+        return CostCurve(((1.0, one_step_s), (64.0, 64 * one_step_s)))
+
+
+def test_auto_at_sla_takes_the_candidate_that_keeps_the_pace_for_the_most_devices():
+    """By hand: each candidate's capacity under the SLA, the largest taken (its knob beside it); a candidate list
+    with nothing exact in it is refused."""
+    from hat_split.math.costmodel import DeviceCosts, Link, WireSizes
+    from profiles.bench.plan import Pricing
+
+    dev = DeviceCosts(draft_step_s=0.002, local_step_s=0.002, prefill_s=0.001, round_s=0.0, split_step_s=0.001,
+                      hat_draft_s=0.001, hat_verify_s=0.001, watts=0.0)
+    price = Pricing(16, Link(0.01, 1e8, 1e8), dev, WireSizes(100.0, 8.0, 100.0, 4.0, 3072.0), 0.9, 0.5)
+    steps, g1 = _Steps(), 0.001
+    fleet = auto_at_sla(price, steps, g1, 1.0, 0.05, ["llm", "sd"])
+    by_hand = {(name, k): capacity(lambda n: price.shared(price.at(name, k, price_cloud(steps, g1)), steps, g1,
+                                                          1.0, n), 0.05)
+               for name, knobs in (("llm", (8,)), ("sd", range(1, 9))) for k in knobs}
+    assert fleet["devices_at_sla"] == max(by_hand.values()) > by_hand["llm", 8]
+    assert by_hand[fleet["protocol"], fleet["knob"]] == fleet["devices_at_sla"]
+    with pytest.raises(ValueError, match="no exact protocol"):
+        auto_at_sla(price, steps, g1, 1.0, 0.05, [])
+
+
+def price_cloud(steps, g1):
+    from hat_split.math.costmodel import CloudCosts
+
+    return CloudCosts(steps.curve(g1), 0.0, 1.0)

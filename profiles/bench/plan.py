@@ -15,6 +15,10 @@ The step times:
   * devices one cloud serves at an SLA: the most devices N whose mean time between tokens stays under `--sla-tbt-ms`
     when their rounds' cloud work shares steps (N sessions' positions in one batched step, plus half a step of
     waiting), the criterion on the mean (a P99 needs the round-time distribution, which the model does not have).
+    Each protocol's row serves at the knob fastest for one stream; `auto` under that SLA (a request's
+    sla_tokens_per_s = 1 / TBT) spends the least cloud compute a token that keeps the pace, which for a fleet whose
+    devices all choose alike is the exact protocol and knob that keeps the pace for the most devices (`auto_at_sla`).
+  * the model's error: measured on this machine by `hat-bench auto` (MODEL_ERROR), quoted beside the estimates.
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ TREE_STEPS = {"captured": "results/gpu/gpu_bench_verify_width_2026-11-26.json", 
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
 DRAFT_ROW = 8.0  # bytes of a greedy draft's row on the wire (one index)
 HIDDEN_DTYPE_BYTES = 2  # a hidden state's element on the wire (float16)
+MODEL_ERROR = "results/auto/bench_auto_b4d7ebf.json"  # the latest full trace: the model against the fixed rows
+SPECEDGE_CAPACITY = 2.22  # SpecEdge's server throughput over the server alone (../shared/ANCHORS.md)
 
 
 def add_parser(sub) -> None:
@@ -202,6 +208,10 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         cap = None if name == "slm" else capacity(lambda n: price.shared(pred, steps, g1, middle, n),
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
+    fleet = auto_at_sla(price, steps, g1, middle, args.sla_tbt_ms / 1e3,
+                        [r["protocol"] for r in rows if r["devices_at_sla"] is not None])
+    llm_cap = next(r["devices_at_sla"] for r in rows if r["protocol"] == "llm")
+    fleet["over_llm"] = fleet["devices_at_sla"] / llm_cap if llm_cap else None
     trees = []
     for name, nodes, depth, shape_tau in measured_shapes(args.draft, args.target, args.sampled):
         for how in ("chain",) if name.startswith("g") else ("captured", "eager"):
@@ -219,8 +229,9 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
             "assumptions": {"device_efficiency": args.device_efficiency, "device_bytes_per_weight": args.device_bytes,
                             "cloud_dtype": "bfloat16", "gpu_check": GPU_BENCH, "gpu_shape": args.gpu_shape,
                             "cloud_step_s": g1, "device_draft_step_s": t_d,
-                            "model_error_here": "not measured yet (hat-bench auto)"},
-            "protocols": rows, "trees": trees, "hat_trees": hat_trees}
+                            "model_error_here": measured_error()},
+            "protocols": rows, "auto_at_sla": fleet, "specedge_capacity": SPECEDGE_CAPACITY, "trees": trees,
+            "hat_trees": hat_trees}
 
 
 @dataclass(frozen=True)
@@ -255,6 +266,57 @@ class Pricing:
         # the shared step, whatever this device's positions; llm's round is c such steps (one point: proportional)
         curve = CostCurve(((1.0, step),) if pred.protocol == "llm" else ((1.0, step), (64.0, step)))
         return 1.0 / self.at(pred.protocol, pred.knob, CloudCosts(curve, 0.5 * step, 1.0)).tokens_per_s
+
+
+def auto_at_sla(price: Pricing, steps: "GpuSteps", g1: float, middle: float, sla_s: float,
+                names: List[str]) -> Dict[str, Any]:
+    """`auto` on every device of a fleet under one SLA (a request's pace 1 / sla_s): each device runs the exact
+    protocol and knob whose token adds the least cloud compute while it keeps the pace, and the fleet that chooses
+    alike is served longest by the candidate (any of `names` at any knob: sd, ksqs and hat at γ 1..8, llm in chunks
+    of 8) that keeps the pace for the most devices. Its choice, the devices it serves, and its cloud compute a token
+    for one device (ties: the less cloud compute)."""
+    best: Optional[Tuple[int, float, Prediction]] = None
+    for name in names:
+        knobs = range(1, 9) if name in ("sd", "ksqs", "hat") else (8 if name == "llm" else 0,)
+        for knob in knobs:
+            pred = price.at(name, knob, CloudCosts(steps.curve(g1), 0.0, middle))
+            cap = capacity(lambda n: price.shared(pred, steps, g1, middle, n), sla_s)
+            if best is None or (cap, -pred.cloud_s_per_token) > (best[0], -best[1]):
+                best = (cap, pred.cloud_s_per_token, pred)
+    if best is None:
+        raise ValueError("no exact protocol to choose among")
+    cap, _, pred = best
+    return {"protocol": pred.protocol, "knob": pred.knob, "devices_at_sla": cap,
+            "cloud_s_per_token": pred.cloud_s_per_token, "tokens_per_s_alone": pred.tokens_per_s}
+
+
+def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
+    """The cost model's error on this machine (`hat-bench auto`'s trace): per protocol, the least and the most over
+    the trace's phases of the median |predicted − measured| / measured steady tokens/s against the fixed rows, n
+    requests a phase. sd at the request's own α (what the model says given the acceptance) and at auto's α (its
+    estimate before the request showed its own)."""
+    doc = json.loads(Path(path).read_text())
+    phases = [e["model_error"] for p, e in doc["summary"].items() if p != "overall"]
+    out: Dict[str, Any] = {"record": path, "ran_on": doc["provenance"]["git_commit"], "phases": len(phases)}
+    for key, name, field in (("llm", "llm", "median_abs_error"), ("sd", "sd", "median_abs_error_own_alpha"),
+                             ("sd_at_autos_alpha", "sd", "median_abs_error")):
+        seen = [e[name] for e in phases if field in e.get(name, {})]
+        if seen:
+            out[key] = {"min": min(e[field] for e in seen), "max": max(e[field] for e in seen),
+                        "n_per_phase": min(e["n"] for e in seen), "phases": len(seen)}
+    return out
+
+
+def error_text(err: Dict[str, Any]) -> str:
+    """measured_error in one line."""
+    span = lambda e: f"{100 * e['min']:.0f}–{100 * e['max']:.0f} %"  # noqa: E731
+    parts = [f"llm {span(err['llm'])}"] if "llm" in err else []
+    if "sd" in err:
+        parts.append(f"sd {span(err['sd'])} at the request's α"
+                     + (f" ({span(err['sd_at_autos_alpha'])} at auto's)" if "sd_at_autos_alpha" in err else ""))
+    n = min(e["n_per_phase"] for k, e in err.items() if isinstance(e, dict))
+    return (f"{', '.join(parts)} (median |predicted − measured| / measured tokens/s per phase, {err['phases']} "
+            f"phases, n = {n} requests each; {err['record']}, ran on {err['ran_on'][:7]})")
 
 
 def capacity(tbt, sla_s: float, most: int = 4096) -> int:
@@ -465,7 +527,15 @@ def run(args: argparse.Namespace) -> int:
     a = doc["assumptions"]
     print(f"assumed: device steps at {a['device_efficiency']:.0%} of peak DRAM bandwidth, "
           f"{a['device_bytes_per_weight']:g} bytes a weight; cloud steps scaled from {a['gpu_check']} "
-          f"({a['gpu_shape']}); model error here: {a['model_error_here']}")
+          f"({a['gpu_shape']})")
+    print(f"model error here: {error_text(a['model_error_here'])}")
+    f = doc["auto_at_sla"]
+    over = "" if f["over_llm"] is None else f" ({f['over_llm']:.2f}× llm's; SpecEdge reports {SPECEDGE_CAPACITY}× " \
+                                            "server throughput)"
+    knob = f" γ={f['knob']}" if f["protocol"] in ("sd", "ksqs", "hat") else ""
+    print(f"auto at TBT ≤ {doc['sla_tbt_ms']:.0f} ms: every device runs {f['protocol']}{knob}"
+          f", {1e3 * f['cloud_s_per_token']:.2f} ms of cloud a token; one {doc['gpu']} serves "
+          f"{f['devices_at_sla']} devices{over}")
     print(f"wrote {args.out}{'; ' + note if note else ' and its PNG'}")
     return 0
 
@@ -482,7 +552,7 @@ def plot(doc: Dict[str, Any], path: Path) -> str:
     axes[0].bar(names, [r["tokens_per_s"] for r in rows])
     axes[0].set(title="tokens/s per device (ESTIMATE)", ylabel="tokens/s")
     caps = [r["devices_at_sla"] or 0 for r in rows]
-    axes[1].bar(names, caps)
+    axes[1].bar(names + ["auto@SLA"], caps + [doc["auto_at_sla"]["devices_at_sla"]])
     axes[1].set(title=f"devices one cloud serves at TBT ≤ {doc['sla_tbt_ms']:.0f} ms (ESTIMATE)", yscale="log")
     fig.suptitle(f"{doc['device']} ({doc['mode']}) + {doc['gpu']}, {doc['link']}: {doc['draft']} → {doc['target']}",
                  fontsize=9)
