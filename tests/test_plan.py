@@ -97,6 +97,8 @@ def test_a_sampled_request_prices_sds_rows_and_ksqs_beside_them(tmp_path):
     assert rows["ksqs"]["up_bytes_per_token"] < 200 < 1000 < rows["sd"]["up_bytes_per_token"]
     assert rows["ksqs"]["tokens_per_s"] > rows["sd"]["tokens_per_s"]
     assert rows["ksqs"]["devices_at_sla"] > rows["sd"]["devices_at_sla"]
+    err = doc["assumptions"]["model_error_here"]  # the sampled trace's error, ksqs's beside sd's
+    assert err["record"] == "results/auto/trace_T1.json" and err["ksqs_at_autos_alpha"]["n_per_phase"] == 5
     greedy = tmp_path / "greedy.json"
     assert main(["plan", "--link", "lte", "--out", str(greedy)]) == 0
     assert "ksqs" not in {r["protocol"] for r in json.loads(greedy.read_text())["protocols"]}

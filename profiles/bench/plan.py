@@ -18,7 +18,8 @@ The step times:
     Each protocol's row serves at the knob fastest for one stream; `auto` under that SLA (a request's
     sla_tokens_per_s = 1 / TBT) spends the least cloud compute a token that keeps the pace, which for a fleet whose
     devices all choose alike is the exact protocol and knob that keeps the pace for the most devices (`auto_at_sla`).
-  * the model's error: measured on this machine by `hat-bench auto` (MODEL_ERROR), quoted beside the estimates.
+  * the model's error: measured on this machine by `hat-bench auto` (MODEL_ERROR; a sampled plan's, SAMPLED), quoted
+    beside the estimates.
 """
 from __future__ import annotations
 
@@ -229,7 +230,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
             "assumptions": {"device_efficiency": args.device_efficiency, "device_bytes_per_weight": args.device_bytes,
                             "cloud_dtype": "bfloat16", "gpu_check": GPU_BENCH, "gpu_shape": args.gpu_shape,
                             "cloud_step_s": g1, "device_draft_step_s": t_d,
-                            "model_error_here": measured_error()},
+                            "model_error_here": measured_error(SAMPLED if args.sampled else MODEL_ERROR)},
             "protocols": rows, "auto_at_sla": fleet, "specedge_capacity": SPECEDGE_CAPACITY, "trees": trees,
             "hat_trees": hat_trees}
 
@@ -294,12 +295,13 @@ def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
     """The cost model's error on this machine (`hat-bench auto`'s trace): per protocol, the least and the most over
     the trace's phases of the median |predicted − measured| / measured steady tokens/s against the fixed rows, n
     requests a phase. sd at the request's own α (what the model says given the acceptance) and at auto's α (its
-    estimate before the request showed its own)."""
+    estimate before the request showed its own); ksqs (a sampled trace) at auto's."""
     doc = json.loads(Path(path).read_text())
     phases = [e["model_error"] for p, e in doc["summary"].items() if p != "overall"]
     out: Dict[str, Any] = {"record": path, "ran_on": doc["provenance"]["git_commit"], "phases": len(phases)}
     for key, name, field in (("llm", "llm", "median_abs_error"), ("sd", "sd", "median_abs_error_own_alpha"),
-                             ("sd_at_autos_alpha", "sd", "median_abs_error")):
+                             ("sd_at_autos_alpha", "sd", "median_abs_error"),
+                             ("ksqs_at_autos_alpha", "ksqs", "median_abs_error")):
         seen = [e[name] for e in phases if field in e.get(name, {})]
         if seen:
             out[key] = {"min": min(e[field] for e in seen), "max": max(e[field] for e in seen),
@@ -314,6 +316,8 @@ def error_text(err: Dict[str, Any]) -> str:
     if "sd" in err:
         parts.append(f"sd {span(err['sd'])} at the request's α"
                      + (f" ({span(err['sd_at_autos_alpha'])} at auto's)" if "sd_at_autos_alpha" in err else ""))
+    if "ksqs_at_autos_alpha" in err:
+        parts.append(f"ksqs {span(err['ksqs_at_autos_alpha'])} at auto's α")
     n = min(e["n_per_phase"] for k, e in err.items() if isinstance(e, dict))
     return (f"{', '.join(parts)} (median |predicted − measured| / measured tokens/s per phase, {err['phases']} "
             f"phases, n = {n} requests each; {err['record']}, ran on {err['ran_on'][:7]})")
