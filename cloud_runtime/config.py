@@ -3,6 +3,7 @@ hat_split.files.config_file: keys as the fields below, `[security]` a table; unk
 refused with the key's name), checked here."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cloud_runtime.quotas import parse_bytes
@@ -11,7 +12,7 @@ from hat_split.models.placement import check_device
 from hat_split.models.registry import MODEL_DTYPES
 from hat_split.files.settings import setting
 from hat_split.net.security import LinkSecurity
-from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES
+from hat_split.wire.messages import DEFAULT_MAX_MESSAGE_BYTES, MAX_PACE
 
 ENGINES = ("torch", "llamacpp")
 KV_LAYOUTS = ("auto", "slots", "dynamic")
@@ -70,6 +71,11 @@ class CloudConfig:
                                     "kv_memory (by default none below the cloud's own: fair-share eviction keeps "
                                     "room for the others)", metavar="SIZE|PCT")
     device_in_flight: int = setting(16, "quota: requests of one device being computed at once (0: no quota)")
+    fleet_pace_tokens_per_s: float = setting(0.0, "tokens/s asked of each device whose auto request names no SLA "
+                                             "of its own, while other devices use the cloud: such a device keeps "
+                                             "this pace at the least cloud compute a token instead of running its "
+                                             "fastest (docs/AUTO.md); 0: off",
+                                             flag="--fleet-pace-tokens-per-s")
     device_prompt_tokens_per_min: int = setting(0, "quota: prompt positions one device may send per minute (0: no "
                                                 "quota) (a device's allow-list entry may carry its own: "
                                                 "NAME.quota.toml beside NAME.key, docs/SECURITY.md)")
@@ -126,6 +132,9 @@ class CloudConfig:
                              f"got {self.prefill_floor}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if not (math.isfinite(self.fleet_pace_tokens_per_s) and 0 <= self.fleet_pace_tokens_per_s <= MAX_PACE):
+            raise ValueError(f"fleet_pace_tokens_per_s must be tokens/s in [0, {MAX_PACE:g}] (0: off), got "
+                             f"{self.fleet_pace_tokens_per_s}")
         if self.heap_trim_s < 0:
             raise ValueError(f"heap_trim_s must be >= 0 s (0: never), got {self.heap_trim_s}")
         if not 0 <= self.metrics_port <= 65535:

@@ -33,6 +33,7 @@ class Handlers:
 
     def __init__(self, config: CloudConfig, model: ModelFacts, work: ModelWork, tables: CloudTables,
                  admission: Admission):
+        self.config = config
         self.work = work
         self.tables = tables
         self.registry = tables.registry
@@ -83,7 +84,8 @@ class Handlers:
         self.registry.report(identity, msg)
         device = self.admission.device_of(identity)
         return P.Reported(cloud_state(self.work), cloud_cost(self.work, device,
-                                                             self.tables.sessions.others_active(device)))
+                                                             self.tables.sessions.others_active(device),
+                                                             self.config.fleet_pace_tokens_per_s))
 
     def _close(self, identity: bytes, msg: P.CloseSession) -> P.Message:
         """Everything is checked before anything changes: a refused CloseSession leaves the session intact."""

@@ -74,7 +74,8 @@ class TokenHandlers(FamilyHandlers):
 
     def _cost(self, session: TargetSession) -> P.CloudCost:
         """The cost report for a session's device: the others using the cloud counted without it."""
-        return cloud_cost(self.work, session.device, self.sessions.others_active(session.device))
+        return cloud_cost(self.work, session.device, self.sessions.others_active(session.device),
+                          self.config.fleet_pace_tokens_per_s)
 
     def verify(self, identity: bytes, msg: P.Verify) -> Optional[P.Message]:
         session = self.sessions.continuing(identity, msg)

@@ -116,10 +116,12 @@ def cloud_state(work: ModelWork) -> P.CloudState:
     return P.CloudState(work.load.mu or 0.0, work.load.g_mu(), work.stages)
 
 
-def cloud_cost(work: ModelWork, device: Hashable = None, others: int = 0) -> P.CloudCost:
+def cloud_cost(work: ModelWork, device: Hashable = None, others: int = 0, pace: float = 0.0) -> P.CloudCost:
     """What a step costs now (hat_split.wire.messages.CloudCost) as `device` sees it: g's points, μ, the sessions
     with work waiting, the KV positions free, the `others` devices using the cloud besides it
     (cloud_runtime.sessions.SessionTable.others_active) and their positions per step, the share of the last seconds
-    spent in steps (StepStats.duty), for the devices' cost models."""
+    spent in steps (StepStats.duty), for the devices' cost models; and the operator's fleet pace
+    (CloudConfig.fleet_pace_tokens_per_s)."""
     return P.CloudCost([list(p) for p in work.load.points()], work.load.mu or 0.0, work.scheduler.waiting,
-                       work.scheduler.kv_free, others, work.scheduler.others_positions(device), work.stats.duty())
+                       work.scheduler.kv_free, others, work.scheduler.others_positions(device), work.stats.duty(),
+                       pace)

@@ -29,7 +29,9 @@ the request's result.
 A request with an SLA (`sla_tps`: GenerationRequest.sla_tokens_per_s) is chosen for the cloud instead: of every
 protocol, knob and draft tree predicted at SLA_MARGIN times its pace or more, the one whose token adds the least cloud
 compute (costmodel.marginal_cloud_s: its steps less the others' work they carry, from the cloud's report; `_keeping`),
-kept unless another saves SWITCH_GAIN; the fastest when none keeps the pace.
+kept unless another saves SWITCH_GAIN; the fastest when none keeps the pace. A request without an SLA keeps the
+cloud's fleet pace so while the cloud asks for one (its operator's CloudConfig.fleet_pace_tokens_per_s, in the
+report while other devices use it: `pace`).
 
 Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
 candidates are the chains of γ and that tree (nodes N, depth D, width W), priced by `predict_tree` with the tokens
@@ -127,7 +129,7 @@ class AutoController:
     trees: Sequence[Shape] = ()  # the draft trees sd may run (nodes, depth, width; within the cloud's limits)
     eta: float = 0.0  # > 0: the η-chain is a candidate (`eta_chain`)
     sla_tps: float = 0.0  # > 0: the request's pace (GenerationRequest.sla_tokens_per_s), kept at the least marginal
-    # cloud compute a token (`_keeping`); 0: the fastest
+    # cloud compute a token (`_keeping`); 0: the fastest, or the cloud's fleet pace while it asks for one (`pace`)
     segments: List[Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -141,6 +143,16 @@ class AutoController:
             raise ValueError(f"η must be in [0, 1), got {self.eta}")
         if not (math.isfinite(self.sla_tps) and self.sla_tps >= 0):
             raise ValueError(f"the SLA's pace must be a finite number of tokens/s >= 0, got {self.sla_tps}")
+
+    @property
+    def pace(self) -> float:
+        """The pace kept at the least cloud compute a token: the request's SLA; without one, the fleet pace the cloud
+        asks of such requests while other devices use it (AutoEstimates.fleet_pace); 0: none, the fastest."""
+        return self.sla_tps if self.sla_tps > 0 else self.estimates.fleet_pace
+
+    def _pace_text(self) -> str:
+        """The pace in words, and whose it is."""
+        return f"{self.pace:g} tok/s" + ("" if self.sla_tps > 0 else " (the cloud's fleet pace)")
 
     @property
     def eta_chain(self) -> Optional[Shape]:
@@ -225,7 +237,7 @@ class AutoController:
         """Under the request's SLA: of the candidates (of protocol `name` only, when given) predicted to keep its
         pace (SLA_MARGIN over it), the one that adds the least cloud compute a token (ties: the faster); None when none
         is predicted to keep it."""
-        floor = SLA_MARGIN * self.sla_tps
+        floor = SLA_MARGIN * self.pace
         keep = [sp for n, preds in cands.items() if name in (None, n) for sp in preds if sp[1].tokens_per_s >= floor]
         return min(keep, key=lambda sp: (self.cloud_cost(sp[1]), -sp[1].tokens_per_s)) if keep else None
 
@@ -278,13 +290,13 @@ class AutoController:
                             f"probing sd's tree {tree_text(shape)}: not run for {PROBE_EVERY} rounds")
                     return Choice("sd", shape[0], what, rates, shape)
         text = _shape_text(best_tree, self._eta_of(best_tree)) if best_tree else ""  # sd's fastest tree, named
-        kept = self._keeping(cands) if self.sla_tps > 0 else None
+        kept = self._keeping(cands) if self.pace > 0 else None
         if kept is not None:
             best_tree, best, why = self._within_sla(kept, cands, current)
         else:
             best = max(preds.values(), key=lambda p: p.tokens_per_s)
             held = preds.get(current.protocol) if current is not None else None
-            why = f"; none predicted to keep {self.sla_tps:g} tok/s: the fastest" if self.sla_tps > 0 else ""
+            why = f"; none predicted to keep {self._pace_text()}: the fastest" if self.pace > 0 else ""
             if held is not None and best.protocol != held.protocol and \
                     best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
                 why += f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth it
@@ -296,7 +308,7 @@ class AutoController:
             cost = est.catch_up_cost(behind)
             if kept is not None:  # under the SLA the catch-up must not break the pace
                 pace = remaining / (remaining / best.tokens_per_s + cost) if remaining > 0 else math.inf
-                if pace < SLA_MARGIN * self.sla_tps:
+                if pace < SLA_MARGIN * self.pace:
                     why += (f"; {best.protocol} would first read {behind} tokens ({cost:.2f} s), keeping "
                             f"{pace:.2f} tok/s")
                     best = preds["llm"]
@@ -339,7 +351,7 @@ class AutoController:
             mine = self._keeping(cands, name)
             others.append(f"{name} {1e3 * self.cloud_cost(mine[1]):.0f} ms" if mine else f"{name} misses it")
         label = _label(best, _shape_text(shape, self._eta_of(shape)) if shape else "")
-        return shape, best, (f"; {label} keeps {self.sla_tps:g} tok/s ({best.tokens_per_s:.2f}) {SLA_REASON}: "
+        return shape, best, (f"; {label} keeps {self._pace_text()} ({best.tokens_per_s:.2f}) {SLA_REASON}: "
                              f"{1e3 * self.cloud_cost(best):.0f} ms"
                              + (f" ({', '.join(others)})" if others else "") + note)
 
@@ -359,8 +371,8 @@ class AutoController:
         if any(name not in preds for name in drafting):
             return True
         best = max(p.tokens_per_s for p in preds.values())
-        if self.sla_tps > 0 and best >= SLA_MARGIN * self.sla_tps:  # under an SLA: whether it keeps the pace
-            best = SLA_MARGIN * self.sla_tps
+        if self.pace > 0 and best >= SLA_MARGIN * self.pace:  # under an SLA: whether it keeps the pace
+            best = SLA_MARGIN * self.pace
         return any(preds[name].tokens_per_s >= READ_AHEAD_REACH * best for name in drafting)
 
     def local_wins(self, rtt_s: float) -> str:
@@ -371,8 +383,8 @@ class AutoController:
         if est.local_step_s is None or not preds:
             return ""
         local = 1.0 / est.local_step_s
-        if self.sla_tps > 0 and local >= SLA_MARGIN * self.sla_tps:
-            return f"lossy allowed: slm predicted {local:.2f} tok/s keeps {self.sla_tps:g} tok/s with no cloud compute"
+        if self.pace > 0 and local >= SLA_MARGIN * self.pace:
+            return f"lossy allowed: slm predicted {local:.2f} tok/s keeps {self._pace_text()} with no cloud compute"
         best = max(preds.values(), key=lambda p: p.tokens_per_s)
         if local < SWITCH_GAIN * best.tokens_per_s:
             return ""

@@ -182,6 +182,8 @@ class AutoEstimates:
     # committed tokens without drafting (sd's first round after llm, a read while waiting), by n: a forward of 60
     # tokens costs a few forwards of one, so a rate per token measured on small reads would overprice a large one
     cloud_busy: Optional[bool] = None  # the cloud's last good report had other devices using it or work waiting
+    fleet_pace: float = 0.0  # tokens/s: the fleet pace the cloud's last good report asked of a request without an SLA
+    # of its own (CloudCost.pace) while it had other devices using it; else 0
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
     by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
@@ -306,6 +308,7 @@ class AutoEstimates:
             self.speed = SpeedDrift()  # ... and the next step measures its speed afresh
             self.step_var = None
         self.cloud_busy = busy
+        self.fleet_pace = float(cost.pace) if cost.others > 0 else 0.0  # alone, its compute saved serves no one
         return True
 
     def take_mode(self, mode: str) -> bool:

@@ -646,6 +646,10 @@ def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
     (P.CloudCost([[1.0, 0.1]], duty=float("nan")), "CloudCost.duty"),
     (P.CloudCost([[1.0, 0.1]], duty=1.5), "CloudCost.duty"),
     (P.CloudCost([[1.0, 0.1]], duty=-0.1), "CloudCost.duty"),
+    (P.CloudCost([[1.0, 0.1]], pace=float("nan")), "CloudCost.pace"),
+    (P.CloudCost([[1.0, 0.1]], pace=-4.0), "CloudCost.pace"),
+    (P.CloudCost([[1.0, 0.1]], pace=1e9), "CloudCost.pace"),
+    (P.CloudCost([[1.0, 0.1]], pace=True), "CloudCost.pace"),
     (P.CloudCost([["x", 0.1]]), r"points\[0\] must be a \(positions, seconds\) pair"),
 ])
 def test_a_hostile_cost_report_is_refused_and_the_last_good_one_kept(bad, field):
@@ -660,11 +664,11 @@ def test_a_hostile_cost_report_is_refused_and_the_last_good_one_kept(bad, field)
 
 
 def test_the_cloud_report_survives_the_wire():
-    cost = P.CloudCost([[1.0, 0.05], [8.0, 0.09]], 2.5, 1, 4096, duty=0.75)
+    cost = P.CloudCost([[1.0, 0.05], [8.0, 0.09]], 2.5, 1, 4096, duty=0.75, pace=6.0)
     frames = P.encode(P.SessionOpened(3, 10, 0.2, cost))
     back = P.decode([bytes(f) for f in frames])
     assert P.cost_curve(back.cost) == ((1.0, 0.05), (8.0, 0.09)) and back.cost.kv_free == 4096
-    assert back.cost.duty == 0.75
+    assert back.cost.duty == 0.75 and back.cost.pace == 6.0
     older = P.decode([bytes(f) for f in P.encode(P.SessionOpened(3, 10, 0.2))])
     assert older.cost is None
 

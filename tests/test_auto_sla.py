@@ -86,6 +86,39 @@ def test_under_load_the_sla_leaves_the_fastest_for_what_costs_the_cloud_least():
     assert c.cloud_cost(c.at("sd", 1, Link(0.01))) == pytest.approx((0.04 + 0.16 / 7) / 1.8)
 
 
+def test_the_clouds_fleet_pace_holds_a_request_without_an_sla_while_others_use_it():
+    """The cloud's operator asks 2 tok/s of each device (CloudCost.pace): under the load of the test above, a request
+    without an SLA runs llm, which keeps that pace at the least cloud compute, not its fastest (sd), and says whose
+    pace it kept; alone on the cloud (no other device: its compute saved serves no one) it runs its fastest; a
+    request's own SLA comes first; a malformed pace is refused and the last good one kept."""
+    est = _estimates(0.8, 0.01, step_1=0.04, step_9=0.2)
+    est.observed = DelayModel()
+    load = dict(batch_tokens=8.0, queued=3, others_positions=8.0)
+    assert est.take_report(P.CloudCost(CPU_CURVE, others=2, pace=2.0, **load)) and est.fleet_pace == 2.0
+    held = _controller(est).decide(Link(0.01))
+    assert held.protocol == "llm" and "llm keeps 2 tok/s (the cloud's fleet pace)" in held.reason, held
+    own = _controller(est, sla_tps=50.0).decide(Link(0.01))  # the request's pace, which nothing keeps: the fastest
+    assert own.protocol == "sd" and own.reason.endswith("none predicted to keep 50 tok/s: the fastest")
+    assert not est.take_report(P.CloudCost(CPU_CURVE, others=2, pace=float("nan"), **load))
+    assert "CloudCost.pace" in est.last_bad_report and est.fleet_pace == 2.0
+    assert est.take_report(P.CloudCost(CPU_CURVE, others=0, pace=2.0, **load)) and est.fleet_pace == 0.0
+    alone = _controller(est).decide(Link(0.01))
+    assert alone.protocol == "sd" and "fleet pace" not in alone.reason, alone
+
+
+def test_the_clouds_config_checks_the_fleet_pace():
+    """CloudConfig.fleet_pace_tokens_per_s: refused with its name when negative, not finite or absurd (the cloud
+    reports it: tests/test_handlers.py)."""
+    from cloud_runtime.config import CloudConfig
+    from hat_split.net.security import LinkSecurity
+
+    lab = dict(model="m", security=LinkSecurity.plaintext())
+    assert CloudConfig(**lab, fleet_pace_tokens_per_s=6.0).fleet_pace_tokens_per_s == 6.0
+    for bad in (-1.0, math.nan, math.inf, 1e7):
+        with pytest.raises(ValueError, match="fleet_pace_tokens_per_s"):
+            CloudConfig(**lab, fleet_pace_tokens_per_s=bad)
+
+
 def test_under_an_sla_a_switch_must_save_a_tenth_of_the_cloud_compute():
     """Running llm, which keeps the pace: sd, a little cheaper for the cloud (within SWITCH_GAIN), does not take over;
     a good deal cheaper, it does."""

@@ -200,6 +200,17 @@ def test_the_cost_report_counts_the_other_devices_using_the_cloud():
     assert ask(handlers, b"c", P.Report(P.DeviceState())).cost.others == 1
     assert ask(handlers, b"a", P.Report(P.DeviceState())).cost.others == 0  # b silent; a's own work not counted
 
+def test_the_cost_report_carries_the_operators_fleet_pace():
+    """CloudConfig.fleet_pace_tokens_per_s in every cost report (SessionOpened's and Reported's); 0 when unset."""
+    handlers, _, _, _ = cloud(fleet_pace_tokens_per_s=6.0)
+    hello(handlers, b"a")
+    assert ask(handlers, b"a", open_token(1)).cost.pace == 6.0
+    assert ask(handlers, b"a", P.Report(P.DeviceState())).cost.pace == 6.0
+    plain, _, _, _ = cloud()
+    hello(plain, b"a")
+    assert ask(plain, b"a", open_token(1)).cost.pace == 0.0
+
+
 def test_the_cost_report_states_the_share_of_recent_time_in_steps():
     """CloudCost.duty: the share of the last DUTY_WINDOW_S seconds the cloud spent computing steps — 1 when steps ran
     back to back (a request then waits for the one in progress: hat_split.math.costmodel.phase_wait), the part of a

@@ -164,15 +164,19 @@ class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
     others_positions: float = 0.0
     duty: float = 0.0  # the share of its last seconds the cloud spent computing steps (1: back to back; 0: an older
     # cloud, not stated)
+    pace: float = 0.0  # tokens/s: the fleet pace its operator set (CloudConfig.fleet_pace_tokens_per_s) — what it asks
+    # of each device whose request names no SLA of its own while other devices use it; 0: none
 
 
 MAX_STEP_S = 3600.0  # a cloud step reported slower than an hour is absurd: refused
 MAX_POSITIONS = 1 << 24  # as a step of more positions
+MAX_PACE = 1e6  # tokens/s: a fleet pace above this is absurd: refused
 
 
 def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
-    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0; duty in [0, 1].
+    seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0; duty in [0, 1];
+    pace in [0, 10^6] tokens/s.
     Empty when the cloud has run no step."""
     for name in ("batch_tokens", "queued", "kv_free", "others", "others_positions"):
         v = getattr(cost, name)
@@ -182,6 +186,9 @@ def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     d = cost.duty
     if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:  # NaN fails the bounds
         raise ValueError(f"CloudCost.duty must be a share in [0, 1], got {d!r}")
+    v = cost.pace
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= MAX_PACE:
+        raise ValueError(f"CloudCost.pace must be tokens/s in [0, {MAX_PACE:g}], got {v!r}")
     pts = []
     for i, pt in enumerate(cost.points):
         try:
