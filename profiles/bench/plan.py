@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from edge_runtime.auto import AUTO_TOKEN
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                       predict_hat_tree, predict_tree)
 from hat_split.math.verify import expected_tokens
@@ -210,7 +211,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
     fleet = auto_at_sla(price, steps, g1, middle, args.sla_tbt_ms / 1e3,
-                        [r["protocol"] for r in rows if r["devices_at_sla"] is not None])
+                        [r["protocol"] for r in rows if r["protocol"] in AUTO_TOKEN])
     llm_cap = next(r["devices_at_sla"] for r in rows if r["protocol"] == "llm")
     fleet["over_llm"] = fleet["devices_at_sla"] / llm_cap if llm_cap else None
     trees = []
@@ -273,9 +274,10 @@ def auto_at_sla(price: Pricing, steps: "GpuSteps", g1: float, middle: float, sla
                 names: List[str]) -> Dict[str, Any]:
     """`auto` on every device of a fleet under one SLA (a request's pace 1 / sla_s): each device runs the exact
     protocol and knob whose token adds the least cloud compute while it keeps the pace, and the fleet that chooses
-    alike is served longest by the candidate (any of `names` at any knob: sd, ksqs and hat at γ 1..8, llm in chunks
-    of 8) that keeps the pace for the most devices. Its choice, the devices it serves, and its cloud compute a token
-    for one device (ties: the less cloud compute)."""
+    alike is served longest by the candidate (any of `names` — the token protocols auto runs for a request that is
+    not private — at any knob: sd and ksqs at γ 1..8, llm in chunks of 8) that keeps the pace for the most devices.
+    Its choice, the devices it serves, and its cloud compute a token for one device (ties: the less cloud
+    compute)."""
     best: Optional[Tuple[int, float, Prediction]] = None
     for name in names:
         knobs = range(1, 9) if name in ("sd", "ksqs", "hat") else (8 if name == "llm" else 0,)
