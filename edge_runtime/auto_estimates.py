@@ -453,16 +453,20 @@ class AutoEstimates:
         """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured — the prompts'
         moving average worth TREE_PRIOR_ROUNDS rounds against the request's own rounds (a prompt's is its own) —
         else the chain of its depth's expectation at the request's α (a tree holds that chain: the least it
-        commits); None before α is known."""
+        commits); None before α is known. The prompts' average is pulled towards that chain's, worth
+        ALPHA_BASE_ROUNDS rounds against the tree's measured ones, as the chains' α is towards ALPHA_BASE: two
+        rounds of one easy prompt (7 tokens each) opened the next two prompts on the tree, priced 1.1-1.3× llm, which
+        then ran at 0.7-0.8× it (the trace on `b4d7ebf`, loopback)."""
         key = (shape, self.kind)
-        if key in self.tree_tokens:
-            mine, rounds = self.tree_request.get(key, (0.0, 0))
-            return max(1.0, (TREE_PRIOR_ROUNDS * self.tree_tokens[key] + mine) / (TREE_PRIOR_ROUNDS + rounds))
         a = self.alpha
-        if a is None:
-            return None
-        depth = shape[1]
-        return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+        chain = None if a is None else float(shape[1] + 1) if a >= 1.0 else (1.0 - a ** (shape[1] + 1)) / (1.0 - a)
+        if key in self.tree_tokens:
+            n = self.tree_rounds_of(shape)
+            prompts = self.tree_tokens[key] if chain is None else \
+                (n * self.tree_tokens[key] + ALPHA_BASE_ROUNDS * chain) / (n + ALPHA_BASE_ROUNDS)
+            mine, rounds = self.tree_request.get(key, (0.0, 0))
+            return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
+        return chain
 
     def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
                     link: Link, now: float) -> None:
