@@ -29,9 +29,9 @@ the request's result.
 A request with an SLA (`sla_tps`: GenerationRequest.sla_tokens_per_s) is chosen for the cloud instead: of every
 protocol, knob and draft tree predicted at SLA_MARGIN times its pace or more, the one whose token adds the least cloud
 compute (costmodel.marginal_cloud_s: its steps less the others' work they carry, from the cloud's report; `_keeping`),
-kept unless another saves SWITCH_GAIN; the fastest when none keeps the pace. A request without an SLA keeps the
-cloud's fleet pace so while the cloud asks for one (its operator's CloudConfig.fleet_pace_tokens_per_s, in the
-report while other devices use it: `pace`).
+kept unless another saves SWITCH_GAIN; the fastest when none keeps the pace. A request without an SLA is chosen the
+same way for the cloud's fleet pace while the cloud asks for one (its operator's CloudConfig.fleet_pace_tokens_per_s,
+in the report while other devices use it: `pace`).
 
 Draft trees: when the device is configured for them (EdgeConfig.tree_nodes > 0, within the cloud's Welcome), sd's
 candidates are the chains of γ and that tree (nodes N, depth D, width W), priced by `predict_tree` with the tokens

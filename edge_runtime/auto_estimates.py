@@ -54,7 +54,8 @@ ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a r
 ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of the prompts' own here (0.55 to 1.00 on
 # the Qwen pair at T = 0, results/auto/trace_T0_lte_load_load-power.json) ...
 ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
-# prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it)
+# prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it);
+# a tree's tokens a round are pulled as much towards its chain's (`tree_tokens_per_round`)
 TREE_PRIOR_ROUNDS = 2.0  # rounds the prompts' tokens a round of a draft tree count as against a request's own (as
 # ALPHA_PRIOR_DRAFTS, some two rounds of drafts, for a chain's α): a prompt whose tree commits 2 a round where the
 # prompts' committed 5 ran it for 14 rounds over lte at 0.66 × llm, its moving average too slow to leave
