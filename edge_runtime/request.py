@@ -16,10 +16,10 @@ from hat_split import protocols
 from hat_split.files.settings import setting
 from hat_split.math.logprobs import MAX_TOP_LOGPROBS, Logprobs
 from hat_split.math.sampling import SamplingParams
+from hat_split.wire.messages import MAX_PACE
 
 MAX_NEW_TOKENS_LIMIT = 8192  # a request asking for more is refused before anything runs
 SEED_LIMIT = 2**63  # seeds name streams in [0, 2**63)
-MAX_SLA_TOKENS_PER_S = 1e4  # a pace above this is a typo, not a service level
 
 OnText = Callable[[str], None]  # the text accepted so far, as it grows (UTF-8 sequences held back until complete)
 OnTokens = Callable[[List[int], Optional[Logprobs]], None]  # each commit's tokens, with their logprobs when asked
@@ -116,8 +116,8 @@ class GenerationRequest:
             raise ValueError(f"allow_lossy lets protocol auto choose a lossy protocol; this request names "
                              f"{self.protocol}")
         sla = self.sla_tokens_per_s
-        if isinstance(sla, bool) or not isinstance(sla, (int, float)) or not 0 <= sla <= MAX_SLA_TOKENS_PER_S:
-            raise ValueError(f"sla_tokens_per_s must be a number of tokens/s in [0, {MAX_SLA_TOKENS_PER_S:g}] "
+        if isinstance(sla, bool) or not isinstance(sla, (int, float)) or not 0 <= sla <= MAX_PACE:
+            raise ValueError(f"sla_tokens_per_s must be a number of tokens/s in [0, {MAX_PACE:g}] "
                              f"(0: none), got {sla!r}")  # NaN and infinities too
         if sla and self.protocol != protocols.AUTO:
             raise ValueError(f"sla_tokens_per_s asks protocol auto to keep a pace at the least cloud compute; this "

@@ -648,7 +648,7 @@ def test_the_first_read_in_a_new_power_mode_rescales_the_draft_step():
     (P.CloudCost([[1.0, 0.1]], duty=-0.1), "CloudCost.duty"),
     (P.CloudCost([[1.0, 0.1]], pace=float("nan")), "CloudCost.pace"),
     (P.CloudCost([[1.0, 0.1]], pace=-4.0), "CloudCost.pace"),
-    (P.CloudCost([[1.0, 0.1]], pace=1e9), "CloudCost.pace"),
+    (P.CloudCost([[1.0, 0.1]], pace=1e5), "CloudCost.pace"),
     (P.CloudCost([[1.0, 0.1]], pace=True), "CloudCost.pace"),
     (P.CloudCost([["x", 0.1]]), r"points\[0\] must be a \(positions, seconds\) pair"),
 ])

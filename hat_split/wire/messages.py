@@ -170,13 +170,13 @@ class CloudCost(msgspec.Struct, frozen=True, omit_defaults=True):
 
 MAX_STEP_S = 3600.0  # a cloud step reported slower than an hour is absurd: refused
 MAX_POSITIONS = 1 << 24  # as a step of more positions
-MAX_PACE = 1e6  # tokens/s: a fleet pace above this is absurd: refused
+MAX_PACE = 1e4  # tokens/s: a pace above this (a request's SLA, a cloud's fleet pace) is a typo, not a service level
 
 
 def cost_curve(cost: CloudCost) -> Tuple[Tuple[float, float], ...]:
     """The report's points, checked (ValueError naming the field): finite, positions in 1..2^24 and increasing,
     seconds in [0, 3600]; batch_tokens, queued, kv_free, others and others_positions finite and >= 0; duty in [0, 1];
-    pace in [0, 10^6] tokens/s.
+    pace in [0, 10^4] tokens/s.
     Empty when the cloud has run no step."""
     for name in ("batch_tokens", "queued", "kv_free", "others", "others_positions"):
         v = getattr(cost, name)
