@@ -197,3 +197,17 @@ def llama_cpp_far_draft_run(smollm2, gguf, n: int, cloud_args: Sequence[str] = (
     q_lm = CausalLM(draft)
     q = warp(q_lm.forward(q_lm.new_state(), ids + tokens[:-1], n_logits=n), SamplingParams(1.0))
     return res, p, q
+
+
+def assert_greedy(target, prompt, tokens, slack=1.5):
+    """Greedy `sd` on a llama.cpp cloud commits the target's argmax up to llama.cpp's own numerics. Its sequences
+    share one KV cache (kv_unified): after a tree's keep, or when another device's crop leaves holes that the next
+    tokens fill, a session's cells are no longer in position order, and CPU flash attention's float16 accumulation
+    follows cell order, moving logits by up to ~1.2 (docs/TREES.md), so at a near-tie the run may take the runner-up.
+    Every committed token must be within `slack` logits of the argmax of a fresh evaluation of its own prefix, and
+    most must be the argmax (a wrong mask, a wrongly kept path or another session's cells miss by far more, at most
+    positions)."""
+    logits = target.forward(target.new_state(), list(prompt) + list(tokens[:-1]), n_logits=len(tokens))
+    picked = logits[np.arange(len(tokens)), tokens]
+    assert (picked >= logits.max(1) - slack).all(), (picked - logits.max(1)).min()
+    assert (logits.argmax(1) == np.asarray(tokens)).mean() >= 0.8

@@ -17,6 +17,7 @@ from hat_split.models.lm import CausalLM
 from hat_split.models.loading import vocab_fingerprint
 from hat_split.net.security import LinkSecurity
 from tests.conftest import serving
+from tests.exactness import assert_greedy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
 
@@ -156,10 +157,11 @@ def test_several_states_in_one_forward_equal_each_alone(lm, smollm2_ids):
 
 def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(smollm2_gguf, smollm2, smollm2_ids):
     """Two devices at once on a llama.cpp target served from a thread: `sd` gives each the target's own greedy
-    tokens, whatever else shares its steps; a split protocol is refused with the reason."""
+    tokens, whatever else shares its steps, up to llama.cpp's numerics (`assert_greedy`: the two sessions' cells
+    interleave in the one KV cache, so a near-tie may go to the runner-up); a split protocol is refused with the
+    reason."""
     target = LlamaCppLM(smollm2_gguf, LlamaCppSettings(n_ctx=2048, n_batch=64, n_threads=2, n_seq_max=8))
     prompts = [smollm2_ids, list(smollm2.tokenizer("def quicksort(xs):\n")["input_ids"])]
-    reference = [target.greedy(p, 20) for p in prompts]
     with serving(target, vocab=vocab_fingerprint(smollm2.tokenizer)) as server:
         config = EdgeConfig(model="smollm2-135m", engine=EngineConfig(backend="llamacpp", n_ctx=1024, threads=1),
                             link=LinkConfig(server.endpoint, security=LinkSecurity.plaintext()), draft_len=3)
@@ -174,7 +176,6 @@ def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(smoll
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert results == reference
         with EdgeRuntime(EdgeConfig(model="smollm2-135m", link=config.link), smollm2) as rt:
             with pytest.raises(Exception, match="run on the torch engine; this cloud runs llama.cpp"):
                 rt.generate(smollm2_ids, "ushape", SamplingParams(0.0), 4, seed=0)
@@ -183,6 +184,9 @@ def test_a_llama_cpp_cloud_batches_devices_and_each_gets_its_greedy_answer(smoll
             with pytest.raises(Exception, match="verifies no draft trees"):
                 rt.generate(smollm2_ids, "sd", SamplingParams(0.0), 4, seed=0)
             assert rt.client.welcome.max_tree_nodes == 0
+    assert all(r is not None and len(r) == 20 for r in results), results  # once the cloud has stopped: one thread
+    for prompt, tokens in zip(prompts, results):
+        assert_greedy(target, prompt, tokens)
 
 
 def test_llama_cpp_on_both_sides_across_processes_gives_the_targets_own_tokens(smollm2_gguf, smollm2, smollm2_ids):

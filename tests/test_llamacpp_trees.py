@@ -17,6 +17,7 @@ from hat_split.math.tree import below_chain
 from hat_split.models.loading import vocab_fingerprint
 from hat_split.net.security import LinkSecurity
 from tests.conftest import serving
+from tests.exactness import assert_greedy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
 
@@ -218,18 +219,6 @@ def test_a_step_leaves_a_tree_whose_paths_do_not_fit_to_the_next(smollm2_gguf, s
         close(rows[0], alone(lm, smollm2_ids, []))
         for n, token in enumerate(nodes):
             close(rows[n + 1], alone(lm, smollm2_ids, [token]))
-
-
-def assert_greedy(target, prompt, tokens, slack=1.5):
-    """Greedy tree `sd` on llama.cpp commits the target's argmax up to llama.cpp's own numerics: after a keep, the
-    kept cells sit among freed ones and CPU flash attention's float16 accumulation follows cell order, moving logits
-    by up to ~1.2 here (`near`), so at a near-tie the tree's run may take the runner-up. Every committed token must be
-    within `slack` logits of the argmax of a fresh evaluation of its own prefix, and most must be the argmax (a wrong
-    mask or a wrongly kept path misses by far more, at most positions)."""
-    logits = target.forward(target.new_state(), list(prompt) + list(tokens[:-1]), n_logits=len(tokens))
-    picked = logits[np.arange(len(tokens)), tokens]
-    assert (picked >= logits.max(1) - slack).all(), (picked - logits.max(1)).min()
-    assert (logits.argmax(1) == np.asarray(tokens)).mean() >= 0.8
 
 
 def _client(endpoint, fingerprint, vocab):
