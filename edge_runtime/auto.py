@@ -410,6 +410,25 @@ class AutoController:
         seg.rounds += 1
 
 
+def choice_text(segment: dict) -> str:
+    """A segment of a response's `auto` list (Segment.as_dict) by its choice: "llm", "sd γ=4", "sd tree 8x8x1",
+    "sd η-chain γ≤8 η=0.4"; llm's chunk is not a choice of the device's and is left out."""
+    if segment.get("tree") is not None:
+        eta = segment.get("eta", 0.0)
+        return f"{segment['protocol']} {'' if eta else 'tree '}{_shape_text(tuple(segment['tree']), eta)}"
+    if segment["protocol"] in DRAFTING and segment.get("knob"):
+        return f"{segment['protocol']} γ={segment['knob']}"
+    return segment["protocol"]
+
+
+def tokens_by_choice(segments: Sequence[dict]) -> Dict[str, int]:
+    """The tokens each choice produced over responses' `auto` segments (`choice_text`), most first."""
+    out: Dict[str, int] = {}
+    for seg in segments:
+        out[choice_text(seg)] = out.get(choice_text(seg), 0) + int(seg["tokens"])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def _eligible_name(pred: Prediction) -> str:
     """The eligible protocol a prediction is of (sd's draft trees are sd's)."""
     return "sd" if pred.protocol == "sd_tree" else pred.protocol

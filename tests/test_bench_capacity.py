@@ -55,10 +55,24 @@ def test_an_auto_column_may_name_the_requests_sla():
     ("requests", 0, "--requests"), ("gamma", 2, "--gamma"),
     ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla"), ("protocols", "llm,warp", "warp"),
     ("protocols", "llm,sd@4", "an SLA pace goes with auto"), ("protocols", "auto@fast", "auto@P"),
-    ("protocols", "auto@0", "auto@P")])
+    ("protocols", "auto@0", "auto@P"), ("branch_margin", -1.0, "--branch-margin"),
+    ("branch_margin", float("nan"), "--branch-margin")])
 def test_bad_arguments_are_refused_before_anything_starts(field, value, message):
     args = argparse.Namespace(protocols="llm,sd,auto", devices="1,2", requests=1, gamma=8, draft_len=4,
-                              cloud_cores=1, sla="4:250")
+                              cloud_cores=1, sla="4:250", branch_margin=1.0)
     setattr(args, field, value)
     with pytest.raises(ValueError, match=message):
         run(args)
+
+
+def test_an_auto_cell_counts_the_tokens_of_each_choice():
+    """What auto ran in a cell (`auto_tokens`): tokens summed per protocol and knob over every request's segments,
+    sd's trees and η-chains by their shape, llm's chunk left out, the most first."""
+    from edge_runtime.auto import Segment, tokens_by_choice
+
+    segs = [Segment("sd", 4, "r", tokens=5), Segment("llm", 8, "r", tokens=12),
+            Segment("sd", 8, "r", tokens=3, tree=(8, 8, 1)), Segment("sd", 4, "r", tokens=9),
+            Segment("sd", 8, "r", tokens=2, tree=(8, 8, 1), eta=0.4), Segment("llm", 4, "r", tokens=1)]
+    dicts = [s.as_dict() for s in segs] + [{"protocol": "slm", "knob": 0, "tokens": 2, "rounds": 0, "reason": "cut"}]
+    assert tokens_by_choice(dicts) == {"sd γ=4": 14, "llm": 13, "sd tree 8x8x1": 3, "sd η-chain γ≤8 η=0.4": 2, "slm": 2}
+    assert list(tokens_by_choice(dicts))[:2] == ["sd γ=4", "llm"] and tokens_by_choice([]) == {}

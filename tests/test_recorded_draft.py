@@ -52,3 +52,34 @@ def test_a_recorded_draft_drafts_what_the_model_drafts(smollm2):
                 res = rt.generate(PROMPT, protocol, SamplingParams(0.0), 12, seed=0)
                 assert res.tokens == target, protocol
             assert rt.generate(PROMPT, "sd", SamplingParams(0.0), 12, seed=0).accepted > 0
+
+
+def test_near_ties_are_the_positions_whose_top_two_are_close():
+    import numpy as np
+
+    from profiles.bench.recorded_draft import near_ties
+
+    logits = np.array([[3.0, 2.5, 0.0], [0.0, 5.0, 1.0], [1.0, 0.9, 1.2], [0.0, 0.0, 9.0]])
+    # position 0: 3.0 vs 2.5 (the other is 1); 1: 4 apart; 2: the path took 1.0, below the top 1.2 (the other is the
+    # top, 2); 3: far apart
+    assert near_ties(logits, [0, 1, 0, 2], 1.0) == [(0, 1), (2, 2)]
+    assert near_ties(logits, [0, 1, 0, 2], 0.0) == []
+    with pytest.raises(ValueError, match="one row of logits per token"):
+        near_ties(logits, [0, 1], 1.0)
+
+
+@pytest.mark.real_models
+def test_a_branch_takes_the_runner_up_then_follows_the_target(smollm2):
+    from hat_split.models.lm import CausalLM
+    from profiles.bench.recorded_draft import branches
+
+    lm = CausalLM(smollm2.model)
+    path = lm.greedy(PROMPT, 6)
+    assert branches(lm, PROMPT, path, 0.0) == []
+    forks = branches(lm, PROMPT, path, 1e9)  # every position a near tie
+    assert len(forks) == len(path) and all(len(f) == len(path) for f in forks)
+    rows = lm.forward(lm.new_state(), PROMPT + path[:-1], n_logits=len(path))
+    for i in (0, 3, 5):
+        fork = forks[i]
+        assert fork[:i] == path[:i] and fork[i] == int(rows[i].argsort()[-2]) != path[i]
+        assert fork[i + 1:] == lm.greedy(PROMPT + fork[:i + 1], len(path) - i - 1)

@@ -7,14 +7,17 @@ estimates) whose draft model is played back (profiles.bench.recorded_draft): the
 from every prefix a greedy request reaches, recorded once here, each forward sleeping what the real model took. So N
 devices cost this machine sleeps, as N boards would cost their own hardware, while the cloud does all of its real
 work (prefill, verification, decoding, batching the devices' steps). Greedy decoding only (what the recording
-covers).
+covers). The cloud batches the devices' steps and so rounds near ties either way (docs/TREES.md): the drafts are
+recorded along the lone target's answer and along its answer after the runner-up at every near tie
+(--branch-margin), so a request that took the runner-up still drafts what the real model would.
 
 For each N of --devices and each protocol (in a rotating order), N devices run --requests requests each, back to
 back, on the recorded prompts, device i starting i/N of a lone llm request's time after the first (arrivals spread
 as a steady stream's are, rather than N prompts at the same instant). Per cell: TTFT (request to its first token)
 and TBT (each commit's gap since the previous one, shared by the tokens it brought) as P50/P99 with n, tokens/s per
 device, the cloud's tokens/s in all, the cloud's own compute per generated token (its step seconds over the cell,
-from its /metrics: what a fleet operator pays for, prefill included), and the drafts that left the recording.
+from its /metrics: what a fleet operator pays for, prefill included), the drafts that left the recording, and for
+auto (auto@P) the tokens each of its choices produced over the cell (`auto_tokens`: "sd γ=4", "llm", …).
 Capacity per protocol and per SLA of --sla (TTFT P99 and TBT P99 bounds): the largest N such that at every size up
 to it both P99s are within the SLA with no failed request. `auto@P` runs auto with the requests' SLA pace P tok/s
 (GenerationRequest.sla_tokens_per_s: the least cloud compute a token that keeps it).
@@ -25,6 +28,7 @@ import argparse
 import os
 import threading
 import time
+from contextlib import nullcontext
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -48,6 +52,9 @@ def add_parser(sub) -> None:
     s.add_argument("--link", default="wifi-near", help="the link profile every device's traffic crosses")
     s.add_argument("--sla", default="4:250,6:500,10:1000",
                    help="SLAs as TTFT_S:TBT_MS pairs (P99 bounds), comma-separated; default %(default)s")
+    s.add_argument("--branch-margin", type=float, default=1.0,
+                   help="also record the draft after the runner-up wherever the target's top two logits are closer "
+                        "than this (a batched cloud may round such a near tie either way); 0: the lone path only")
     s.add_argument("--cloud-cores", type=int, default=1)
     s.add_argument("--out", default="runs/capacity/bench_capacity.json")
 
@@ -57,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
     from edge_runtime.config import EdgeConfig, EngineConfig
     from edge_runtime.engine import Engine
     from hat_split.math.sampling import SamplingParams
-    from hat_split.protocols import check_requestable
+    from hat_split.models.llamacpp_lm import LlamaCppLM, LlamaCppSettings, model_gguf
     from hat_split.prompt_sets import demo_prompts
-    from profiles.bench.recorded_draft import RecordedLM, record
+    from hat_split.protocols import check_requestable
+    from profiles.bench.recorded_draft import RecordedLM, branches, record
     from profiles.bench.rig import Rig
 
     protocols = [p for p in args.protocols.split(",") if p]
@@ -72,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
         sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
     except ValueError:
         raise ValueError(f"--devices: comma-separated fleet sizes, got {args.devices!r}") from None
-    if not sizes or sizes[0] < 1 or args.requests < 1 or args.gamma < args.draft_len:
-        raise ValueError("--devices: positive sizes; --requests >= 1; --gamma >= --draft-len")
+    if not sizes or sizes[0] < 1 or args.requests < 1 or args.gamma < args.draft_len or not args.branch_margin >= 0:
+        raise ValueError("--devices: positive sizes; --requests >= 1; --gamma >= --draft-len; --branch-margin >= 0")
     cores = sorted(os.sched_getaffinity(0))
     if not 0 < args.cloud_cores < len(cores):
         raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the devices need a core of their own)")
@@ -87,20 +95,27 @@ def run(args: argparse.Namespace) -> int:
         base = EdgeConfig(model=args.draft, link=bed.link_config(), draft_len=args.draft_len, overlap_prefill="on",
                           engine=EngineConfig(backend="llamacpp", threads=len(device_cores)))
         real = bed.runtime(base)
-        prompts, recording, lone = [], None, []
-        for p in demo_prompts(args.prompts):
-            ids = list(real.encode_prompt(p.text, chat=p.chat))
-            t0 = time.perf_counter()
-            target = real.generate(ids, "llm", greedy, args.max_new_tokens, seed=0).tokens
-            lone.append(time.perf_counter() - t0)
-            rec = record(real.engine.lm, ids, target, args.gamma)
-            if recording is None:
-                recording = rec
-            else:
-                recording.merge(rec)
-            prompts.append((ids, target))
-            print(f"recorded {len(rec.next_token)} drafts of a {len(ids)}-token prompt: draft step "
-                  f"{1e3 * rec.step_s:.1f} ms, prefill {1e3 * rec.prefill_s_per_token:.2f} ms/token", flush=True)
+        prompts, recording, lone, n_branches = [], None, [], 0
+        settings = LlamaCppSettings(n_ctx=4096, n_threads=len(device_cores))
+        with (LlamaCppLM(model_gguf(args.target), settings) if args.branch_margin > 0 else nullcontext()) as alone:
+            for p in demo_prompts(args.prompts):
+                ids = list(real.encode_prompt(p.text, chat=p.chat))
+                t0 = time.perf_counter()
+                target = real.generate(ids, "llm", greedy, args.max_new_tokens, seed=0).tokens
+                lone.append(time.perf_counter() - t0)
+                rec = record(real.engine.lm, ids, target, args.gamma)
+                forks = branches(alone, ids, target, args.branch_margin) if alone is not None else []
+                for fork in forks:  # the runner-up at a near tie: the draft along the target's answer after it
+                    rec.merge(record(real.engine.lm, ids, fork, args.gamma))
+                n_branches += len(forks)
+                if recording is None:
+                    recording = rec
+                else:
+                    recording.merge(rec)
+                prompts.append((ids, target))
+                print(f"recorded {len(rec.next_token)} drafts of a {len(ids)}-token prompt ({len(forks)} branches at "
+                      f"near ties): draft step {1e3 * rec.step_s:.1f} ms, prefill "
+                      f"{1e3 * rec.prefill_s_per_token:.2f} ms/token", flush=True)
         real.close()
         e = real.engine
         cells: List[dict] = []
@@ -118,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
                       f"{1e3 * cell['tbt_s']['p99']:.0f} ms, {cell['tokens_per_s_per_device']:.2f} tok/s a device, "
                       f"{cell['cloud_tokens_per_s']:.2f} in all, cloud {cell['cloud_ms_per_token']:.0f} ms a token, "
                       f"failed {cell['failed']}, drafts off the recording "
-                      f"{cell['recording_misses']}", flush=True)
+                      f"{cell['recording_misses']}" + (f"; auto ran {_ran_text(cell['auto_tokens'])}"
+                                                         if "auto_tokens" in cell else ""), flush=True)
     report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
               "slas": [{"ttft_p99_s": t, "tbt_p99_s": b} for t, b in slas],
-              "recording": {"entries": len(recording.next_token), "draft_step_s": recording.step_s,
+              "recording": {"entries": len(recording.next_token), "branches": n_branches,
+                            "draft_step_s": recording.step_s,
                             "prefill_s_per_token": recording.prefill_s_per_token, "lone_llm_request_s": lone},
               "cells": cells, "capacity": {sla_label(t, b): capacity(cells, protocols, t, b) for t, b in slas},
               "wall_s": time.perf_counter() - t_start}
@@ -138,6 +155,7 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
     the first."""
     from dataclasses import replace
 
+    from edge_runtime.auto import tokens_by_choice
     from edge_runtime.request import GenerationRequest
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.math.sampling import SamplingParams
@@ -146,6 +164,7 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
     ttft: List[float] = []
     tbt: List[float] = []
     tokens, failed, mismatched = [0], [0], [0]
+    segments: List[dict] = []  # what auto ran, every request's choices
     lock = threading.Lock()
 
     def device(i: int, engine) -> None:
@@ -166,6 +185,7 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
                     continue
                 with lock:
                     tokens[0] += res.n
+                    segments.extend(res.auto or ())
                     mismatched[0] += list(res.tokens) != list(target)
                     if stamps:
                         ttft.append(stamps[0][0] - t0)
@@ -183,7 +203,13 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
             "not_the_targets": mismatched[0], "ttft_s": _pcts(ttft), "tbt_s": _pcts(tbt), "wall_s": wall,
             "cloud_tokens_per_s": tokens[0] / wall, "tokens_per_s_per_device": tokens[0] / wall / n}
     cell["recording_misses"] = sum(e.lm.misses for e in engines)
+    if name == "auto":
+        cell["auto_tokens"] = tokens_by_choice(segments)  # which protocols and knobs the cell's tokens came from
     return cell
+
+
+def _ran_text(by_choice: Dict[str, int]) -> str:
+    return ", ".join(f"{name} ×{n}" for name, n in by_choice.items()) or "nothing"
 
 
 def cloud_step_s(port: int) -> float:

@@ -13,6 +13,12 @@ outside the table (the cloud's batched steps can round a near tie the other way,
 recorded path; a γ above the recording's) drafts token 0, which the cloud rejects unless it is right — the cost of a
 wrong draft, as a real draft model that guessed wrong would have — and is counted (`misses`); `strict` refuses it
 instead, naming the prefix.
+
+A cloud that batches sessions rounds near ties either way (its sessions share one KV cache: docs/TREES.md), so its
+greedy tokens may leave the lone target's path wherever the target's top two logits are close. `near_ties` finds
+those positions from the target's logits along its path, and `branches` gives the target's lone greedy continuation
+after the runner-up at each of them: recording the draft along every branch as well keeps a request that took the
+runner-up on the recording (a second near tie on a branch is not followed: it still misses).
 """
 from __future__ import annotations
 
@@ -65,6 +71,35 @@ def record(lm, prompt: Sequence[int], target: Sequence[int], gamma: int) -> Reco
             lm.forward(state, [seq[-1]], n_logits=0)
             seq.append(int(target[p]))
     return Recording(int(lm.vocab_size), statistics.median(steps), prefill, table)
+
+
+def near_ties(logits: np.ndarray, path: Sequence[int], margin: float) -> List[Tuple[int, int]]:
+    """The positions i of `path` where the target's top two logits (logits[i]: its row before path[i]) are less than
+    `margin` apart, each with the one of the two that path[i] is not."""
+    if logits.ndim != 2 or len(logits) != len(path) or margin < 0:
+        raise ValueError(f"near_ties needs one row of logits per token of the path and a margin >= 0, got "
+                         f"{logits.shape} rows for {len(path)} tokens, margin {margin}")
+    out = []
+    for i, tok in enumerate(path):
+        row = logits[i]
+        first, second = sorted(np.argpartition(row, -2)[-2:], key=lambda t: -row[t])
+        if row[first] - row[second] < margin:
+            out.append((i, int(second if first == tok else first)))
+    return out
+
+
+def branches(target_lm, prompt: Sequence[int], path: Sequence[int], margin: float) -> List[List[int]]:
+    """The target's lone greedy answers of len(path) tokens that take the other token at one near tie of its path
+    (`near_ties`) and follow the target from there."""
+    if margin <= 0 or not path:
+        return []
+    logits = target_lm.forward(target_lm.new_state(), list(prompt) + list(path[:-1]), n_logits=len(path))
+    out = []
+    for i, other in near_ties(logits, path, margin):
+        head = list(path[:i]) + [other]
+        out.append(head + target_lm.greedy(list(prompt) + head, len(path) - len(head)) if len(head) < len(path)
+                   else head)
+    return out
 
 
 @dataclass
