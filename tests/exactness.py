@@ -201,9 +201,10 @@ def llama_cpp_far_draft_run(smollm2, gguf, n: int, cloud_args: Sequence[str] = (
 
 def assert_greedy(target, prompt, tokens, slack=1.5):
     """Greedy `sd` on a llama.cpp cloud commits the target's argmax up to llama.cpp's own numerics. Its sequences
-    share one KV cache (kv_unified): after a tree's keep, or when another device's crop leaves holes that the next
-    tokens fill, a session's cells are no longer in position order, and CPU flash attention's float16 accumulation
-    follows cell order, moving logits by up to ~1.2 (docs/TREES.md), so at a near-tie the run may take the runner-up.
+    share one KV cache (kv_unified): after a tree's keep, or beside another session's cells, drafts and crops, a
+    session's cells sit elsewhere in the cache than a fresh evaluation's, and llama.cpp's CPU attention sums over the
+    cache's cells in their order (float16 with flash attention), moving logits by up to ~1.2 (docs/TREES.md), so at
+    a near-tie the run may take the runner-up.
     Every committed token must be within `slack` logits of the argmax of a fresh evaluation of its own prefix, and
     most must be the argmax (a wrong mask, a wrongly kept path or another session's cells miss by far more, at most
     positions)."""

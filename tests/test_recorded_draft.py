@@ -71,15 +71,22 @@ def test_near_ties_are_the_positions_whose_top_two_are_close():
 @pytest.mark.real_models
 def test_a_branch_takes_the_runner_up_then_follows_the_target(smollm2):
     from hat_split.models.lm import CausalLM
-    from profiles.bench.recorded_draft import branches
+    from profiles.bench.recorded_draft import branches, record
 
     lm = CausalLM(smollm2.model)
     path = lm.greedy(PROMPT, 6)
     assert branches(lm, PROMPT, path, 0.0) == []
     forks = branches(lm, PROMPT, path, 1e9)  # every position a near tie
-    assert len(forks) == len(path) and all(len(f) == len(path) for f in forks)
+    assert [i for i, _ in forks] == list(range(len(path))) and all(len(f) == len(path) for _, f in forks)
     rows = lm.forward(lm.new_state(), PROMPT + path[:-1], n_logits=len(path))
     for i in (0, 3, 5):
-        fork = forks[i]
+        fork = forks[i][1]
         assert fork[:i] == path[:i] and fork[i] == int(rows[i].argsort()[-2]) != path[i]
         assert fork[i + 1:] == lm.greedy(PROMPT + fork[:i + 1], len(path) - i - 1)
+    # a branch's recording from its near tie on: the whole answer's entries from there, none before
+    fork = forks[3][1]
+    whole, tail = record(lm, PROMPT, fork, gamma=2), record(lm, PROMPT, fork, gamma=2, start=3)
+    assert tail.next_token.items() <= whole.next_token.items() and len(tail.next_token) >= len(fork) - 3 + 1
+    assert all(k[:len(PROMPT) + 3] == tuple(PROMPT + fork[:3]) for k in tail.next_token)
+    with pytest.raises(ValueError, match="start <= len"):
+        record(lm, PROMPT, path, 2, start=len(path) + 1)

@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
                 lone.append(time.perf_counter() - t0)
                 rec = record(real.engine.lm, ids, target, args.gamma)
                 forks = branches(alone, ids, target, args.branch_margin) if alone is not None else []
-                for fork in forks:  # the runner-up at a near tie: the draft along the target's answer after it
-                    rec.merge(record(real.engine.lm, ids, fork, args.gamma))
+                for at, fork in forks:  # the runner-up at a near tie: the draft along the target's answer after it
+                    rec.merge(record(real.engine.lm, ids, fork, args.gamma, start=at))
                 n_branches += len(forks)
                 if recording is None:
                     recording = rec

@@ -47,17 +47,20 @@ class Recording:
         self.next_token.update(other.next_token)
 
 
-def record(lm, prompt: Sequence[int], target: Sequence[int], gamma: int) -> Recording:
-    """The real model `lm` from every prefix prompt + target[:p] (p = 0 .. len(target)): a greedy draft of `gamma`
-    tokens, each forward's argmax kept under its prefix; the prompt's prefill and every draft step timed."""
-    if len(prompt) < 2 or gamma < 1:
-        raise ValueError("record needs a prompt of 2 tokens or more and gamma >= 1")
+def record(lm, prompt: Sequence[int], target: Sequence[int], gamma: int, start: int = 0) -> Recording:
+    """The real model `lm` from every prefix prompt + target[:p] (p = start .. len(target)): a greedy draft of `gamma`
+    tokens, each forward's argmax kept under its prefix; the prefill (of the prompt and target[:start]) and every
+    draft step timed. `start` > 0 skips the prefixes a recording of another answer with the same target[:start]
+    already holds (a branch's)."""
+    if len(prompt) < 2 or gamma < 1 or not 0 <= start <= len(target):
+        raise ValueError("record needs a prompt of 2 tokens or more, gamma >= 1 and 0 <= start <= len(target)")
     state = lm.new_state()
+    seq = list(prompt) + list(target[:start])
     t0 = time.perf_counter()
-    lm.forward(state, list(prompt[:-1]), n_logits=0)
-    prefill = (time.perf_counter() - t0) / (len(prompt) - 1)
-    seq, steps, table = list(prompt), [], {}
-    for p in range(len(target) + 1):
+    lm.forward(state, seq[:-1], n_logits=0)
+    prefill = (time.perf_counter() - t0) / (len(seq) - 1)
+    steps, table = [], {}
+    for p in range(start, len(target) + 1):
         base, chain, tok = state.length, [], seq[-1]  # the cache holds seq[:-1]
         for _ in range(gamma):
             t0 = time.perf_counter()
@@ -88,17 +91,17 @@ def near_ties(logits: np.ndarray, path: Sequence[int], margin: float) -> List[Tu
     return out
 
 
-def branches(target_lm, prompt: Sequence[int], path: Sequence[int], margin: float) -> List[List[int]]:
-    """The target's lone greedy answers of len(path) tokens that take the other token at one near tie of its path
-    (`near_ties`) and follow the target from there."""
+def branches(target_lm, prompt: Sequence[int], path: Sequence[int], margin: float) -> List[Tuple[int, List[int]]]:
+    """The target's lone greedy answers of len(path) tokens that take the other token at one near tie i of its path
+    (`near_ties`) and follow the target from there, each with its i (path[:i] is theirs in common)."""
     if margin <= 0 or not path:
         return []
     logits = target_lm.forward(target_lm.new_state(), list(prompt) + list(path[:-1]), n_logits=len(path))
     out = []
     for i, other in near_ties(logits, path, margin):
         head = list(path[:i]) + [other]
-        out.append(head + target_lm.greedy(list(prompt) + head, len(path) - len(head)) if len(head) < len(path)
-                   else head)
+        out.append((i, head + target_lm.greedy(list(prompt) + head, len(path) - len(head)) if len(head) < len(path)
+                    else head))
     return out
 
 
