@@ -89,6 +89,32 @@ def test_the_models_error_at_the_same_request_takes_only_requests_of_one_protoco
     assert same_request_errors([]) == {}
 
 
+def test_the_clouds_compute_a_token_is_priced_on_the_reported_curve_at_the_rows_own_rounds():
+    """The curve auto held (g(1) = 0.1 s, g(5) = 0.2 s) at each fixed row's rounds: llm's 10 decodes over 11 tokens
+    against 0.1 s measured (−9 %); sd's 5 rounds of 4 drafts over 21 tokens against 0.05 s (−5 %), its rounds
+    recorded or, in an older row, tokens − 1 − accepted; rows of another repetition, auto's own, and a row with no
+    cloud seconds are left out."""
+    from profiles.bench.bench_auto import cloud_model_error
+
+    est = {"estimates": {"curve": [[1.0, 0.1], [9.0, 0.3]]}}
+    base = {"rep": 0, "phase": "lte"}
+    rows = [{**base, "protocol": "auto", "predicted": est, "tokens": 21, "drafted": 8, "accepted": 8,
+             "cloud_s_per_token": 0.05},
+            {**base, "protocol": "llm", "tokens": 11, "drafted": 0, "accepted": 0, "cloud_s_per_token": 0.1},
+            {**base, "protocol": "sd", "tokens": 21, "drafted": 20, "accepted": 15, "rounds": 5,
+             "cloud_s_per_token": 0.05},
+            {**base, "protocol": "sd", "tokens": 21, "drafted": 20, "accepted": 15, "cloud_s_per_token": 0.05},
+            {**base, "protocol": "sd", "tokens": 21, "drafted": 20, "accepted": 15, "cloud_s_per_token": 0.0},
+            {"rep": 1, "phase": "lte", "protocol": "llm", "tokens": 11, "drafted": 0, "accepted": 0,
+             "cloud_s_per_token": 1.0}]
+    got = cloud_model_error(rows)
+    assert set(got) == {"llm", "sd"} and got["llm"]["n"] == 1 and got["sd"]["n"] == 2
+    assert got["llm"]["median_error"] == pytest.approx(1.0 / 1.1 - 1)
+    assert got["sd"]["median_error"] == pytest.approx((5 * 0.2 / 21) / 0.05 - 1)
+    assert got["sd"]["max_abs_error"] == pytest.approx(1 - (5 * 0.2 / 21) / 0.05)
+    assert cloud_model_error([r for r in rows if r["protocol"] != "auto"]) == {}
+
+
 def test_ratios_are_paired_request_by_request_and_chain_rows_are_named_by_their_draft_length():
     def row(protocol, rep, rate, phase="lte"):
         return {"phase": phase, "rep": rep, "protocol": protocol, "tokens": 32 if rate else 0,
@@ -146,6 +172,7 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
     autos = [r for r in doc["rows"] if r["protocol"] == "auto"]
     assert all(r["auto"] and r["predicted"]["llm"] for r in autos)
     assert set(doc["summary"]) == {"loopback", "cut:loopback", "load+power:wifi-near", "overall"}
+    assert doc["summary"]["loopback"]["cloud_model_error"]["llm"]["n"] == 1  # priced on the cloud's reported curve
     modes = [r["predicted"]["estimates"]["power_mode"] for r in autos]
     assert modes == ["MAXN", "MAXN", "MODE_15W"], modes  # the device read the stand-in nvpmodel as on a Jetson
 

@@ -339,7 +339,7 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
     n = max(res.n, 1)
     return {"rep": rep, "phase": phase.name, "protocol": name, "tokens": res.n, "total_s": res.total_s,
             "ttft_s": res.ttft_s, "tokens_per_s": s["tokens_per_s"], "steady_tokens_per_s": steady_rate(commits),
-            "alpha": s.get("alpha"), "accepted": res.accepted, "drafted": res.drafted,
+            "alpha": s.get("alpha"), "accepted": res.accepted, "drafted": res.drafted, "rounds": res.rounds,
             "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n,
             "up_bytes_per_token":
             s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
@@ -442,8 +442,42 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
                 errors[name]["median_abs_error_own_alpha"] = statistics.median(own)
         entry["model_error"] = errors
         entry["model_error_same_request"] = same_request_errors(sel)
+        entry["cloud_model_error"] = cloud_model_error(sel)
         out[phase] = entry
     return out
+
+
+def cloud_model_error(rows: List[dict]) -> Dict[str, dict]:
+    """The cloud's compute a token as the cost model prices it against the cloud's own count, per fixed protocol:
+    the curve auto held after its request of the same phase and repetition (the cloud's report, as every device
+    prices it), at the row's own rounds — llm's tokens after the first, one position each; a drafting row's rounds
+    of drafted / rounds + 1 positions (the rounds a row recorded; before rows did, tokens − 1 − accepted, a round
+    committing its accepted drafts and one more) — over the row's tokens, against its cloud seconds a token
+    (prefill left out on both sides). So the curve is checked apart from α: {name: {"n", "median_error" (signed:
+    predicted over measured − 1), "median_abs_error", "max_abs_error"}}."""
+    from hat_split.math.costmodel import CostCurve
+
+    errors: Dict[str, List[float]] = {}
+    for a in rows:
+        curve = (a.get("predicted") or {}).get("estimates", {}).get("curve") if a["protocol"] == "auto" else None
+        if not curve:
+            continue
+        g = CostCurve(tuple(tuple(p) for p in curve)).step_s
+        for f in rows:
+            if f["protocol"] in ("auto", "slm") or (f["rep"], f["phase"]) != (a["rep"], a["phase"]) \
+                    or not f["cloud_s_per_token"] > 0 or f["tokens"] < 2:
+                continue
+            if f["drafted"]:
+                rounds = f.get("rounds") or f["tokens"] - 1 - f["accepted"]
+                if rounds < 1:
+                    continue
+                predicted = rounds * g(f["drafted"] / rounds + 1) / f["tokens"]
+            else:
+                predicted = (f["tokens"] - 1) * g(1) / f["tokens"]
+            errors.setdefault(f["protocol"], []).append(predicted / f["cloud_s_per_token"] - 1)
+    return {name: {"n": len(v), "median_error": statistics.median(v),
+                   "median_abs_error": statistics.median(abs(x) for x in v), "max_abs_error": max(abs(x) for x in v)}
+            for name, v in sorted(errors.items())}
 
 
 def same_request_errors(rows: List[dict]) -> Dict[str, dict]:
@@ -542,4 +576,7 @@ def print_summary(report: dict) -> None:
         err += ("; at the same request " + ", ".join(
             f"{k} {100 * v['median_abs_error']:.0f} % (at most {100 * v['max_abs_error']:.0f} %, n={v['n']})"
             for k, v in same.items())) if same else ""
+        cloud = e.get("cloud_model_error") or {}
+        err += ("; the cloud's compute a token as priced " + ", ".join(
+            f"{k} {100 * v['median_error']:+.0f} % (n={v['n']})" for k, v in cloud.items())) if cloud else ""
         print(f"{phase:>16}: tok/s {cells}{ratio}{err}")
