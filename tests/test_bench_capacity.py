@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from profiles.bench.bench_capacity import between_tokens, capacity, parse_slas, run, step_seconds_of, with_sla
+from profiles.bench.bench_capacity import Column, between_tokens, capacity, column, parse_slas, run, step_seconds_of
 
 
 def test_the_tokens_of_a_commit_share_its_gap():
@@ -45,17 +45,19 @@ def test_the_clouds_step_seconds_are_read_off_its_metrics_page():
         step_seconds_of("hatspec_cloud_batch_tokens_sum 3.0\n")
 
 
-def test_an_auto_column_may_name_the_requests_sla():
-    assert with_sla("auto@4") == ("auto", 4.0) and with_sla("auto@2.5") == ("auto", 2.5)
-    assert with_sla("llm") == ("llm", 0.0)
+def test_an_auto_column_may_name_the_requests_sla_or_the_clouds_fleet_pace():
+    assert column("auto@4") == Column("auto", sla=4.0) and column("auto@2.5") == ("auto", 2.5, 0.0)
+    assert column("llm") == ("llm", 0.0, 0.0)
+    assert column("auto~2") == Column("auto", fleet_pace=2.0)  # on a cloud with the operator's pace
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("devices", "0,2", "positive sizes"), ("devices", "1,two", "comma-separated fleet sizes"),
     ("requests", 0, "--requests"), ("gamma", 2, "--gamma"),
     ("cloud_cores", 99, "--cloud-cores"), ("sla", "4-250", "--sla"), ("protocols", "llm,warp", "warp"),
-    ("protocols", "llm,sd@4", "an SLA pace goes with auto"), ("protocols", "auto@fast", "auto@P"),
-    ("protocols", "auto@0", "auto@P"), ("branch_margin", -1.0, "--branch-margin"),
+    ("protocols", "llm,sd@4", "a pace goes with auto"), ("protocols", "auto@fast", "auto@P"),
+    ("protocols", "auto@0", "auto@P"), ("protocols", "llm~2", "auto~P"), ("protocols", "auto~1e5", "auto~P"),
+    ("protocols", "auto~nan", "auto~P"), ("branch_margin", -1.0, "--branch-margin"),
     ("branch_margin", float("nan"), "--branch-margin")])
 def test_bad_arguments_are_refused_before_anything_starts(field, value, message):
     args = argparse.Namespace(protocols="llm,sd,auto", devices="1,2", requests=1, gamma=8, draft_len=4,

@@ -20,19 +20,22 @@ from its /metrics: what a fleet operator pays for, prefill included), the drafts
 auto (auto@P) the tokens each of its choices produced over the cell (`auto_tokens`: "sd γ=4", "llm", …).
 Capacity per protocol and per SLA of --sla (TTFT P99 and TBT P99 bounds): the largest N such that at every size up
 to it both P99s are within the SLA with no failed request. `auto@P` runs auto with the requests' SLA pace P tok/s
-(GenerationRequest.sla_tokens_per_s: the least cloud compute a token that keeps it).
+(GenerationRequest.sla_tokens_per_s: the least cloud compute a token that keeps it); `auto~P` runs auto, its
+requests naming no pace, on a cloud of its own started with `--fleet-pace-tokens-per-s P` (the operator's pace for
+such requests while other devices use the cloud), beside the other columns' and pinned to the same core(s).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import threading
 import time
-from contextlib import nullcontext
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple
 
 import numpy as np
 
+from hat_split.wire.messages import MAX_PACE
 from profiles.bench.provenance import write_report
 
 
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if not protocols:
         raise ValueError("--protocols: none given")
     for name in protocols:
-        check_requestable(with_sla(name)[0])  # a ValueError naming the known ones
+        check_requestable(column(name).protocol)  # a ValueError naming the known ones
     slas = parse_slas(args.sla)
     try:
         sizes = sorted({int(n) for n in args.devices.split(",") if n.strip()})
@@ -89,15 +92,22 @@ def run(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, device_cores)
     greedy = SamplingParams(0.0)
     t_start = time.perf_counter()
-    metrics_port = free_port()
-    with Rig(args.target, cloud_args=["--engine", "llamacpp", "--metrics-port", str(metrics_port)],
-             threads=len(cloud_cores), cloud_cpus=cloud_cores, link=args.link) as bed:
+    clouds: Dict[float, tuple] = {}  # a fleet pace (0: none) -> its cloud's rig and metrics port
+    with contextlib.ExitStack() as stack:
+        for pace in sorted({0.0} | {column(name).fleet_pace for name in protocols}):
+            port = free_port()
+            extra = ["--fleet-pace-tokens-per-s", f"{pace:g}"] if pace else []
+            clouds[pace] = (stack.enter_context(Rig(
+                args.target, cloud_args=["--engine", "llamacpp", "--metrics-port", str(port), *extra],
+                threads=len(cloud_cores), cloud_cpus=cloud_cores, link=args.link)), port)
+        bed = clouds[0.0][0]  # the cloud without a fleet pace: the recording's, and every column's but auto~P's
         base = EdgeConfig(model=args.draft, link=bed.link_config(), draft_len=args.draft_len, overlap_prefill="on",
                           engine=EngineConfig(backend="llamacpp", threads=len(device_cores)))
         real = bed.runtime(base)
         prompts, recording, lone, n_branches = [], None, [], 0
         settings = LlamaCppSettings(n_ctx=4096, n_threads=len(device_cores))
-        with (LlamaCppLM(model_gguf(args.target), settings) if args.branch_margin > 0 else nullcontext()) as alone:
+        lone_target = LlamaCppLM(model_gguf(args.target), settings) if args.branch_margin > 0 else None
+        with (lone_target or contextlib.nullcontext()) as alone:
             for p in demo_prompts(args.prompts):
                 ids = list(real.encode_prompt(p.text, chat=p.chat))
                 t0 = time.perf_counter()
@@ -124,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
             for name in order:
                 engines = [Engine(RecordedLM(recording), e.tokenizer, e.vocab_size, e.model_name, e.fingerprint,
                                   e.eos_ids) for _ in range(n)]
-                steps_before = cloud_step_s(metrics_port)
-                cell = _cell(bed, base, engines, name, prompts, args, spread_s=sum(lone) / len(lone))
-                cell["cloud_step_s"] = cloud_step_s(metrics_port) - steps_before
+                rig, port = clouds[column(name).fleet_pace]
+                steps_before = cloud_step_s(port)
+                cell = _cell(rig, base, engines, name, prompts, args, spread_s=sum(lone) / len(lone))
+                cell["cloud_step_s"] = cloud_step_s(port) - steps_before
                 cell["cloud_ms_per_token"] = 1e3 * cell["cloud_step_s"] / max(1, cell["tokens"])
                 cells.append(cell)
                 print(f"N={n:>3} {name:>5}: TTFT P99 {cell['ttft_s']['p99']:.2f} s, TBT P99 "
@@ -160,7 +171,7 @@ def _cell(bed, base, engines, protocol: str, prompts, args, spread_s: float) -> 
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.math.sampling import SamplingParams
 
-    name, sla = with_sla(protocol)
+    name, sla = column(protocol)[:2]
     ttft: List[float] = []
     tbt: List[float] = []
     tokens, failed, mismatched = [0], [0], [0]
@@ -228,19 +239,32 @@ def step_seconds_of(text: str) -> float:
     raise ValueError("the cloud's /metrics has no hatspec_cloud_step_seconds_sum")
 
 
-def with_sla(name: str) -> Tuple[str, float]:
-    """A --protocols entry: the protocol and the SLA pace its requests name ("auto@4": auto keeping 4 tok/s at the
-    least cloud compute a token; 0: none)."""
-    protocol, at, pace = name.partition("@")
-    if not at:
-        return name, 0.0
-    try:
-        sla = float(pace)
-    except ValueError:
-        sla = -1.0
-    if protocol != "auto" or not 0 < sla < 1e4:
-        raise ValueError(f"--protocols: {name!r}: an SLA pace goes with auto, as auto@P with P tok/s > 0")
-    return protocol, sla
+class Column(NamedTuple):
+    """A --protocols entry: the protocol, the SLA pace its requests name, and the fleet pace of the cloud it runs on
+    (tok/s; 0: none)."""
+
+    protocol: str
+    sla: float = 0.0
+    fleet_pace: float = 0.0
+
+
+def column(name: str) -> Column:
+    """"auto@4": auto whose requests keep 4 tok/s at the least cloud compute a token (sla_tokens_per_s); "auto~4":
+    auto whose requests name no pace, on a cloud started with --fleet-pace-tokens-per-s 4 (the operator's pace for
+    them); any other name: the protocol as it is."""
+    for mark, field in (("@", "sla"), ("~", "fleet_pace")):
+        protocol, at, pace = name.partition(mark)
+        if not at:
+            continue
+        try:
+            value = float(pace)
+        except ValueError:
+            value = -1.0
+        if protocol != "auto" or not 0 < value <= MAX_PACE:
+            raise ValueError(f"--protocols: {name!r}: a pace goes with auto, as auto@P (the requests' SLA) or auto~P "
+                             f"(the cloud's fleet pace) with 0 < P <= {MAX_PACE:g} tok/s")
+        return Column(protocol, **{field: value})
+    return Column(name)
 
 
 def between_tokens(commits: List[tuple]) -> List[float]:
