@@ -425,7 +425,8 @@ def tokens_by_choice(segments: Sequence[dict]) -> Dict[str, int]:
     """The tokens each choice produced over responses' `auto` segments (`choice_text`), most first."""
     out: Dict[str, int] = {}
     for seg in segments:
-        out[choice_text(seg)] = out.get(choice_text(seg), 0) + int(seg["tokens"])
+        name = choice_text(seg)
+        out[name] = out.get(name, 0) + int(seg["tokens"])
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 

@@ -458,15 +458,16 @@ def cloud_model_error(rows: List[dict]) -> Dict[str, dict]:
     from hat_split.math.costmodel import CostCurve
 
     errors: Dict[str, List[float]] = {}
+    fixed: Dict[tuple, List[dict]] = {}  # the fixed rows by (repetition, phase)
+    for f in rows:
+        if f["protocol"] not in ("auto", "slm") and f["cloud_s_per_token"] > 0 and f["tokens"] >= 2:
+            fixed.setdefault((f["rep"], f["phase"]), []).append(f)
     for a in rows:
         curve = (a.get("predicted") or {}).get("estimates", {}).get("curve") if a["protocol"] == "auto" else None
         if not curve:
             continue
         g = CostCurve(tuple(tuple(p) for p in curve)).step_s
-        for f in rows:
-            if f["protocol"] in ("auto", "slm") or (f["rep"], f["phase"]) != (a["rep"], a["phase"]) \
-                    or not f["cloud_s_per_token"] > 0 or f["tokens"] < 2:
-                continue
+        for f in fixed.get((a["rep"], a["phase"]), ()):
             if f["drafted"]:
                 rounds = f.get("rounds") or f["tokens"] - 1 - f["accepted"]
                 if rounds < 1:
