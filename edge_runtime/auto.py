@@ -301,6 +301,13 @@ class AutoController:
                     best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
                 why += f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth it
                 best = held
+            same = self._running(cands, current)
+            if same is not None and _eligible_name(same[1]) == _eligible_name(best) and same[1] is not best and \
+                    best.tokens_per_s < SWITCH_GAIN * same[1].tokens_per_s:
+                faster = _label(best, text if best.protocol == "sd_tree" else "")
+                best_tree, best = same
+                mine = _label(best, _shape_text(best_tree, self._eta_of(best_tree)) if best_tree else "")
+                why += f"; {mine} kept: {faster} is within {SWITCH_GAIN:.2f}× of it"
         # one token behind is no catch-up: the last draft of a round wholly accepted, which the next round's first
         # draft step feeds with its own token (observe_sd does not count it either); priced as one (a 64-token
         # forward, when the catch-up model was flat below its smallest size) it drove auto off sd after its best rounds
@@ -332,6 +339,20 @@ class AutoController:
         tree = best_tree if best.protocol == "sd_tree" else None
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, text) + why,
                       rates, tree, self._eta_of(tree))
+
+    @staticmethod
+    def _running(cands: Candidates, current: Optional[Segment]) -> Optional[Tuple[Optional[Shape], Prediction]]:
+        """The candidate (tree shape or None, prediction) of the knob or draft tree running now when the running
+        segment was a prediction's choice (not a measuring or probing round); else None. sd's chains and trees are
+        one protocol to SWITCH_GAIN, yet their predictions differ by less than the estimates' own noise on a loaded
+        cloud: choosing afresh every round flipped a request among γ 5, 6, 7 and the η-chain eight times in 32
+        tokens (docs/AUTO.md "A shape is kept as a protocol is")."""
+        if current is None or not current.reason.startswith("predicted"):
+            return None
+        for shape, pred in cands.get(current.protocol, ()):
+            if shape == current.tree and (shape is not None or pred.knob == current.knob):
+                return shape, pred
+        return None
 
     def _within_sla(self, kept: Tuple[Optional[Shape], Prediction], cands: Candidates,
                     current: Optional[Segment]) -> Tuple[Optional[Shape], Prediction, str]:

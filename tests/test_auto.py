@@ -89,6 +89,42 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert fresh.decide(Link(0.01)).protocol == "llm"
 
 
+def test_a_knob_or_tree_running_is_kept_unless_another_promises_a_clear_gain():
+    """sd's chains of γ and its draft trees are one protocol, yet a switch among them needs SWITCH_GAIN too: running
+    γ within 1.10× of the best γ, it is kept (and said so); one clearly behind gives way; a tree running is kept
+    against a chain within 1.10×; a measuring round binds nothing."""
+    from edge_runtime.auto import SWITCH_GAIN
+
+    est = _estimates(0.8, 0.02, step_1=0.2, step_9=0.26)
+    c = _controller(est)
+    chains = {p.knob: p.tokens_per_s for _, p in c._candidates(Link(0.01), est.curve())["sd"]}
+    best = max(chains, key=chains.get)
+    close = next(k for k in sorted(chains, key=lambda k: abs(k - best)) if k != best
+                 and chains[best] < SWITCH_GAIN * chains[k])
+    far = min(chains, key=chains.get)
+    assert chains[best] > SWITCH_GAIN * chains[far], chains
+    assert c.decide(Link(0.01)).knob == best
+    c.record(Choice("sd", close, "predicted", {}), 3)
+    kept = c.decide(Link(0.01))
+    assert (kept.protocol, kept.knob, kept.tree) == ("sd", close, None), kept
+    assert kept.reason.endswith(f"sd γ={close} kept: sd γ={best} is within 1.10× of it"), kept.reason
+    c.record(Choice("sd", far, "predicted", {}), 3)
+    assert c.decide(Link(0.01)).knob == best  # a clear gain: the switch
+    c.record(Choice("sd", close, "measuring sd: 2 of 3 rounds", {}), 3)
+    assert c.decide(Link(0.01)).knob == best  # measuring: nothing to keep
+    shape = (8, 8, 1)  # a tree (a chain of 8 here) running, the chains a little ahead of it: kept
+    tree = _controller(est, trees=(shape,))
+    for tokens in (4, 4, 5):
+        est.observe_tree(shape, tokens, 8 * 0.02, 0.26, 80 + 8 * 6, 100, 8 * 0.02 + 0.26 + 0.01 + 0.002, Link(0.01),
+                         now=0.0)
+        tree.record(Choice("sd", 8, "measuring", {}, shape), tokens)
+    priced = tree.at_tree(shape, Link(0.01))
+    assert chains[best] < SWITCH_GAIN * priced.tokens_per_s < SWITCH_GAIN * chains[best], (priced, chains)
+    tree.record(Choice("sd", 8, "predicted", {}, shape), 4)
+    held = tree.decide(Link(0.01))
+    assert held.tree == shape and f"kept: sd γ={best} is within 1.10× of it" in held.reason, held
+
+
 def test_a_probe_of_llm_decodes_one_token():
     """sd clearly ahead: after PROBE_EVERY rounds without llm, llm runs one round of a single token (its overhead
     and a step are what a probe measures; a chunk would commit c tokens at the slower rate), then sd again."""
