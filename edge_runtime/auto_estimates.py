@@ -283,9 +283,13 @@ class AutoEstimates:
             a.begin()
         self.tree_request.clear()
 
-    def take_report(self, cost: Optional[P.CloudCost]) -> bool:
+    def take_report(self, cost: Optional[P.CloudCost], now: Optional[float] = None) -> bool:
         """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
-        malformed. None (an older cloud) changes nothing."""
+        malformed. None (an older cloud) changes nothing. A busy cloud's curve is its steps of the last moments
+        (other devices' work runs through them back to back): at `now` (the caller's monotonic clock) the speed's
+        clock starts from it, so the next step moves the curve by its share of the time since (SpeedDrift), not all
+        the way — one step of a busy cloud strays from the curve by its batch's make-up (docs/AUTO.md "A busy cloud's
+        report is fresh"). An idle cloud's points may be minutes old: the next step moves them all the way."""
         if cost is None:
             return False
         try:
@@ -309,6 +313,8 @@ class AutoEstimates:
             self.speed = SpeedDrift()  # ... and the next step measures its speed afresh
             self.step_var = None
         self.cloud_busy = busy
+        if busy and points and now is not None:
+            self.speed.at = now if self.speed.at is None else max(self.speed.at, now)
         self.fleet_pace = float(cost.pace) if cost.others > 0 else 0.0  # alone, its compute saved serves no one
         return True
 

@@ -262,7 +262,7 @@ def _teaching(round_fn, protocol: str, estimates: AutoEstimates):
         if not opened[0]:
             opened[0] = True
             estimates.begin_request(sampling_kind(session.params))
-            estimates.take_report(session.cloud_cost)
+            estimates.take_report(session.cloud_cost, time.monotonic())
             if session.monitor is not None:
                 estimates.take_mode(session.monitor.power_mode)
         tree = tree_shape(session.config, session.client.welcome) if protocol == "sd" else None

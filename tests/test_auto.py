@@ -449,6 +449,25 @@ def test_the_speed_drift_is_weighed_by_time_and_bounded():
         SpeedDrift(tau_s=0.0)
 
 
+def test_a_busy_clouds_report_starts_the_speeds_clock():
+    """A busy cloud's report is its steps of the last moments: the first step after it, a second later and at 0.6 of
+    the curve (a step of another batch's make-up), moves every point by 0.6^(1 − exp(−1 / τ)), not all the way. An
+    idle cloud's report, or one taken without a time, leaves the clock where it was: that step moves the curve all
+    the way (the share of the 101 s since the last step), as the first step after a pause does."""
+    from hat_split.math.chunking import DRIFT_TAU_S, SpeedDrift
+
+    curve = [[1.0, 0.04], [8.0, 0.20], [16.0, 0.36], [32.0, 0.68]]
+    since_report, since_step = (1.0 - math.exp(-dt / DRIFT_TAU_S) for dt in (1.0, 101.0))
+    for busy, now, share in ((True, 100.0, since_report), (False, 100.0, since_step), (True, None, since_step)):
+        est = _estimates(0.8, 0.01, step_1=0.04, step_9=0.2)
+        est.observed, est.speed = DelayModel(), SpeedDrift(at=0.0)  # the report alone; a step seen long ago
+        report = P.CloudCost(curve, others=8, others_positions=8.0) if busy else P.CloudCost(curve)
+        assert est.take_report(report, now=now) and est.cloud_busy == busy
+        verify = est.curve(now=101.0).step_s(16)
+        est.observe_llm(1, 0.6 * est.curve(now=101.0).step_s(1), 90, 30, 0.5, Link(0.01), now=101.0)
+        assert est.curve(now=101.0).step_s(16) == pytest.approx(verify * 0.6 ** share), (busy, now)
+
+
 def test_a_busy_clouds_report_prices_every_step_with_the_others_in_it():
     """No round of its own measured under the load yet: the cloud's report (8 other positions in its steps, work
     waiting) alone moves the choice from llm to sd: an llm round's 8 steps each carry the others, a verify once. (A

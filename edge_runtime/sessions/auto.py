@@ -73,7 +73,7 @@ class AutoSession(TokenSession):
             super().open(prompt)
         finally:
             self._opening = False
-        self.auto.estimates.take_report(self.cloud_cost)
+        self.auto.estimates.take_report(self.cloud_cost, time.monotonic())
 
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
@@ -91,7 +91,7 @@ class AutoSession(TokenSession):
 
     def reopen(self, prompt: List[int]) -> None:
         super().reopen(prompt)
-        self.auto.estimates.take_report(self.cloud_cost)
+        self.auto.estimates.take_report(self.cloud_cost, time.monotonic())
 
     def auto_round(self) -> None:
         """One round of the protocol the controller picks; its figures go to the estimates."""
