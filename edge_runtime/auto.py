@@ -18,7 +18,9 @@ alone are the last mode's scaled by the board's slowdown as the first read in th
 opening reads the prompt whatever auto runs next: `observe_catch_up`). A protocol that has not run
 for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
 current, never as a request's first round and, for a drafting protocol, only when its catch-up is one round's tokens
-at most; llm's probe decodes one token (its round overhead and a step are what it measures, and a chunk of c at
+at most and its price is within reach of the best (`_reaches`: READ_AHEAD_REACH of it; below, a probe could switch
+only were the model 25 % off, more than its error here, and on loopback each probe cost 7-15 % of a 32-token
+request where only llm ran); llm's probe decodes one token (its round overhead and a step are what it measures, and a chunk of c at
 llm's rate is c tokens at the slower protocol's: under load, where a step costs a second here, a probe of 8 cost
 some 5 s of a 32-token request). What changes fast (the cloud's load, the link) needs no probe: the cloud reports
 its cost curve and its queue with every session opening, the device's own points of that curve older than
@@ -38,7 +40,9 @@ candidates are the chains of γ and that tree (nodes N, depth D, width W), price
 per round its own rounds committed (a moving average; a tree's acceptance has no closed form here) — before any,
 with the chain of depth D's (1 − α^(D+1)) / (1 − α), the least a tree holding that chain commits — its drafting
 time per round in draft steps, its round overhead, and its uplink bytes per node as measured. Once sd is measured
-the tree runs MEASURE_ROUNDS rounds to be measured, and again after PROBE_EVERY rounds without it.
+the tree runs MEASURE_ROUNDS rounds to be measured, and again after PROBE_EVERY rounds without it, each only while
+it could win (`_could_win`): a tree not measured yet priced at the most it commits (its depth + 1 a round), a
+measured one at its own rounds', within reach of the best.
 """
 from __future__ import annotations
 
@@ -182,10 +186,12 @@ class AutoController:
         """The cost model's prediction of sd with the draft tree `shape` (as `at` for a chain)."""
         return self._at_tree(shape, link, self.estimates.curve(now))
 
-    def _at_tree(self, shape: Shape, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
-        """sd with the draft tree `shape` (protocol "sd_tree", knob = its nodes); None while it cannot be priced."""
+    def _at_tree(self, shape: Shape, link: Link, curve: Optional[CostCurve],
+                 tokens: Optional[float] = None) -> Optional[Prediction]:
+        """sd with the draft tree `shape` (protocol "sd_tree", knob = its nodes); None while it cannot be priced.
+        tokens: a round's tokens to price it at (default: as estimated, AutoEstimates.tree_tokens_per_round)."""
         est = self.estimates
-        tokens = est.tree_tokens_per_round(shape)
+        tokens = est.tree_tokens_per_round(shape) if tokens is None else tokens
         if curve is None or not est.measured.get("sd") or tokens is None:
             return None
         nodes, depth, _ = shape
@@ -241,6 +247,17 @@ class AutoController:
         keep = [sp for n, preds in cands.items() if name in (None, n) for sp in preds if sp[1].tokens_per_s >= floor]
         return min(keep, key=lambda sp: (self.cloud_cost(sp[1]), -sp[1].tokens_per_s)) if keep else None
 
+    def _could_win(self, shape: Shape, measuring: bool, link: Link, now: Optional[float],
+                   preds: Dict[str, Prediction]) -> bool:
+        """Whether a round of sd's draft tree `shape` could change auto's choice: its price within reach of the best
+        (`_reaches`) — a tree not measured yet at the most it can commit, its depth + 1 tokens a round (its prior,
+        the chain of its depth, is the least: a tree that commits 6 a round over a GPU cloud was priced below llm by
+        it), a measured one at its own rounds' (a probe of a tree out of reach cost 7-15 % of a 32-token request
+        on loopback, where only llm ran)."""
+        curve = self.estimates.curve(now)
+        pred = self._at_tree(shape, link, curve, float(shape[1] + 1) if measuring else None)
+        return pred is not None and self._reaches(pred, preds)
+
     def _shapes(self) -> List[Shape]:
         """The draft trees sd's best is chosen among: the configured ones, and the η-chain once measured."""
         eta = self.eta_chain
@@ -281,10 +298,10 @@ class AutoController:
             return Choice(name, min(4, self.max_draft), f"measuring {name}{kind}: {ran[name]} of {MEASURE_ROUNDS} "
                           "rounds", rates)
         if self.trees and "sd" in preds:
-            for shape in self.trees:  # each shape measured in turn, then probed when it has not run for a while
-                measuring = est.tree_rounds_of(shape) < MEASURE_ROUNDS
-                if measuring or (current is not None and est.idle.get(tree_key(shape), 0) >= PROBE_EVERY
-                                 and behind <= 1):
+            for shape in self.trees:  # each shape measured in turn, then probed when it has not run for a while:
+                measuring = est.tree_rounds_of(shape) < MEASURE_ROUNDS  # both only while it could win (`_could_win`)
+                if (measuring or (current is not None and est.idle.get(tree_key(shape), 0) >= PROBE_EVERY
+                                  and behind <= 1)) and self._could_win(shape, measuring, link, now, preds):
                     what = (f"measuring sd's tree {tree_text(shape)}: {est.tree_rounds_of(shape)} of "
                             f"{MEASURE_ROUNDS} rounds" if measuring else
                             f"probing sd's tree {tree_text(shape)}: not run for {PROBE_EVERY} rounds")
@@ -329,7 +346,7 @@ class AutoController:
             return Choice("sd", self.max_draft, turn, rates, self.eta_chain, self.eta)
         stale = [p for p in preds.values() if p.protocol != best.protocol and current is not None
                  and est.idle.get(p.protocol, 0) >= PROBE_EVERY
-                 and (p.protocol not in DRAFTING or behind <= self.chunk)]
+                 and (p.protocol not in DRAFTING or (behind <= self.chunk and self._reaches(p, preds)))]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             if alt.protocol == "llm":  # LLM_EXPLORE_TOKENS: measured at 1/chunk of the cost
@@ -391,10 +408,16 @@ class AutoController:
             return False
         if any(name not in preds for name in drafting):
             return True
+        return any(self._reaches(preds[name], preds) for name in drafting)
+
+    def _reaches(self, pred: Prediction, preds: Dict[str, Prediction]) -> bool:
+        """Whether `pred` is within reach of the best of `preds`: READ_AHEAD_REACH of its tokens/s or more (under
+        the request's SLA, of the pace with its margin when the best keeps it). Below that, the model would have to
+        be 1 / READ_AHEAD_REACH - 1 = 25 % off for it to win: more than its error against what ran here."""
         best = max(p.tokens_per_s for p in preds.values())
         if self.pace > 0 and best >= SLA_MARGIN * self.pace:  # under an SLA: whether it keeps the pace
             best = SLA_MARGIN * self.pace
-        return any(preds[name].tokens_per_s >= READ_AHEAD_REACH * best for name in drafting)
+        return pred.tokens_per_s >= READ_AHEAD_REACH * best
 
     def local_wins(self, rtt_s: float) -> str:
         """Why slm (the device alone) is predicted faster than the best exact protocol by SWITCH_GAIN — under the

@@ -89,6 +89,34 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert fresh.decide(Link(0.01)).protocol == "llm"
 
 
+def test_a_drafting_protocol_out_of_reach_is_neither_probed_nor_its_tree_measured():
+    """sd predicted below READ_AHEAD_REACH of llm (a slow draft step): a probe could switch only were the model more
+    than 25 % off, so after PROBE_EVERY rounds llm keeps running, and the configured tree, out of reach even were
+    every round to commit its depth + 1, is not measured (each cost 7-15 % of a 32-token request on loopback where
+    only llm ran); once the estimates bring sd within reach, the tree is measured and sd probed."""
+    from edge_runtime.auto import READ_AHEAD_REACH
+
+    for trees in ((), ((8, 8, 1),)):
+        est = _estimates(0.1, 0.3, step_1=0.2, step_9=0.24)
+        c = _controller(est, trees=trees)
+        preds = c.predictions(Link(0.01))
+        assert preds["sd"].tokens_per_s < READ_AHEAD_REACH * preds["llm"].tokens_per_s, preds
+        for _ in range(PROBE_EVERY + 4):
+            choice = c.decide(Link(0.01), behind=1)
+            assert choice.protocol == "llm" and choice.reason.startswith("predicted"), choice
+            c.record(choice, 8)
+        assert est.idle["sd"] > PROBE_EVERY and est.tree_rounds_of((8, 8, 1)) == 0
+        assert not c.sd_within_reach(c.predictions(Link(0.01)))
+        est.draft_step_s = 0.05  # the draft step measured faster (a new power mode): sd at 0.84× llm, within reach
+        assert c.sd_within_reach(c.predictions(Link(0.01)))
+        turn = c.decide(Link(0.01), behind=1)
+        assert turn.protocol == "sd", turn
+        if trees:  # the tree is measured first (a round of sd's, which probes sd too)
+            assert turn.tree == (8, 8, 1) and turn.reason == "measuring sd's tree 8x8x1: 0 of 3 rounds", turn
+        else:
+            assert turn.tree is None and turn.reason == "probing sd: not run for 24 rounds", turn
+
+
 def test_a_knob_or_tree_running_is_kept_unless_another_promises_a_clear_gain():
     """sd's chains of γ and its draft trees are one protocol, yet a switch among them needs SWITCH_GAIN too: running
     γ within 1.10× of the best γ, it is kept (and said so); one clearly behind gives way; a tree running is kept
@@ -1037,13 +1065,18 @@ def test_a_draft_tree_is_measured_then_priced_from_its_own_rounds():
     """With a tree configured, sd's tree runs MEASURE_ROUNDS rounds once sd is measured (its prior: the chain of its
     depth's expected tokens, the least it commits); then it is priced from its own rounds. A cloud whose verify of
     33 positions costs about one step (a GPU with captured graphs) over a 100 ms round trip: the tree's 6 tokens a
-    round win over chains and llm; a CPU cloud where 33 positions cost 12 steps: no tree."""
+    round win over chains and llm; a CPU cloud where 33 positions cost 12 steps: no tree (measured when a round of
+    its depth + 1 tokens could reach llm, not measured when even that could not)."""
     shape = (32, 8, 4)
-    for step_33, want_tree in ((0.022, True), (1.2, False)):
-        est = _estimates(0.7, 0.005, step_1=0.1 if step_33 > 1 else 0.02, step_9=0.3 if step_33 > 1 else 0.021)
+    for step_33, want_tree in ((1.2, False), (0.022, True), (0.6, False)):
+        est = _estimates(0.7, 0.005, step_1=0.1 if step_33 > 0.1 else 0.02, step_9=0.3 if step_33 > 0.1 else 0.021)
         est.observed.observe(33, step_33)
         c = _controller(est, trees=(shape,))
         assert est.tree_tokens_per_round(shape) == pytest.approx((1 - 0.7 ** 9) / (1 - 0.7))
+        if step_33 > 1:  # 9 tokens a round at 1.35 s: below READ_AHEAD_REACH of llm's 8.9 tok/s, never measured
+            pick = c.decide(Link(0.1))
+            assert pick.tree is None and pick.reason.startswith("predicted llm"), pick
+            continue
         for _ in range(3):
             first = c.decide(Link(0.1))
             assert first.tree == shape and first.knob == 32 and first.reason.startswith("measuring sd's tree"), first
@@ -1278,27 +1311,33 @@ def test_the_eta_chain_is_measured_in_place_of_sds_best_and_then_priced_beside_i
 
 def test_several_tree_shapes_are_each_measured_and_the_fastest_is_run():
     """auto_trees: every shape is measured in turn (MEASURE_ROUNDS rounds each, in the configured order), then sd
-    runs the one its own rounds price fastest — here the wide tree that commits 6 tokens a round over the narrow one
-    that commits 3, at nearly the same cost — and the other is probed after PROBE_EVERY rounds without it."""
+    runs the one its own rounds price fastest — here the wide tree that commits 6 tokens a round over a narrow one
+    that commits 5 or 3, at nearly the same cost — and the other is probed after PROBE_EVERY rounds without it
+    while it is within reach (5 tokens a round: 0.83× the wide tree's price), not when it is not (3: 0.5×)."""
     from edge_runtime.auto import PROBE_EVERY
 
     narrow, wide = (8, 4, 2), (32, 6, 6)
-    est = _estimates(0.7, 0.005, step_1=0.02, step_9=0.021)
-    est.observed.observe(33, 0.022)
-    c = _controller(est, trees=(narrow, wide))
-    for shape, tokens in ((narrow, 3), (wide, 6)):
-        for _ in range(3):
-            choice = c.decide(Link(0.1))
-            assert choice.tree == shape and choice.reason.startswith(f"measuring sd's tree {'{}x{}x{}'.format(*shape)}")
-            est.observe_tree(shape, tokens, 4 * 0.005, 0.022, 80 + shape[0] * 6, 100, 0.04 + 0.1 + 0.024, Link(0.1),
-                             now=0.0)
-            c.record(choice, tokens)
-    pick = c.decide(Link(0.1))
-    assert pick.protocol == "sd" and pick.tree == wide and "sd_tree 32x6x6" in pick.reason, pick
-    for _ in range(PROBE_EVERY):
-        c.record(pick, 6)
-    probe = c.decide(Link(0.1))
-    assert probe.tree == narrow and probe.reason.startswith("probing sd's tree 8x4x2"), probe
+    for narrow_tokens, probed in ((5, True), (3, False)):
+        est = _estimates(0.7, 0.005, step_1=0.02, step_9=0.021)
+        est.observed.observe(33, 0.022)
+        c = _controller(est, trees=(narrow, wide))
+        for shape, tokens in ((narrow, narrow_tokens), (wide, 6)):
+            for _ in range(3):
+                choice = c.decide(Link(0.1))
+                assert choice.tree == shape and choice.reason.startswith(
+                    f"measuring sd's tree {'{}x{}x{}'.format(*shape)}")
+                est.observe_tree(shape, tokens, 4 * 0.005, 0.022, 80 + shape[0] * 6, 100, 0.04 + 0.1 + 0.024,
+                                 Link(0.1), now=0.0)
+                c.record(choice, tokens)
+        pick = c.decide(Link(0.1))
+        assert pick.protocol == "sd" and pick.tree == wide and "sd_tree 32x6x6" in pick.reason, pick
+        for _ in range(PROBE_EVERY):
+            c.record(pick, 6)
+        probe = c.decide(Link(0.1))
+        if probed:
+            assert probe.tree == narrow and probe.reason.startswith("probing sd's tree 8x4x2"), probe
+        else:  # out of reach: llm's one-token probe is what runs
+            assert probe.tree is None and probe.reason.startswith("probing llm (one token)"), probe
 
 
 def test_auto_trees_are_read_checked_and_kept_within_the_cloud():
@@ -1320,9 +1359,12 @@ def test_auto_trees_are_read_checked_and_kept_within_the_cloud():
 
 
 @pytest.mark.real_models
-def test_auto_with_a_tree_configured_measures_it_and_keeps_the_targets_tokens(smollm2, smollm2_server):
+def test_auto_with_a_tree_configured_measures_it_and_keeps_the_targets_tokens(smollm2, smollm2_server, monkeypatch):
     """A device configured for 8-node trees and one more shape: an auto request measures sd, then each tree, and its
-    tokens are the target's greedy ones; an sd request's tree rounds teach auto the configured shape."""
+    tokens are the target's greedy ones; an sd request's tree rounds teach auto the configured shape. Every shape is
+    held within reach (READ_AHEAD_REACH 0): whether a tree could win on this machine's balance is not what is
+    tested, and on a slow one it may not."""
+    monkeypatch.setattr("edge_runtime.auto.READ_AHEAD_REACH", 0.0)
     from edge_runtime.config import EdgeConfig, LinkConfig
     from edge_runtime.runtime import EdgeRuntime
     from hat_split.math.sampling import SamplingParams
