@@ -20,10 +20,10 @@ for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its
 current, never as a request's first round and, for a drafting protocol, only when its catch-up is one round's tokens
 at most and its price is within reach of the best (`_reaches`: READ_AHEAD_REACH of it; below, a probe could switch
 only were the model 25 % off, more than its error here, and on loopback each probe cost 7-15 % of a 32-token
-request where only llm ran); llm's probe decodes one token (its round overhead and a step are what it measures, and a chunk of c at
-llm's rate is c tokens at the slower protocol's: under load, where a step costs a second here, a probe of 8 cost
-some 5 s of a 32-token request). What changes fast (the cloud's load, the link) needs no probe: the cloud reports
-its cost curve and its queue with every session opening, the device's own points of that curve older than
+request where only llm ran); llm's probe decodes one token (its round overhead and a step are what it measures,
+and a chunk of c at llm's rate is c tokens at the slower protocol's: under load, where a step costs a second here, a
+probe of 8 cost some 5 s of a 32-token request). What changes fast (the cloud's load, the link) needs no probe: the
+cloud reports its cost curve and its queue with every session opening, the device's own points of that curve older than
 `STALE_S`, or measured while the cloud's queue was in another state than it now reports (busy / idle), give way to
 the report. Every switch is logged with its reason, and the segments (protocol, γ, tokens, rounds, reason) go into
 the request's result.
