@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
-from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, phase_wait
+from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, cadence_s, phase_wait
 from hat_split.math.sampling import SamplingParams
 from hat_split.wire import messages as P
 
@@ -403,7 +403,7 @@ class AutoEstimates:
             self._cloud(drafted + 1, cloud_s, now, verify=True)
         self.down_round = ema(self.down_round, float(down_bytes))
         link_s = link.transfer_s(up_bytes, down_bytes)
-        self._overhead(protocol, wall_s - draft_s - cloud_s - link_s, draft_s + link_s)
+        self._overhead(protocol, wall_s - draft_s - cloud_s - link_s, draft_s + link_s, cloud_s)
         base = self.up_round if self.up_round is not None else PRIOR_UP_ROUND
         return max(0.0, up_bytes - base) / drafted
 
@@ -487,7 +487,7 @@ class AutoEstimates:
         base = self.down_round if self.down_round is not None else 0.0
         self.down_per_token = ema(self.down_per_token, max(0.0, down_bytes - base) / tokens)
         link_s = link.transfer_s(up_bytes, down_bytes)
-        self._overhead("llm", wall_s - cloud_s - link_s, link_s)
+        self._overhead("llm", wall_s - cloud_s - link_s, link_s, cloud_s / tokens)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """The draft model read `tokens` committed tokens (no drafts) in one forward of `seconds`. The first such
@@ -576,16 +576,17 @@ class AutoEstimates:
         self.observed.scale(factor)
         self.reported = tuple((x, y * factor) for x, y in self.reported)
 
-    def _overhead(self, protocol: str, residual_s: float, ahead_s: float) -> None:
+    def _overhead(self, protocol: str, residual_s: float, ahead_s: float, step_s: float) -> None:
         """A round's wall time beyond its parts; ahead_s: its time from the last reply's leaving to its request's
-        arrival (drafting and the link). Under load it holds the wait for the step in progress: kept net of the wait
-        the cloud's report stated then — half a step where its steps leave gaps, the phase wait of `ahead_s` where
-        they run back to back (costmodel.phase_wait) — signed, so that the next report's wait, a load that grew or
-        eased, prices the next round at once."""
+        arrival (drafting and the link); step_s: its own step's seconds. Under load it holds the wait for the step in
+        progress: kept net of the wait the cloud's report stated then — half a step where its steps leave gaps, the
+        phase wait of `ahead_s` where they run back to back (costmodel.phase_wait, its steps as long as the round's
+        own: costmodel.cadence_s) — signed, so that the next report's wait, a load that grew or eased, prices the next
+        round at once."""
         busy = bool(self.cloud_busy)
         key = self._overhead_key(protocol, busy)
         if busy:
-            wait = phase_wait(max(0.0, ahead_s), self.reported_step_s, self.step_jitter)
+            wait = phase_wait(max(0.0, ahead_s), cadence_s(self.reported_step_s, max(0.0, step_s)), self.step_jitter)
             value = residual_s - self.reported_wait_s - self.reported_duty * wait
         else:
             value = max(0.0, residual_s)

@@ -559,18 +559,44 @@ def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
     assert step == pytest.approx(0.5) and est.reported_wait_s == 0.0 and est.reported_duty == 1.0
     c = _controller(est)
     by_gamma = {g: c.at("sd", g, Link(0.02)) for g in range(1, 9)}
-    fits = max(g for g in range(1, 9) if g * 0.07 + 0.02 + est.overhead("sd") < step)
+    cadence = {g: max(step, est.curve().step_s(g + 1)) for g in by_gamma}  # its steps last as long as its own
+    assert all(step <= s < 1.05 * step for s in cadence.values()), cadence  # g(x + 20): a little over g(20)
+    fits = max(g for g in range(1, 9) if g * 0.07 + 0.02 + est.overhead("sd") < cadence[g])
     for g, p in by_gamma.items():  # whole steps before its own
         ahead = p.round_s - est.curve().step_s(g + 1)
-        assert ahead == pytest.approx(step * (1 if g <= fits else 2)), g
+        assert ahead == pytest.approx(cadence[g] * (1 if g <= fits else 2)), g
     assert max(by_gamma.values(), key=lambda p: p.tokens_per_s).knob == fits
     # a round measured in phase: its residual is the phase wait, and nothing is left as overhead
     g5 = est.curve().step_s(6)
-    est.observe_sd(5, 4, 5 * 0.07, g5, 300, 100, step + g5, Link(0.02), now=0.0)
+    est.observe_sd(5, 4, 5 * 0.07, g5, 300, 100, g5 + g5, Link(0.02), now=0.0)
     assert est.overhead_s["sd:busy"] == pytest.approx(0.0, abs=1e-9)
     # an older cloud's report (no duty): the wait of half a step, whatever the draft's length
     assert est.take_report(P.CloudCost(curve, others=8, others_positions=20.0))
     assert est.reported_duty == 0.0 and est.reported_wait_s == pytest.approx(0.5 * step)
+
+
+def test_the_steps_a_round_meets_last_as_long_as_its_own():
+    """A busy cloud whose report prices the others' step below what the device's verify steps take (the trace on
+    `ed45904` at low power under load: g(μ) 0.40 s by the report, the device's steps 0.55-0.64 s): the steps a round's
+    request meets are as long as its own (costmodel.cadence_s), so drafts that fit within one of them are not priced
+    a step more. There a round of γ 2 took 1.11 s and one of γ 4 1.16 s (medians, n = 41 and 68): by the report's
+    0.40 s steps γ 4 passed a step's end and was priced a step above γ 2, and auto ran γ 2 on 100 of 256 tokens."""
+    curve = [[1.0, 0.3], [9.0, 0.32], [20.0, 0.4], [40.0, 0.6]]  # the others' 20 positions a step: 0.40 s
+    est = _estimates(0.8, 0.127, step_1=0.04, step_9=0.05)  # a slow board's draft step
+    est.observed = DelayModel()
+    assert est.take_report(P.CloudCost(curve, others=8, others_positions=20.0, duty=1.0))
+    assert est.reported_step_s == pytest.approx(0.4)
+    for g in (3, 5):  # the device's own verify steps: 0.55-0.58 s
+        est.observed.observe(g, 0.55 if g == 3 else 0.58)
+    c = _controller(est)
+    two, four = c.at("sd", 2, Link(0.004)), c.at("sd", 4, Link(0.004))
+    own2, own4 = est.curve().step_s(3), est.curve().step_s(5)
+    assert own2 == pytest.approx(0.55) and own4 == pytest.approx(0.58)
+    assert two.round_s - own2 == pytest.approx(own2) and four.round_s - own4 == pytest.approx(own4)  # one step each
+    assert four.round_s - two.round_s < 0.1  # γ 4's two more drafts fit: no step more (1.16 against 1.11 s measured)
+    from hat_split.math.costmodel import phase_wait
+    reported = 4 * 0.127 + est.overhead("sd") + 0.004  # by the report's steps, γ 4 passed one: priced 0.4 s more
+    assert reported + phase_wait(reported, 0.4) + own4 - (own2 + 0.4) > 0.3
 
 
 def test_a_busy_clouds_step_spread_smooths_the_phase_it_prices():
@@ -590,10 +616,10 @@ def test_a_busy_clouds_step_spread_smooths_the_phase_it_prices():
         est.observe_sd(5, 4, 5 * 0.07, seconds, 300, 100, 0.5 + seconds, Link(0.02), now=0.0)
     assert 0.12 < est.step_jitter < 0.28
     c = _controller(est)
-    smooth = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (6, 7)}
-    spread, est.step_var = est.step_var, None
-    sharp = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (6, 7)}
-    assert sharp[7] - sharp[6] > 0.4 and smooth[7] - smooth[6] < 0.5 * (sharp[7] - sharp[6])  # a step's edge, blurred
+    smooth = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (7, 8)}  # γ 7's drafting and link, 0.51 s,
+    spread, est.step_var = est.step_var, None  # within the steps' 0.51-0.52 s (its own: costmodel.cadence_s); γ 8's not
+    sharp = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (7, 8)}
+    assert sharp[8] - sharp[7] > 0.4 and smooth[8] - smooth[7] < 0.5 * (sharp[8] - sharp[7])  # a step's edge, blurred
     est.step_var = spread
     assert est.take_report(P.CloudCost(curve, others=0, duty=0.2))  # the load ended: an idle cloud
     assert est.step_jitter == 0.0 and est.step_var is None

@@ -150,6 +150,26 @@ def test_a_tree_round_is_a_chain_round_with_its_measured_tokens():
             predict_tree(8, 8, 3.0, 64, link, dev, cloud, wire, sent=bad)
 
 
+def test_the_steps_a_round_meets_are_its_own_step_or_the_reports_longer():
+    """cadence_s: a busy cloud's steps as a round meets them, the longer of the others' step the cloud reports and
+    the round's own (the others' work in it); none without others' work; NaN or negative refused. A round is priced
+    by it: sd γ 4 (0.508 s of drafting on a slow board, a 4 ms link) on a cloud whose own steps take 0.58 s where the
+    report says 0.40 waits to the end of one step, not of two; llm's chunk of 8 waits by one step of g(1)."""
+    from hat_split.math.costmodel import cadence_s
+
+    assert cadence_s(0.4, 0.58) == 0.58 and cadence_s(0.5, 0.3) == 0.5 and cadence_s(0.0, 0.58) == 0.0
+    for bad in ((float("nan"), 0.5), (0.4, -0.1), (0.4, float("inf"))):
+        with pytest.raises(ValueError, match="cadence_s needs"):
+            cadence_s(*bad)
+    link, dev = Link(rtt_s=0.004), DeviceCosts(draft_step_s=0.127)
+    curve = CostCurve(((1, 0.55), (5, 0.58), (9, 0.6)))
+    p = predict("sd", 4, 10, link, dev, CloudCosts(curve, step_s=0.4, duty=1.0), WireSizes(), alpha=0.8)
+    ahead = 4 * 0.127 + 0.004
+    assert p.round_s == pytest.approx(ahead + (0.58 - ahead) + 0.58)  # one step of its own length, then its own
+    llm = predict("llm", 8, 10, link, dev, CloudCosts(curve, step_s=0.4, duty=1.0), WireSizes())
+    assert llm.round_s == pytest.approx(0.004 + (0.55 - 0.004) + 8 * 0.55)
+
+
 def test_a_jittery_clouds_phase_wait_is_its_mean_over_the_phases_it_may_meet():
     """With steps of relative standard deviation σ (jitter) a request x seconds on meets the steps' grid within a
     window of width √12 · σ · s · √max(1, x/s) around x: the wait is s⌈t/s⌉ − t's mean over it — the sawtooth itself

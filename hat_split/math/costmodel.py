@@ -7,6 +7,9 @@ Terms (the round is Leviathan et al. 2023's; QS-SD eq. 7-10 add the link; HAT eq
   * a round: the device drafts γ tokens (t_d each), sends them (up bytes), the cloud verifies γ + 1 positions in one
     step (g(γ + 1) seconds on its cost curve, after waiting w for the step in progress), the verdict comes back (down
     bytes); with i.i.d. acceptance α it commits E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens (Leviathan eq. 1).
+  * a busy cloud (other devices' work keeps it stepping back to back, `CloudCosts.step_s` > 0): a round's request
+    waits for the step in progress to end (`phase_wait`), the steps as long as the round's own step or the others'
+    step the cloud reports, whichever is longer (`cadence_s`).
   * the link: a transfer of u bytes up and d down takes 8u / β_up + 8d / β_down + RTT.
   * tokens/s = E / round seconds; cloud seconds per token = g(positions of the round) / E: the step time an operator
     pays for one token, at the load the curve was measured under. On a cloud whose steps already hold μ positions of
@@ -48,7 +51,7 @@ from hat_split.math.chunking import piecewise
 from hat_split.math.verify import expected_tokens
 
 __all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "predict_tree",
-           "predict_hat_tree", "best_knob", "marginal_cloud_s",
+           "predict_hat_tree", "best_knob", "marginal_cloud_s", "cadence_s",
            "KNOBBED", "PROMPT_ID_BYTES"]
 
 KNOBBED = ("sd", "ksqs", "hat")  # protocols whose knob is the draft length γ (llm's: its chunk, the device's)
@@ -169,6 +172,17 @@ def phase_wait(x: float, step_s: float, jitter: float = 0.0) -> float:
     if hi - lo < 1e-9 * step_s:
         return max(0.0, step_s * math.ceil(x / step_s - 1e-9) - x)  # a step's end within 1e-9 of x: no wait
     return (_waited(hi, step_s) - _waited(lo, step_s)) / (hi - lo)
+
+
+def cadence_s(others_step_s: float, own_step_s: float) -> float:
+    """The steps a round's request meets on a cloud busy with other devices' work (`phase_wait`'s s): as long as the
+    step the round joins — its own, g(x + μ) on the curve its rounds measured, the others' work in it — and never
+    shorter than the others' step the cloud reports, g(μ); 0 when the cloud reports no such work (others_step_s 0).
+    Here the report's g(μ) was 0.40 s where the device's verify steps took 0.55-0.64 s, and its rounds' times fit
+    steps of its own step's length (γ 1-7 at low power under load, docs/AUTO.md "The steps a round meets")."""
+    if not (math.isfinite(others_step_s) and others_step_s >= 0 and math.isfinite(own_step_s) and own_step_s >= 0):
+        raise ValueError(f"cadence_s needs finite steps >= 0, got {others_step_s!r}, {own_step_s!r}")
+    return max(others_step_s, own_step_s) if others_step_s > 0 else 0.0
 
 
 def _waited(t: float, s: float) -> float:
@@ -319,7 +333,8 @@ def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down:
     watts = device.watts
     device_s += device.round_s
     ahead = max(0.0, device_s + link.transfer_s(up, down))  # from the reply's leaving to the next request's arrival
-    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cloud.step_s, cloud.jitter) + cloud_s
+    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cadence_s(cloud.step_s, cloud_s / steps),
+                                                              cloud.jitter) + cloud_s
     prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
                                wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
     prompt_s += 0.5 * cloud.duty * cloud.step_s  # the prompt comes at no step's end: half a step on average
