@@ -62,7 +62,7 @@ def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
     assert fleet["devices_at_sla"] >= max(r["devices_at_sla"] for r in rows.values() if r["protocol"] != "slm")
     assert fleet["over_llm"] == pytest.approx(fleet["devices_at_sla"] / rows["llm"]["devices_at_sla"])
     err = doc["assumptions"]["model_error_here"]  # read from the trace named by plan.MODEL_ERROR
-    assert err["record"] == "results/auto/bench_auto_2deb3ea.json" and err["phases"] == 7
+    assert err["record"] == "results/auto/bench_auto_ed45904.json" and err["phases"] == 7
     assert 0 < err["llm"]["min"] <= err["llm"]["max"] < 1 and err["sd"]["n_per_phase"] == 8
     out_text = capsys.readouterr().out
     assert "ESTIMATES" in out_text and "hat shape" in out_text
