@@ -178,8 +178,9 @@ def cadence_s(others_step_s: float, own_step_s: float) -> float:
     """The steps a round's request meets on a cloud busy with other devices' work (`phase_wait`'s s): as long as the
     step the round joins — its own, g(x + μ) on the curve its rounds measured, the others' work in it — and never
     shorter than the others' step the cloud reports, g(μ); 0 when the cloud reports no such work (others_step_s 0).
-    Here the report's g(μ) was 0.40 s where the device's verify steps took 0.55-0.64 s, and its rounds' times fit
-    steps of its own step's length (γ 1-7 at low power under load, docs/AUTO.md "The steps a round meets")."""
+    Here the report's g(μ) was 0.40 s where the device's verify steps took 0.55-0.64 s, and its rounds' times at γ
+    1-4 fit steps of its own step's length within 3 % (at low power under load, docs/AUTO.md "The steps a round
+    meets")."""
     if not (math.isfinite(others_step_s) and others_step_s >= 0 and math.isfinite(own_step_s) and own_step_s >= 0):
         raise ValueError(f"cadence_s needs finite steps >= 0, got {others_step_s!r}, {own_step_s!r}")
     return max(others_step_s, own_step_s) if others_step_s > 0 else 0.0
