@@ -168,6 +168,10 @@ def test_the_steps_a_round_meets_are_its_own_step_or_the_reports_longer():
     assert p.round_s == pytest.approx(ahead + (0.58 - ahead) + 0.58)  # one step of its own length, then its own
     llm = predict("llm", 8, 10, link, dev, CloudCosts(curve, step_s=0.4, duty=1.0), WireSizes())
     assert llm.round_s == pytest.approx(0.004 + (0.55 - 0.004) + 8 * 0.55)
+    # a split protocol whose middle part holds no layers (φ = 0): no step of its own, the report's steps
+    ushape = predict("ushape", 0, 10, link, DeviceCosts(split_step_s=0.01),
+                     CloudCosts(curve, middle_share=0.0, step_s=0.4, duty=1.0), WireSizes(hidden=100.0))
+    assert ushape.round_s == pytest.approx(0.4)  # the link and the device's part, then the wait to the step's end
 
 
 def test_a_jittery_clouds_phase_wait_is_its_mean_over_the_phases_it_may_meet():

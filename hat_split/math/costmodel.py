@@ -334,8 +334,9 @@ def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down:
     watts = device.watts
     device_s += device.round_s
     ahead = max(0.0, device_s + link.transfer_s(up, down))  # from the reply's leaving to the next request's arrival
-    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cadence_s(cloud.step_s, cloud_s / steps),
-                                                              cloud.jitter) + cloud_s
+    own_step = cloud_s / steps if steps > 0 else 0.0  # one of its steps (a middle part of no layers: none)
+    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cadence_s(cloud.step_s, own_step), cloud.jitter) \
+        + cloud_s
     prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
                                wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
     prompt_s += 0.5 * cloud.duty * cloud.step_s  # the prompt comes at no step's end: half a step on average
