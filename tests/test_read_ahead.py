@@ -69,6 +69,19 @@ def test_it_reads_everything_committed_in_forwards_of_at_most_its_size():
     assert d.kv.length == 149 and not r.drain() and not r.running
 
 
+def test_a_whole_start_reads_all_that_is_lacking_in_its_first_forward_then_forwards_of_its_size():
+    """The opening's prompt in one forward (start(whole=True)); what is committed later, in forwards of `most`."""
+    d = _drafter(150)
+    r = ReadAhead(d, most=64)
+    r.start(whole=True)
+    _until_idle(r)
+    assert [read.tokens for read in r.drain()] == [149] and d.behind == 0
+    d.commit(list(range(200, 300)))
+    r.start()
+    _until_idle(r)
+    assert [read.tokens for read in r.drain()] == [64, 36] and d.behind == 0
+
+
 def test_the_callers_thread_never_waits_for_a_forward_and_settle_does():
     """start returns while a forward is held; tokens committed meanwhile are read by the same thread; stop leaves the
     forward in progress to finish on its own; settle waits for it."""
