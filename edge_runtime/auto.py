@@ -132,6 +132,7 @@ class AutoController:
     shares_host: bool = False
     trees: Sequence[Shape] = ()  # the draft trees sd may run (nodes, depth, width; within the cloud's limits)
     eta: float = 0.0  # > 0: the η-chain is a candidate (`eta_chain`)
+    tree_eta: float = 0.0  # the device's draft_stop_prob, with which the configured `trees` run (> 0: η ends them)
     sla_tps: float = 0.0  # > 0: the request's pace (GenerationRequest.sla_tokens_per_s), kept at the least marginal
     # cloud compute a token (`_keeping`); 0: the fastest, or the cloud's fleet pace while it asks for one (`pace`)
     segments: List[Segment] = field(default_factory=list)
@@ -197,13 +198,22 @@ class AutoController:
         nodes, depth, _ = shape
         key = tree_key(shape)
         device = est.device(self.shares_host, key)
-        if shape in est.tree_draft_steps and device.draft_step_s:  # the tree's own drafting time, a level at a time
-            device = dataclasses.replace(device, draft_step_s=device.draft_step_s * est.tree_draft_steps[shape] / depth)
+        steps, sent = est.tree_draft_steps.get(shape), est.tree_sent_of(shape)
+        if steps and self._ends_early(shape):  # η's draft: its steps and nodes sent in proportion to its tokens
+            scaled = est.tree_steps_at(shape, tokens)
+            sent = None if sent is None else min(float(nodes), max(1.0, sent * scaled / steps))
+            steps = scaled
+        if steps is not None and device.draft_step_s:  # the tree's own drafting time, a level at a time
+            device = dataclasses.replace(device, draft_step_s=device.draft_step_s * steps / depth)
         wire = est.wire()
         if est.tree_up_per_node_of(shape) is not None:
             wire = dataclasses.replace(wire, up_per_draft=est.tree_up_per_node_of(shape))
         return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, est.cloud(curve, key), wire,
-                            est.tree_sent_of(shape))
+                            sent)
+
+    def _ends_early(self, shape: Shape) -> bool:
+        """Whether η ends `shape`'s drafts early: auto's η-chain, or a configured tree while the device has an η."""
+        return self._eta_of(shape) > 0 or (shape in self.trees and self.tree_eta > 0)
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""

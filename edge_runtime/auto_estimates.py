@@ -198,6 +198,9 @@ class AutoEstimates:
     tree_draft_steps: Dict[Shape, float] = field(default_factory=dict)  # ... the draft model's time a round in
     # draft steps (per shape: drafting a tree costs the same however the request samples; in steps, so a new power
     # mode prices it with that mode's step, draft_step_s) ...
+    tree_step_tokens: Dict[Shape, float] = field(default_factory=dict)  # ... the tokens those same rounds committed
+    # (a moving average of the same weight: a draft that η ends drafts in proportion to what it commits,
+    # `tree_steps_at`) ...
     tree_up_per_node: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... uplink bytes a node per
     # kind (a greedy tree sends no rows, a sampled one a row per node with children) ...
     tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... its rounds observed per kind ...
@@ -441,8 +444,21 @@ class AutoEstimates:
                 steps = draft_s / self.draft_step_s
             if steps is not None:
                 self.tree_draft_steps[shape] = ema(self.tree_draft_steps.get(shape), steps)
+                self.tree_step_tokens[shape] = ema(self.tree_step_tokens.get(shape), float(tokens))
         self.tree_up_per_node[key] = ema(self.tree_up_per_node.get(key), self._verify_round(
             nodes, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, tree_key(shape)))
+
+    def tree_steps_at(self, shape: Shape, tokens: float) -> Optional[float]:
+        """Draft steps a round of `shape`, a draft that η ends early, takes where it commits `tokens` a round: its
+        measured steps per token committed (over the same rounds) times `tokens`, within 1..depth; None before
+        measured. Such a draft ends near where its acceptance ends, so it drafts about what it commits (the η-chain
+        of 8 on the Qwen pair: 2.6 drafts a round where it committed 2.25, 7.0 where 8.0), and a prompt it commits
+        little on costs it few steps: priced at the prompts' mean steps, its rounds on such a prompt were 1.55-1.7 s
+        where they took 1.2 s, and chains of 3 ran in its place (docs/AUTO.md, "Steps in proportion to tokens")."""
+        steps, done = self.tree_draft_steps.get(shape), self.tree_step_tokens.get(shape)
+        if steps is None or not done:
+            return steps
+        return min(float(shape[1]), max(1.0, tokens * steps / done))
 
     def tree_rounds_of(self, shape: Shape) -> int:
         """Rounds of the tree `shape` observed under the request's kind of sampling."""

@@ -154,7 +154,8 @@ class EdgeRuntime:
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     auto_max_draft(welcome.max_draft_len), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),
-                                    eta=config.auto_eta, sla_tps=float(request.sla_tokens_per_s))
+                                    eta=config.auto_eta, tree_eta=config.draft_stop_prob,
+                                    sla_tps=float(request.sla_tokens_per_s))
         if request.allow_lossy:
             why = controller.local_wins(self.client.base_rtt_s)
             if why:

@@ -1204,20 +1204,61 @@ def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps(
     assert est.overhead(key) == pytest.approx(residual) and est.overhead("sd") == 0.03  # each its own
     assert est.draft_step_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # the chain's drafts are draft steps
     assert est.tree_draft_steps[shape] == sent
-    fast = c.at_tree(shape, link, now=0.0)
+    # priced at the 5 tokens a round it committed: η's drafts are in proportion to them (`tree_steps_at`), so the
+    # 4 it drafted, whatever the request's acceptance does to its tokens a round between the two modes
+    fast = c._at_tree(shape, link, est.curve(0.0), tokens=5.0)
     chain = c.at("sd", 4, link, now=0.0)
     assert fast.round_s == pytest.approx(sent * est.draft_step_s + residual + 0.06 + link.transfer_s(
         80 + sent * 60, 100), rel=0.05)
     assert est.take_mode("MODE_15W") and key in est.restart  # the board's figure: measured again in this mode
     est.observe_sd(4, 4, 4 * 0.03, 0.06, 320, 100, 4 * 0.03 + 0.06 + 0.05, link, now=1.0)  # a slower draft step
     assert est.draft_step_s == pytest.approx(0.03)
-    slow = c.at_tree(shape, link, now=1.0)
+    slow = c._at_tree(shape, link, est.curve(1.0), tokens=5.0)
     assert slow.round_s - fast.round_s == pytest.approx(sent * (0.03 - (0.8 * 0.01 + 0.2 * 0.02)))  # its drafting
     # in this mode's steps; its overhead the last mode's until measured here, not the chains' of this mode
     assert c.at("sd", 4, link, now=1.0).round_s != pytest.approx(chain.round_s)
     est.observe_tree(shape, 5, sent * 0.03, 0.06, 80 + sent * 60, 100, wall + 0.5, link, now=1.0, sent=sent)
     assert est.overhead(key) == pytest.approx(residual + 0.5 + sent * (0.02 - 0.03))  # replaced, not averaged
     assert est.take_mode("MAXN") and est.overhead(key) == pytest.approx(residual)  # back: that mode's own
+
+
+def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():
+    """η ends a draft near where its acceptance ends, so it drafts about what it commits (the η-chain of 8 on the Qwen
+    pair: 2.6 drafts a round where it committed 2.25, 7.0 where 8.0). Its draft steps and nodes sent are priced in
+    proportion to the tokens a round it is priced at (its measured steps per token committed, within 1..depth): on a
+    prompt where it commits little it costs few steps (priced at the prompts' mean steps, its rounds there were
+    1.55-1.7 s where they took 1.2 s, and chains of 3 ran in its place at low power under load). A tree that η does
+    not end is priced at its measured steps whatever it commits."""
+    from edge_runtime.auto_estimates import tree_key
+    from hat_split.math.costmodel import predict_tree
+
+    shape, link, key = (8, 8, 1), Link(0.1), "sd_tree 8x8x1"
+    est = _estimates(0.6, 0.127, step_1=0.9, step_9=1.0)
+    for tokens, sent in ((8, 7), (2, 2)) * 3:  # two prompts' rounds
+        est.observe_tree(shape, tokens, sent * 0.127, 0.95, 80 + 60 * sent, 100, sent * 0.127 + 1.0, link, now=0.0,
+                         sent=sent)
+    steps, done = est.tree_draft_steps[shape], est.tree_step_tokens[shape]
+    assert 2.0 < steps < done < 8.0  # moving averages over the same rounds (7 and 2 drafted, 8 and 2 committed)
+    assert est.tree_steps_at(shape, 2.0) == pytest.approx(2.0 * steps / done)
+    assert est.tree_steps_at(shape, 20.0) == 8.0 and est.tree_steps_at(shape, 0.1) == 1.0  # within 1..depth
+    assert est.tree_steps_at((4, 4, 1), 2.0) is None  # not measured
+    eta = _controller(est, eta=0.4)  # auto's η-chain
+    configured = _controller(est, trees=[shape], tree_eta=0.4)  # a configured tree that the device's η ends ...
+    full = _controller(est, trees=[shape])  # ... and one that nothing ends
+    curve = est.curve(0.0)
+    low = [ctl._at_tree(shape, link, curve, tokens=2.0) for ctl in (eta, configured, full)]
+    scaled = 2.0 * steps / done
+    device, wire = est.device(False, key), est.wire()
+    by_hand = predict_tree(8, 8, 2.0, 20, link,
+                           dataclasses.replace(device, draft_step_s=device.draft_step_s * scaled / 8),
+                           est.cloud(curve, key),
+                           dataclasses.replace(wire, up_per_draft=est.tree_up_per_node_of(shape)),
+                           min(8.0, max(1.0, est.tree_sent_of(shape) * scaled / steps)))
+    assert low[0].round_s == pytest.approx(by_hand.round_s) and low[1].round_s == pytest.approx(by_hand.round_s)
+    assert low[2].round_s - low[0].round_s > 0.99 * (steps - scaled) * est.draft_step_s  # its measured steps
+    assert tree_key(shape) == key
+    high = eta._at_tree(shape, link, curve, tokens=9.0)  # a prompt it commits its whole depth on: 8 steps
+    assert high.round_s - low[0].round_s > (8.0 - scaled) * est.draft_step_s
 
 
 def _pulled_tree(est: AutoEstimates, shape) -> float:

@@ -359,7 +359,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
 
     c = AutoController(rt.auto_estimates, list(AUTO_TOKEN), draft_len, rt.config.llm_chunk, prompt_tokens,
                        shares_host=not rt.config.overlaps_prefill,
-                       trees=tree_shapes(rt.config, rt.client.welcome))
+                       trees=tree_shapes(rt.config, rt.client.welcome), tree_eta=rt.config.draft_stop_prob)
     now = time.monotonic()
     preds = {"sd": c.at("sd", draft_len, link, now), "ksqs": c.at("ksqs", draft_len, link, now),
              "llm": c.at("llm", rt.config.llm_chunk, link, now)}
