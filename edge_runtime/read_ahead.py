@@ -46,7 +46,6 @@ class ReadAhead:
         self._running = False  # a thread is reading (set and cleared under the lock)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._whole = False  # the next thread's first forward reads all the draft model lacks (start(whole=True))
         self._reads: List[Read] = []  # each forward since the last drain
         self._error: Optional[BaseException] = None
 
@@ -68,9 +67,9 @@ class ReadAhead:
                 return
             if not self.drafter.behind:
                 return
-            self._running, self._whole = True, whole
+            self._running = True
             self._stop.clear()
-            self._thread = threading.Thread(target=self._read, name="hatspec-read-ahead", daemon=True)
+            self._thread = threading.Thread(target=self._read, args=(whole,), name="hatspec-read-ahead", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -95,14 +94,15 @@ class ReadAhead:
             reads, self._reads = self._reads, []
         return reads
 
-    def _read(self) -> None:
+    def _read(self, whole: bool) -> None:
+        """whole: the first forward reads all the draft model lacks (`start`)."""
         try:
             while True:
                 with self._lock:
                     if self._stop.is_set() or not self.drafter.behind:
                         self._running = False
                         return
-                    most, self._whole = (self.drafter.behind if self._whole else self.most), False
+                    most, whole = (self.drafter.behind if whole else self.most), False
                 d = self.drafter
                 agreed, compared, t0 = d.agreed, d.compared, time.perf_counter()
                 n = d.catch_up(most, compare=True) if self.compare else d.catch_up(most)
