@@ -62,11 +62,13 @@ Candidates = Dict[str, List[Tuple[Optional[Shape], Prediction]]]  # per protocol
 AUTO_TOKEN = ("sd", "ksqs", "llm")  # the token protocols auto runs in one session (the exact ones the cost model
 # prices; ksqs only when the request samples: at temperature 0 sd's rows are one-hot and as small)
 AUTO_MAX_DRAFT = 8  # γ at most (and at most the cloud's max_draft_len)
-SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol running now (under a request's
-# SLA: 10 % less cloud compute a token)
+SWITCH_GAIN = 1.10  # a switch must promise 10 % more tokens/s than the protocol last chosen (a measuring or probing
+# round since binds nothing: `AutoController._chosen`; under a request's SLA: 10 % less cloud compute a token)
 SLA_REASON = "at the least cloud compute a token"  # what a choice under a request's SLA says (metrics count it)
 SLA_MARGIN = 1.15  # a protocol keeps a request's pace (sla_tokens_per_s) when predicted at this many times it: the
 # model's error against what ran is within 15-20 % per phase here (docs/AUTO.md)
+PREDICTED = "predicted"  # how the reason of a prediction's choice begins (`_why`; a measuring or probing round's
+# does not)
 LLM_EXPLORE_TOKENS = 1  # what llm's measuring and probing rounds decode: its round overhead and a step are all the
 # model reads of llm, which one token measures as well as a chunk (a chunk under load costs seconds)
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
@@ -293,6 +295,7 @@ class AutoController:
         committed tokens the draft model would read before sd's first draft; remaining: the tokens the request has
         left (0: unknown, no switch is priced)."""
         current = self.segments[-1] if self.segments else None
+        chosen = self._chosen()
         preds, best_tree, cands = self._priced(link, now)
         rates = {name: p.tokens_per_s for name, p in preds.items()}
         est = self.estimates
@@ -319,16 +322,16 @@ class AutoController:
         text = _shape_text(best_tree, self._eta_of(best_tree)) if best_tree else ""  # sd's fastest tree, named
         kept = self._keeping(cands) if self.pace > 0 else None
         if kept is not None:
-            best_tree, best, why = self._within_sla(kept, cands, current)
+            best_tree, best, why = self._within_sla(kept, cands, chosen)
         else:
             best = max(preds.values(), key=lambda p: p.tokens_per_s)
-            held = preds.get(current.protocol) if current is not None else None
+            held = preds.get(chosen.protocol) if chosen is not None else None
             why = f"; none predicted to keep {self._pace_text()}: the fastest" if self.pace > 0 else ""
             if held is not None and best.protocol != held.protocol and \
                     best.tokens_per_s < SWITCH_GAIN * held.tokens_per_s:
-                why += f"; {current.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth it
+                why += f"; {chosen.protocol} kept: {best.protocol} is within {SWITCH_GAIN:.2f}× of it"  # not worth it
                 best = held
-            same = self._running(cands, current)
+            same = self._running(cands, chosen)
             if same is not None and _eligible_name(same[1]) == _eligible_name(best) and same[1] is not best and \
                     best.tokens_per_s < SWITCH_GAIN * same[1].tokens_per_s:
                 faster = _label(best, text if best.protocol == "sd_tree" else "")
@@ -367,31 +370,37 @@ class AutoController:
         return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, text) + why,
                       rates, tree, self._eta_of(tree))
 
+    def _chosen(self) -> Optional[Segment]:
+        """The request's last segment that a prediction chose (`_why`), None before one: what SWITCH_GAIN keeps. A
+        measuring or probing round in between binds nothing: a one-token probe of llm between two rounds of a tree
+        once became the protocol kept, and llm, within 1.10× below the tree, ran 16 of 32 tokens at 0.57× the tree's
+        row (docs/AUTO.md "A probe is not a choice")."""
+        return next((s for s in reversed(self.segments) if s.reason.startswith(PREDICTED)), None)
+
     @staticmethod
-    def _running(cands: Candidates, current: Optional[Segment]) -> Optional[Tuple[Optional[Shape], Prediction]]:
-        """The candidate (tree shape or None, prediction) of the knob or draft tree running now when the running
-        segment was a prediction's choice (not a measuring or probing round); else None. sd's chains and trees are
-        one protocol to SWITCH_GAIN, yet their predictions differ by less than the estimates' own noise on a loaded
-        cloud: choosing afresh every round flipped a request among γ 5, 6, 7 and the η-chain eight times in 32
-        tokens (docs/AUTO.md "A shape is kept as a protocol is")."""
-        if current is None or not current.reason.startswith("predicted"):
+    def _running(cands: Candidates, chosen: Optional[Segment]) -> Optional[Tuple[Optional[Shape], Prediction]]:
+        """The candidate (tree shape or None, prediction) of the knob or draft tree last chosen (`_chosen`); else
+        None. sd's chains and trees are one protocol to SWITCH_GAIN, yet their predictions differ by less than the
+        estimates' own noise on a loaded cloud: choosing afresh every round flipped a request among γ 5, 6, 7 and the
+        η-chain eight times in 32 tokens (docs/AUTO.md "A shape is kept as a protocol is")."""
+        if chosen is None:
             return None
-        for shape, pred in cands.get(current.protocol, ()):
-            if shape == current.tree and (shape is not None or pred.knob == current.knob):
+        for shape, pred in cands.get(chosen.protocol, ()):
+            if shape == chosen.tree and (shape is not None or pred.knob == chosen.knob):
                 return shape, pred
         return None
 
     def _within_sla(self, kept: Tuple[Optional[Shape], Prediction], cands: Candidates,
-                    current: Optional[Segment]) -> Tuple[Optional[Shape], Prediction, str]:
+                    chosen: Optional[Segment]) -> Tuple[Optional[Shape], Prediction, str]:
         """Under the request's SLA: `kept` (`_keeping`: its tree shape or None, its prediction), unless the protocol
-        running now keeps the pace too at no more than SWITCH_GAIN times kept's cloud compute a token (no flapping);
+        last chosen keeps the pace too at no more than SWITCH_GAIN times kept's cloud compute a token (no flapping);
         and the reason's tail: each protocol's least cloud compute a token at the pace, or that it misses it."""
         shape, best = kept
         note = ""
-        held = self._keeping(cands, current.protocol) if current is not None else None
+        held = self._keeping(cands, chosen.protocol) if chosen is not None else None
         if held is not None and _eligible_name(held[1]) != _eligible_name(best) and \
                 self.cloud_cost(held[1]) <= SWITCH_GAIN * self.cloud_cost(best):
-            note = (f"; {current.protocol} kept: {_eligible_name(best)} saves less than {SWITCH_GAIN:.2f}× its cloud "
+            note = (f"; {chosen.protocol} kept: {_eligible_name(best)} saves less than {SWITCH_GAIN:.2f}× its cloud "
                     "compute")
             shape, best = held
         others = []
@@ -515,4 +524,4 @@ def _why(best: Prediction, preds: Dict[str, Prediction], est: AutoEstimates, tre
     parts = [f"{_label(p, tree)} {p.tokens_per_s:.2f} tok/s"
              for p in sorted(preds.values(), key=lambda p: -p.tokens_per_s)]
     alpha = f", α {est.alpha:.2f}" if est.alpha is not None else ""
-    return f"predicted {', '.join(parts)}{alpha}"
+    return f"{PREDICTED} {', '.join(parts)}{alpha}"

@@ -89,6 +89,32 @@ def test_a_switch_needs_a_clear_gain_and_alternatives_are_probed():
     assert fresh.decide(Link(0.01)).protocol == "llm"
 
 
+def test_a_probe_binds_nothing_the_protocol_last_chosen_is_kept():
+    """A probe (or a measuring round) between rounds of the protocol chosen does not become the protocol kept: with
+    the other protocol within 1.10× ahead of the one chosen, the one chosen runs on after the probe, either way
+    round — sd chosen and llm probed, llm chosen and sd probed — and says so; the probed one, clearly ahead, takes
+    over. (A one-token probe of llm once took over from a tree this way under load, at 0.57× the tree's row.)"""
+    sd_kept = _estimates(0.25, 0.05, step_1=0.2, step_9=0.24)
+    c = _controller(sd_kept)
+    preds = c.predictions(Link(0.01))
+    assert 1.0 < preds["llm"].tokens_per_s / preds["sd"].tokens_per_s < 1.10, preds  # llm a little ahead
+    c.record(Choice("sd", 4, "predicted", {}), 2)
+    c.record(Choice("llm", 1, f"probing llm (one token): not run for {PROBE_EVERY} rounds", {}), 1)
+    kept = c.decide(Link(0.01))
+    assert kept.protocol == "sd" and kept.reason.endswith("sd kept: llm is within 1.10× of it"), kept
+    llm_kept = _estimates(0.4, 0.05, step_1=0.2, step_9=0.24)  # sd a little ahead
+    c = _controller(llm_kept)
+    c.record(Choice("llm", 8, "predicted", {}), 8)
+    c.record(Choice("sd", 4, f"probing sd: not run for {PROBE_EVERY} rounds", {}), 3)
+    c.record(Choice("sd", 4, "measuring sd: 2 of 3 rounds", {}), 3)
+    kept = c.decide(Link(0.01))
+    assert kept.protocol == "llm" and kept.reason.endswith("llm kept: sd is within 1.10× of it"), kept
+    c = _controller(_estimates(0.1, 0.05, step_1=0.2, step_9=0.24))  # llm 1.2× sd: the probe's protocol wins
+    c.record(Choice("sd", 4, "predicted", {}), 2)
+    c.record(Choice("llm", 1, f"probing llm (one token): not run for {PROBE_EVERY} rounds", {}), 1)
+    assert c.decide(Link(0.01)).protocol == "llm"
+
+
 def test_a_drafting_protocol_out_of_reach_is_neither_probed_nor_its_tree_measured():
     """sd predicted below READ_AHEAD_REACH of llm (a slow draft step): a probe could switch only were the model more
     than 25 % off, so after PROBE_EVERY rounds llm keeps running, and the configured tree, out of reach even were
