@@ -58,6 +58,7 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     assert s["lte"]["best_fixed"] == "sd" and s["lte"]["auto_over_best_fixed"] == pytest.approx(2.0 / 2.2)
     assert s["lte"]["model_error"]["sd"]["median_abs_error"] == pytest.approx(2 / 18)
     assert s["lte"]["model_error"]["llm"]["median_abs_error"] == pytest.approx(0.1)
+    assert s["lte"]["model_error"]["sd"]["phase_mean_error"] == pytest.approx(20 / 18 - 1)  # signed: above
     assert s["lte"]["auto_over_best_fixed_per_request"] == [pytest.approx((32 / 2.2) / (32 / 2.0))]
     assert s["overall"]["protocols"]["auto"]["n"] == 1
     assert "median_abs_error_own_alpha" not in s["lte"]["model_error"]["sd"]  # no α grid: only the online figure

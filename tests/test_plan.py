@@ -148,6 +148,14 @@ def test_the_model_error_is_read_from_the_trace_per_phase(tmp_path):
     assert (err["sd"]["min"], err["sd"]["max"]) == (0.04, 0.1) and err["sd_at_autos_alpha"]["max"] == 0.3
     assert error_text(err).startswith("llm 5–15 %, sd 4–10 % at the request's α (20–30 % at auto's)")
     assert "2 phases, n = 6 requests each" in error_text(err)
+    doc["summary"]["a"]["model_error"]["sd"]["phase_mean_error"] = -0.12  # the phases' bias, signed, where recorded
+    doc["summary"]["b"]["model_error"]["sd"]["phase_mean_error"] = 0.03
+    path.write_text(json.dumps(doc))
+    assert "sd 4–10 % at the request's α (20–30 % at auto's, its phase means -12 to +3 %)" in \
+        error_text(measured_error(str(path)))
+    doc["resummarised"] = {"summary": {"a": phase(0.01, 0.2, 0.04)}}  # `hat-bench resummarise`'s, when there
+    path.write_text(json.dumps(doc))
+    assert measured_error(str(path))["llm"]["max"] == 0.01
 
 
 class _Steps:

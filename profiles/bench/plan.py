@@ -297,12 +297,16 @@ def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
     """The cost model's error on this machine (`hat-bench auto`'s trace): per protocol, the least and the most over
     the trace's phases of the median |predicted − measured| / measured steady tokens/s against the fixed rows, n
     requests a phase. sd at the request's own α (what the model says given the acceptance) and at auto's α (its
-    estimate before the request showed its own); ksqs (a sampled trace) at auto's."""
+    estimate before the request showed its own) — there also the phase's mean prediction over its mean measurement
+    − 1, signed (a bias; where recorded); ksqs (a sampled trace) at auto's. The summary `hat-bench resummarise`
+    recomputed from the trace's records when it holds one, else its own."""
     doc = json.loads(Path(path).read_text())
-    phases = [e["model_error"] for p, e in doc["summary"].items() if p != "overall"]
+    summary = (doc.get("resummarised") or doc)["summary"]  # recomputed from its records by the current summariser
+    phases = [e["model_error"] for p, e in summary.items() if p != "overall"]
     out: Dict[str, Any] = {"record": path, "ran_on": doc["provenance"]["git_commit"], "phases": len(phases)}
     for key, name, field in (("llm", "llm", "median_abs_error"), ("sd", "sd", "median_abs_error_own_alpha"),
                              ("sd_at_autos_alpha", "sd", "median_abs_error"),
+                             ("sd_phase_mean_at_autos_alpha", "sd", "phase_mean_error"),
                              ("ksqs_at_autos_alpha", "ksqs", "median_abs_error")):
         seen = [e[name] for e in phases if field in e.get(name, {})]
         if seen:
@@ -314,10 +318,14 @@ def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
 def error_text(err: Dict[str, Any]) -> str:
     """measured_error in one line."""
     span = lambda e: f"{100 * e['min']:.0f}–{100 * e['max']:.0f} %"  # noqa: E731
+    signed = lambda e: f"{100 * e['min']:+.0f} to {100 * e['max']:+.0f} %"  # noqa: E731
     parts = [f"llm {span(err['llm'])}"] if "llm" in err else []
     if "sd" in err:
         parts.append(f"sd {span(err['sd'])} at the request's α"
-                     + (f" ({span(err['sd_at_autos_alpha'])} at auto's)" if "sd_at_autos_alpha" in err else ""))
+                     + (f" ({span(err['sd_at_autos_alpha'])} at auto's" if "sd_at_autos_alpha" in err else "")
+                     + (f", its phase means {signed(err['sd_phase_mean_at_autos_alpha'])}"
+                        if "sd_phase_mean_at_autos_alpha" in err else "")
+                     + (")" if "sd_at_autos_alpha" in err else ""))
     if "ksqs_at_autos_alpha" in err:
         parts.append(f"ksqs {span(err['ksqs_at_autos_alpha'])} at auto's α")
     n = min(e["n_per_phase"] for k, e in err.items() if isinstance(e, dict))
