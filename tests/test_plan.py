@@ -7,7 +7,8 @@ import json
 import pytest
 
 from hat_split.math.verify import expected_tokens
-from profiles.bench.plan import GpuSteps, alpha_for, auto_at_sla, capacity, error_text, measured_error, shape_of
+from profiles.bench.plan import (MODEL_ERROR, GpuSteps, alpha_for, auto_at_sla, capacity, error_text, measured_error,
+                                 shape_of)
 
 
 def test_capacity_is_the_most_devices_within_the_sla():
@@ -62,13 +63,14 @@ def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
     assert fleet["devices_at_sla"] >= max(r["devices_at_sla"] for r in rows.values() if r["protocol"] != "slm")
     assert fleet["over_llm"] == pytest.approx(fleet["devices_at_sla"] / rows["llm"]["devices_at_sla"])
     err = doc["assumptions"]["model_error_here"]  # read from the trace named by plan.MODEL_ERROR
-    assert err["record"] == "results/auto/bench_auto_ed45904.json" and err["phases"] == 7
+    assert err["record"] == MODEL_ERROR and err["phases"] == 7
+    assert "sd_phase_mean_at_autos_alpha" in err  # the trace's resummarised summary holds the phases' bias
     assert 0 < err["llm"]["min"] <= err["llm"]["max"] < 1 and err["sd"]["n_per_phase"] == 8
     out_text = capsys.readouterr().out
     assert "ESTIMATES" in out_text and "hat shape" in out_text
     assert f"one {doc['gpu']} serves {fleet['devices_at_sla']} devices" in out_text
     assert "SpecEdge reports 2.22×" in out_text
-    assert "model error here: llm " in out_text and "n = 8 requests each" in out_text
+    assert "model error here: llm " in out_text and "n = 8 requests each" in out_text and "its phase means" in out_text
     assert main(["plan", "--gpu", "nope", "--out", str(out)]) == 2
 
 
