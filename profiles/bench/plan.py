@@ -321,11 +321,12 @@ def error_text(err: Dict[str, Any]) -> str:
     signed = lambda e: f"{100 * e['min']:+.0f} to {100 * e['max']:+.0f} %"  # noqa: E731
     parts = [f"llm {span(err['llm'])}"] if "llm" in err else []
     if "sd" in err:
-        parts.append(f"sd {span(err['sd'])} at the request's α"
-                     + (f" ({span(err['sd_at_autos_alpha'])} at auto's" if "sd_at_autos_alpha" in err else "")
-                     + (f", its phase means {signed(err['sd_phase_mean_at_autos_alpha'])}"
-                        if "sd_phase_mean_at_autos_alpha" in err else "")
-                     + (")" if "sd_at_autos_alpha" in err else ""))
+        autos = ""  # sd at auto's α, and its phases' bias where recorded (a phase that has one has the other)
+        if "sd_at_autos_alpha" in err:
+            bias = err.get("sd_phase_mean_at_autos_alpha")
+            autos = f" ({span(err['sd_at_autos_alpha'])} at auto's" + \
+                (f", its phase means {signed(bias)})" if bias else ")")
+        parts.append(f"sd {span(err['sd'])} at the request's α{autos}")
     if "ksqs_at_autos_alpha" in err:
         parts.append(f"ksqs {span(err['ksqs_at_autos_alpha'])} at auto's α")
     n = min(e["n_per_phase"] for k, e in err.items() if isinstance(e, dict))
