@@ -56,6 +56,10 @@ ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of 
 ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
 # prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it);
 # a tree's tokens a round are pulled as much towards its chain's (`tree_tokens_per_round`)
+OPENING_RATIO = 0.85  # a request's first round (the answer's first tokens, hardest to draft) against its later ones:
+# the prior of the openings' acceptance, the prompts' times this, worth ALPHA_BASE_ROUNDS rounds against the openings
+# measured (`Acceptance.opening`). The Qwen pair's sd γ = 4 rows, T = 0: 0.67 on first rounds against 0.79-0.80 on
+# the rest, 0.83-0.85 of it in each of twelve traces in results/auto (bench_auto_6588b75.json: 56 requests)
 TREE_PRIOR_ROUNDS = 2.0  # rounds the prompts' tokens a round of a draft tree count as against a request's own (as
 # ALPHA_PRIOR_DRAFTS, some two rounds of drafts, for a chain's α): a prompt whose tree commits 2 a round where the
 # prompts' committed 5 ran it for 14 rounds over lte at 0.66 × llm, its moving average too slow to leave
@@ -89,6 +93,9 @@ class Acceptance:
     request_accepted: float = 0.0  # fractional: llm's tokens read above temperature 0 (observe_agreement)
     request_examined: int = 0
     rounds: int = 0
+    opening_accepted: Optional[float] = None  # the same averages over requests' first rounds only (`opening`)
+    opening_examined: Optional[float] = None
+    opening_rounds: int = 0
 
     @property
     def population(self) -> Optional[float]:
@@ -99,6 +106,23 @@ class Acceptance:
             return None
         measured = min(1.0, (self.accepted or 0.0) / self.examined)
         return (self.rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (self.rounds + ALPHA_BASE_ROUNDS)
+
+    @property
+    def opening(self) -> Optional[float]:
+        """The prompts' acceptance on a request's first round, which drafts the answer's first tokens: the openings
+        measured (moving averages as the population's), pulled toward OPENING_RATIO times the prompts' acceptance as if
+        ALPHA_BASE_ROUNDS openings had read it; None before a round. A first round on these prompts accepts less
+        than the rest (half of them reject the first draft): priced at the prompts' α, a chain of 8 opened requests
+        under load where η's chain drafted one or two, and their first token came up to 1.65 s later (docs/AUTO.md
+        "The opening's own acceptance")."""
+        prompts = self.population
+        if prompts is None:
+            return None
+        prior = OPENING_RATIO * prompts
+        if not self.opening_examined:
+            return prior
+        measured = min(1.0, (self.opening_accepted or 0.0) / self.opening_examined)
+        return (self.opening_rounds * measured + ALPHA_BASE_ROUNDS * prior) / (self.opening_rounds + ALPHA_BASE_ROUNDS)
 
     @property
     def weight(self) -> float:
@@ -117,12 +141,16 @@ class Acceptance:
     def begin(self) -> None:
         self.request_accepted = self.request_examined = 0
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A round's drafts (`examined_of`)."""
+    def observe(self, drafted: int, accepted: int, opening: bool = False) -> None:
+        """A round's drafts (`examined_of`); opening: the request's first round (`opening` as well)."""
         examined = examined_of(drafted, accepted)
         self.rounds += 1
         self.accepted = population_ema(self.accepted, float(accepted), self.rounds)
         self.examined = population_ema(self.examined, float(examined), self.rounds)
+        if opening:
+            self.opening_rounds += 1
+            self.opening_accepted = population_ema(self.opening_accepted, float(accepted), self.opening_rounds)
+            self.opening_examined = population_ema(self.opening_examined, float(examined), self.opening_rounds)
         self.inform(accepted, examined)
 
     def inform(self, accepted: float, examined: float) -> None:
@@ -208,6 +236,10 @@ class AutoEstimates:
     # than the shape's when η ends it early: a chain of width 1 that ends on its draft's confidence)
     tree_request: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # the request's own tree
     # rounds: (tokens committed, rounds), per shape and kind
+    tree_opening: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # tokens a request's first
+    # round of each shape committed (a moving average as `tree_tokens`), and how many such rounds, per kind
+    opening: bool = False  # a request began (`begin_request`) and has committed nothing yet: its next round drafts
+    # the answer's first tokens, priced at the openings' acceptance (`Acceptance.opening`, `tree_tokens_per_round`)
 
     @property
     def alpha(self) -> Optional[float]:
@@ -229,7 +261,9 @@ class AutoEstimates:
         sd = self.acceptance.get(("sd", self.kind))
         ratios = {p: self._ratio(a, sd) for p, a in own}
         weight = sum(a.weight for _, a in own)
-        prior = sum(a.weight * a.population / ratios[p] for p, a in own) / weight
+        prompts = {p: a.opening if self.opening else a.population for p, a in own}  # the request's first round: the
+        # openings' (Acceptance.opening)
+        prior = sum(a.weight * prompts[p] / ratios[p] for p, a in own) / weight
         accepted = sum(a.request_accepted / ratios[p] for p, a in own)
         examined = sum(a.request_examined for _, a in own)
         return posterior(min(1.0, prior), accepted, examined) * ratios.get(protocol, 1.0)  # not drafted yet: sd's
@@ -285,6 +319,7 @@ class AutoEstimates:
         for a in self.acceptance.values():
             a.begin()
         self.tree_request.clear()
+        self.opening = True
 
     def take_report(self, cost: Optional[P.CloudCost], now: Optional[float] = None) -> bool:
         """The cloud's cost report, checked: kept when good; refused (logged, counted, the last good one kept) when
@@ -383,7 +418,8 @@ class AutoEstimates:
             return
         self._ran(protocol)
         key = (protocol, self.kind)
-        self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted)
+        self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted, self.opening)
+        self.opening = False
         if not caught_up:
             self._draft_step(draft_s / drafted)
         elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
@@ -432,6 +468,10 @@ class AutoEstimates:
         key = (shape, self.kind)
         n = self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
         self.tree_tokens[key] = population_ema(self.tree_tokens.get(key), float(tokens), n)
+        if self.opening:
+            mean, rounds = self.tree_opening.get(key, (None, 0))
+            self.tree_opening[key] = (population_ema(mean, float(tokens), rounds + 1), rounds + 1)
+            self.opening = False
         mine, rounds = self.tree_request.get(key, (0.0, 0))
         self.tree_request[key] = (mine + tokens, rounds + 1)
         self.tree_sent[key] = population_ema(self.tree_sent.get(key), float(nodes), n)
@@ -479,7 +519,9 @@ class AutoEstimates:
         commits); None before α is known. The prompts' average is pulled towards that chain's, worth
         ALPHA_BASE_ROUNDS rounds against the tree's measured ones, as the chains' α is towards ALPHA_BASE: two
         rounds of one easy prompt (7 tokens each) opened the next two prompts on the tree, priced 1.1-1.3× llm, which
-        then ran at 0.7-0.8× it (the trace on `b4d7ebf`, loopback)."""
+        then ran at 0.7-0.8× it (the trace on `b4d7ebf`, loopback). A request's first round (`opening`) is priced at
+        the chain's opening α, and at the tree's own first rounds where measured, pulled toward its rounds' as much
+        (an η-ended chain's first rounds commit as much as its others here, a chain of 4's 0.8 a round fewer)."""
         key = (shape, self.kind)
         a = self.alpha
         chain = None if a is None else float(shape[1] + 1) if a >= 1.0 else (1.0 - a ** (shape[1] + 1)) / (1.0 - a)
@@ -487,6 +529,9 @@ class AutoEstimates:
             n = self.tree_rounds_of(shape)
             prompts = self.tree_tokens[key] if chain is None else \
                 (n * self.tree_tokens[key] + ALPHA_BASE_ROUNDS * chain) / (n + ALPHA_BASE_ROUNDS)
+            first, openings = self.tree_opening.get(key, (None, 0))
+            if self.opening and first is not None:
+                prompts = (openings * first + ALPHA_BASE_ROUNDS * prompts) / (openings + ALPHA_BASE_ROUNDS)
             mine, rounds = self.tree_request.get(key, (0.0, 0))
             return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
         return chain
@@ -496,6 +541,7 @@ class AutoEstimates:
         """One llm round at `now`: the cloud decoded `tokens` alone in cloud_s."""
         if tokens < 1:
             return
+        self.opening = False
         self._ran("llm")
         if cloud_s > 0:
             self._cloud(1, cloud_s / tokens, now)
@@ -541,6 +587,8 @@ class AutoEstimates:
 
     def observe_local(self, tokens: int, seconds: float) -> None:
         """Tokens the device made alone (a degraded stretch) in `seconds` of its model."""
+        if tokens > 0:
+            self.opening = False
         if tokens > 0 and seconds > 0:
             self.local_step_s = ema(None if self._restarts("local_step_s") else self.local_step_s, seconds / tokens)
 

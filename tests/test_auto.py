@@ -11,7 +11,7 @@ import math
 import pytest
 
 from edge_runtime.auto import PROBE_EVERY, AutoController, Choice
-from edge_runtime.auto_estimates import GREEDY, Acceptance, AutoEstimates
+from edge_runtime.auto_estimates import GREEDY, OPENING_RATIO, Acceptance, AutoEstimates
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link
@@ -38,6 +38,13 @@ def _pulled(measured: float, rounds: int) -> float:
     from edge_runtime.auto_estimates import ALPHA_BASE, ALPHA_BASE_ROUNDS
 
     return (rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (rounds + ALPHA_BASE_ROUNDS)
+
+
+def _begin_past_opening(est: AutoEstimates, kind: str = GREEDY) -> None:
+    """A new request whose opening round is behind it (a round committed): its α is the prompts' from here, not the
+    openings' (`Acceptance.opening`, tested on its own)."""
+    est.begin_request(kind)
+    est.opening = False
 
 
 def _controller(est: AutoEstimates, **kw) -> AutoController:
@@ -301,8 +308,9 @@ def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     assert slow_uplink.protocol == "ksqs" and "ksqs γ=" in slow_uplink.reason, slow_uplink
     free_link = _controller(est, eligible=("sd", "ksqs", "llm")).decide(Link(0.001))
     assert free_link.protocol == "sd", free_link  # the same rows cost nothing: sd's higher acceptance wins
-    est.begin_request(GREEDY)
-    assert est.alpha == pytest.approx(0.8) and est.up_per_draft() == 60.0 and est.up_per_draft("ksqs") is None
+    est.begin_request(GREEDY)  # a greedy request's opening: the greedy prompts' α at OPENING_RATIO (no opening read)
+    assert est.alpha == pytest.approx(OPENING_RATIO * 0.8) and est.up_per_draft() == 60.0
+    assert est.up_per_draft("ksqs") is None
 
 
 def test_the_drafting_protocols_share_what_they_learn_of_a_prompt():
@@ -317,13 +325,13 @@ def test_the_drafting_protocols_share_what_they_learn_of_a_prompt():
         est.observe_sd(1, 0, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0)
     for _ in range(5):  # ksqs on two easy prompts: 26 of 26
         est.observe_sd(5, 5, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0, protocol="ksqs")
-    est.begin_request()
+    _begin_past_opening(est)
     sd, ksqs = est.alpha_of("sd"), est.alpha_of("ksqs")
     assert 0.88 < ksqs <= sd < 0.95, (sd, ksqs)  # the prompts', not 1.00
     for _ in range(3):  # a hard prompt, under sd: 1 of 2 examined
         est.observe_sd(4, 1, 0.08, 0.2, 300, 100, 0.4, Link(), now=2.0)
     assert est.alpha_of("ksqs") < 0.8 and est.alpha_of("ksqs") <= est.alpha_of("sd")
-    est.begin_request()
+    _begin_past_opening(est)
     assert est.alpha_of("ksqs") > 0.85  # the next prompt starts from the prompts' prior again
     bad = AutoEstimates()  # degenerate: only ksqs ran, every draft rejected; bounded, never NaN
     for _ in range(4):
@@ -343,7 +351,7 @@ def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
     assert est.alpha is None
     for _ in range(12):  # easy prompts: every draft accepted
         est.observe_sd(4, 4, 0.08, 0.2, 300, 100, 0.4, Link(), now=1.0)
-    est.begin_request()
+    _begin_past_opening(est)
     assert est.alpha == pytest.approx(_pulled(1.0, 12))  # 0.94: twelve rounds read 1.00, ALPHA_BASE pulls
     for _ in range(3):  # a hard prompt: 1 of 4 accepted, 2 examined per round
         est.observe_sd(4, 1, 0.08, 0.2, 300, 100, 0.4, Link(), now=2.0)
@@ -352,8 +360,71 @@ def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
     assert 0.8 < prior < _pulled(1.0, 12)  # the prompts' average moved a little
     assert est.alpha == pytest.approx((ALPHA_PRIOR_DRAFTS * prior + 3) / (ALPHA_PRIOR_DRAFTS + 6))  # this prompt's
     assert est.alpha < 0.8
-    est.begin_request()  # the next prompt starts from the prompts' prior, not from the hard one's 0.5
+    _begin_past_opening(est)  # the next prompt starts from the prompts' prior, not the hard one's
     assert est.alpha == pytest.approx(prior)
+
+def test_a_requests_first_round_is_priced_at_the_openings_acceptance():
+    """A request's first round drafts the answer's first tokens, which these prompts accept less (0.67 against 0.79 on
+    the Qwen pair): until it commits, the request's α is the openings' — OPENING_RATIO times the prompts' before any
+    opening is read, moved by the openings read (plain means, then moving averages, as the prompts'), worth
+    ALPHA_BASE_ROUNDS against them — and a tree's tokens a round its own first rounds'. Only a request's first round
+    is an opening; llm's ends it as well (what sd drafts after it is not the answer's first tokens)."""
+    from edge_runtime.auto_estimates import ALPHA_BASE_ROUNDS
+
+    est = _estimates(0.8, 0.02, step_1=0.2, step_9=0.22)
+    sd = est.acceptance[("sd", GREEDY)]
+    assert not est.opening and est.alpha == pytest.approx(0.8)  # no request begun: the prompts'
+    est.begin_request()
+    assert est.opening and sd.opening == pytest.approx(OPENING_RATIO * 0.8)
+    assert est.alpha == pytest.approx(OPENING_RATIO * 0.8)
+    est.observe_sd(4, 0, 0.08, 0.22, 300, 100, 0.4, Link(), now=1.0)  # the opening: its first draft rejected
+    assert not est.opening and (sd.opening_rounds, sd.opening_accepted, sd.opening_examined) == (1, 0.0, 1.0)
+    est.observe_sd(4, 4, 0.08, 0.22, 300, 100, 0.4, Link(), now=1.0)  # a later round: no opening
+    assert sd.opening_rounds == 1
+    est.begin_request()
+    est.observe_sd(4, 2, 0.08, 0.22, 300, 100, 0.4, Link(), now=2.0)  # the next request's opening: 2 of 3
+    est.begin_request()
+    want = (2 * (2 / 4) + ALPHA_BASE_ROUNDS * OPENING_RATIO * sd.population) / (2 + ALPHA_BASE_ROUNDS)
+    assert sd.opening == pytest.approx(want) and est.alpha == pytest.approx(want)  # read: 2 of 4 examined
+    est.observe_llm(1, 0.2, 80, 100, 0.25, Link(), now=3.0)  # llm opens: what sd drafts next is not an opening
+    assert not est.opening
+    est.observe_sd(4, 4, 0.08, 0.22, 300, 100, 0.4, Link(), now=3.0)
+    assert sd.opening_rounds == 2
+    shape = (8, 8, 1)  # a tree's tokens a round: its first rounds' at an opening, pulled toward its rounds'
+    for tokens in (6, 6, 6):
+        est.observe_tree(shape, tokens, 0.1, 0.2, 200, 100, 0.4, Link(), now=4.0, sent=6)
+    est.begin_request()
+    est.observe_tree(shape, 2, 0.03, 0.2, 100, 100, 0.3, Link(), now=5.0, sent=2)  # its opening: 2
+    assert est.tree_opening[(shape, GREEDY)] == (2.0, 1)
+    _begin_past_opening(est)
+    later = est.tree_tokens_per_round(shape)
+    est.begin_request()
+    pulled = _pulled_tree(est, shape)  # at the opening's α
+    want = (2.0 + ALPHA_BASE_ROUNDS * pulled) / (1 + ALPHA_BASE_ROUNDS)
+    assert est.tree_tokens_per_round(shape) == pytest.approx(want)
+    assert est.tree_tokens_per_round(shape) < later
+
+
+def test_under_load_a_request_opens_on_the_eta_chain_where_chains_run_later():
+    """A loaded cloud (a step of 0.45-0.5 s whatever its positions), the prompts' α 0.8, an η-chain measured at 2.8
+    tokens a round: past the opening a chain of 7 is sd's best, but a request's first round, at the openings' α,
+    opens on the η-chain, which drafts in proportion to what it commits (under load a chain of 8 opened four
+    requests of eight, drafted eight and committed one, its first token up to 1.65 s after the η-chain row's). On
+    the code before, the opening ran the chain of 7 too."""
+    shape, link = (8, 8, 1), Link(0.01)
+    est = _estimates(0.8, 0.02, step_1=0.45, step_9=0.5)
+    for i in range(20):  # earlier requests' η-chain rounds: 2.8 tokens a round, a draft beyond what it commits
+        tokens = (1, 3, 5, 3, 2)[i % 5]
+        est.observe_tree(shape, tokens, (tokens + 1) * 0.02, 0.5, 80 + (tokens + 1) * 6, 100,
+                         (tokens + 1) * 0.02 + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
+    c = _controller(est, eta=0.4)
+    est.begin_request()
+    opening = c.decide(link)
+    assert (opening.protocol, opening.tree) == ("sd", shape) and "α 0.68" in opening.reason, opening
+    _begin_past_opening(est)
+    later = c.decide(link)
+    assert (later.protocol, later.tree) == ("sd", None) and later.knob >= 6 and "α 0.80" in later.reason, later
+
 
 def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatch):
     """On a fresh runtime the first prompt's three measuring rounds, every draft accepted, read the prompts' α 1.00
@@ -361,6 +432,8 @@ def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatc
     bench run under load: its first round 1 s later than fixed sd's γ 4). With the pull it opens at a middle γ; the
     same estimates without it choose γ 8 (the test can fail)."""
     import edge_runtime.auto_estimates as estimates
+
+    monkeypatch.setattr(estimates, "OPENING_RATIO", 1.0)  # the openings' own acceptance aside (tested on its own)
 
     def opening(base_rounds: float) -> Choice:
         monkeypatch.setattr(estimates, "ALPHA_BASE_ROUNDS", base_rounds)
@@ -700,7 +773,7 @@ def test_the_targets_tokens_read_while_llm_runs_move_the_requests_acceptance():
     reads (an estimate from each token's drawn probability, fractional) move its own kind's α only; a malformed
     count moves nothing."""
     est = _estimates(0.5, 0.04, step_1=0.1, step_9=0.14)
-    est.begin_request(GREEDY)
+    _begin_past_opening(est)
     c = _controller(est)
     c.record(Choice("llm", 8, "predicted", {}), 8)
     assert c.decide(Link(0.01)).protocol == "llm"
@@ -1191,7 +1264,7 @@ def test_the_eta_chains_drafts_move_the_requests_acceptance_of_sds_chains():
 
     eta_chain, wide, link = (8, 8, 1), (8, 4, 2), Link(0.1)
     est = _estimates(0.6, 0.01, step_1=0.05, step_9=0.06)
-    est.begin_request()
+    _begin_past_opening(est)
     assert est.alpha == pytest.approx(0.6)
 
     def tree_round(shape, sent, accepted, now=0.0):
@@ -1210,7 +1283,7 @@ def test_the_eta_chains_drafts_move_the_requests_acceptance_of_sds_chains():
     with pytest.raises(ValueError, match="accepts 0..5"):
         tree_round(eta_chain, 5, 6, now=1.0)
     assert est.alpha == pytest.approx(want) and est.tree_rounds_of(eta_chain) == 4  # the refused round kept nothing
-    est.begin_request()  # the next prompt starts from the prompts' again
+    _begin_past_opening(est)  # the next prompt starts from the prompts' again
     assert est.alpha == pytest.approx(0.6)
 
 
@@ -1331,7 +1404,7 @@ def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
     est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
     for _ in range(40):  # earlier requests: 6 tokens a round
         est.observe_tree(shape, 6, 0.04, 0.06, 200, 100, 0.2, Link(0.05), now=0.0, sent=6)
-    est.begin_request()
+    _begin_past_opening(est)
     population = _pulled_tree(est, shape)
     assert est.tree_tokens_per_round(shape) == pytest.approx(population)
     for k in range(1, 5):
@@ -1339,7 +1412,7 @@ def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
         want = (TREE_PRIOR_ROUNDS * _pulled_tree(est, shape) + 2 * k) / (TREE_PRIOR_ROUNDS + k)
         assert est.tree_tokens_per_round(shape) == pytest.approx(want)
     assert est.tree_tokens_per_round(shape) < 3.4  # four rounds in: near the prompt's 2, not the prompts' 5.9
-    est.begin_request()
+    _begin_past_opening(est)
     assert est.tree_tokens_per_round(shape) > 5.5  # the next prompt: the prompts' again
 
 
