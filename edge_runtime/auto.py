@@ -57,6 +57,9 @@ from hat_split.math.costmodel import CostCurve, Link, Prediction, marginal_cloud
 from hat_split.math.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.edge")
+DECISIONS = logging.getLogger("hatspec.auto.decisions")  # one DEBUG record a choice (its `auto_decision`: the
+# choice, every candidate's price, the estimates it read) and one a round's tokens (`auto_tokens`); off unless a
+# handler turns it on (`hat-bench auto --decisions`), so a request pays nothing for it
 
 Candidates = Dict[str, List[Tuple[Optional[Shape], Prediction]]]  # per protocol: (tree shape or None, prediction)
 AUTO_TOKEN = ("sd", "ksqs", "llm")  # the token protocols auto runs in one session (the exact ones the cost model
@@ -68,7 +71,9 @@ SLA_REASON = "at the least cloud compute a token"  # what a choice under a reque
 SLA_MARGIN = 1.15  # a protocol keeps a request's pace (sla_tokens_per_s) when predicted at this many times it: the
 # model's error against what ran is within 15-20 % per phase here (docs/AUTO.md)
 PREDICTED = "predicted"  # how the reason of a prediction's choice begins (`_why`; a measuring or probing round's
-# does not)
+# does not) ...
+OPENING = "opening"  # ... except at a request's opening, priced at the openings' acceptance (AutoEstimates.opening),
+# whose reason begins "opening: predicted": a choice for the first round only, which binds nothing after it (`_chosen`)
 LLM_EXPLORE_TOKENS = 1  # what llm's measuring and probing rounds decode: its round overhead and a step are all the
 # model reads of llm, which one token measures as well as a chunk (a chunk under load costs seconds)
 PROBE_EVERY = 24  # rounds (of this runtime, across requests) after which a protocol not run since gets one round
@@ -293,7 +298,28 @@ class AutoController:
     def decide(self, link: Link, now: Optional[float] = None, behind: int = 0, remaining: int = 0) -> Choice:
         """What the next round runs, at `now` (the caller's monotonic clock; None: nothing goes stale); behind: the
         committed tokens the draft model would read before sd's first draft; remaining: the tokens the request has
-        left (0: unknown, no switch is priced)."""
+        left (0: unknown, no switch is priced). With DECISIONS at DEBUG, the choice and what it read go there."""
+        choice = self._decide(link, now, behind, remaining)
+        if DECISIONS.isEnabledFor(logging.DEBUG):
+            DECISIONS.debug("auto: %s", choice.reason, extra={"auto_decision": self._decision(choice, link, now,
+                                                                                                behind, remaining)})
+        return choice
+
+    def _decision(self, choice: Choice, link: Link, now: Optional[float], behind: int, remaining: int) -> dict:
+        """A choice as DECISIONS records it: the choice, every candidate's price (protocol, tree shape or None, knob,
+        tokens/s, tokens a round, seconds a round), and the estimates it read."""
+        est = self.estimates
+        cands = self._candidates(link, est.curve(now))
+        return {"request": id(self), "choice": {"protocol": choice.protocol, "knob": choice.knob,
+                                                "tree": list(choice.tree) if choice.tree else None,
+                                                "eta": choice.eta, "reason": choice.reason},
+                "behind": behind, "remaining": remaining, "alpha": est.alpha, "opening": est.opening,
+                "draft_step_s": est.draft_step_s, "rtt_s": link.rtt_s,
+                "candidates": [[name, list(shape) if shape else None, p.knob, p.tokens_per_s, p.tokens_per_round,
+                                p.round_s] for name, preds in cands.items() for shape, p in preds]}
+
+    def _decide(self, link: Link, now: Optional[float], behind: int, remaining: int) -> Choice:
+        """`decide`'s choice."""
         current = self.segments[-1] if self.segments else None
         chosen = self._chosen()
         preds, best_tree, cands = self._priced(link, now)
@@ -367,14 +393,17 @@ class AutoController:
                               rates)
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
-        return Choice("sd" if tree else best.protocol, best.knob, _why(best, preds, self.estimates, text) + why,
+        reason = _why(best, preds, self.estimates, text) + why
+        return Choice("sd" if tree else best.protocol, best.knob, f"{OPENING}: {reason}" if est.opening else reason,
                       rates, tree, self._eta_of(tree))
 
     def _chosen(self) -> Optional[Segment]:
         """The request's last segment that a prediction chose (`_why`), None before one: what SWITCH_GAIN keeps. A
         measuring or probing round in between binds nothing: a one-token probe of llm between two rounds of a tree
         once became the protocol kept, and llm, within 1.10× below the tree, ran 16 of 32 tokens at 0.57× the tree's
-        row (docs/AUTO.md "A probe is not a choice")."""
+        row (docs/AUTO.md "A probe is not a choice"). Nor does the opening's choice (OPENING), priced at the
+        openings' acceptance for the first round only: kept, a chain of 3 chosen there ran whole requests at low
+        power under load where the η-chain was 1.1-1.3× as fast ("The opening's own acceptance")."""
         return next((s for s in reversed(self.segments) if s.reason.startswith(PREDICTED)), None)
 
     @staticmethod
@@ -455,6 +484,8 @@ class AutoController:
 
     def record(self, choice: Choice, tokens: int) -> None:
         """A round ran under `choice` and committed `tokens`."""
+        if DECISIONS.isEnabledFor(logging.DEBUG):
+            DECISIONS.debug("auto: %d tokens", tokens, extra={"auto_tokens": {"request": id(self), "tokens": tokens}})
         idle = self.estimates.idle
         for name in self.eligible:
             idle[name] = 0 if name == choice.protocol else idle.get(name, 0) + 1

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from edge_runtime.auto import PROBE_EVERY, AutoController, Choice
+from edge_runtime.auto import PROBE_EVERY, SWITCH_GAIN, AutoController, Choice
 from edge_runtime.auto_estimates import GREEDY, OPENING_RATIO, Acceptance, AutoEstimates
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
@@ -154,7 +154,6 @@ def test_a_knob_or_tree_running_is_kept_unless_another_promises_a_clear_gain():
     """sd's chains of γ and its draft trees are one protocol, yet a switch among them needs SWITCH_GAIN too: running
     γ within 1.10× of the best γ, it is kept (and said so); one clearly behind gives way; a tree running is kept
     against a chain within 1.10×; a measuring round binds nothing."""
-    from edge_runtime.auto import SWITCH_GAIN
 
     est = _estimates(0.8, 0.02, step_1=0.2, step_9=0.26)
     c = _controller(est)
@@ -421,9 +420,36 @@ def test_under_load_a_request_opens_on_the_eta_chain_where_chains_run_later():
     est.begin_request()
     opening = c.decide(link)
     assert (opening.protocol, opening.tree) == ("sd", shape) and "α 0.68" in opening.reason, opening
+    assert opening.reason.startswith("opening: predicted"), opening.reason
     _begin_past_opening(est)
     later = c.decide(link)
     assert (later.protocol, later.tree) == ("sd", None) and later.knob >= 6 and "α 0.80" in later.reason, later
+
+
+def test_the_openings_choice_binds_nothing_after_it():
+    """The opening's choice is priced for the first round (the openings' α) and the next round chooses afresh at the
+    request's α, with no SWITCH_GAIN to clear: in stop 80's trace a chain of 3 chosen at the openings of low-power
+    requests under load was kept for whole requests where the η-chain, within 1.10× above it at the request's α, was
+    the faster row. Here the other way round: the opening runs the η-chain, and the chain of 6 then 1.065× ahead
+    takes over; on the code before, the η-chain was kept."""
+    shape, link = (8, 8, 1), Link(0.01)
+    est = _estimates(0.8, 0.03, step_1=0.45, step_9=0.5)  # a loaded cloud
+    for i in range(20):  # earlier requests' η-chain rounds: 3.2 tokens a round
+        tokens = (2, 3, 5, 3, 3)[i % 5]
+        est.observe_tree(shape, tokens, (tokens + 1) * 0.03, 0.5, 80 + (tokens + 1) * 6, 100,
+                         (tokens + 1) * 0.03 + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
+    c = _controller(est, eta=0.4)
+    est.begin_request()
+    opening = c.decide(link)
+    assert (opening.tree, opening.reason[:18]) == (shape, "opening: predicted"), opening
+    c.record(opening, 1)
+    est.opening = False  # its round committed (its figures aside)
+    after = c.decide(link)
+    best = max(c._candidates(link, est.curve())["sd"], key=lambda sp: sp[1].tokens_per_s)
+    held = c.at_tree(shape, link)
+    assert best[0] is None and best[1].tokens_per_s < SWITCH_GAIN * held.tokens_per_s, (best, held)
+    assert (after.tree, after.knob) == (None, best[1].knob) and after.reason.startswith("predicted"), after
+    assert "kept" not in after.reason, after
 
 
 def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatch):
@@ -505,7 +531,6 @@ def test_a_drift_seen_at_one_size_prices_every_size():
     1 − exp(−Δt / τ)), so the protocol that stopped running is not left at its old pace. Right after another step the
     move is a small share (the steps' noise). Kept per size alone (τ huge: no move), the verify keeps its old
     price while llm's rises."""
-    from edge_runtime.auto import SWITCH_GAIN
     from hat_split.math.chunking import ALPHA, DRIFT_TAU_S, SpeedDrift
 
     def run(speed: SpeedDrift):

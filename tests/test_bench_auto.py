@@ -188,8 +188,10 @@ def test_a_trace_with_a_tree_row_runs_end_to_end(smollm2, tmp_path):
     out = tmp_path / "auto.json"
     base = ["auto", "--draft", "smollm2-135m", "--target", "smollm2-135m", "--engine", "torch", "--repetitions", "1",
             "--max-new-tokens", "16", "--protocols", "llm,auto", "--trees", "4x2x2", "--out", str(out)]
-    assert main(base + ["--trace", "loopback,lte"]) == 0
+    assert main(base + ["--trace", "loopback,lte", "--decisions"]) == 0
     doc = json.loads(out.read_text())
+    for row in (r for r in doc["rows"] if r["protocol"] == "auto"):  # --decisions: each choice, with its tokens
+        assert sum(d["tokens"] for d in row["decisions"]) == 16 and all(d["candidates"] for d in row["decisions"][1:])
     trees = [r for r in doc["rows"] if r["protocol"] == "sd_t4d2w2"]  # the tree row: sd drafting 4-node trees
     assert len(trees) == 2 and all(r["tokens"] == 16 and r["alpha"] is not None for r in trees)
     assert set(doc["summary"]["overall"]["protocols"]) == {"llm", "auto", "sd_t4d2w2", "sd_g8_e0.4"}

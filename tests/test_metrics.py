@@ -83,8 +83,9 @@ def test_what_auto_chose_is_counted_by_protocol_and_why():
     from edge_runtime.sessions.base import GenerationResult
 
     m = EdgeMetrics(agent=None)
-    res = GenerationResult(protocol="auto", tokens=[1] * 17, total_s=1.0, ttft_s=0.1, auto=[
+    res = GenerationResult(protocol="auto", tokens=[1] * 19, total_s=1.0, ttft_s=0.1, auto=[
         {"protocol": "sd", "knob": 4, "tokens": 3, "rounds": 1, "reason": "measuring sd: 0 of 3 rounds"},
+        {"protocol": "sd", "knob": 8, "tokens": 2, "rounds": 1, "reason": "opening: predicted sd γ=8 3 tok/s"},
         {"protocol": "llm", "knob": 8, "tokens": 8, "rounds": 1, "reason": "predicted llm 9 tok/s"},
         {"protocol": "slm", "knob": 0, "tokens": 1, "rounds": 0, "reason": "the cloud unreachable: ..."},
         {"protocol": "sd", "knob": 6, "tokens": 5, "rounds": 1, "reason": "predicted llm 9 tok/s; sd γ=6 keeps 4 tok/s "
@@ -92,7 +93,8 @@ def test_what_auto_chose_is_counted_by_protocol_and_why():
     m.completed(res, 0.0)
     got = {(s.labels["chosen"], s.labels["why"]): s.value for f in m.auto_tokens.collect()
            for s in f.samples if s.name.endswith("_total")}
-    assert got == {("sd", "measuring"): 3, ("llm", "predicted"): 8, ("slm", "unreachable"): 1, ("sd", "sla"): 5}
+    assert got == {("sd", "measuring"): 3, ("sd", "opening"): 2, ("llm", "predicted"): 8, ("slm", "unreachable"): 1,
+                   ("sd", "sla"): 5}
     assert m.requests.labels("auto", "completed")._value.get() == 1
 
 

@@ -72,13 +72,13 @@ def outcome(exc: BaseException, shed_codes: Sequence[str]) -> str:
 
 
 def _why(reason: str) -> str:
-    """A bounded label for protocol auto's reason: its first word (measuring, probing, predicted), `sla` (predicted,
-    chosen for the least cloud compute that keeps the request's pace), `unreachable`, `private`, `lossy`, or
-    `other`."""
+    """A bounded label for protocol auto's reason: its first word (measuring, probing, predicted; opening: predicted
+    for a request's first round), `sla` (predicted, chosen for the least cloud compute that keeps the request's
+    pace), `unreachable`, `private`, `lossy`, or `other`."""
     word = reason.split(":")[0].split()[0] if reason.strip() else ""
-    if word == "predicted" and SLA_REASON in reason:
+    if word in ("predicted", "opening") and SLA_REASON in reason:
         return "sla"
-    if word in ("measuring", "probing", "predicted", "private", "lossy"):
+    if word in ("measuring", "probing", "predicted", "opening", "private", "lossy"):
         return word
     return "unreachable" if "unreachable" in reason else "other"
 

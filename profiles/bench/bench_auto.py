@@ -31,6 +31,7 @@ from typing import Dict, Iterator, List
 from edge_runtime.auto import AUTO_MAX_DRAFT
 from edge_runtime.config import EdgeConfig
 from profiles.bench.board import Board, SlowedLM
+from profiles.bench.decisions import recorded
 from profiles.bench.provenance import write_report
 from profiles.bench.stats import MIN_BOOTSTRAP_N, ci_text, interval
 
@@ -73,6 +74,9 @@ def add_parser(sub) -> None:
     s.add_argument("--power-slowdown", type=float, default=3.0,
                    help="a power phase's device compute, times the full-power board's (its mode MODE_15W)")
     s.add_argument("--cloud-cores", type=int, default=1, help="cores for the cloud; the device gets the rest")
+    s.add_argument("--decisions", action="store_true",
+                   help="record each of auto's choices in its row (`decisions`): every candidate's price, the "
+                        "estimates it read and the tokens its round committed (profiles.bench.decisions)")
     s.add_argument("--out", default="runs/auto/bench_auto.json")
 
 
@@ -208,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     board = Board() if any(p.power for p in phases) else None
     # this process on the device's cores before the engines start their threads, and back on all of them after
-    with pinned(device_cores), board or nullcontext(), Rig(args.target, cloud_args=["--engine", args.engine],
-                                                           threads=len(cloud_cores), cloud_cpus=cloud_cores,
-                                                           link="loopback") as bed:
+    with pinned(device_cores), recorded(args.decisions) as decisions, board or nullcontext(), \
+            Rig(args.target, cloud_args=["--engine", args.engine], threads=len(cloud_cores), cloud_cpus=cloud_cores,
+                link="loopback") as bed:
         # the device on cores of its own, as on a real device: its prefill and catch-up run while the cloud works
         config = EdgeConfig(model=args.draft, link=bed.link_config(link_policy="wait", reconnect_timeout_s=120.0),
                             draft_len=args.draft_len, overlap_prefill="on",
@@ -245,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
                         runner = rt_auto if name == "auto" else rt
                         if runner is rt:  # a fixed row: the base config, a tree row's shape on it
                             rt.config = dataclasses.replace(config, **trees.get(name, {}))
+                        if decisions is not None:
+                            decisions.take()  # only this request's choices go into its row
                         res = runner.run(_request(prompt, "sd" if name in trees else name, args,
                                                   SamplingParams(args.temperature), commits))
                         if timer:
@@ -255,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
                             rtt = rt_auto.client.base_rtt_s
                             link = Link(rtt, rt_auto.auto_estimates.uplink_at(rtt))
                             rows[-1]["predicted"] = _predictions(rt_auto, link, res.prompt_tokens, args.draft_len)
+                            if decisions is not None:
+                                rows[-1]["decisions"] = decisions.take()
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
                               + (f"; ran {_ran(res)}" if res.auto else ""), flush=True)
