@@ -402,8 +402,8 @@ class AutoController:
         measuring or probing round in between binds nothing: a one-token probe of llm between two rounds of a tree
         once became the protocol kept, and llm, within 1.10× below the tree, ran 16 of 32 tokens at 0.57× the tree's
         row (docs/AUTO.md "A probe is not a choice"). Nor does the opening's choice (OPENING), priced at the
-        openings' acceptance for the first round only: kept, a chain of 3 chosen there ran whole requests at low
-        power under load where the η-chain was 1.1-1.3× as fast ("The opening's own acceptance")."""
+        openings' acceptance for the first round only: kept, a chain of 3 or 4 chosen there ran whole requests at low
+        power under load where the η-tree row ran 1.1-1.2× as fast ("The opening's own acceptance")."""
         return next((s for s in reversed(self.segments) if s.reason.startswith(PREDICTED)), None)
 
     @staticmethod

@@ -112,9 +112,9 @@ class Acceptance:
         """The prompts' acceptance on a request's first round, which drafts the answer's first tokens: the openings
         measured (moving averages as the population's), pulled toward OPENING_RATIO times the prompts' acceptance as if
         ALPHA_BASE_ROUNDS openings had read it; None before a round. A first round on these prompts accepts less
-        than the rest (half of them reject the first draft): priced at the prompts' α, a chain of 8 opened requests
-        under load where η's chain drafted one or two, and their first token came up to 1.65 s later (docs/AUTO.md
-        "The opening's own acceptance")."""
+        than the rest (half of them reject the first draft): priced at the prompts' α, a chain of 8 opened half the
+        requests under load where η's chain drafts one or two (a fixed chain of 8's first token came 0.19-0.97 s
+        after the η-chain row's there: docs/AUTO.md "The opening's own acceptance")."""
         prompts = self.population
         if prompts is None:
             return None

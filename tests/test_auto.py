@@ -404,18 +404,24 @@ def test_a_requests_first_round_is_priced_at_the_openings_acceptance():
     assert est.tree_tokens_per_round(shape) < later
 
 
+def _eta_chain_rounds(est: AutoEstimates, tokens_a_round, draft_s: float, link: Link) -> None:
+    """Earlier requests' rounds of the η-chain 8x8x1 on a loaded cloud (a verify of 0.5 s), 20 of them cycling through
+    `tokens_a_round`: each sends a draft beyond what it commits (the first rejected), at `draft_s` a draft."""
+    for i in range(20):
+        tokens = tokens_a_round[i % len(tokens_a_round)]
+        est.observe_tree((8, 8, 1), tokens, (tokens + 1) * draft_s, 0.5, 80 + (tokens + 1) * 6, 100,
+                         (tokens + 1) * draft_s + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
+
+
 def test_under_load_a_request_opens_on_the_eta_chain_where_chains_run_later():
     """A loaded cloud (a step of 0.45-0.5 s whatever its positions), the prompts' α 0.8, an η-chain measured at 2.8
     tokens a round: past the opening a chain of 7 is sd's best, but a request's first round, at the openings' α,
     opens on the η-chain, which drafts in proportion to what it commits (under load a chain of 8 opened four
-    requests of eight, drafted eight and committed one, its first token up to 1.65 s after the η-chain row's). On
-    the code before, the opening ran the chain of 7 too."""
+    requests of eight, drafted eight and committed one; a fixed chain of 8's first token came 0.19-0.97 s after the
+    η-chain row's). On the code before, the opening ran the chain of 7 too."""
     shape, link = (8, 8, 1), Link(0.01)
     est = _estimates(0.8, 0.02, step_1=0.45, step_9=0.5)
-    for i in range(20):  # earlier requests' η-chain rounds: 2.8 tokens a round, a draft beyond what it commits
-        tokens = (1, 3, 5, 3, 2)[i % 5]
-        est.observe_tree(shape, tokens, (tokens + 1) * 0.02, 0.5, 80 + (tokens + 1) * 6, 100,
-                         (tokens + 1) * 0.02 + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
+    _eta_chain_rounds(est, (1, 3, 5, 3, 2), 0.02, link)  # 2.8 tokens a round
     c = _controller(est, eta=0.4)
     est.begin_request()
     opening = c.decide(link)
@@ -434,10 +440,7 @@ def test_the_openings_choice_binds_nothing_after_it():
     takes over; on the code before, the η-chain was kept."""
     shape, link = (8, 8, 1), Link(0.01)
     est = _estimates(0.8, 0.03, step_1=0.45, step_9=0.5)  # a loaded cloud
-    for i in range(20):  # earlier requests' η-chain rounds: 3.2 tokens a round
-        tokens = (2, 3, 5, 3, 3)[i % 5]
-        est.observe_tree(shape, tokens, (tokens + 1) * 0.03, 0.5, 80 + (tokens + 1) * 6, 100,
-                         (tokens + 1) * 0.03 + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
+    _eta_chain_rounds(est, (2, 3, 5, 3, 3), 0.03, link)  # 3.2 tokens a round
     c = _controller(est, eta=0.4)
     est.begin_request()
     opening = c.decide(link)
