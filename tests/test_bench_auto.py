@@ -192,6 +192,8 @@ def test_a_trace_with_a_tree_row_runs_end_to_end(smollm2, tmp_path):
     doc = json.loads(out.read_text())
     for row in (r for r in doc["rows"] if r["protocol"] == "auto"):  # --decisions: each choice, with its tokens
         assert sum(d["tokens"] for d in row["decisions"]) == 16 and all(d["candidates"] for d in row["decisions"][1:])
+        made = [d["at"] for d in row["decisions"]]  # from the request's start: before its first commit, in order
+        assert 0 < made[0] < row["first_commit_after_s"] and made == sorted(made), (made, row["first_commit_after_s"])
     trees = [r for r in doc["rows"] if r["protocol"] == "sd_t4d2w2"]  # the tree row: sd drafting 4-node trees
     assert len(trees) == 2 and all(r["tokens"] == 16 and r["alpha"] is not None for r in trees)
     assert set(doc["summary"]["overall"]["protocols"]) == {"llm", "auto", "sd_t4d2w2", "sd_g8_e0.4"}

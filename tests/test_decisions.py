@@ -13,7 +13,7 @@ def test_each_choice_is_recorded_with_its_candidates_and_its_rounds_tokens():
     c = _controller(est)
     level, propagate = DECISIONS.level, DECISIONS.propagate
     with recorded(True) as log:
-        first = c.decide(Link(0.01), remaining=32)
+        first = c.decide(Link(0.01), now=5.0, remaining=32)
         c.record(first, 5)
         second = c.decide(Link(0.01), remaining=27)  # not run yet: no tokens
         other = _controller(est)  # another request's round does not fill this one's
@@ -22,6 +22,7 @@ def test_each_choice_is_recorded_with_its_candidates_and_its_rounds_tokens():
     assert [r["choice"]["reason"] for r in got] == [first.reason, second.reason]
     assert got[0]["tokens"] == 5 and "tokens" not in got[1] and "request" not in got[0]
     assert got[0]["remaining"] == 32 and got[0]["alpha"] == est.alpha and got[0]["opening"] is False
+    assert (got[0]["at"], got[1]["at"]) == (5.0, None)  # the caller's clock
     priced = {(name, knob) for name, shape, knob, *_ in got[0]["candidates"]}
     assert {("sd", g) for g in range(1, 9)} | {("llm", 8)} <= priced  # every chain and llm, as priced
     best = max(got[0]["candidates"], key=lambda cand: cand[3])

@@ -251,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
                             rt.config = dataclasses.replace(config, **trees.get(name, {}))
                         if decisions is not None:
                             decisions.take()  # only this request's choices go into its row
+                        started = time.monotonic()  # the clock of the commits and of the decisions' `at`
                         res = runner.run(_request(prompt, "sd" if name in trees else name, args,
                                                   SamplingParams(args.temperature), commits))
                         if timer:
@@ -261,8 +262,11 @@ def run(args: argparse.Namespace) -> int:
                             rtt = rt_auto.client.base_rtt_s
                             link = Link(rtt, rt_auto.auto_estimates.uplink_at(rtt))
                             rows[-1]["predicted"] = _predictions(rt_auto, link, res.prompt_tokens, args.draft_len)
-                            if decisions is not None:
+                            if decisions is not None:  # each one's `at` from the request's start, as its commits'
                                 rows[-1]["decisions"] = decisions.take()
+                                rows[-1]["first_commit_after_s"] = commits[0][0] - started if commits else None
+                                for made in rows[-1]["decisions"]:
+                                    made["at"] = None if made["at"] is None else round(made["at"] - started, 4)
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
                               + (f"; ran {_ran(res)}" if res.auto else ""), flush=True)
@@ -326,7 +330,7 @@ def _request(prompt, protocol: str, args, sampling, commits: List[tuple]):
     from edge_runtime.request import GenerationRequest
 
     return GenerationRequest(prompt.text, protocol, sampling, args.max_new_tokens, seed=0, chat=prompt.chat,
-                             on_tokens=lambda toks, _lp: commits.append((time.perf_counter(), len(toks))))
+                             on_tokens=lambda toks, _lp: commits.append((time.monotonic(), len(toks))))
 
 
 def _ran(res) -> str:
