@@ -81,6 +81,13 @@ def population_ema(old: Optional[float], new: float, rounds: int) -> float:
     return ema(old, new, min(ALPHA_POPULATION, 1.0 - 1.0 / max(1, rounds)))
 
 
+def pulled(measured: float, rounds: float, prior: float) -> float:
+    """`measured` over `rounds` rounds, pulled toward `prior` as if ALPHA_BASE_ROUNDS rounds had read it (the prompts'
+    α toward ALPHA_BASE, the openings' toward OPENING_RATIO × the prompts', a tree's tokens a round toward its
+    chain's and, at an opening, its first rounds' toward its others')."""
+    return (rounds * measured + ALPHA_BASE_ROUNDS * prior) / (rounds + ALPHA_BASE_ROUNDS)
+
+
 @dataclass
 class Acceptance:
     """A drafting protocol's acceptance: accepted and examined draft positions per round as moving averages
@@ -105,7 +112,7 @@ class Acceptance:
         if self.examined is None or not self.examined > 0:
             return None
         measured = min(1.0, (self.accepted or 0.0) / self.examined)
-        return (self.rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (self.rounds + ALPHA_BASE_ROUNDS)
+        return pulled(measured, self.rounds, ALPHA_BASE)
 
     @property
     def opening(self) -> Optional[float]:
@@ -122,7 +129,7 @@ class Acceptance:
         if not self.opening_examined:
             return prior
         measured = min(1.0, (self.opening_accepted or 0.0) / self.opening_examined)
-        return (self.opening_rounds * measured + ALPHA_BASE_ROUNDS * prior) / (self.opening_rounds + ALPHA_BASE_ROUNDS)
+        return pulled(measured, self.opening_rounds, prior)
 
     @property
     def weight(self) -> float:
@@ -527,11 +534,10 @@ class AutoEstimates:
         chain = None if a is None else float(shape[1] + 1) if a >= 1.0 else (1.0 - a ** (shape[1] + 1)) / (1.0 - a)
         if key in self.tree_tokens:
             n = self.tree_rounds_of(shape)
-            prompts = self.tree_tokens[key] if chain is None else \
-                (n * self.tree_tokens[key] + ALPHA_BASE_ROUNDS * chain) / (n + ALPHA_BASE_ROUNDS)
+            prompts = self.tree_tokens[key] if chain is None else pulled(self.tree_tokens[key], n, chain)
             first, openings = self.tree_opening.get(key, (None, 0))
             if self.opening and first is not None:
-                prompts = (openings * first + ALPHA_BASE_ROUNDS * prompts) / (openings + ALPHA_BASE_ROUNDS)
+                prompts = pulled(first, openings, prompts)
             mine, rounds = self.tree_request.get(key, (0.0, 0))
             return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
         return chain
