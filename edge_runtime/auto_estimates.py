@@ -31,6 +31,7 @@ from typing import Dict, Optional, Tuple
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, cadence_s, phase_wait
 from hat_split.math.sampling import SamplingParams
+from hat_split.math.verify import expected_tokens
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
@@ -168,6 +169,15 @@ class Acceptance:
         self.request_examined += examined
 
 
+def _ratio_of(measured: Optional[Tuple[float, float, int]], prior: float) -> float:
+    """Tokens over their expectation (`AutoEstimates.eta_chain`'s moving averages and rounds), pulled toward `prior`
+    as ALPHA_BASE_ROUNDS rounds; `prior` before any."""
+    if measured is None or not measured[1] > 0:
+        return prior
+    done, priced, rounds = measured
+    return pulled(done / priced, rounds, prior)
+
+
 def examined_of(drafted: int, accepted: int) -> int:
     """A chain's draft positions examined in a round: the accepted ones and the first rejected, if any."""
     return accepted + (accepted < drafted)
@@ -245,6 +255,12 @@ class AutoEstimates:
     # rounds: (tokens committed, rounds), per shape and kind
     tree_opening: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # tokens a request's first
     # round of each shape committed (a moving average as `tree_tokens`), and how many such rounds, per kind
+    eta_chain: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # a chain-shaped
+    # tree's (width 1: the η-chain) rounds: the tokens they committed and its chain's expectation at the α each was
+    # priced at (moving averages as `tree_tokens`), and how many, per kind (`tree_tokens_per_round`), requests' first
+    # rounds aside ...
+    eta_opening: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # ... and the same
+    # over those (priced at the openings' α)
     opening: bool = False  # a request began (`begin_request`) and has committed nothing yet: its next round drafts
     # the answer's first tokens, priced at the openings' acceptance (`Acceptance.opening`, `tree_tokens_per_round`)
 
@@ -459,10 +475,11 @@ class AutoEstimates:
         """One sd round with a draft tree of `shape` at `now`: `tokens` committed, the draft model's and the cloud's
         seconds, its frames' bytes, its wall time; caught_up > 0: the draft model first fed that many committed
         tokens, so its seconds say nothing of the tree's drafting; sent: the nodes it sent (None: the shape's);
-        accepted: the nodes of the path the cloud accepted (None: not known). A chain-shaped tree's (width 1: the
-        η-chain) accepted drafts are a chain's: they move the request's acceptance of sd (`Acceptance.inform`; not
-        the prompts', which stay the chains' own), so a prompt auto runs on the η-chain prices sd's chains at its own
-        α rather than the prompts' (docs/AUTO.md, "The η-chain's drafts teach the chains")."""
+        accepted: the nodes of the path the cloud accepted (None: not known; a chain-shaped tree's, tokens − 1). A
+        chain-shaped tree's (width 1: the η-chain) accepted drafts are a chain's: they move the request's acceptance
+        of sd (`Acceptance.inform`; not the prompts', which stay the chains' own), so a prompt auto runs on the
+        η-chain prices sd's chains at its own α rather than the prompts' (docs/AUTO.md, "The η-chain's drafts teach
+        the chains"), and the η-chain itself (`tree_tokens_per_round`)."""
         if tokens < 1:
             return
         nodes = shape[0] if sent is None else sent
@@ -470,9 +487,9 @@ class AutoEstimates:
             raise ValueError(f"a round of the tree {tree_text(shape)} sends 1..{shape[0]} nodes, got {sent}")
         if accepted is not None and not 0 <= accepted <= nodes:
             raise ValueError(f"a round of {nodes} nodes accepts 0..{nodes} of them, got {accepted}")
-        if accepted is not None and shape[2] == 1:
-            self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
         key = (shape, self.kind)
+        if shape[2] == 1:
+            self._observe_eta_chain(key, tokens, nodes, accepted)
         n = self.tree_rounds[key] = self.tree_rounds.get(key, 0) + 1
         self.tree_tokens[key] = population_ema(self.tree_tokens.get(key), float(tokens), n)
         if self.opening:
@@ -494,6 +511,26 @@ class AutoEstimates:
                 self.tree_step_tokens[shape] = ema(self.tree_step_tokens.get(shape), float(tokens))
         self.tree_up_per_node[key] = ema(self.tree_up_per_node.get(key), self._verify_round(
             nodes, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, tree_key(shape)))
+
+    def _observe_eta_chain(self, key: Tuple[Shape, str], tokens: int, nodes: int, accepted: Optional[int]) -> None:
+        """A chain-shaped tree's round (`observe_tree`): its tokens against its chain's expectation at the α it was
+        priced at (before this round moves it), then its drafts to the request's acceptance (a chain commits its
+        accepted drafts and the target's next token: `accepted` None is taken as tokens − 1)."""
+        chain = self._chain_tokens(key[0][1])
+        if chain is not None:
+            ratios = self.eta_opening if self.opening else self.eta_chain
+            done, priced, rounds = ratios.get(key, (None, None, 0))
+            ratios[key] = (population_ema(done, float(tokens), rounds + 1), population_ema(priced, chain, rounds + 1),
+                           rounds + 1)
+        if accepted is None:
+            accepted = min(nodes, tokens - 1)
+        self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
+
+    def _chain_tokens(self, depth: int) -> Optional[float]:
+        """Tokens a round of sd's chain of `depth` commits at the request's α (Leviathan et al. eq. 1); None before
+        α is known."""
+        a = self.alpha
+        return None if a is None else expected_tokens(a, depth)
 
     def tree_steps_at(self, shape: Shape, tokens: float) -> Optional[float]:
         """Draft steps a round of `shape`, a draft that η ends early, takes where it commits `tokens` a round: its
@@ -520,18 +557,34 @@ class AutoEstimates:
         return self.tree_sent.get((shape, self.kind))
 
     def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
-        """Tokens a round of the tree `shape` commits under the request's kind of sampling: as measured — the prompts'
-        moving average worth TREE_PRIOR_ROUNDS rounds against the request's own rounds (a prompt's is its own) —
-        else the chain of its depth's expectation at the request's α (a tree holds that chain: the least it
-        commits); None before α is known. The prompts' average is pulled towards that chain's, worth
+        """Tokens a round of the tree `shape` commits under the request's kind of sampling; None before α is known (or,
+        for a tree wider than 1, before it ran).
+
+        A chain-shaped tree (width 1: a chain that η ends on its draft's confidence): its chain's expectation at the
+        request's α — the prompt's, as a chain's own rounds and the tree's drafts (`observe_tree`) move it, at an
+        opening the openings' (`Acceptance.opening`) — times the ratio its rounds' tokens bore to that expectation at
+        the α each was priced at (moving averages; 1, the chain's own, as a prior worth ALPHA_BASE_ROUNDS rounds); at
+        an opening its first rounds' ratio, pulled as much toward that (an η-ended chain's first rounds commit as much
+        as its others here, where a chain of 4's commit 0.8 a round fewer: η ends it where the answer's first tokens
+        get hard). The Qwen pair's η-chain of 8 committed 0.84 (± 0.08, 56 requests) of its chain's
+        expectation at each request's α, whose tokens a round went from 2.1 to 8: its tokens a round priced apart
+        from α, a one-token round moved it as much as four of a chain's and auto ran chains of 8 in its place at
+        0.88× the η-chain's row (docs/AUTO.md, "The η-chain priced at the prompt's α").
+
+        A wider tree: as measured — the prompts' moving average worth TREE_PRIOR_ROUNDS rounds against the request's
+        own rounds (a prompt's is its own) — else the chain of its depth's expectation at the request's α (a tree
+        holds that chain: the least it commits). The prompts' average is pulled towards that chain's, worth
         ALPHA_BASE_ROUNDS rounds against the tree's measured ones, as the chains' α is towards ALPHA_BASE: two
         rounds of one easy prompt (7 tokens each) opened the next two prompts on the tree, priced 1.1-1.3× llm, which
         then ran at 0.7-0.8× it (the trace on `b4d7ebf`, loopback). A request's first round (`opening`) is priced at
-        the chain's opening α, and at the tree's own first rounds where measured, pulled toward its rounds' as much
-        (an η-ended chain's first rounds commit as much as its others here, a chain of 4's 0.8 a round fewer)."""
+        the chain's opening α, and at the tree's own first rounds where measured, pulled toward its rounds' as much."""
         key = (shape, self.kind)
-        a = self.alpha
-        chain = None if a is None else float(shape[1] + 1) if a >= 1.0 else (1.0 - a ** (shape[1] + 1)) / (1.0 - a)
+        chain = self._chain_tokens(shape[1])
+        if shape[2] == 1 and chain is not None:
+            ratio = _ratio_of(self.eta_chain.get(key), 1.0)
+            if self.opening:
+                ratio = _ratio_of(self.eta_opening.get(key), ratio)
+            return min(float(shape[1] + 1), max(1.0, ratio * chain))
         if key in self.tree_tokens:
             n = self.tree_rounds_of(shape)
             prompts = self.tree_tokens[key] if chain is None else pulled(self.tree_tokens[key], n, chain)

@@ -15,6 +15,7 @@ from edge_runtime.auto_estimates import GREEDY, OPENING_RATIO, Acceptance, AutoE
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link
+from hat_split.math.verify import expected_tokens
 from hat_split.wire import messages as P
 from tests.conftest import refusing_port, serving
 
@@ -178,6 +179,9 @@ def test_a_knob_or_tree_running_is_kept_unless_another_promises_a_clear_gain():
         est.observe_tree(shape, tokens, 8 * 0.02, 0.26, 80 + 8 * 6, 100, 8 * 0.02 + 0.26 + 0.01 + 0.002, Link(0.01),
                          now=0.0)
         tree.record(Choice("sd", 8, "measuring", {}, shape), tokens)
+    # its drafts moved the request's α, and the chains' prices with it
+    chains = {p.knob: p.tokens_per_s for _, p in tree._candidates(Link(0.01), est.curve())["sd"] if p.protocol == "sd"}
+    best = max(chains, key=chains.get)
     priced = tree.at_tree(shape, Link(0.01))
     assert chains[best] < SWITCH_GAIN * priced.tokens_per_s < SWITCH_GAIN * chains[best], (priced, chains)
     tree.record(Choice("sd", 8, "predicted", {}, shape), 4)
@@ -389,11 +393,11 @@ def test_a_requests_first_round_is_priced_at_the_openings_acceptance():
     assert not est.opening
     est.observe_sd(4, 4, 0.08, 0.22, 300, 100, 0.4, Link(), now=3.0)
     assert sd.opening_rounds == 2
-    shape = (8, 8, 1)  # a tree's tokens a round: its first rounds' at an opening, pulled toward its rounds'
+    shape = (16, 8, 2)  # a wide tree's tokens a round: its first rounds' at an opening, pulled toward its rounds'
     for tokens in (6, 6, 6):
-        est.observe_tree(shape, tokens, 0.1, 0.2, 200, 100, 0.4, Link(), now=4.0, sent=6)
+        est.observe_tree(shape, tokens, 0.1, 0.2, 200, 100, 0.4, Link(), now=4.0, sent=12)
     est.begin_request()
-    est.observe_tree(shape, 2, 0.03, 0.2, 100, 100, 0.3, Link(), now=5.0, sent=2)  # its opening: 2
+    est.observe_tree(shape, 2, 0.03, 0.2, 100, 100, 0.3, Link(), now=5.0, sent=4)  # its opening: 2
     assert est.tree_opening[(shape, GREEDY)] == (2.0, 1)
     _begin_past_opening(est)
     later = est.tree_tokens_per_round(shape)
@@ -402,15 +406,25 @@ def test_a_requests_first_round_is_priced_at_the_openings_acceptance():
     want = (2.0 + ALPHA_BASE_ROUNDS * pulled) / (1 + ALPHA_BASE_ROUNDS)
     assert est.tree_tokens_per_round(shape) == pytest.approx(want)
     assert est.tree_tokens_per_round(shape) < later
+    eta = (8, 8, 1)  # the η-chain's: its chain's at the opening's α (times its ratio, none measured: 1)
+    opening = est.tree_tokens_per_round(eta)
+    assert opening == pytest.approx(expected_tokens(est.alpha, 8))
+    _begin_past_opening(est)
+    assert est.tree_tokens_per_round(eta) == pytest.approx(expected_tokens(est.alpha, 8))
+    assert est.tree_tokens_per_round(eta) > opening
 
 
 def _eta_chain_rounds(est: AutoEstimates, tokens_a_round, draft_s: float, link: Link) -> None:
-    """Earlier requests' rounds of the η-chain 8x8x1 on a loaded cloud (a verify of 0.5 s), 20 of them cycling through
-    `tokens_a_round`: each sends a draft beyond what it commits (the first rejected), at `draft_s` a draft."""
+    """Earlier requests' rounds of the η-chain 8x8x1 on a loaded cloud (a verify of 0.5 s): 20 requests, each an
+    opening and a later round that commit the same, cycling through `tokens_a_round` (an η-ended chain's first rounds
+    commit as much as its others here); each round sends a draft beyond what it commits (the first rejected), at
+    `draft_s` a draft."""
     for i in range(20):
         tokens = tokens_a_round[i % len(tokens_a_round)]
-        est.observe_tree((8, 8, 1), tokens, (tokens + 1) * draft_s, 0.5, 80 + (tokens + 1) * 6, 100,
-                         (tokens + 1) * draft_s + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
+        for begin in (est.begin_request, lambda: _begin_past_opening(est)):
+            begin()
+            est.observe_tree((8, 8, 1), tokens, (tokens + 1) * draft_s, 0.5, 80 + (tokens + 1) * 6, 100,
+                             (tokens + 1) * draft_s + 0.51, link, now=0.0, sent=tokens + 1, accepted=tokens - 1)
 
 
 def test_under_load_a_request_opens_on_the_eta_chain_where_chains_run_later():
@@ -430,6 +444,37 @@ def test_under_load_a_request_opens_on_the_eta_chain_where_chains_run_later():
     _begin_past_opening(est)
     later = c.decide(link)
     assert (later.protocol, later.tree) == ("sd", None) and later.knob >= 6 and "α 0.80" in later.reason, later
+
+
+def test_the_eta_chain_is_priced_at_its_chains_expectation_at_the_requests_alpha():
+    """A chain-shaped tree (the η-chain) commits about a fixed share of its chain's expectation at the prompt's α (the
+    Qwen pair: 0.84 ± 0.08 over 56 requests whose tokens a round went from 2.1 to 8): it is priced at that share, its
+    rounds' tokens over the expectation at the α each was priced at (non-opening rounds; openings apart), pulled
+    toward 1 as ALPHA_BASE_ROUNDS rounds, times its chain's expectation at the request's α now. A one-token round
+    moves it exactly as it moves the chains, through α. At low power under load (a draft step of 0.12 s, a verify of
+    1.1 s) a request whose η-chain opening commits one token stays on the η-chain; on the code before, its tokens a
+    round fell by a third at once (two rounds' prior against one) and a chain of 5 took over (the load+power phase,
+    0.91-0.92× the η-chain's row in stop 80's traces)."""
+    from edge_runtime.auto_estimates import ALPHA_BASE_ROUNDS
+
+    shape, link = (8, 8, 1), Link(0.004)
+    est = _estimates(0.8, 0.12, step_1=1.0, step_9=1.1)
+    assert est.tree_tokens_per_round(shape) == pytest.approx(expected_tokens(0.8, 8))  # none measured: the chain's
+    _eta_chain_rounds(est, (3, 4, 4, 3, 4), 0.12, link)  # 3.6 tokens a round, each at the prompts' α 0.8
+    ratio = (20 * 3.6 / expected_tokens(0.8, 8) + ALPHA_BASE_ROUNDS) / (20 + ALPHA_BASE_ROUNDS)
+    _begin_past_opening(est)
+    assert est.tree_tokens_per_round(shape) == pytest.approx(ratio * expected_tokens(0.8, 8))
+    c = _controller(est, eta=0.4)
+    est.begin_request()
+    opening = c.decide(link)
+    assert opening.tree == shape and opening.reason.startswith("opening: predicted"), opening
+    est.observe_tree(shape, 1, 0.12, 1.1, 86, 100, 1.25, link, now=0.0, sent=1, accepted=0)  # one token
+    c.record(opening, 1)
+    a = est.alpha
+    assert a == pytest.approx((8 * 0.8 + 0) / (8 + 1))  # the prompts' α moved by 0 of 1 draft
+    assert est.tree_tokens_per_round(shape) == pytest.approx(ratio * expected_tokens(a, 8))
+    after = c.decide(link)
+    assert (after.tree, after.eta) == (shape, 0.4) and after.reason.startswith("predicted sd_tree"), after
 
 
 def test_the_openings_choice_binds_nothing_after_it():
@@ -1399,12 +1444,12 @@ def _pulled_tree(est: AutoEstimates, shape) -> float:
 
 
 def test_one_easy_prompts_tree_rounds_do_not_open_the_next_prompt_on_the_tree():
-    """A fresh runtime; one easy prompt's two rounds of the η-chain's tree commit 7 tokens each (the trace on
+    """A fresh runtime; one easy prompt's two rounds of a wide tree commit 7 tokens each (the η-chain's in the trace on
     `b4d7ebf`, loopback: the next two prompts opened on the tree, priced 1.1-1.3× llm, and ran at 0.7-0.8× it). The
     next request prices the tree from the prompts' 7 pulled towards the chain of its depth at the prompts' α (worth
     ALPHA_BASE_ROUNDS rounds, as the chains' α is pulled towards ALPHA_BASE): below the 7 that alone would say, and
     no longer above llm; after forty rounds of 6 the pull has faded."""
-    shape = (8, 8, 1)
+    shape = (16, 8, 2)  # a wide tree (a chain-shaped one is priced at its chain's α: tested apart)
     est = _estimates(0.75, 0.08, step_1=0.2, step_9=0.34)  # the CPU cloud here: a verify of 9 ≈ 1.7 steps
     c = _controller(est, trees=(shape,))
     for _ in range(2):
@@ -1423,12 +1468,12 @@ def test_one_easy_prompts_tree_rounds_do_not_open_the_next_prompt_on_the_tree():
 
 def test_a_trees_tokens_a_round_are_the_requests_own_after_a_few_rounds():
     """The prompts' tokens a round of a tree (a moving average over requests) count as TREE_PRIOR_ROUNDS rounds
-    against the request's own: a prompt whose η-chain commits 2 a round where the prompts' committed 6 is priced at
+    against the request's own: a prompt whose tree commits 2 a round where the prompts' committed 6 is priced at
     its own pace within a few rounds (over lte the moving average alone kept such a prompt on the tree for 14 rounds
     at 0.66 × llm), and the next request starts from the prompts' again."""
     from edge_runtime.auto_estimates import TREE_PRIOR_ROUNDS
 
-    shape = (8, 8, 1)
+    shape = (16, 8, 2)  # a wide tree (a chain-shaped one is priced at its chain's α: tested apart)
     est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
     for _ in range(40):  # earlier requests: 6 tokens a round
         est.observe_tree(shape, 6, 0.04, 0.06, 200, 100, 0.2, Link(0.05), now=0.0, sent=6)
@@ -1451,7 +1496,7 @@ def test_a_trees_first_round_is_not_most_of_its_average():
     at 8–9 tokens a round where they then committed 2–5. The nodes a round sends likewise."""
     from edge_runtime.auto_estimates import ALPHA_POPULATION, population_ema
 
-    shape = (8, 8, 1)
+    shape = (16, 8, 2)  # a wide tree (a chain-shaped one is priced at its chain's α: tested apart)
     est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
     est.observe_tree(shape, 9, 0.04, 0.06, 200, 100, 0.2, Link(0.05), now=0.0, sent=8)
     for _ in range(4):
@@ -1491,12 +1536,13 @@ def test_the_eta_chain_is_measured_in_place_of_sds_best_and_then_priced_beside_i
     est.overhead_s["sd"] = est.overhead("sd_tree 8x8x1")  # the chains' rounds with the η-chain's overhead
     pick = c.decide(Link(0.1))  # 5 tokens for 4 drafts: more than any chain of γ commits at α 0.8
     assert pick.tree == shape and pick.eta == 0.4 and "sd_tree η-chain γ≤8 η=0.4" in pick.reason, pick
-    # a prompt on which η ends every chain after one draft: sd's chains are faster, and the η-chain is probed
+    # a prompt on which η ends every chain after one draft, accepted: sd's chains are faster (the drafts say the
+    # prompt accepts, the η-chain commits 2 of its chain's 4.3), and the η-chain is probed
     slow = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
     slow_c = _controller(slow, eta=0.4)
     for _ in range(3):
-        slow.observe_tree(shape, 1, 0.005, 0.05, 80 + 60, 100, 0.2, Link(0.1), now=0.0, sent=1)
-        slow_c.record(slow_c.decide(Link(0.1)), 1)
+        slow.observe_tree(shape, 2, 0.005, 0.05, 80 + 60, 100, 0.2, Link(0.1), now=0.0, sent=1)
+        slow_c.record(slow_c.decide(Link(0.1)), 2)
     chain = slow_c.decide(Link(0.1))
     assert chain.protocol == "sd" and chain.tree is None and chain.eta == 0.0, chain
     for _ in range(PROBE_EVERY):
