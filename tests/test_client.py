@@ -275,6 +275,39 @@ def test_the_link_counters_count_the_frames_that_crossed(tiny_server):
         assert before.round_trips == handshake  # a snapshot does not move with the counters
 
 
+def test_after_a_long_silence_the_hello_goes_ahead_of_the_request_on_the_same_trip(tiny_server):
+    """A device silent past half the cloud's session timeout says Hello again (the cloud may have forgotten it), but
+    the Hello goes out just ahead of the request instead of a round trip before it: the frames cross as Hello,
+    request, Welcome, reply, one round trip counted, the Welcome kept. On the code before, the request left only once
+    the Welcome was in (Hello, Welcome, request, reply): under load a Hello waits for the cloud's step in progress,
+    0.5-0.9 s of an idle device's first token. A refused Hello is a CloudError once the request's reply is read too,
+    so the next request gets its own."""
+    crossed = []
+    client = CloudClient(link(tiny_server.endpoint), HELLO)
+    with client:
+        client.tap = lambda direction, frames: crossed.append((direction, P.decode(frames)))
+        before = client.counters.snapshot()
+        client.last_sent_at -= client.welcome.session_timeout_s  # silent for a whole session timeout
+        first = client.welcome
+        assert isinstance(client.request(P.Report(P.DeviceState())), P.Reported)
+        assert [(d, type(m).__name__) for d, m in crossed] == [
+            ("up", "Hello"), ("up", "Report"), ("down", "Welcome"), ("down", "Reported")]
+        assert isinstance(client.welcome, P.Welcome) and client.welcome is not first  # the new one kept
+        assert client.counters.since(before).round_trips == 1
+        crossed.clear()
+        assert isinstance(client.request(P.Report(P.DeviceState())), P.Reported)  # not silent: no Hello
+        assert [type(m).__name__ for _, m in crossed] == ["Report", "Reported"]
+
+        client.last_sent_at -= client.welcome.session_timeout_s
+        client.hello = P.Hello("client-test", "other", 512, "another-vocab")  # a Hello the cloud refuses
+        with pytest.raises(CloudError, match=r"cloud refused \(vocab_mismatch\)"):
+            client.request(P.Report(P.DeviceState()))
+        client.hello = HELLO
+        crossed.clear()
+        assert isinstance(client.request(P.OpenSession(1, "sd", PROMPT)), P.SessionOpened)  # its own reply
+        assert [type(m).__name__ for _, m in crossed] == ["OpenSession", "SessionOpened"]
+
+
 class _QueueNothing:
     """A ZeroMQ context whose sockets queue nothing for a peer they have not reached (ZMQ_IMMEDIATE): a send has
     nowhere to go, as on a connection the cloud refused."""
