@@ -564,12 +564,11 @@ class AutoEstimates:
         request's α — the prompt's, as a chain's own rounds and the tree's drafts (`observe_tree`) move it, at an
         opening the openings' (`Acceptance.opening`) — times the ratio its rounds' tokens bore to that expectation at
         the α each was priced at (moving averages; 1, the chain's own, as a prior worth ALPHA_BASE_ROUNDS rounds); at
-        an opening its first rounds' ratio, pulled as much toward that (an η-ended chain's first rounds commit as much
-        as its others here, where a chain of 4's commit 0.8 a round fewer: η ends it where the answer's first tokens
-        get hard). The Qwen pair's η-chain of 8 committed 0.84 (± 0.08, 56 requests) of its chain's
-        expectation at each request's α, whose tokens a round went from 2.1 to 8: its tokens a round priced apart
-        from α, a one-token round moved it as much as four of a chain's and auto ran chains of 8 in its place at
-        0.88× the η-chain's row (docs/AUTO.md, "The η-chain priced at the prompt's α").
+        an opening its first rounds' ratio (against the openings' α), pulled as much toward that. The Qwen pair's
+        η-chain of 8 committed 0.84 (± 0.08, 56 requests) of its chain's expectation at each request's α, whose
+        tokens a round went from 2.1 to 8. Priced apart from α, one round of one token cut its price by a third
+        where it moved the chains' α by one draft of nine, and at low power under load chains ran in its place
+        (docs/AUTO.md, "The η-chain priced at the prompt's α").
 
         A wider tree: as measured — the prompts' moving average worth TREE_PRIOR_ROUNDS rounds against the request's
         own rounds (a prompt's is its own) — else the chain of its depth's expectation at the request's α (a tree
