@@ -61,6 +61,9 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     assert s["lte"]["model_error"]["sd"]["phase_mean_error"] == pytest.approx(20 / 18 - 1)  # signed: above
     assert s["lte"]["auto_over_best_fixed_per_request"] == [pytest.approx((32 / 2.2) / (32 / 2.0))]
     assert s["overall"]["protocols"]["auto"]["n"] == 1
+    assert s["overall"]["protocols"]["llm"]["drops"] == 0  # a row before drops were kept counts none
+    rows[0]["drops"] = 2
+    assert summarise(rows, [Phase("lte", "lte")], ["llm", "sd", "auto"])["lte"]["protocols"]["llm"]["drops"] == 2
     assert "median_abs_error_own_alpha" not in s["lte"]["model_error"]["sd"]  # no α grid: only the online figure
     # the model at the request's own α: sd measured 18 tok/s at α 0.7; the grid predicts 10 + 10 α, 17 at α 0.7
     rows[1]["alpha"] = 0.7
@@ -170,6 +173,8 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
     doc = json.loads(out.read_text())
     assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load+power:wifi-near"] * 2
     assert all(r["tokens"] == 24 for r in doc["rows"])
+    # a 1 s stall is shorter than the ZMTP heartbeat's 3 s: TCP rides it out, no request reconnects
+    assert [r["drops"] for r in doc["rows"]] == [0] * 6
     autos = [r for r in doc["rows"] if r["protocol"] == "auto"]
     assert all(r["auto"] and r["predicted"]["llm"] for r in autos)
     assert set(doc["summary"]) == {"loopback", "cut:loopback", "load+power:wifi-near", "overall"}

@@ -269,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
                                     made["at"] = None if made["at"] is None else round(made["at"] - started, 4)
                         print(f"rep {rep} {phase.name:>16} {name:>5}: {rows[-1]['steady_tokens_per_s']:.2f} tok/s "
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
-                              + (f"; ran {_ran(res)}" if res.auto else ""), flush=True)
+                              + (f"; ran {_ran(res)}" if res.auto else "")
+                              + (f"; the link dropped {res.interruptions}×" if res.interruptions else ""), flush=True)
         report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
                   "phases": [p.__dict__ for p in phases], "rows": rows, "summary": summarise(rows, phases, protocols),
                   "wall_s": time.perf_counter() - t0}
@@ -355,7 +356,7 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
             "cloud_s_per_token": (res.cloud_compute_s - res.cloud_prefill_s) / n,
             "up_bytes_per_token":
             s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
-            "auto": res.auto,
+            "drops": res.interruptions, "auto": res.auto,
             "commits": [[round(t - commits[0][0], 4), k] for t, k in commits]}  # each commit's time from the first
 
 
@@ -431,7 +432,8 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
                          "ttft_s_median": statistics.median(r["ttft_s"] for r in mine),
                          "cloud_ms_per_token": 1e3 * statistics.mean(r["cloud_s_per_token"] for r in mine),
                          "up_bytes_per_token": statistics.mean(r["up_bytes_per_token"] for r in mine),
-                         "degraded_tokens": sum(r["degraded"] for r in mine)}
+                         "degraded_tokens": sum(r["degraded"] for r in mine),
+                         "drops": sum(r.get("drops", 0) for r in mine)}  # (a report before drops were kept: 0)
         fixed = {k: v["tokens_per_s"] for k, v in per.items() if k not in ("auto", "slm")}
         entry: dict = {"protocols": per}
         if "auto" in per and fixed:
@@ -598,4 +600,6 @@ def print_summary(report: dict) -> None:
         cloud = e.get("cloud_model_error") or {}
         err += ("; the cloud's compute a token as priced " + ", ".join(
             f"{k} {100 * v['median_error']:+.0f} % (n={v['n']})" for k, v in cloud.items())) if cloud else ""
+        drops = ", ".join(f"{k} {v['drops']}" for k, v in e["protocols"].items() if v.get("drops"))
+        err += f"; requests' link drops (reconnected, resumed) {drops}" if drops else ""
         print(f"{phase:>16}: tok/s {cells}{ratio}{err}")
