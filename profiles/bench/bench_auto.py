@@ -70,7 +70,10 @@ def add_parser(sub) -> None:
     s.add_argument("--auto-eta", type=float, default=DEFAULT_AUTO_ETA,
                    help="auto's η-chain (EdgeConfig.auto_eta; 0: none); default %(default)s")
     s.add_argument("--load-devices", type=int, default=8)
-    s.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut phase cuts the link for, per request")
+    s.add_argument("--cut-s", type=float, default=10.0,
+                   help="seconds a cut phase stalls the link for, from 0.5 s into each request (default %(default)s: "
+                        "past the device's ZMTP heartbeat, 3 s, and its ping, so every request's link drops and it "
+                        "resumes; a cut near the heartbeat drops some requests at random, one shorter rides out)")
     s.add_argument("--power-slowdown", type=float, default=3.0,
                    help="a power phase's device compute, times the full-power board's (its mode MODE_15W)")
     s.add_argument("--cloud-cores", type=int, default=1, help="cores for the cloud; the device gets the rest")
