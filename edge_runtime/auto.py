@@ -5,7 +5,8 @@ run, by the cost model (hat_split.math.costmodel) fed with what it measured. No 
 What it measures: edge_runtime.auto_estimates (`AutoEstimates`, one per runtime, kept from request to request).
 
 How it chooses (`AutoController.decide`): a protocol not yet measured (a drafting one: under the request's kind of
-sampling) runs `MEASURE_ROUNDS` rounds first (all are exact, so exploring costs only time); then the one with the most
+sampling) runs `MEASURE_ROUNDS` rounds first (all are exact, so exploring costs only time; a runtime with a record,
+EdgeConfig.auto_record, starts from what an earlier one measured: edge_runtime.auto_record); then the one with the most
 predicted tokens/s, its draft length γ among 1 .. max_draft_len the best for sd and ksqs; the protocol running now
 is kept unless another promises `SWITCH_GAIN` more, and a switch to a drafting protocol must also repay, over the
 tokens the request has left, the draft model's catch-up on the tokens it has not read (`behind`: the prompt at the

@@ -317,6 +317,11 @@ class EdgeConfig:
     auto_eta: float = setting(0.4, "protocol auto: η of its η-chain, a candidate beside sd's chains: a chain of "
                               "up to sd's longest γ that ends after a draft token whose probability is below η (HAT "
                               "eq. 5), measured in place of sd's chain once sd is chosen (docs/AUTO.md); 0: none")
+    auto_record: str = setting("", "protocol auto: a JSON file of what auto measured on this device (acceptance, the "
+                               "draft's and the device's times per power mode, round overheads, bytes, draft trees' "
+                               "figures; edge_runtime.auto_record), read as the estimates of a runtime that has none "
+                               "yet and written after every auto, sd and llm request, so a new runtime does not "
+                               "measure every protocol again; \"\": none (each runtime measures afresh)")
     dist_dtype: str = setting("float16", "wire dtype of draft distributions; the draft is sampled from the rounded "
                               "values", choices=WIRE_DTYPES)
     dist_format: str = setting("auto", "\"dense\" | \"sparse\" | \"auto\" (smaller of the two); `hlm` always sends "

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from edge_runtime.auto import AUTO_TOKEN, AutoController, auto_eligible, auto_max_draft
 from edge_runtime.auto_estimates import AutoEstimates, Shape, sampling_kind
+from edge_runtime.auto_record import RecordFile, pair_key
 from edge_runtime.client import CloudClient, CloudUnavailable, expect, reconnect_delays
 from edge_runtime.config import EdgeConfig, UncertaintyConfig
 from edge_runtime.drafter import Drafter
@@ -31,6 +32,7 @@ from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
 REQUEST_MODE_AGE_S = 1.0  # a request starts with the board's power mode read at most this long ago (rounds: 5 s)
+SOFTWARE = "hatspec-edge/0.1"
 
 
 class EdgeRuntime:
@@ -44,7 +46,9 @@ class EdgeRuntime:
         self._reached = False  # the cloud answered this runtime once: later failures to connect are transient
         self.monitor = DeviceMonitor(config.device_profile)  # HAT §3.2: profile, power mode, γ for the cloud
         self.link_state: Optional[LinkState] = None  # the split protocols' estimates of this connection
-        self.auto_estimates = AutoEstimates()  # auto's measurements, kept across requests (auto_estimates)
+        self.auto_estimates = AutoEstimates()  # auto's measurements, kept across requests (auto_estimates) ...
+        self.auto_pair = ""  # ... of this pair of models (auto_record.pair_key; "": none yet)
+        self.auto_record = RecordFile(config.auto_record, SOFTWARE) if config.auto_record else None
         self.split_rates: Dict[str, float] = {}  # private auto requests: decode tokens/s per split protocol
         # uhlm / cuhlm: the skip rule's line and recent uncertainties, kept across requests per protocol and settings
         self.skip_policies: Dict[Tuple[str, UncertaintyConfig], SkipPolicy] = {}
@@ -69,7 +73,7 @@ class EdgeRuntime:
         if self.client is None:
             link = self.config.link
             e = self.engine
-            hello = P.Hello(link.device_id, e.model_name, e.vocab_size, e.fingerprint, "hatspec-edge/0.1")
+            hello = P.Hello(link.device_id, e.model_name, e.vocab_size, e.fingerprint, SOFTWARE)
             link.security.check("device")
             client = CloudClient(link, hello)
             client.connect()
@@ -130,11 +134,35 @@ class EdgeRuntime:
             skips = self.skip_policies.get(key) or self.skip_policies.setdefault(key, key[1].skip_policy())
         session = new_session(self.config, request, drafter, self.client, self.engine.eos_ids, next(self._session_ids),
                               monitor=self.monitor, link_state=self.link_state if split else None, skip_policy=skips)
-        if request.protocol in AUTO_TOKEN:  # what sd (chains and trees) and llm requests measure teaches protocol auto
+        teaching = request.protocol in AUTO_TOKEN
+        if teaching:  # what sd (chains and trees) and llm requests measure teaches protocol auto
+            self._auto_pair(self.client.welcome)
             session.round_fn = _teaching(session.round_fn, request.protocol, self.auto_estimates)
-        result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
+        try:
+            result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
+        finally:
+            if teaching:
+                self._auto_save()
         self.monitor.observe(result, self.link_state.draft_s if record.round == "hat" else None)
         return result
+
+    def _auto_pair(self, welcome: P.Welcome) -> None:
+        """Auto's estimates for the pair of models of this connection: another pair's are dropped (acceptance is two
+        models' agreement); estimates that hold nothing yet start from the record's entry (EdgeConfig.auto_record)."""
+        key = pair_key(self.engine.model_name, welcome.model, self.engine.fingerprint, self.config.device_profile)
+        if key == self.auto_pair:
+            return
+        if self.auto_pair:
+            log.info("auto: another pair of models (%s): its estimates start afresh", key)
+            self.auto_estimates = AutoEstimates()
+        self.auto_pair = key
+        if self.auto_record is not None:
+            self.auto_record.load(key, self.auto_estimates)
+
+    def _auto_save(self) -> None:
+        """Auto's estimates into the record, when there is one."""
+        if self.auto_record is not None and self.auto_pair:
+            self.auto_record.save(self.auto_pair, self.auto_estimates)
 
     def _run_auto(self, request: GenerationRequest, ids: List[int]) -> GenerationResult:
         """Protocol auto (edge_runtime.auto): a private request runs the split protocol measured fastest so far (each
@@ -149,6 +177,7 @@ class EdgeRuntime:
             return self._auto_fixed(request, "slm", f"the cloud unreachable ({exc})")
         self.monitor.refresh_mode(REQUEST_MODE_AGE_S)
         welcome, config = self.client.welcome, self.config
+        self._auto_pair(welcome)
         # this prompt's acceptance starts from the recent prompts' that sampled as it does
         self.auto_estimates.begin_request(sampling_kind(request.sampling))
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
@@ -166,7 +195,10 @@ class EdgeRuntime:
         session = AutoSession(config, request.run_by("sd", private=False), drafter,
                               self.client, eos_ids=self.engine.eos_ids, session_id=next(self._session_ids),
                               monitor=self.monitor, controller=controller)
-        result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
+        try:
+            result = session.run(ids, lambda toks: self.engine.tokenizer.decode(toks, skip_special_tokens=True))
+        finally:
+            self._auto_save()
         self.monitor.observe(result)
         return result
 

@@ -80,6 +80,10 @@ def add_parser(sub) -> None:
     s.add_argument("--decisions", action="store_true",
                    help="record each of auto's choices in its row (`decisions`): every candidate's price, the "
                         "estimates it read and the tokens its round committed (profiles.bench.decisions)")
+    s.add_argument("--auto-record", default="",
+                   help="auto's record (EdgeConfig.auto_record): a device that ran before starts from what it "
+                        "measured then, and the record is written after each of auto's requests; default: none "
+                        "(auto's runtime measures afresh, as a device's first run)")
     s.add_argument("--out", default="runs/auto/bench_auto.json")
 
 
@@ -227,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
         # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime); the tree shapes are its candidates
         rt_auto = (bed.runtime(dataclasses.replace(config, auto_trees=args.trees, draft_stop_prob=args.eta,
-                                                   auto_eta=args.auto_eta))
+                                                   auto_eta=args.auto_eta, auto_record=args.auto_record))
                    if "auto" in protocols else rt)  # auto's chains draft γ whatever η (edge_runtime.sessions.auto)
         if board is not None:
             for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
