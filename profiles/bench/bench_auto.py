@@ -84,6 +84,9 @@ def add_parser(sub) -> None:
                    help="auto's record (EdgeConfig.auto_record): a device that ran before starts from what it "
                         "measured then, and the record is written after each of auto's requests; default: none "
                         "(auto's runtime measures afresh, as a device's first run)")
+    s.add_argument("--prompt-set", default="demo", choices=["demo", "calibration"],
+                   help="the trace's four prompts: the demo's (half HumanEval, half ShareGPT), or as many from the "
+                        "calibration split, disjoint from them (a run that writes an --auto-record for another)")
     s.add_argument("--out", default="runs/auto/bench_auto.json")
 
 
@@ -196,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from edge_runtime.config import EngineConfig
     from hat_split.math.costmodel import Link
     from hat_split.math.sampling import SamplingParams
-    from hat_split.prompt_sets import demo_prompts
+    from hat_split.prompt_sets import calibration_prompts, demo_prompts
     from profiles.bench.rig import Rig
 
     phases = parse_trace(args.trace)
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.cloud_cores < len(cores):
         raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the device needs a core of its own)")
     cloud_cores, device_cores = cores[:args.cloud_cores], cores[args.cloud_cores:]
-    prompts = demo_prompts(4)
+    prompts = demo_prompts(4) if args.prompt_set == "demo" else calibration_prompts(4)
     rows: List[dict] = []
     t0 = time.perf_counter()
     board = Board() if any(p.power for p in phases) else None
