@@ -152,17 +152,22 @@ def _delay(path: str, v: Any) -> DelayModel:
     return model
 
 
-def _figure(path: str, v: Any) -> Any:
-    """A power mode's device figure: a DelayModel (catch_up) or seconds."""
-    return _delay(path, v) if isinstance(v, dict) else SIGNED_SECONDS(path, v)
-
-
 def _figures(path: str, v: Any) -> Dict[str, Any]:
-    names = _table(_text, _figure)(path, v)
-    for name in names:
-        if name not in DEVICE_TIMES and not device_overhead(name):
-            raise _fail(path, f"{name!r} is not a device figure")
-    return names
+    """A power mode's device figures (AutoEstimates.by_mode): the catch-up curve, the draft step and the device
+    alone's in seconds, and the device's round overheads (signed: a busy cloud's are net of the wait it priced)."""
+    raw = _table(_text, lambda where, x: x)(path, v)
+    out = {}
+    for i, (name, value) in enumerate(raw.items()):
+        where = f"{path}[{i}].value"
+        if name == "catch_up":
+            out[name] = _delay(where, value)
+        elif name in DEVICE_TIMES:
+            out[name] = SECONDS(where, value)
+        elif device_overhead(name):
+            out[name] = SIGNED_SECONDS(where, value)
+        else:
+            raise _fail(f"{path}[{i}].key", f"{name!r} is not a device figure")
+    return out
 
 
 RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (module docstring), each with its check

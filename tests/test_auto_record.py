@@ -83,7 +83,9 @@ def test_a_record_restores_every_figure_it_keeps_and_nothing_of_the_cloud_or_lin
     ("measured", [["sd", True]], "measured[0].value"),
     ("acceptance", [[["sd", "greedy"], {"accepted": 1.0}]], "acceptance[0].value.examined"),
     ("tree_rounds", [[[[8, 0, 1], "greedy"], 3]], "tree_rounds[0].key[0]"),
-    ("by_mode", [["15W", [["evil", 1.0]]]], "by_mode[0].value"),
+    ("by_mode", [["15W", [["evil", 1.0]]]], "by_mode[0].value[0].key"),
+    ("by_mode", [["15W", [["catch_up", 0.1]]]], "by_mode[0].value[0].value"),
+    ("by_mode", [["15W", [["draft_step_s", -0.1]]]], "by_mode[0].value[0].value"),
     ("catch_up", {"alpha": 2.0, "mu": None, "buckets": []}, "catch_up.alpha"),
     ("overhead_s", {"sd": 0.1}, "overhead_s"),
 ])
