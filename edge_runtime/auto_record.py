@@ -88,14 +88,6 @@ def _shape(path: str, v: Any) -> Tuple[int, int, int]:
     return (v[0], v[1], v[2])
 
 
-def _pair(first: Decode, second: Decode) -> Decode:
-    def dec(path: str, v: Any) -> tuple:
-        if not isinstance(v, list) or len(v) != 2:
-            raise _fail(path, f"expected a pair, got {v!r}")
-        return (first(f"{path}[0]", v[0]), second(f"{path}[1]", v[1]))
-    return dec
-
-
 def _tuple(*parts: Decode) -> Decode:
     def dec(path: str, v: Any) -> tuple:
         if not isinstance(v, list) or len(v) != len(parts):
@@ -134,8 +126,8 @@ SECONDS = _real(0.0, MAX_SECONDS)
 SIGNED_SECONDS = _real(-MAX_SECONDS, MAX_SECONDS)  # a busy cloud's round overhead is net of the wait it priced
 BYTES = _real(0.0, MAX_BYTES)
 TOKENS = _real(0.0, 1.0e6)
-KIND = _pair(_text, _text)  # (protocol, kind of sampling)
-TREE = _pair(_shape, _text)  # (shape, kind of sampling)
+KIND = _tuple(_text, _text)  # (protocol, kind of sampling)
+TREE = _tuple(_shape, _text)  # (shape, kind of sampling)
 ACCEPTANCE = _fields(Acceptance, {"accepted": _optional(TOKENS), "examined": _optional(TOKENS), "rounds": _count,
                                   "opening_accepted": _optional(TOKENS), "opening_examined": _optional(TOKENS),
                                   "opening_rounds": _count})
