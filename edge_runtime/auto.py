@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from edge_runtime.auto_estimates import DRAFTING, GREEDY, AutoEstimates, Shape, tree_key, tree_text
-from hat_split.math.costmodel import CostCurve, Link, Prediction, marginal_cloud_s, predict, predict_tree
+from hat_split.math.costmodel import (CostCurve, Link, Prediction, marginal_cloud_s, over_horizon, predict,
+                                      predict_tree)
 from hat_split.math.sampling import SamplingParams
 
 log = logging.getLogger("hatspec.edge")
@@ -240,7 +241,35 @@ class AutoController:
 
     def _candidates(self, link: Link, curve: Optional[CostCurve]) -> Candidates:
         """Per eligible protocol the estimates can price: (tree shape or None, prediction) at every knob (sd: its
-        chains of γ and its draft trees)."""
+        chains of γ and its draft trees). At a request's opening each is priced over one stretch (`_stretch`)."""
+        cands = self._rounds(link, curve)
+        stretch = self._stretch(cands, link, curve)
+        if stretch is None:
+            return cands
+        tokens, pace = stretch
+        return {name: [(s, over_horizon(p, tokens, pace)) for s, p in preds] for name, preds in cands.items()}
+
+    def _stretch(self, cands: Candidates, link: Link, curve: Optional[CostCurve]) -> Optional[Tuple[float, float]]:
+        """At a request's opening (AutoEstimates.opening), the stretch its first round is priced over: the most tokens
+        any candidate's first round commits (llm's chunk), and the pace after that round, the fastest candidate's at
+        the request's α (its rounds past the opening); None past the opening. The opening's choice binds one round
+        (`_chosen`), and a round of 8 tokens at llm's pace against a round of 1-3 at the openings' α, compared a round
+        each, opened loaded requests on llm where sd's stretch of 8 was 1.3× as fast (costmodel.over_horizon)."""
+        est = self.estimates
+        if not est.opening or not cands:
+            return None
+        est.opening = False  # priced as the rounds after the opening are
+        try:
+            after = self._rounds(link, curve)
+        finally:
+            est.opening = True
+        pace = max((p.tokens_per_s for preds in after.values() for _, p in preds), default=0.0)
+        if not (0 < pace < math.inf):
+            return None
+        return max(p.tokens_per_round for preds in cands.values() for _, p in preds), pace
+
+    def _rounds(self, link: Link, curve: Optional[CostCurve]) -> Candidates:
+        """`_candidates`, each priced a round."""
         out: Candidates = {}
         for name in self.eligible:
             knobs = range(1, self.max_draft + 1) if name in DRAFTING else (self.chunk,)
@@ -395,8 +424,11 @@ class AutoController:
             return Choice(alt.protocol, alt.knob, f"probing {alt.protocol}: not run for {PROBE_EVERY} rounds", rates)
         tree = best_tree if best.protocol == "sd_tree" else None
         reason = _why(best, preds, self.estimates, text) + why
-        return Choice("sd" if tree else best.protocol, best.knob, f"{OPENING}: {reason}" if est.opening else reason,
-                      rates, tree, self._eta_of(tree))
+        if est.opening:
+            stretch = self._stretch(cands, link, est.curve(now))
+            over = f"; over its first {stretch[0]:.0f} tokens, then {stretch[1]:.2f} tok/s" if stretch else ""
+            reason = f"{OPENING}: {reason}{over}"
+        return Choice("sd" if tree else best.protocol, best.knob, reason, rates, tree, self._eta_of(tree))
 
     def _chosen(self) -> Optional[Segment]:
         """The request's last segment that a prediction chose (`_why`), None before one: what SWITCH_GAIN keeps. A

@@ -446,6 +446,41 @@ def test_under_load_a_request_opens_on_the_eta_chain_where_chains_run_later():
     assert (later.protocol, later.tree) == ("sd", None) and later.knob >= 6 and "α 0.80" in later.reason, later
 
 
+def test_an_opening_is_priced_over_llms_chunk_not_a_round_each(monkeypatch):
+    """A loaded cloud (a step of 0.9-1.0 s, a draft round 0.8 s of waiting beyond its parts), the openings' α 0.50 and
+    the prompts' 0.70 (as in the AVX2 trace's record: 0.50 and 0.69): a round each, llm's chunk of 8 is priced above
+    sd's best first round, yet it binds 8 tokens at llm's pace where sd's round binds 2-3 and the rounds after it run
+    at the request's α. Over one stretch of 8 tokens (the round, then the best pace after it:
+    costmodel.over_horizon) the opening runs sd; a round each (the code before) it runs llm, as 5 of 10 loaded
+    requests did in that trace, their first chunk 14-17 s into the request."""
+    from hat_split.math.costmodel import over_horizon
+
+    link = Link(0.01)
+    est = _estimates(0.7, 0.05, step_1=0.9, step_9=1.0)
+    est.overhead_s["sd"] = 0.8
+    sd = est.acceptance[("sd", GREEDY)]
+    sd.opening_accepted, sd.opening_examined, sd.opening_rounds = 0.5, 1.0, 10**9
+    c = _controller(est)
+    est.begin_request()
+    rounds = c._rounds(link, est.curve())
+    each = {name: max(p.tokens_per_s for _, p in preds) for name, preds in rounds.items()}
+    assert each["llm"] > each["sd"], each  # a round each: llm's chunk ahead
+    with monkeypatch.context() as m:
+        m.setattr(AutoController, "_stretch", lambda *a: None)  # a round each, as before
+        assert c.decide(link).protocol == "llm"
+    _begin_past_opening(est)
+    pace = max(p.tokens_per_s for p in c.predictions(link).values())
+    est.begin_request()
+    opening = c.decide(link)
+    assert opening.protocol == "sd" and opening.reason.startswith("opening: predicted"), opening
+    assert f"over its first 8 tokens, then {pace:.2f} tok/s" in opening.reason, opening.reason
+    llm = rounds["llm"][0][1]
+    first = next(p for _, p in rounds["sd"] if p.knob == opening.knob)
+    by_hand = 8 / (first.round_s + (8 - first.tokens_per_round) / pace)
+    assert over_horizon(first, 8, pace).tokens_per_s == pytest.approx(by_hand)
+    assert by_hand > llm.tokens_per_s and over_horizon(llm, 8, pace).tokens_per_s == llm.tokens_per_s
+
+
 def test_the_eta_chain_is_priced_at_its_chains_expectation_at_the_requests_alpha():
     """A chain-shaped tree (the η-chain) commits about a fixed share of its chain's expectation at the prompt's α (the
     Qwen pair: 0.84 ± 0.08 over 56 requests whose tokens a round went from 2.1 to 8): it is priced at that share, its

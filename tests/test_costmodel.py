@@ -247,3 +247,27 @@ def test_a_hat_tree_round_by_hand():
         predict_hat_tree(16, 4, 2.0, 64, link, dev, cloud, WireSizes())
     with pytest.raises(ValueError, match="nodes >= depth"):
         predict_hat_tree(2, 4, 2.0, 64, link, dev, cloud, wire)
+
+
+def test_a_round_over_a_stretch_is_its_round_then_the_pace_after_it():
+    """over_horizon by hand: a round of 2 tokens in 2 s over a stretch of 8 at 2 tok/s after it is 8 tokens in
+    2 + 6 / 2 = 5 s; a round that fills the stretch is itself; the ranking over any stretch at least every round's
+    tokens is the same (r − τ / S); the per-token figures are the round's. Bad inputs are refused by name."""
+    import dataclasses
+    import math
+
+    from hat_split.math.costmodel import Prediction, over_horizon
+
+    first = Prediction("sd", 3, 2.0, 2.0, 3.0, 40.0, 20.0, 0.3, 0.1, None, 0.5)
+    out = over_horizon(first, 8.0, 2.0)
+    assert (out.tokens_per_round, out.round_s) == (8.0, 5.0) and out.tokens_per_s == pytest.approx(8 / 5)
+    assert dataclasses.replace(out, tokens_per_round=2.0, round_s=2.0) == first
+    chunk = Prediction("llm", 8, 8.0, 7.0, 9.0, 10.0, 30.0, 0.9, 0.0, None, 1.0)
+    assert over_horizon(chunk, 8.0, 2.0) == chunk
+    assert chunk.tokens_per_s > first.tokens_per_s  # a round each: the chunk
+    for stretch in (8.0, 12.0, 40.0):  # over a stretch: the round, 2 − 2 / 2 = 1 s lost against 7 − 8 / 2 = 3
+        assert over_horizon(first, stretch, 2.0).tokens_per_s > over_horizon(chunk, stretch, 2.0).tokens_per_s
+    for tokens, pace, field in ((1.0, 2.0, "tokens"), (math.nan, 2.0, "tokens"), (8.0, 0.0, "then_tokens_per_s"),
+                                (8.0, math.inf, "then_tokens_per_s")):
+        with pytest.raises(ValueError, match=field):
+            over_horizon(first, tokens, pace)

@@ -44,14 +44,14 @@ Protocols:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from hat_split.math.chunking import piecewise
 from hat_split.math.verify import expected_tokens
 
 __all__ = ["Link", "CostCurve", "DeviceCosts", "CloudCosts", "WireSizes", "Prediction", "predict", "predict_tree",
-           "predict_hat_tree", "best_knob", "marginal_cloud_s", "cadence_s",
+           "predict_hat_tree", "best_knob", "marginal_cloud_s", "cadence_s", "over_horizon",
            "KNOBBED", "PROMPT_ID_BYTES"]
 
 KNOBBED = ("sd", "ksqs", "hat")  # protocols whose knob is the draft length γ (llm's: its chunk, the device's)
@@ -354,6 +354,22 @@ def marginal_cloud_s(pred: Prediction, others_step_s: float) -> float:
     if not (math.isfinite(others_step_s) and others_step_s >= 0):
         raise ValueError(f"marginal_cloud_s needs a finite others_step_s >= 0, got {others_step_s!r}")
     return max(0.0, pred.cloud_s_per_token - pred.cloud_steps_per_token * others_step_s)
+
+
+def over_horizon(first: Prediction, tokens: float, then_tokens_per_s: float) -> Prediction:
+    """`first`, a round that binds only itself, priced over the first `tokens` tokens of a request: its round, then
+    what it leaves of them at `then_tokens_per_s` (whatever runs after it: the same for every candidate). Candidates
+    whose rounds commit unlike numbers of tokens are compared over one stretch: a round of τ tokens in r seconds is
+    worth r − τ / S seconds against the pace S after it, whatever the stretch T ≥ τ (T / (r + (T − τ) / S) falls as
+    r − τ / S grows). At a request's opening an llm chunk of 8 binds 8 tokens at llm's pace and a draft round 1–3 at
+    the opening's lower acceptance: compared a round each, a loaded cloud's llm chunk won at openings where sd's
+    stretch was 1.3× as fast (docs/AUTO.md "An opening priced over one stretch")."""
+    if not (math.isfinite(tokens) and tokens >= first.tokens_per_round > 0):
+        raise ValueError(f"over_horizon needs tokens >= the round's {first.tokens_per_round!r} > 0, got {tokens!r}")
+    if not (math.isfinite(then_tokens_per_s) and then_tokens_per_s > 0):
+        raise ValueError(f"over_horizon needs a finite then_tokens_per_s > 0, got {then_tokens_per_s!r}")
+    rest_s = (tokens - first.tokens_per_round) / then_tokens_per_s
+    return replace(first, tokens_per_round=tokens, round_s=first.round_s + rest_s)
 
 
 def best_knob(protocol: str, knobs: Iterable[int], prompt_tokens: int, link: Link, device: DeviceCosts,
