@@ -337,14 +337,16 @@ class AutoController:
 
     def _decision(self, choice: Choice, link: Link, now: Optional[float], behind: int, remaining: int) -> dict:
         """A choice as DECISIONS records it: the choice, every candidate's price (protocol, tree shape or None, knob,
-        tokens/s, tokens a round, seconds a round), the estimates it read, and `now` (at)."""
+        tokens/s, tokens a round, seconds a round; at an opening over its stretch, which `stretch` states: tokens,
+        then tokens/s), the estimates it read, and `now` (at)."""
         est = self.estimates
         cands = self._candidates(link, est.curve(now))
+        stretch = self._stretch(cands, link, est.curve(now))
         return {"request": id(self), "choice": {"protocol": choice.protocol, "knob": choice.knob,
                                                 "tree": list(choice.tree) if choice.tree else None,
                                                 "eta": choice.eta, "reason": choice.reason},
                 "at": now, "behind": behind, "remaining": remaining, "alpha": est.alpha, "opening": est.opening,
-                "draft_step_s": est.draft_step_s, "rtt_s": link.rtt_s,
+                "draft_step_s": est.draft_step_s, "rtt_s": link.rtt_s, "stretch": list(stretch) if stretch else None,
                 "candidates": [[name, list(shape) if shape else None, p.knob, p.tokens_per_s, p.tokens_per_round,
                                 p.round_s] for name, preds in cands.items() for shape, p in preds]}
 
