@@ -18,10 +18,11 @@ that mode's as measured before, or restart from their next observations; until t
 alone are the last mode's scaled by the board's slowdown as the first read in the new mode measured it (the
 opening reads the prompt whatever auto runs next: `observe_catch_up`). A protocol that has not run
 for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
-current, never as a request's first round and, for a drafting protocol, only when its catch-up is one round's tokens
-at most and its price is within reach of the best (`_reaches`: READ_AHEAD_REACH of it; below, a probe could switch
-only were the model 25 % off, more than its error here, and on loopback each probe cost 7-15 % of a 32-token
-request where only llm ran); llm's probe decodes one token (its round overhead and a step are what it measures,
+current, never as a request's first round, only while its price is within reach of the best (`_reaches`:
+READ_AHEAD_REACH of it; below, a probe could switch only were the model 25 % off, more than its error here: on
+loopback each probe of sd cost 7-15 % of a 32-token request where only llm ran, and under load a probe of llm, at
+0.67× the η-tree, cost a round in 6 of 16 requests) and, for a drafting protocol, when its catch-up is one round's
+tokens at most; llm's probe decodes one token (its round overhead and a step are what it measures,
 and a chunk of c at llm's rate is c tokens at the slower protocol's: under load, where a step costs a second here, a
 probe of 8 cost some 5 s of a 32-token request). What changes fast (the cloud's load, the link) needs no probe: the
 cloud reports its cost curve and its queue with every session opening, the device's own points of that curve older than
@@ -416,8 +417,8 @@ class AutoController:
         if turn:
             return Choice("sd", self.max_draft, turn, rates, self.eta_chain, self.eta)
         stale = [p for p in preds.values() if p.protocol != best.protocol and current is not None
-                 and est.idle.get(p.protocol, 0) >= PROBE_EVERY
-                 and (p.protocol not in DRAFTING or (behind <= self.chunk and self._reaches(p, preds)))]
+                 and est.idle.get(p.protocol, 0) >= PROBE_EVERY and self._reaches(p, preds)
+                 and (p.protocol not in DRAFTING or behind <= self.chunk)]
         if stale:
             alt = max(stale, key=lambda p: p.tokens_per_s)
             if alt.protocol == "llm":  # LLM_EXPLORE_TOKENS: measured at 1/chunk of the cost

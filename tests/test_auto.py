@@ -189,18 +189,28 @@ def test_a_knob_or_tree_running_is_kept_unless_another_promises_a_clear_gain():
     assert held.tree == shape and f"kept: sd γ={best} is within 1.10× of it" in held.reason, held
 
 
-def test_a_probe_of_llm_decodes_one_token():
-    """sd clearly ahead: after PROBE_EVERY rounds without llm, llm runs one round of a single token (its overhead
-    and a step are what a probe measures; a chunk would commit c tokens at the slower rate), then sd again."""
-    c = _controller(_estimates(0.9, 0.02, step_1=0.2, step_9=0.22))
+def test_a_probe_of_llm_decodes_one_token_and_only_within_reach():
+    """sd ahead, llm within reach (0.87× sd): after PROBE_EVERY rounds without llm, llm runs one round of a single
+    token (its overhead and a step are what a probe measures; a chunk would commit c tokens at the slower rate), then
+    sd again. llm out of reach (0.32× sd) is not probed, as a drafting protocol out of reach is not: under load llm at
+    0.67× the η-tree was probed in 6 of 16 requests, a round each (the load phases on `e217aad`)."""
+    c = _controller(_estimates(0.5, 0.05, step_1=0.2, step_9=0.22))
     for _ in range(PROBE_EVERY):
         choice = c.decide(Link(0.01))
         assert choice.protocol == "sd", choice
-        c.record(choice, 5)
+        c.record(choice, 2)
+    preds = c.predictions(Link(0.01))
+    assert 0.8 < preds["llm"].tokens_per_s / preds["sd"].tokens_per_s < 0.9
     probe = c.decide(Link(0.01))
     assert (probe.protocol, probe.knob) == ("llm", 1) and probe.reason.startswith("probing llm (one token)"), probe
     c.record(probe, 1)
     assert c.decide(Link(0.01)).protocol == "sd"
+    far = _controller(_estimates(0.9, 0.02, step_1=0.2, step_9=0.22))
+    for _ in range(3 * PROBE_EVERY):
+        choice = far.decide(Link(0.01))
+        assert choice.protocol == "sd", choice
+        far.record(choice, 5)
+    assert far.estimates.idle.get("llm", 0) >= PROBE_EVERY
 
 
 def test_a_switch_to_sd_repays_the_draft_catching_up():
