@@ -172,7 +172,8 @@ def test_a_short_trace_runs_end_to_end(smollm2, tmp_path):
                  str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [r["phase"] for r in doc["rows"]] == ["loopback"] * 2 + ["cut:loopback"] * 2 + ["load+power:wifi-near"] * 2
-    assert all(r["tokens"] == 24 for r in doc["rows"])
+    assert all(r["tokens"] == 24 == len(r["token_ids"]) for r in doc["rows"])
+    assert doc["rows"][0]["token_ids"] == doc["rows"][1]["token_ids"]  # llm's and auto's loopback answer: the target's
     # a 1 s stall is shorter than the ZMTP heartbeat's 3 s: TCP rides it out, no request reconnects
     assert [r["drops"] for r in doc["rows"]] == [0] * 6
     autos = [r for r in doc["rows"] if r["protocol"] == "auto"]

@@ -367,7 +367,9 @@ def _row(rep: int, phase: Phase, name: str, res, commits: List[tuple]) -> dict:
             "up_bytes_per_token":
             s["up_bytes_per_token"], "down_bytes_per_token": s["down_bytes_per_token"], "degraded": len(res.degraded),
             "drops": res.interruptions, "auto": res.auto,
-            "commits": [[round(t - commits[0][0], 4), k] for t, k in commits]}  # each commit's time from the first
+            "commits": [[round(t - commits[0][0], 4), k] for t, k in commits],  # each commit's time from the first
+            "token_ids": list(res.tokens)}  # what it generated: rows of a repetition that ran alike, yet committed
+    # unlike rounds, tell here whether the target's answer itself differed (a loaded cloud's batched near ties)
 
 
 def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, object]:
