@@ -32,7 +32,8 @@ from edge_runtime.auto import AUTO_MAX_DRAFT
 from edge_runtime.config import EdgeConfig
 from profiles.bench.board import Board, SlowedLM
 from profiles.bench.decisions import recorded
-from profiles.bench.provenance import write_report
+from profiles.bench import resumed
+from profiles.bench.provenance import REPO, provenance, write_report
 from profiles.bench.stats import MIN_BOOTSTRAP_N, ci_text, interval
 
 DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near,load+power:wifi-near"
@@ -87,7 +88,12 @@ def add_parser(sub) -> None:
     s.add_argument("--prompt-set", default="demo", choices=["demo", "calibration"],
                    help="the trace's four prompts: the demo's (half HumanEval, half ShareGPT), or as many from the "
                         "calibration split, disjoint from them (a run that writes an --auto-record for another)")
-    s.add_argument("--out", default="runs/auto/bench_auto.json")
+    s.add_argument("--out", default="runs/auto/bench_auto.json",
+                   help="the report, written after every cell (a phase of a repetition) until complete")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the report at --out: its complete cells are kept and not run again (a larger "
+                        "--repetitions extends it); refused, the file untouched, unless it ran on this commit and "
+                        "machine with these arguments (profiles.bench.resumed); no file: start afresh")
 
 
 @dataclass(frozen=True)
@@ -218,8 +224,27 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the device needs a core of its own)")
     cloud_cores, device_cores = cores[:args.cloud_cores], cores[args.cloud_cores:]
     prompts = demo_prompts(4) if args.prompt_set == "demo" else calibration_prompts(4)
-    rows: List[dict] = []
-    t0 = time.perf_counter()
+    earlier = resumed.load(args.out, vars(args), provenance(), REPO) if args.resume else None  # before any model loads
+    done = resumed.cells_done(earlier["rows"], protocols) if earlier else set()
+    rows: List[dict] = resumed.kept_rows(earlier["rows"], done) if earlier else []
+    runs = (earlier.get("runs") or [earlier.get("provenance")]) if earlier else []
+    if earlier:
+        print(f"resuming {args.out}: {len(done)} of {args.repetitions * len(phases)} cells kept", flush=True)
+    t0 = time.perf_counter() - (earlier.get("wall_s", 0.0) if earlier else 0.0)
+
+    def write(complete: bool) -> dict:
+        """The report of the rows so far, at --out (after every cell, and at the end)."""
+        stamp = provenance()
+        report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
+                  "phases": [p.__dict__ for p in phases], "rows": rows, "summary": summarise(rows, phases, protocols),
+                  "wall_s": time.perf_counter() - t0, "complete": complete, "runs": runs + [stamp],
+                  "provenance": stamp}
+        write_report(args.out, report)
+        return report
+
+    if len(done) == args.repetitions * len(phases):  # a finished report resumed: nothing to run
+        print_summary(write(complete=True))
+        return 0
     board = Board() if any(p.power for p in phases) else None
     # this process on the device's cores before the engines start their threads, and back on all of them after
     with pinned(device_cores), recorded(args.decisions) as decisions, board or nullcontext(), \
@@ -242,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
         load_prompt = rt.encode_prompt(prompts[0].text)[:64]
         for rep in range(args.repetitions):
             for k, phase in enumerate(phases):
+                if (rep, phase.name) in done:
+                    continue
                 bed.link.set_profile(phase.link)
                 if board is not None and phase.power:
                     board.set("MODE_15W", args.power_slowdown)
@@ -281,10 +308,8 @@ def run(args: argparse.Namespace) -> int:
                               f"after the first reply, ttft {res.ttft_s:.2f} s"
                               + (f"; ran {_ran(res)}" if res.auto else "")
                               + (f"; the link dropped {res.interruptions}×" if res.interruptions else ""), flush=True)
-        report = {"args": vars(args), "cores": {"cloud": cloud_cores, "device": device_cores},
-                  "phases": [p.__dict__ for p in phases], "rows": rows, "summary": summarise(rows, phases, protocols),
-                  "wall_s": time.perf_counter() - t0}
-    write_report(args.out, report)
+                write(complete=False)  # a cell at a time: a run that dies keeps what it measured (--resume)
+        report = write(complete=True)
     print_summary(report)
     print(f"wrote {args.out}")
     return 0
