@@ -224,13 +224,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cloud-cores: 1..{len(cores) - 1} (the device needs a core of its own)")
     cloud_cores, device_cores = cores[:args.cloud_cores], cores[args.cloud_cores:]
     prompts = demo_prompts(4) if args.prompt_set == "demo" else calibration_prompts(4)
-    earlier = resumed.load(args.out, vars(args), provenance(), REPO) if args.resume else None  # before any model loads
-    done = resumed.cells_done(earlier["rows"], protocols) if earlier else set()
-    rows: List[dict] = resumed.kept_rows(earlier["rows"], done) if earlier else []
-    runs = (earlier.get("runs") or [earlier.get("provenance")]) if earlier else []
+    earlier = (resumed.load(args.out, vars(args), provenance(), REPO) if args.resume else None) or {}  # before
+    # any model loads; {}: a run from nothing
+    done = resumed.cells_done(earlier.get("rows", []), protocols)
+    rows: List[dict] = resumed.kept_rows(earlier.get("rows", []), done)
+    runs = earlier.get("runs") or ([earlier["provenance"]] if earlier else [])
     if earlier:
         print(f"resuming {args.out}: {len(done)} of {args.repetitions * len(phases)} cells kept", flush=True)
-    t0 = time.perf_counter() - (earlier.get("wall_s", 0.0) if earlier else 0.0)
+    t0 = time.perf_counter() - earlier.get("wall_s", 0.0)
 
     def write(complete: bool) -> dict:
         """The report of the rows so far, at --out (after every cell, and at the end)."""

@@ -58,7 +58,7 @@ def check(report: dict, path: str, args: dict, here: dict, repo: str = "") -> No
                          "rows of two codes are not one trace; run without --resume (another --out) or from that "
                          "commit")
     was, now = ran.get("machine") or {}, here.get("machine") or {}
-    moved = [f"{k}: {was.get(k)!r} → {now.get(k)!r}" for k in SAME_MACHINE if was.get(k) != now.get(k)]
+    moved = differences({k: was.get(k) for k in SAME_MACHINE}, {k: now.get(k) for k in SAME_MACHINE}, free=())
     if moved:
         raise ValueError(f"--resume: {path} ran on another machine ({'; '.join(moved)}): its speeds are not this "
                          "one's")
