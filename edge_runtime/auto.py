@@ -191,7 +191,7 @@ class AutoController:
             return None  # a drafting protocol is priced from its rounds under the request's kind of sampling
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
                        est.cloud(curve, name), est.wire(name),
-                       (est.alpha_of(name) or 0.0) if drafting else 0.0)
+                       (est.alpha_priced(name, knob) or 0.0) if drafting else 0.0)  # over the belief of α
 
     def at_tree(self, shape: Shape, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
         """The cost model's prediction of sd with the draft tree `shape` (as `at` for a chain)."""

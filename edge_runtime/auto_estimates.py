@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, cadence_s, phase_wait
 from hat_split.math.sampling import SamplingParams
-from hat_split.math.verify import expected_tokens
+from hat_split.math.verify import alpha_for_tokens, expected_tokens_beta
 from hat_split.wire import messages as P
 
 log = logging.getLogger("hatspec.edge")
@@ -270,13 +270,29 @@ class AutoEstimates:
         return self.alpha_of("sd")
 
     def alpha_of(self, protocol: str) -> Optional[float]:
-        """`protocol`'s acceptance for the request running (its kind of sampling). The drafting protocols draft with
-        the same model on the same prompt, so they share what they learn: the prompt's acceptance on sd's scale is
-        one estimate (`posterior`) from every drafting protocol's rounds, the population's and the request's, each
-        protocol's taken to sd's scale by its ratio ρ to sd, and a protocol's α is that times its ρ. ρ (at most 1:
-        ksqs drafts from a quantization of sd's rows) is the ratio of the two populations, shrunk toward 1 by
-        RATIO_PRIOR_ROUNDS: a few rounds of easy prompts read ksqs 1.00 against sd's 0.91, which was the prompts,
-        not ksqs. Before any drafting round, None."""
+        """`protocol`'s acceptance for the request running (its kind of sampling): the mean of its belief
+        (`belief`); before any drafting round, None."""
+        belief = self.belief(protocol)
+        if belief is None:
+            return None
+        a, b, ratio = belief
+        return min(1.0, a / (a + b)) * ratio
+
+    def belief(self, protocol: str) -> Optional[Tuple[float, float, float]]:
+        """What the device believes of `protocol`'s acceptance on the request running: α = ρ x, x ~ Beta(a, b) on
+        sd's scale; (a, b, ρ), None before any drafting round. The drafting protocols draft with the same model on
+        the same prompt, so they share what they learn: the prompt's acceptance on sd's scale is one belief from
+        every drafting protocol's rounds, the population's and the request's, each protocol's taken to sd's scale by
+        its ratio ρ to sd. ρ (at most 1: ksqs drafts from a quantization of sd's rows) is the ratio of the two
+        populations, shrunk toward 1 by RATIO_PRIOR_ROUNDS: a few rounds of easy prompts read ksqs 1.00 against sd's
+        0.91, which was the prompts, not ksqs.
+
+        The prior is the prompts' acceptance m (at a request's first round the openings': Acceptance.opening) worth
+        ALPHA_PRIOR_DRAFTS drafts, Beta(P m, P (1 − m)), moved by the request's own accepted and rejected drafts
+        (its mean is `posterior`). Its spread is the prompts': a prompt's α is its own, and on the Qwen pair the
+        requests' α spread as a Beta of P ≈ 6.5 about their mean (98 requests of two traces, docs/AUTO.md "A chain
+        priced over what its prompt may be"), so a chain is priced over that spread (`chain_tokens`), not at its
+        mean."""
         own = [(p, a) for p in DRAFTING if (a := self.acceptance.get((p, self.kind))) is not None
                and a.population is not None]
         if not own:
@@ -286,10 +302,25 @@ class AutoEstimates:
         weight = sum(a.weight for _, a in own)
         prompts = {p: a.opening if self.opening else a.population for p, a in own}  # the request's first round: the
         # openings' (Acceptance.opening)
-        prior = sum(a.weight * prompts[p] / ratios[p] for p, a in own) / weight
+        prior = min(1.0, sum(a.weight * prompts[p] / ratios[p] for p, a in own) / weight)
         accepted = sum(a.request_accepted / ratios[p] for p, a in own)
         examined = sum(a.request_examined for _, a in own)
-        return posterior(min(1.0, prior), accepted, examined) * ratios.get(protocol, 1.0)  # not drafted yet: sd's
+        a = ALPHA_PRIOR_DRAFTS * prior + accepted
+        return a, max(0.0, ALPHA_PRIOR_DRAFTS + examined - a), ratios.get(protocol, 1.0)  # not drafted yet: sd's
+
+    def chain_tokens(self, protocol: str, gamma: int) -> Optional[float]:
+        """Tokens a round of `protocol`'s chain of γ commits on the request running: Leviathan et al.'s eq. 1 in
+        expectation over the belief of its acceptance (`belief`, verify.expected_tokens_beta); None before α is
+        known. At the prompts' mean α a chain of 8 was priced 14 % below what the requests' own α gave it on
+        average (a chain of 4: 4 %), and 4 % below over the belief."""
+        belief = self.belief(protocol)
+        return None if belief is None else expected_tokens_beta(belief[0], belief[1], gamma, belief[2])
+
+    def alpha_priced(self, protocol: str, gamma: int) -> Optional[float]:
+        """The α at which the cost model's chain of γ (`costmodel.predict`, eq. 1 at one α) commits `chain_tokens`:
+        what a drafting protocol is priced at; None before α is known."""
+        tokens = self.chain_tokens(protocol, gamma)
+        return None if tokens is None else alpha_for_tokens(min(float(gamma + 1), max(1.0, tokens)), gamma)
 
     @staticmethod
     def _ratio(own: Acceptance, sd: Optional[Acceptance]) -> float:
@@ -516,7 +547,7 @@ class AutoEstimates:
         """A chain-shaped tree's round (`observe_tree`): its tokens against its chain's expectation at the α it was
         priced at (before this round moves it), then its drafts to the request's acceptance (a chain commits its
         accepted drafts and the target's next token: `accepted` None is taken as tokens − 1)."""
-        chain = self._chain_tokens(key[0][1])
+        chain = self.chain_tokens("sd", key[0][1])
         if chain is not None:
             ratios = self.eta_opening if self.opening else self.eta_chain
             done, priced, rounds = ratios.get(key, (None, None, 0))
@@ -525,12 +556,6 @@ class AutoEstimates:
         if accepted is None:
             accepted = min(nodes, tokens - 1)
         self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
-
-    def _chain_tokens(self, depth: int) -> Optional[float]:
-        """Tokens a round of sd's chain of `depth` commits at the request's α (Leviathan et al. eq. 1); None before
-        α is known."""
-        a = self.alpha
-        return None if a is None else expected_tokens(a, depth)
 
     def tree_steps_at(self, shape: Shape, tokens: float) -> Optional[float]:
         """Draft steps a round of `shape`, a draft that η ends early, takes where it commits `tokens` a round: its
@@ -578,7 +603,7 @@ class AutoEstimates:
         then ran at 0.7-0.8× it (the trace on `b4d7ebf`, loopback). A request's first round (`opening`) is priced at
         the chain's opening α, and at the tree's own first rounds where measured, pulled toward its rounds' as much."""
         key = (shape, self.kind)
-        chain = self._chain_tokens(shape[1])
+        chain = self.chain_tokens("sd", shape[1])
         if shape[2] == 1 and chain is not None:
             ratio = _ratio_of(self.eta_chain.get(key), 1.0)
             if self.opening:

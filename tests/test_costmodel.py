@@ -271,3 +271,29 @@ def test_a_round_over_a_stretch_is_its_round_then_the_pace_after_it():
                                 (8.0, math.inf, "then_tokens_per_s")):
         with pytest.raises(ValueError, match=field):
             over_horizon(first, tokens, pace)
+
+
+def test_a_chains_tokens_over_a_beta_belief_by_hand_and_by_sampling():
+    """E[Σ α^k] for α ~ Beta(a, b): uniform (Beta(1, 1)) gives Σ 1/(k+1); b = 0 is α = 1; a tight belief is eq. 1 at
+    its mean; a spread one is above it (Jensen), and equals a sampled mean; ρ scales α; bad inputs named."""
+    from hat_split.math.verify import alpha_for_tokens, expected_tokens_beta
+    assert expected_tokens_beta(1, 1, 4) == pytest.approx(1 + 1 / 2 + 1 / 3 + 1 / 4 + 1 / 5)
+    assert expected_tokens_beta(3, 0, 8) == 9.0
+    assert expected_tokens_beta(0, 5, 8) == 1.0
+    assert expected_tokens_beta(8e6, 2e6, 8) == pytest.approx(expected_tokens(0.8, 8), rel=1e-5)
+    spread = expected_tokens_beta(6.4, 1.6, 8)
+    assert spread > 1.1 * expected_tokens(0.8, 8)
+    rng = random.Random(7)
+    draws = [rng.betavariate(6.4, 1.6) for _ in range(200_000)]
+    assert spread == pytest.approx(sum(expected_tokens(x, 8) for x in draws) / len(draws), rel=5e-3)
+    assert expected_tokens_beta(6.4, 1.6, 4, 0.9) == pytest.approx(
+        sum(expected_tokens(0.9 * x, 4) for x in draws) / len(draws), rel=5e-3)
+    for args, field in (((-1, 1, 4), "a must"), ((1, math.nan, 4), "b must"), ((0, 0, 4), "a \\+ b"),
+                        ((1, 1, 4, 1.5), "scale must"), ((1, 1, -1), "gamma")):
+        with pytest.raises(ValueError, match=field):
+            expected_tokens_beta(*args)
+    for gamma in (1, 4, 8):  # the α at which eq. 1 commits those tokens
+        for tau in (1.0, 1.54, gamma + 0.5, gamma + 1.0):
+            assert expected_tokens(alpha_for_tokens(tau, gamma), gamma) == pytest.approx(tau, abs=1e-9)
+    with pytest.raises(ValueError, match="1 to 5 tokens"):
+        alpha_for_tokens(6.0, 4)

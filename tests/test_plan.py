@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from hat_split.math.verify import expected_tokens
-from profiles.bench.plan import (MODEL_ERROR, GpuSteps, alpha_for, auto_at_sla, capacity, error_text, measured_error,
-                                 shape_of)
+from profiles.bench.plan import MODEL_ERROR, GpuSteps, auto_at_sla, capacity, error_text, measured_error, shape_of
 
 
 def test_capacity_is_the_most_devices_within_the_sla():
@@ -126,14 +124,6 @@ def test_where_each_protocol_wins_on_the_grid():
     assert lines["slm"].startswith("slm (lossy): faster than every exact protocol on")
     assert all(lines[p].startswith(f"{p}: fastest exact on ") and "most devices per cloud on" in lines[p]
                for p in PROTOCOLS if p != "slm")
-
-
-def test_alpha_for_inverts_the_chains_expected_tokens():
-    for gamma in (1, 4, 8):
-        for tau in (1.0, 1.54, gamma + 0.5):
-            assert expected_tokens(alpha_for(tau, gamma), gamma) == pytest.approx(tau, abs=1e-9)
-    with pytest.raises(ValueError, match="1 to 5 tokens"):
-        alpha_for(6.0, 4)
 
 
 def test_the_model_error_is_read_from_the_trace_per_phase(tmp_path):

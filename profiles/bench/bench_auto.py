@@ -429,6 +429,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
                                       est.cloud(curve, "sd"), est.wire(), a).tokens_per_s
                               for a in ALPHA_GRID]
     out["estimates"] = {"kind": est.kind, "alpha": est.alpha, "alpha_ksqs": est.alpha_of("ksqs"),
+                        "belief": est.belief("sd"),
                         "up_per_draft": {p: est.up_per_draft(p) for p in ("sd", "ksqs")},
                         "uplink_bps": est.uplink_bps, "draft_step_s": est.draft_step_s,
                         "catch_up": est.catch_up.points(),

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from edge_runtime.auto import AUTO_TOKEN
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                       predict_hat_tree, predict_tree)
-from hat_split.math.verify import expected_tokens
+from hat_split.math.verify import alpha_for_tokens
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
 SAMPLED_PROTOCOLS = PROTOCOLS + ("ksqs",)  # --sampled: ksqs's lattice-coded rows beside sd's dense ones
@@ -424,7 +424,7 @@ def hat_tree_rows(args, target: "Shape", input_part: float, per_param: float, wa
     gamma = int(chain["max_draft"])
     cloud = CloudCosts(steps.curve(g1), 0.0, middle)
     pred = predict("hat", gamma, args.prompt_tokens, link, dev, cloud, wire,
-                   alpha_for(chain["tokens_per_round"], gamma))
+                   alpha_for_tokens(chain["tokens_per_round"], gamma))
     out.append({**pred.as_dict(), "shape": f"g{gamma}", "cloud_step": "chain", "draft_vocab": vocab})
     for name, entry in r[f"trees_draft_vocab_{vocab}"].items():
         nodes, depth, _ = entry["sharegpt"]["tree"]
@@ -440,17 +440,6 @@ def feature_params(target: "Shape", draft_vocab: int) -> float:
     """Parameters a feature-drafter step reads: one decoder layer, the fusion (2 h²) and the draft head over
     draft_vocab rows (0: the whole head)."""
     return target.layer_params + 2 * target.hidden ** 2 + min(draft_vocab or target.vocab, target.vocab) * target.hidden
-
-
-def alpha_for(tau: float, gamma: int) -> float:
-    """The α whose chains of γ commit τ tokens a round (E(α, γ) = τ, Leviathan eq. 1; bisection: E grows with α)."""
-    if not 1.0 <= tau <= gamma + 1:
-        raise ValueError(f"a chain of {gamma} commits 1 to {gamma + 1} tokens a round, not {tau}")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < tau else (lo, mid)
-    return (lo + hi) / 2
 
 
 def measured_hat_tau() -> float:
