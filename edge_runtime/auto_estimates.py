@@ -68,6 +68,10 @@ RATIO_PRIOR_ROUNDS = 4.0  # rounds of a drafting protocol's own against the prio
 # (`AutoEstimates.alpha_of`: ksqs drafts from the lattice's quantization of sd's rows and loses a little)
 LINK_CHANGE_RATIO = 2.0  # a round trip this many times another (and LINK_CHANGE_S apart) is another link: the
 LINK_CHANGE_S = 0.002  # uplink rate measured on the first does not price the second
+OVERHEAD_PRIOR_ROUNDS = 4.0  # rounds a busy cloud's round overhead counts its prior as against those measured: the
+# protocol's idle overhead (a busy one is kept net of the wait the cloud reported, so the idle one is its mean where
+# the wait model holds). One warm-up round under load made sd:busy 0.57 s against an idle 0.03 s and priced sd 29-39 %
+# slow for a whole trace, never run again to correct it (docs/AUTO.md "A busy overhead from one round")
 STEP_VAR_KEEP = 0.9  # weight of the history in the busy cloud's step spread (a squared deviation is a noisy reading:
 # some ten rounds)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
@@ -82,11 +86,13 @@ def population_ema(old: Optional[float], new: float, rounds: int) -> float:
     return ema(old, new, min(ALPHA_POPULATION, 1.0 - 1.0 / max(1, rounds)))
 
 
-def pulled(measured: float, rounds: float, prior: float) -> float:
-    """`measured` over `rounds` rounds, pulled toward `prior` as if ALPHA_BASE_ROUNDS rounds had read it (the prompts'
-    α toward ALPHA_BASE, the openings' toward OPENING_RATIO × the prompts', a tree's tokens a round toward its
-    chain's and, at an opening, its first rounds' toward its others')."""
-    return (rounds * measured + ALPHA_BASE_ROUNDS * prior) / (rounds + ALPHA_BASE_ROUNDS)
+def pulled(measured: float, rounds: float, prior: float, weight: Optional[float] = None) -> float:
+    """`measured` over `rounds` rounds, pulled toward `prior` as if `weight` rounds had read it (the prompts' α toward
+    ALPHA_BASE, the openings' toward OPENING_RATIO × the prompts', a tree's tokens a round toward its chain's and, at
+    an opening, its first rounds' toward its others'; a busy round overhead toward the idle one); `weight` None:
+    ALPHA_BASE_ROUNDS."""
+    weight = ALPHA_BASE_ROUNDS if weight is None else weight
+    return (rounds * measured + weight * prior) / (rounds + weight)
 
 
 @dataclass
@@ -201,6 +207,8 @@ class AutoEstimates:
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
     # pack drafts; llm's do none of it) and per the cloud's state (`_overhead_key`: a busy cloud's queueing shows
     # here, and must not follow the device once the load ends)
+    overhead_rounds: Dict[str, int] = field(default_factory=dict)  # rounds each overhead_s key was measured on since
+    # it (re)started; a key without a count (an older record, one restored with its power mode) is established
     up_round: Optional[float] = None  # bytes of a round's request without drafts (Generate)
     up_per_row: Dict[Tuple[str, str], float] = field(default_factory=dict)  # bytes per draft row (its id and its
     # distribution: sd's float rows, ksqs's lattice codes) per (protocol, kind)
@@ -440,6 +448,7 @@ class AutoEstimates:
             setattr(self, name, copy.deepcopy(value))
         else:
             self.overhead_s[name] = value
+            self.overhead_rounds.pop(name, None)  # a mode's overheads come back established
 
     def _restarts(self, name: str) -> bool:
         """True once for a device figure after a new power mode: its next observation replaces it."""
@@ -737,7 +746,12 @@ class AutoEstimates:
             value = residual_s - self.reported_wait_s - self.reported_duty * wait
         else:
             value = max(0.0, residual_s)
-        self.overhead_s[key] = ema(None if self._restarts(key) else self.overhead_s.get(key), value)
+        restarts = self._restarts(key)
+        if restarts or key not in self.overhead_s:
+            self.overhead_rounds[key] = 0
+        if key in self.overhead_rounds:
+            self.overhead_rounds[key] += 1
+        self.overhead_s[key] = ema(None if restarts else self.overhead_s.get(key), value)
 
     @staticmethod
     def _overhead_key(protocol: str, busy: bool) -> str:
@@ -759,11 +773,26 @@ class AutoEstimates:
 
     def overhead(self, protocol: str) -> float:
         """o of `protocol` (`_overhead_entry`); 0 before one is measured. One measured busy is net of the wait reported
-        then (`_overhead`): the wait the cloud reports now is added (0 when idle)."""
+        then (`_overhead`): the wait the cloud reports now is added (0 when idle), and over its first rounds it is
+        pulled toward the idle one (`_busy_overhead`)."""
         key = self._overhead_entry(protocol)
         if key is None:
             return 0.0
-        return max(0.0, self.overhead_s[key] + (self.reported_wait_s if key.endswith(":busy") else 0.0))
+        if not key.endswith(":busy"):
+            return max(0.0, self.overhead_s[key])
+        return max(0.0, self._busy_overhead(key) + self.reported_wait_s)
+
+    def _busy_overhead(self, key: str) -> float:
+        """The busy overhead `key`, net of the wait, pulled toward the same protocol's idle one (a tree without its
+        own, sd's) as if OVERHEAD_PRIOR_ROUNDS rounds had measured it: a busy round's residual holds how its request
+        met the others' steps, a wide spread the wait model prices only on average, so a few rounds say little. As
+        measured once its count is unknown (established) or no idle one is measured."""
+        measured, rounds = self.overhead_s[key], self.overhead_rounds.get(key)
+        idle = key[:-len(":busy")]
+        prior = self.overhead_s.get(idle, self.overhead_s.get("sd") if idle.startswith(TREE_KEY) else None)
+        if rounds is None or prior is None:
+            return measured
+        return pulled(measured, rounds, max(0.0, prior), OVERHEAD_PRIOR_ROUNDS)
 
     def wait_s(self, protocol: str) -> float:
         """The wait for a busy cloud's step in progress, as `protocol` should be priced with it: the report's half a

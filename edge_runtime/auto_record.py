@@ -5,9 +5,11 @@ draft tree for MEASURE_ROUNDS rounds before it chooses: 0.78–0.85 × the llm r
 
 What it keeps is what outlives a link and a cloud's load: the drafting protocols' acceptance per kind of sampling
 (the two models' agreement, the same on any hardware), the draft trees' tokens a round, the device's own times per
-power mode (draft step, catch-up, the device alone, round overheads), the frames' bytes and the rounds observed per
-protocol. What it does not keep is measured afresh by every runtime: the cloud's curve and load (the cloud reports
-them at each session's opening), the link's round trip and rate, the cloud's speed drift, what ran recently.
+power mode (draft step, catch-up, the device alone, round overheads and the rounds each was measured on), the
+frames' bytes and the rounds observed per protocol. A field added since version 1 (ADDED) may be absent: an older
+record is read with it empty. What it does not keep is measured afresh by every runtime: the cloud's curve and load
+(the cloud reports them at each session's opening), the link's round trip and rate, the cloud's speed drift, what
+ran recently.
 
 A file holds one entry per (draft model, target model, vocabulary fingerprint, device profile): `pair_key`. The
 entry's figures are checked field by field as the cloud's cost report is (finite, in range, of the right type); a
@@ -167,6 +169,7 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
     "draft_step_s": _optional(SECONDS),
     "local_step_s": _optional(SECONDS),
     "overhead_s": _table(_text, SIGNED_SECONDS),
+    "overhead_rounds": _table(_text, _count),
     "up_round": _optional(BYTES),
     "up_per_row": _table(KIND, BYTES),
     "down_round": _optional(BYTES),
@@ -185,6 +188,9 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
     "tree_opening": _table(TREE, _tuple(TOKENS, _count)),
     "eta_chain": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
     "eta_opening": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
+}
+ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since version 1, each with its value where a
+    "overhead_rounds": dict,  # record written before lacks it: its overheads then count as established
 }
 
 
@@ -215,10 +221,11 @@ def restore(est: AutoEstimates, record: Any, path: str = "estimates") -> None:
     untouched."""
     if not isinstance(record, dict):
         raise _fail(path, f"expected an object, got {type(record).__name__}")
-    missing = sorted(set(RECORDED) - set(record))
+    missing = sorted(set(RECORDED) - set(record) - set(ADDED))
     if missing:
         raise _fail(f"{path}.{missing[0]}", "missing")
-    values = {name: dec(f"{path}.{name}", record[name]) for name, dec in RECORDED.items()}
+    values = {name: dec(f"{path}.{name}", record[name]) for name, dec in RECORDED.items() if name in record}
+    values.update({name: empty() for name, empty in ADDED.items() if name not in record})
     values["restart"] = set(values["restart"])
     for name, value in values.items():
         setattr(est, name, value)

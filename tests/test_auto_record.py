@@ -8,7 +8,7 @@ import pytest
 
 from edge_runtime.auto import AutoController
 from edge_runtime.auto_estimates import GREEDY, Acceptance, AutoEstimates
-from edge_runtime.auto_record import RECORDED, RecordError, RecordFile, pair_key, restore, to_record
+from edge_runtime.auto_record import ADDED, RECORDED, RecordError, RecordFile, pair_key, restore, to_record
 from hat_split.files import strict_json
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link
@@ -27,6 +27,7 @@ def _learned() -> AutoEstimates:
                         measured={"sd": 7, "llm": 5}, power_mode="MAXN",
                         overhead_s={"sd": 0.004, "llm": 0.002, "sd:busy": -0.01, "sd_tree 8x8x1": 0.006},
                         up_per_row={("sd", GREEDY): 60.0, ("sd", "T=0.7"): 30000.0})
+    est.overhead_rounds = {"sd": 30, "sd:busy": 2}
     est.acceptance[("sd", GREEDY)] = Acceptance(accepted=2.9, examined=3.6, rounds=41, opening_accepted=1.5,
                                                 opening_examined=2.5, opening_rounds=6)
     est.acceptance[("sd", "T=0.7")] = Acceptance(accepted=1.0, examined=2.0, rounds=3)
@@ -88,6 +89,7 @@ def test_a_record_restores_every_figure_it_keeps_and_nothing_of_the_cloud_or_lin
     ("by_mode", [["15W", [["draft_step_s", -0.1]]]], "by_mode[0].value[0].value"),
     ("catch_up", {"alpha": 2.0, "mu": None, "buckets": []}, "catch_up.alpha"),
     ("overhead_s", {"sd": 0.1}, "overhead_s"),
+    ("overhead_rounds", [["sd:busy", -1]], "overhead_rounds[0].value"),
 ])
 def test_a_bad_field_is_refused_by_name_and_the_estimates_are_untouched(field, value, named):
     record = _through_a_file(to_record(_learned()))
@@ -97,8 +99,25 @@ def test_a_bad_field_is_refused_by_name_and_the_estimates_are_untouched(field, v
         restore(est, record)
     assert est == AutoEstimates()
     del record[field]
+    if field in ADDED:
+        return
     with pytest.raises(RecordError, match=f"estimates.{field}: missing"):
         restore(est, record)
+
+
+def test_a_record_written_before_a_field_was_added_reads_with_it_empty():
+    """A record from before the busy overheads' round counts (auto_record.ADDED) restores every other figure and
+    prices its overheads as established: as measured."""
+    record = _through_a_file(to_record(_learned()))
+    del record["overhead_rounds"]
+    est = AutoEstimates()
+    restore(est, record)
+    assert est.overhead_rounds == {} and est.overhead_s == _learned().overhead_s and est.measured == {"sd": 7, "llm": 5}
+    est.cloud_busy, est.reported_wait_s = True, 0.1
+    assert est.overhead("sd") == pytest.approx(-0.01 + 0.1)  # as measured, not pulled toward the idle 0.004
+    restore(est, _through_a_file(to_record(_learned())))
+    assert est.overhead_rounds == {"sd": 30, "sd:busy": 2}
+    assert est.overhead("sd") == pytest.approx((2 * -0.01 + 4 * 0.004) / 6 + 0.1)
 
 
 def test_the_file_keeps_one_entry_a_pair_and_never_writes_over_what_it_cannot_parse(tmp_path, caplog):

@@ -433,7 +433,9 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
                         "up_per_draft": {p: est.up_per_draft(p) for p in ("sd", "ksqs")},
                         "uplink_bps": est.uplink_bps, "draft_step_s": est.draft_step_s,
                         "catch_up": est.catch_up.points(),
-                        "overhead_s": dict(est.overhead_s), "cloud_busy": est.cloud_busy, "power_mode": est.power_mode,
+                        "overhead_s": dict(est.overhead_s), "overhead_rounds": dict(est.overhead_rounds),
+                        "overhead_priced": {p: est.overhead(p) for p in ("sd", "llm")},
+                        "cloud_busy": est.cloud_busy, "power_mode": est.power_mode,
                         "reported_wait_s": est.reported_wait_s, "reported_step_s": est.reported_step_s,
                         "reported_duty": est.reported_duty, "curve": list(curve.points) if curve else [],
                         "rtt_s": link.rtt_s, "wire": est.wire().__dict__}
