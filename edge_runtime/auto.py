@@ -11,13 +11,14 @@ predicted tokens/s, its draft length γ among 1 .. max_draft_len the best for sd
 is kept unless another promises `SWITCH_GAIN` more, and a switch to a drafting protocol must also repay, over the
 tokens the request has left, the draft model's catch-up on the tokens it has not read (`behind`: the prompt at the
 opening when the device cannot prefill while the cloud does, the tokens llm made since). Where the device has cores
-of its own (`overlap_prefill`) and drafting is within reach (`sd_within_reach`), the session reads those tokens into
-the draft model while it waits for llm's replies, on a thread of its own (edge_runtime.read_ahead: no reply waits
-for a forward), so the draft is ready when drafting comes back. After a new power mode the device's own figures are
-that mode's as measured before, or restart from their next observations; until then the draft step and the device
-alone are the last mode's scaled by the board's slowdown as the first read in the new mode measured it (the
-opening reads the prompt whatever auto runs next: `observe_catch_up`). A protocol that has not run
-for `PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
+of its own (`overlap_prefill`) and reading is worth it (`worth_reading`: drafting within reach, `sd_within_reach`, or
+within reach were the prompt as easy as its belief allows), the session reads those tokens into the draft model
+while it waits for llm's replies, on a thread of its own (edge_runtime.read_ahead: no reply waits for a forward), so
+the draft is ready when drafting comes back, and the request learns its own α. After a new power mode the device's
+own figures are that mode's as measured before, or restart from their next observations; until then the draft step
+and the device alone are the last mode's scaled by the board's slowdown as the first read in the new mode measured it
+(the opening reads the prompt whatever auto runs next: `observe_catch_up`). A protocol that has not run for
+`PROBE_EVERY` rounds of this runtime (across requests) runs one round so its acceptance and step costs stay
 current, never as a request's first round, only while its price is within reach of the best (`_reaches`:
 READ_AHEAD_REACH of it; below, a probe could switch only were the model 25 % off, more than its error here: on
 loopback each probe of sd cost 7-15 % of a 32-token request where only llm ran, and under load a probe of llm, at
@@ -183,15 +184,19 @@ class AutoController:
         None while it cannot be priced."""
         return self._at(name, knob, link, self.estimates.curve(now))
 
-    def _at(self, name: str, knob: int, link: Link, curve: Optional[CostCurve]) -> Optional[Prediction]:
+    def _at(self, name: str, knob: int, link: Link, curve: Optional[CostCurve],
+            alpha: Optional[float] = None) -> Optional[Prediction]:
+        """`name` at `knob`; a drafting protocol over the belief of its α (AutoEstimates.alpha_priced), or at `alpha`
+        when given."""
         est = self.estimates
         drafting = name in DRAFTING
         if curve is None or not est.measured.get(name) or (drafting and (est.alpha_of(name) is None
                                                                          or est.up_per_draft(name) is None)):
             return None  # a drafting protocol is priced from its rounds under the request's kind of sampling
+        if drafting and alpha is None:
+            alpha = est.alpha_priced(name, knob) or 0.0
         return predict(name, knob, self.prompt_tokens, link, est.device(self.shares_host, name),
-                       est.cloud(curve, name), est.wire(name),
-                       (est.alpha_priced(name, knob) or 0.0) if drafting else 0.0)  # over the belief of α
+                       est.cloud(curve, name), est.wire(name), alpha if drafting else 0.0)
 
     def at_tree(self, shape: Shape, link: Link, now: Optional[float] = None) -> Optional[Prediction]:
         """The cost model's prediction of sd with the draft tree `shape` (as `at` for a chain)."""
@@ -493,6 +498,26 @@ class AutoController:
         if any(name not in preds for name in drafting):
             return True
         return any(self._reaches(preds[name], preds) for name in drafting)
+
+    def worth_reading(self, link: Link, now: Optional[float] = None) -> bool:
+        """Whether the draft model should read llm's tokens while the device waits (the session's reads, which move
+        the request's acceptance: AutoEstimates.observe_agreement): sd within reach (`sd_within_reach`, at the
+        request's price), or a drafting protocol's best chain within reach priced at the prompt's hopeful α
+        (AutoEstimates.alpha_hopeful), each priced a round. A prompt easier than the prompts believed is found only by
+        reading it: at the mean alone a population of other prompts kept sd out of reach for whole traces and no
+        request learned its own α; the hope narrows as the request's reads come in, so a hard prompt stops them."""
+        if self.sd_within_reach(self.predictions(link, now)):
+            return True
+        curve = self.estimates.curve(now)
+        cands = self._rounds(link, curve)
+        preds = {name: max((p for _, p in c), key=lambda p: p.tokens_per_s) for name, c in cands.items()}
+        for name in (n for n in DRAFTING if n in self.eligible):
+            alpha = self.estimates.alpha_hopeful(name)
+            hopeful = [p for p in (self._at(name, k, link, curve, alpha) for k in range(1, self.max_draft + 1))
+                       if p is not None] if alpha is not None else []
+            if hopeful and self._reaches(max(hopeful, key=lambda p: p.tokens_per_s), preds):
+                return True
+        return False
 
     def _reaches(self, pred: Prediction, preds: Dict[str, Prediction]) -> bool:
         """Whether `pred` is within reach of the best of `preds`: READ_AHEAD_REACH of its tokens/s or more (under

@@ -57,6 +57,11 @@ ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of 
 ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
 # prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it);
 # a tree's tokens a round are pulled as much towards its chain's (`tree_tokens_per_round`)
+READ_HOPE_Z = 1.2816  # standard deviations above the mean of the belief of the prompt's α (its 90th percentile, the
+# belief taken as a normal) at which sd is priced to decide whether llm's tokens are worth reading (`alpha_hopeful`,
+# AutoController.worth_reading): at its mean only, a population of other prompts (α 0.69 against these prompts'
+# 0.76-0.85) kept sd out of reach, nothing was read and no request learned its own α (docs/AUTO.md "Reads while the
+# prompt may be easy")
 OPENING_RATIO = 0.85  # a request's first round (the answer's first tokens, hardest to draft) against its later ones:
 # the prior of the openings' acceptance, the prompts' times this, worth ALPHA_BASE_ROUNDS rounds against the openings
 # measured (`Acceptance.opening`). The Qwen pair's sd γ = 4 rows, T = 0: 0.67 on first rounds against 0.79-0.80 on
@@ -316,6 +321,21 @@ class AutoEstimates:
         a = ALPHA_PRIOR_DRAFTS * prior + accepted
         return a, max(0.0, ALPHA_PRIOR_DRAFTS + examined - a), ratios.get(protocol, 1.0)  # not drafted yet: sd's
 
+    def alpha_hopeful(self, protocol: str) -> Optional[float]:
+        """`protocol`'s acceptance on the request running were its prompt easier than believed: READ_HOPE_Z standard
+        deviations of its belief (`belief`) above the mean, at most 1, on `protocol`'s scale; None before any drafting
+        round. Where the belief is wide (a request that has read or drafted little) it is well above the mean; as the
+        request's own drafts and reads narrow it, it comes to the mean."""
+        belief = self.belief(protocol)
+        if belief is None:
+            return None
+        a, b, ratio = belief
+        if not a + b > 0:
+            return None
+        mean = min(1.0, a / (a + b))
+        spread = math.sqrt(mean * (1.0 - mean) / (a + b + 1.0))
+        return min(1.0, mean + READ_HOPE_Z * spread) * ratio
+
     def chain_tokens(self, protocol: str, gamma: int) -> Optional[float]:
         """Tokens a round of `protocol`'s chain of γ commits on the request running: Leviathan et al.'s eq. 1 in
         expectation over the belief of its acceptance (`belief`, verify.expected_tokens_beta); None before α is
@@ -347,8 +367,8 @@ class AutoEstimates:
         """Of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with compare), sd's
         drafts would have had `agreed` accepted there (at temperature 0 those its argmax named; above, an unbiased
         estimate from the probability each was drawn with). They move the request's acceptance as sd's own drafts
-        do (not the prompts': only where sd is within reach are tokens read), so a prompt that auto left for llm on
-        a few unlucky rounds can win sd back."""
+        do (not the prompts': only where reading is worth it are tokens read, AutoController.worth_reading), so a
+        prompt that auto left for llm on a few unlucky rounds, or never drafted on, can win sd back."""
         if compared < 1 or not 0 <= agreed <= compared:  # NaN too
             return
         self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(agreed, compared)

@@ -123,6 +123,37 @@ def test_a_probe_binds_nothing_the_protocol_last_chosen_is_kept():
     assert c.decide(Link(0.01)).protocol == "llm"
 
 
+def test_llms_tokens_are_read_while_the_prompt_may_be_easier_than_the_prompts():
+    """The prompts' α 0.5 prices sd at 0.72× llm, out of READ_AHEAD_REACH: at its mean alone nothing would be read and
+    the request would never learn its own α. Its belief (8 drafts' worth) is wide, and at its hopeful α (READ_HOPE_Z
+    deviations above: 0.71) sd would be within reach, so llm's tokens are read; a prompt whose reads agree brings sd
+    within reach at its own price, one whose reads disagree narrows the hope and the reads stop. A draft model so slow
+    that sd is out of reach at α = 1 reads nothing."""
+    from edge_runtime.auto import READ_AHEAD_REACH
+    from edge_runtime.auto_estimates import READ_HOPE_Z
+
+    def fresh(draft_s: float = 0.04):
+        est = _estimates(0.5, draft_s, step_1=0.05, step_9=0.1)
+        est.begin_request()
+        est.opening = False  # past its first round
+        return est, _controller(est)
+
+    est, c = fresh()
+    preds = c.predictions(Link(0.01))
+    assert preds["sd"].tokens_per_s < READ_AHEAD_REACH * preds["llm"].tokens_per_s
+    assert not c.sd_within_reach(preds) and c.worth_reading(Link(0.01))
+    assert est.alpha_hopeful("sd") == pytest.approx(0.5 + READ_HOPE_Z * math.sqrt(0.25 / 9))
+    est.observe_agreement(24, 24)  # an easy prompt: its reads agree
+    assert est.alpha == pytest.approx(28 / 32) and c.sd_within_reach(c.predictions(Link(0.01)))
+    est, c = fresh()
+    for _ in range(3):  # a hard one: a quarter of its tokens agree
+        est.observe_agreement(2, 8)
+    assert est.alpha_hopeful("sd") < 0.45 and not c.worth_reading(Link(0.01))
+    est, c = fresh(draft_s=0.3)
+    est.acceptance[("sd", GREEDY)] = Acceptance(accepted=1.0, examined=1.0, rounds=10**9)
+    assert est.alpha_hopeful("sd") == 1.0 and not c.worth_reading(Link(0.01))
+
+
 def test_a_drafting_protocol_out_of_reach_is_neither_probed_nor_its_tree_measured():
     """sd predicted below READ_AHEAD_REACH of llm (a slow draft step): a probe could switch only were the model more
     than 25 % off, so after PROBE_EVERY rounds llm keeps running, and the configured tree, out of reach even were

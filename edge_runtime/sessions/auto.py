@@ -76,24 +76,23 @@ class AutoSession(TokenSession):
         self.auto.estimates.take_report(self.cloud_cost, time.monotonic())
 
     def while_waiting(self) -> None:
-        """On a device with cores of its own (overlap_prefill), at the opening and later while sd is within reach
-        (AutoController.sd_within_reach) and a round may follow the one in flight, the draft model reads the committed
-        tokens it lacks while the cloud works, on the reader's thread (edge_runtime.read_ahead): the reply is taken
-        the moment it comes, whatever forward is in progress. At the opening the prompt is read in one forward while
-        sd is within reach (the first round will likely draft and wait for all of it), else a few tokens at a time
-        (a load that makes sd the best is only known from the reply)."""
+        """On a device with cores of its own (overlap_prefill), at the opening and later while reading is worth it
+        (AutoController.worth_reading: sd within reach, or within reach were the prompt easier than believed) and a
+        round may follow the one in flight, the draft model reads the committed tokens it lacks while the cloud works,
+        on the reader's thread (edge_runtime.read_ahead): the reply is taken the moment it comes, whatever forward is
+        in progress. At the opening the prompt is read in one forward while sd is within reach (the first round will
+        likely draft and wait for all of it), else a few tokens at a time (a load that makes sd the best is only known
+        from the reply)."""
         if not self.config.overlaps_prefill:
             return
         if self._opening:
-            self.reader.start(whole=self._sd_within_reach())
+            within = self.auto.sd_within_reach(self.auto.predictions(self.link(), time.monotonic()))
+            self.reader.start(whole=within)
             return
-        if self.remaining <= self._in_flight or not self._sd_within_reach():  # the round in flight ends the request,
-            self.reader.stop()  # or sd is out of reach: nothing will draft
-            return
+        if self.remaining <= self._in_flight or not self.auto.worth_reading(self.link(), time.monotonic()):
+            self.reader.stop()  # the round in flight ends the request, or sd is out of reach even were the prompt
+            return  # easy: nothing will draft
         self.reader.start()
-
-    def _sd_within_reach(self) -> bool:
-        return self.auto.sd_within_reach(self.auto.predictions(self.link(), time.monotonic()))
 
     def reopen(self, prompt: List[int]) -> None:
         super().reopen(prompt)
