@@ -246,6 +246,8 @@ class AutoEstimates:
     power_mode: Optional[str] = None  # the board's power mode the device's own figures were measured in
     restart: set = field(default_factory=set)  # figures whose next observation replaces them (a new power mode)
     by_mode: Dict[str, Dict[str, object]] = field(default_factory=dict)  # the device figures of each mode left
+    mode_rounds: Dict[str, Dict[str, int]] = field(default_factory=dict)  # ... and the rounds each of its round
+    # overheads was measured on (overhead_rounds), which come back with them
     uplink_bps: float = 0.0  # the cloud's latest measurement of this device's uploads on a request large enough to
     # measure (edge_runtime.sessions.auto.MIN_RATE_FRAME; 0: none yet), kept across requests ...
     uplink_rtt_s: float = 0.0  # ... with the round trip of the link it was measured on (`uplink_at`)
@@ -448,11 +450,12 @@ class AutoEstimates:
             return False
         log.info("auto: the power mode changed from %r to %r: the device's figures are that mode's", self.power_mode,
                  mode)
-        self.by_mode[self.power_mode] = self._device_figures()
+        left = self.by_mode[self.power_mode] = self._device_figures()
+        self.mode_rounds[self.power_mode] = {n: c for n, c in self.overhead_rounds.items() if n in left}
         self.power_mode = mode
-        known = self.by_mode.get(mode, {})
+        known, rounds = self.by_mode.get(mode, {}), self.mode_rounds.get(mode, {})
         for name, value in known.items():
-            self._set_figure(name, value)
+            self._set_figure(name, value, rounds.get(name))
         self.restart = (set(DEVICE_FIGURES) | {n for n in self.overhead_s if device_overhead(n)}) - set(known)
         return True
 
@@ -463,12 +466,17 @@ class AutoEstimates:
         return {n: v for n, v in values.items()
                 if v is not None and n not in self.restart and getattr(v, "known", True)}
 
-    def _set_figure(self, name: str, value) -> None:
+    def _set_figure(self, name: str, value, rounds: Optional[int] = None) -> None:
+        """A figure of a mode measured before, back; an overhead with the rounds it was measured on (None: unknown,
+        established)."""
         if name in DEVICE_TIMES:
             setattr(self, name, copy.deepcopy(value))
+            return
+        self.overhead_s[name] = value
+        if rounds is None:
+            self.overhead_rounds.pop(name, None)
         else:
-            self.overhead_s[name] = value
-            self.overhead_rounds.pop(name, None)  # a mode's overheads come back established
+            self.overhead_rounds[name] = rounds
 
     def _restarts(self, name: str) -> bool:
         """True once for a device figure after a new power mode: its next observation replaces it."""

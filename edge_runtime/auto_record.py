@@ -179,6 +179,7 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
     "power_mode": _optional(_text),
     "restart": _table(_text, _count),  # a set: its names, each with 1
     "by_mode": _table(_text, _figures),
+    "mode_rounds": _table(_text, _table(_text, _count)),
     "tree_tokens": _table(TREE, TOKENS),
     "tree_draft_steps": _table(_shape, TOKENS),
     "tree_step_tokens": _table(_shape, TOKENS),
@@ -191,6 +192,7 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
 }
 ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since version 1, each with its value where a
     "overhead_rounds": dict,  # record written before lacks it: its overheads then count as established
+    "mode_rounds": dict,
 }
 
 

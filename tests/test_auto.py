@@ -803,7 +803,8 @@ def test_a_busy_overhead_from_a_few_rounds_is_pulled_toward_the_idle_one():
     busy overhead 0.57 s against an idle 0.03 s and priced sd 29–39 % slow for a whole trace, never run again to
     correct it. Over its first rounds the busy overhead (net of the reported wait) is pulled toward the idle one as
     if OVERHEAD_PRIOR_ROUNDS rounds had measured that, and is as measured once many have; a count unknown (a record
-    written before counts were kept) or no idle overhead leaves it as measured; a new power mode starts it over."""
+    written before counts were kept) or no idle overhead leaves it as measured; a new power mode starts it over, and
+    a mode measured before comes back with its overheads' counts."""
     curve = [[1.0, 0.04], [8.0, 0.20], [16.0, 0.36], [32.0, 0.68]]
     est = _estimates(0.8, 0.01, step_1=0.04, step_9=0.2)
     est.observed = DelayModel()
@@ -836,7 +837,10 @@ def test_a_busy_overhead_from_a_few_rounds_is_pulled_toward_the_idle_one():
     assert est.take_mode("MAXN") is False and est.take_mode("15W")  # another board: the next round starts it over
     slow_round(20.0)
     assert est.overhead_rounds["sd:busy"] == 1 and est.overhead_s["sd:busy"] == pytest.approx(0.49)
-    assert est.take_mode("MAXN") and "sd:busy" not in est.overhead_rounds  # MAXN's comes back established
+    assert est.take_mode("MAXN") and est.overhead_rounds["sd:busy"] == 13  # MAXN's comes back with its rounds ...
+    assert est.take_mode("15W") and est.overhead_rounds["sd:busy"] == 1  # ... and 15W's with its one
+    est.mode_rounds.clear()  # a record from before the counts: a mode's overheads come back established
+    assert est.take_mode("MAXN") and "sd:busy" not in est.overhead_rounds
 
 
 def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():

@@ -28,6 +28,7 @@ def _learned() -> AutoEstimates:
                         overhead_s={"sd": 0.004, "llm": 0.002, "sd:busy": -0.01, "sd_tree 8x8x1": 0.006},
                         up_per_row={("sd", GREEDY): 60.0, ("sd", "T=0.7"): 30000.0})
     est.overhead_rounds = {"sd": 30, "sd:busy": 2}
+    est.mode_rounds = {"15W": {"sd": 4}}
     est.acceptance[("sd", GREEDY)] = Acceptance(accepted=2.9, examined=3.6, rounds=41, opening_accepted=1.5,
                                                 opening_examined=2.5, opening_rounds=6)
     est.acceptance[("sd", "T=0.7")] = Acceptance(accepted=1.0, examined=2.0, rounds=3)
@@ -90,6 +91,7 @@ def test_a_record_restores_every_figure_it_keeps_and_nothing_of_the_cloud_or_lin
     ("catch_up", {"alpha": 2.0, "mu": None, "buckets": []}, "catch_up.alpha"),
     ("overhead_s", {"sd": 0.1}, "overhead_s"),
     ("overhead_rounds", [["sd:busy", -1]], "overhead_rounds[0].value"),
+    ("mode_rounds", [["15W", [["sd", 0.5]]]], "mode_rounds[0].value[0].value"),
 ])
 def test_a_bad_field_is_refused_by_name_and_the_estimates_are_untouched(field, value, named):
     record = _through_a_file(to_record(_learned()))
@@ -109,10 +111,11 @@ def test_a_record_written_before_a_field_was_added_reads_with_it_empty():
     """A record from before the busy overheads' round counts (auto_record.ADDED) restores every other figure and
     prices its overheads as established: as measured."""
     record = _through_a_file(to_record(_learned()))
-    del record["overhead_rounds"]
+    del record["overhead_rounds"], record["mode_rounds"]
     est = AutoEstimates()
     restore(est, record)
-    assert est.overhead_rounds == {} and est.overhead_s == _learned().overhead_s and est.measured == {"sd": 7, "llm": 5}
+    assert est.overhead_rounds == {} and est.mode_rounds == {}
+    assert est.overhead_s == _learned().overhead_s and est.measured == {"sd": 7, "llm": 5}
     est.cloud_busy, est.reported_wait_s = True, 0.1
     assert est.overhead("sd") == pytest.approx(-0.01 + 0.1)  # as measured, not pulled toward the idle 0.004
     restore(est, _through_a_file(to_record(_learned())))
