@@ -131,6 +131,11 @@ class Segment:
         return out
 
 
+def _best(preds: List[Tuple[Optional[Shape], Prediction]]) -> Tuple[Optional[Shape], Prediction]:
+    """The fastest of a protocol's candidates (tree shape or None, prediction); of equals, the shorter knob."""
+    return max(preds, key=lambda sp: (sp[1].tokens_per_s, -sp[1].knob))
+
+
 @dataclass
 class AutoController:
     """One request's choices (module docstring) over the runtime's estimates."""
@@ -241,7 +246,7 @@ class AutoController:
         out: Dict[str, Prediction] = {}
         tree = None
         for name, preds in cands.items():
-            shape, out[name] = max(preds, key=lambda sp: (sp[1].tokens_per_s, -sp[1].knob))
+            shape, out[name] = _best(preds)
             tree = shape if name == "sd" else tree
         return out, tree, cands
 
@@ -506,16 +511,17 @@ class AutoController:
         (AutoEstimates.alpha_hopeful), each priced a round. A prompt easier than the prompts believed is found only by
         reading it: at the mean alone a population of other prompts kept sd out of reach for whole traces and no
         request learned its own α; the hope narrows as the request's reads come in, so a hard prompt stops them."""
-        if self.sd_within_reach(self.predictions(link, now)):
+        preds = self.predictions(link, now)
+        if self.sd_within_reach(preds):
             return True
         curve = self.estimates.curve(now)
-        cands = self._rounds(link, curve)
-        preds = {name: max((p for _, p in c), key=lambda p: p.tokens_per_s) for name, c in cands.items()}
+        if self.estimates.opening:  # priced over the opening's stretch: the hope is priced a round, as are these
+            preds = {name: _best(c)[1] for name, c in self._rounds(link, curve).items()}
         for name in (n for n in DRAFTING if n in self.eligible):
             alpha = self.estimates.alpha_hopeful(name)
-            hopeful = [p for p in (self._at(name, k, link, curve, alpha) for k in range(1, self.max_draft + 1))
-                       if p is not None] if alpha is not None else []
-            if hopeful and self._reaches(max(hopeful, key=lambda p: p.tokens_per_s), preds):
+            hopeful = [] if alpha is None else [(None, p) for p in (self._at(name, k, link, curve, alpha)
+                                                                    for k in range(1, self.max_draft + 1)) if p]
+            if hopeful and self._reaches(_best(hopeful)[1], preds):
                 return True
         return False
 
