@@ -510,7 +510,10 @@ class AutoController:
         request's price), or a drafting protocol's best chain within reach priced at the prompt's hopeful α
         (AutoEstimates.alpha_hopeful), each priced a round. A prompt easier than the prompts believed is found only by
         reading it: at the mean alone a population of other prompts kept sd out of reach for whole traces and no
-        request learned its own α; the hope narrows as the request's reads come in, so a hard prompt stops them."""
+        request learned its own α; the hope narrows as the request's reads come in, so a hard prompt stops them. A
+        census request (AutoEstimates.census) reads whatever the prices: its reads measure the prompts'."""
+        if self.estimates.census and any(n in self.eligible for n in DRAFTING):
+            return True
         preds = self.predictions(link, now)
         if self.sd_within_reach(preds):
             return True

@@ -172,6 +172,16 @@ class Acceptance:
             self.opening_examined = population_ema(self.opening_examined, float(examined), self.opening_rounds)
         self.inform(accepted, examined)
 
+    def observe_read(self, accepted: float, examined: int) -> None:
+        """Tokens the draft model read on a census request (AutoEstimates.census): `examined` of llm's tokens, of which
+        its drafts would have had `accepted` accepted. They move the prompts' acceptance as a round's drafts do (each
+        read one round of the averages: a read of many tokens weighs as many drafts in their ratio), and the
+        request's; not the openings' (a read is not a first round)."""
+        self.rounds += 1
+        self.accepted = population_ema(self.accepted, float(accepted), self.rounds)
+        self.examined = population_ema(self.examined, float(examined), self.rounds)
+        self.inform(accepted, examined)
+
     def inform(self, accepted: float, examined: float) -> None:
         """Drafts of the request's prompt examined: they move the request's acceptance. A chain round of this
         protocol (`observe`) moves the prompts' as well; llm's tokens read and a chain-shaped tree's rounds only
@@ -276,6 +286,9 @@ class AutoEstimates:
     # rounds aside ...
     eta_opening: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # ... and the same
     # over those (priced at the openings' α)
+    census: bool = False  # the request running is a census (EdgeConfig.auto_census: drawn at random, whatever its
+    # prompt): its draft model reads llm's tokens whether or not sd could win, and what it reads moves the prompts'
+    # acceptance as well as the request's (`observe_agreement`)
     opening: bool = False  # a request began (`begin_request`) and has committed nothing yet: its next round drafts
     # the answer's first tokens, priced at the openings' acceptance (`Acceptance.opening`, `tree_tokens_per_round`)
 
@@ -369,11 +382,17 @@ class AutoEstimates:
         """Of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with compare), sd's
         drafts would have had `agreed` accepted there (at temperature 0 those its argmax named; above, an unbiased
         estimate from the probability each was drawn with). They move the request's acceptance as sd's own drafts
-        do (not the prompts': only where reading is worth it are tokens read, AutoController.worth_reading), so a
-        prompt that auto left for llm on a few unlucky rounds, or never drafted on, can win sd back."""
+        do, so a prompt that auto left for llm on a few unlucky rounds, or never drafted on, can win sd back. On a
+        census request (`census`: drawn whatever its prompt) they move the prompts' acceptance as well; elsewhere
+        only where reading is worth it are tokens read (AutoController.worth_reading), the promising prompts, a
+        biased sample of them."""
         if compared < 1 or not 0 <= agreed <= compared:  # NaN too
             return
-        self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(agreed, compared)
+        own = self.acceptance.setdefault(("sd", self.kind), Acceptance())
+        if self.census:
+            own.observe_read(agreed, compared)
+        else:
+            own.inform(agreed, compared)
 
     def take_uplink(self, bps: float, rtt_s: float) -> None:
         """The cloud measured `bps` on an upload large enough to tell, with the link's round trip at `rtt_s`."""
@@ -397,9 +416,10 @@ class AutoEstimates:
         own = self.acceptance.get((protocol, self.kind))
         return own.rounds if own is not None else 0
 
-    def begin_request(self, kind: str = GREEDY) -> None:
-        """A new request sampling as `kind` (`sampling_kind`): its own acceptance starts from the prompts' prior."""
-        self.kind = kind
+    def begin_request(self, kind: str = GREEDY, census: bool = False) -> None:
+        """A new request sampling as `kind` (`sampling_kind`): its own acceptance starts from the prompts' prior;
+        census: its reads of llm's tokens measure the prompts' acceptance (`census`)."""
+        self.kind, self.census = kind, census
         for a in self.acceptance.values():
             a.begin()
         self.tree_request.clear()
@@ -810,6 +830,18 @@ class AutoEstimates:
             return max(0.0, self.overhead_s[key])
         return max(0.0, self._busy_overhead(key) + self.reported_wait_s)
 
+    def wait_credit(self, protocol: str) -> float:
+        """Seconds of the busy cloud's phase wait `protocol`'s rounds did not wait: its busy overhead (`overhead`)
+        below 0 — its rounds measured shorter than their parts and the waits priced then, the phase wait's model
+        the more (a round overhead outside the waits is not below 0) — taken off the phase wait it prices
+        (CloudCosts.wait_credit_s); 0 idle or at an overhead of 0 or more. Under load here every busy overhead was
+        −0.03 to −0.20 s and priced at 0, sd 14–15 % below its rows (docs/AUTO.md "A wait the rounds did not
+        wait")."""
+        key = self._overhead_entry(protocol)
+        if not self.cloud_busy or key is None or not key.endswith(":busy"):
+            return 0.0
+        return max(0.0, -(self._busy_overhead(key) + self.reported_wait_s))
+
     def _busy_overhead(self, key: str) -> float:
         """The busy overhead `key`, net of the wait, pulled toward the same protocol's idle one (a tree without its
         own, sd's) as if OVERHEAD_PRIOR_ROUNDS rounds had measured it: a busy round's residual holds how its request
@@ -832,9 +864,9 @@ class AutoEstimates:
 
     def cloud(self, curve: CostCurve, protocol: str) -> CloudCosts:
         """The cloud as `protocol`'s rounds should be priced: `curve`, the wait (`wait_s`) and, when busy, its
-        others' step, duty and the steps' jitter (the phase wait)."""
+        others' step, duty and the steps' jitter (the phase wait), less what its rounds did not wait (`wait_credit`)."""
         return CloudCosts(curve, self.wait_s(protocol), step_s=self.reported_step_s, duty=self.reported_duty,
-                          jitter=self.step_jitter)
+                          jitter=self.step_jitter, wait_credit_s=self.wait_credit(protocol))
 
     def wire(self, protocol: str = "sd") -> WireSizes:
         """The frames' bytes as measured; a draft row's those of `protocol`'s rounds (ksqs: its lattice codes) under

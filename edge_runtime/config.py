@@ -317,6 +317,12 @@ class EdgeConfig:
     auto_eta: float = setting(0.4, "protocol auto: η of its η-chain, a candidate beside sd's chains: a chain of "
                               "up to sd's longest γ that ends after a draft token whose probability is below η (HAT "
                               "eq. 5), measured in place of sd's chain once sd is chosen (docs/AUTO.md); 0: none")
+    auto_census: float = setting(0.25, "protocol auto: the share of requests, drawn at random whatever their prompt, "
+                                 "whose draft model reads llm's tokens while the device waits even where sd could "
+                                 "not win, and whose reads measure the prompts' acceptance (reads only where sd "
+                                 "may win measure the promising prompts alone), so auto knows where sd would win "
+                                 "over links where nothing drafts (docs/AUTO.md \"A census of the prompts\"); the "
+                                 "cost: those reads' device energy; 0: none")
     auto_record: str = setting("", "protocol auto: a JSON file of what auto measured on this device (acceptance, the "
                                "draft's and the device's times per power mode, round overheads, bytes, draft trees' "
                                "figures; edge_runtime.auto_record), read as the estimates of a runtime that has none "
@@ -381,6 +387,8 @@ class EdgeConfig:
             raise ValueError(f"draft_stop_prob must be in [0, 1), got {self.draft_stop_prob}")
         if not 0.0 <= self.auto_eta < 1.0:
             raise ValueError(f"auto_eta must be in [0, 1), got {self.auto_eta}")
+        if not 0.0 <= self.auto_census <= 1.0:  # NaN too
+            raise ValueError(f"auto_census must be in [0, 1], got {self.auto_census}")
         if self.engine.token_draft == "adapter" and not self.split.adapter and self.engine.backend == "torch":
             raise ValueError("token_draft 'adapter' needs split.adapter (a hat-distill directory, --adapter)")
         if self.overlap_prefill not in OVERLAP_MODES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -49,6 +50,7 @@ class EdgeRuntime:
         self.auto_estimates = AutoEstimates()  # auto's measurements, kept across requests (auto_estimates) ...
         self.auto_pair = ""  # ... of this pair of models (auto_record.pair_key; "": none yet)
         self.auto_record = RecordFile(config.auto_record, SOFTWARE) if config.auto_record else None
+        self.census = random.Random()  # draws auto's census requests (EdgeConfig.auto_census), whatever their prompt
         self.split_rates: Dict[str, float] = {}  # private auto requests: decode tokens/s per split protocol
         # uhlm / cuhlm: the skip rule's line and recent uncertainties, kept across requests per protocol and settings
         self.skip_policies: Dict[Tuple[str, UncertaintyConfig], SkipPolicy] = {}
@@ -179,7 +181,8 @@ class EdgeRuntime:
         welcome, config = self.client.welcome, self.config
         self._auto_pair(welcome)
         # this prompt's acceptance starts from the recent prompts' that sampled as it does
-        self.auto_estimates.begin_request(sampling_kind(request.sampling))
+        self.auto_estimates.begin_request(sampling_kind(request.sampling),
+                                          census=self.census.random() < config.auto_census)
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     auto_max_draft(welcome.max_draft_len), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),

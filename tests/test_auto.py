@@ -154,6 +154,41 @@ def test_llms_tokens_are_read_while_the_prompt_may_be_easier_than_the_prompts():
     assert est.alpha_hopeful("sd") == 1.0 and not c.worth_reading(Link(0.01))
 
 
+def test_a_census_request_reads_whatever_the_prices_and_its_reads_measure_the_prompts():
+    """The prompts drafted on accepted 0.5, and a draft step so slow that sd is out of reach even at α = 1: no
+    request reads, so prompts that have become easier (0.8) would never show it. A census request (drawn at random,
+    EdgeConfig.auto_census) reads whatever the prices, and its reads move the prompts' acceptance, a read of n tokens
+    weighing as n drafts in its ratio; reads of a request that is not one move only its own α. Nothing drafting
+    eligible: nothing read. A census is not an opening's figure. A bad census share is refused, the field named."""
+    from edge_runtime.auto_estimates import ALPHA_POPULATION
+    from edge_runtime.config import EdgeConfig
+
+    est = _estimates(0.5, 0.3, step_1=0.05, step_9=0.1)
+    c = _controller(est)
+    sd = est.acceptance[("sd", GREEDY)]
+    _begin_past_opening(est)
+    assert not est.census and not c.worth_reading(Link(0.01))
+    est.observe_agreement(8, 8)  # read while the request was promising
+    assert sd.population == pytest.approx(0.5) and est.alpha == pytest.approx((8 * 0.5 + 8) / 16)
+    est.begin_request(census=True)
+    est.opening = False
+    assert est.census and c.worth_reading(Link(0.01))
+    assert not _controller(est, eligible=("llm",)).worth_reading(Link(0.01))
+    est.observe_agreement(6.4, 8)
+    keep = ALPHA_POPULATION
+    assert sd.population == pytest.approx((keep * 0.5 + (1 - keep) * 6.4) / (keep * 1.0 + (1 - keep) * 8))
+    assert est.alpha == pytest.approx((8 * sd.population + 6.4) / 16, rel=0.01) and sd.opening_rounds == 0
+    for _ in range(200):  # census after census on the easier prompts
+        est.observe_agreement(6.4, 8)
+    assert sd.population == pytest.approx(0.8, abs=0.005)
+    est.begin_request()  # a request that is not one: its reads its own
+    est.observe_agreement(0, 8)
+    assert sd.population == pytest.approx(0.8, abs=0.005)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="auto_census must be in"):
+            EdgeConfig(model="smollm2-135m", auto_census=bad)
+
+
 def test_a_drafting_protocol_out_of_reach_is_neither_probed_nor_its_tree_measured():
     """sd predicted below READ_AHEAD_REACH of llm (a slow draft step): a probe could switch only were the model more
     than 25 % off, so after PROBE_EVERY rounds llm keeps running, and the configured tree, out of reach even were
@@ -843,6 +878,33 @@ def test_a_busy_overhead_from_a_few_rounds_is_pulled_toward_the_idle_one():
     assert est.take_mode("MAXN") and "sd:busy" not in est.overhead_rounds
 
 
+def test_a_busy_overhead_below_zero_comes_off_the_phase_wait_it_was_measured_against():
+    """Busy rounds measured shorter than their parts and the waits priced (here every busy overhead was −0.03 to
+    −0.20 s net of them): the overhead prices at 0 — a round overhead is not below 0 — and what is below comes off the
+    phase wait (CloudCosts.wait_credit_s), so sd is priced at what its rounds took; idle, or at 0 or above, no
+    credit; a tree without a busy overhead of its own takes sd's."""
+    curve = [[1.0, 0.04], [8.0, 0.20], [16.0, 0.36], [32.0, 0.68]]
+    est = _estimates(0.8, 0.01, step_1=0.04, step_9=0.2)
+    est.observed = DelayModel()
+    assert est.take_report(P.CloudCost(curve, batch_tokens=40.0, others=8, others_positions=8.0, duty=1.0))
+    c = _controller(est)
+    est.overhead_s["sd:busy"] = 0.0  # established (no count), net of the waits: the waits as priced
+    before = c.at("sd", 4, Link(0.01))
+    assert est.wait_credit("sd") == 0.0 and est.cloud(est.curve(), "sd").wait_credit_s == 0.0
+    est.overhead_s["sd:busy"] = -0.06  # 60 ms less than that
+    credit = 0.06 - est.reported_wait_s
+    assert est.overhead("sd") == 0.0 and credit > 0.05
+    assert est.wait_credit("sd") == pytest.approx(credit) and est.wait_credit("sd_tree 8x8x1") == pytest.approx(credit)
+    assert est.cloud(est.curve(), "sd").wait_credit_s == pytest.approx(credit)
+    assert c.at("sd", 4, Link(0.01)).round_s == pytest.approx(before.round_s - 0.06)  # the reported wait and the
+    # credit: the 60 ms
+    est.overhead_s["sd:busy"] = 0.05  # above 0: priced as the overhead, no credit
+    assert est.wait_credit("sd") == 0.0
+    est.overhead_s["sd:busy"] = -0.06
+    assert est.take_report(P.CloudCost(curve))  # idle again: the idle overhead prices it
+    assert est.wait_credit("sd") == 0.0
+
+
 def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
     """Other devices keep the cloud stepping back to back (duty 1, steps of 0.5 s with their positions): a round's
     request waits for the step in progress, so a round costs whole steps — drafting up to the step's end is free and
@@ -915,6 +977,7 @@ def test_a_busy_clouds_step_spread_smooths_the_phase_it_prices():
         seconds = expected * (1.2 if k % 2 else 0.8)
         est.observe_sd(5, 4, 5 * 0.07, seconds, 300, 100, 0.5 + seconds, Link(0.02), now=0.0)
     assert 0.12 < est.step_jitter < 0.28
+    est.overhead_s["sd:busy"] = 0.0  # these rounds' walls are not the phase's (no credit off it: the jitter alone)
     c = _controller(est)
     smooth = {g: c.at("sd", g, Link(0.02), now=0.0).round_s for g in (7, 8)}  # γ 7's drafting and link, 0.51 s,
     spread, est.step_var = est.step_var, None  # within the steps' 0.51-0.52 s (its own: costmodel.cadence_s); γ 8's not

@@ -226,6 +226,15 @@ def test_phase_wait_and_a_round_in_phase_with_a_cloud_stepping_back_to_back():
     assert some.ttft_s - some.round_s == pytest.approx(0.02 + 0.5 * 0.4 * 0.5 + 0.5)
     with pytest.raises(ValueError, match="duty must be a share"):
         CloudCosts(flat, step_s=0.5, duty=1.5)
+    credited = predict("sd", 8, 10, link, dev, CloudCosts(flat, step_s=0.5, duty=0.4, wait_credit_s=0.1), wire,
+                       alpha=0.8)  # rounds measured to wait 0.1 s less than the phase wait: taken off it ...
+    assert credited.round_s == pytest.approx(0.58 + 0.4 * 0.42 - 0.1 + 0.5)
+    assert credited.ttft_s - credited.round_s == pytest.approx(some.ttft_s - some.round_s)  # (not the prompt's)
+    beyond = predict("sd", 8, 10, link, dev, CloudCosts(flat, step_s=0.5, duty=0.4, wait_credit_s=5.0), wire,
+                     alpha=0.8)  # ... as far as it goes: no round is shorter than its parts
+    assert beyond.round_s == pytest.approx(0.58 + 0.5)
+    with pytest.raises(ValueError, match="wait_credit_s must be a finite number >= 0"):
+        CloudCosts(flat, wait_credit_s=-0.1)
 
 
 def test_a_hat_tree_round_by_hand():

@@ -138,11 +138,13 @@ class CloudCosts:
     duty: float = 0.0  # ... and the share of its time the cloud spends in steps (1: back to back): a round's request
     # then waits for the step in progress to end, duty × phase_wait(x, s, jitter) ...
     jitter: float = 0.0  # ... the steps' relative standard deviation (0: steady steps, the wait in phase with them)
+    wait_credit_s: float = 0.0  # ... less this, as far as it goes: seconds a round waited less than the waits priced
+    # here, as the device measured its rounds (a busy round overhead below 0: AutoEstimates.wait_credit)
 
     def __post_init__(self) -> None:
         if not isinstance(self.curve, CostCurve):
             raise ValueError("CloudCosts.curve must be a CostCurve")
-        for name in ("wait_s", "middle_share", "step_s", "duty", "jitter"):
+        for name in ("wait_s", "middle_share", "step_s", "duty", "jitter", "wait_credit_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"CloudCosts.{name} must be a finite number >= 0, got {v!r}")
@@ -335,8 +337,8 @@ def _round(protocol: str, knob: int, n: float, device_s: float, up: float, down:
     device_s += device.round_s
     ahead = max(0.0, device_s + link.transfer_s(up, down))  # from the reply's leaving to the next request's arrival
     own_step = cloud_s / steps if steps > 0 else 0.0  # one of its steps (a middle part of no layers: none)
-    round_s = ahead + cloud.wait_s + cloud.duty * phase_wait(ahead, cadence_s(cloud.step_s, own_step), cloud.jitter) \
-        + cloud_s
+    phase = cloud.duty * phase_wait(ahead, cadence_s(cloud.step_s, own_step), cloud.jitter)
+    round_s = ahead + cloud.wait_s + max(0.0, phase - cloud.wait_credit_s) + cloud_s
     prompt_s = link.transfer_s(prompt_tokens * (wire.hidden if split else PROMPT_ID_BYTES) + wire.up_round,
                                wire.down_round + (wire.hidden if split else 0.0)) + cloud.wait_s
     prompt_s += 0.5 * cloud.duty * cloud.step_s  # the prompt comes at no step's end: half a step on average

@@ -38,6 +38,7 @@ from profiles.bench.stats import MIN_BOOTSTRAP_N, ci_text, interval
 
 DEFAULT_TRACE = "loopback,wifi-far,lte,cut:lte,wifi-near,load:wifi-near,load+power:wifi-near"
 DEFAULT_AUTO_ETA = EdgeConfig.__dataclass_fields__["auto_eta"].default
+DEFAULT_AUTO_CENSUS = EdgeConfig.__dataclass_fields__["auto_census"].default
 DEFAULT_CHAINS = f"{AUTO_MAX_DRAFT}e{DEFAULT_AUTO_ETA:g}"  # auto's η-chain as a fixed row of its own
 
 
@@ -70,6 +71,10 @@ def add_parser(sub) -> None:
                         "%(default)s: auto's η-chain at the default --auto-eta ('' for none)")
     s.add_argument("--auto-eta", type=float, default=DEFAULT_AUTO_ETA,
                    help="auto's η-chain (EdgeConfig.auto_eta; 0: none); default %(default)s")
+    s.add_argument("--auto-census", type=float, default=DEFAULT_AUTO_CENSUS,
+                   help="auto's census (EdgeConfig.auto_census): the share of its requests, drawn at random, whose "
+                        "reads of llm's tokens measure the prompts' acceptance (each row says whether it was one); "
+                        "default %(default)s")
     s.add_argument("--load-devices", type=int, default=8)
     s.add_argument("--cut-s", type=float, default=10.0,
                    help="seconds a cut phase stalls the link for, from 0.5 s into each request (default %(default)s: "
@@ -217,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
                          "model of its own that the board's slowdown does not reach")
     if not 0.0 <= args.auto_eta < 1.0:
         raise ValueError(f"--auto-eta must be in [0, 1), got {args.auto_eta}")
+    if not 0.0 <= args.auto_census <= 1.0:
+        raise ValueError(f"--auto-census must be in [0, 1], got {args.auto_census}")
     if not 1.0 <= args.power_slowdown <= 100.0:
         raise ValueError(f"--power-slowdown must be in [1, 100], got {args.power_slowdown}")
     cores = sorted(os.sched_getaffinity(0))
@@ -260,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         # auto on a runtime of its own: what it knows comes from its own requests, not from the fixed protocols'
         # (a runtime's sd and llm requests teach its auto: edge_runtime.runtime); the tree shapes are its candidates
         rt_auto = (bed.runtime(dataclasses.replace(config, auto_trees=args.trees, draft_stop_prob=args.eta,
-                                                   auto_eta=args.auto_eta, auto_record=args.auto_record))
+                                                   auto_eta=args.auto_eta, auto_census=args.auto_census,
+                                                   auto_record=args.auto_record))
                    if "auto" in protocols else rt)  # auto's chains draft γ whatever η (edge_runtime.sessions.auto)
         if board is not None:
             for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
@@ -300,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
                             rtt = rt_auto.client.base_rtt_s
                             link = Link(rtt, rt_auto.auto_estimates.uplink_at(rtt))
                             rows[-1]["predicted"] = _predictions(rt_auto, link, res.prompt_tokens, args.draft_len)
+                            rows[-1]["census"] = rt_auto.auto_estimates.census  # its reads measured the prompts'
                             if decisions is not None:  # each one's `at` from the request's start, as its commits'
                                 rows[-1]["decisions"] = decisions.take()
                                 rows[-1]["first_commit_after_s"] = commits[0][0] - started if commits else None
