@@ -77,12 +77,12 @@ class AutoSession(TokenSession):
 
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), at the opening and later while reading is worth it
-        (AutoController.worth_reading: sd within reach, or within reach were the prompt easier than believed) and a
-        round may follow the one in flight, the draft model reads the committed tokens it lacks while the cloud works,
-        on the reader's thread (edge_runtime.read_ahead): the reply is taken the moment it comes, whatever forward is
-        in progress. At the opening the prompt is read in one forward while sd is within reach (the first round will
-        likely draft and wait for all of it), else a few tokens at a time (a load that makes sd the best is only known
-        from the reply)."""
+        (AutoController.worth_reading: sd within reach, or within reach were the prompt easier than believed, or the
+        request a census of the prompts' acceptance) and a round may follow the one in flight, the draft model reads
+        the committed tokens it lacks while the cloud works, on the reader's thread (edge_runtime.read_ahead): the
+        reply is taken the moment it comes, whatever forward is in progress. At the opening the prompt is read in one
+        forward while sd is within reach (the first round will likely draft and wait for all of it), else a few
+        tokens at a time (a load that makes sd the best is only known from the reply)."""
         if not self.config.overlaps_prefill:
             return
         if self._opening:

@@ -9,7 +9,8 @@ Terms (the round is Leviathan et al. 2023's; QS-SD eq. 7-10 add the link; HAT eq
     bytes); with i.i.d. acceptance α it commits E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens (Leviathan eq. 1).
   * a busy cloud (other devices' work keeps it stepping back to back, `CloudCosts.step_s` > 0): a round's request
     waits for the step in progress to end (`phase_wait`), the steps as long as the round's own step or the others'
-    step the cloud reports, whichever is longer (`cadence_s`).
+    step the cloud reports, whichever is longer (`cadence_s`); less what the device measured its rounds not to wait
+    of it (`CloudCosts.wait_credit_s`), down to none.
   * the link: a transfer of u bytes up and d down takes 8u / β_up + 8d / β_down + RTT.
   * tokens/s = E / round seconds; cloud seconds per token = g(positions of the round) / E: the step time an operator
     pays for one token, at the load the curve was measured under. On a cloud whose steps already hold μ positions of

@@ -32,6 +32,7 @@ from edge_runtime.auto import AUTO_MAX_DRAFT
 from edge_runtime.config import EdgeConfig
 from profiles.bench.board import Board, SlowedLM
 from profiles.bench.decisions import recorded
+from profiles.bench.load import Load
 from profiles.bench import resumed
 from profiles.bench.provenance import REPO, provenance, write_report
 from profiles.bench.stats import MIN_BOOTSTRAP_N, ci_text, interval
@@ -130,82 +131,6 @@ def parse_trace(text: str) -> List[Phase]:
     return phases
 
 
-LOAD_CHUNK = 8  # tokens a load device asks for per request
-LOAD_CONTEXT = 1024  # positions a load device's session reaches before it reopens (a prefill of its prompt)
-LOAD_WARM = 3  # requests each load device completes before the phase's requests start (their prompts' prefill gone
-# from the steps the cloud's report averages over: cloud_runtime.scheduler.RECENT_STEPS)
-
-
-class Load:
-    """N connections decoding on the cloud without pause until stopped (no model here): each keeps one session
-    decoding, 8 tokens a request, and reopens it (its prompt prefilled again) only past LOAD_CONTEXT positions, so
-    the load is steady decode work rather than bursts of prefill. Entering returns once every connection has made
-    LOAD_WARM requests: the phase's requests meet the load in its steady state, not its start."""
-
-    def __init__(self, link_config, n: int, prompt: List[int], timeout_s: float = 300.0):
-        self.link_config, self.n, self.prompt, self.timeout_s = link_config, n, prompt, timeout_s
-        self.stop = threading.Event()
-        self.threads: List[threading.Thread] = []
-        self.started = threading.Semaphore(0)
-        self.errors: List[BaseException] = []
-
-    def __enter__(self) -> "Load":
-        for i in range(self.n):
-            t = threading.Thread(target=self._device, args=(i,), daemon=True)
-            t.start()
-            self.threads.append(t)
-        deadline = time.monotonic() + self.timeout_s
-        for _ in range(self.n):
-            if not self.started.acquire(timeout=max(0.0, deadline - time.monotonic())) or self.errors:
-                self._halt()
-                raise RuntimeError(f"the load's {self.n} devices did not all start decoding within "
-                                   f"{self.timeout_s:.0f} s" + (f": {self.errors[0]!r}" if self.errors else ""))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._halt()
-        if self.errors and not any(exc):  # the phase did not have the load it claims
-            raise RuntimeError(f"a load device failed during the phase: {self.errors[0]!r}")
-
-    def _halt(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=60)
-
-    def _device(self, i: int) -> None:
-        try:
-            self._decode(i)
-        except BaseException as exc:  # said by __enter__ or __exit__
-            self.errors.append(exc)
-            self.started.release()
-
-    def _decode(self, i: int) -> None:
-        import numpy as np
-
-        from edge_runtime.client import CloudClient, expect
-        from hat_split.wire import messages as P
-
-        hello = P.Hello(f"load-{i}", "load", 0, "", "hat-bench-auto")
-        done = 0
-        with CloudClient(self.link_config, hello) as client:
-            sid = 0
-            while not self.stop.is_set():
-                sid += 1
-                opened = expect(client.request(P.OpenSession(sid, "llm", np.asarray(self.prompt, np.int32),
-                                                             P.Sampling(0.0), seed=i)), P.SessionOpened,
-                                P.OpenSession)
-                position, step = opened.position, 0
-                while not self.stop.is_set() and position + LOAD_CHUNK <= LOAD_CONTEXT:
-                    step += 1
-                    out = expect(client.request(P.Generate(sid, step, position, np.zeros(0, np.int32), LOAD_CHUNK)),
-                                 P.Generated, P.Generate)
-                    position = out.position
-                    done += 1
-                    if done == LOAD_WARM:
-                        self.started.release()
-                client.request(P.CloseSession(sid, None, None, position))
-
-
 def run(args: argparse.Namespace) -> int:
     from edge_runtime.config import EngineConfig
     from hat_split.math.costmodel import Link
@@ -274,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
             for r in {id(rt): rt, id(rt_auto): rt_auto}.values():
                 r.engine.lm = SlowedLM(r.engine.lm, board)
         load_prompt = rt.encode_prompt(prompts[0].text)[:64]
+        # the other devices reach the cloud itself, not through this device's emulated link (its proxy is a thread
+        # of this process, on the device's core), from a process of their own on the cloud's cores (bench.load)
+        direct = bed.link_config(server="tcp://{}:{}".format(*bed.upstream))
         for rep in range(args.repetitions):
             for k, phase in enumerate(phases):
                 if (rep, phase.name) in done:
@@ -285,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                     board.set("MAXN", 1.0)
                 prompt = prompts[(rep + k) % len(prompts)]
                 order = protocols[rep % len(protocols):] + protocols[:rep % len(protocols)]
-                load = Load(bed.link_config(), args.load_devices, load_prompt) if phase.load else nullcontext()
+                load = (Load(direct, args.load_devices, load_prompt, cloud_cores) if phase.load else nullcontext())
                 with load:
                     for name in order:
                         timer = threading.Timer(0.5, _cut, (bed.link, args.cut_s)) if phase.cut else None
