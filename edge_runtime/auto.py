@@ -357,7 +357,7 @@ class AutoController:
                                                 "tree": list(choice.tree) if choice.tree else None,
                                                 "eta": choice.eta, "reason": choice.reason},
                 "at": now, "behind": behind, "remaining": remaining, "alpha": est.alpha, "opening": est.opening,
-                "draft_step_s": est.draft_step_s, "rtt_s": link.rtt_s, "stretch": list(stretch) if stretch else None,
+                "draft_step_s": est.draft_step(), "rtt_s": link.rtt_s, "stretch": list(stretch) if stretch else None,
                 "candidates": [[name, list(shape) if shape else None, p.knob, p.tokens_per_s, p.tokens_per_round,
                                 p.round_s] for name, preds in cands.items() for shape, p in preds]}
 

@@ -41,9 +41,9 @@ DRAFTING = ("sd", "ksqs")  # those whose rounds the draft model drafts (the same
 GREEDY = "greedy"  # the kind of sampling of a temperature-0 request (`sampling_kind`)
 STALE_S = 20.0  # s: the device's own points of the cloud's curve older than this give way to the cloud's latest
 # report (a load that ended, a link that changed)
-DEVICE_TIMES = ("draft_step_s", "catch_up", "local_step_s")  # what a new power mode makes another board's:
-DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # these estimates, and the drafting protocols' round
-# overheads (keys of overhead_s; a draft tree's own, `tree_key`, as well: `device_overhead`)
+DEVICE_TIMES = ("draft_step_s", "draft_step_busy_s", "catch_up", "local_step_s")  # what a new power mode makes
+DEVICE_OVERHEADS = ("sd", "sd:busy", "ksqs", "ksqs:busy")  # another board's: these estimates, and the drafting
+# protocols' round overheads (keys of overhead_s; a draft tree's own, `tree_key`, as well: `device_overhead`)
 DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
 TREE_KEY = "sd_tree "  # a draft tree's idle counter and round overhead: TREE_KEY + its shape (`tree_key`)
 MODE_RATIO_BOUNDS = (0.1, 10.0)  # the most one read may rescale the last mode's device times by (a forward that
@@ -217,7 +217,9 @@ class AutoEstimates:
     # depend on it (a greedy row is one-hot, a sampled one spread over thousands of tokens), so both are kept per kind
     acceptance: Dict[Tuple[str, str], Acceptance] = field(default_factory=dict)  # per (drafting protocol, kind):
     # ksqs's drafts are sampled from the lattice's quantization of sd's rows
-    draft_step_s: Optional[float] = None  # t_d
+    draft_step_s: Optional[float] = None  # t_d, measured while the cloud reported itself idle ...
+    draft_step_busy_s: Optional[float] = None  # ... and while it reported itself busy (`draft_step`: where the device
+    # shares a host with the cloud, as here, a busy cloud slows its step: 0.046-0.059 s against 0.037-0.040 idle)
     local_step_s: Optional[float] = None  # a token of the device's model alone (degraded stretches, slm)
     overhead_s: Dict[str, float] = field(default_factory=dict)  # o, per protocol (sd's rounds warp, sample and
     # pack drafts; llm's do none of it) and per the cloud's state (`_overhead_key`: a busy cloud's queueing shows
@@ -531,18 +533,34 @@ class AutoEstimates:
         key = (protocol, self.kind)
         self.acceptance.setdefault(key, Acceptance()).observe(drafted, accepted, self.opening)
         self.opening = False
+        step = self.draft_step()
         if not caught_up:
             self._draft_step(draft_s / drafted)
-        elif self.draft_step_s is not None and "draft_step_s" not in self.restart:
-            self.observe_catch_up(caught_up, draft_s - drafted * self.draft_step_s)
+        elif step is not None and self._step_name() not in self.restart:
+            self.observe_catch_up(caught_up, draft_s - drafted * step)
         per_draft = self._verify_round(drafted, draft_s, cloud_s, up_bytes, down_bytes, wall_s, link, now, protocol)
         self.up_per_row[key] = ema(self.up_per_row.get(key), per_draft)
 
+    def draft_step(self) -> Optional[float]:
+        """t_d as the cloud's state prices it now: measured in that state (`draft_step_busy_s` while the cloud reports
+        itself busy), else in the other; None before either. On a Jetson beside a GPU server the two agree; where
+        the device shares a host with the cloud they do not, and one figure carried the loaded cloud's step into
+        the idle link phases after it, pricing sd there up to 20 % slow (docs/AUTO.md "The draft step in the cloud's
+        state")."""
+        mine, other = ((self.draft_step_busy_s, self.draft_step_s) if self.cloud_busy
+                       else (self.draft_step_s, self.draft_step_busy_s))
+        return mine if mine is not None else other
+
+    def _step_name(self) -> str:
+        return "draft_step_busy_s" if self.cloud_busy else "draft_step_s"
+
     def _draft_step(self, seconds: float) -> None:
-        """A draft step of a chain's round took `seconds` (the device alone's step until one is measured)."""
-        self.draft_step_s = ema(None if self._restarts("draft_step_s") else self.draft_step_s, seconds)
+        """A draft step of a chain's round took `seconds`, in the cloud's state now (`draft_step`; the device alone's
+        step until one is measured)."""
+        name = self._step_name()
+        setattr(self, name, ema(None if self._restarts(name) else getattr(self, name), seconds))
         if self._restarts("local_step_s") or self.local_step_s is None:
-            self.local_step_s = self.draft_step_s
+            self.local_step_s = getattr(self, name)
 
     def _verify_round(self, drafted: int, draft_s: float, cloud_s: float, up_bytes: int, down_bytes: int,
                       wall_s: float, link: Link, now: float, protocol: str = "sd") -> float:
@@ -592,8 +610,8 @@ class AutoEstimates:
             if shape[2] == 1:  # a chain (η may end it early): a forward a draft sent, each one of sd's draft steps
                 self._draft_step(draft_s / nodes)
                 steps = float(nodes)
-            elif self.draft_step_s:
-                steps = draft_s / self.draft_step_s
+            elif self.draft_step():
+                steps = draft_s / self.draft_step()
             if steps is not None:
                 self.tree_draft_steps[shape] = ema(self.tree_draft_steps.get(shape), steps)
                 self.tree_step_tokens[shape] = ema(self.tree_step_tokens.get(shape), float(tokens))
@@ -703,7 +721,7 @@ class AutoEstimates:
                 if self.catch_up.known:
                     lo, hi = MODE_RATIO_BOUNDS
                     ratio = min(hi, max(lo, seconds / self.catch_up.g(tokens)))
-                    for name in ("draft_step_s", "local_step_s"):
+                    for name in ("draft_step_s", "draft_step_busy_s", "local_step_s"):
                         if name in self.restart and getattr(self, name) is not None:
                             setattr(self, name, getattr(self, name) * ratio)
                 self.catch_up = DelayModel()
@@ -717,7 +735,7 @@ class AutoEstimates:
         flat below them a catch-up of a few tokens was priced as a 64-token forward."""
         if tokens <= 0:
             return 0.0
-        step = self.draft_step_s or 0.0
+        step = self.draft_step() or 0.0
         if not self.catch_up.known:
             return tokens * step
         points = self.catch_up.points()
@@ -878,7 +896,7 @@ class AutoEstimates:
 
     def device(self, shares_host: bool, protocol: str) -> DeviceCosts:
         """The device's costs as `protocol`'s rounds measured them."""
-        return DeviceCosts(draft_step_s=self.draft_step_s or 0.0, local_step_s=self.local_step_s or 0.0,
+        return DeviceCosts(draft_step_s=self.draft_step() or 0.0, local_step_s=self.local_step_s or 0.0,
                            round_s=self.overhead(protocol), shares_host=shares_host)
 
 

@@ -167,6 +167,7 @@ def _figures(path: str, v: Any) -> Dict[str, Any]:
 RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (module docstring), each with its check
     "acceptance": _table(KIND, ACCEPTANCE),
     "draft_step_s": _optional(SECONDS),
+    "draft_step_busy_s": _optional(SECONDS),
     "local_step_s": _optional(SECONDS),
     "overhead_s": _table(_text, SIGNED_SECONDS),
     "overhead_rounds": _table(_text, _count),
@@ -193,6 +194,7 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
 ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since version 1, each with its value where a
     "overhead_rounds": dict,  # record written before lacks it: its overheads then count as established
     "mode_rounds": dict,
+    "draft_step_busy_s": lambda: None,  # an older record's draft step was measured in either state
 }
 
 

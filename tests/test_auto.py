@@ -905,6 +905,26 @@ def test_a_busy_overhead_below_zero_comes_off_the_phase_wait_it_was_measured_aga
     assert est.wait_credit("sd") == 0.0
 
 
+def test_the_draft_step_is_priced_as_measured_in_the_clouds_state():
+    """Where the device shares a host with the cloud (here), a busy cloud slows the draft step (0.046-0.059 s against
+    0.037-0.040 idle), and one figure carried it into the idle phases after the load. A step measured while the cloud
+    reports itself busy prices busy rounds only; an idle cloud's rounds keep the idle one; a state with none measured
+    takes the other's."""
+    curve = [[1.0, 0.04], [8.0, 0.20], [16.0, 0.36], [32.0, 0.68]]
+    est = _estimates(0.8, 0.04, step_1=0.04, step_9=0.2)
+    assert est.take_report(P.CloudCost(curve, batch_tokens=40.0, others=8, others_positions=8.0, duty=1.0))
+    assert est.draft_step() == 0.04  # busy, none measured busy yet: the idle one
+    est.observe_sd(4, 4, 4 * 0.06, 0.22, 300, 100, 0.9, Link(0.01), now=1.0)
+    assert est.draft_step_busy_s == pytest.approx(0.06) and est.draft_step_s == 0.04
+    assert est.device(False, "sd").draft_step_s == pytest.approx(0.06)
+    assert est.take_report(P.CloudCost(curve))  # idle again: the idle step
+    assert est.draft_step() == 0.04 and est.device(False, "sd").draft_step_s == 0.04
+    est.observe_sd(4, 4, 4 * 0.03, 0.22, 300, 100, 0.6, Link(0.01), now=2.0)
+    assert est.draft_step_s == pytest.approx(0.8 * 0.04 + 0.2 * 0.03) and est.draft_step_busy_s == pytest.approx(0.06)
+    only_busy = AutoEstimates(draft_step_busy_s=0.05, cloud_busy=False)
+    assert only_busy.draft_step() == 0.05 and AutoEstimates().draft_step() is None
+
+
 def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
     """Other devices keep the cloud stepping back to back (duty 1, steps of 0.5 s with their positions): a round's
     request waits for the step in progress, so a round costs whole steps — drafting up to the step's end is free and
@@ -1008,8 +1028,8 @@ def test_a_new_power_mode_is_another_board():
     assert est.catch_up_cost(10) == pytest.approx(0.1)  # replaced, not averaged with 0.04
     est.observe_catch_up(10, 0.2)
     assert est.catch_up_cost(10) == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)  # then averaged again
-    assert est.take_mode("MAXN") and est.restart == {"ksqs", "ksqs:busy"}  # back: the full-power board's figures,
-    # as measured there (ksqs never ran in it)
+    assert est.take_mode("MAXN") and est.restart == {"ksqs", "ksqs:busy", "draft_step_busy_s"}  # back: MAXN's figures,
+    # as measured there (ksqs never ran in it, nor sd while the cloud was busy)
     assert est.draft_step_s == pytest.approx(0.024) and est.catch_up_cost(10) == pytest.approx(0.04)
     assert est.overhead_s["sd:busy"] == 0.2
     assert est.take_mode("MODE_15W") and est.draft_step_s == pytest.approx(0.06)

@@ -369,6 +369,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
                         "belief": est.belief("sd"),
                         "up_per_draft": {p: est.up_per_draft(p) for p in ("sd", "ksqs")},
                         "uplink_bps": est.uplink_bps, "draft_step_s": est.draft_step_s,
+                        "draft_step_busy_s": est.draft_step_busy_s, "draft_step_priced": est.draft_step(),
                         "catch_up": est.catch_up.points(),
                         "overhead_s": dict(est.overhead_s), "overhead_rounds": dict(est.overhead_rounds),
                         "overhead_priced": {p: est.overhead(p) for p in ("sd", "llm")},

@@ -76,7 +76,9 @@ class Load:
 
 def _devices(link_config, n: int, prompt: List[int], cpus: Optional[List[int]], stop, said) -> None:
     """The load's process: on `cpus`, n connections as threads; READY once each made LOAD_WARM requests, a failure's
-    text whenever one fails; back once `stop` is set and every connection has closed."""
+    text whenever one fails; back once `stop` is set (or the bench that started it is gone) and every connection has
+    closed."""
+    parent = os.getppid()
     if cpus:
         os.sched_setaffinity(0, cpus)
     warm = threading.Semaphore(0)
@@ -97,7 +99,9 @@ def _devices(link_config, n: int, prompt: List[int], cpus: Optional[List[int]], 
         warm.acquire()
     if not failed:
         said.put(READY)
-    stop.wait()
+    while not stop.wait(1.0):
+        if os.getppid() != parent:  # the bench is gone (killed): so is the phase
+            stop.set()
     for t in threads:
         t.join(timeout=60)
 
