@@ -181,8 +181,7 @@ class EdgeRuntime:
         welcome, config = self.client.welcome, self.config
         self._auto_pair(welcome)
         # this prompt's acceptance starts from the recent prompts' that sampled as it does
-        self.auto_estimates.begin_request(sampling_kind(request.sampling),
-                                          census=self.census.random() < config.auto_census)
+        self.auto_estimates.begin_request(sampling_kind(request.sampling), census=self._census())
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     auto_max_draft(welcome.max_draft_len), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),
@@ -234,6 +233,11 @@ class EdgeRuntime:
         if rate:
             rates[pick] = ema(rates.get(pick), rate)
         return result
+
+    def _census(self) -> bool:
+        """Whether the auto request beginning is a census of the prompts' acceptance (EdgeConfig.auto_census): drawn
+        at random, whatever its prompt."""
+        return self.census.random() < self.config.auto_census
 
     def _auto_fixed(self, request: GenerationRequest, protocol: str, reason: str) -> GenerationResult:
         """An auto request run whole by one protocol, saying so and why."""

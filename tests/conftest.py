@@ -61,6 +61,15 @@ def tiny_model_dir(path: Path) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_census(monkeypatch):
+    """auto's census requests are drawn at random (EdgeConfig.auto_census): no test's reads or choices may hang on
+    the draw, so no request is one unless a test says so (monkeypatching EdgeRuntime._census itself)."""
+    from edge_runtime.runtime import EdgeRuntime
+
+    monkeypatch.setattr(EdgeRuntime, "_census", lambda self: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(draft, target) CausalLMs sharing the tiny vocabulary."""

@@ -1261,7 +1261,8 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     (it would slow the cloud): sd reads everything first. With sd out of reach the prompt is still read at the
     opening (a load that makes sd the best is only known from the reply), llm's tokens are not. The opening reads
     the prompt in one forward while sd is within reach (the first round will likely draft and wait for all of it),
-    else a few tokens at a time; later reads are always a few at a time."""
+    else a few tokens at a time; later reads are always a few at a time. A census request reads llm's tokens even
+    with sd out of reach."""
     import threading
 
     from edge_runtime.read_ahead import ReadAhead
@@ -1270,8 +1271,12 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     _late_replies(monkeypatch)
     results = {}
     within_reach, catch_up_of, start_of = AutoController.sd_within_reach, Drafter.catch_up, ReadAhead.start
-    for overlap, reach in (("on", True), ("off", True), ("on", False)):
+    from edge_runtime.runtime import EdgeRuntime
+
+    for overlap, reach, census in (("on", True, False), ("off", True, False), ("on", False, False),
+                                   ("on", False, True)):
         seen, reads, starts = [], [], []
+        monkeypatch.setattr(EdgeRuntime, "_census", lambda self, census=census: census)
         monkeypatch.setattr(AutoController, "decide", _scripted(seen))
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
         monkeypatch.setattr(Drafter, "catch_up", lambda self, n, **kw: reads.append(
@@ -1282,19 +1287,22 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
             reads.clear()
             res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
         assert res.tokens == ref.tokens, overlap
-        results[overlap, reach] = (seen, rt.auto_estimates.catch_up, reads, starts)
-    seen, catch_up, reads, starts = results["on", True]
+        results[overlap, reach, census] = (seen, rt.auto_estimates.catch_up, reads, starts)
+    seen, catch_up, reads, starts = results["on", True, False]
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
     assert {name for name, _, _ in reads} == {"hatspec-read-ahead"} and sum(n for _, n, _ in reads) == len(PROMPT) + 5
     assert starts[0] is True and not any(starts[1:]) and len(starts) >= 3, starts  # the opening's read whole
     drafter = reads[-1][2]  # at temperature 0 the reads compare: the two llm rounds' 6 tokens, all the draft's
     assert (drafter.agreed, drafter.compared) == (6, 6)  # argmax (the draft is the target here)
-    seen, _, reads, starts = results["off", True]
+    seen, _, reads, starts = results["off", True, False]
     assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9) and not reads, seen
     assert not starts
-    seen, _, reads, starts = results["on", False]
+    seen, _, reads, starts = results["on", False, False]
     assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd" and starts == [False], (seen, starts)
     assert sum(n for _, n, _ in reads) == len(PROMPT) - 1 and reads[-1][2].compared == 0  # the prompt's own
+    seen, _, reads, starts = results["on", False, True]  # a census reads llm's tokens all the same
+    assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and starts[0] is False and len(starts) >= 3, (seen, starts)
+    assert reads[-1][2].compared == 6
 
 
 @pytest.mark.real_models
