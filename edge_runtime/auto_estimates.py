@@ -842,11 +842,14 @@ class AutoEstimates:
         then (`_overhead`): the wait the cloud reports now is added (0 when idle), and over its first rounds it is
         pulled toward the idle one (`_busy_overhead`)."""
         key = self._overhead_entry(protocol)
-        if key is None:
-            return 0.0
+        return 0.0 if key is None else max(0.0, self._signed_overhead(key))
+
+    def _signed_overhead(self, key: str) -> float:
+        """The overhead `key` as measured, signed: one measured busy pulled (`_busy_overhead`) with the wait the
+        cloud reports now added; below 0, what `overhead` does not price comes off the phase wait (`wait_credit`)."""
         if not key.endswith(":busy"):
-            return max(0.0, self.overhead_s[key])
-        return max(0.0, self._busy_overhead(key) + self.reported_wait_s)
+            return self.overhead_s[key]
+        return self._busy_overhead(key) + self.reported_wait_s
 
     def wait_credit(self, protocol: str) -> float:
         """Seconds of the busy cloud's phase wait `protocol`'s rounds did not wait: its busy overhead (`overhead`)
@@ -858,7 +861,7 @@ class AutoEstimates:
         key = self._overhead_entry(protocol)
         if not self.cloud_busy or key is None or not key.endswith(":busy"):
             return 0.0
-        return max(0.0, -(self._busy_overhead(key) + self.reported_wait_s))
+        return max(0.0, -self._signed_overhead(key))
 
     def _busy_overhead(self, key: str) -> float:
         """The busy overhead `key`, net of the wait, pulled toward the same protocol's idle one (a tree without its

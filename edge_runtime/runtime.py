@@ -50,7 +50,7 @@ class EdgeRuntime:
         self.auto_estimates = AutoEstimates()  # auto's measurements, kept across requests (auto_estimates) ...
         self.auto_pair = ""  # ... of this pair of models (auto_record.pair_key; "": none yet)
         self.auto_record = RecordFile(config.auto_record, SOFTWARE) if config.auto_record else None
-        self.census = random.Random()  # draws auto's census requests (EdgeConfig.auto_census), whatever their prompt
+        self._census_draws = random.Random()  # auto's census requests (EdgeConfig.auto_census), whatever their prompt
         self.split_rates: Dict[str, float] = {}  # private auto requests: decode tokens/s per split protocol
         # uhlm / cuhlm: the skip rule's line and recent uncertainties, kept across requests per protocol and settings
         self.skip_policies: Dict[Tuple[str, UncertaintyConfig], SkipPolicy] = {}
@@ -237,7 +237,7 @@ class EdgeRuntime:
     def _census(self) -> bool:
         """Whether the auto request beginning is a census of the prompts' acceptance (EdgeConfig.auto_census): drawn
         at random, whatever its prompt."""
-        return self.census.random() < self.config.auto_census
+        return self._census_draws.random() < self.config.auto_census
 
     def _auto_fixed(self, request: GenerationRequest, protocol: str, reason: str) -> GenerationResult:
         """An auto request run whole by one protocol, saying so and why."""
