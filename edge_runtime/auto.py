@@ -528,6 +528,22 @@ class AutoController:
                 return True
         return False
 
+    def census_reads_to_the_end(self, link: Link, now: Optional[float], behind: int, in_flight: int) -> bool:
+        """Whether a census request's draft model reads while the llm round that ends the request is in flight: the
+        `behind` tokens it lacks, priced (AutoEstimates.catch_up_cost), are read within the round's predicted time
+        (its `in_flight` tokens at llm's predicted pace), so the request's end, which waits for the forward in
+        progress (ReadAhead.settle), is not held. Elsewhere the reads stop a round before the end (nothing drafts
+        after it); a census that stopped there read only the answer's first half over 32 tokens, its opening, which
+        agrees less (docs/AUTO.md "A census of the prompts")."""
+        if not self.estimates.census or behind < 1 or in_flight < 1:
+            return False
+        if not any(n in self.eligible for n in DRAFTING):
+            return False
+        llm = self.predictions(link, now).get("llm")
+        if llm is None or not llm.tokens_per_s > 0:
+            return False
+        return self.estimates.catch_up_cost(behind) <= in_flight / llm.tokens_per_s
+
     def _reaches(self, pred: Prediction, preds: Dict[str, Prediction]) -> bool:
         """Whether `pred` is within reach of the best of `preds`: READ_AHEAD_REACH of its tokens/s or more (under
         the request's SLA, of the pace with its margin when the best keeps it). Below that, the model would have to

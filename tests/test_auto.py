@@ -189,6 +189,29 @@ def test_a_census_request_reads_whatever_the_prices_and_its_reads_measure_the_pr
             EdgeConfig(model="smollm2-135m", auto_census=bad)
 
 
+def test_a_census_reads_in_the_last_round_what_fits_in_it():
+    """In the llm round that ends the request nothing will draft, so only a census reads then (its reads measure the
+    prompts), and only what its priced catch-up reads within the round's predicted time: the request's end waits for
+    the forward in progress. Nothing to read, no tokens in flight, nothing drafting eligible: no read."""
+    est = _estimates(0.5, 0.3, step_1=0.05, step_9=0.1)
+    est.observe_catch_up(8, 0.2)
+    est.observe_catch_up(32, 0.5)
+    c = _controller(est)
+    _begin_past_opening(est)
+    link = Link(0.01)
+    llm = c.predictions(link)["llm"]
+    fits = next(n for n in range(64, 0, -1) if est.catch_up_cost(n) <= 8 / llm.tokens_per_s)
+    assert 1 < fits < 64 and est.catch_up_cost(fits + 1) > 8 / llm.tokens_per_s  # the measured forwards priced
+    assert not c.census_reads_to_the_end(link, None, fits, 8)  # not a census: its reads would move its own α only
+    est.begin_request(census=True)
+    est.opening = False
+    assert c.census_reads_to_the_end(link, None, fits, 8)
+    assert not c.census_reads_to_the_end(link, None, fits + 1, 8)  # would hold the request's end
+    assert c.census_reads_to_the_end(link, None, fits + 1, 16)  # a longer round holds it
+    assert not c.census_reads_to_the_end(link, None, 0, 8) and not c.census_reads_to_the_end(link, None, 4, 0)
+    assert not _controller(est, eligible=("llm",)).census_reads_to_the_end(link, None, 4, 8)
+
+
 def test_a_drafting_protocol_out_of_reach_is_neither_probed_nor_its_tree_measured():
     """sd predicted below READ_AHEAD_REACH of llm (a slow draft step): a probe could switch only were the model more
     than 25 % off, so after PROBE_EVERY rounds llm keeps running, and the configured tree, out of reach even were
@@ -1303,6 +1326,35 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     seen, _, reads, starts = results["on", False, True]  # a census reads llm's tokens all the same
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and starts[0] is False and len(starts) >= 3, (seen, starts)
     assert reads[-1][2].compared == 6
+
+
+@pytest.mark.real_models
+def test_a_census_reads_llms_tokens_to_the_last_round(smollm2, smollm2_server, monkeypatch):
+    """llm throughout, 3 tokens a round, 24 tokens: a census request reads each round's tokens in the next round,
+    the last round included when its read fits in it (AutoController.census_reads_to_the_end): 21 of the 24 tokens
+    compared, not the 18 a read that stops a round before the end compares (the answer's opening, which agrees less
+    than its whole). A read priced longer than the last round is not begun in it; a request that is not a census
+    stops a round before the end as well. The tokens stay the target's."""
+    from edge_runtime.runtime import EdgeRuntime
+    from hat_split.math.sampling import SamplingParams
+
+    _late_replies(monkeypatch)
+    monkeypatch.setattr(AutoController, "sd_within_reach", lambda self, preds: True)
+    catch_up_of = Drafter.catch_up
+    compared = {}
+    for census, cost in ((True, 0.0), (True, 1e6), (False, 0.0)):
+        seen, drafters = [], []
+        monkeypatch.setattr(EdgeRuntime, "_census", lambda self, census=census: census)
+        monkeypatch.setattr(AutoEstimates, "catch_up_cost", lambda self, tokens, cost=cost: cost)
+        monkeypatch.setattr(AutoController, "decide", _scripted(seen, llm_rounds=10**6))
+        monkeypatch.setattr(Drafter, "catch_up",
+                            lambda self, n, **kw: drafters.append(self) or catch_up_of(self, n, **kw))
+        with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill="on") as rt:
+            ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
+            res = rt.generate(PROMPT, "auto", SamplingParams(0.0), 24, seed=0)
+        assert res.tokens == ref.tokens and len(seen) == 8 and {p for p, _ in seen} == {"llm"}, seen
+        compared[census, cost] = drafters[-1].compared
+    assert compared == {(True, 0.0): 21, (True, 1e6): 18, (False, 0.0): 18}, compared
 
 
 @pytest.mark.real_models

@@ -78,20 +78,27 @@ class AutoSession(TokenSession):
     def while_waiting(self) -> None:
         """On a device with cores of its own (overlap_prefill), at the opening and later while reading is worth it
         (AutoController.worth_reading: sd within reach, or within reach were the prompt easier than believed, or the
-        request a census of the prompts' acceptance) and a round may follow the one in flight, the draft model reads
-        the committed tokens it lacks while the cloud works, on the reader's thread (edge_runtime.read_ahead): the
-        reply is taken the moment it comes, whatever forward is in progress. At the opening the prompt is read in one
-        forward while sd is within reach (the first round will likely draft and wait for all of it), else a few
-        tokens at a time (a load that makes sd the best is only known from the reply)."""
+        request a census of the prompts' acceptance) and a round may follow the one in flight (a census: in the
+        request's last round too, while its read fits in the round, AutoController.census_reads_to_the_end), the
+        draft model reads the committed tokens it lacks while the cloud works, on the reader's thread
+        (edge_runtime.read_ahead): the reply is taken the moment it comes, whatever forward is in progress. At the
+        opening the prompt is read in one forward while sd is within reach (the first round will likely draft and
+        wait for all of it), else a few tokens at a time (a load that makes sd the best is only known from the
+        reply)."""
         if not self.config.overlaps_prefill:
             return
         if self._opening:
             within = self.auto.sd_within_reach(self.auto.predictions(self.link(), time.monotonic()))
             self.reader.start(whole=within)
             return
-        if self.remaining <= self._in_flight or not self.auto.worth_reading(self.link(), time.monotonic()):
-            self.reader.stop()  # the round in flight ends the request, or sd is out of reach even were the prompt
-            return  # easy: nothing will draft
+        now = time.monotonic()
+        if self.remaining <= self._in_flight:  # the round in flight ends the request: nothing will draft, a census
+            reads = self.auto.census_reads_to_the_end(self.link(), now, self.drafter.behind, self._in_flight)
+        else:  # reads on while its reads fit in the round; elsewhere while sd could win, were the prompt easy
+            reads = self.auto.worth_reading(self.link(), now)
+        if not reads:
+            self.reader.stop()
+            return
         self.reader.start()
 
     def reopen(self, prompt: List[int]) -> None:
