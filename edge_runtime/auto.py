@@ -534,7 +534,7 @@ class AutoController:
         (its `in_flight` tokens at llm's predicted pace), so the request's end, which waits for the forward in
         progress (ReadAhead.settle), is not held. Elsewhere the reads stop a round before the end (nothing drafts
         after it); a census that stopped there read only the answer's first half over 32 tokens, its opening, which
-        agrees less (docs/AUTO.md "A census of the prompts")."""
+        agrees less (docs/AUTO.md "The census reads to the end")."""
         if not self.estimates.census or behind < 1 or in_flight < 1:
             return False
         if not any(n in self.eligible for n in DRAFTING):

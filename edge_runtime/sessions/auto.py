@@ -92,9 +92,10 @@ class AutoSession(TokenSession):
             self.reader.start(whole=within)
             return
         now = time.monotonic()
-        if self.remaining <= self._in_flight:  # the round in flight ends the request: nothing will draft, a census
+        if self.remaining <= self._in_flight:  # the round in flight ends the request: nothing drafts after it,
+            # only a census reads on, and only while its read fits in the round
             reads = self.auto.census_reads_to_the_end(self.link(), now, self.drafter.behind, self._in_flight)
-        else:  # reads on while its reads fit in the round; elsewhere while sd could win, were the prompt easy
+        else:  # while sd could win, were the prompt easy, or the request is a census
             reads = self.auto.worth_reading(self.link(), now)
         if not reads:
             self.reader.stop()
