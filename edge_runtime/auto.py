@@ -531,7 +531,7 @@ class AutoController:
     def census_reads_to_the_end(self, link: Link, now: Optional[float], behind: int, in_flight: int) -> bool:
         """Whether a census request's draft model reads while the llm round that ends the request is in flight: the
         `behind` tokens it lacks, priced (AutoEstimates.catch_up_cost), are read within the round's predicted time
-        (its `in_flight` tokens at llm's predicted pace), so the request's end, which waits for the forward in
+        (llm's round of its `in_flight` tokens), so the request's end, which waits for the forward in
         progress (ReadAhead.settle), is not held. Elsewhere the reads stop a round before the end (nothing drafts
         after it); a census that stopped there read only the answer's first half over 32 tokens, its opening, which
         agrees less (docs/AUTO.md "The census reads to the end")."""
@@ -539,10 +539,8 @@ class AutoController:
             return False
         if not any(n in self.eligible for n in DRAFTING):
             return False
-        llm = self.predictions(link, now).get("llm")
-        if llm is None or not llm.tokens_per_s > 0:
-            return False
-        return self.estimates.catch_up_cost(behind) <= in_flight / llm.tokens_per_s
+        llm = self.at("llm", in_flight, link, now)  # the round in flight alone, not every protocol's prices
+        return llm is not None and self.estimates.catch_up_cost(behind) <= llm.round_s
 
     def _reaches(self, pred: Prediction, preds: Dict[str, Prediction]) -> bool:
         """Whether `pred` is within reach of the best of `preds`: READ_AHEAD_REACH of its tokens/s or more (under
