@@ -680,10 +680,7 @@ class AutoEstimates:
         key = (shape, self.kind)
         chain = self.chain_tokens("sd", shape[1])
         if shape[2] == 1 and chain is not None:
-            ratio = _ratio_of(self.eta_chain.get(key), 1.0)
-            if self.opening:
-                ratio = _ratio_of(self.eta_opening.get(key), ratio)
-            return min(float(shape[1] + 1), max(1.0, ratio * chain))
+            return min(float(shape[1] + 1), max(1.0, self.eta_ratio(shape) * chain))
         if key in self.tree_tokens:
             n = self.tree_rounds_of(shape)
             prompts = self.tree_tokens[key] if chain is None else pulled(self.tree_tokens[key], n, chain)
@@ -693,6 +690,14 @@ class AutoEstimates:
             mine, rounds = self.tree_request.get(key, (0.0, 0))
             return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
         return chain
+
+    def eta_ratio(self, shape: Shape) -> float:
+        """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the
+        request's kind of sampling: its rounds' moving averages, at an opening its first rounds', each pulled toward
+        the one before (1, the chain's own, first)."""
+        key = (shape, self.kind)
+        ratio = _ratio_of(self.eta_chain.get(key), 1.0)
+        return _ratio_of(self.eta_opening.get(key), ratio) if self.opening else ratio
 
     def observe_llm(self, tokens: int, cloud_s: float, up_bytes: int, down_bytes: int, wall_s: float,
                     link: Link, now: float) -> None:

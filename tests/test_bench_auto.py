@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from profiles.bench.bench_auto import (ALPHA_GRID, Phase, at_alpha, chain_rows, paired, parse_trace, steady_rate,
-                                      summarise, tree_rows)
+from profiles.bench.bench_auto import (ALPHA_GRID, Phase, at_alpha, chain_rows, paired, parse_trace, priced_as,
+                                      steady_rate, summarise, tree_rows)
 
 
 def test_the_trace_parses_and_refuses_what_it_cannot_run():
@@ -71,6 +71,34 @@ def test_the_summary_compares_auto_with_the_best_fixed_protocol_and_the_model_wi
     s = summarise(rows, [Phase("lte", "lte")], ["llm", "sd", "auto"])
     assert s["lte"]["model_error"]["sd"]["median_abs_error_own_alpha"] == pytest.approx(1 / 18)
     assert at_alpha(rows[2]["predicted"]["sd_by_alpha"], 0.725) == pytest.approx(17.25)
+
+
+def test_the_models_error_covers_the_chain_and_draft_tree_rows_at_autos_price_of_their_shape():
+    """The η-chain row sd_g8_e0.4 beside the tree row sd_t8d8w1_e0.4 drafts the same chains: both at auto's price of
+    the configured tree t8d8w1; alone, at its own η-chain's (g8_e0.4); a chain of γ at sd_by_gamma; others none."""
+    both = ["llm", "sd", "sd_g8_e0.4", "sd_t8d8w1_e0.4", "sd_g6", "auto"]
+    assert priced_as("sd_t8d8w1_e0.4", both) == ("sd_trees", "t8d8w1")
+    assert priced_as("sd_g8_e0.4", both) == ("sd_trees", "t8d8w1")
+    assert priced_as("sd_g8_e0.4", ["sd_g8_e0.4"]) == ("sd_trees", "g8_e0.4")
+    assert priced_as("sd_t16d4w4", both) == ("sd_trees", "t16d4w4")
+    assert priced_as("sd_g6", both) == ("sd_by_gamma", 5)
+    assert [priced_as(n, both) for n in ("sd", "llm", "auto", "hlm")] == [None] * 4
+
+    def row(protocol, steady, predicted=None):
+        return {"rep": 0, "phase": "lte", "protocol": protocol, "tokens": 32, "total_s": 32 / steady, "ttft_s": 0.3,
+                "steady_tokens_per_s": steady, "cloud_s_per_token": 0.02, "up_bytes_per_token": 10.0,
+                "degraded": 0, **({"predicted": predicted} if predicted else {})}
+
+    predicted = {"sd": 9.0, "llm": 8.0, "sd_trees": {"t8d8w1": 6.0}, "sd_by_gamma": [5, 6, 7, 8, 9, 12.0]}
+    rows = [row("llm", 8.0), row("sd", 10.0), row("sd_g8_e0.4", 8.0), row("sd_t8d8w1_e0.4", 7.5), row("sd_g6", 10.0),
+            row("auto", 9.0, predicted)]
+    err = summarise(rows, [Phase("lte", "lte")], both)["lte"]["model_error"]
+    assert err["sd_g8_e0.4"]["phase_mean_error"] == pytest.approx(6 / 8 - 1)
+    assert err["sd_t8d8w1_e0.4"]["median_abs_error"] == pytest.approx(1.5 / 7.5)
+    assert err["sd_g6"]["phase_mean_error"] == pytest.approx(0.2)
+    assert set(err) == {"llm", "sd", "sd_g8_e0.4", "sd_t8d8w1_e0.4", "sd_g6"}
+    del predicted["sd_trees"]  # a report before auto priced trees: the tree rows have no error, the others do
+    assert set(summarise(rows, [Phase("lte", "lte")], both)["lte"]["model_error"]) == {"llm", "sd", "sd_g6"}
 
 
 def test_the_models_error_at_the_same_request_takes_only_requests_of_one_protocol():

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from contextlib import contextmanager, nullcontext
 import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from edge_runtime.auto import AUTO_MAX_DRAFT
 from edge_runtime.config import EdgeConfig
@@ -361,6 +362,11 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
         trees[f"g{longest}_e{rt.config.auto_eta:g}"] = c.at_tree((longest, longest, 1), link, now)
     out["sd_trees"] = {name: p.tokens_per_s if p is not None else None for name, p in trees.items()}
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
+    out["sd_tree_parts"] = {name: _tree_parts(est, shape, trees[name]) for name, shape in
+                            [(shape_name(*t), t) for t in c.trees]
+                            + ([(f"g{longest}_e{rt.config.auto_eta:g}", (longest, longest, 1))]
+                               if f"g{longest}_e{rt.config.auto_eta:g}" in trees else [])
+                            if trees[name] is not None}
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
                                       est.cloud(curve, "sd"), est.wire(), a).tokens_per_s
@@ -380,6 +386,19 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     return out
 
 
+def _tree_parts(est, shape, pred) -> dict:
+    """What a draft tree's price (`AutoController.at_tree`) was made of: the prediction's round (tokens, seconds,
+    bytes, cloud seconds) and the estimates behind it — its chain's expected tokens at the request's acceptance, the
+    ratio an η-ended chain's rounds bore to that, its draft steps and nodes sent a round, its round overhead — so a
+    trace tells which of them a wrong price came from."""
+    from edge_runtime.auto_estimates import tree_key
+
+    return {**pred.as_dict(), "chain_tokens": est.chain_tokens("sd", shape[1]),
+            "eta_ratio": est.eta_ratio(shape), "rounds": est.tree_rounds_of(shape),
+            "steps": est.tree_steps_at(shape, pred.tokens_per_round), "sent": est.tree_sent_of(shape),
+            "overhead_s": est.overhead(tree_key(shape)), "draft_step_s": est.draft_step()}
+
+
 ALPHA_GRID = [i / 20 for i in range(21)]
 
 
@@ -392,9 +411,9 @@ def at_alpha(grid_values: List[float], alpha: float) -> float:
 
 def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> dict:
     """Per phase and protocol: totals and medians over repetitions (n beside them); auto against the best fixed exact
-    protocol; the cost model's error per phase for sd, ksqs and llm (its prediction after that phase's auto request
-    against the fixed protocol's measured tokens/s after the first reply in the same repetition, each at the fixed
-    protocol's knob: the median of the requests' absolute errors, and the phase's mean prediction over its mean
+    protocol; the cost model's error per phase for sd, ksqs, llm and the chain and draft-tree rows (`priced`): its
+    prediction after that phase's auto request against the fixed protocol's measured tokens/s after the first reply
+    in the same repetition, each at the fixed protocol's knob: the median of the requests' absolute errors, and the phase's mean prediction over its mean
     measurement − 1, signed — a bias, where a prompt's own acceptance, unknown to a protocol auto did not run on it,
     spreads the former), and at the same request (`same_request_errors`)."""
     out: Dict[str, dict] = {}
@@ -423,15 +442,17 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
             entry["auto_over_best_fixed_interval"] = interval(entry["auto_over_best_fixed_per_request"])
             entry["auto_over_held_out_best"] = held_out_best(sel, sorted(fixed))
         errors = {}
-        for name in ("sd", "ksqs", "llm"):
-            pairs = [(a["predicted"], f) for a in sel if a["protocol"] == "auto" and a.get("predicted", {}).get(name)
+        for name in ["sd", "ksqs", "llm"] + [p for p in protocols if priced_as(p, protocols)]:
+            pairs = [(a["predicted"], f) for a in sel if a["protocol"] == "auto"
+                     and priced(a.get("predicted", {}), name, protocols)
                      for f in sel if f["protocol"] == name and f["rep"] == a["rep"] and f["phase"] == a["phase"]
                      and f["steady_tokens_per_s"] > 0]
             if not pairs:
                 continue
+            guess = [priced(p, name, protocols) for p, _ in pairs]
             errors[name] = {"n": len(pairs), "median_abs_error": statistics.median(
-                abs(p[name] - f["steady_tokens_per_s"]) / f["steady_tokens_per_s"] for p, f in pairs),
-                "phase_mean_error": statistics.mean(p[name] for p, _ in pairs)
+                abs(g - f["steady_tokens_per_s"]) / f["steady_tokens_per_s"] for g, (_, f) in zip(guess, pairs)),
+                "phase_mean_error": statistics.mean(guess)
                 / statistics.mean(f["steady_tokens_per_s"] for _, f in pairs) - 1.0}
             own = [abs(at_alpha(p["sd_by_alpha"], f["alpha"]) - f["steady_tokens_per_s"]) / f["steady_tokens_per_s"]
                    for p, f in pairs if name == "sd" and p.get("sd_by_alpha") and f.get("alpha") is not None]
@@ -442,6 +463,37 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
         entry["cloud_model_error"] = cloud_model_error(sel)
         out[phase] = entry
     return out
+
+
+def priced_as(row: str, protocols: List[str]) -> Optional[Tuple[str, object]]:
+    """Where auto's `predicted` prices the fixed chain or draft-tree row `row` (None for any other row): a tree row
+    sd_tNdDwW[_eη] at ("sd_trees", its shape's name) (auto's candidates are the configured --trees, at the same η);
+    an η-chain row sd_gG_eη at the chain-shaped tree GxGx1's where that is a configured tree at that η (a tree row
+    sd_tGdGw1_eη beside it: the same drafts), else at auto's η-chain's (gG_eη); a chain row sd_gG at
+    ("sd_by_gamma", G − 1)."""
+    tree = re.fullmatch(r"sd_(t\d+d\d+w\d+)(_e[0-9.]+)?", row)
+    if tree:
+        return "sd_trees", tree.group(1)
+    chain = re.fullmatch(r"sd_g(\d+)(?:_e([0-9.]+))?", row)
+    if not chain:
+        return None
+    g, eta = chain.groups()
+    if eta is None:
+        return "sd_by_gamma", int(g) - 1
+    return "sd_trees", f"t{g}d{g}w1" if f"sd_t{g}d{g}w1_e{eta}" in protocols else f"g{g}_e{eta}"
+
+
+def priced(predicted: dict, name: str, protocols: List[str]) -> Optional[float]:
+    """auto's prediction of the fixed row `name`'s tokens/s after the first reply (its `predicted`; None where it
+    priced none): sd, ksqs and llm at the fixed rows' knobs, a chain or draft-tree row where `priced_as` says."""
+    if name in ("sd", "ksqs", "llm"):
+        return predicted.get(name)
+    where = priced_as(name, protocols)
+    if where is None:
+        return None
+    table, key = where
+    values = predicted.get(table) or ({} if table == "sd_trees" else [])
+    return values.get(key) if table == "sd_trees" else (values[key] if key < len(values) else None)
 
 
 def cloud_model_error(rows: List[dict]) -> Dict[str, dict]:
