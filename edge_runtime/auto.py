@@ -212,14 +212,18 @@ class AutoController:
         """sd with the draft tree `shape` (protocol "sd_tree", knob = its nodes); None while it cannot be priced.
         tokens: a round's tokens to price it at (default: as estimated, AutoEstimates.tree_tokens_per_round)."""
         est = self.estimates
-        tokens = est.tree_tokens_per_round(shape) if tokens is None else tokens
+        eta = self.stop_eta(shape)
+        tokens = est.tree_tokens_per_round(shape, eta) if tokens is None else tokens
         if curve is None or not est.measured.get("sd") or tokens is None:
             return None
         nodes, depth, _ = shape
         key = tree_key(shape)
         device = est.device(self.shares_host, key)
         steps, sent = est.tree_draft_steps.get(shape), est.tree_sent_of(shape)
-        if steps and self._ends_early(shape):  # η's draft: its steps and nodes sent in proportion to its tokens
+        read = est.eta_chain_read(depth, eta) if shape[2] == 1 and eta > 0 else None
+        if read is not None:  # an η-chain as the census read it: a forward for each draft it sends
+            steps = sent = min(float(depth), max(1.0, read[1]))
+        elif steps and eta > 0:  # η's draft: its steps and nodes sent in proportion to its tokens
             scaled = est.tree_steps_at(shape, tokens)
             sent = None if sent is None else min(float(nodes), max(1.0, sent * scaled / steps))
             steps = scaled
@@ -231,9 +235,9 @@ class AutoController:
         return predict_tree(nodes, depth, tokens, self.prompt_tokens, link, device, est.cloud(curve, key), wire,
                             sent)
 
-    def _ends_early(self, shape: Shape) -> bool:
-        """Whether η ends `shape`'s drafts early: auto's η-chain, or a configured tree while the device has an η."""
-        return self._eta_of(shape) > 0 or (shape in self.trees and self.tree_eta > 0)
+    def stop_eta(self, shape: Shape) -> float:
+        """The η that ends `shape`'s drafts early (0: none): auto's η-chain's, or the device's for a configured tree."""
+        return self._eta_of(shape) or (self.tree_eta if shape in self.trees else 0.0)
 
     def predictions(self, link: Link, now: Optional[float] = None) -> Dict[str, Prediction]:
         """The best knob's prediction of every eligible protocol the estimates can price (none while unmeasured)."""

@@ -26,10 +26,11 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, cadence_s, phase_wait
+from hat_split.math.draft_stop import eta_chain_over_text
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.verify import alpha_for_tokens, expected_tokens_beta
 from hat_split.wire import messages as P
@@ -54,6 +55,7 @@ ALPHA_POPULATION = 0.98  # per drafting round: weight of the history in the prom
 ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
 ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of the prompts' own here (0.55 to 1.00 on
 # the Qwen pair at T = 0, results/auto/trace_T0_lte_load_load-power.json) ...
+CENSUS_KEPT = 32  # census requests whose reads' marks are kept (AutoEstimates.census_marks): the prompts' answers
 ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
 # prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it);
 # a tree's tokens a round are pulled as much towards its chain's (`tree_tokens_per_round`)
@@ -199,6 +201,20 @@ def _ratio_of(measured: Optional[Tuple[float, float, int]], prior: float) -> flo
     return pulled(done / priced, rounds, prior)
 
 
+def _over_marks(reads: Sequence[Sequence[Tuple[int, bool, float]]], depth: int, eta: float) -> Tuple[int, int, int]:
+    """draft_stop.eta_chain_over_text summed over each read's stretches of consecutive positions (a drafting round
+    between two reads leaves a gap)."""
+    rounds = tokens = sent = 0
+    for read in reads:
+        start = 0
+        for i in range(1, len(read) + 1):
+            if i == len(read) or read[i][0] != read[i - 1][0] + 1:
+                r, t, n = eta_chain_over_text([m[1] for m in read[start:i]], [m[2] for m in read[start:i]], depth,
+                                              eta)
+                rounds, tokens, sent, start = rounds + r, tokens + t, sent + n, i
+    return rounds, tokens, sent
+
+
 def examined_of(drafted: int, accepted: int) -> int:
     """A chain's draft positions examined in a round: the accepted ones and the first rejected, if any."""
     return accepted + (accepted < drafted)
@@ -288,6 +304,12 @@ class AutoEstimates:
     # rounds aside ...
     eta_opening: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # ... and the same
     # over those (priced at the openings' α)
+    census_marks: List[Tuple[Tuple[int, bool, float], ...]] = field(default_factory=list)  # the last CENSUS_KEPT
+    # census requests' reads at temperature 0, each its Drafter.marks: what an η-ended chain would have done over the
+    # prompts' answers (`eta_chain_read`)
+    request_marks: List[Tuple[int, bool, float]] = field(default_factory=list)  # the request's own reads, so marked
+    _census_read: Dict[Tuple[int, float], tuple] = field(default_factory=dict, repr=False)  # eta_chain_read's pool
+    # figures per (depth, η), with what the pool held when they were computed
     census: bool = False  # the request running is a census (EdgeConfig.auto_census: drawn at random, whatever its
     # prompt): its draft model reads llm's tokens whether or not sd could win, and what it reads moves the prompts'
     # acceptance as well as the request's (`observe_agreement`)
@@ -380,16 +402,21 @@ class AutoEstimates:
         was measured."""
         return self.up_per_row.get((protocol, self.kind))
 
-    def observe_agreement(self, agreed: float, compared: int) -> None:
+    def observe_agreement(self, agreed: float, compared: int,
+                          marks: Sequence[Tuple[int, bool, float]] = ()) -> None:
         """Of `compared` target tokens the draft model read while llm ran (Drafter.catch_up with compare), sd's
         drafts would have had `agreed` accepted there (at temperature 0 those its argmax named; above, an unbiased
         estimate from the probability each was drawn with). They move the request's acceptance as sd's own drafts
         do, so a prompt that auto left for llm on a few unlucky rounds, or never drafted on, can win sd back. On a
         census request (`census`: drawn whatever its prompt) they move the prompts' acceptance as well; elsewhere
         only where reading is worth it are tokens read (AutoController.worth_reading), the promising prompts, a
-        biased sample of them."""
+        biased sample of them. marks: at temperature 0, each token's (Drafter.marks), for `eta_chain_read`."""
         if compared < 1 or not 0 <= agreed <= compared:  # NaN too
             return
+        if marks and self.kind == GREEDY:
+            self.request_marks.extend(marks)
+            if self.census and self.census_marks:
+                self.census_marks[-1] = self.census_marks[-1] + tuple(marks)
         own = self.acceptance.setdefault(("sd", self.kind), Acceptance())
         if self.census:
             own.observe_read(agreed, compared)
@@ -425,6 +452,9 @@ class AutoEstimates:
         for a in self.acceptance.values():
             a.begin()
         self.tree_request.clear()
+        self.request_marks = []
+        if census and kind == GREEDY:  # its reads are the prompts' newest (an empty census left no trace)
+            self.census_marks = [m for m in self.census_marks if m][-(CENSUS_KEPT - 1):] + [()]
         self.opening = True
 
     def take_report(self, cost: Optional[P.CloudCost], now: Optional[float] = None) -> bool:
@@ -656,7 +686,7 @@ class AutoEstimates:
         """Nodes a round of the tree `shape` sends under the request's kind of sampling; None before measured."""
         return self.tree_sent.get((shape, self.kind))
 
-    def tree_tokens_per_round(self, shape: Shape) -> Optional[float]:
+    def tree_tokens_per_round(self, shape: Shape, eta: float = 0.0) -> Optional[float]:
         """Tokens a round of the tree `shape` commits under the request's kind of sampling; None before α is known (or,
         for a tree wider than 1, before it ran).
 
@@ -676,8 +706,14 @@ class AutoEstimates:
         ALPHA_BASE_ROUNDS rounds against the tree's measured ones, as the chains' α is towards ALPHA_BASE: two
         rounds of one easy prompt (7 tokens each) opened the next two prompts on the tree, priced 1.1-1.3× llm, which
         then ran at 0.7-0.8× it (the trace on `b4d7ebf`, loopback). A request's first round (`opening`) is priced at
-        the chain's opening α, and at the tree's own first rounds where measured, pulled toward its rounds' as much."""
+        the chain's opening α, and at the tree's own first rounds where measured, pulled toward its rounds' as much.
+
+        eta > 0: the η that ends a chain-shaped tree's drafts; at temperature 0, once the census has read enough,
+        its tokens a round are what the reads say such a chain commits (`eta_chain_read`)."""
         key = (shape, self.kind)
+        read = self.eta_chain_read(shape[1], eta) if shape[2] == 1 and eta > 0 else None
+        if read is not None:
+            return min(float(shape[1] + 1), max(1.0, read[0]))
         chain = self.chain_tokens("sd", shape[1])
         if shape[2] == 1 and chain is not None:
             return min(float(shape[1] + 1), max(1.0, self.eta_ratio(shape) * chain))
@@ -690,6 +726,29 @@ class AutoEstimates:
             mine, rounds = self.tree_request.get(key, (0.0, 0))
             return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
         return chain
+
+    def eta_chain_read(self, depth: int, eta: float) -> Optional[Tuple[float, float]]:
+        """(tokens committed, drafts sent) a round of the greedy chain of up to `depth` drafts that `eta` ends, on the
+        request running, from what the draft model read of llm's tokens (draft_stop.eta_chain_over_text over the
+        reads' marks): the prompts' (the census requests' of `census_marks`) pulled toward by the request's own
+        reads and its own rounds of that chain as if ALPHA_BASE_ROUNDS rounds had read them. None above temperature
+        0 (a draft's probability of its own token is then not read) or before the census requests gave
+        ALPHA_BASE_ROUNDS rounds. Priced from the chain's own rounds on other prompts instead, an η-chain of 8 over
+        the links was 18-22 % slow a phase on average (docs/AUTO.md "The η-chain priced from the census's reads")."""
+        if self.kind != GREEDY:
+            return None
+        census = self.census_marks[:-1] if self.census else self.census_marks
+        seen = (tuple(len(m) for m in census), census[0][:1] if census else ())  # what the pool holds now
+        if self._census_read.get((depth, eta), (None,))[0] != seen:
+            self._census_read[(depth, eta)] = (seen, _over_marks(census, depth, eta))
+        rounds, tokens, sent = self._census_read[(depth, eta)][1]
+        if rounds < ALPHA_BASE_ROUNDS:
+            return None
+        mine, my_tokens, my_sent = _over_marks([self.request_marks], depth, eta)
+        done, ran = self.tree_request.get(((depth, depth, 1), self.kind), (0.0, 0))
+        weight = ALPHA_BASE_ROUNDS / rounds
+        return ((weight * tokens + my_tokens + done) / (ALPHA_BASE_ROUNDS + mine + ran),
+                (weight * sent + my_sent) / (ALPHA_BASE_ROUNDS + mine))
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the
@@ -853,8 +912,19 @@ class AutoEstimates:
         """The overhead `key` as measured, signed: one measured busy pulled (`_busy_overhead`) with the wait the
         cloud reports now added; below 0, what `overhead` does not price comes off the phase wait (`wait_credit`)."""
         if not key.endswith(":busy"):
-            return self.overhead_s[key]
+            return self._tree_overhead(key)
         return self._busy_overhead(key) + self.reported_wait_s
+
+    def _tree_overhead(self, key: str) -> float:
+        """An idle overhead as measured; a draft tree's own pulled toward sd's as if OVERHEAD_PRIOR_ROUNDS rounds had
+        measured that (`_busy_overhead`'s rule): the η-chain runs little on an idle cloud, and one round of it, 0.05-
+        0.06 s against sd's 0.015, priced every round of it over the links (docs/AUTO.md "The η-chain priced from
+        the census's reads")."""
+        measured, rounds = self.overhead_s[key], self.overhead_rounds.get(key)
+        prior = self.overhead_s.get("sd")
+        if not key.startswith(TREE_KEY) or rounds is None or prior is None:
+            return measured
+        return pulled(measured, rounds, prior, OVERHEAD_PRIOR_ROUNDS)
 
     def wait_credit(self, protocol: str) -> float:
         """Seconds of the busy cloud's phase wait `protocol`'s rounds did not wait: its busy overhead (`overhead`)

@@ -4,7 +4,9 @@ measured before instead of measuring every protocol again (a fresh runtime's fir
 draft tree for MEASURE_ROUNDS rounds before it chooses: 0.78–0.85 × the llm row's pace on loopback here).
 
 What it keeps is what outlives a link and a cloud's load: the drafting protocols' acceptance per kind of sampling
-(the two models' agreement, the same on any hardware), the draft trees' tokens a round, the device's own times per
+(the two models' agreement, the same on any hardware), the draft trees' tokens a round, the census requests' reads
+of the answers (each token's agreement and the draft's confidence: what an η-ended chain would do), the device's own
+times per
 power mode (draft step, catch-up, the device alone, round overheads and the rounds each was measured on), the
 frames' bytes and the rounds observed per protocol. A field added since version 1 (ADDED) may be absent: an older
 record is read with it empty. What it does not keep is measured afresh by every runtime: the cloud's curve and load
@@ -25,9 +27,9 @@ import datetime
 import logging
 import math
 import os
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
-from edge_runtime.auto_estimates import DEVICE_TIMES, Acceptance, AutoEstimates, device_overhead
+from edge_runtime.auto_estimates import CENSUS_KEPT, DEVICE_TIMES, Acceptance, AutoEstimates, device_overhead
 from hat_split.files import strict_json
 from hat_split.files.atomic import write_json
 from hat_split.math.chunking import DelayModel
@@ -164,6 +166,23 @@ def _figures(path: str, v: Any) -> Dict[str, Any]:
     return out
 
 
+def _marks(path: str, v: Any) -> List[Tuple[Tuple[int, bool, float], ...]]:
+    """The census requests' reads (AutoEstimates.census_marks): each a list of [position, agreed, confidence]."""
+    if not isinstance(v, list) or len(v) > CENSUS_KEPT:
+        raise _fail(path, f"expected a list of at most {CENSUS_KEPT} reads, got {v!r:.80}")
+    out = []
+    for i, read in enumerate(v):
+        if not isinstance(read, list):
+            raise _fail(f"{path}[{i}]", f"expected a list of marks, got {read!r:.80}")
+        marks = []
+        for j, m in enumerate(read):
+            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[1], bool)):
+                raise _fail(f"{path}[{i}][{j}]", f"expected [position, agreed (true/false), confidence], got {m!r:.80}")
+            marks.append((_count(f"{path}[{i}][{j}][0]", m[0]), m[1], _real(0.0, 1.0)(f"{path}[{i}][{j}][2]", m[2])))
+        out.append(tuple(marks))
+    return out
+
+
 RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (module docstring), each with its check
     "acceptance": _table(KIND, ACCEPTANCE),
     "draft_step_s": _optional(SECONDS),
@@ -190,11 +209,13 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
     "tree_opening": _table(TREE, _tuple(TOKENS, _count)),
     "eta_chain": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
     "eta_opening": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
+    "census_marks": _marks,
 }
 ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since version 1, each with its value where a
     "overhead_rounds": dict,  # record written before lacks it: its overheads then count as established
     "mode_rounds": dict,
     "draft_step_busy_s": lambda: None,  # an older record's draft step was measured in either state
+    "census_marks": list,
 }
 
 

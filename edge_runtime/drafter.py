@@ -35,6 +35,9 @@ class Drafter:
     prompt_len: int = field(init=False, default=0)  # tokens of the request's prompt (not compared: someone's text)
     agreed: float = field(init=False, default=0.0)  # of `compared` target tokens read by catch_up(compare=True), the
     compared: int = field(init=False, default=0)  # drafts sd would have had accepted there (an estimate above T = 0)
+    marks: List[Tuple[int, bool, float]] = field(init=False, default_factory=list)  # at temperature 0, each target
+    # token read by catch_up(compare=True) this request: (its index in `tokens`, whether the draft's argmax named it,
+    # that argmax's plain softmax probability: HAT eq. 5's confidence), what an η-ended chain would have done there
     drawn_p: Dict[int, float] = field(init=False, default_factory=dict)  # index in `tokens` → the target's
     # probability of that token as it drew it (protocol llm's replies, when asked: `note_drawn`)
 
@@ -53,6 +56,7 @@ class Drafter:
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
         self.drawn_p = {}
+        self.marks = []
         if prefill and len(prompt) > 1:
             self.lm.forward(self.kv, self.tokens[:-1], n_logits=0)
 
@@ -67,7 +71,8 @@ class Drafter:
         the logits of every position read and add, to `agreed` of `compared`, what sd's draft would have had
         accepted at each of the target's tokens (past the prompt): at temperature 0, 1 where the draft's argmax
         named it; above, min(1, q(x) / p(x)) where the cloud said p(x) (`note_drawn`), an unbiased estimate of
-        Σ min(p, q) (verify.acceptance_of_samples). So llm's rounds still measure the prompt's acceptance."""
+        Σ min(p, q) (verify.acceptance_of_samples); at temperature 0 each position's `marks` too. So llm's rounds still
+        measure the prompt's acceptance."""
         start = self.kv.length
         feed = self.tokens[start:max(0, len(self.tokens) - 1)][:max(0, max_tokens)]
         # the position after feed[i] holds the committed token start + i + 1; only the target's are compared (the
@@ -89,7 +94,10 @@ class Drafter:
         targets = np.asarray(self.tokens[at:at + logits.shape[0]])
         if self.params.greedy:
             rows, p = np.arange(targets.size), np.ones(targets.size)
-            q = (np.argmax(logits, axis=-1) == targets).astype(np.float64)
+            named = np.argmax(logits, axis=-1)
+            q = (named == targets).astype(np.float64)
+            sure = softmax_prob(logits, named)
+            self.marks.extend((at + i, bool(q[i]), float(sure[i])) for i in range(targets.size))
         else:
             rows = np.asarray([i for i in range(targets.size) if at + i in self.drawn_p], dtype=np.int64)
             if not rows.size:

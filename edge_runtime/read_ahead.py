@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from edge_runtime.drafter import Drafter
 
@@ -32,6 +32,7 @@ class Read:
     seconds: float
     agreed: float = 0.0  # of `compared` target tokens read, the drafts sd would have had accepted (compare only)
     compared: int = 0
+    marks: Tuple[Tuple[int, bool, float], ...] = ()  # at temperature 0, each compared token's (Drafter.marks)
 
 
 class ReadAhead:
@@ -104,9 +105,10 @@ class ReadAhead:
                         return
                     most, whole = (self.drafter.behind if whole else self.most), False
                 d = self.drafter
-                agreed, compared, t0 = d.agreed, d.compared, time.perf_counter()
+                agreed, compared, marked, t0 = d.agreed, d.compared, len(d.marks), time.perf_counter()
                 n = d.catch_up(most, compare=True) if self.compare else d.catch_up(most)
-                read = Read(n, time.perf_counter() - t0, d.agreed - agreed, d.compared - compared)
+                read = Read(n, time.perf_counter() - t0, d.agreed - agreed, d.compared - compared,
+                            tuple(d.marks[marked:]))
                 with self._lock:
                     self._reads.append(read)
         except BaseException as exc:  # handed to the session's thread by `settle`

@@ -14,7 +14,7 @@ from edge_runtime.auto import PROBE_EVERY, SWITCH_GAIN, AutoController, Choice
 from edge_runtime.auto_estimates import GREEDY, OPENING_RATIO, OVERHEAD_PRIOR_ROUNDS, Acceptance, AutoEstimates
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
-from hat_split.math.costmodel import Link
+from hat_split.math.costmodel import Link, predict_tree
 from hat_split.math.verify import expected_tokens, expected_tokens_beta
 from hat_split.wire import messages as P
 from tests.conftest import refusing_port, serving
@@ -1644,25 +1644,76 @@ def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps(
     sent, residual = 4, 0.2
     wall = sent * 0.02 + 0.06 + link.transfer_s(80 + sent * 60, 100) + residual
     est.observe_tree(shape, 5, sent * 0.02, 0.06, 80 + sent * 60, 100, wall, link, now=0.0, sent=sent)
-    assert est.overhead(key) == pytest.approx(residual) and est.overhead("sd") == 0.03  # each its own
+    assert est.overhead_s[key] == pytest.approx(residual) and est.overhead("sd") == 0.03  # each its own, the
+    # tree's one round priced pulled toward sd's as OVERHEAD_PRIOR_ROUNDS rounds (the η-chain runs little when idle)
+    priced = (residual + OVERHEAD_PRIOR_ROUNDS * 0.03) / (1 + OVERHEAD_PRIOR_ROUNDS)
+    assert est.overhead(key) == pytest.approx(priced)
     assert est.draft_step_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # the chain's drafts are draft steps
     assert est.tree_draft_steps[shape] == sent
     # priced at the 5 tokens a round it committed: η's drafts are in proportion to them (`tree_steps_at`), so the
     # 4 it drafted, whatever the request's acceptance does to its tokens a round between the two modes
     fast = c._at_tree(shape, link, est.curve(0.0), tokens=5.0)
     chain = c.at("sd", 4, link, now=0.0)
-    assert fast.round_s == pytest.approx(sent * est.draft_step_s + residual + 0.06 + link.transfer_s(
+    assert fast.round_s == pytest.approx(sent * est.draft_step_s + priced + 0.06 + link.transfer_s(
         80 + sent * 60, 100), rel=0.05)
     assert est.take_mode("MODE_15W") and key in est.restart  # the board's figure: measured again in this mode
     est.observe_sd(4, 4, 4 * 0.03, 0.06, 320, 100, 4 * 0.03 + 0.06 + 0.05, link, now=1.0)  # a slower draft step
     assert est.draft_step_s == pytest.approx(0.03)
     slow = c._at_tree(shape, link, est.curve(1.0), tokens=5.0)
-    assert slow.round_s - fast.round_s == pytest.approx(sent * (0.03 - (0.8 * 0.01 + 0.2 * 0.02)))  # its drafting
-    # in this mode's steps; its overhead the last mode's until measured here, not the chains' of this mode
+    moved = est.overhead(key) - priced  # its own the last mode's until measured here, pulled toward this mode's sd's
+    assert est.overhead_s[key] == pytest.approx(residual) and moved == pytest.approx(
+        OVERHEAD_PRIOR_ROUNDS * (est.overhead_s["sd"] - 0.03) / (1 + OVERHEAD_PRIOR_ROUNDS))
+    assert slow.round_s - fast.round_s == pytest.approx(sent * (0.03 - (0.8 * 0.01 + 0.2 * 0.02)) + moved)  # its
+    # drafting in this mode's steps
     assert c.at("sd", 4, link, now=1.0).round_s != pytest.approx(chain.round_s)
     est.observe_tree(shape, 5, sent * 0.03, 0.06, 80 + sent * 60, 100, wall + 0.5, link, now=1.0, sent=sent)
-    assert est.overhead(key) == pytest.approx(residual + 0.5 + sent * (0.02 - 0.03))  # replaced, not averaged
-    assert est.take_mode("MAXN") and est.overhead(key) == pytest.approx(residual)  # back: that mode's own
+    assert est.overhead_s[key] == pytest.approx(residual + 0.5 + sent * (0.02 - 0.03))  # replaced, not averaged
+    assert est.take_mode("MAXN") and est.overhead_s[key] == pytest.approx(residual)  # back: that mode's own
+    assert est.overhead(key) == pytest.approx(priced)
+
+
+def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send():
+    """At temperature 0 the census requests' reads (each token: agreed, the draft's confidence) say what the η-chain
+    commits and sends a round (draft_stop.eta_chain_over_text): the prompts' pulled toward by the request's own
+    reads as ALPHA_BASE_ROUNDS rounds, each stretch of consecutive tokens apart; a forward for each draft sent.
+    Before the census read 4 rounds, and above temperature 0, as before (its chain's expectation)."""
+    shape, link = (8, 8, 1), Link(0.1)
+    est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
+    est.overhead_s = {"sd": 0.03}
+    c = _controller(est, trees=[shape], tree_eta=0.4)
+    _begin_past_opening(est)
+    before = est.tree_tokens_per_round(shape, 0.4)
+    assert est.eta_chain_read(8, 0.4) is None and before == pytest.approx(est.chain_tokens("sd", 8))
+    est.begin_request(GREEDY, census=True)
+    # 20 tokens, all agreed, every 5th below η: rounds of 5, 4, 4 and 4 drafts committing 6, 5, 5, 5
+    text = [(100 + i, True, 0.3 if i % 5 == 4 else 0.9) for i in range(20)]
+    est.observe_agreement(20, 20, text[:12])
+    est.observe_agreement(8, 8, text[12:])
+    assert est.census_marks == [tuple(text)]
+    assert est.eta_chain_read(8, 0.4) is None  # the census running is not yet the prompts'
+    _begin_past_opening(est)
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((21 / 4, 17 / 4))
+    # the request's own reads: two stretches of 3 sure-but-below-η tokens, 2 rounds each (1 draft, 2 tokens); read
+    # as one stretch of 6 they would be 3
+    own = [(300 + i, True, 0.3) for i in range(3)] + [(310 + i, True, 0.3) for i in range(3)]
+    est.observe_agreement(6, 6, own)
+    tokens, sent = (4 * 21 / 4 + 8) / (4 + 4), (4 * 17 / 4 + 4) / (4 + 4)
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((tokens, sent))
+    assert est.tree_tokens_per_round(shape, 0.4) == pytest.approx(tokens)
+    assert est.tree_tokens_per_round(shape) == pytest.approx(est.chain_tokens("sd", 8))  # one η does not end:
+    # its chain's expectation (the reads moved the request's α)
+    priced = c._at_tree(shape, link, est.curve(0.0))
+    assert priced.tokens_per_round == pytest.approx(tokens)
+    device = dataclasses.replace(est.device(False, "sd_tree 8x8x1"), draft_step_s=est.draft_step_s * sent / 8)
+    want = predict_tree(8, 8, tokens, 20, link, device, est.cloud(est.curve(0.0), "sd_tree 8x8x1"), est.wire(), sent)
+    assert priced.round_s == pytest.approx(want.round_s) and priced.cloud_s_per_token == pytest.approx(
+        want.cloud_s_per_token)
+    est.acceptance[("sd", "T=1")] = Acceptance(accepted=0.8, examined=1.0, rounds=10 ** 9)
+    est.up_per_row[("sd", "T=1")] = 60.0
+    _begin_past_opening(est, "T=1")
+    est.observe_agreement(3, 6, own)  # above temperature 0 a read has no marks: any given are not kept
+    assert est.eta_chain_read(8, 0.4) is None and est.request_marks == []
+    assert est.tree_tokens_per_round(shape, 0.4) == pytest.approx(est.chain_tokens("sd", 8))
 
 
 def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():

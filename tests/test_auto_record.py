@@ -41,6 +41,7 @@ def _learned() -> AutoEstimates:
     est.tree_tokens[key], est.tree_draft_steps[SHAPE], est.tree_step_tokens[SHAPE] = 3.4, 5.2, 3.3
     est.tree_up_per_node[key], est.tree_rounds[key], est.tree_sent[key] = 6.0, 9, 5.1
     est.tree_opening[key], est.eta_chain[key], est.eta_opening[key] = (2.2, 4), (3.4, 3.1, 9), (2.0, 2.4, 3)
+    est.census_marks = [((40, True, 0.9), (41, False, 0.35)), ((7, True, 1.0),)]  # the census requests' reads
     est.observed.observe(1, 0.1)  # the cloud's and the link's: not kept
     est.uplink_bps, est.idle = 1e6, {"llm": 30}
     return est
@@ -92,6 +93,11 @@ def test_a_record_restores_every_figure_it_keeps_and_nothing_of_the_cloud_or_lin
     ("overhead_s", {"sd": 0.1}, "overhead_s"),
     ("overhead_rounds", [["sd:busy", -1]], "overhead_rounds[0].value"),
     ("mode_rounds", [["15W", [["sd", 0.5]]]], "mode_rounds[0].value[0].value"),
+    ("census_marks", [[[40, "yes", 0.5]]], "census_marks[0][0]"),
+    ("census_marks", [[[40, True, 1.5]]], "census_marks[0][0][2]"),
+    ("census_marks", [[[-1, True, 0.5]]], "census_marks[0][0][0]"),
+    ("census_marks", [[[40, True, 0.5]], 3], "census_marks[1]"),
+    ("census_marks", [[]] * 33, "census_marks"),
 ])
 def test_a_bad_field_is_refused_by_name_and_the_estimates_are_untouched(field, value, named):
     record = _through_a_file(to_record(_learned()))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hat_split.math.draft_stop import (PROBE_EVERY, AcceptanceByConfidence, DraftGate, DraftStop, RoundCostFit,
-                                       RoundCosts)
+                                       RoundCosts, eta_chain_over_text)
 
 
 def test_acceptance_starts_at_the_drafts_own_probability_and_follows_what_is_verified():
@@ -135,3 +135,24 @@ def test_the_config_names_what_it_refuses():
         SplitConfig(draft_stop="fast")
     with pytest.raises(ValueError, match="sizes chains; a draft tree is sized by tree_nodes"):
         SplitConfig(draft_stop="cost", tree_nodes=8)
+
+
+def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_sends_until_eta():
+    """By hand. All agreed, all sure, depth 4 over 10 tokens: two rounds of 4 drafts and 5 tokens. A rejection at
+    position 1 ends what the round commits (2: one accepted and the target's), not what it sends: its drafts go on
+    (on the text's confidences, standing for its own) until the first below η, position 2, still sent (3 drafts);
+    the next round, from position 2, drafts that one alone (0.3 < η), accepted: 2 tokens, 1 sent; the third, from 4,
+    reaches the text's end before its drafts do: left out."""
+    assert eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4) == (2, 10, 8)
+    agreed = [True, False, True, True, True, True, True, True]
+    sure = [0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]
+    assert eta_chain_over_text(agreed, sure, 8, 0.4) == (2, 4, 4)
+    assert eta_chain_over_text(agreed, sure, 8, 0.0) == (1, 2, 8)  # without η: one round of all 8 drafts
+    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == (3, 3, 3)  # each draft rejected, each below η
+    assert eta_chain_over_text([], [], 8, 0.4) == (0, 0, 0)
+    with pytest.raises(ValueError, match="2 agreements for 1"):
+        eta_chain_over_text([True, True], [0.5], 8, 0.4)
+    with pytest.raises(ValueError, match="depth >= 1"):
+        eta_chain_over_text([True], [0.5], 0, 0.4)
+    with pytest.raises(ValueError, match="η in"):
+        eta_chain_over_text([True], [0.5], 8, float("nan"))

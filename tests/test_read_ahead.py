@@ -176,6 +176,13 @@ def test_at_temperature_0_it_counts_the_targets_tokens_the_draft_named():
     assert [read.tokens for read in reads] == [4, 4, 4]  # all but the last committed token (the next draft's)
     assert [read.compared for read in reads] == [0, 0, 3] and [read.agreed for read in reads] == [0, 0, 2]
     assert (d.agreed, d.compared) == (2, 3)
+    # and each token's mark: its index, whether the draft named it, the draft's probability of what it named (a
+    # row of the bigram table: HAT eq. 5's confidence), what an η-ended chain would have done there
+    sure = [float(d.lm.table[t].max()) for t in (10, first, other)]
+    assert reads[-1].marks == tuple(d.marks) and [m[:2] for m in d.marks] == [(10, True), (11, False), (12, True)]
+    assert [m[2] for m in d.marks] == pytest.approx(sure, rel=1e-5)
+    d.start(list(range(1, 11)), prefill=False)
+    assert d.marks == []  # a new request's own
 
 
 def test_above_temperature_0_it_estimates_acceptance_from_the_targets_drawn_probabilities():
@@ -205,3 +212,5 @@ def test_above_temperature_0_it_estimates_acceptance_from_the_targets_drawn_prob
     due = [min(1.0, d.lm.table[a, x] / p) for i, (a, x, p) in enumerate(zip(before, seq, probs)) if i != 4]
     assert sum(read.compared for read in reads) == d.compared == 5
     assert d.agreed == pytest.approx(sum(due), rel=1e-5) and 0 < d.agreed < 5
+    assert not d.marks and all(read.marks == () for read in reads)  # a draft's confidence in its own token is not
+    # read above temperature 0

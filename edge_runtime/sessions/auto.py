@@ -60,7 +60,7 @@ class AutoSession(TokenSession):
         """The reader's forwards since the last call, to the cost model (on this thread: it reads them)."""
         for read in self.reader.drain():
             self.auto.estimates.observe_catch_up(read.tokens, read.seconds)
-            self.auto.estimates.observe_agreement(read.agreed, read.compared)
+            self.auto.estimates.observe_agreement(read.agreed, read.compared, read.marks)
 
     def open(self, prompt: List[int]) -> None:
         """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost

@@ -27,7 +27,7 @@ this round's drafts, so the verified output keeps the target's law (any stopping
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -248,3 +248,35 @@ class DraftGate:
             return True
         self.since_probe += 1
         return False
+
+
+def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], depth: int,
+                        eta: float) -> Tuple[int, int, int]:
+    """(rounds, tokens committed, drafts sent) of greedy chains of up to `depth` drafts that η ends (HAT eq. 5: after
+    the first draft whose probability is below η, which is still sent) run over a text the draft model read: at
+    position i, `agreed[i]` whether its argmax was the text's token and `confidence[i]` that argmax's plain softmax
+    probability (sampling.softmax_prob). A round from position i drafts positions i, i + 1, ... while it agrees, its
+    context then the text's own, so its confidences are the text's; a round commits its accepted drafts and the
+    target's next token. Past its first rejected draft a chain goes on along its own text, which was not read: the
+    text's confidences there stand for its own (a stated approximation; what the round commits does not depend on
+    them, only what it sends). Only whole rounds count: the last, where the text ends before its drafts do, is left
+    out."""
+    if len(agreed) != len(confidence):
+        raise ValueError(f"{len(agreed)} agreements for {len(confidence)} confidences")
+    if depth < 1 or not 0.0 <= eta < 1.0:
+        raise ValueError(f"an η-chain needs depth >= 1 and η in [0, 1), got {depth}, {eta}")
+    n, i = len(agreed), 0
+    rounds = tokens = sent = 0
+    while True:
+        drafted, accepted = 0, None
+        while True:
+            if i + drafted >= n:
+                return rounds, tokens, sent
+            if accepted is None and not agreed[i + drafted]:
+                accepted = drafted  # the first rejected draft: the round commits those before it and the target's
+            drafted += 1
+            if drafted == depth or confidence[i + drafted - 1] < eta:
+                break
+        committed = (drafted if accepted is None else accepted) + 1
+        rounds, tokens, sent = rounds + 1, tokens + committed, sent + drafted
+        i += committed

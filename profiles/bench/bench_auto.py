@@ -362,7 +362,7 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
         trees[f"g{longest}_e{rt.config.auto_eta:g}"] = c.at_tree((longest, longest, 1), link, now)
     out["sd_trees"] = {name: p.tokens_per_s if p is not None else None for name, p in trees.items()}
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
-    out["sd_tree_parts"] = {name: _tree_parts(est, shape, trees[name]) for name, shape in
+    out["sd_tree_parts"] = {name: _tree_parts(est, shape, c.stop_eta(shape), trees[name]) for name, shape in
                             [(shape_name(*t), t) for t in c.trees]
                             + ([(f"g{longest}_e{rt.config.auto_eta:g}", (longest, longest, 1))]
                                if f"g{longest}_e{rt.config.auto_eta:g}" in trees else [])
@@ -386,14 +386,17 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     return out
 
 
-def _tree_parts(est, shape, pred) -> dict:
+def _tree_parts(est, shape, eta: float, pred) -> dict:
     """What a draft tree's price (`AutoController.at_tree`) was made of: the prediction's round (tokens, seconds,
-    bytes, cloud seconds) and the estimates behind it — its chain's expected tokens at the request's acceptance, the
-    ratio an η-ended chain's rounds bore to that, its draft steps and nodes sent a round, its round overhead — so a
-    trace tells which of them a wrong price came from."""
+    bytes, cloud seconds) and the estimates behind it — what the census's reads say an η-chain of its depth commits
+    and sends a round (`eta_chain_read`; None where they do not price it), else its chain's expected tokens at the
+    request's acceptance and the ratio an η-ended chain's rounds bore to that, its draft steps and nodes sent a round
+    as measured; its round overhead — so a trace tells which of them a wrong price came from."""
     from edge_runtime.auto_estimates import tree_key
 
-    return {**pred.as_dict(), "chain_tokens": est.chain_tokens("sd", shape[1]),
+    read = est.eta_chain_read(shape[1], eta) if shape[2] == 1 and eta > 0 else None
+    return {**pred.as_dict(), "census_read": list(read) if read else None,
+            "chain_tokens": est.chain_tokens("sd", shape[1]),
             "eta_ratio": est.eta_ratio(shape), "rounds": est.tree_rounds_of(shape),
             "steps": est.tree_steps_at(shape, pred.tokens_per_round), "sent": est.tree_sent_of(shape),
             "overhead_s": est.overhead(tree_key(shape)), "draft_step_s": est.draft_step()}
@@ -413,9 +416,9 @@ def summarise(rows: List[dict], phases: List[Phase], protocols: List[str]) -> di
     """Per phase and protocol: totals and medians over repetitions (n beside them); auto against the best fixed exact
     protocol; the cost model's error per phase for sd, ksqs, llm and the chain and draft-tree rows (`priced`): its
     prediction after that phase's auto request against the fixed protocol's measured tokens/s after the first reply
-    in the same repetition, each at the fixed protocol's knob: the median of the requests' absolute errors, and the phase's mean prediction over its mean
-    measurement − 1, signed — a bias, where a prompt's own acceptance, unknown to a protocol auto did not run on it,
-    spreads the former), and at the same request (`same_request_errors`)."""
+    in the same repetition, each at the fixed protocol's knob: the median of the requests' absolute errors, and the
+    phase's mean prediction over its mean measurement − 1, signed — a bias, where a prompt's own acceptance, unknown
+    to a protocol auto did not run on it, spreads the former), and at the same request (`same_request_errors`)."""
     out: Dict[str, dict] = {}
     for phase in [p.name for p in phases] + ["overall"]:
         sel = [r for r in rows if phase == "overall" or r["phase"] == phase]
