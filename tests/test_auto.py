@@ -1644,32 +1644,25 @@ def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps(
     sent, residual = 4, 0.2
     wall = sent * 0.02 + 0.06 + link.transfer_s(80 + sent * 60, 100) + residual
     est.observe_tree(shape, 5, sent * 0.02, 0.06, 80 + sent * 60, 100, wall, link, now=0.0, sent=sent)
-    assert est.overhead_s[key] == pytest.approx(residual) and est.overhead("sd") == 0.03  # each its own, the
-    # tree's one round priced pulled toward sd's as OVERHEAD_PRIOR_ROUNDS rounds (the η-chain runs little when idle)
-    priced = (residual + OVERHEAD_PRIOR_ROUNDS * 0.03) / (1 + OVERHEAD_PRIOR_ROUNDS)
-    assert est.overhead(key) == pytest.approx(priced)
+    assert est.overhead(key) == pytest.approx(residual) and est.overhead("sd") == 0.03  # each its own
     assert est.draft_step_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)  # the chain's drafts are draft steps
     assert est.tree_draft_steps[shape] == sent
     # priced at the 5 tokens a round it committed: η's drafts are in proportion to them (`tree_steps_at`), so the
     # 4 it drafted, whatever the request's acceptance does to its tokens a round between the two modes
     fast = c._at_tree(shape, link, est.curve(0.0), tokens=5.0)
     chain = c.at("sd", 4, link, now=0.0)
-    assert fast.round_s == pytest.approx(sent * est.draft_step_s + priced + 0.06 + link.transfer_s(
+    assert fast.round_s == pytest.approx(sent * est.draft_step_s + residual + 0.06 + link.transfer_s(
         80 + sent * 60, 100), rel=0.05)
     assert est.take_mode("MODE_15W") and key in est.restart  # the board's figure: measured again in this mode
     est.observe_sd(4, 4, 4 * 0.03, 0.06, 320, 100, 4 * 0.03 + 0.06 + 0.05, link, now=1.0)  # a slower draft step
     assert est.draft_step_s == pytest.approx(0.03)
     slow = c._at_tree(shape, link, est.curve(1.0), tokens=5.0)
-    moved = est.overhead(key) - priced  # its own the last mode's until measured here, pulled toward this mode's sd's
-    assert est.overhead_s[key] == pytest.approx(residual) and moved == pytest.approx(
-        OVERHEAD_PRIOR_ROUNDS * (est.overhead_s["sd"] - 0.03) / (1 + OVERHEAD_PRIOR_ROUNDS))
-    assert slow.round_s - fast.round_s == pytest.approx(sent * (0.03 - (0.8 * 0.01 + 0.2 * 0.02)) + moved)  # its
-    # drafting in this mode's steps
+    assert slow.round_s - fast.round_s == pytest.approx(sent * (0.03 - (0.8 * 0.01 + 0.2 * 0.02)))  # its drafting
+    # in this mode's steps; its overhead the last mode's until measured here, not the chains' of this mode
     assert c.at("sd", 4, link, now=1.0).round_s != pytest.approx(chain.round_s)
     est.observe_tree(shape, 5, sent * 0.03, 0.06, 80 + sent * 60, 100, wall + 0.5, link, now=1.0, sent=sent)
-    assert est.overhead_s[key] == pytest.approx(residual + 0.5 + sent * (0.02 - 0.03))  # replaced, not averaged
-    assert est.take_mode("MAXN") and est.overhead_s[key] == pytest.approx(residual)  # back: that mode's own
-    assert est.overhead(key) == pytest.approx(priced)
+    assert est.overhead(key) == pytest.approx(residual + 0.5 + sent * (0.02 - 0.03))  # replaced, not averaged
+    assert est.take_mode("MAXN") and est.overhead(key) == pytest.approx(residual)  # back: that mode's own
 
 
 def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send():

@@ -298,7 +298,8 @@ def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
     the trace's phases of the median |predicted − measured| / measured steady tokens/s against the fixed rows, n
     requests a phase. sd at the request's own α (what the model says given the acceptance) and at auto's α (its
     estimate before the request showed its own) — there also the phase's mean prediction over its mean measurement
-    − 1, signed (a bias; where recorded); ksqs (a sampled trace) at auto's. The summary `hat-bench resummarise`
+    − 1, signed (a bias; where recorded); ksqs (a sampled trace) at auto's; the draft-tree and η-chain rows at auto's
+    estimates (`rows`: both figures' least and most, where the trace priced them). The summary `hat-bench resummarise`
     recomputed from the trace's records when it holds one, else its own."""
     doc = json.loads(Path(path).read_text())
     summary = (doc.get("resummarised") or doc)["summary"]  # recomputed from its records by the current summariser
@@ -312,6 +313,14 @@ def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
         if seen:
             out[key] = {"min": min(e[field] for e in seen), "max": max(e[field] for e in seen),
                         "n_per_phase": min(e["n"] for e in seen), "phases": len(seen)}
+    rows = {}  # the chain and draft-tree rows (hat-bench auto's `priced`), at auto's estimates
+    for name in sorted({n for e in phases for n in e if n.startswith(("sd_g", "sd_t"))}):
+        seen = [e[name] for e in phases if name in e]
+        rows[name] = {f: {"min": min(e[f] for e in seen), "max": max(e[f] for e in seen)}
+                      for f in ("median_abs_error", "phase_mean_error")}
+        rows[name].update(n_per_phase=min(e["n"] for e in seen), phases=len(seen))
+    if rows:
+        out["rows"] = rows
     return out
 
 
@@ -329,7 +338,9 @@ def error_text(err: Dict[str, Any]) -> str:
         parts.append(f"sd {span(err['sd'])} at the request's α{autos}")
     if "ksqs_at_autos_alpha" in err:
         parts.append(f"ksqs {span(err['ksqs_at_autos_alpha'])} at auto's α")
-    n = min(e["n_per_phase"] for k, e in err.items() if isinstance(e, dict))
+    parts += [f"{name} {span(e['median_abs_error'])} at auto's (phase means {signed(e['phase_mean_error'])})"
+              for name, e in err.get("rows", {}).items()]
+    n = min(e["n_per_phase"] for k, e in err.items() if isinstance(e, dict) and "n_per_phase" in e)
     return (f"{', '.join(parts)} (median |predicted − measured| / measured tokens/s per phase, {err['phases']} "
             f"phases, n = {n} requests each; {err['record']}, ran on {err['ran_on'][:7]})")
 
