@@ -734,7 +734,8 @@ class AutoEstimates:
         reads and its own rounds of that chain as if ALPHA_BASE_ROUNDS rounds had read them. None above temperature
         0 (a draft's probability of its own token is then not read) or before the census requests gave
         ALPHA_BASE_ROUNDS rounds. Priced from the chain's own rounds on other prompts instead, an η-chain of 8 over
-        the links was 18-22 % slow a phase on average (docs/AUTO.md "The η-chain priced from the census's reads")."""
+        the links was 18-22 % slow a phase on average; from the reads, 3-19 % fast (docs/AUTO.md "The η-chain priced
+        from the census's reads")."""
         if self.kind != GREEDY:
             return None
         census = self.census_marks[:-1] if self.census else self.census_marks

@@ -6,9 +6,8 @@ draft tree for MEASURE_ROUNDS rounds before it chooses: 0.78–0.85 × the llm r
 What it keeps is what outlives a link and a cloud's load: the drafting protocols' acceptance per kind of sampling
 (the two models' agreement, the same on any hardware), the draft trees' tokens a round, the census requests' reads
 of the answers (each token's agreement and the draft's confidence: what an η-ended chain would do), the device's own
-times per
-power mode (draft step, catch-up, the device alone, round overheads and the rounds each was measured on), the
-frames' bytes and the rounds observed per protocol. A field added since version 1 (ADDED) may be absent: an older
+times per power mode (draft step, catch-up, the device alone, round overheads and the rounds each was measured on),
+the frames' bytes and the rounds observed per protocol. A field added since version 1 (ADDED) may be absent: an older
 record is read with it empty. What it does not keep is measured afresh by every runtime: the cloud's curve and load
 (the cloud reports them at each session's opening), the link's round trip and rate, the cloud's speed drift, what
 ran recently.

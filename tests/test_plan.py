@@ -63,12 +63,14 @@ def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
     err = doc["assumptions"]["model_error_here"]  # read from the trace named by plan.MODEL_ERROR
     assert err["record"] == MODEL_ERROR and err["phases"] == 7
     assert "sd_phase_mean_at_autos_alpha" in err  # the trace's resummarised summary holds the phases' bias
-    assert 0 < err["llm"]["min"] <= err["llm"]["max"] < 1 and err["sd"]["n_per_phase"] == 10
+    assert 0 < err["llm"]["min"] <= err["llm"]["max"] < 1 and err["sd"]["n_per_phase"] == 5
+    assert set(err["rows"]) == {"sd_g8_e0.4", "sd_t8d8w1_e0.4"}  # the η-chain's and the η-tree's rows beside them
     out_text = capsys.readouterr().out
     assert "ESTIMATES" in out_text and "hat shape" in out_text
     assert f"one {doc['gpu']} serves {fleet['devices_at_sla']} devices" in out_text
     assert "SpecEdge reports 2.22×" in out_text
-    assert "model error here: llm " in out_text and "n = 10 requests each" in out_text and "its phase means" in out_text
+    assert "model error here: llm " in out_text and "n = 5 requests each" in out_text and "its phase means" in out_text
+    assert "sd_t8d8w1_e0.4 7–20 % at auto's" in out_text
     assert main(["plan", "--gpu", "nope", "--out", str(out)]) == 2
 
 
