@@ -357,16 +357,14 @@ def _predictions(rt, link, prompt_tokens: int, draft_len: int) -> Dict[str, obje
     longest = auto_max_draft(rt.client.welcome.max_draft_len)
     by_gamma = [c.at("sd", g, link, now) for g in range(1, longest + 1)]
     out["sd_by_gamma"] = [p.tokens_per_s if p is not None else None for p in by_gamma]
-    trees = {shape_name(*t): c.at_tree(t, link, now) for t in c.trees}  # auto's tree candidates, as priced now
+    shapes = {shape_name(*t): t for t in c.trees}  # auto's tree candidates
     if rt.config.auto_eta and (longest, longest, 1) not in c.trees:  # and its η-chain (once measured)
-        trees[f"g{longest}_e{rt.config.auto_eta:g}"] = c.at_tree((longest, longest, 1), link, now)
+        shapes[f"g{longest}_e{rt.config.auto_eta:g}"] = (longest, longest, 1)
+    trees = {name: c.at_tree(t, link, now) for name, t in shapes.items()}  # as priced now
     out["sd_trees"] = {name: p.tokens_per_s if p is not None else None for name, p in trees.items()}
     est, curve = rt.auto_estimates, rt.auto_estimates.curve(now)
-    out["sd_tree_parts"] = {name: _tree_parts(est, shape, c.stop_eta(shape), trees[name]) for name, shape in
-                            [(shape_name(*t), t) for t in c.trees]
-                            + ([(f"g{longest}_e{rt.config.auto_eta:g}", (longest, longest, 1))]
-                               if f"g{longest}_e{rt.config.auto_eta:g}" in trees else [])
-                            if trees[name] is not None}
+    out["sd_tree_parts"] = {name: _tree_parts(est, shapes[name], c.stop_eta(shapes[name]), p)
+                            for name, p in trees.items() if p is not None}
     if preds["sd"] is not None and curve is not None:
         out["sd_by_alpha"] = [predict("sd", draft_len, prompt_tokens, link, est.device(c.shares_host, "sd"),
                                       est.cloud(curve, "sd"), est.wire(), a).tokens_per_s
