@@ -445,6 +445,19 @@ class AutoEstimates:
         own = self.acceptance.get((protocol, self.kind))
         return own.rounds if own is not None else 0
 
+    def census_chance(self, kind: str, share: float) -> float:
+        """The chance that a request beginning now, sampling as `kind`, is a census (EdgeConfig.auto_census =
+        `share`; 0: none ever). At temperature 0 the census's reads also price the η-chain (`eta_chain_read`) from
+        the pool of the last CENSUS_KEPT census answers: while that pool is not full, the share of it still empty when
+        that is larger (a device's first requests are all a census, a full pool is read at `share`). A pool of 6-7
+        answers of four prompts priced the η-chain 3-19 % fast a phase on one trace and 9-30 % slow on the next (docs/
+        AUTO.md "Three repetitions on `4417cc5`", "A larger census while the pool is small"). Above temperature 0
+        the reads move the prompts' α alone: `share`."""
+        if share <= 0 or kind != GREEDY:
+            return max(0.0, share)
+        held = sum(1 for m in self.census_marks if m)
+        return max(share, 1.0 - held / CENSUS_KEPT)
+
     def begin_request(self, kind: str = GREEDY, census: bool = False) -> None:
         """A new request sampling as `kind` (`sampling_kind`): its own acceptance starts from the prompts' prior;
         census: its reads of llm's tokens measure the prompts' acceptance (`census`)."""

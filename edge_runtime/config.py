@@ -321,8 +321,10 @@ class EdgeConfig:
                                  "whose draft model reads llm's tokens while the device waits even where sd could "
                                  "not win, and whose reads measure the prompts' acceptance (reads only where sd "
                                  "may win measure the promising prompts alone), so auto knows where sd would win "
-                                 "over links where nothing drafts (docs/AUTO.md \"A census of the prompts\"); the "
-                                 "cost: those reads' device energy; 0: none")
+                                 "over links where nothing drafts (docs/AUTO.md \"A census of the prompts\"); at "
+                                 "temperature 0 more while the pool of its last 32 answers is not full (the share "
+                                 "of it still empty: \"A larger census while the pool is small\"); the cost: those "
+                                 "reads' device energy; 0: none")
     auto_record: str = setting("", "protocol auto: a JSON file of what auto measured on this device (acceptance, the "
                                "draft's and the device's times per power mode, round overheads, bytes, draft trees' "
                                "figures; edge_runtime.auto_record), read as the estimates of a runtime that has none "

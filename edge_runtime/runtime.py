@@ -181,7 +181,8 @@ class EdgeRuntime:
         welcome, config = self.client.welcome, self.config
         self._auto_pair(welcome)
         # this prompt's acceptance starts from the recent prompts' that sampled as it does
-        self.auto_estimates.begin_request(sampling_kind(request.sampling), census=self._census())
+        kind = sampling_kind(request.sampling)
+        self.auto_estimates.begin_request(kind, census=self._census(kind))
         controller = AutoController(self.auto_estimates, auto_eligible(welcome.protocols, request.sampling),
                                     auto_max_draft(welcome.max_draft_len), config.llm_chunk, len(ids),
                                     shares_host=not config.overlaps_prefill, trees=tree_shapes(config, welcome),
@@ -234,10 +235,11 @@ class EdgeRuntime:
             rates[pick] = ema(rates.get(pick), rate)
         return result
 
-    def _census(self) -> bool:
-        """Whether the auto request beginning is a census of the prompts' acceptance (EdgeConfig.auto_census): drawn
-        at random, whatever its prompt."""
-        return self._census_draws.random() < self.config.auto_census
+    def _census(self, kind: str) -> bool:
+        """Whether the auto request beginning, sampling as `kind`, is a census of the prompts' acceptance: drawn at
+        random, whatever its prompt, at EdgeConfig.auto_census's share, more while the census's reads are few
+        (AutoEstimates.census_chance)."""
+        return self._census_draws.random() < self.auto_estimates.census_chance(kind, self.config.auto_census)
 
     def _auto_fixed(self, request: GenerationRequest, protocol: str, reason: str) -> GenerationResult:
         """An auto request run whole by one protocol, saying so and why."""

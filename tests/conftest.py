@@ -67,7 +67,7 @@ def _no_census(monkeypatch):
     the draw, so no request is one unless a test says so (monkeypatching EdgeRuntime._census itself)."""
     from edge_runtime.runtime import EdgeRuntime
 
-    monkeypatch.setattr(EdgeRuntime, "_census", lambda self: False)
+    monkeypatch.setattr(EdgeRuntime, "_census", lambda self, kind: False)
 
 
 @pytest.fixture(scope="session")

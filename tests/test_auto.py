@@ -189,6 +189,42 @@ def test_a_census_request_reads_whatever_the_prices_and_its_reads_measure_the_pr
             EdgeConfig(model="smollm2-135m", auto_census=bad)
 
 
+def test_a_device_with_few_census_answers_draws_more_census_requests_until_its_pool_is_full(monkeypatch):
+    """At temperature 0 the census's reads price the η-chain from the pool of its last CENSUS_KEPT answers: while
+    that pool is not full a request is a census with the chance of the pool's empty share, when that is above the
+    configured share; a full pool, or a request sampled above temperature 0, draws at the share itself; 0 turns the
+    census off whatever the pool. An empty census answer does not count. The runtime draws at that chance."""
+    from edge_runtime.auto_estimates import CENSUS_KEPT, AutoEstimates
+    from edge_runtime.config import EdgeConfig
+    from edge_runtime.runtime import EdgeRuntime
+
+    est = AutoEstimates()
+    assert est.census_chance(GREEDY, 0.25) == 1.0 and est.census_chance(GREEDY, 0.0) == 0.0
+    assert est.census_chance("T=1", 0.25) == 0.25
+    est.census_marks = [((i, True, 0.9),) for i in range(8)] + [()]
+    assert est.census_chance(GREEDY, 0.25) == pytest.approx(1 - 8 / CENSUS_KEPT)
+    assert est.census_chance(GREEDY, 0.9) == pytest.approx(0.9)
+    est.census_marks = [((i, True, 0.9),) for i in range(CENSUS_KEPT * 7 // 8)]
+    assert est.census_chance(GREEDY, 0.25) == pytest.approx(0.25) and est.census_chance(GREEDY, 0.0) == 0.0
+    est.census_marks = [((i, True, 0.9),) for i in range(CENSUS_KEPT)]
+    assert est.census_chance(GREEDY, 0.1) == pytest.approx(0.1) and est.census_chance("T=0.7", 0.1) == 0.1
+
+    class Draws:
+        def __init__(self, x):
+            self.x = x
+
+        def random(self):
+            return self.x
+
+    monkeypatch.undo()  # the runtime's own draw (tests/conftest.py holds it off)
+    rt = EdgeRuntime.__new__(EdgeRuntime)
+    rt.config = EdgeConfig(model="smollm2-135m", auto_census=0.25)
+    rt.auto_estimates = AutoEstimates(census_marks=[((i, True, 0.9),) for i in range(16)])
+    for x, greedy, sampled in ((0.2, True, True), (0.3, True, False), (0.49, True, False), (0.51, False, False)):
+        rt._census_draws = Draws(x)
+        assert rt._census(GREEDY) is greedy and rt._census("T=1") is sampled
+
+
 def test_a_census_reads_in_the_last_round_what_fits_in_it():
     """In the llm round that ends the request nothing will draft, so only a census reads then (its reads measure the
     prompts), and only what its priced catch-up reads within the round's predicted time: the request's end waits for
@@ -1299,7 +1335,7 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     for overlap, reach, census in (("on", True, False), ("off", True, False), ("on", False, False),
                                    ("on", False, True)):
         seen, reads, starts = [], [], []
-        monkeypatch.setattr(EdgeRuntime, "_census", lambda self, census=census: census)
+        monkeypatch.setattr(EdgeRuntime, "_census", lambda self, kind, census=census: census)
         monkeypatch.setattr(AutoController, "decide", _scripted(seen))
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
         monkeypatch.setattr(Drafter, "catch_up", lambda self, n, **kw: reads.append(
@@ -1344,7 +1380,7 @@ def test_a_census_reads_llms_tokens_to_the_last_round(smollm2, smollm2_server, m
     compared = {}
     for census, cost in ((True, 0.0), (True, 1e6), (False, 0.0)):
         seen, drafters = [], []
-        monkeypatch.setattr(EdgeRuntime, "_census", lambda self, census=census: census)
+        monkeypatch.setattr(EdgeRuntime, "_census", lambda self, kind, census=census: census)
         monkeypatch.setattr(AutoEstimates, "catch_up_cost", lambda self, tokens, cost=cost: cost)
         monkeypatch.setattr(AutoController, "decide", _scripted(seen, llm_rounds=10**6))
         monkeypatch.setattr(Drafter, "catch_up",

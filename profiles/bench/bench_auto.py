@@ -75,8 +75,8 @@ def add_parser(sub) -> None:
                    help="auto's η-chain (EdgeConfig.auto_eta; 0: none); default %(default)s")
     s.add_argument("--auto-census", type=float, default=DEFAULT_AUTO_CENSUS,
                    help="auto's census (EdgeConfig.auto_census): the share of its requests, drawn at random, whose "
-                        "reads of llm's tokens measure the prompts' acceptance (each row says whether it was one); "
-                        "default %(default)s")
+                        "reads of llm's tokens measure the prompts' acceptance (each row says whether it was one), "
+                        "more at temperature 0 while its pool of answers is not full; default %(default)s")
     s.add_argument("--load-devices", type=int, default=8)
     s.add_argument("--cut-s", type=float, default=10.0,
                    help="seconds a cut phase stalls the link for, from 0.5 s into each request (default %(default)s: "
