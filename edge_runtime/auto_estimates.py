@@ -4,10 +4,10 @@ hands it each round's figures.
 
   * the drafting protocols' acceptance α (sd's, and ksqs's: its drafts sampled from the lattice quantization of sd's
     rows), per kind of sampling (greedy, or the temperature and truncation: `sampling_kind`): accepted over examined
-    draft positions, each a moving average over rounds, the request's own drafts moving the prompts' average, and
-    both protocols' rounds one estimate of the prompt (`AutoEstimates.alpha_of`); the draft step t_d (the draft
-    model's seconds per draft) and the per-round overhead o per protocol and per draft tree shape (a round's wall
-    time less its draft, cloud and link parts and the wait the model prices);
+    draft positions, each a moving average over rounds, the request's own drafts moving the prompts' average
+    (edge_runtime.acceptance), and both protocols' rounds one estimate of the prompt (`AutoEstimates.alpha_of`);
+    the draft step t_d (the draft model's seconds per draft) and the per-round overhead o per protocol and per
+    draft tree shape (a round's wall time less its draft, cloud and link parts and the wait the model prices);
   * the cloud's step seconds by positions: its own rounds' compute (the verdict's `compute_s`, which includes the other
     sessions of the same steps) as a hat_split.math.chunking.DelayModel, over the cloud's reported curve
     (SessionOpened's CloudCost) where the device has no point of its own, every point moved by each step observed as
@@ -28,9 +28,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from edge_runtime.acceptance import (ALPHA_BASE_ROUNDS, ALPHA_PRIOR_DRAFTS, Acceptance, examined_of, population_ema,
+                                     pulled)
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, cadence_s, phase_wait
-from hat_split.math.draft_stop import eta_chain_over_text
+from hat_split.math.draft_stop import eta_chain_over_reads
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.verify import alpha_for_tokens, expected_tokens_beta
 from hat_split.wire import messages as P
@@ -49,25 +51,12 @@ DEVICE_FIGURES = frozenset(DEVICE_TIMES + DEVICE_OVERHEADS)
 TREE_KEY = "sd_tree "  # a draft tree's idle counter and round overhead: TREE_KEY + its shape (`tree_key`)
 MODE_RATIO_BOUNDS = (0.1, 10.0)  # the most one read may rescale the last mode's device times by (a forward that
 # another process on the device's cores stretched is not a board ten times slower)
-ALPHA_POPULATION = 0.98  # per drafting round: weight of the history in the prompts' acceptance (some 50 rounds,
-# six to ten requests: a prompt's α is its own, 0.6 to 1.0 here, and the prior of the next one is their mean; at 0.95
-# two easy prompts made it 1.00 and the next prompt, of α 0.76, drafted γ = 8)
-ALPHA_PRIOR_DRAFTS = 8.0  # drafts the prompts' acceptance counts as against a request's own
-ALPHA_BASE = 0.75  # the prompts' acceptance before any round, in the middle of the prompts' own here (0.55 to 1.00 on
-# the Qwen pair at T = 0, results/auto/trace_T0_lte_load_load-power.json) ...
 CENSUS_KEPT = 32  # census requests whose reads' marks are kept (AutoEstimates.census_marks): the prompts' answers
-ALPHA_BASE_ROUNDS = 4.0  # ... worth this many rounds against those measured: three all-accepted rounds of one easy
-# prompt on a fresh runtime read the prompts' α 1.00 without it, and the next prompt opened at γ 8 (0.86 with it);
-# a tree's tokens a round are pulled as much towards its chain's (`tree_tokens_per_round`)
 READ_HOPE_Z = 1.2816  # standard deviations above the mean of the belief of the prompt's α (its 90th percentile, the
 # belief taken as a normal) at which sd is priced to decide whether llm's tokens are worth reading (`alpha_hopeful`,
 # AutoController.worth_reading): at its mean only, a population of other prompts (α 0.69 against these prompts'
 # 0.76-0.85) kept sd out of reach, nothing was read and no request learned its own α (docs/AUTO.md "Reads while the
 # prompt may be easy")
-OPENING_RATIO = 0.85  # a request's first round (the answer's first tokens, hardest to draft) against its later ones:
-# the prior of the openings' acceptance, the prompts' times this, worth ALPHA_BASE_ROUNDS rounds against the openings
-# measured (`Acceptance.opening`). The Qwen pair's sd γ = 4 rows, T = 0: 0.67 on first rounds against 0.79-0.80 on
-# the rest, 0.83-0.85 of it in each of twelve traces in results/auto (bench_auto_6588b75.json: 56 requests)
 TREE_PRIOR_ROUNDS = 2.0  # rounds the prompts' tokens a round of a draft tree count as against a request's own (as
 # ALPHA_PRIOR_DRAFTS, some two rounds of drafts, for a chain's α): a prompt whose tree commits 2 a round where the
 # prompts' committed 5 ran it for 14 rounds over lte at 0.66 × llm, its moving average too slow to leave
@@ -85,113 +74,6 @@ PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
 
-def population_ema(old: Optional[float], new: float, rounds: int) -> float:
-    """The prompts' moving average (ALPHA_POPULATION) with its `rounds`-th round `new`: a plain mean over the first
-    1 / (1 − ALPHA_POPULATION) rounds, so that the first round is not most of the estimate for twenty rounds (a
-    tree's first round committing all 9 of its tokens held its tokens a round at 8–9 for requests whose rounds
-    committed 2–5: docs/AUTO.md "A tree's first round is not most of its average")."""
-    return ema(old, new, min(ALPHA_POPULATION, 1.0 - 1.0 / max(1, rounds)))
-
-
-def pulled(measured: float, rounds: float, prior: float, weight: Optional[float] = None) -> float:
-    """`measured` over `rounds` rounds, pulled toward `prior` as if `weight` rounds had read it (the prompts' α toward
-    ALPHA_BASE, the openings' toward OPENING_RATIO × the prompts', a tree's tokens a round toward its chain's and, at
-    an opening, its first rounds' toward its others'; a busy round overhead toward the idle one); `weight` None:
-    ALPHA_BASE_ROUNDS."""
-    weight = ALPHA_BASE_ROUNDS if weight is None else weight
-    return (rounds * measured + weight * prior) / (rounds + weight)
-
-
-@dataclass
-class Acceptance:
-    """A drafting protocol's acceptance: accepted and examined draft positions per round as moving averages
-    (ALPHA_POPULATION) over the prompts of recent requests — plain means over the first rounds, until there are
-    1 / (1 − ALPHA_POPULATION) of them, so the first round is not most of the estimate for twenty rounds — and the
-    request's own totals (`begin`)."""
-
-    accepted: Optional[float] = None
-    examined: Optional[float] = None
-    request_accepted: float = 0.0  # fractional: llm's tokens read above temperature 0 (observe_agreement)
-    request_examined: int = 0
-    rounds: int = 0
-    opening_accepted: Optional[float] = None  # the same averages over requests' first rounds only (`opening`)
-    opening_examined: Optional[float] = None
-    opening_rounds: int = 0
-
-    @property
-    def population(self) -> Optional[float]:
-        """The prompts' acceptance (the rounds of recent requests), pulled toward ALPHA_BASE as if ALPHA_BASE_ROUNDS
-        rounds had read it, against every round observed (the pull fades as the pair's rounds accumulate: 2 % after
-        200): a few rounds of one prompt are one prompt's, not the prompts'; None before a round."""
-        if self.examined is None or not self.examined > 0:
-            return None
-        measured = min(1.0, (self.accepted or 0.0) / self.examined)
-        return pulled(measured, self.rounds, ALPHA_BASE)
-
-    @property
-    def opening(self) -> Optional[float]:
-        """The prompts' acceptance on a request's first round, which drafts the answer's first tokens: the openings
-        measured (moving averages as the population's), pulled toward OPENING_RATIO times the prompts' acceptance as if
-        ALPHA_BASE_ROUNDS openings had read it; None before a round. A first round on these prompts accepts less
-        than the rest (half of them reject the first draft): priced at the prompts' α, a chain of 8 opened half the
-        requests under load where η's chain drafts one or two (a fixed chain of 8's first token came 0.19-0.97 s
-        after the η-chain row's there: docs/AUTO.md "The opening's own acceptance")."""
-        prompts = self.population
-        if prompts is None:
-            return None
-        prior = OPENING_RATIO * prompts
-        if not self.opening_examined:
-            return prior
-        measured = min(1.0, (self.opening_accepted or 0.0) / self.opening_examined)
-        return pulled(measured, self.opening_rounds, prior)
-
-    @property
-    def weight(self) -> float:
-        """Rounds the population's average stands for (its memory at most)."""
-        return min(float(self.rounds), 1.0 / (1.0 - ALPHA_POPULATION))
-
-    @property
-    def alpha(self) -> Optional[float]:
-        """The acceptance for the request running: the prompts' as a prior worth ALPHA_PRIOR_DRAFTS drafts, moved by
-        this request's own drafts (a prompt's α is its own: 0.6 to 1.0 here)."""
-        prior = self.population
-        if prior is None:
-            return None
-        return posterior(prior, self.request_accepted, self.request_examined)
-
-    def begin(self) -> None:
-        self.request_accepted = self.request_examined = 0
-
-    def observe(self, drafted: int, accepted: int, opening: bool = False) -> None:
-        """A round's drafts (`examined_of`); opening: the request's first round (`opening` as well)."""
-        examined = examined_of(drafted, accepted)
-        self.rounds += 1
-        self.accepted = population_ema(self.accepted, float(accepted), self.rounds)
-        self.examined = population_ema(self.examined, float(examined), self.rounds)
-        if opening:
-            self.opening_rounds += 1
-            self.opening_accepted = population_ema(self.opening_accepted, float(accepted), self.opening_rounds)
-            self.opening_examined = population_ema(self.opening_examined, float(examined), self.opening_rounds)
-        self.inform(accepted, examined)
-
-    def observe_read(self, accepted: float, examined: int) -> None:
-        """Tokens the draft model read on a census request (AutoEstimates.census): `examined` of llm's tokens, of which
-        its drafts would have had `accepted` accepted. They move the prompts' acceptance as a round's drafts do (each
-        read one round of the averages: a read of many tokens weighs as many drafts in their ratio), and the
-        request's; not the openings' (a read is not a first round)."""
-        self.rounds += 1
-        self.accepted = population_ema(self.accepted, float(accepted), self.rounds)
-        self.examined = population_ema(self.examined, float(examined), self.rounds)
-        self.inform(accepted, examined)
-
-    def inform(self, accepted: float, examined: float) -> None:
-        """Drafts of the request's prompt examined: they move the request's acceptance. A chain round of this
-        protocol (`observe`) moves the prompts' as well; llm's tokens read and a chain-shaped tree's rounds only
-        this."""
-        self.request_accepted += accepted
-        self.request_examined += examined
-
-
 def _ratio_of(measured: Optional[Tuple[float, float, int]], prior: float) -> float:
     """Tokens over their expectation (`AutoEstimates.eta_chain`'s moving averages and rounds), pulled toward `prior`
     as ALPHA_BASE_ROUNDS rounds; `prior` before any."""
@@ -199,30 +81,6 @@ def _ratio_of(measured: Optional[Tuple[float, float, int]], prior: float) -> flo
         return prior
     done, priced, rounds = measured
     return pulled(done / priced, rounds, prior)
-
-
-def _over_marks(reads: Sequence[Sequence[Tuple[int, bool, float]]], depth: int, eta: float) -> Tuple[int, int, int]:
-    """draft_stop.eta_chain_over_text summed over each read's stretches of consecutive positions (a drafting round
-    between two reads leaves a gap)."""
-    rounds = tokens = sent = 0
-    for read in reads:
-        start = 0
-        for i in range(1, len(read) + 1):
-            if i == len(read) or read[i][0] != read[i - 1][0] + 1:
-                r, t, n = eta_chain_over_text([m[1] for m in read[start:i]], [m[2] for m in read[start:i]], depth,
-                                              eta)
-                rounds, tokens, sent, start = rounds + r, tokens + t, sent + n, i
-    return rounds, tokens, sent
-
-
-def examined_of(drafted: int, accepted: int) -> int:
-    """A chain's draft positions examined in a round: the accepted ones and the first rejected, if any."""
-    return accepted + (accepted < drafted)
-
-
-def posterior(prior: float, accepted: float, examined: float) -> float:
-    """A request's acceptance: `prior` worth ALPHA_PRIOR_DRAFTS drafts, moved by the request's own drafts."""
-    return min(1.0, (ALPHA_PRIOR_DRAFTS * prior + accepted) / (ALPHA_PRIOR_DRAFTS + examined))
 
 
 @dataclass
@@ -754,11 +612,11 @@ class AutoEstimates:
         census = self.census_marks[:-1] if self.census else self.census_marks
         seen = (tuple(len(m) for m in census), census[0][:1] if census else ())  # what the pool holds now
         if self._census_read.get((depth, eta), (None,))[0] != seen:
-            self._census_read[(depth, eta)] = (seen, _over_marks(census, depth, eta))
+            self._census_read[(depth, eta)] = (seen, eta_chain_over_reads(census, depth, eta))
         rounds, tokens, sent = self._census_read[(depth, eta)][1]
         if rounds < ALPHA_BASE_ROUNDS:
             return None
-        mine, my_tokens, my_sent = _over_marks([self.request_marks], depth, eta)
+        mine, my_tokens, my_sent = eta_chain_over_reads([self.request_marks], depth, eta)
         done, ran = self.tree_request.get(((depth, depth, 1), self.kind), (0.0, 0))
         weight = ALPHA_BASE_ROUNDS / rounds
         return ((weight * tokens + my_tokens + done) / (ALPHA_BASE_ROUNDS + mine + ran),

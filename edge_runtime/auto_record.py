@@ -28,7 +28,8 @@ import math
 import os
 from typing import Any, Callable, Dict, List, Tuple
 
-from edge_runtime.auto_estimates import CENSUS_KEPT, DEVICE_TIMES, Acceptance, AutoEstimates, device_overhead
+from edge_runtime.acceptance import Acceptance
+from edge_runtime.auto_estimates import CENSUS_KEPT, DEVICE_TIMES, AutoEstimates, device_overhead
 from hat_split.files import strict_json
 from hat_split.files.atomic import write_json
 from hat_split.math.chunking import DelayModel

@@ -11,7 +11,8 @@ import math
 import pytest
 
 from edge_runtime.auto import PROBE_EVERY, SWITCH_GAIN, AutoController, Choice
-from edge_runtime.auto_estimates import GREEDY, OPENING_RATIO, OVERHEAD_PRIOR_ROUNDS, Acceptance, AutoEstimates
+from edge_runtime.acceptance import OPENING_RATIO, Acceptance
+from edge_runtime.auto_estimates import GREEDY, OVERHEAD_PRIOR_ROUNDS, AutoEstimates
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link, predict_tree
@@ -36,7 +37,7 @@ def _estimates(alpha: float, draft_s: float, step_1: float, step_9: float) -> Au
 
 def _pulled(measured: float, rounds: int) -> float:
     """The prompts' acceptance after `rounds` rounds that measured `measured`: ALPHA_BASE's pull, by hand."""
-    from edge_runtime.auto_estimates import ALPHA_BASE, ALPHA_BASE_ROUNDS
+    from edge_runtime.acceptance import ALPHA_BASE, ALPHA_BASE_ROUNDS
 
     return (rounds * measured + ALPHA_BASE_ROUNDS * ALPHA_BASE) / (rounds + ALPHA_BASE_ROUNDS)
 
@@ -160,7 +161,7 @@ def test_a_census_request_reads_whatever_the_prices_and_its_reads_measure_the_pr
     EdgeConfig.auto_census) reads whatever the prices, and its reads move the prompts' acceptance, a read of n tokens
     weighing as n drafts in its ratio; reads of a request that is not one move only its own α. Nothing drafting
     eligible: nothing read. A census is not an opening's figure. A bad census share is refused, the field named."""
-    from edge_runtime.auto_estimates import ALPHA_POPULATION
+    from edge_runtime.acceptance import ALPHA_POPULATION
     from edge_runtime.config import EdgeConfig
 
     est = _estimates(0.5, 0.3, step_1=0.05, step_9=0.1)
@@ -411,7 +412,8 @@ def test_ksqs_runs_where_sds_dense_rows_cost_the_uplink():
     request, then ksqs, whose acceptance is sd's until its own rounds say otherwise; over a slow uplink ksqs wins
     where sd's dense rows (2 V bytes) cost more than its quantization loses, over a free link sd does; at
     temperature 0 ksqs is not a candidate; a greedy request finds its own figures again."""
-    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS, RATIO_PRIOR_ROUNDS, sampling_kind
+    from edge_runtime.acceptance import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.auto_estimates import RATIO_PRIOR_ROUNDS, sampling_kind
     from edge_runtime.runtime import auto_eligible
     from hat_split.math.sampling import SamplingParams
 
@@ -455,7 +457,7 @@ def test_the_drafting_protocols_share_what_they_learn_of_a_prompt():
     """sd and ksqs draft with the same model on the same prompt: a few ksqs rounds on easy prompts (all accepted) do
     not make ksqs's acceptance 1.00 beside sd's long-measured 0.9 (their ratio is shrunk toward 1 and at most 1),
     and a hard prompt's sd rounds lower ksqs's acceptance too, before ksqs drafts on it."""
-    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.acceptance import ALPHA_PRIOR_DRAFTS
 
     est = AutoEstimates()
     for _ in range(40):  # sd over many prompts: 9 of 10 examined accepted
@@ -483,7 +485,7 @@ def test_each_prompt_has_its_own_acceptance_with_the_recent_prompts_as_prior():
     """α for a request: the recent prompts' acceptance (a slow moving average) as a prior worth ALPHA_PRIOR_DRAFTS
     drafts, moved by the request's own drafts; a new request starts from the prior again, not from the last prompt's
     end (prompts' α differ: a prompt of α 0.5 after prompts of α 1 says little of the next)."""
-    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.acceptance import ALPHA_PRIOR_DRAFTS
 
     est = AutoEstimates()
     assert est.alpha is None
@@ -507,7 +509,7 @@ def test_a_requests_first_round_is_priced_at_the_openings_acceptance():
     opening is read, moved by the openings read (plain means, then moving averages, as the prompts'), worth
     ALPHA_BASE_ROUNDS against them — and a tree's tokens a round its own first rounds'. Only a request's first round
     is an opening; llm's ends it as well (what sd drafts after it is not the answer's first tokens)."""
-    from edge_runtime.auto_estimates import ALPHA_BASE_ROUNDS
+    from edge_runtime.acceptance import ALPHA_BASE_ROUNDS
 
     est = _estimates(0.8, 0.02, step_1=0.2, step_9=0.22)
     sd = est.acceptance[("sd", GREEDY)]
@@ -626,7 +628,7 @@ def test_the_eta_chain_is_priced_at_its_chains_expectation_at_the_requests_alpha
     1.1 s) a request whose η-chain opening commits one token stays on the η-chain; on the code before, its tokens a
     round fell by a third at once (two rounds' prior against one) and a chain of 5 took over (the load+power phase,
     0.91-0.92× the η-chain's row in stop 80's traces)."""
-    from edge_runtime.auto_estimates import ALPHA_BASE_ROUNDS
+    from edge_runtime.acceptance import ALPHA_BASE_ROUNDS
 
     shape, link = (8, 8, 1), Link(0.004)
     est = _estimates(0.8, 0.12, step_1=1.0, step_9=1.1)
@@ -679,12 +681,14 @@ def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatc
     without ALPHA_BASE's pull, and the next prompt (of its own α) opened at γ 8 on a board where drafting costs (a
     bench run under load: its first round 1 s later than fixed sd's γ 4). With the pull it opens at a middle γ; the
     same estimates without it choose γ 8 (the test can fail)."""
+    import edge_runtime.acceptance as acceptance
     import edge_runtime.auto_estimates as estimates
 
-    monkeypatch.setattr(estimates, "OPENING_RATIO", 1.0)  # the openings' own acceptance aside (tested on its own)
+    monkeypatch.setattr(acceptance, "OPENING_RATIO", 1.0)  # the openings' own acceptance aside (tested on its own)
 
     def opening(base_rounds: float) -> Choice:
-        monkeypatch.setattr(estimates, "ALPHA_BASE_ROUNDS", base_rounds)
+        for module in (acceptance, estimates):  # the prompts' α's pull, and a tree's toward its chain's
+            monkeypatch.setattr(module, "ALPHA_BASE_ROUNDS", base_rounds)
         est = _estimates(0.5, 0.08, step_1=0.2, step_9=0.22)  # a slow draft step, a verify near a decode's cost
         est.acceptance[("sd", GREEDY)] = Acceptance()
         for _ in range(3):  # one easy prompt: 4 of 4 accepted
@@ -700,7 +704,7 @@ def test_one_easy_prompt_does_not_make_the_prompts_acceptance_certain(monkeypatc
 def test_the_first_rounds_are_averaged_not_the_first_one_kept():
     """A moving average that starts at its first observation keeps most of it for some twenty rounds: a first round
     of 0 accepted then 4 of 4 twice read α 0.17 (measured in a bench run). The first rounds are plain means."""
-    from edge_runtime.auto_estimates import posterior
+    from edge_runtime.acceptance import posterior
 
     a = Acceptance()
     for accepted in (0, 4, 4):
@@ -1640,7 +1644,7 @@ def test_the_eta_chains_drafts_move_the_requests_acceptance_of_sds_chains():
     """A prompt auto runs on the η-chain teaches sd's chains its acceptance: each round's accepted nodes, and the
     first rejected, count as the request's own drafts (the prompts' stay the chains'). A tree of width > 1 teaches
     no chain; an accepted count the round cannot hold is refused before anything is kept."""
-    from edge_runtime.auto_estimates import ALPHA_PRIOR_DRAFTS
+    from edge_runtime.acceptance import ALPHA_PRIOR_DRAFTS
 
     eta_chain, wide, link = (8, 8, 1), (8, 4, 2), Link(0.1)
     est = _estimates(0.6, 0.01, step_1=0.05, step_9=0.06)
@@ -1793,7 +1797,7 @@ def _chain(est: AutoEstimates, depth: int) -> float:
 def _pulled_tree(est: AutoEstimates, shape) -> float:
     """The prompts' tokens a round of `shape` pulled towards the chain of its depth at the request's α, worth
     ALPHA_BASE_ROUNDS rounds against the tree's own (AutoEstimates.tree_tokens_per_round), by hand."""
-    from edge_runtime.auto_estimates import ALPHA_BASE_ROUNDS
+    from edge_runtime.acceptance import ALPHA_BASE_ROUNDS
 
     n, chain = est.tree_rounds_of(shape), _chain(est, shape[1])
     return (n * est.tree_tokens[(shape, est.kind)] + ALPHA_BASE_ROUNDS * chain) / (n + ALPHA_BASE_ROUNDS)
@@ -1850,7 +1854,7 @@ def test_a_trees_first_round_is_not_most_of_its_average():
     first round that committed all 9 tokens, then rounds of 3, read 4.2 after five rounds, where a moving average
     started at the first round (weight 0.98 on the history) read 8.6 — under load auto opened requests on the tree
     at 8–9 tokens a round where they then committed 2–5. The nodes a round sends likewise."""
-    from edge_runtime.auto_estimates import ALPHA_POPULATION, population_ema
+    from edge_runtime.acceptance import ALPHA_POPULATION, population_ema
 
     shape = (16, 8, 2)  # a wide tree (a chain-shaped one is priced at its chain's α: tested apart)
     est = _estimates(0.8, 0.005, step_1=0.05, step_9=0.06)
@@ -2032,7 +2036,7 @@ def test_a_chain_is_priced_over_the_prompts_it_may_be_not_at_their_mean():
     the same either way (E is linear in α there), and the mean α is unchanged (`posterior`)."""
     import random
 
-    from edge_runtime.auto_estimates import posterior
+    from edge_runtime.acceptance import posterior
 
     rng = random.Random(3)
     prompts = (1.0, 0.88, 0.72, 0.62)

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from edge_runtime.auto import AutoController
-from edge_runtime.auto_estimates import GREEDY, Acceptance, AutoEstimates
+from edge_runtime.acceptance import Acceptance
+from edge_runtime.auto_estimates import GREEDY, AutoEstimates
 from edge_runtime.auto_record import ADDED, RECORDED, RecordError, RecordFile, pair_key, restore, to_record
 from hat_split.files import strict_json
 from hat_split.math.chunking import DelayModel

@@ -156,3 +156,18 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
         eta_chain_over_text([True], [0.5], 0, 0.4)
     with pytest.raises(ValueError, match="η in"):
         eta_chain_over_text([True], [0.5], 8, float("nan"))
+
+
+def test_an_eta_chain_over_reads_runs_over_each_stretch_of_consecutive_positions_apart():
+    """By hand. One read of 10 consecutive sure, agreed positions at depth 4: two whole rounds (the text's end cuts
+    the third). The same 10 marks with a gap after position 4 (a drafting round between two reads) are two stretches
+    of 5: each one whole round of 4 drafts and 5 tokens, none across the gap. Two reads sum; no reads, nothing."""
+    from hat_split.math.draft_stop import eta_chain_over_reads
+
+    whole = [(p, True, 0.9) for p in range(10)]
+    assert eta_chain_over_reads([whole], 4, 0.4) == (2, 10, 8)
+    gapped = [(p, True, 0.9) for p in range(5)] + [(p, True, 0.9) for p in range(9, 14)]
+    assert eta_chain_over_reads([gapped], 4, 0.4) == (2, 10, 8)
+    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == (2, 10, 8)
+    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == (1, 5, 4)  # 3 marks: no whole round
+    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == (0, 0, 0)

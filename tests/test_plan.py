@@ -181,8 +181,38 @@ def test_auto_at_sla_takes_the_candidate_that_keeps_the_pace_for_the_most_device
                for name, knobs in (("llm", (8,)), ("sd", range(1, 9))) for k in knobs}
     assert fleet["devices_at_sla"] == max(by_hand.values()) > by_hand["llm", 8]
     assert by_hand[fleet["protocol"], fleet["knob"]] == fleet["devices_at_sla"]
+    assert fleet["joules_per_token"] is None and fleet["census_joules_per_token"] is None  # no watts known
     with pytest.raises(ValueError, match="no exact protocol"):
         auto_at_sla(price, steps, g1, 1.0, 0.05, [])
+
+
+def test_auto_at_sla_prices_its_census_reads_energy_where_llm_runs():
+    """By hand: a device of 10 W whose prefill position takes 1 ms. Where auto runs llm, a quarter of its requests
+    are a census whose draft model reads each token as a prefill position: 0.25 × 1 ms × 10 W = 2.5 mJ a token on
+    top of llm's own; where sd runs, its drafts are its reads (nothing added); no census, nothing added. A census
+    share outside [0, 1] is refused by the plan, the option named."""
+    from dataclasses import replace
+
+    from hat_split.math.costmodel import DeviceCosts, Link, WireSizes
+    from profiles.bench.plan import Pricing, defaults, plan
+
+    dev = DeviceCosts(draft_step_s=0.002, local_step_s=0.002, prefill_s=0.001, round_s=0.0005, split_step_s=0.001,
+                      hat_draft_s=0.001, hat_verify_s=0.001, watts=10.0)
+    price = Pricing(16, Link(0.01, 1e8, 1e8), dev, WireSizes(100.0, 8.0, 100.0, 4.0, 3072.0), 0.9, 0.5)
+    steps, g1 = _Steps(), 0.001
+    own = price.at("llm", 8, price_cloud(steps, g1)).joules_per_token
+    llm = auto_at_sla(price, steps, g1, 1.0, 0.05, ["llm"], census=0.25)
+    assert llm["census_joules_per_token"] == pytest.approx(0.0025)
+    assert llm["joules_per_token"] == pytest.approx(own + 0.0025) and own > 0
+    assert auto_at_sla(price, steps, g1, 1.0, 0.05, ["llm"])["joules_per_token"] == pytest.approx(own)
+    sd = auto_at_sla(price, steps, g1, 1.0, 0.05, ["llm", "sd"], census=0.25)
+    assert sd["protocol"] == "sd" and sd["census_joules_per_token"] == 0.0
+    assert sd["joules_per_token"] == pytest.approx(price.at("sd", sd["knob"], price_cloud(steps, g1)).joules_per_token)
+    cold = auto_at_sla(replace(price, device=replace(dev, watts=0.0)), steps, g1, 1.0, 0.05, ["llm"], census=0.25)
+    assert cold["joules_per_token"] is None
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--auto-census must be in"):
+            plan(defaults(auto_census=bad))
 
 
 def price_cloud(steps, g1):

@@ -280,3 +280,19 @@ def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], dep
         committed = (drafted if accepted is None else accepted) + 1
         rounds, tokens, sent = rounds + 1, tokens + committed, sent + drafted
         i += committed
+
+
+def eta_chain_over_reads(reads: Sequence[Sequence[Tuple[int, bool, float]]], depth: int,
+                         eta: float) -> Tuple[int, int, int]:
+    """`eta_chain_over_text` summed over reads, each a sequence of (position, agreed, confidence) marks, and within
+    a read over each stretch of consecutive positions apart (a drafting round between two reads leaves a gap, and no
+    chain runs across it)."""
+    rounds = tokens = sent = 0
+    for read in reads:
+        start = 0
+        for i in range(1, len(read) + 1):
+            if i == len(read) or read[i][0] != read[i - 1][0] + 1:
+                r, t, n = eta_chain_over_text([m[1] for m in read[start:i]], [m[2] for m in read[start:i]], depth,
+                                              eta)
+                rounds, tokens, sent, start = rounds + r, tokens + t, sent + n, i
+    return rounds, tokens, sent

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from edge_runtime.auto import AUTO_TOKEN
+from edge_runtime.config import EdgeConfig
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                       predict_hat_tree, predict_tree)
 from hat_split.math.verify import alpha_for_tokens
@@ -85,6 +86,9 @@ def add_parser(sub) -> None:
                         "%(default)s)")
     s.add_argument("--prompt-tokens", type=int, default=128)
     s.add_argument("--sla-tbt-ms", type=float, default=100.0, help="mean time between tokens per device at most")
+    s.add_argument("--auto-census", type=float, default=EdgeConfig.__dataclass_fields__["auto_census"].default,
+                   help="auto's census share once its pool is full (EdgeConfig.auto_census): its reads' energy in "
+                        "auto's J/token where llm runs; default %(default)s")
     s.add_argument("--out", default="runs/plan/plan.json", help="the JSON (a PNG beside it)")
 
 
@@ -166,6 +170,8 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     from hardware.device_profiles import cloud_gpus, get_profile
     from testbed.links import get_link_profile
 
+    if not 0.0 <= args.auto_census <= 1.0:  # NaN too
+        raise ValueError(f"--auto-census must be in [0, 1], got {args.auto_census}")
     device, gpus, link_profile = get_profile(args.device), cloud_gpus(), get_link_profile(args.link)
     if args.gpu not in gpus:
         raise ValueError(f"unknown GPU {args.gpu!r}; hardware/cloud_gpus.toml has {', '.join(gpus)}")
@@ -211,7 +217,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                                                   args.sla_tbt_ms / 1e3)
         rows.append({**pred.as_dict(), "devices_at_sla": cap})
     fleet = auto_at_sla(price, steps, g1, middle, args.sla_tbt_ms / 1e3,
-                        [r["protocol"] for r in rows if r["protocol"] in AUTO_TOKEN])
+                        [r["protocol"] for r in rows if r["protocol"] in AUTO_TOKEN], args.auto_census)
     llm_cap = next(r["devices_at_sla"] for r in rows if r["protocol"] == "llm")
     fleet["over_llm"] = fleet["devices_at_sla"] / llm_cap if llm_cap else None
     trees = []
@@ -271,13 +277,16 @@ class Pricing:
 
 
 def auto_at_sla(price: Pricing, steps: "GpuSteps", g1: float, middle: float, sla_s: float,
-                names: List[str]) -> Dict[str, Any]:
+                names: List[str], census: float = 0.0) -> Dict[str, Any]:
     """`auto` on every device of a fleet under one SLA (a request's pace 1 / sla_s): each device runs the exact
     protocol and knob whose token adds the least cloud compute while it keeps the pace, and the fleet that chooses
     alike is served longest by the candidate (any of `names` — the token protocols auto runs for a request that is
     not private — at any knob: sd and ksqs at γ 1..8, llm in chunks of 8) that keeps the pace for the most devices.
     Its choice, the devices it serves, and its cloud compute a token for one device (ties: the less cloud
-    compute)."""
+    compute); its device energy a token where the device's watts are known, with its census's (`census`: the share
+    of requests whose draft model reads llm's tokens, EdgeConfig.auto_census once the census's pool is full): where
+    llm runs, a census request's draft model reads each token as a prefill position (the device's `prefill_s`),
+    where a drafting protocol runs its drafts are its reads."""
     best: Optional[Tuple[int, float, Prediction]] = None
     for name in names:
         knobs = range(1, 9) if name in ("sd", "ksqs", "hat") else (8 if name == "llm" else 0,)
@@ -289,8 +298,12 @@ def auto_at_sla(price: Pricing, steps: "GpuSteps", g1: float, middle: float, sla
     if best is None:
         raise ValueError("no exact protocol to choose among")
     cap, _, pred = best
+    reads = census * price.device.prefill_s * price.device.watts if pred.protocol == "llm" else 0.0
+    joules = None if pred.joules_per_token is None else pred.joules_per_token + reads
     return {"protocol": pred.protocol, "knob": pred.knob, "devices_at_sla": cap,
-            "cloud_s_per_token": pred.cloud_s_per_token, "tokens_per_s_alone": pred.tokens_per_s}
+            "cloud_s_per_token": pred.cloud_s_per_token, "tokens_per_s_alone": pred.tokens_per_s,
+            "joules_per_token": joules, "census_joules_per_token": reads if joules is not None else None,
+            "census": census}
 
 
 def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
@@ -548,8 +561,10 @@ def run(args: argparse.Namespace) -> int:
     over = "" if f["over_llm"] is None else f" ({f['over_llm']:.2f}× llm's; SpecEdge reports {SPECEDGE_CAPACITY}× " \
                                             "server throughput)"
     knob = f" γ={f['knob']}" if f["protocol"] in ("sd", "ksqs", "hat") else ""
+    joules = "" if f["joules_per_token"] is None else \
+        f", {f['joules_per_token']:.3f} J a token ({f['census_joules_per_token']:.3f} of it its census's reads)"
     print(f"auto at TBT ≤ {doc['sla_tbt_ms']:.0f} ms: every device runs {f['protocol']}{knob}"
-          f", {1e3 * f['cloud_s_per_token']:.2f} ms of cloud a token; one {doc['gpu']} serves "
+          f", {1e3 * f['cloud_s_per_token']:.2f} ms of cloud a token{joules}; one {doc['gpu']} serves "
           f"{f['devices_at_sla']} devices{over}")
     print(f"wrote {args.out}{'; ' + note if note else ' and its PNG'}")
     return 0
