@@ -209,6 +209,7 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
     "tree_opening": _table(TREE, _tuple(TOKENS, _count)),
     "eta_chain": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
     "eta_opening": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
+    "eta_tail": _table(TREE, _tuple(TOKENS, _count)),
     "census_marks": _marks,
 }
 ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since version 1, each with its value where a
@@ -216,6 +217,7 @@ ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since versio
     "mode_rounds": dict,
     "draft_step_busy_s": lambda: None,  # an older record's draft step was measured in either state
     "census_marks": list,
+    "eta_tail": dict,
 }
 
 

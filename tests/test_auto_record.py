@@ -42,6 +42,7 @@ def _learned() -> AutoEstimates:
     est.tree_tokens[key], est.tree_draft_steps[SHAPE], est.tree_step_tokens[SHAPE] = 3.4, 5.2, 3.3
     est.tree_up_per_node[key], est.tree_rounds[key], est.tree_sent[key] = 6.0, 9, 5.1
     est.tree_opening[key], est.eta_chain[key], est.eta_opening[key] = (2.2, 4), (3.4, 3.1, 9), (2.0, 2.4, 3)
+    est.eta_tail[key] = (0.7, 5)  # the η-chain's drafts past a rejected one
     est.census_marks = [((40, True, 0.9), (41, False, 0.35)), ((7, True, 1.0),)]  # the census requests' reads
     est.observed.observe(1, 0.1)  # the cloud's and the link's: not kept
     est.uplink_bps, est.idle = 1e6, {"llm": 30}
@@ -99,6 +100,8 @@ def test_a_record_restores_every_figure_it_keeps_and_nothing_of_the_cloud_or_lin
     ("census_marks", [[[-1, True, 0.5]]], "census_marks[0][0][0]"),
     ("census_marks", [[[40, True, 0.5]], 3], "census_marks[1]"),
     ("census_marks", [[]] * 33, "census_marks"),
+    ("eta_tail", [[[[8, 8, 1], "greedy"], [0.7, -1]]], "eta_tail[0].value[1]"),
+    ("eta_tail", [[[[8, 8, 1], "greedy"], [float("nan"), 2]]], "eta_tail[0].value[0]"),
 ])
 def test_a_bad_field_is_refused_by_name_and_the_estimates_are_untouched(field, value, named):
     record = _through_a_file(to_record(_learned()))

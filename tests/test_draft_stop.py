@@ -142,14 +142,15 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
     position 1 ends what the round commits (2: one accepted and the target's), not what it sends: its drafts go on
     (on the text's confidences, standing for its own) until the first below η, position 2, still sent (3 drafts);
     the next round, from position 2, drafts that one alone (0.3 < η), accepted: 2 tokens, 1 sent; the third, from 4,
-    reaches the text's end before its drafts do: left out."""
-    assert eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4) == (2, 10, 8)
+    reaches the text's end before its drafts do: left out. Beside them, the rounds with a rejected draft and the
+    drafts sent past it (the part the text's confidences stand in for)."""
+    assert eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4) == (2, 10, 8, 0, 0)
     agreed = [True, False, True, True, True, True, True, True]
     sure = [0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]
-    assert eta_chain_over_text(agreed, sure, 8, 0.4) == (2, 4, 4)
-    assert eta_chain_over_text(agreed, sure, 8, 0.0) == (1, 2, 8)  # without η: one round of all 8 drafts
-    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == (3, 3, 3)  # each draft rejected, each below η
-    assert eta_chain_over_text([], [], 8, 0.4) == (0, 0, 0)
+    assert eta_chain_over_text(agreed, sure, 8, 0.4) == (2, 4, 4, 1, 1)  # one draft past the rejected
+    assert eta_chain_over_text(agreed, sure, 8, 0.0) == (1, 2, 8, 1, 6)  # without η: one round of all 8 drafts
+    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == (3, 3, 3, 3, 0)  # each rejected, each below η
+    assert eta_chain_over_text([], [], 8, 0.4) == (0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="2 agreements for 1"):
         eta_chain_over_text([True, True], [0.5], 8, 0.4)
     with pytest.raises(ValueError, match="depth >= 1"):
@@ -165,9 +166,9 @@ def test_an_eta_chain_over_reads_runs_over_each_stretch_of_consecutive_positions
     from hat_split.math.draft_stop import eta_chain_over_reads
 
     whole = [(p, True, 0.9) for p in range(10)]
-    assert eta_chain_over_reads([whole], 4, 0.4) == (2, 10, 8)
+    assert eta_chain_over_reads([whole], 4, 0.4) == (2, 10, 8, 0, 0)
     gapped = [(p, True, 0.9) for p in range(5)] + [(p, True, 0.9) for p in range(9, 14)]
-    assert eta_chain_over_reads([gapped], 4, 0.4) == (2, 10, 8)
-    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == (2, 10, 8)
-    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == (1, 5, 4)  # 3 marks: no whole round
-    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == (0, 0, 0)
+    assert eta_chain_over_reads([gapped], 4, 0.4) == (2, 10, 8, 0, 0)
+    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == (2, 10, 8, 0, 0)
+    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == (1, 5, 4, 0, 0)  # 3 marks: no whole round
+    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == (0, 0, 0, 0, 0)

@@ -251,48 +251,51 @@ class DraftGate:
 
 
 def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], depth: int,
-                        eta: float) -> Tuple[int, int, int]:
-    """(rounds, tokens committed, drafts sent) of greedy chains of up to `depth` drafts that η ends (HAT eq. 5: after
-    the first draft whose probability is below η, which is still sent) run over a text the draft model read: at
-    position i, `agreed[i]` whether its argmax was the text's token and `confidence[i]` that argmax's plain softmax
-    probability (sampling.softmax_prob). A round from position i drafts positions i, i + 1, ... while it agrees, its
-    context then the text's own, so its confidences are the text's; a round commits its accepted drafts and the
-    target's next token. Past its first rejected draft a chain goes on along its own text, which was not read: the
-    text's confidences there stand for its own (a stated approximation; what the round commits does not depend on
-    them, only what it sends). Only whole rounds count: the last, where the text ends before its drafts do, is left
-    out."""
+                        eta: float) -> Tuple[int, int, int, int, int]:
+    """(rounds, tokens committed, drafts sent, rounds with a rejected draft, drafts sent past their first rejected
+    one) of greedy chains of up to `depth` drafts that η ends (HAT eq. 5: after the first draft whose probability is
+    below η, which is still sent) run over a text the draft model read: at position i, `agreed[i]` whether its
+    argmax was the text's token and `confidence[i]` that argmax's plain softmax probability
+    (sampling.softmax_prob). A round from position i drafts positions i, i + 1, ... while it agrees, its context
+    then the text's own, so its confidences are the text's; a round commits its accepted drafts and the target's
+    next token. Past its first rejected draft a chain goes on along its own text, which was not read: the text's
+    confidences there stand for its own (a stated approximation; what the round commits does not depend on them,
+    only what it sends past the rejection, counted apart so a caller may price that part from the chain's own
+    rounds). Only whole rounds count: the last, where the text ends before its drafts do, is left out."""
     if len(agreed) != len(confidence):
         raise ValueError(f"{len(agreed)} agreements for {len(confidence)} confidences")
     if depth < 1 or not 0.0 <= eta < 1.0:
         raise ValueError(f"an η-chain needs depth >= 1 and η in [0, 1), got {depth}, {eta}")
     n, i = len(agreed), 0
-    rounds = tokens = sent = 0
+    rounds = tokens = sent = rejected = tail = 0
     while True:
         drafted, accepted = 0, None
         while True:
             if i + drafted >= n:
-                return rounds, tokens, sent
+                return rounds, tokens, sent, rejected, tail
             if accepted is None and not agreed[i + drafted]:
                 accepted = drafted  # the first rejected draft: the round commits those before it and the target's
             drafted += 1
             if drafted == depth or confidence[i + drafted - 1] < eta:
                 break
+        if accepted is not None:
+            rejected, tail = rejected + 1, tail + drafted - accepted - 1
         committed = (drafted if accepted is None else accepted) + 1
         rounds, tokens, sent = rounds + 1, tokens + committed, sent + drafted
         i += committed
 
 
 def eta_chain_over_reads(reads: Sequence[Sequence[Tuple[int, bool, float]]], depth: int,
-                         eta: float) -> Tuple[int, int, int]:
-    """`eta_chain_over_text` summed over reads, each a sequence of (position, agreed, confidence) marks, and within
-    a read over each stretch of consecutive positions apart (a drafting round between two reads leaves a gap, and no
-    chain runs across it)."""
-    rounds = tokens = sent = 0
+                         eta: float) -> Tuple[int, int, int, int, int]:
+    """`eta_chain_over_text`'s five counts summed over reads, each a sequence of (position, agreed, confidence)
+    marks, and within a read over each stretch of consecutive positions apart (a drafting round between two reads
+    leaves a gap, and no chain runs across it)."""
+    total = (0, 0, 0, 0, 0)
     for read in reads:
         start = 0
         for i in range(1, len(read) + 1):
             if i == len(read) or read[i][0] != read[i - 1][0] + 1:
-                r, t, n = eta_chain_over_text([m[1] for m in read[start:i]], [m[2] for m in read[start:i]], depth,
-                                              eta)
-                rounds, tokens, sent, start = rounds + r, tokens + t, sent + n, i
-    return rounds, tokens, sent
+                counts = eta_chain_over_text([m[1] for m in read[start:i]], [m[2] for m in read[start:i]], depth,
+                                             eta)
+                total, start = tuple(a + b for a, b in zip(total, counts)), i
+    return total
