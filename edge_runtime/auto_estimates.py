@@ -163,8 +163,8 @@ class AutoEstimates:
     eta_opening: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # ... and the same
     # over those (priced at the openings' α)
     eta_tail: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # ... and over its rounds
-    # with a rejected draft, the drafts they sent past it (a moving average as `tree_tokens`) and how many such rounds:
-    # what the reads cannot see (`eta_chain_read`)
+    # that went on past a rejected draft, the drafts they sent past it (a moving average as `tree_tokens`) and how
+    # many such rounds: what the reads cannot see (`eta_chain_read`)
     census_marks: List[Tuple[Tuple[int, bool, float], ...]] = field(default_factory=list)  # the last CENSUS_KEPT
     # census requests' reads at temperature 0, each its Drafter.marks: what an η-ended chain would have done over the
     # prompts' answers (`eta_chain_read`)
@@ -534,7 +534,7 @@ class AutoEstimates:
                            rounds + 1)
         if accepted is None:
             accepted = min(nodes, tokens - 1)
-        if accepted < nodes:  # drafts sent past the rejected one: the draft's confidence on its own text
+        if nodes > accepted + 1:  # it went on past its rejected draft: the draft's confidence on its own text
             mean, rounds = self.eta_tail.get(key, (None, 0))
             self.eta_tail[key] = (population_ema(mean, float(nodes - accepted - 1), rounds + 1), rounds + 1)
         self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
@@ -612,30 +612,32 @@ class AutoEstimates:
         0 (a draft's probability of its own token is then not read) or before the census requests gave
         ALPHA_BASE_ROUNDS rounds. Priced from the chain's own rounds on other prompts instead, an η-chain of 8 over
         the links was 18-22 % slow a phase on average; from the reads, 3-19 % fast (docs/AUTO.md "The η-chain priced
-        from the census's reads"). The drafts a round sends past its first rejected one are the chain's own rounds'
+        from the census's reads"). Whether a round goes on past its first rejected draft the reads say exactly (that
+        draft's own confidence is read); what one that goes on sends past it is the chain's own such rounds'
         (`eta_tail`), the reads' as their prior worth ALPHA_BASE_ROUNDS rounds: past a rejection the reads know only
-        the text's confidences, not the draft's on its own text, and on the Qwen pair they said 2.1 drafts a rejected
-        round where the chain's rounds sent fewer (docs/AUTO.md "What a chain sends past its rejection")."""
+        the text's confidences, not the draft's on its own text. Priced at one mean tail for every rejected round, a
+        hard prompt's rounds, which mostly end at their rejected draft (η), were priced at 3.5 drafts where they sent
+        2.7 (docs/AUTO.md "What a chain sends past its rejection")."""
         if self.kind != GREEDY:
             return None
         census = self.census_marks[:-1] if self.census else self.census_marks
         seen = (tuple(len(m) for m in census), census[0][:1] if census else ())  # what the pool holds now
         if self._census_read.get((depth, eta), (None,))[0] != seen:
             self._census_read[(depth, eta)] = (seen, eta_chain_over_reads(census, depth, eta))
-        rounds, tokens, sent, cut, tail = self._census_read[(depth, eta)][1]
+        rounds, tokens, sent, went, tail = self._census_read[(depth, eta)][1]
         if rounds < ALPHA_BASE_ROUNDS:
             return None
-        mine, my_tokens, my_sent, my_cut, my_tail = eta_chain_over_reads([self.request_marks], depth, eta)
+        mine, my_tokens, my_sent, my_went, my_tail = eta_chain_over_reads([self.request_marks], depth, eta)
         shape = (depth, depth, 1)
         done, ran = self.tree_request.get((shape, self.kind), (0.0, 0))
         weight = ALPHA_BASE_ROUNDS / rounds
-        rejected = weight * cut + my_cut  # rounds with a rejected draft, and the drafts sent past it
-        past = (weight * tail + my_tail) / rejected if rejected > 0 else 0.0
+        went_on = weight * went + my_went  # rounds that went on past a rejected draft, and the drafts sent past it
+        past = (weight * tail + my_tail) / went_on if went_on > 0 else 0.0
         own, measured = self.eta_tail.get((shape, self.kind), (None, 0))
         if own is not None:
             past = pulled(own, measured, past)
         return ((weight * tokens + my_tokens + done) / (ALPHA_BASE_ROUNDS + mine + ran),
-                (weight * (sent - tail) + my_sent - my_tail + rejected * past) / (ALPHA_BASE_ROUNDS + mine))
+                (weight * (sent - tail) + my_sent - my_tail + went_on * past) / (ALPHA_BASE_ROUNDS + mine))
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the

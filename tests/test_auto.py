@@ -1750,12 +1750,13 @@ def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send
 
 
 def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_its_own_rounds():
-    """Past a round's first rejected draft the reads know only the text's confidences, not the draft's on its own
-    text: the drafts sent there are priced at the η-chain's own rounds' (a moving average over its rounds with a
-    rejection), the reads' as its prior worth ALPHA_BASE_ROUNDS rounds. By hand: a census of 16 tokens, each 4 a
-    rejected confident draft, two agreed and one below η: 5 rounds, 17 tokens, 16 sent, one round rejected with 3
-    sent past it. Then the η-chain's rounds: one rejected after 1 accepted of 3 sent (1 past it), one of 4 all
-    accepted (not counted), one rejected at once of 1 sent (0 past): 0.5 past a rejection over 2 rounds."""
+    """Whether a round goes on past its first rejected draft the reads say exactly (that draft's confidence is read);
+    past it they know only the text's confidences, not the draft's on its own text: the drafts a round that went on
+    sends there are priced at the η-chain's own such rounds' (a moving average over them), the reads' as its prior
+    worth ALPHA_BASE_ROUNDS rounds. By hand: a census of 16 tokens, each 4 a rejected confident draft, two agreed
+    and one below η: 5 rounds, 17 tokens, 16 sent, one round that went on past its rejected draft with 3 sent past
+    it. Then the η-chain's rounds: one rejected after 1 accepted of 3 sent (1 past it), one of 4 all accepted (not
+    counted), one rejected at once of 1 sent (it ended there: not counted): 1 past a rejection over 1 round."""
     shape, link = (8, 8, 1), Link(0.1)
     est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
     est.begin_request(GREEDY, census=True)
@@ -1768,12 +1769,15 @@ def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_its_own_
     for tokens, sent, accepted in ((2, 3, 1), (5, 4, 4), (1, 1, 0)):
         est.observe_tree(shape, tokens, sent * 0.01, 0.05, 80, 100, sent * 0.01 + 0.2, link, now=0.0, sent=sent,
                          accepted=accepted)
-    assert est.eta_tail[(shape, GREEDY)] == (pytest.approx(0.5), 2)
+    assert est.eta_tail[(shape, GREEDY)] == (pytest.approx(1.0), 1)
     _begin_past_opening(est)  # a new request: the chain's rounds are no longer its own
-    past = (2 * 0.5 + 4 * 3) / (2 + 4)
+    past = (1 * 1.0 + 4 * 3) / (1 + 4)
     assert est.eta_chain_read(8, 0.4) == pytest.approx((w * 17 / 4, (w * (16 - 3) + w * 1 * past) / 4))
     c = _controller(est, trees=[shape], tree_eta=0.4)
     assert c._at_tree(shape, link, est.curve(0.0)).tokens_per_round == pytest.approx(w * 17 / 4)
+    hard = [(200 + i, False, 0.2) for i in range(5)]  # a hard prompt's own reads: each rejected draft below η ends
+    est.observe_agreement(0, 5, hard)  # its round there, exactly: 5 rounds of 1 sent, none priced at the tail
+    assert est.eta_chain_read(8, 0.4) == pytest.approx(((w * 17 + 5) / (4 + 5), (w * (16 - 3) + w * past + 5) / 9))
 
 
 def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():

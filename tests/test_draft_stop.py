@@ -142,14 +142,17 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
     position 1 ends what the round commits (2: one accepted and the target's), not what it sends: its drafts go on
     (on the text's confidences, standing for its own) until the first below η, position 2, still sent (3 drafts);
     the next round, from position 2, drafts that one alone (0.3 < η), accepted: 2 tokens, 1 sent; the third, from 4,
-    reaches the text's end before its drafts do: left out. Beside them, the rounds with a rejected draft and the
-    drafts sent past it (the part the text's confidences stand in for)."""
+    reaches the text's end before its drafts do: left out. Beside them, the rounds that went on past a rejected
+    draft and the drafts they sent past it (the part the text's confidences stand in for); a round whose rejected
+    draft is below η ends there, and is not counted."""
     assert eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4) == (2, 10, 8, 0, 0)
     agreed = [True, False, True, True, True, True, True, True]
     sure = [0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]
     assert eta_chain_over_text(agreed, sure, 8, 0.4) == (2, 4, 4, 1, 1)  # one draft past the rejected
     assert eta_chain_over_text(agreed, sure, 8, 0.0) == (1, 2, 8, 1, 6)  # without η: one round of all 8 drafts
-    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == (3, 3, 3, 3, 0)  # each rejected, each below η
+    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == (3, 3, 3, 0, 0)  # each rejected, each below η
+    assert eta_chain_over_text([False, True], [0.9, 0.9], 2, 0.4) == (1, 1, 2, 1, 1)  # on to the depth
+    assert eta_chain_over_text([True, False, True], [0.9] * 3, 2, 0.4) == (1, 2, 2, 0, 0)  # rejected at it
     assert eta_chain_over_text([], [], 8, 0.4) == (0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="2 agreements for 1"):
         eta_chain_over_text([True, True], [0.5], 8, 0.4)

@@ -252,34 +252,36 @@ class DraftGate:
 
 def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], depth: int,
                         eta: float) -> Tuple[int, int, int, int, int]:
-    """(rounds, tokens committed, drafts sent, rounds with a rejected draft, drafts sent past their first rejected
-    one) of greedy chains of up to `depth` drafts that η ends (HAT eq. 5: after the first draft whose probability is
+    """(rounds, tokens committed, drafts sent, rounds that went on past their first rejected draft, drafts those sent
+    past it) of greedy chains of up to `depth` drafts that η ends (HAT eq. 5: after the first draft whose probability is
     below η, which is still sent) run over a text the draft model read: at position i, `agreed[i]` whether its
     argmax was the text's token and `confidence[i]` that argmax's plain softmax probability
     (sampling.softmax_prob). A round from position i drafts positions i, i + 1, ... while it agrees, its context
     then the text's own, so its confidences are the text's; a round commits its accepted drafts and the target's
-    next token. Past its first rejected draft a chain goes on along its own text, which was not read: the text's
-    confidences there stand for its own (a stated approximation; what the round commits does not depend on them,
-    only what it sends past the rejection, counted apart so a caller may price that part from the chain's own
+    next token. Whether a round goes on past its first rejected draft is read exactly: that draft's own confidence
+    is the one read (its context is still the text), and a round whose rejected draft is below η, or at the depth,
+    ends there. One that goes on drafts along its own text, which was not read: the text's confidences there stand
+    for its own (a stated approximation; what the round commits does not depend on them, only what it sends past the
+    rejection, counted apart with the rounds that went on so a caller may price that part from the chain's own
     rounds). Only whole rounds count: the last, where the text ends before its drafts do, is left out."""
     if len(agreed) != len(confidence):
         raise ValueError(f"{len(agreed)} agreements for {len(confidence)} confidences")
     if depth < 1 or not 0.0 <= eta < 1.0:
         raise ValueError(f"an η-chain needs depth >= 1 and η in [0, 1), got {depth}, {eta}")
     n, i = len(agreed), 0
-    rounds = tokens = sent = rejected = tail = 0
+    rounds = tokens = sent = went_on = tail = 0
     while True:
         drafted, accepted = 0, None
         while True:
             if i + drafted >= n:
-                return rounds, tokens, sent, rejected, tail
+                return rounds, tokens, sent, went_on, tail
             if accepted is None and not agreed[i + drafted]:
                 accepted = drafted  # the first rejected draft: the round commits those before it and the target's
             drafted += 1
             if drafted == depth or confidence[i + drafted - 1] < eta:
                 break
-        if accepted is not None:
-            rejected, tail = rejected + 1, tail + drafted - accepted - 1
+        if accepted is not None and drafted > accepted + 1:
+            went_on, tail = went_on + 1, tail + drafted - accepted - 1
         committed = (drafted if accepted is None else accepted) + 1
         rounds, tokens, sent = rounds + 1, tokens + committed, sent + drafted
         i += committed
