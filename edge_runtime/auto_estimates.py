@@ -191,7 +191,7 @@ class AutoEstimates:
         a, b, ratio = belief
         return min(1.0, a / (a + b)) * ratio
 
-    def belief(self, protocol: str) -> Optional[Tuple[float, float, float]]:
+    def belief(self, protocol: str, own: bool = True) -> Optional[Tuple[float, float, float]]:
         """What the device believes of `protocol`'s acceptance on the request running: α = ρ x, x ~ Beta(a, b) on
         sd's scale; (a, b, ρ), None before any drafting round. The drafting protocols draft with the same model on
         the same prompt, so they share what they learn: the prompt's acceptance on sd's scale is one belief from
@@ -205,19 +205,19 @@ class AutoEstimates:
         (its mean is `posterior`). Its spread is the prompts': a prompt's α is its own, and on the Qwen pair the
         requests' α spread as a Beta of P ≈ 6.5 about their mean (98 requests of two traces, docs/AUTO.md "A chain
         priced over what its prompt may be"), so a chain is priced over that spread (`chain_tokens`), not at its
-        mean."""
-        own = [(p, a) for p in DRAFTING if (a := self.acceptance.get((p, self.kind))) is not None
-               and a.population is not None]
-        if not own:
+        mean. own False: the prior alone, what is believed of any prompt before its own drafts and reads."""
+        mine = [(p, a) for p in DRAFTING if (a := self.acceptance.get((p, self.kind))) is not None
+                and a.population is not None]
+        if not mine:
             return None
         sd = self.acceptance.get(("sd", self.kind))
-        ratios = {p: self._ratio(a, sd) for p, a in own}
-        weight = sum(a.weight for _, a in own)
-        prompts = {p: a.opening if self.opening else a.population for p, a in own}  # the request's first round: the
+        ratios = {p: self._ratio(a, sd) for p, a in mine}
+        weight = sum(a.weight for _, a in mine)
+        prompts = {p: a.opening if self.opening else a.population for p, a in mine}  # the request's first round: the
         # openings' (Acceptance.opening)
-        prior = min(1.0, sum(a.weight * prompts[p] / ratios[p] for p, a in own) / weight)
-        accepted = sum(a.request_accepted / ratios[p] for p, a in own)
-        examined = sum(a.request_examined for _, a in own)
+        prior = min(1.0, sum(a.weight * prompts[p] / ratios[p] for p, a in mine) / weight)
+        accepted = sum(a.request_accepted / ratios[p] for p, a in mine) if own else 0.0
+        examined = sum(a.request_examined for _, a in mine) if own else 0.0
         a = ALPHA_PRIOR_DRAFTS * prior + accepted
         return a, max(0.0, ALPHA_PRIOR_DRAFTS + examined - a), ratios.get(protocol, 1.0)  # not drafted yet: sd's
 
@@ -236,12 +236,12 @@ class AutoEstimates:
         spread = math.sqrt(mean * (1.0 - mean) / (a + b + 1.0))
         return min(1.0, mean + READ_HOPE_Z * spread) * ratio
 
-    def chain_tokens(self, protocol: str, gamma: int) -> Optional[float]:
+    def chain_tokens(self, protocol: str, gamma: int, own: bool = True) -> Optional[float]:
         """Tokens a round of `protocol`'s chain of γ commits on the request running: Leviathan et al.'s eq. 1 in
         expectation over the belief of its acceptance (`belief`, verify.expected_tokens_beta); None before α is
         known. At the prompts' mean α a chain of 8 was priced 14 % below what the requests' own α gave it on
-        average (a chain of 4: 4 %), and 4 % below over the belief."""
-        belief = self.belief(protocol)
+        average (a chain of 4: 4 %), and 4 % below over the belief. own False: on any prompt (the prior alone)."""
+        belief = self.belief(protocol, own)
         return None if belief is None else expected_tokens_beta(belief[0], belief[1], gamma, belief[2])
 
     def alpha_priced(self, protocol: str, gamma: int) -> Optional[float]:
@@ -617,7 +617,8 @@ class AutoEstimates:
         (`eta_tail`), the reads' as their prior worth ALPHA_BASE_ROUNDS rounds: past a rejection the reads know only
         the text's confidences, not the draft's on its own text. Priced at one mean tail for every rejected round, a
         hard prompt's rounds, which mostly end at their rejected draft (η), were priced at 3.5 drafts where they sent
-        2.7 (docs/AUTO.md "What a chain sends past its rejection")."""
+        2.7 (docs/AUTO.md "What a chain sends past its rejection"). The prompts' reads stand for this prompt scaled
+        by its α (`prompt_scale`) on what it commits and sends before any rejection."""
         if self.kind != GREEDY:
             return None
         census = self.census_marks[:-1] if self.census else self.census_marks
@@ -627,6 +628,8 @@ class AutoEstimates:
         rounds, tokens, sent, went, tail = self._census_read[(depth, eta)][1]
         if rounds < ALPHA_BASE_ROUNDS:
             return None
+        scale = self.prompt_scale(depth)  # the prompts' reads as this prompt's: its chain's tokens over any prompt's
+        tokens, exact = min((depth + 1) * rounds, scale * tokens), min(depth * rounds, scale * (sent - tail))
         mine, my_tokens, my_sent, my_went, my_tail = eta_chain_over_reads([self.request_marks], depth, eta)
         shape = (depth, depth, 1)
         done, ran = self.tree_request.get((shape, self.kind), (0.0, 0))
@@ -637,7 +640,17 @@ class AutoEstimates:
         if own is not None:
             past = pulled(own, measured, past)
         return ((weight * tokens + my_tokens + done) / (ALPHA_BASE_ROUNDS + mine + ran),
-                (weight * (sent - tail) + my_sent - my_tail + went_on * past) / (ALPHA_BASE_ROUNDS + mine))
+                (weight * exact + my_sent - my_tail + went_on * past) / (ALPHA_BASE_ROUNDS + mine))
+
+    def prompt_scale(self, depth: int) -> float:
+        """What a chain of `depth` commits a round on the request's prompt (its belief, the request's own drafts and
+        reads in it: `chain_tokens`) over what it commits on any prompt (the prior alone); 1 before α is known. The
+        census's reads are the prompts' texts, not this one's: a request that drafts (under load auto runs chains,
+        and reads nothing) priced the η-chain at the pool's 2.6-3.4 tokens a round whatever its α, where the rows
+        committed 2.1-2.9 on the prompts of α 0.62-0.84 and 4.8 and 8.0 on those of 0.88 and 1.00 (docs/AUTO.md
+        "The prompt's α in the census's reads")."""
+        mine, anyone = self.chain_tokens("sd", depth), self.chain_tokens("sd", depth, own=False)
+        return mine / anyone if mine and anyone else 1.0
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the

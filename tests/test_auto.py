@@ -1707,8 +1707,9 @@ def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps(
 
 def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send():
     """At temperature 0 the census requests' reads (each token: agreed, the draft's confidence) say what the η-chain
-    commits and sends a round (draft_stop.eta_chain_over_text): the prompts' pulled toward by the request's own
-    reads as ALPHA_BASE_ROUNDS rounds, each stretch of consecutive tokens apart; a forward for each draft sent.
+    commits and sends a round (draft_stop.eta_chain_over_text): the prompts', scaled to the request's prompt by its
+    α (its chain's expectation over any prompt's), pulled toward by the request's own reads as ALPHA_BASE_ROUNDS
+    rounds, each stretch of consecutive tokens apart; a forward for each draft sent.
     Before the census read 4 rounds, and above temperature 0, as before (its chain's expectation)."""
     shape, link = (8, 8, 1), Link(0.1)
     est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
@@ -1729,8 +1730,16 @@ def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send
     # the request's own reads: two stretches of 3 sure-but-below-η tokens, 2 rounds each (1 draft, 2 tokens); read
     # as one stretch of 6 they would be 3
     own = [(300 + i, True, 0.3) for i in range(3)] + [(310 + i, True, 0.3) for i in range(3)]
+    assert est.prompt_scale(8) == 1.0  # nothing of the request's own yet: the prompts' reads as they are
     est.observe_agreement(6, 6, own)
-    tokens, sent = (4 * 21 / 4 + 8) / (4 + 4), (4 * 17 / 4 + 4) / (4 + 4)
+    # the prompts' reads scaled to this prompt, whose 6 agreed of 6 move its α from the prompts' m (the census's 20
+    # agreed moved that above 0.8) worth 8 drafts:
+    a, b, _ = est.belief("sd", own=False)
+    m = a / (a + b)
+    assert a + b == pytest.approx(8) and 0.8 < m < 1.0 and est.belief("sd") == pytest.approx((8 * m + 6, b, 1.0))
+    scale = expected_tokens_beta(8 * m + 6, b, 8) / expected_tokens_beta(8 * m, b, 8)
+    assert est.prompt_scale(8) == pytest.approx(scale) and scale > 1.0
+    tokens, sent = (4 * scale * 21 / 4 + 8) / (4 + 4), (4 * scale * 17 / 4 + 4) / (4 + 4)
     assert est.eta_chain_read(8, 0.4) == pytest.approx((tokens, sent))
     assert est.tree_tokens_per_round(shape, 0.4) == pytest.approx(tokens)
     assert est.tree_tokens_per_round(shape) == pytest.approx(est.chain_tokens("sd", 8))  # one η does not end:
@@ -1776,8 +1785,11 @@ def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_its_own_
     c = _controller(est, trees=[shape], tree_eta=0.4)
     assert c._at_tree(shape, link, est.curve(0.0)).tokens_per_round == pytest.approx(w * 17 / 4)
     hard = [(200 + i, False, 0.2) for i in range(5)]  # a hard prompt's own reads: each rejected draft below η ends
-    est.observe_agreement(0, 5, hard)  # its round there, exactly: 5 rounds of 1 sent, none priced at the tail
-    assert est.eta_chain_read(8, 0.4) == pytest.approx(((w * 17 + 5) / (4 + 5), (w * (16 - 3) + w * past + 5) / 9))
+    est.observe_agreement(0, 5, hard)  # its round there, exactly: 5 rounds of 1 sent, none priced at the tail; the
+    scale = est.prompt_scale(8)  # prompts' part before any rejection scaled to its α, which the 5 rejected lowered
+    assert scale < 1.0
+    assert est.eta_chain_read(8, 0.4) == pytest.approx(((w * scale * 17 + 5) / (4 + 5),
+                                                        (w * scale * (16 - 3) + w * past + 5) / 9))
 
 
 def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():
