@@ -54,7 +54,7 @@ TREE_STEPS = {"captured": "results/gpu/gpu_bench_verify_width_2026-11-26.json", 
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
 DRAFT_ROW = 8.0  # bytes of a greedy draft's row on the wire (one index)
 HIDDEN_DTYPE_BYTES = 2  # a hidden state's element on the wire (float16)
-MODEL_ERROR = "results/auto/bench_auto_8540489.json"  # the latest full trace: the model against the fixed rows
+MODEL_ERROR = "results/auto/bench_auto_73dc9a9.json"  # the latest full trace: the model against the fixed rows
 SPECEDGE_CAPACITY = 2.22  # SpecEdge's server throughput over the server alone (../shared/ANCHORS.md)
 
 
@@ -340,7 +340,7 @@ def measured_error(path: str = MODEL_ERROR) -> Dict[str, Any]:
 def error_text(err: Dict[str, Any]) -> str:
     """measured_error in one line."""
     span = lambda e: f"{100 * e['min']:.0f}–{100 * e['max']:.0f} %"  # noqa: E731
-    signed = lambda e: f"{100 * e['min']:+.0f} to {100 * e['max']:+.0f} %"  # noqa: E731
+    signed = lambda e: f"{round(100 * e['min']):+d} to {round(100 * e['max']):+d} %"  # noqa: E731 (no "-0")
     parts = [f"llm {span(err['llm'])}"] if "llm" in err else []
     if "sd" in err:
         autos = ""  # sd at auto's α, and its phases' bias where recorded (a phase that has one has the other)
