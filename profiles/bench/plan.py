@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from edge_runtime.auto import AUTO_TOKEN
-from edge_runtime.config import EdgeConfig
 from hat_split.math.costmodel import (CloudCosts, CostCurve, DeviceCosts, Link, Prediction, WireSizes, predict,
                                       predict_hat_tree, predict_tree)
 from hat_split.math.verify import alpha_for_tokens
+from profiles.bench.bench_auto import DEFAULT_AUTO_CENSUS
 
 PROTOCOLS = ("llm", "sd", "slm", "ushape", "hat")
 SAMPLED_PROTOCOLS = PROTOCOLS + ("ksqs",)  # --sampled: ksqs's lattice-coded rows beside sd's dense ones
@@ -86,7 +86,7 @@ def add_parser(sub) -> None:
                         "%(default)s)")
     s.add_argument("--prompt-tokens", type=int, default=128)
     s.add_argument("--sla-tbt-ms", type=float, default=100.0, help="mean time between tokens per device at most")
-    s.add_argument("--auto-census", type=float, default=EdgeConfig.__dataclass_fields__["auto_census"].default,
+    s.add_argument("--auto-census", type=float, default=DEFAULT_AUTO_CENSUS,
                    help="auto's census share once its pool is full (EdgeConfig.auto_census): its reads' energy in "
                         "auto's J/token where llm runs; default %(default)s")
     s.add_argument("--out", default="runs/plan/plan.json", help="the JSON (a PNG beside it)")
