@@ -617,20 +617,30 @@ class AutoEstimates:
         (`eta_tail`), the reads' as their prior worth ALPHA_BASE_ROUNDS rounds: past a rejection the reads know only
         the text's confidences, not the draft's on its own text. Priced at one mean tail for every rejected round, a
         hard prompt's rounds, which mostly end at their rejected draft (η), were priced at 3.5 drafts where they sent
-        2.7 (docs/AUTO.md "What a chain sends past its rejection"). The prompts' reads stand for this prompt scaled
-        by its α (`prompt_scale`) on what it commits and sends before any rejection."""
+        2.7 (docs/AUTO.md "What a chain sends past its rejection").
+
+        The prompts' reads are other texts than this prompt's: what they commit and send before any rejection is
+        carried to it as their share of an i.i.d. chain's tokens at their own agreement (`eta_chain_over_reads`'
+        yardstick) times that chain's tokens at the request's belief of α (`chain_tokens`). Their tokens a round
+        as they were (2.6-3.4 on the Qwen pair whatever the prompt) priced a drafting request under load where the
+        rows committed 2.1-8.0; scaled by its chain's tokens at its α over any prompt's, at 0.65-0.79 of its chain
+        (the rows 0.8-0.9), and the η-chain was priced 24-27 % slow a phase under load: the reads' tokens a round are
+        a mean over rounds, which a hard prompt's many short ones dominate (the pool's i.i.d. chain at each read's
+        own agreement: 3.8 a round as a mean over rounds, 4.9 over its prompts), the prior's α a mean over requests
+        (docs/AUTO.md "The census's reads against their own α")."""
         if self.kind != GREEDY:
             return None
         census = self.census_marks[:-1] if self.census else self.census_marks
         seen = (tuple(len(m) for m in census), census[0][:1] if census else ())  # what the pool holds now
         if self._census_read.get((depth, eta), (None,))[0] != seen:
             self._census_read[(depth, eta)] = (seen, eta_chain_over_reads(census, depth, eta))
-        rounds, tokens, sent, went, tail = self._census_read[(depth, eta)][1]
+        rounds, tokens, sent, went, tail, yardstick = self._census_read[(depth, eta)][1]
         if rounds < ALPHA_BASE_ROUNDS:
             return None
-        scale = self.prompt_scale(depth)  # the prompts' reads as this prompt's: its chain's tokens over any prompt's
-        tokens, exact = min((depth + 1) * rounds, scale * tokens), min(depth * rounds, scale * (sent - tail))
-        mine, my_tokens, my_sent, my_went, my_tail = eta_chain_over_reads([self.request_marks], depth, eta)
+        chain = self.chain_tokens("sd", depth)  # the reads carried to this prompt: their share of the i.i.d. chain
+        share = rounds * chain / yardstick if chain else 1.0  # at their own α, times this one's at the request's
+        tokens, exact = min((depth + 1) * rounds, share * tokens), min(depth * rounds, share * (sent - tail))
+        mine, my_tokens, my_sent, my_went, my_tail, _ = eta_chain_over_reads([self.request_marks], depth, eta)
         shape = (depth, depth, 1)
         done, ran = self.tree_request.get((shape, self.kind), (0.0, 0))
         weight = ALPHA_BASE_ROUNDS / rounds
@@ -641,16 +651,6 @@ class AutoEstimates:
             past = pulled(own, measured, past)
         return ((weight * tokens + my_tokens + done) / (ALPHA_BASE_ROUNDS + mine + ran),
                 (weight * exact + my_sent - my_tail + went_on * past) / (ALPHA_BASE_ROUNDS + mine))
-
-    def prompt_scale(self, depth: int) -> float:
-        """What a chain of `depth` commits a round on the request's prompt (its belief, the request's own drafts and
-        reads in it: `chain_tokens`) over what it commits on any prompt (the prior alone); 1 before α is known. The
-        census's reads are the prompts' texts, not this one's: a request that drafts (under load auto runs chains,
-        and reads nothing) priced the η-chain at the pool's 2.6-3.4 tokens a round whatever its α, where the rows
-        committed 2.1-2.9 on the prompts of α 0.62-0.84 and 4.8 and 8.0 on those of 0.88 and 1.00 (docs/AUTO.md
-        "The prompt's α in the census's reads")."""
-        mine, anyone = self.chain_tokens("sd", depth), self.chain_tokens("sd", depth, own=False)
-        return mine / anyone if mine and anyone else 1.0
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the

@@ -1707,9 +1707,10 @@ def test_a_tree_has_its_own_round_overhead_and_drafts_in_the_boards_draft_steps(
 
 def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send():
     """At temperature 0 the census requests' reads (each token: agreed, the draft's confidence) say what the η-chain
-    commits and sends a round (draft_stop.eta_chain_over_text): the prompts', scaled to the request's prompt by its
-    α (its chain's expectation over any prompt's), pulled toward by the request's own reads as ALPHA_BASE_ROUNDS
-    rounds, each stretch of consecutive tokens apart; a forward for each draft sent.
+    commits and sends a round (draft_stop.eta_chain_over_text): the prompts', carried to the request's prompt as
+    their share of an i.i.d. chain's tokens at their own agreement times that chain's at the request's α, pulled
+    toward by the request's own reads as ALPHA_BASE_ROUNDS rounds, each stretch of consecutive tokens apart; a
+    forward for each draft sent.
     Before the census read 4 rounds, and above temperature 0, as before (its chain's expectation)."""
     shape, link = (8, 8, 1), Link(0.1)
     est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
@@ -1726,20 +1727,23 @@ def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send
     assert est.census_marks == [tuple(text)]
     assert est.eta_chain_read(8, 0.4) is None  # the census running is not yet the prompts'
     _begin_past_opening(est)
-    assert est.eta_chain_read(8, 0.4) == pytest.approx((21 / 4, 17 / 4))
+    # the reads' 4 rounds all agreed: an i.i.d. chain of 8 commits 9 a round there, where these commit 21 of 4 × 9,
+    # and send 17; carried to the request at its chain's tokens (its prior alone: nothing of its own yet)
+    a, b, _ = est.belief("sd", own=False)
+    m = a / (a + b)
+    assert a + b == pytest.approx(8) and 0.8 < m < 1.0 and est.belief("sd") == pytest.approx((a, b, 1.0))
+    chain = expected_tokens_beta(a, b, 8)
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((21 / 36 * chain, 17 / 36 * chain))
     # the request's own reads: two stretches of 3 sure-but-below-η tokens, 2 rounds each (1 draft, 2 tokens); read
     # as one stretch of 6 they would be 3
     own = [(300 + i, True, 0.3) for i in range(3)] + [(310 + i, True, 0.3) for i in range(3)]
-    assert est.prompt_scale(8) == 1.0  # nothing of the request's own yet: the prompts' reads as they are
     est.observe_agreement(6, 6, own)
-    # the prompts' reads scaled to this prompt, whose 6 agreed of 6 move its α from the prompts' m (the census's 20
-    # agreed moved that above 0.8) worth 8 drafts:
-    a, b, _ = est.belief("sd", own=False)
-    m = a / (a + b)
-    assert a + b == pytest.approx(8) and 0.8 < m < 1.0 and est.belief("sd") == pytest.approx((8 * m + 6, b, 1.0))
-    scale = expected_tokens_beta(8 * m + 6, b, 8) / expected_tokens_beta(8 * m, b, 8)
-    assert est.prompt_scale(8) == pytest.approx(scale) and scale > 1.0
-    tokens, sent = (4 * scale * 21 / 4 + 8) / (4 + 4), (4 * scale * 17 / 4 + 4) / (4 + 4)
+    # its 6 agreed of 6 move its α from the prompts' m (the census's 20 agreed moved that above 0.8), worth 8
+    # drafts, and its chain's tokens with it; the reads' share of their yardstick carried to that
+    assert est.belief("sd") == pytest.approx((8 * m + 6, b, 1.0))
+    chain = expected_tokens_beta(8 * m + 6, b, 8)
+    assert chain > expected_tokens_beta(a, b, 8)
+    tokens, sent = (21 / 36 * chain * 4 + 8) / (4 + 4), (17 / 36 * chain * 4 + 4) / (4 + 4)
     assert est.eta_chain_read(8, 0.4) == pytest.approx((tokens, sent))
     assert est.tree_tokens_per_round(shape, 0.4) == pytest.approx(tokens)
     assert est.tree_tokens_per_round(shape) == pytest.approx(est.chain_tokens("sd", 8))  # one η does not end:
@@ -1773,23 +1777,28 @@ def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_its_own_
     text = [(100 + i, i % 4 != 0, 0.3 if i % 4 == 3 else 0.9) for i in range(16)]
     est.observe_agreement(12, 16, text)
     _begin_past_opening(est)
-    w = 4 / 5  # the census's 5 rounds as ALPHA_BASE_ROUNDS
-    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * 17 / 4, w * 16 / 4))  # the reads' 3 past it
+    w = 4 / 5  # the census's 5 rounds as ALPHA_BASE_ROUNDS; its part before any rejection carried to the request as
+    # its share of an i.i.d. chain's tokens at its 12 agreed of 16
+    c = est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * c * 17 / 4, (w * c * 13 + w * 3) / 4))  # 3 past it
     for tokens, sent, accepted in ((2, 3, 1), (5, 4, 4), (1, 1, 0)):
         est.observe_tree(shape, tokens, sent * 0.01, 0.05, 80, 100, sent * 0.01 + 0.2, link, now=0.0, sent=sent,
                          accepted=accepted)
     assert est.eta_tail[(shape, GREEDY)] == (pytest.approx(1.0), 1)
     _begin_past_opening(est)  # a new request: the chain's rounds are no longer its own
     past = (1 * 1.0 + 4 * 3) / (1 + 4)
-    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * 17 / 4, (w * (16 - 3) + w * 1 * past) / 4))
-    c = _controller(est, trees=[shape], tree_eta=0.4)
-    assert c._at_tree(shape, link, est.curve(0.0)).tokens_per_round == pytest.approx(w * 17 / 4)
+    c = est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * c * 17 / 4, (w * c * (16 - 3) + w * 1 * past) / 4))
+    ctl = _controller(est, trees=[shape], tree_eta=0.4)
+    assert ctl._at_tree(shape, link, est.curve(0.0)).tokens_per_round == pytest.approx(w * c * 17 / 4)
     hard = [(200 + i, False, 0.2) for i in range(5)]  # a hard prompt's own reads: each rejected draft below η ends
     est.observe_agreement(0, 5, hard)  # its round there, exactly: 5 rounds of 1 sent, none priced at the tail; the
-    scale = est.prompt_scale(8)  # prompts' part before any rejection scaled to its α, which the 5 rejected lowered
-    assert scale < 1.0
-    assert est.eta_chain_read(8, 0.4) == pytest.approx(((w * scale * 17 + 5) / (4 + 5),
-                                                        (w * scale * (16 - 3) + w * past + 5) / 9))
+    # prompts' part before any rejection carried to its α, which the 5 rejected lowered: the census's 5 rounds
+    # covered its 16 positions, 12 agreed, where an i.i.d. chain commits expected_tokens(0.75, 8) a round
+    share = w * est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
+    assert est.chain_tokens("sd", 8) < est.chain_tokens("sd", 8, own=False)
+    assert est.eta_chain_read(8, 0.4) == pytest.approx(((share * 17 + 5) / (4 + 5),
+                                                        (share * (16 - 3) + w * past + 5) / 9))
 
 
 def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():

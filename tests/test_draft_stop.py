@@ -165,13 +165,19 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
 def test_an_eta_chain_over_reads_runs_over_each_stretch_of_consecutive_positions_apart():
     """By hand. One read of 10 consecutive sure, agreed positions at depth 4: two whole rounds (the text's end cuts
     the third). The same 10 marks with a gap after position 4 (a drafting round between two reads) are two stretches
-    of 5: each one whole round of 4 drafts and 5 tokens, none across the gap. Two reads sum; no reads, nothing."""
+    of 5: each one whole round of 4 drafts and 5 tokens, none across the gap. Two reads sum; no reads, nothing.
+    Sixth, an i.i.d. chain's tokens over as many rounds at the agreement of the positions those rounds covered: 5 a
+    round at agreement 1; a stretch of 6 with its second position rejected at depth 2 runs two whole rounds (2 and 3
+    tokens: positions 0-4, 4 of 5 agreed) and is cut in its third: 2 × (1 + 0.8 + 0.64)."""
     from hat_split.math.draft_stop import eta_chain_over_reads
 
     whole = [(p, True, 0.9) for p in range(10)]
-    assert eta_chain_over_reads([whole], 4, 0.4) == (2, 10, 8, 0, 0)
+    assert eta_chain_over_reads([whole], 4, 0.4) == (2, 10, 8, 0, 0, 10.0)
     gapped = [(p, True, 0.9) for p in range(5)] + [(p, True, 0.9) for p in range(9, 14)]
-    assert eta_chain_over_reads([gapped], 4, 0.4) == (2, 10, 8, 0, 0)
-    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == (2, 10, 8, 0, 0)
-    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == (1, 5, 4, 0, 0)  # 3 marks: no whole round
-    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == (0, 0, 0, 0, 0)
+    assert eta_chain_over_reads([gapped], 4, 0.4) == (2, 10, 8, 0, 0, 10.0)
+    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == (2, 10, 8, 0, 0, 10.0)
+    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == (1, 5, 4, 0, 0, 5.0)  # 3 marks: no whole round
+    mixed = [(20 + p, p != 1, 0.9) for p in range(6)]
+    assert eta_chain_over_reads([mixed], 2, 0.4) == pytest.approx((2, 5, 4, 0, 0, 2 * 2.44))
+    assert eta_chain_over_reads([mixed, whole], 2, 0.4)[5] == pytest.approx(2 * 2.44 + 3 * 3.0)
+    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == (0, 0, 0, 0, 0, 0.0)
