@@ -624,7 +624,7 @@ class AutoEstimates:
         yardstick) times that chain's tokens at the request's belief of α (`chain_tokens`). Their tokens a round
         as they were (2.6-3.4 on the Qwen pair whatever the prompt) priced a drafting request under load where the
         rows committed 2.1-8.0; scaled by its chain's tokens at its α over any prompt's, at 0.65-0.79 of its chain
-        (the rows 0.8-0.9), and the η-chain was priced 24-27 % slow a phase under load: the reads' tokens a round are
+        (the rows 0.70-0.89), and the η-chain was priced 24-27 % slow a phase under load: the reads' tokens a round are
         a mean over rounds, which a hard prompt's many short ones dominate (the pool's i.i.d. chain at each read's
         own agreement: 3.8 a round as a mean over rounds, 4.9 over its prompts), the prior's α a mean over requests
         (docs/AUTO.md "The census's reads against their own α")."""
