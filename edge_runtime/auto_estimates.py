@@ -70,6 +70,10 @@ OVERHEAD_PRIOR_ROUNDS = 4.0  # rounds a busy cloud's round overhead counts its p
 # slow for a whole trace, never run again to correct it (docs/AUTO.md "A busy overhead from one round")
 STEP_VAR_KEEP = 0.9  # weight of the history in the busy cloud's step spread (a squared deviation is a noisy reading:
 # some ten rounds)
+STEP_PROBE_ROUNDS = 4  # llm rounds after which, the draft step in the cloud's state unmeasured since, the device
+# measures it with one forward of one token while it waits (`step_probe_due`, ReadAhead.start(step=True)): where llm
+# wins, nothing drafts, and the idle step stood at the warm-up's first few drafting rounds for whole traces (0.031 s
+# on one, 0.042 on another of the same commit: easy prompts' η-chain rounds priced 0.92 s where they took 0.68)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -119,6 +123,8 @@ class AutoEstimates:
     reported_others: float = 0.0  # the other devices' positions per step then (each of this device's steps joins
     # them: CloudCost.others_positions; μ from an older cloud), else 0
     measured: Dict[str, int] = field(default_factory=dict)  # rounds observed per protocol
+    step_unmeasured: Dict[str, int] = field(default_factory=dict)  # llm rounds since the draft step in each state
+    # (draft_step_s, draft_step_busy_s) was last measured, this runtime (`step_probe_due`)
     idle: Dict[str, int] = field(default_factory=dict)  # rounds since each protocol last ran (this runtime)
     observed_at: Dict[int, float] = field(default_factory=dict)  # when each bucket of `observed` was last fed
     speed: SpeedDrift = field(default_factory=SpeedDrift)  # the cloud's speed drifting against the curve: every
@@ -458,10 +464,23 @@ class AutoEstimates:
     def _step_name(self) -> str:
         return "draft_step_busy_s" if self.cloud_busy else "draft_step_s"
 
+    def step_probe_due(self) -> bool:
+        """Whether the draft step in the cloud's state now went STEP_PROBE_ROUNDS llm rounds unmeasured (or was never
+        measured by this runtime): the device, while it waits for llm's reply, then times one forward of one token
+        (`observe_step_read`)."""
+        return self.step_unmeasured.get(self._step_name(), STEP_PROBE_ROUNDS) >= STEP_PROBE_ROUNDS
+
+    def observe_step_read(self, seconds: float) -> None:
+        """The draft model read one committed token in one forward of `seconds` while nothing drafted (the
+        session's reader): a draft step's forward, in the cloud's state now."""
+        if seconds > 0 and math.isfinite(seconds):
+            self._draft_step(seconds)
+
     def _draft_step(self, seconds: float) -> None:
         """A draft step of a chain's round took `seconds`, in the cloud's state now (`draft_step`; the device alone's
         step until one is measured)."""
         name = self._step_name()
+        self.step_unmeasured[name] = 0
         setattr(self, name, ema(None if self._restarts(name) else getattr(self, name), seconds))
         if self._restarts("local_step_s") or self.local_step_s is None:
             self.local_step_s = getattr(self, name)
@@ -667,6 +686,8 @@ class AutoEstimates:
             return
         self.opening = False
         self._ran("llm")
+        name = self._step_name()
+        self.step_unmeasured[name] = self.step_unmeasured.get(name, STEP_PROBE_ROUNDS) + 1
         if cloud_s > 0:
             self._cloud(1, cloud_s / tokens, now)
         self.up_round = ema(self.up_round, float(up_bytes))

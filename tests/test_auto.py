@@ -988,6 +988,36 @@ def test_the_draft_step_is_priced_as_measured_in_the_clouds_state():
     assert only_busy.draft_step() == 0.05 and AutoEstimates().draft_step() is None
 
 
+def test_where_llm_runs_the_draft_step_is_timed_on_a_one_token_read_every_few_rounds():
+    """Where llm wins nothing drafts, and the idle draft step stood at the warm-up's first drafting rounds for whole
+    traces (0.031 s on one, 0.042 on another of the same commit). A step is due (`step_probe_due`) when never measured
+    by this runtime in the cloud's state now, or STEP_PROBE_ROUNDS llm rounds after its last measurement; a forward of
+    one token read while nothing drafts (`observe_step_read`) is a draft step's, averaged into the state's own, and
+    a drafting round's step counts as well. A broken timing is not kept."""
+    from edge_runtime.auto_estimates import STEP_PROBE_ROUNDS
+
+    curve = [[1.0, 0.04], [8.0, 0.20], [16.0, 0.36], [32.0, 0.68]]
+    est = _estimates(0.8, 0.04, step_1=0.04, step_9=0.2)  # a record's idle step: 0.04 s
+    assert est.take_report(P.CloudCost(curve))
+    assert est.step_probe_due()  # never measured by this runtime
+    est.observe_step_read(0.03)
+    assert not est.step_probe_due() and est.draft_step_s == pytest.approx(0.8 * 0.04 + 0.2 * 0.03)
+    for i in range(STEP_PROBE_ROUNDS):
+        assert not est.step_probe_due()
+        est.observe_llm(8, 8 * 0.04, 90, 130, 0.4, Link(0.01), now=1.0 + i)
+    assert est.step_probe_due()
+    est.observe_step_read(float("nan"))
+    est.observe_step_read(-1.0)
+    assert est.step_probe_due() and est.draft_step_s == pytest.approx(0.8 * 0.04 + 0.2 * 0.03)
+    est.observe_sd(4, 4, 4 * 0.03, 0.22, 300, 100, 0.6, Link(0.01), now=9.0)  # a drafting round measures it too
+    assert not est.step_probe_due()
+    assert est.take_report(P.CloudCost(curve, batch_tokens=40.0, others=8, others_positions=8.0, duty=1.0))
+    assert est.step_probe_due()  # busy: that state's step, never measured
+    est.observe_step_read(0.05)
+    assert est.draft_step_busy_s == pytest.approx(0.05) and not est.step_probe_due()
+    assert est.take_report(P.CloudCost(curve)) and not est.step_probe_due()  # idle again: measured a round ago
+
+
 def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
     """Other devices keep the cloud stepping back to back (duty 1, steps of 0.5 s with their positions): a round's
     request waits for the step in progress, so a round costs whole steps — drafting up to the step's end is free and
@@ -1325,7 +1355,7 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     opening (a load that makes sd the best is only known from the reply), llm's tokens are not. The opening reads
     the prompt in one forward while sd is within reach (the first round will likely draft and wait for all of it),
     else a few tokens at a time; later reads are always a few at a time. A census request reads llm's tokens even
-    with sd out of reach."""
+    with sd out of reach. Where nothing is read the draft step is timed on one token when due."""
     import threading
 
     from edge_runtime.read_ahead import ReadAhead
@@ -1344,7 +1374,8 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
         monkeypatch.setattr(Drafter, "catch_up", lambda self, n, **kw: reads.append(
             (threading.current_thread().name, catch_up_of(self, n, **kw), self)) or reads[-1][1])
-        monkeypatch.setattr(ReadAhead, "start", lambda self, whole=False: starts.append(whole) or start_of(self, whole))
+        monkeypatch.setattr(ReadAhead, "start", lambda self, whole=False, step=False: starts.append(
+            "step" if step else whole) or start_of(self, whole, step))
         with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
             reads.clear()
@@ -1360,9 +1391,10 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     seen, _, reads, starts = results["off", True, False]
     assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9) and not reads, seen
     assert not starts
-    seen, _, reads, starts = results["on", False, False]
-    assert [b for p, b in seen[:4]] == [0, 3, 6, 9] and seen[3][0] == "sd" and starts == [False], (seen, starts)
-    assert sum(n for _, n, _ in reads) == len(PROMPT) - 1 and reads[-1][2].compared == 0  # the prompt's own
+    seen, _, reads, starts = results["on", False, False]  # llm's tokens are not read, but the draft step is timed:
+    # due at the first llm round (nothing to read yet) and the second (one token), not the third (measured)
+    assert [b for p, b in seen[:4]] == [0, 3, 5, 8] and seen[3][0] == "sd", seen
+    assert starts == [False, "step", "step"] and [n for _, n, _ in reads] == [len(PROMPT) - 1, 1], (starts, reads)
     seen, _, reads, starts = results["on", False, True]  # a census reads llm's tokens all the same
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and starts[0] is False and len(starts) >= 3, (seen, starts)
     assert reads[-1][2].compared == 6

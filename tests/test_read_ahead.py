@@ -82,6 +82,35 @@ def test_a_whole_start_reads_all_that_is_lacking_in_its_first_forward_then_forwa
     assert [read.tokens for read in r.drain()] == [64, 36] and d.behind == 0
 
 
+def test_a_step_start_makes_one_forward_of_one_token_and_leaves_a_running_reader_to_its_stop():
+    """start(step=True): a draft step's forward (one token), then the reader stops by itself; a plain start while
+    it runs has it go on in forwards of its size. A step start while a reader runs changes nothing: the stop asked
+    of it stands."""
+    d = _drafter(150)
+    r = ReadAhead(d, most=64)
+    r.start(step=True)
+    _until_idle(r)
+    assert [read.tokens for read in r.drain()] == [1] and d.behind == 148
+    d.lm.go.clear()  # the next forward is held
+    d.lm.begun = threading.Semaphore(0)
+    r.start(step=True)
+    assert d.lm.begun.acquire(timeout=10.0)  # this step's forward has begun
+    r.start()  # asked to go on: the rest in forwards of 64
+    d.lm.go.set()
+    _until_idle(r)
+    assert [read.tokens for read in r.drain()] == [1, 64, 64, 19] and d.behind == 0
+    d.commit(list(range(200, 210)))
+    d.lm.go.clear()
+    d.lm.begun = threading.Semaphore(0)
+    r.start()
+    assert d.lm.begun.acquire(timeout=10.0)
+    r.stop()
+    r.start(step=True)  # leaves the stop asked of the running reader
+    d.lm.go.set()
+    _until_idle(r)
+    assert [read.tokens for read in r.drain()] == [10] and d.behind == 0
+
+
 def test_the_callers_thread_never_waits_for_a_forward_and_settle_does():
     """start returns while a forward is held; tokens committed meanwhile are read by the same thread; stop leaves the
     forward in progress to finish on its own; settle waits for it."""

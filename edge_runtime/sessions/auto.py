@@ -61,6 +61,8 @@ class AutoSession(TokenSession):
         for read in self.reader.drain():
             self.auto.estimates.observe_catch_up(read.tokens, read.seconds)
             self.auto.estimates.observe_agreement(read.agreed, read.compared, read.marks)
+            if read.tokens == 1:  # a forward of one token: a draft step's, measured while nothing drafts
+                self.auto.estimates.observe_step_read(read.seconds)
 
     def open(self, prompt: List[int]) -> None:
         """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost
@@ -84,7 +86,9 @@ class AutoSession(TokenSession):
         (edge_runtime.read_ahead): the reply is taken the moment it comes, whatever forward is in progress. At the
         opening the prompt is read in one forward while sd is within reach (the first round will likely draft and
         wait for all of it), else a few tokens at a time (a load that makes sd the best is only known from the
-        reply)."""
+        reply). Where it reads nothing and a round follows, the draft step, when due (AutoEstimates.step_probe_due),
+        is timed on one forward of one token (ReadAhead.start(step=True)): llm winning must not leave it at what a
+        few drafting rounds long ago measured."""
         if not self.config.overlaps_prefill:
             return
         if self._opening:
@@ -92,13 +96,16 @@ class AutoSession(TokenSession):
             self.reader.start(whole=within)
             return
         now = time.monotonic()
-        if self.remaining <= self._in_flight:  # the round in flight ends the request: nothing drafts after it,
-            # only a census reads on, and only while its read fits in the round
+        last = self.remaining <= self._in_flight
+        if last:  # the round in flight ends the request: nothing drafts after it, only a census reads on, and only
+            # while its read fits in the round
             reads = self.auto.census_reads_to_the_end(self.link(), now, self.drafter.behind, self._in_flight)
         else:  # while sd could win, were the prompt easy, or the request is a census
             reads = self.auto.worth_reading(self.link(), now)
         if not reads:
             self.reader.stop()
+            if not last and self.auto.estimates.step_probe_due():  # where nothing drafts, the draft step is
+                self.reader.start(step=True)  # measured all the same: one forward of one token, in the wait
             return
         self.reader.start()
 
