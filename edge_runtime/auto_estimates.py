@@ -71,9 +71,10 @@ OVERHEAD_PRIOR_ROUNDS = 4.0  # rounds a busy cloud's round overhead counts its p
 STEP_VAR_KEEP = 0.9  # weight of the history in the busy cloud's step spread (a squared deviation is a noisy reading:
 # some ten rounds)
 STEP_PROBE_ROUNDS = 4  # llm rounds after which, the draft step in the cloud's state unmeasured since, the device
-# measures it with one forward of one token while it waits (`step_probe_due`, ReadAhead.start(step=True)): where llm
-# wins, nothing drafts, and the idle step stood at the warm-up's first few drafting rounds for whole traces (0.031 s
-# on one, 0.042 on another of the same commit: easy prompts' η-chain rounds priced 0.92 s where they took 0.68)
+# times one forward of one token before the next llm round (`step_probe_due`, edge_runtime.sessions.auto's
+# `_step_probe`): where llm wins nothing drafts, and the idle step stood at the warm-up's first few drafting rounds
+# for whole traces (0.031 s on one, 0.042 on another of the same commit: easy prompts' η-chain rounds priced 0.92 s
+# where they took 0.68)
 PRIOR_UP_ROUND = 96.0  # bytes of a round's request without drafts before one is measured (a Generate frame)
 PRIOR_DOWN_PER_TOKEN = 4.0  # bytes per token of a reply (an int32 id) before one is measured
 
@@ -466,13 +467,13 @@ class AutoEstimates:
 
     def step_probe_due(self) -> bool:
         """Whether the draft step in the cloud's state now went STEP_PROBE_ROUNDS llm rounds unmeasured (or was never
-        measured by this runtime): the device, while it waits for llm's reply, then times one forward of one token
+        measured by this runtime): the device then times one forward of one token before llm's next round
         (`observe_step_read`)."""
         return self.step_unmeasured.get(self._step_name(), STEP_PROBE_ROUNDS) >= STEP_PROBE_ROUNDS
 
     def observe_step_read(self, seconds: float) -> None:
-        """The draft model read one committed token in one forward of `seconds` while nothing drafted (the
-        session's reader): a draft step's forward, in the cloud's state now."""
+        """The draft model read one committed token in one forward of `seconds` between llm's rounds (the cloud
+        idle, as while a round drafts): a draft step's forward, in the cloud's state now."""
         if seconds > 0 and math.isfinite(seconds):
             self._draft_step(seconds)
 

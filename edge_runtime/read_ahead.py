@@ -54,28 +54,23 @@ class ReadAhead:
     def running(self) -> bool:
         return self._running
 
-    def start(self, whole: bool = False, step: bool = False) -> None:
+    def start(self, whole: bool = False) -> None:
         """Read what the draft model lacks, a forward of at most `most` tokens at a time, until it lacks nothing or
         `stop`; a reader already running goes on (it reads what was committed since as well, a `stop` asked of it
-        withdrawn). step: a reader that starts now makes one forward of one token and stops — a draft step's
-        forward, which measures the draft step while nothing drafts (protocol auto's step probe:
-        AutoEstimates.step_probe_due); a reader already running is left to its stop. whole: a reader that starts now
-        reads all the draft model lacks in its first forward — the
+        withdrawn). whole: a reader that starts now reads all the draft model lacks in its first forward — the
         opening's prompt, when the first round will likely draft and so wait for all of it: one forward of a prompt
         costs less than its forwards of `most` (7–11 % less for prompts of 120 and 250 tokens, the 0.5B draft on
         llama.cpp on one core here: 0.1–0.2 s, three times that on a board three times slower) and is the read a
         fixed sd request makes."""
         with self._lock:
             if self._running:  # its thread has not yet seen the stop (it checks under this lock): it goes on
-                if not step:
-                    self._stop.clear()
+                self._stop.clear()
                 return
             if not self.drafter.behind:
                 return
             self._running = True
             self._stop.clear()
-            self._thread = threading.Thread(target=self._read, args=(whole, step), name="hatspec-read-ahead",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._read, args=(whole,), name="hatspec-read-ahead", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -100,23 +95,35 @@ class ReadAhead:
             reads, self._reads = self._reads, []
         return reads
 
-    def _read(self, whole: bool, step: bool = False) -> None:
-        """whole: the first forward reads all the draft model lacks; step: one forward of one token (`start`)."""
+    def step(self) -> bool:
+        """One forward of one token the draft model lacks, on the caller's thread, when no reader is running: a
+        draft step's forward, which times the draft step where nothing drafts (protocol auto's step probe,
+        edge_runtime.sessions.auto). Kept for `drain` as every read is; False when it read nothing."""
+        with self._lock:
+            if self._running or not self.drafter.behind:
+                return False
+        read = self._forward(1)
+        with self._lock:
+            self._reads.append(read)
+        return True
+
+    def _forward(self, most: int) -> Read:
+        """One forward of at most `most` tokens the draft model lacks, timed (and compared, `compare`)."""
+        d = self.drafter
+        agreed, compared, marked, t0 = d.agreed, d.compared, len(d.marks), time.perf_counter()
+        n = d.catch_up(most, compare=True) if self.compare else d.catch_up(most)
+        return Read(n, time.perf_counter() - t0, d.agreed - agreed, d.compared - compared, tuple(d.marks[marked:]))
+
+    def _read(self, whole: bool) -> None:
+        """whole: the first forward reads all the draft model lacks (`start`)."""
         try:
             while True:
                 with self._lock:
                     if self._stop.is_set() or not self.drafter.behind:
                         self._running = False
                         return
-                    most, whole = (1 if step else self.drafter.behind if whole else self.most), False
-                    if step:  # one forward, then stop (unless a `start` since asks it to go on)
-                        self._stop.set()
-                        step = False
-                d = self.drafter
-                agreed, compared, marked, t0 = d.agreed, d.compared, len(d.marks), time.perf_counter()
-                n = d.catch_up(most, compare=True) if self.compare else d.catch_up(most)
-                read = Read(n, time.perf_counter() - t0, d.agreed - agreed, d.compared - compared,
-                            tuple(d.marks[marked:]))
+                    most, whole = (self.drafter.behind if whole else self.most), False
+                read = self._forward(most)
                 with self._lock:
                     self._reads.append(read)
         except BaseException as exc:  # handed to the session's thread by `settle`

@@ -1355,7 +1355,8 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
     opening (a load that makes sd the best is only known from the reply), llm's tokens are not. The opening reads
     the prompt in one forward while sd is within reach (the first round will likely draft and wait for all of it),
     else a few tokens at a time; later reads are always a few at a time. A census request reads llm's tokens even
-    with sd out of reach. Where nothing is read the draft step is timed on one token when due."""
+    with sd out of reach. Before an llm round, when due, the draft step is timed on one token (the session's
+    thread, the cloud idle)."""
     import threading
 
     from edge_runtime.read_ahead import ReadAhead
@@ -1374,8 +1375,7 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
         monkeypatch.setattr(AutoController, "sd_within_reach", within_reach if reach else lambda self, preds: False)
         monkeypatch.setattr(Drafter, "catch_up", lambda self, n, **kw: reads.append(
             (threading.current_thread().name, catch_up_of(self, n, **kw), self)) or reads[-1][1])
-        monkeypatch.setattr(ReadAhead, "start", lambda self, whole=False, step=False: starts.append(
-            "step" if step else whole) or start_of(self, whole, step))
+        monkeypatch.setattr(ReadAhead, "start", lambda self, whole=False: starts.append(whole) or start_of(self, whole))
         with _runtime(smollm2, smollm2_server.endpoint, overlap_prefill=overlap) as rt:
             ref = rt.generate(PROMPT, "llm", SamplingParams(0.0), 24, seed=0)
             reads.clear()
@@ -1384,17 +1384,20 @@ def test_the_draft_reads_while_llm_waits(smollm2, smollm2_server, monkeypatch):
         results[overlap, reach, census] = (seen, rt.auto_estimates.catch_up, reads, starts)
     seen, catch_up, reads, starts = results["on", True, False]
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and seen[3][0] == "sd" and catch_up.known, seen
-    assert {name for name, _, _ in reads} == {"hatspec-read-ahead"} and sum(n for _, n, _ in reads) == len(PROMPT) + 5
+    probes = [n for name, n, _ in reads if name == "MainThread"]  # the draft step timed once, between rounds
+    assert {name for name, _, _ in reads} == {"hatspec-read-ahead", "MainThread"} and probes == [1], reads
+    assert sum(n for _, n, _ in reads) == len(PROMPT) + 5
     assert starts[0] is True and not any(starts[1:]) and len(starts) >= 3, starts  # the opening's read whole
     drafter = reads[-1][2]  # at temperature 0 the reads compare: the two llm rounds' 6 tokens, all the draft's
     assert (drafter.agreed, drafter.compared) == (6, 6)  # argmax (the draft is the target here)
-    seen, _, reads, starts = results["off", True, False]
-    assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 + 9) and not reads, seen
-    assert not starts
-    seen, _, reads, starts = results["on", False, False]  # llm's tokens are not read, but the draft step is timed:
-    # due at the first llm round (nothing to read yet) and the second (one token), not the third (measured)
-    assert [b for p, b in seen[:4]] == [0, 3, 5, 8] and seen[3][0] == "sd", seen
-    assert starts == [False, "step", "step"] and [n for _, n, _ in reads] == [len(PROMPT) - 1, 1], (starts, reads)
+    seen, _, reads, starts = results["off", True, False]  # nothing read while waiting; the step timed once
+    assert seen[0] == ("llm", len(PROMPT) - 1) and seen[3] == ("sd", len(PROMPT) - 1 - 1 + 9), seen
+    assert not starts and [(name, n) for name, n, _ in reads] == [("MainThread", 1)], reads
+    seen, _, reads, starts = results["on", False, False]  # llm's tokens are not read, but the draft step is timed
+    # before the second llm round (before the first there is nothing to read), not the third (measured)
+    assert [b for p, b in seen[:4]] == [0, 3, 5, 8] and seen[3][0] == "sd" and starts == [False], (seen, starts)
+    assert [(name, n) for name, n, _ in reads] == [("hatspec-read-ahead", len(PROMPT) - 1), ("MainThread", 1)]
+    assert reads[0][2].compared == 1  # the prompt's own, then the probe's one token of the target's
     seen, _, reads, starts = results["on", False, True]  # a census reads llm's tokens all the same
     assert [b for p, b in seen[:4]] == [0, 3, 3, 3] and starts[0] is False and len(starts) >= 3, (seen, starts)
     assert reads[-1][2].compared == 6

@@ -82,33 +82,21 @@ def test_a_whole_start_reads_all_that_is_lacking_in_its_first_forward_then_forwa
     assert [read.tokens for read in r.drain()] == [64, 36] and d.behind == 0
 
 
-def test_a_step_start_makes_one_forward_of_one_token_and_leaves_a_running_reader_to_its_stop():
-    """start(step=True): a draft step's forward (one token), then the reader stops by itself; a plain start while
-    it runs has it go on in forwards of its size. A step start while a reader runs changes nothing: the stop asked
-    of it stands."""
+def test_a_step_reads_one_token_on_the_callers_thread_and_never_beside_a_running_reader():
+    """step(): a draft step's forward (one token) on the caller's thread, kept for drain; nothing while a reader
+    runs (one writer of the cache at a time) or when nothing is lacking."""
     d = _drafter(150)
     r = ReadAhead(d, most=64)
-    r.start(step=True)
-    _until_idle(r)
-    assert [read.tokens for read in r.drain()] == [1] and d.behind == 148
-    d.lm.go.clear()  # the next forward is held
-    d.lm.begun = threading.Semaphore(0)
-    r.start(step=True)
-    assert d.lm.begun.acquire(timeout=10.0)  # this step's forward has begun
-    r.start()  # asked to go on: the rest in forwards of 64
-    d.lm.go.set()
-    _until_idle(r)
-    assert [read.tokens for read in r.drain()] == [1, 64, 64, 19] and d.behind == 0
-    d.commit(list(range(200, 210)))
-    d.lm.go.clear()
-    d.lm.begun = threading.Semaphore(0)
+    assert r.step() and [read.tokens for read in r.drain()] == [1] and d.behind == 148
+    assert {t.name for t in threading.enumerate()}.isdisjoint({"hatspec-read-ahead"})
+    d.lm.go.clear()  # the reader's forward is held
     r.start()
-    assert d.lm.begun.acquire(timeout=10.0)
-    r.stop()
-    r.start(step=True)  # leaves the stop asked of the running reader
+    assert d.lm.begun.acquire(timeout=10.0) and d.lm.begun.acquire(timeout=10.0)  # the step's, the reader's
+    assert not r.step()  # a reader is running: no second writer
     d.lm.go.set()
     _until_idle(r)
-    assert [read.tokens for read in r.drain()] == [10] and d.behind == 0
+    assert [read.tokens for read in r.drain()] == [64, 64, 20] and d.behind == 0
+    assert not r.step() and not r.drain()  # nothing lacking
 
 
 def test_the_callers_thread_never_waits_for_a_forward_and_settle_does():

@@ -56,13 +56,25 @@ class AutoSession(TokenSession):
         self._in_flight = choice.knob if choice.protocol == "llm" else 0
         return choice
 
-    def _reads(self) -> None:
-        """The reader's forwards since the last call, to the cost model (on this thread: it reads them)."""
+    def _reads(self, step: bool = False) -> None:
+        """The reader's forwards since the last call, to the cost model (on this thread: it reads them); step: they
+        are `_step_probe`'s, a draft step's forward each."""
         for read in self.reader.drain():
             self.auto.estimates.observe_catch_up(read.tokens, read.seconds)
             self.auto.estimates.observe_agreement(read.agreed, read.compared, read.marks)
-            if read.tokens == 1:  # a forward of one token: a draft step's, measured while nothing drafts
+            if step and read.tokens == 1:
                 self.auto.estimates.observe_step_read(read.seconds)
+
+    def _step_probe(self) -> None:
+        """Before an llm round, when the draft step in the cloud's state is due (AutoEstimates.step_probe_due) and
+        the reader is not reading: one forward of one committed token, timed with the cloud idle between rounds as a
+        drafting round's steps are (a read while the cloud computes is not: where the device shares a host with the
+        cloud, as here, a one-token read during llm's steps took 0.047 s against drafting rounds' 0.038). It costs
+        the round one forward, every STEP_PROBE_ROUNDS llm rounds at most; it also reads that token."""
+        if self.auto.estimates.step_probe_due():
+            self._reads()
+            if self.reader.step():
+                self._reads(step=True)
 
     def open(self, prompt: List[int]) -> None:
         """The opening drafts nothing: the first round is chosen once the cloud's SessionOpened, with its cost
@@ -86,9 +98,7 @@ class AutoSession(TokenSession):
         (edge_runtime.read_ahead): the reply is taken the moment it comes, whatever forward is in progress. At the
         opening the prompt is read in one forward while sd is within reach (the first round will likely draft and
         wait for all of it), else a few tokens at a time (a load that makes sd the best is only known from the
-        reply). Where it reads nothing and a round follows, the draft step, when due (AutoEstimates.step_probe_due),
-        is timed on one forward of one token (ReadAhead.start(step=True)): llm winning must not leave it at what a
-        few drafting rounds long ago measured."""
+        reply)."""
         if not self.config.overlaps_prefill:
             return
         if self._opening:
@@ -96,16 +106,13 @@ class AutoSession(TokenSession):
             self.reader.start(whole=within)
             return
         now = time.monotonic()
-        last = self.remaining <= self._in_flight
-        if last:  # the round in flight ends the request: nothing drafts after it, only a census reads on, and only
-            # while its read fits in the round
+        if self.remaining <= self._in_flight:  # the round in flight ends the request: nothing drafts after it,
+            # only a census reads on, and only while its read fits in the round
             reads = self.auto.census_reads_to_the_end(self.link(), now, self.drafter.behind, self._in_flight)
         else:  # while sd could win, were the prompt easy, or the request is a census
             reads = self.auto.worth_reading(self.link(), now)
         if not reads:
             self.reader.stop()
-            if not last and self.auto.estimates.step_probe_due():  # where nothing drafts, the draft step is
-                self.reader.start(step=True)  # measured all the same: one forward of one token, in the wait
             return
         self.reader.start()
 
@@ -131,6 +138,7 @@ class AutoSession(TokenSession):
         elif choice.protocol == "ksqs":
             n = observed_round(self, self.auto.estimates, "ksqs", lambda: qs_round(self, "ksqs", choice.knob))
         else:
+            self._step_probe()
             n = observed_round(self, self.auto.estimates, "llm", lambda: self.generate(choice.knob))
         self.auto.record(choice, n)
 
