@@ -69,8 +69,8 @@ class AutoSession(TokenSession):
         """Before an llm round, when the draft step in the cloud's state is due (AutoEstimates.step_probe_due) and
         the reader is not reading: one forward of one committed token, timed with the cloud idle between rounds as a
         drafting round's steps are (a read while the cloud computes is not: where the device shares a host with the
-        cloud, as here, a one-token read during llm's steps took 0.047 s against drafting rounds' 0.038). It costs
-        the round one forward, every STEP_PROBE_ROUNDS llm rounds at most; it also reads that token."""
+        cloud, as here, one-token reads during llm's steps took 0.045-0.048 s against drafting rounds' 0.035-0.038).
+        It costs the round one forward, every STEP_PROBE_ROUNDS llm rounds at most; it also reads that token."""
         if self.auto.estimates.step_probe_due():
             self._reads()
             if self.reader.step():
