@@ -279,8 +279,9 @@ class AutoEstimates:
         census request (`census`: drawn whatever its prompt) they move the prompts' acceptance as well; elsewhere
         only where reading is worth it are tokens read (AutoController.worth_reading), the promising prompts, a
         biased sample of them. marks: at temperature 0, each token's (Drafter.marks), for `eta_chain_read`."""
-        if compared < 1 or not 0 <= agreed <= compared:  # NaN too
+        if compared < 1 or not 0 <= agreed <= compared * (1 + 1e-9):  # NaN too
             return
+        agreed = min(agreed, float(compared))  # a read's agreed is a difference of running sums: 1 + 1e-16 for 1
         if marks and self.kind == GREEDY:
             self.request_marks.extend(marks)
             if self.census and self.census_marks:

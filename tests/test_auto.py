@@ -1018,6 +1018,20 @@ def test_where_llm_runs_the_draft_step_is_timed_on_a_one_token_read_every_few_ro
     assert est.take_report(P.CloudCost(curve)) and not est.step_probe_due()  # idle again: measured a round ago
 
 
+def test_a_reads_agreement_a_rounding_above_its_tokens_is_counted_as_all_of_them():
+    """A read's agreed is the drafter's running sum after the read less before it: above temperature 0 a token the
+    draft agrees with wholly (min(1, q/p) = 1) can come out 1 + 9e-16, which was refused as more than its one token
+    (the request then lost that read). Within rounding it counts as all; beyond, or NaN, it is refused."""
+    est = AutoEstimates(kind="T=0.5")
+    before = 7.7675025087889
+    est.observe_agreement((before + 1.0) - before, 1)
+    own = est.acceptance[("sd", "T=0.5")]
+    assert (before + 1.0) - before > 1.0 and own.request_examined == 1 and own.request_accepted == 1.0
+    est.observe_agreement(1.5, 1)
+    est.observe_agreement(float("nan"), 1)
+    assert own.request_examined == 1
+
+
 def test_a_cloud_stepping_back_to_back_is_priced_in_phase_with_its_steps():
     """Other devices keep the cloud stepping back to back (duty 1, steps of 0.5 s with their positions): a round's
     request waits for the step in progress, so a round costs whole steps — drafting up to the step's end is free and
