@@ -159,8 +159,8 @@ class AutoEstimates:
     tree_rounds: Dict[Tuple[Shape, str], int] = field(default_factory=dict)  # ... its rounds observed per kind ...
     tree_sent: Dict[Tuple[Shape, str], float] = field(default_factory=dict)  # ... and the nodes a round sent (fewer
     # than the shape's when η ends it early: a chain of width 1 that ends on its draft's confidence)
-    tree_request: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # the request's own tree
-    # rounds: (tokens committed, rounds), per shape and kind
+    tree_request: Dict[Tuple[Shape, str], Tuple[float, int, float]] = field(default_factory=dict)  # the request's
+    # own tree rounds: (tokens committed, rounds, nodes sent), per shape and kind
     tree_opening: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # tokens a request's first
     # round of each shape committed (a moving average as `tree_tokens`), and how many such rounds, per kind
     eta_chain: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # a chain-shaped
@@ -169,9 +169,6 @@ class AutoEstimates:
     # rounds aside ...
     eta_opening: Dict[Tuple[Shape, str], Tuple[float, float, int]] = field(default_factory=dict)  # ... and the same
     # over those (priced at the openings' α)
-    eta_tail: Dict[Tuple[Shape, str], Tuple[float, int]] = field(default_factory=dict)  # ... and over its rounds
-    # that went on past a rejected draft, the drafts they sent past it (a moving average as `tree_tokens`) and how
-    # many such rounds: what the reads cannot see (`eta_chain_read`)
     census_marks: List[Tuple[Tuple[int, bool, float], ...]] = field(default_factory=list)  # the last CENSUS_KEPT
     # census requests' reads at temperature 0, each its Drafter.marks: what an η-ended chain would have done over the
     # prompts' answers (`eta_chain_read`)
@@ -527,8 +524,8 @@ class AutoEstimates:
             mean, rounds = self.tree_opening.get(key, (None, 0))
             self.tree_opening[key] = (population_ema(mean, float(tokens), rounds + 1), rounds + 1)
             self.opening = False
-        mine, rounds = self.tree_request.get(key, (0.0, 0))
-        self.tree_request[key] = (mine + tokens, rounds + 1)
+        mine, rounds, sent = self.tree_request.get(key, (0.0, 0, 0.0))
+        self.tree_request[key] = (mine + tokens, rounds + 1, sent + nodes)
         self.tree_sent[key] = population_ema(self.tree_sent.get(key), float(nodes), n)
         if not caught_up:
             steps = None
@@ -555,9 +552,6 @@ class AutoEstimates:
                            rounds + 1)
         if accepted is None:
             accepted = min(nodes, tokens - 1)
-        if nodes > accepted + 1:  # it went on past its rejected draft: the draft's confidence on its own text
-            mean, rounds = self.eta_tail.get(key, (None, 0))
-            self.eta_tail[key] = (population_ema(mean, float(nodes - accepted - 1), rounds + 1), rounds + 1)
         self.acceptance.setdefault(("sd", self.kind), Acceptance()).inform(accepted, examined_of(nodes, accepted))
 
     def tree_steps_at(self, shape: Shape, tokens: float) -> Optional[float]:
@@ -621,7 +615,7 @@ class AutoEstimates:
             first, openings = self.tree_opening.get(key, (None, 0))
             if self.opening and first is not None:
                 prompts = pulled(first, openings, prompts)
-            mine, rounds = self.tree_request.get(key, (0.0, 0))
+            mine, rounds, _ = self.tree_request.get(key, (0.0, 0, 0.0))
             return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
         return chain
 
@@ -634,13 +628,14 @@ class AutoEstimates:
         ALPHA_BASE_ROUNDS rounds. Priced from the chain's own rounds on other prompts instead, an η-chain of 8 over
         the links was 18-22 % slow a phase on average; from the reads, 3-19 % fast (docs/AUTO.md "The η-chain priced
         from the census's reads"). Whether a round goes on past its first rejected draft the reads say exactly (that
-        draft's own confidence is read); what one that goes on sends past it is the chain's own such rounds'
-        (`eta_tail`), the reads' as their prior worth ALPHA_BASE_ROUNDS rounds: past a rejection the reads know only
-        the text's confidences, not the draft's on its own text. Priced at one mean tail for every rejected round, a
-        hard prompt's rounds, which mostly end at their rejected draft (η), were priced at 3.5 drafts where they sent
-        2.7 (docs/AUTO.md "What a chain sends past its rejection").
+        draft's own confidence is read); what one that goes on sends past it, along its own text, no read saw: it is
+        priced from the positions the reads found after a token the draft named, whose context ends as its own
+        text's does (`EtaReads.past`), the prompts' and the request's pooled as their rounds are. Priced at the
+        chain's own rounds past a rejection (a mean over the prompts auto drafted on, the easy ones: 6.0 drafts a
+        round that went on), a hard prompt's rounds were priced at 3.9-5.2 drafts sent where they sent 2.5-2.9
+        (docs/AUTO.md "What a chain sends along its own text").
 
-        The prompts' reads are other texts than this prompt's: what they commit and send before any rejection is
+        The prompts' reads are other texts than this prompt's: what they commit and send up to a rejection is
         carried to it as their share of an i.i.d. chain's tokens at their own agreement (`eta_chain_over_reads`'
         yardstick) times that chain's tokens at the request's belief of α (`chain_tokens`). Their tokens a round
         as they were (2.6-3.4 on the Qwen pair whatever the prompt) priced a drafting request under load where the
@@ -655,23 +650,18 @@ class AutoEstimates:
         seen = (tuple(len(m) for m in census), census[0][:1] if census else ())  # what the pool holds now
         if self._census_read.get((depth, eta), (None,))[0] != seen:
             self._census_read[(depth, eta)] = (seen, eta_chain_over_reads(census, depth, eta))
-        rounds, tokens, sent, went, tail, yardstick = self._census_read[(depth, eta)][1]
-        if rounds < ALPHA_BASE_ROUNDS:
+        pool = self._census_read[(depth, eta)][1]
+        if pool.rounds < ALPHA_BASE_ROUNDS:
             return None
         chain = self.chain_tokens("sd", depth)  # the reads carried to this prompt: their share of the i.i.d. chain
-        share = rounds * chain / yardstick if chain else 1.0  # at their own α, times this one's at the request's
-        tokens, exact = min((depth + 1) * rounds, share * tokens), min(depth * rounds, share * (sent - tail))
-        mine, my_tokens, my_sent, my_went, my_tail, _ = eta_chain_over_reads([self.request_marks], depth, eta)
-        shape = (depth, depth, 1)
-        done, ran = self.tree_request.get((shape, self.kind), (0.0, 0))
-        weight = ALPHA_BASE_ROUNDS / rounds
-        went_on = weight * went + my_went  # rounds that went on past a rejected draft, and the drafts sent past it
-        past = (weight * tail + my_tail) / went_on if went_on > 0 else 0.0
-        own, measured = self.eta_tail.get((shape, self.kind), (None, 0))
-        if own is not None:
-            past = pulled(own, measured, past)
-        return ((weight * tokens + my_tokens + done) / (ALPHA_BASE_ROUNDS + mine + ran),
-                (weight * exact + my_sent - my_tail + went_on * past) / (ALPHA_BASE_ROUNDS + mine))
+        share = pool.rounds * chain / pool.chain if chain else 1.0  # at their own α, times this one's at its α
+        carried = pool._replace(tokens=min((depth + 1) * pool.rounds, share * pool.tokens),
+                                sent=min(depth * pool.rounds, share * pool.sent))
+        mine = eta_chain_over_reads([self.request_marks], depth, eta)
+        both = carried.times(ALPHA_BASE_ROUNDS / pool.rounds).plus(mine)
+        done, ran, sent = self.tree_request.get(((depth, depth, 1), self.kind), (0.0, 0, 0.0))
+        rounds = both.rounds + ran
+        return (both.tokens + done) / rounds, (both.sent + both.past() + sent) / rounds
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the

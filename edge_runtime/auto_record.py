@@ -8,7 +8,7 @@ What it keeps is what outlives a link and a cloud's load: the drafting protocols
 of the answers (each token's agreement and the draft's confidence: what an η-ended chain would do), the device's own
 times per power mode (draft step, catch-up, the device alone, round overheads and the rounds each was measured on),
 the frames' bytes and the rounds observed per protocol. A field added since version 1 (ADDED) may be absent: an older
-record is read with it empty. What it does not keep is measured afresh by every runtime: the cloud's curve and load
+record is read with it empty; one it no longer keeps (DROPPED) is passed over. What it does not keep is measured afresh by every runtime: the cloud's curve and load
 (the cloud reports them at each session's opening), the link's round trip and rate, the cloud's speed drift, what
 ran recently.
 
@@ -209,7 +209,6 @@ RECORDED: Dict[str, Decode] = {  # the AutoEstimates fields a record keeps (modu
     "tree_opening": _table(TREE, _tuple(TOKENS, _count)),
     "eta_chain": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
     "eta_opening": _table(TREE, _tuple(TOKENS, TOKENS, _count)),
-    "eta_tail": _table(TREE, _tuple(TOKENS, _count)),
     "census_marks": _marks,
 }
 ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since version 1, each with its value where a
@@ -217,8 +216,10 @@ ADDED: Dict[str, Callable[[], Any]] = {  # fields added to RECORDED since versio
     "mode_rounds": dict,
     "draft_step_busy_s": lambda: None,  # an older record's draft step was measured in either state
     "census_marks": list,
-    "eta_tail": dict,
 }
+
+DROPPED = ("eta_tail",)  # fields a record no longer keeps: an older record's are passed over (the η-chain's own
+# rounds past a rejected draft, priced from the reads since stop 94: AutoEstimates.eta_chain_read)
 
 
 # ---- encoding ----
@@ -244,13 +245,16 @@ def to_record(est: AutoEstimates) -> Dict[str, Any]:
 
 
 def restore(est: AutoEstimates, record: Any, path: str = "estimates") -> None:
-    """`record` (`to_record`'s) into `est`, every field checked first: on a RecordError (the field named) `est` is
-    untouched."""
+    """`record` (`to_record`'s) into `est`, every field checked first: on a RecordError (the field named: malformed,
+    missing, or not one a record keeps) `est` is untouched; a field it no longer keeps (DROPPED) is passed over."""
     if not isinstance(record, dict):
         raise _fail(path, f"expected an object, got {type(record).__name__}")
     missing = sorted(set(RECORDED) - set(record) - set(ADDED))
     if missing:
         raise _fail(f"{path}.{missing[0]}", "missing")
+    unknown = sorted(set(record) - set(RECORDED) - set(DROPPED))
+    if unknown:
+        raise _fail(f"{path}.{unknown[0]}", "not a field a record keeps")
     values = {name: dec(f"{path}.{name}", record[name]) for name, dec in RECORDED.items() if name in record}
     values.update({name: empty() for name, empty in ADDED.items() if name not in record})
     values["restart"] = set(values["restart"])

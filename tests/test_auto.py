@@ -16,6 +16,7 @@ from edge_runtime.auto_estimates import GREEDY, OVERHEAD_PRIOR_ROUNDS, AutoEstim
 from edge_runtime.drafter import Drafter
 from hat_split.math.chunking import DelayModel
 from hat_split.math.costmodel import Link, predict_tree
+from hat_split.math.draft_stop import eta_tail
 from hat_split.math.verify import expected_tokens, expected_tokens_beta
 from hat_split.wire import messages as P
 from tests.conftest import refusing_port, serving
@@ -1811,14 +1812,16 @@ def test_an_eta_chain_is_priced_at_what_the_census_read_it_would_commit_and_send
     assert est.tree_tokens_per_round(shape, 0.4) == pytest.approx(est.chain_tokens("sd", 8))
 
 
-def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_its_own_rounds():
+def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_the_drafts_confidence_after_its_own_tokens():
     """Whether a round goes on past its first rejected draft the reads say exactly (that draft's confidence is read);
-    past it they know only the text's confidences, not the draft's on its own text: the drafts a round that went on
-    sends there are priced at the η-chain's own such rounds' (a moving average over them), the reads' as its prior
-    worth ALPHA_BASE_ROUNDS rounds. By hand: a census of 16 tokens, each 4 a rejected confident draft, two agreed
-    and one below η: 5 rounds, 17 tokens, 16 sent, one round that went on past its rejected draft with 3 sent past
-    it. Then the η-chain's rounds: one rejected after 1 accepted of 3 sent (1 past it), one of 4 all accepted (not
-    counted), one rejected at once of 1 sent (it ended there: not counted): 1 past a rejection over 1 round."""
+    past it the draft drafts along its own text, which no read saw: each draft there is priced to go on with the
+    share c of the read positions after one the draft named (their context ends with its own token, as its own
+    text's does) that are at least η, pooled as the reads' rounds are (draft_stop.EtaReads.past). By hand: a census
+    of 16 tokens, each 4 a rejected confident draft, two agreed and one below η: 5 rounds, 17 tokens, 13 sent to and
+    with a rejection, one round that went on past its rejected draft with room for 7; of the 11 positions after an
+    agreed one, 7 at least η. The request's own rounds of the η-chain count as rounds of it (their tokens and their
+    drafts sent); on a new request they are no longer its own. A hard prompt's own reads, each rejected draft below
+    η: rounds that end there, none priced past it."""
     shape, link = (8, 8, 1), Link(0.1)
     est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
     est.begin_request(GREEDY, census=True)
@@ -1828,26 +1831,33 @@ def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_its_own_
     _begin_past_opening(est)
     w = 4 / 5  # the census's 5 rounds as ALPHA_BASE_ROUNDS; its part before any rejection carried to the request as
     # its share of an i.i.d. chain's tokens at its 12 agreed of 16
+    past = eta_tail(7 / 11, 7)
+    assert 1 < past < 7
     c = est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
-    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * c * 17 / 4, (w * c * 13 + w * 3) / 4))  # 3 past it
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * c * 17 / 4, (w * c * 13 + w * past) / 4))
     for tokens, sent, accepted in ((2, 3, 1), (5, 4, 4), (1, 1, 0)):
         est.observe_tree(shape, tokens, sent * 0.01, 0.05, 80, 100, sent * 0.01 + 0.2, link, now=0.0, sent=sent,
                          accepted=accepted)
-    assert est.eta_tail[(shape, GREEDY)] == (pytest.approx(1.0), 1)
+    c = est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)  # their drafts moved the request's α
+    assert est.eta_chain_read(8, 0.4) == pytest.approx(((w * c * 17 + 8) / 7, (w * c * 13 + w * past + 8) / 7))
     _begin_past_opening(est)  # a new request: the chain's rounds are no longer its own
-    past = (1 * 1.0 + 4 * 3) / (1 + 4)
     c = est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
-    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * c * 17 / 4, (w * c * (16 - 3) + w * 1 * past) / 4))
+    assert est.eta_chain_read(8, 0.4) == pytest.approx((w * c * 17 / 4, (w * c * 13 + w * past) / 4))
     ctl = _controller(est, trees=[shape], tree_eta=0.4)
     assert ctl._at_tree(shape, link, est.curve(0.0)).tokens_per_round == pytest.approx(w * c * 17 / 4)
     hard = [(200 + i, False, 0.2) for i in range(5)]  # a hard prompt's own reads: each rejected draft below η ends
-    est.observe_agreement(0, 5, hard)  # its round there, exactly: 5 rounds of 1 sent, none priced at the tail; the
-    # prompts' part before any rejection carried to its α, which the 5 rejected lowered: the census's 5 rounds
-    # covered its 16 positions, 12 agreed, where an i.i.d. chain commits expected_tokens(0.75, 8) a round
+    est.observe_agreement(0, 5, hard)  # its round there, exactly: 5 rounds of 1 sent, none priced past it; the
+    # prompts' part before any rejection carried to its α, which the 5 rejected lowered
     share = w * est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
     assert est.chain_tokens("sd", 8) < est.chain_tokens("sd", 8, own=False)
-    assert est.eta_chain_read(8, 0.4) == pytest.approx(((share * 17 + 5) / (4 + 5),
-                                                        (share * (16 - 3) + w * past + 5) / 9))
+    assert est.eta_chain_read(8, 0.4) == pytest.approx(((share * 17 + 5) / (4 + 5), (share * 13 + w * past + 5) / 9))
+    sure = [(300 + i, i != 1, 0.9) for i in range(4)]  # its reads go on: a round of 2 drafts that went on past
+    est.observe_agreement(3, 4, sure)  # its confident rejected one with room for 6, and 2 more positions after a
+    # named one, both sure: c = (w·7 + 2) / (w·11 + 2), the pool's worth its 4 rounds
+    onward = (w * 7 + 2) / (w * 11 + 2)
+    share = w * est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
+    assert est.eta_chain_read(8, 0.4)[1] == pytest.approx(
+        (share * 13 + 5 + 2 + w * eta_tail(onward, 7) + eta_tail(onward, 6)) / 10)
 
 
 def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():

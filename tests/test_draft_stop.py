@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hat_split.math.draft_stop import (PROBE_EVERY, AcceptanceByConfidence, DraftGate, DraftStop, RoundCostFit,
-                                       RoundCosts, eta_chain_over_text)
+                                       RoundCosts, EtaReads, eta_chain_over_text, eta_tail)
 
 
 def test_acceptance_starts_at_the_drafts_own_probability_and_follows_what_is_verified():
@@ -139,21 +139,26 @@ def test_the_config_names_what_it_refuses():
 
 def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_sends_until_eta():
     """By hand. All agreed, all sure, depth 4 over 10 tokens: two rounds of 4 drafts and 5 tokens. A rejection at
-    position 1 ends what the round commits (2: one accepted and the target's), not what it sends: its drafts go on
-    (on the text's confidences, standing for its own) until the first below η, position 2, still sent (3 drafts);
-    the next round, from position 2, drafts that one alone (0.3 < η), accepted: 2 tokens, 1 sent; the third, from 4,
-    reaches the text's end before its drafts do: left out. Beside them, the rounds that went on past a rejected
-    draft and the drafts they sent past it (the part the text's confidences stand in for); a round whose rejected
-    draft is below η ends there, and is not counted."""
-    assert eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4) == (2, 10, 8, 0, 0)
+    position 1 ends what the round commits (2: one accepted and the target's) and what the text can say it sends
+    (2, to and with the rejected draft); that draft is sure (0.9 >= η) and short of the depth, so the round went on
+    past it with room for 6 more, counted apart (what it sends there is along its own text, not the one read); the
+    next round, from position 2, drafts that one alone (0.3 < η), accepted: 2 tokens, 1 sent; the third, from 4,
+    reaches the text's end before its drafts do: left out. A round whose rejected draft is below η, or at the depth,
+    ends there and is not counted as going on. Beside them, the positions after one the draft named (its own token
+    ends their context) and of those the ones at least η: every position after an agreed one but the last."""
+    whole = eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4)
+    assert whole == EtaReads(2, 10, 8, (0, 0, 0), 9, 9) and whole.went_on() == 0 and whole.past() == 0.0
     agreed = [True, False, True, True, True, True, True, True]
     sure = [0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]
-    assert eta_chain_over_text(agreed, sure, 8, 0.4) == (2, 4, 4, 1, 1)  # one draft past the rejected
-    assert eta_chain_over_text(agreed, sure, 8, 0.0) == (1, 2, 8, 1, 6)  # without η: one round of all 8 drafts
-    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == (3, 3, 3, 0, 0)  # each rejected, each below η
-    assert eta_chain_over_text([False, True], [0.9, 0.9], 2, 0.4) == (1, 1, 2, 1, 1)  # on to the depth
-    assert eta_chain_over_text([True, False, True], [0.9] * 3, 2, 0.4) == (1, 2, 2, 0, 0)  # rejected at it
-    assert eta_chain_over_text([], [], 8, 0.4) == (0, 0, 0, 0, 0)
+    went = (0, 0, 0, 0, 0, 1, 0)  # room for 6 past the rejected draft
+    assert eta_chain_over_text(agreed, sure, 8, 0.4) == EtaReads(2, 4, 3, went, 6, 6)
+    assert eta_chain_over_text(agreed, sure, 8, 0.0) == EtaReads(1, 2, 2, went, 6, 6)  # without η: the second
+    # round drafts on to the text's end, cut
+    assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == EtaReads(3, 3, 3, (0,) * 7, 0, 0)  # each below η
+    assert eta_chain_over_text([False, True], [0.9, 0.9], 2, 0.4) == EtaReads(1, 1, 1, (1,), 0, 0)  # room for 1
+    assert eta_chain_over_text([True, False, True], [0.9] * 3, 2, 0.4) == EtaReads(1, 2, 2, (0,), 1, 1)  # at depth
+    assert eta_chain_over_text([True, True, True], [0.9, 0.3, 0.9], 8, 0.4) == EtaReads(1, 3, 2, (0,) * 7, 2, 1)
+    assert eta_chain_over_text([], [], 8, 0.4) == EtaReads(0, 0, 0, (0,) * 7, 0, 0)
     with pytest.raises(ValueError, match="2 agreements for 1"):
         eta_chain_over_text([True, True], [0.5], 8, 0.4)
     with pytest.raises(ValueError, match="depth >= 1"):
@@ -164,20 +169,44 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
 
 def test_an_eta_chain_over_reads_runs_over_each_stretch_of_consecutive_positions_apart():
     """By hand. One read of 10 consecutive sure, agreed positions at depth 4: two whole rounds (the text's end cuts
-    the third). The same 10 marks with a gap after position 4 (a drafting round between two reads) are two stretches
-    of 5: each one whole round of 4 drafts and 5 tokens, none across the gap. Two reads sum; no reads, nothing.
-    Sixth, an i.i.d. chain's tokens over as many rounds at the agreement of the positions those rounds covered: 5 a
-    round at agreement 1; a stretch of 6 with its second position rejected at depth 2 runs two whole rounds (2 and 3
-    tokens: positions 0-4, 4 of 5 agreed) and is cut in its third: 2 × (1 + 0.8 + 0.64)."""
+    the third), 9 positions after an agreed one. The same 10 marks with a gap after position 4 (a drafting round
+    between two reads) are two stretches of 5: each one whole round of 4 drafts and 5 tokens, none across the gap,
+    4 positions after an agreed one each. Two reads sum; no reads, nothing. `chain`: an i.i.d. chain's tokens over
+    as many rounds at the agreement of the positions those rounds covered: 5 a round at agreement 1; a stretch of 6
+    with its second position rejected at depth 2 runs two whole rounds (2 and 3 tokens: positions 0-4, 4 of 5
+    agreed) and is cut in its third: 2 × (1 + 0.8 + 0.64)."""
     from hat_split.math.draft_stop import eta_chain_over_reads
 
     whole = [(p, True, 0.9) for p in range(10)]
-    assert eta_chain_over_reads([whole], 4, 0.4) == (2, 10, 8, 0, 0, 10.0)
+    assert eta_chain_over_reads([whole], 4, 0.4) == EtaReads(2, 10, 8, (0, 0, 0), 9, 9, 10.0)
     gapped = [(p, True, 0.9) for p in range(5)] + [(p, True, 0.9) for p in range(9, 14)]
-    assert eta_chain_over_reads([gapped], 4, 0.4) == (2, 10, 8, 0, 0, 10.0)
-    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == (2, 10, 8, 0, 0, 10.0)
-    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == (1, 5, 4, 0, 0, 5.0)  # 3 marks: no whole round
+    assert eta_chain_over_reads([gapped], 4, 0.4) == EtaReads(2, 10, 8, (0, 0, 0), 8, 8, 10.0)
+    assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == EtaReads(2, 10, 8, (0, 0, 0), 8, 8, 10.0)
+    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == EtaReads(1, 5, 4, (0, 0, 0), 6, 6, 5.0)
     mixed = [(20 + p, p != 1, 0.9) for p in range(6)]
-    assert eta_chain_over_reads([mixed], 2, 0.4) == pytest.approx((2, 5, 4, 0, 0, 2 * 2.44))
-    assert eta_chain_over_reads([mixed, whole], 2, 0.4)[5] == pytest.approx(2 * 2.44 + 3 * 3.0)
-    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == (0, 0, 0, 0, 0, 0.0)
+    got = eta_chain_over_reads([mixed], 2, 0.4)
+    assert got[:6] == (2, 5, 4, (0,), 4, 4) and got.chain == pytest.approx(2 * 2.44)
+    assert eta_chain_over_reads([mixed, whole], 2, 0.4).chain == pytest.approx(2 * 2.44 + 3 * 3.0)
+    assert eta_chain_over_reads([], 4, 0.4) == eta_chain_over_reads([()], 4, 0.4) == EtaReads(0, 0, 0, (0,) * 3,
+                                                                                              0, 0, 0.0)
+
+
+def test_what_a_round_sends_past_its_rejected_draft_is_a_geometric_tail_at_the_drafts_onward_confidence():
+    """By hand. Past its rejected draft a round drafts along its own text, each draft going on with probability c
+    (the share of positions after one the draft named that are at least η): with room for m more it sends
+    1 + c + ... + c^(m - 1). c = 1: all m; c = 0: the one; c = 0.5, m = 3: 1.75. Rounds with rooms 3 and 1 at the
+    counts' own c (3 of 4): 1 + 0.75 + 0.5625 and 1. Counts sum and scale (the prompts' reads worth fewer rounds)."""
+    assert eta_tail(1.0, 6) == 6.0 and eta_tail(0.0, 6) == 1.0 and eta_tail(0.5, 3) == pytest.approx(1.75)
+    assert eta_tail(0.7, 0) == 0.0
+    for c, m in ((1.2, 3), (-0.1, 3), (float("nan"), 3), (0.5, -1)):
+        with pytest.raises(ValueError, match="a tail needs"):
+            eta_tail(c, m)
+    counts = EtaReads(4, 9, 6, (1, 0, 1), 4, 3)
+    assert counts.went_on() == 2 and counts.past() == pytest.approx(1 + 0.75 + 0.5625 + 1)
+    assert counts.past(onward=0.0) == 2.0 and counts.past(onward=1.0) == 4.0
+    assert EtaReads(4, 9, 6, (1, 0, 1), 0, 0).past() == 2.0  # no position after a named one: the rejected's next alone
+    more = counts.plus(EtaReads(1, 2, 1, (0, 1), 1, 0, 2.5))
+    assert more == EtaReads(5, 11, 7, (1, 1, 1), 5, 3, 2.5)
+    half = counts.times(0.5)
+    assert (half.rounds, half.tokens, half.sent, half.rooms, half.onward, half.sure) == (2, 4.5, 3, (0.5, 0, 0.5), 2,
+                                                                                          1.5)
