@@ -8,9 +8,9 @@ What it keeps is what outlives a link and a cloud's load: the drafting protocols
 of the answers (each token's agreement and the draft's confidence: what an η-ended chain would do), the device's own
 times per power mode (draft step, catch-up, the device alone, round overheads and the rounds each was measured on),
 the frames' bytes and the rounds observed per protocol. A field added since version 1 (ADDED) may be absent: an older
-record is read with it empty; one it no longer keeps (DROPPED) is passed over. What it does not keep is measured afresh by every runtime: the cloud's curve and load
-(the cloud reports them at each session's opening), the link's round trip and rate, the cloud's speed drift, what
-ran recently.
+record is read with it empty; one it no longer keeps (DROPPED) is passed over, one it never kept refused. What it does
+not keep is measured afresh by every runtime: the cloud's curve and load (the cloud reports them at each session's
+opening), the link's round trip and rate, the cloud's speed drift, what ran recently.
 
 A file holds one entry per (draft model, target model, vocabulary fingerprint, device profile): `pair_key`. The
 entry's figures are checked field by field as the cloud's cost report is (finite, in range, of the right type); a
