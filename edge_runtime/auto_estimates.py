@@ -632,7 +632,7 @@ class AutoEstimates:
         priced from the positions the reads found after a token the draft named, whose context ends as its own
         text's does (`EtaReads.past`), the prompts' and the request's pooled as their rounds are. Priced at the
         chain's own rounds past a rejection (a mean over the prompts auto drafted on, the easy ones: 6.0 drafts a
-        round that went on), a hard prompt's rounds were priced at 3.9-5.2 drafts sent where they sent 2.5-2.9
+        round that went on), a hard prompt's rounds were priced at 3.4-5.2 drafts sent where they sent 2.5-2.9
         (docs/AUTO.md "What a chain sends along its own text").
 
         The prompts' reads are other texts than this prompt's: what they commit and send up to a rejection is

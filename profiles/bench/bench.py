@@ -14,6 +14,8 @@ from profiles.bench.bench_curve import run as run_curve
 from profiles.bench.bench_edge import add_parser as add_edge_parser
 from profiles.bench.bench_edge import run as run_edge
 from profiles.bench.bench_engines import add_parser as add_engines_parser
+from profiles.bench.bench_eta_tail import add_parser as add_eta_tail_parser
+from profiles.bench.bench_eta_tail import run as run_eta_tail
 from profiles.bench.bench_engines import run as run_engines
 from profiles.bench.bench_fleet import add_parser as add_fleet_parser
 from profiles.bench.bench_fleet import run as run_fleet
@@ -49,7 +51,7 @@ RUNS = {"speculative": run_speculative, "cuhlm": run_cuhlm, "qs": run_qs, "hat":
         "edge": run_edge, "engines": run_engines, "fuzz": run_fuzz, "soak": run_soak, "gpu": run_gpu,
         "tasks": run_tasks, "curve": run_curve, "resummarise": run_resummarise, "verify": run_verify,
         "memory": run_memory, "plan": run_plan, "auto": run_auto,
-        "capacity": run_capacity}
+        "capacity": run_capacity, "eta-tail": run_eta_tail}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (add_speculative_parser, add_cuhlm_parser, add_qs_parser, add_hat_parser, add_fleet_parser,
                 add_gpu_parser, add_edge_parser, add_engines_parser, add_fuzz_parser, add_soak_parser,
                 add_tasks_parser, add_curve_parser, add_resummarise_parser, add_verify_parser, add_memory_parser,
-                add_plan_parser, add_auto_parser, add_capacity_parser, add_hf_phase_parser):
+                add_plan_parser, add_auto_parser, add_capacity_parser, add_eta_tail_parser, add_hf_phase_parser):
         add(sub)
     return ap
 
