@@ -305,11 +305,11 @@ def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], dep
     one read, its context still the text): one that is below η, or at the depth, ends the round there. One that goes
     on drafts along its own text, which was not read: counted by the room it had (`EtaReads.rooms`) and priced by
     `EtaReads.past` from the positions that follow one the draft named (`onward`, `sure`), whose context ends as
-    its own text's does. The text's own confidences past a rejection stood in for the draft's before: on 16
-    prompts of the Qwen pair they said 184 drafts past 45 rejections where the draft sent 162 along its own text,
-    and on the hardest (α 0.56) 30 where it sent 14; priced from `onward`, 157 and 19 (docs/AUTO.md "What a chain
-    sends along its own text"). Only whole rounds count: the last, where the text ends before its drafts do, is
-    left out."""
+    its own text's does. The text's own confidences past a rejection stood in for the draft's before: over the
+    45 rounds of 16 prompts of the Qwen pair that went on, they said 183 drafts past the rejection where the draft
+    sent 166 along its own text, and on the hardest prompt (α 0.56) 28 where it sent 17; priced from `onward`, 161
+    and 22 (`hat-bench eta-tail`, docs/AUTO.md "What a chain sends along its own text"). Only whole rounds count:
+    the last, where the text ends before its drafts do, is left out."""
     if len(agreed) != len(confidence):
         raise ValueError(f"{len(agreed)} agreements for {len(confidence)} confidences")
     if depth < 1 or not 0.0 <= eta < 1.0:
