@@ -32,7 +32,7 @@ from edge_runtime.acceptance import (ALPHA_BASE_ROUNDS, ALPHA_PRIOR_DRAFTS, Acce
                                      pulled)
 from hat_split.math.chunking import DelayModel, SpeedDrift, ema, piecewise
 from hat_split.math.costmodel import CloudCosts, CostCurve, DeviceCosts, Link, WireSizes, cadence_s, phase_wait
-from hat_split.math.draft_stop import eta_chain_over_reads
+from hat_split.math.draft_stop import eta_chain_over_reads, eta_chain_pool, read_agreement
 from hat_split.math.sampling import SamplingParams
 from hat_split.math.verify import alpha_for_tokens, expected_tokens_beta
 from hat_split.wire import messages as P
@@ -619,7 +619,7 @@ class AutoEstimates:
             return max(1.0, (TREE_PRIOR_ROUNDS * prompts + mine) / (TREE_PRIOR_ROUNDS + rounds))
         return chain
 
-    def eta_chain_read(self, depth: int, eta: float) -> Optional[Tuple[float, float]]:
+    def eta_chain_read(self, depth: int, eta: float, weigh: bool = True) -> Optional[Tuple[float, float]]:
         """(tokens committed, drafts sent) a round of the greedy chain of up to `depth` drafts that `eta` ends, on the
         request running, from what the draft model read of llm's tokens (draft_stop.eta_chain_over_text over the
         reads' marks): the prompts' (the census requests' of `census_marks`) pulled toward by the request's own
@@ -643,16 +643,29 @@ class AutoEstimates:
         (the rows 0.70-0.89), and the η-chain was priced 24-27 % slow a phase under load: the reads' tokens a round are
         a mean over rounds, which a hard prompt's many short ones dominate (the pool's i.i.d. chain at each read's
         own agreement: 3.8 a round as a mean over rounds, 4.9 over its prompts), the prior's α a mean over requests
-        (docs/AUTO.md "The census's reads against their own α")."""
+        (docs/AUTO.md "The census's reads against their own α").
+
+        The prompts' texts are weighed by how likely each text's agreement makes the request's own evidence (its
+        drafts and reads: draft_stop.eta_chain_pool), so a request whose reads say its prompt is hard is priced from
+        the hard texts' rounds, what they send past a rejection with them: pooled alike, a hard prompt's rounds were
+        priced to send 3.5-4.8 drafts where they sent 2.5-2.9, the pool's rounds going on past a rejection as an
+        easy text's do (docs/AUTO.md "The census's texts weighed by the request's evidence"); weigh False: alike,
+        as before (`hat-bench eta-tail` compares the two)."""
         if self.kind != GREEDY:
             return None
-        census = self.census_marks[:-1] if self.census else self.census_marks
+        census = [m for m in (self.census_marks[:-1] if self.census else self.census_marks) if m]
         seen = (tuple(len(m) for m in census), census[0][:1] if census else ())  # what the pool holds now
         if self._census_read.get((depth, eta), (None,))[0] != seen:
-            self._census_read[(depth, eta)] = (seen, eta_chain_over_reads(census, depth, eta))
-        pool = self._census_read[(depth, eta)][1]
-        if pool.rounds < ALPHA_BASE_ROUNDS:
+            answers = [(eta_chain_over_reads([m], depth, eta), read_agreement(m)) for m in census]
+            self._census_read[(depth, eta)] = (seen, [a for a in answers if a[0].rounds])  # a text no round fits
+            # in prices nothing (and weighed alone would leave the pool no rounds)
+        answers = self._census_read[(depth, eta)][1]
+        if sum(reads.rounds for reads, _ in answers) < ALPHA_BASE_ROUNDS:
             return None
+        prior, own = self.belief("sd", own=False), self.belief("sd")  # the request's own evidence: what its
+        accepted, rejected = ((own[0] - prior[0], own[1] - prior[1]) if own is not None and prior is not None
+                              and weigh else (0.0, 0.0))  # own drafts and reads moved its belief by
+        pool = eta_chain_pool(answers, max(0.0, accepted), max(0.0, rejected), depth)
         chain = self.chain_tokens("sd", depth)  # the reads carried to this prompt: their share of the i.i.d. chain
         share = pool.rounds * chain / pool.chain if chain else 1.0  # at their own α, times this one's at its α
         carried = pool._replace(tokens=min((depth + 1) * pool.rounds, share * pool.tokens),

@@ -1860,6 +1860,42 @@ def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_the_draf
         (share * 13 + 5 + 2 + w * eta_tail(onward, 7) + eta_tail(onward, 6)) / 10)
 
 
+def test_the_census_texts_are_weighed_by_how_likely_each_makes_the_requests_own_evidence():
+    """The prompts' texts price a request's η-chain weighed by how likely each text's agreement makes the request's
+    own evidence (draft_stop.eta_chain_pool): a request that has read nothing of its own is priced from them alike;
+    one whose reads say its prompt is hard mostly from the hard text, what it sends past a rejection with it. By
+    hand: an easy census text of 20 agreed sure tokens (2 whole rounds of 8 drafts, 18 tokens; 19 positions after a
+    named one, all sure; agreement 21/22) and a hard one of 16 (5 rounds, 17 tokens, 13 sent, one round that went on
+    with room 7; 11 after a named one, 7 sure; agreement 13/18); the request's own 5 rejected reads."""
+    est = _estimates(0.8, 0.01, step_1=0.05, step_9=0.06)
+    easy = [(100 + i, True, 0.9) for i in range(20)]
+    hard = [(200 + i, i % 4 != 0, 0.3 if i % 4 == 3 else 0.9) for i in range(16)]
+    for text in (easy, hard):
+        est.begin_request(GREEDY, census=True)
+        est.opening = False
+        est.observe_agreement(sum(m[1] for m in text), len(text), text)
+    _begin_past_opening(est)
+
+    def priced(w_e: float, w_h: float, mine_rounds: int) -> tuple:
+        rounds, tokens, sent = 2 * w_e + 5 * w_h, 18 * w_e + 17 * w_h, 16 * w_e + 13 * w_h
+        yardstick = 18 * w_e + 5 * expected_tokens(0.75, 8) * w_h
+        carried = 4 * est.chain_tokens("sd", 8) / yardstick  # the pool as ALPHA_BASE_ROUNDS rounds, carried
+        c = (19 * w_e + 7 * w_h) / (19 * w_e + 11 * w_h)
+        past = 4 / rounds * w_h * eta_tail(c, 7)
+        return ((carried * tokens + mine_rounds) / (4 + mine_rounds),
+                (carried * sent + past + mine_rounds) / (4 + mine_rounds))
+
+    alike = est.eta_chain_read(8, 0.4)
+    assert alike == pytest.approx(priced(1.0, 1.0, 0))  # nothing of its own: the texts alike
+    est.observe_agreement(0, 5, [(300 + i, False, 0.2) for i in range(5)])  # 5 rounds of 1, each ended below η
+    e, h = (1 / 22) ** 5, (5 / 18) ** 5
+    w_e, w_h = 2 * e / (e + h), 2 * h / (e + h)
+    assert w_h > 1.99
+    weighed = est.eta_chain_read(8, 0.4)
+    assert weighed == pytest.approx(priced(w_e, w_h, 5))
+    assert weighed[1] < priced(1.0, 1.0, 5)[1]  # the hard text's rounds send less than the texts' alike
+
+
 def test_a_draft_that_eta_ends_is_priced_in_steps_in_proportion_to_its_tokens():
     """η ends a draft near where its acceptance ends, so it drafts about what it commits (the η-chain of 8 on the Qwen
     pair: 2.6 drafts a round where it committed 2.25, 7.0 where 8.0). Its draft steps and nodes sent are priced in

@@ -71,3 +71,27 @@ def test_a_prompts_figures_compare_the_drafted_tail_with_the_texts_and_the_price
     assert (got["rounds_drafted"], got["went_on"], got["past_drafted"], got["past_text"]) == (3, 1, 2, 3)
     assert got["past_priced"] == pytest.approx(eta_tail(onward, 6))
     assert got["sent_drafted"] == pytest.approx(7 / 3)
+
+
+def test_each_prompt_is_priced_from_the_others_texts_weighed_by_its_own_reads_as_auto_prices_it():
+    """Four texts: two easy (every 12th token a confident rejection, the rest agreed and sure: long rounds that go
+    on past their rejection at c = 1) and two hard (a confident rejection, then two agreed below η: rounds of one
+    draft, half going on past it at c = 1/2). Priced with none of its own reads, a prompt's texts count alike
+    whichever way; with its own reads, weighed, the other text like it dominates: the hard prompt is priced to send
+    less than alike, the easy one to commit more. The table's errors are each price against the drafted rounds'."""
+    from profiles.bench.bench_eta_tail import census_priced, census_table
+
+    easy = [(i, i % 12 != 11, 0.9) for i in range(36)]
+    hard = [(i, i % 3 != 0, 0.9 if i % 3 == 0 else 0.2) for i in range(36)]
+    marks = [easy, list(easy), hard, list(hard)]
+    assert census_priced(marks, 2, 0, 8, 0.4, True) == pytest.approx(census_priced(marks, 2, 0, 8, 0.4, False))
+    weighed, alike = census_priced(marks, 2, 36, 8, 0.4, True), census_priced(marks, 2, 36, 8, 0.4, False)
+    assert weighed[1] < alike[1] - 0.2
+    assert census_priced(marks, 0, 36, 8, 0.4, True)[0] > census_priced(marks, 0, 36, 8, 0.4, False)[0] + 0.5
+    rows = [{"marks": m, "tokens_drafted": 4.0, "sent_drafted": 4.0} for m in marks]
+    table = census_table(rows, [0, 36], 8, 0.4)
+    got = rows[2]["census"]["weighed_36"]
+    assert got == pytest.approx(list(weighed))
+    want = sum(abs(r["census"]["weighed_36"][1] / 4.0 - 1) for r in rows) / 4 * 100
+    assert table["weighed_36"]["sent"] == pytest.approx(want) and table["weighed_36"]["n"] == 4
+    assert table["weighed_0"] == pytest.approx(table["alike_0"])

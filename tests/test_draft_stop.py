@@ -5,8 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from hat_split.math.draft_stop import (PROBE_EVERY, AcceptanceByConfidence, DraftGate, DraftStop, RoundCostFit,
-                                       RoundCosts, EtaReads, eta_chain_over_text, eta_tail)
+from hat_split.math.draft_stop import (PROBE_EVERY, AcceptanceByConfidence, DraftGate, DraftStop, EtaReads,
+                                       RoundCostFit, RoundCosts, eta_chain_over_text, eta_chain_pool, eta_tail,
+                                       evidence_weights, read_agreement)
 
 
 def test_acceptance_starts_at_the_drafts_own_probability_and_follows_what_is_verified():
@@ -210,3 +211,29 @@ def test_what_a_round_sends_past_its_rejected_draft_is_a_geometric_tail_at_the_d
     half = counts.times(0.5)
     assert (half.rounds, half.tokens, half.sent, half.rooms, half.onward, half.sure) == (2, 4.5, 3, (0.5, 0, 0.5), 2,
                                                                                           1.5)
+
+
+def test_the_prompts_texts_are_weighed_by_how_likely_each_makes_the_requests_own_evidence():
+    """A text's agreement is its Beta(1 + agreed, 1 + rejected) mean; texts are weighed by α^accepted (1 − α)^rejected
+    of the request's own drafts, scaled to a mean of 1, and their η-chain counts pooled so. By hand: agreements 1/2
+    and 1/4 against 2 accepted and 1 rejected: 1/8 and 3/64, i.e. 16/11 and 6/11."""
+    assert read_agreement([(0, True, 0.9), (1, True, 0.9), (2, False, 0.9), (3, True, 0.2)]) == pytest.approx(4 / 6)
+    assert read_agreement([]) == 0.5 and read_agreement([(0, True, 1.0)]) == pytest.approx(2 / 3)
+    assert evidence_weights([0.5, 0.25], 2, 1) == pytest.approx([16 / 11, 6 / 11])
+    assert evidence_weights([0.5, 0.25], 0, 0) == [1.0, 1.0] and evidence_weights([], 3, 4) == []
+    far = evidence_weights([0.95, 0.6], 0, 400)  # much evidence of a hard prompt: the easy text all but drops out
+    assert far[0] < 1e-100 and far[1] == pytest.approx(2.0)
+    for alphas, acc, rej in (([1.0], 1, 1), ([0.0], 1, 1), ([math.nan], 1, 1), ([0.5], -1, 0), ([0.5], 0, math.inf),
+                             ([0.5], math.nan, 0)):
+        with pytest.raises(ValueError):
+            evidence_weights(alphas, acc, rej)
+    a = EtaReads(2, 10, 8, (1, 0, 0), 4, 3, 12.0)
+    b = EtaReads(4, 6, 5, (0, 0, 2), 2, 0, 8.0)
+    pooled = eta_chain_pool([(a, 0.5), (b, 0.25)], 2, 1, 4)
+    want = a.times(16 / 11).plus(b.times(6 / 11))
+    assert pooled.rounds == pytest.approx(56 / 11) and pooled.chain == pytest.approx(240 / 11)
+    for got, expected in zip(pooled, want):
+        assert got == pytest.approx(expected)
+    assert tuple(eta_chain_pool([(a, 0.5), (b, 0.25)], 0, 0, 4)) == tuple(a.plus(b))
+    empty = eta_chain_pool([], 5, 5, 4)
+    assert empty.rounds == 0 and empty.rooms == (0, 0, 0)

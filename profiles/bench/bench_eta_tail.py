@@ -16,10 +16,15 @@ numerics), the drafts they sent past it: drafted for real, the text's own confid
 (what auto priced before stop 94), and `EtaReads.past` (the geometric tail at the draft's confidence after its own
 tokens, what it prices now). Then drafts sent a round, for real and as priced from the prompt's own reads. The last
 round of a text, cut by its end, is left out of both. Temperature 0: the same text and drafts every run.
+
+Last, each prompt priced as auto prices a request from the census's texts (AutoEstimates.eta_chain_read): the
+other prompts' reads the census's, the prompts' α their mean agreement, and the request's own reads of its answer's
+first `--own-reads` tokens (0: none; each value its own column), its tokens and drafts a round with the texts
+weighed by the request's evidence and alike (before), against the drafted rounds'.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,6 +48,7 @@ def add_parser(sub) -> None:
     s.add_argument("--depth", type=int, default=8)
     s.add_argument("--eta", type=float, default=0.4)
     s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--own-reads", default="0,16,48", help="the request's own reads priced with, in tokens (comma list)")
     s.add_argument("--out", default="results/auto/eta_tail.json")
 
 
@@ -98,6 +104,7 @@ def compare(agreed: Sequence[bool], confidence: Sequence[float], rounds: Sequenc
     text = sum(text_tail(agreed, confidence, r["at"] + r["accepted"] + 1, depth - r["accepted"] - 1, eta)
                for r in went)
     return {"tokens": n, "alpha_read": float(np.mean(agreed)) if n else 0.0, "onward": onward,
+            "tokens_drafted": sum(r["accepted"] + 1 for r in whole) / len(whole) if whole else 0.0,
             "rounds_drafted": len(whole), "rounds_read": reads.rounds, "went_on": len(went),
             "went_on_read": reads.went_on(), "past_drafted": sum(r["sent"] - r["accepted"] - 1 for r in went),
             "past_text": text, "past_priced": priced,
@@ -105,10 +112,38 @@ def compare(agreed: Sequence[bool], confidence: Sequence[float], rounds: Sequenc
             "sent_priced": (reads.sent + reads.past()) / reads.rounds if reads.rounds else 0.0}
 
 
+def census_priced(marks: Sequence[Sequence[Tuple[int, bool, float]]], j: int, own: int, depth: int, eta: float,
+                  weigh: bool) -> Optional[Tuple[float, float]]:
+    """Prompt j's η-chain (tokens, drafts sent) a round as auto prices a request from the census's texts
+    (AutoEstimates.eta_chain_read): the other prompts' reads the census's, the prompts' α their mean agreement
+    (long measured), the request past its opening with its own reads of its first `own` tokens; `weigh`: the texts
+    weighed by the request's evidence, else alike."""
+    from edge_runtime.acceptance import Acceptance
+    from edge_runtime.auto_estimates import GREEDY, AutoEstimates
+
+    others = [tuple(m) for i, m in enumerate(marks) if i != j and m]
+    agreed = sum(sum(1 for x in m if x[1]) for m in others) / max(1, sum(len(m) for m in others))
+    est = AutoEstimates()
+    est.acceptance[("sd", GREEDY)] = Acceptance(accepted=agreed, examined=1.0, rounds=10 ** 9)
+    est.census_marks = others
+    est.begin_request(GREEDY)
+    est.opening = False
+    read = list(marks[j][:own])
+    if read:
+        est.observe_agreement(sum(1 for x in read if x[1]), len(read), read)
+    return est.eta_chain_read(depth, eta, weigh=weigh)
+
+
 def run(args) -> int:
     if args.depth < 2 or not 0.0 < args.eta < 1.0 or args.max_new_tokens < 2:
         raise ValueError(f"needs --depth >= 2, --eta in (0, 1) and --max-new-tokens >= 2, got {args.depth}, "
                          f"{args.eta}, {args.max_new_tokens}")
+    try:
+        owns = [int(x) for x in str(args.own_reads).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--own-reads: token counts separated by commas, got {args.own_reads!r}") from None
+    if not owns or any(n < 0 for n in owns):
+        raise ValueError(f"--own-reads: at least one token count, each >= 0, got {args.own_reads!r}")
     prompts = demo_prompts(args.demo_prompts) + calibration_prompts(args.calibration_prompts)
     if not prompts:
         raise ValueError("no prompts: --demo-prompts and --calibration-prompts are both 0")
@@ -129,12 +164,37 @@ def run(args) -> int:
             agreed, confidence = list(named == np.asarray(text)), list(softmax_prob(logits, named))
             row = compare(agreed, confidence, drafted_rounds(lm, prompt, text, args.depth, args.eta), args.depth,
                           args.eta)
-            rows.append({"prompt": p.source, **row})
+            rows.append({"prompt": p.source, **row, "marks": [[i, bool(a), float(c)] for i, (a, c)
+                                                              in enumerate(zip(agreed, confidence))]})
             print(f"{p.source[:32]:32s} α {row['alpha_read']:.2f} went on {row['went_on']:2d} past it: drafted "
                   f"{row['past_drafted']:3d} text {row['past_text']:3d} priced {row['past_priced']:5.1f} | sent a "
                   f"round {row['sent_drafted']:.2f} priced {row['sent_priced']:.2f}", flush=True)
     total = {k: sum(r[k] for r in rows) for k in ("went_on", "past_drafted", "past_text", "past_priced")}
     print(f"all {len(rows)} prompts: {total['went_on']} rounds went on; past their rejected draft drafted "
           f"{total['past_drafted']}, the text's confidences {total['past_text']}, priced {total['past_priced']:.1f}")
+    total["census"] = census_table(rows, owns, args.depth, args.eta)
     write_report(args.out, {"args": vars(args), "rows": rows, "total": total})
     return 0
+
+
+def census_table(rows: List[dict], owns: Sequence[int], depth: int, eta: float) -> Dict[str, dict]:
+    """Each prompt priced from the others' texts (`census_priced`) beside its drafted rounds, for each count of its
+    own reads, weighed and alike; into each row (`census`) and, per count and way, the mean absolute error over the
+    prompts of tokens and of drafts sent a round (in %, relative to the drafted), printed."""
+    marks = [[tuple(m) for m in r["marks"]] for r in rows]
+    out: Dict[str, dict] = {}
+    for own in owns:
+        for way in ("weighed", "alike"):
+            errs: Dict[str, List[float]] = {"tokens": [], "sent": []}
+            for j, r in enumerate(rows):
+                got = census_priced(marks, j, own, depth, eta, way == "weighed")
+                r.setdefault("census", {})[f"{way}_{own}"] = list(got) if got else None
+                if got and r["tokens_drafted"] and r["sent_drafted"]:
+                    errs["tokens"].append(abs(got[0] / r["tokens_drafted"] - 1))
+                    errs["sent"].append(abs(got[1] / r["sent_drafted"] - 1))
+            out[f"{way}_{own}"] = {k: 100 * float(np.mean(v)) if v else None for k, v in errs.items()}
+            out[f"{way}_{own}"]["n"] = len(errs["sent"])
+        print(f"own reads {own:3d}: mean |error| tokens/sent a round: weighed {out[f'weighed_{own}']['tokens']:.1f} / "
+              f"{out[f'weighed_{own}']['sent']:.1f} %, alike {out[f'alike_{own}']['tokens']:.1f} / "
+              f"{out[f'alike_{own}']['sent']:.1f} % (n = {out[f'weighed_{own}']['n']} prompts)")
+    return out
