@@ -393,7 +393,10 @@ def _tree_parts(est, shape, eta: float, pred) -> dict:
     from edge_runtime.auto_estimates import tree_key
 
     read = est.eta_chain_read(shape[1], eta) if shape[2] == 1 and eta > 0 else None
+    alike = est.eta_chain_read(shape[1], eta, weigh=False) if read else None  # the census's texts alike (before
+    # stop 95), to set beside what they price weighed by the request's evidence
     return {**pred.as_dict(), "census_read": list(read) if read else None,
+            "census_read_alike": list(alike) if alike else None,
             "chain_tokens": est.chain_tokens("sd", shape[1]),
             "eta_ratio": est.eta_ratio(shape), "rounds": est.tree_rounds_of(shape),
             "steps": est.tree_steps_at(shape, pred.tokens_per_round), "sent": est.tree_sent_of(shape),
