@@ -650,7 +650,11 @@ class AutoEstimates:
         the hard texts' rounds, what they send past a rejection with them: pooled alike, a hard prompt's rounds were
         priced to send 3.5-4.8 drafts where they sent 2.5-2.9, the pool's rounds going on past a rejection as an
         easy text's do (docs/AUTO.md "The census's texts weighed by the request's evidence"); weigh False: alike,
-        as before (`hat-bench eta-tail` compares the two)."""
+        as before (`hat-bench eta-tail` compares the two). The request's own reads are short (its opening, or the
+        stretches between drafting rounds), and the whole rounds a short text holds are its short ones: a round its
+        end cut off counts what it will commit and send at least (`EtaReads.cut`), no round more. Without it a
+        request that had read its first 16 tokens was priced 13 % below the tokens a round its chain commits, summed
+        over 16 prompts each priced from the other 15 (1 % above with it; 8 tokens: 19 % and 10 % below)."""
         if self.kind != GREEDY:
             return None
         census = [m for m in (self.census_marks[:-1] if self.census else self.census_marks) if m]
@@ -674,7 +678,7 @@ class AutoEstimates:
         both = carried.times(ALPHA_BASE_ROUNDS / pool.rounds).plus(mine)
         done, ran, sent = self.tree_request.get(((depth, depth, 1), self.kind), (0.0, 0, 0.0))
         rounds = both.rounds + ran
-        return (both.tokens + done) / rounds, (both.sent + both.past() + sent) / rounds
+        return (both.tokens + mine.cut + done) / rounds, (both.sent + both.past() + mine.cut + sent) / rounds
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the

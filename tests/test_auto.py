@@ -1853,11 +1853,13 @@ def test_what_an_eta_chain_sends_past_its_rejected_draft_is_priced_from_the_draf
     assert est.eta_chain_read(8, 0.4) == pytest.approx(((share * 17 + 5) / (4 + 5), (share * 13 + w * past + 5) / 9))
     sure = [(300 + i, i != 1, 0.9) for i in range(4)]  # its reads go on: a round of 2 drafts that went on past
     est.observe_agreement(3, 4, sure)  # its confident rejected one with room for 6, and 2 more positions after a
-    # named one, both sure: c = (w·7 + 2) / (w·11 + 2), the pool's worth its 4 rounds
+    # named one, both sure: c = (w·7 + 2) / (w·11 + 2), the pool's worth its 4 rounds; the text's end cuts the
+    # next round after its 2 drafts, accepted and sure: at least 3 tokens and 3 sent to come, no round more
     onward = (w * 7 + 2) / (w * 11 + 2)
     share = w * est.chain_tokens("sd", 8) / expected_tokens(0.75, 8)
+    assert est.eta_chain_read(8, 0.4)[0] == pytest.approx((share * 17 + 5 + 2 + 3) / 10)
     assert est.eta_chain_read(8, 0.4)[1] == pytest.approx(
-        (share * 13 + 5 + 2 + w * eta_tail(onward, 7) + eta_tail(onward, 6)) / 10)
+        (share * 13 + 5 + 2 + w * eta_tail(onward, 7) + eta_tail(onward, 6) + 3) / 10)
 
 
 def test_the_census_texts_are_weighed_by_how_likely_each_makes_the_requests_own_evidence():

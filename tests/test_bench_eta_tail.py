@@ -94,4 +94,6 @@ def test_each_prompt_is_priced_from_the_others_texts_weighed_by_its_own_reads_as
     assert got == pytest.approx(list(weighed))
     want = sum(abs(r["census"]["weighed_36"][1] / 4.0 - 1) for r in rows) / 4 * 100
     assert table["weighed_36"]["sent"] == pytest.approx(want) and table["weighed_36"]["n"] == 4
+    summed = sum(r["census"]["weighed_36"][0] for r in rows) / 16 * 100 - 100
+    assert table["weighed_36"]["tokens_summed"] == pytest.approx(summed)
     assert table["weighed_0"] == pytest.approx(table["alike_0"])

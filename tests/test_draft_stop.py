@@ -144,7 +144,9 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
     (2, to and with the rejected draft); that draft is sure (0.9 >= η) and short of the depth, so the round went on
     past it with room for 6 more, counted apart (what it sends there is along its own text, not the one read); the
     next round, from position 2, drafts that one alone (0.3 < η), accepted: 2 tokens, 1 sent; the third, from 4,
-    reaches the text's end before its drafts do: left out. A round whose rejected draft is below η, or at the depth,
+    reaches the text's end before its drafts do: not a whole round, kept apart as cut (its 4 drafts accepted and
+    sure: it commits and sends at least 5; a text that ends at a round's end cuts none). A round whose rejected
+    draft is below η, or at the depth,
     ends there and is not counted as going on. Beside them, the positions after one the draft named (its own token
     ends their context) and of those the ones at least η: every position after an agreed one but the last."""
     whole = eta_chain_over_text([True] * 10, [0.9] * 10, 4, 0.4)
@@ -152,12 +154,12 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
     agreed = [True, False, True, True, True, True, True, True]
     sure = [0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]
     went = (0, 0, 0, 0, 0, 1, 0)  # room for 6 past the rejected draft
-    assert eta_chain_over_text(agreed, sure, 8, 0.4) == EtaReads(2, 4, 3, went, 6, 6)
-    assert eta_chain_over_text(agreed, sure, 8, 0.0) == EtaReads(1, 2, 2, went, 6, 6)  # without η: the second
-    # round drafts on to the text's end, cut
+    assert eta_chain_over_text(agreed, sure, 8, 0.4) == EtaReads(2, 4, 3, went, 6, 6, cut=5)
+    assert eta_chain_over_text(agreed, sure, 8, 0.0) == EtaReads(1, 2, 2, went, 6, 6, cut=7)  # without η: the
+    # second round drafts on to the text's end, cut after 6 drafts
     assert eta_chain_over_text([False] * 3, [0.2] * 3, 8, 0.4) == EtaReads(3, 3, 3, (0,) * 7, 0, 0)  # each below η
-    assert eta_chain_over_text([False, True], [0.9, 0.9], 2, 0.4) == EtaReads(1, 1, 1, (1,), 0, 0)  # room for 1
-    assert eta_chain_over_text([True, False, True], [0.9] * 3, 2, 0.4) == EtaReads(1, 2, 2, (0,), 1, 1)  # at depth
+    assert eta_chain_over_text([False, True], [0.9, 0.9], 2, 0.4) == EtaReads(1, 1, 1, (1,), 0, 0, cut=2)  # room 1
+    assert eta_chain_over_text([True, False, True], [0.9] * 3, 2, 0.4) == EtaReads(1, 2, 2, (0,), 1, 1, cut=2)  # depth
     assert eta_chain_over_text([True, True, True], [0.9, 0.3, 0.9], 8, 0.4) == EtaReads(1, 3, 2, (0,) * 7, 2, 1)
     assert eta_chain_over_text([], [], 8, 0.4) == EtaReads(0, 0, 0, (0,) * 7, 0, 0)
     with pytest.raises(ValueError, match="2 agreements for 1"):
@@ -169,13 +171,14 @@ def test_an_eta_chain_over_a_read_text_commits_its_accepted_drafts_and_one_and_s
 
 
 def test_an_eta_chain_over_reads_runs_over_each_stretch_of_consecutive_positions_apart():
-    """By hand. One read of 10 consecutive sure, agreed positions at depth 4: two whole rounds (the text's end cuts
-    the third), 9 positions after an agreed one. The same 10 marks with a gap after position 4 (a drafting round
-    between two reads) are two stretches of 5: each one whole round of 4 drafts and 5 tokens, none across the gap,
-    4 positions after an agreed one each. Two reads sum; no reads, nothing. `chain`: an i.i.d. chain's tokens over
-    as many rounds at the agreement of the positions those rounds covered: 5 a round at agreement 1; a stretch of 6
-    with its second position rejected at depth 2 runs two whole rounds (2 and 3 tokens: positions 0-4, 4 of 5
-    agreed) and is cut in its third: 2 × (1 + 0.8 + 0.64)."""
+    """By hand. One read of 10 consecutive sure, agreed positions at depth 4: two whole rounds (the text ends
+    with the second: none cut), 9 positions after an agreed one. The same 10 marks with a gap after position 4 (a
+    drafting round between two reads) are two stretches of 5: each one whole round of 4 drafts and 5 tokens, none
+    across the gap, 4 positions after an agreed one each; a stretch of 3 is cut after its 3 drafts (at least 4 to
+    come). Two reads sum; no reads, nothing. `chain`: an i.i.d. chain's tokens over as many rounds at the agreement
+    of the positions those rounds covered: 5 a round at agreement 1; a stretch of 6 with its second position
+    rejected at depth 2 runs two whole rounds (2 and 3 tokens: positions 0-4, 4 of 5 agreed) and is cut in its
+    third: 2 × (1 + 0.8 + 0.64)."""
     from hat_split.math.draft_stop import eta_chain_over_reads
 
     whole = [(p, True, 0.9) for p in range(10)]
@@ -183,7 +186,7 @@ def test_an_eta_chain_over_reads_runs_over_each_stretch_of_consecutive_positions
     gapped = [(p, True, 0.9) for p in range(5)] + [(p, True, 0.9) for p in range(9, 14)]
     assert eta_chain_over_reads([gapped], 4, 0.4) == EtaReads(2, 10, 8, (0, 0, 0), 8, 8, 10.0)
     assert eta_chain_over_reads([gapped[:5], gapped[5:]], 4, 0.4) == EtaReads(2, 10, 8, (0, 0, 0), 8, 8, 10.0)
-    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == EtaReads(1, 5, 4, (0, 0, 0), 6, 6, 5.0)
+    assert eta_chain_over_reads([gapped[:3], gapped[5:]], 4, 0.4) == EtaReads(1, 5, 4, (0, 0, 0), 6, 6, 5.0, 4)
     mixed = [(20 + p, p != 1, 0.9) for p in range(6)]
     got = eta_chain_over_reads([mixed], 2, 0.4)
     assert got[:6] == (2, 5, 4, (0,), 4, 4) and got.chain == pytest.approx(2 * 2.44)

@@ -264,15 +264,18 @@ class EtaReads(NamedTuple):
     onward: int  # positions that follow one whose token the draft named (its own token ends their context) ...
     sure: int  # ... and of those, the ones whose confidence is at least η
     chain: float = 0.0  # an i.i.d. chain's tokens over as many rounds (`eta_chain_over_reads`' yardstick)
+    cut: float = 0.0  # rounds the text's end cut off (one a stretch at most), all their drafts so far accepted and
+    # sure: the tokens each will commit at least and the drafts it will send at least, its drafts and one more
 
     def plus(self, other: "EtaReads") -> "EtaReads":
         rooms = tuple(a + b for a, b in zip_longest(self.rooms, other.rooms, fillvalue=0))
         return EtaReads(self.rounds + other.rounds, self.tokens + other.tokens, self.sent + other.sent, rooms,
-                        self.onward + other.onward, self.sure + other.sure, self.chain + other.chain)
+                        self.onward + other.onward, self.sure + other.sure, self.chain + other.chain,
+                        self.cut + other.cut)
 
     def times(self, w: float) -> "EtaReads":
         return EtaReads(w * self.rounds, w * self.tokens, w * self.sent, tuple(w * r for r in self.rooms),
-                        w * self.onward, w * self.sure, w * self.chain)
+                        w * self.onward, w * self.sure, w * self.chain, w * self.cut)
 
     def went_on(self) -> float:
         """Rounds that went on past their first rejected draft."""
@@ -309,8 +312,10 @@ def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], dep
     its own text's does. The text's own confidences past a rejection stood in for the draft's before: over the
     45 rounds of 16 prompts of the Qwen pair that went on, they said 183 drafts past the rejection where the draft
     sent 166 along its own text, and on the hardest prompt (α 0.56) 28 where it sent 17; priced from `onward`, 161
-    and 22 (`hat-bench eta-tail`, docs/AUTO.md "What a chain sends along its own text"). Only whole rounds count:
-    the last, where the text ends before its drafts do, is left out."""
+    and 22 (`hat-bench eta-tail`, docs/AUTO.md "What a chain sends along its own text"). Only whole rounds count;
+    the last, where the text ends before its drafts do, is kept apart (`EtaReads.cut`: a round of k drafts so far,
+    all accepted and sure, will commit and send at least k + 1): the whole rounds of a short text are its short
+    ones, as a round that would have been long is the one its end cuts."""
     if len(agreed) != len(confidence):
         raise ValueError(f"{len(agreed)} agreements for {len(confidence)} confidences")
     if depth < 1 or not 0.0 <= eta < 1.0:
@@ -324,7 +329,7 @@ def eta_chain_over_text(agreed: Sequence[bool], confidence: Sequence[float], dep
         drafted, rejected = 0, False
         while not rejected:
             if i + drafted >= n:
-                return EtaReads(rounds, tokens, sent, tuple(rooms), onward, sure)
+                return EtaReads(rounds, tokens, sent, tuple(rooms), onward, sure, cut=drafted + 1 if drafted else 0)
             rejected = not agreed[i + drafted]
             drafted += 1
             if drafted == depth or confidence[i + drafted - 1] < eta:

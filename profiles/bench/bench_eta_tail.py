@@ -180,21 +180,27 @@ def run(args) -> int:
 def census_table(rows: List[dict], owns: Sequence[int], depth: int, eta: float) -> Dict[str, dict]:
     """Each prompt priced from the others' texts (`census_priced`) beside its drafted rounds, for each count of its
     own reads, weighed and alike; into each row (`census`) and, per count and way, the mean absolute error over the
-    prompts of tokens and of drafts sent a round (in %, relative to the drafted), printed."""
+    prompts of tokens and of drafts sent a round (in %, relative to the drafted) and the error of their sums over
+    the prompts (a bias: `tokens_summed`, `sent_summed`), printed."""
     marks = [[tuple(m) for m in r["marks"]] for r in rows]
     out: Dict[str, dict] = {}
     for own in owns:
         for way in ("weighed", "alike"):
             errs: Dict[str, List[float]] = {"tokens": [], "sent": []}
+            sums = np.zeros(4)  # priced tokens, priced sent, drafted tokens, drafted sent
             for j, r in enumerate(rows):
                 got = census_priced(marks, j, own, depth, eta, way == "weighed")
                 r.setdefault("census", {})[f"{way}_{own}"] = list(got) if got else None
                 if got and r["tokens_drafted"] and r["sent_drafted"]:
                     errs["tokens"].append(abs(got[0] / r["tokens_drafted"] - 1))
                     errs["sent"].append(abs(got[1] / r["sent_drafted"] - 1))
-            out[f"{way}_{own}"] = {k: 100 * float(np.mean(v)) if v else None for k, v in errs.items()}
-            out[f"{way}_{own}"]["n"] = len(errs["sent"])
-        print(f"own reads {own:3d}: mean |error| tokens/sent a round: weighed {out[f'weighed_{own}']['tokens']:.1f} / "
-              f"{out[f'weighed_{own}']['sent']:.1f} %, alike {out[f'alike_{own}']['tokens']:.1f} / "
-              f"{out[f'alike_{own}']['sent']:.1f} % (n = {out[f'weighed_{own}']['n']} prompts)")
+                    sums += (got[0], got[1], r["tokens_drafted"], r["sent_drafted"])
+            key = f"{way}_{own}"
+            out[key] = {k: 100 * float(np.mean(v)) if v else None for k, v in errs.items()}
+            out[key].update(n=len(errs["sent"]), tokens_summed=100 * (sums[0] / sums[2] - 1) if sums[2] else None,
+                            sent_summed=100 * (sums[1] / sums[3] - 1) if sums[3] else None)
+        w, a = out[f"weighed_{own}"], out[f"alike_{own}"]
+        print(f"own reads {own:3d}: tokens / sent a round, mean |error| (summed): weighed {w['tokens']:.1f} "
+              f"({w['tokens_summed']:+.1f}) / {w['sent']:.1f} ({w['sent_summed']:+.1f}) %, alike {a['tokens']:.1f} "
+              f"({a['tokens_summed']:+.1f}) / {a['sent']:.1f} ({a['sent_summed']:+.1f}) % (n = {w['n']} prompts)")
     return out
