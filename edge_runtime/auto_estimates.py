@@ -678,7 +678,8 @@ class AutoEstimates:
         both = carried.times(ALPHA_BASE_ROUNDS / pool.rounds).plus(mine)
         done, ran, sent = self.tree_request.get(((depth, depth, 1), self.kind), (0.0, 0, 0.0))
         rounds = both.rounds + ran
-        return (both.tokens + mine.cut + done) / rounds, (both.sent + both.past() + mine.cut + sent) / rounds
+        return (min(depth + 1.0, (both.tokens + mine.cut + done) / rounds),  # no round commits more than its
+                min(float(depth), (both.sent + both.past() + mine.cut + sent) / rounds))  # drafts and one, sends more
 
     def eta_ratio(self, shape: Shape) -> float:
         """A chain-shaped tree's tokens a round over its chain's expectation (`tree_tokens_per_round`) under the

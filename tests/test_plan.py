@@ -70,7 +70,7 @@ def test_the_plan_runs_on_the_repositorys_measurements(tmp_path, capsys):
     assert f"one {doc['gpu']} serves {fleet['devices_at_sla']} devices" in out_text
     assert "SpecEdge reports 2.22×" in out_text
     assert "model error here: llm " in out_text and "n = 5 requests each" in out_text and "its phase means" in out_text
-    assert "sd_t8d8w1_e0.4 5–22 % at auto's (phase means -24 to -7 %)" in out_text
+    assert "sd_t8d8w1_e0.4 9–17 % at auto's (phase means -18 to +4 %)" in out_text
     assert main(["plan", "--gpu", "nope", "--out", str(out)]) == 2
 
 

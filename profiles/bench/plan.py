@@ -54,7 +54,7 @@ TREE_STEPS = {"captured": "results/gpu/gpu_bench_verify_width_2026-11-26.json", 
 WIRE_ROUND = 100.0  # bytes of a round's frames without payload (headers): measured frames are 60-120 B here
 DRAFT_ROW = 8.0  # bytes of a greedy draft's row on the wire (one index)
 HIDDEN_DTYPE_BYTES = 2  # a hidden state's element on the wire (float16)
-MODEL_ERROR = "results/auto/bench_auto_e35072b.json"  # the latest full trace: the model against the fixed rows
+MODEL_ERROR = "results/auto/bench_auto_eeaa100.json"  # the latest full trace: the model against the fixed rows
 SPECEDGE_CAPACITY = 2.22  # SpecEdge's server throughput over the server alone (../shared/ANCHORS.md)
 
 
