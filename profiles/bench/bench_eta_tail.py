@@ -48,7 +48,8 @@ def add_parser(sub) -> None:
     s.add_argument("--depth", type=int, default=8)
     s.add_argument("--eta", type=float, default=0.4)
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--own-reads", default="0,8,16,32,48", help="the request's own reads priced with, in tokens (comma list)")
+    s.add_argument("--own-reads", default="0,8,16,32,48",
+                   help="the request's own reads priced with, in tokens (comma list)")
     s.add_argument("--out", default="results/auto/eta_tail.json")
 
 
