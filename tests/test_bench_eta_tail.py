@@ -97,3 +97,21 @@ def test_each_prompt_is_priced_from_the_others_texts_weighed_by_its_own_reads_as
     summed = sum(r["census"]["weighed_36"][0] for r in rows) / 16 * 100 - 100
     assert table["weighed_36"]["tokens_summed"] == pytest.approx(summed)
     assert table["weighed_0"] == pytest.approx(table["alike_0"])
+
+
+def test_the_census_table_says_where_nothing_prices_and_bad_own_reads_are_refused_before_any_model_loads(capsys):
+    """Texts too short for the rounds auto prices from: no figures, said so (no crash). --own-reads that are not
+    token counts are refused by name before the cloud or any model starts."""
+    import argparse
+
+    from profiles.bench.bench_eta_tail import census_table, run
+
+    rows = [{"marks": [(0, True, 0.9)], "tokens_drafted": 2.0, "sent_drafted": 1.0} for _ in range(2)]
+    table = census_table(rows, [0], 8, 0.4)
+    assert table["weighed_0"]["n"] == 0 and table["weighed_0"]["tokens"] is None
+    assert "not priced" in capsys.readouterr().out
+    for bad in ("8,x", "-1", ""):
+        args = argparse.Namespace(depth=8, eta=0.4, max_new_tokens=48, own_reads=bad, demo_prompts=1,
+                                  calibration_prompts=0)
+        with pytest.raises(ValueError, match="--own-reads"):
+            run(args)

@@ -201,6 +201,9 @@ def census_table(rows: List[dict], owns: Sequence[int], depth: int, eta: float) 
             out[key].update(n=len(errs["sent"]), tokens_summed=100 * (sums[0] / sums[2] - 1) if sums[2] else None,
                             sent_summed=100 * (sums[1] / sums[3] - 1) if sums[3] else None)
         w, a = out[f"weighed_{own}"], out[f"alike_{own}"]
+        if not w["n"]:  # the others' texts held fewer whole rounds than auto prices from (ALPHA_BASE_ROUNDS)
+            print(f"own reads {own:3d}: not priced (the other prompts' texts hold too few whole rounds)")
+            continue
         print(f"own reads {own:3d}: tokens / sent a round, mean |error| (summed): weighed {w['tokens']:.1f} "
               f"({w['tokens_summed']:+.1f}) / {w['sent']:.1f} ({w['sent_summed']:+.1f}) %, alike {a['tokens']:.1f} "
               f"({a['tokens_summed']:+.1f}) / {a['sent']:.1f} ({a['sent_summed']:+.1f}) % (n = {w['n']} prompts)")
