@@ -384,7 +384,8 @@ def evidence_weights(alphas: Sequence[float], accepted: float, rejected: float) 
     logs = [accepted * math.log(a) + rejected * math.log1p(-a) for a in alphas]
     top = max(logs)
     w = [math.exp(v - top) for v in logs]
-    return [len(w) * x / sum(w) for x in w]
+    scale = len(w) / sum(w)
+    return [x * scale for x in w]
 
 
 def eta_chain_pool(answers: Sequence[Tuple[EtaReads, float]], accepted: float, rejected: float,
